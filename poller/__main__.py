@@ -1,0 +1,8 @@
+"""``python -m poller``: see :mod:`poller.cli`."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,54 @@
+"""Exceptions with exact meanings.
+
+``PollerError`` is the root. ``PollerStartupError`` means the poller never
+became ready; ``PollerCrashed`` means it died for good after it had been
+running; ``ProtocolError`` means a peer sent something the codec refuses.
+Where the failure happened in the poller process, the remote traceback rides
+on ``__cause__`` as a :class:`RemoteTraceback`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PollerError",
+    "PollerStartupError",
+    "PollerCrashed",
+    "ProtocolError",
+    "RemoteTraceback",
+]
+
+
+class PollerError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class PollerStartupError(PollerError):
+    """The poller process could not be started or never said READY."""
+
+
+class PollerCrashed(PollerError):
+    """The poller process died and will not be restarted any more."""
+
+
+class ProtocolError(PollerError):
+    """A message could not be encoded or decoded under the wire protocol."""
+
+
+class RemoteTraceback(Exception):
+    """The formatted traceback of an exception raised in another process.
+
+    Used as ``__cause__`` so that the remote stack prints under the local
+    one, the way :mod:`concurrent.futures.process` does it.
+    """
+
+    def __init__(self, exc_type: str, message: str, traceback_text: str) -> None:
+        super().__init__(exc_type, message, traceback_text)
+        self.exc_type = exc_type
+        self.message = message
+        self.traceback_text = traceback_text
+
+    def __str__(self) -> str:
+        text = self.traceback_text.rstrip()
+        if not text:
+            return f"{self.exc_type}: {self.message}"
+        return f'\n"""\n{text}\n"""'

@@ -1,0 +1,262 @@
+"""The source side of the poller: call ``kv_list()``, diff, encode.
+
+This runs in a helper thread of the poller process, off the control path:
+``kv_list()`` may block forever (TransferQueue's client has no timeout), and
+the control loop in :mod:`poller.worker` must still answer STOP at once.
+The thread only produces encoded DELTA/ERROR bodies; the control loop owns the
+socket and stamps sequence numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from .errors import ProtocolError
+from .protocol import Kind, encode_body, encode_delta, pack_delta_payload
+from .sources import Source
+
+__all__ = ["PollingThread", "ListingDiff", "diff_listing", "normalize_listing", "Outgoing"]
+
+logger = logging.getLogger(__name__)
+
+Tags = dict[str, Any]
+Listing = dict[str, dict[str, Tags]]
+
+#: What the polling thread hands to the control loop: (kind, encoded body).
+Outgoing = tuple[Kind, bytes]
+
+
+def normalize_listing(raw: Any) -> Listing:
+    """Check a ``kv_list()`` result and turn it into plain dicts.
+
+    ``None`` means nothing is stored. Anything but
+    ``{str: {str: mapping-with-str-keys}}`` is a source error: raising here
+    keeps garbage out of the stream instead of breaking it.
+
+    Raises:
+        TypeError: with a message naming the first offending entry.
+    """
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"kv_list() returned {type(raw).__name__}, expected a mapping of partitions")
+    listing: Listing = {}
+    for partition, items in raw.items():
+        if not isinstance(partition, str):
+            raise TypeError(f"kv_list() partition id {partition!r} is not a str")
+        if items is None:
+            continue
+        if not isinstance(items, Mapping):
+            raise TypeError(f"kv_list()[{partition!r}] is {type(items).__name__}, expected a mapping of keys")
+        out: dict[str, Tags] = {}
+        for key, tags in items.items():
+            if not isinstance(key, str):
+                raise TypeError(f"kv_list()[{partition!r}] key {key!r} is not a str")
+            if tags is None:
+                tags = {}
+            if not isinstance(tags, Mapping):
+                raise TypeError(f"kv_list()[{partition!r}][{key!r}] tags are {type(tags).__name__}, expected a mapping")
+            out[key] = dict(tags)
+        if out:
+            listing[partition] = out
+    return listing
+
+
+@dataclass
+class ListingDiff:
+    """What changed between the last listing sent and the current one."""
+
+    upserts: dict[str, dict[str, Tags]]
+    deletes: dict[str, list[str]]
+
+    def count(self) -> int:
+        return sum(map(len, self.upserts.values())) + sum(map(len, self.deletes.values()))
+
+
+def diff_listing(sent: Listing, listing: Listing, full: bool) -> ListingDiff:
+    """Keys whose tags changed since ``sent``, and keys that vanished.
+
+    With ``full`` every listed key is an upsert and nothing is a delete: the
+    receiver works out what vanished from the snapshot itself, because after
+    a restart this side no longer knows what it had sent.
+    ``sent`` is not modified; see :func:`commit_listing`.
+    """
+    upserts: dict[str, dict[str, Tags]] = {}
+    deletes: dict[str, list[str]] = {}
+    for partition, items in listing.items():
+        if full:
+            changed = items
+        else:
+            previous = sent.get(partition, {})
+            changed = {key: tags for key, tags in items.items() if previous.get(key) != tags}
+        if changed:
+            upserts[partition] = changed
+    if not full:
+        for partition, previous in sent.items():
+            current = listing.get(partition, {})
+            gone = [key for key in previous if key not in current]
+            if gone:
+                deletes[partition] = gone
+    return ListingDiff(upserts, deletes)
+
+
+def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
+    """Split a diff into pieces of at most ``size`` entries each."""
+    upserts: dict[str, dict[str, Tags]] = {}
+    deletes: dict[str, list[str]] = {}
+    n = 0
+    for partition, items in diff.upserts.items():
+        for key, tags in items.items():
+            upserts.setdefault(partition, {})[key] = tags
+            n += 1
+            if n >= size:
+                yield ListingDiff(upserts, deletes)
+                upserts, deletes, n = {}, {}, 0
+    for partition, keys in diff.deletes.items():
+        for key in keys:
+            deletes.setdefault(partition, []).append(key)
+            n += 1
+            if n >= size:
+                yield ListingDiff(upserts, deletes)
+                upserts, deletes, n = {}, {}, 0
+    if n or (not upserts and not deletes):
+        yield ListingDiff(upserts, deletes)
+
+
+def encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
+                chunk_items: int, max_frame_bytes: int) -> list[bytes]:
+    """Encode a diff as one or more DELTA bodies, each under the frame limit.
+
+    The first body of a full snapshot carries ``reset``; the last body of
+    every poll carries ``end``, which tells the receiver the poll is complete.
+
+    Raises:
+        ProtocolError: a value msgpack cannot encode, or one key whose tags
+            alone exceed ``max_frame_bytes``.
+    """
+    pending = list(_chunks(diff, chunk_items))
+    payloads: list[bytes] = []
+    while pending:
+        piece = pending.pop(0)
+        payload = pack_delta_payload(piece.upserts, piece.deletes)
+        if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
+            payloads.append(payload)
+            continue
+        n = piece.count()
+        if n <= 1:
+            raise ProtocolError(
+                f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
+        pending[:0] = list(_chunks(piece, (n + 1) // 2))
+    last = len(payloads) - 1
+    return [
+        encode_delta(poll=poll, started=started, full=full, reset=full and i == 0, end=i == last, payload=p)
+        for i, p in enumerate(payloads)
+    ]
+
+
+# Upper bound of the fixed fields encode_delta puts before the payload.
+_DELTA_HEAD_BYTES = 64
+
+
+def _error_body(exc: BaseException, *, fatal: bool, count: int) -> bytes:
+    return encode_body(Kind.ERROR, {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "fatal": fatal,
+        "count": count,
+    })
+
+
+class PollingThread(threading.Thread):
+    """Polls the source every ``interval`` and emits encoded messages.
+
+    ``emit(kind, body)`` hands a message to the control loop and returns
+    False once the poller is stopping. The thread is a daemon: if
+    ``kv_list()`` never returns, the process exits without it.
+    """
+
+    def __init__(self, source: Source, emit: Callable[[Kind, bytes], bool], *, interval: float,
+                 max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
+                 backoff_base: float = 0.1, backoff_cap: float = 5.0) -> None:
+        super().__init__(name="poller-source", daemon=True)
+        self._source = source
+        self._emit = emit
+        self.interval = interval
+        self.max_failures = max_failures
+        self.chunk_items = chunk_items
+        self.max_frame_bytes = max_frame_bytes
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+        self.stopping = threading.Event()
+        self._wake = threading.Event()
+        self._resync = threading.Event()
+        # Read by the control loop for heartbeats; plain ints are safe to read
+        # across threads under the GIL.
+        self.polls = 0
+        self.source_errors = 0
+        self.call_started: float | None = None
+        self.failed: BaseException | None = None
+
+    def request_resync(self) -> None:
+        """Send a full snapshot on the next poll, and poll now."""
+        self._resync.set()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._wake.set()
+
+    def stalled_for(self) -> float:
+        """Seconds the current ``kv_list()`` call has been running (0 if none)."""
+        started = self.call_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def _sleep(self, seconds: float) -> None:
+        self._wake.wait(seconds)
+        self._wake.clear()
+
+    def run(self) -> None:
+        sent: Listing = {}
+        full = True
+        failures = 0
+        while not self.stopping.is_set():
+            started = time.time()
+            self.call_started = time.monotonic()
+            try:
+                listing = normalize_listing(self._source.kv_list())
+                if self._resync.is_set():
+                    self._resync.clear()
+                    full = True
+                diff = diff_listing(sent, listing, full)
+                bodies = encode_diff(diff, poll=self.polls + 1, started=started, full=full,
+                                     chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes)
+            except Exception as exc:  # any source failure is reported, never fatal to the trainer
+                self.call_started = None
+                failures += 1
+                self.source_errors += 1
+                fatal = failures >= self.max_failures
+                logger.debug("kv_list() failed (%d in a row): %r", failures, exc)
+                if fatal:
+                    self.failed = exc
+                if not self._emit(Kind.ERROR, _error_body(exc, fatal=fatal, count=failures)) or fatal:
+                    return
+                self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
+                continue
+            self.call_started = None
+            failures = 0
+            for body in bodies:
+                if not self._emit(Kind.DELTA, body):
+                    return
+            # normalize_listing built fresh dicts, so the listing itself is
+            # the record of what was sent; nothing the source owns is kept.
+            sent = listing
+            full = False
+            self.polls += 1
+            self._sleep(self.interval)

@@ -1,0 +1,273 @@
+"""``PollerProcess``: start a poller process, wait for READY, stop it for sure.
+
+Start-up is a handshake with a deadline over a private pipe (the *lifeline*):
+the child builds its source, connects to the buffer's endpoint and answers
+``ready`` — or ``startup_error`` with its traceback. Closing is one
+straight-line ladder with named stages::
+
+    STOP ──wait──▶ "graceful"
+      └─▶ terminate() ──wait──▶ "terminated"
+            └─▶ kill() ──reap──▶ "killed"
+
+A child that had already died is ``"already-exited"``. Every wait is bounded,
+every stage is logged, and the report says which one was reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Literal, NamedTuple, Optional
+
+from . import lifeline
+from .errors import PollerError, PollerStartupError, RemoteTraceback
+from .sources import SourceSpec, describe_spec
+from .worker import WorkerConfig, run_embedded
+
+__all__ = ["PollerProcess", "ShutdownReport", "Stage"]
+
+logger = logging.getLogger(__name__)
+
+Stage = Literal["graceful", "terminated", "killed", "already-exited", "no-poller"]
+
+
+class ShutdownReport(NamedTuple):
+    """How a close ended.
+
+    Attributes:
+        stage: the last stage of the ladder that was needed.
+        seconds: wall time the close took.
+        exitcode: the poller's exit code (negative: killed by that signal),
+            ``None`` where there was no poller.
+        drained: everything the poller sent before BYE was applied.
+    """
+
+    stage: Stage
+    seconds: float
+    exitcode: Optional[int]
+    drained: bool
+
+
+# Bound for the last stage: after SIGKILL only an unkillable (D-state) process
+# can take longer than this to be reaped.
+_KILL_REAP_TIMEOUT = 5.0
+
+
+class PollerProcess:
+    """Handle on one poller process. Start it once, close it once (or more).
+
+    Args:
+        source: ``"package.module:attr"`` or a picklable callable (see
+            :func:`poller.load_source`), resolved in the child.
+        endpoint: the buffer's ZeroMQ endpoint the child connects to.
+        source_kwargs: keyword arguments for the source factory.
+        name: the stream's identity; a restarted poller with the same name
+            continues the same stream (the buffer computes what vanished).
+        interval: seconds between ``kv_list()`` calls.
+        start_method: ``multiprocessing`` start method; ``spawn`` is safe in
+            processes that already hold threads or CUDA.
+        **options: further :class:`~poller.worker.WorkerConfig` fields.
+    """
+
+    def __init__(self, source: SourceSpec, *, endpoint: str, source_kwargs: dict[str, Any] | None = None,
+                 name: str | None = None, interval: float = 1.0, start_method: str = "spawn",
+                 **options: Any) -> None:
+        if interval <= 0:
+            raise ValueError(f"interval must be positive, got {interval!r}")
+        self.name = name or f"poller-{os.getpid()}-{id(self):x}"
+        self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
+                                   source_kwargs=dict(source_kwargs or {}), interval=interval, **options)
+        self._mp = multiprocessing.get_context(start_method)
+        self._process: Any = None
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+        self._report: ShutdownReport | None = None
+        self._fatal: RemoteTraceback | None = None
+        self.epoch: int | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._report else ("running" if self.is_alive() else "not running")
+        return f"<PollerProcess {self.name} pid={self.pid} {state} source={describe_spec(self.config.source)}>"
+
+    # -- state ------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the process ends."""
+        if self._process is None:
+            raise PollerError("the poller has not been started")
+        return self._process.sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._process is None:
+            return None
+        try:
+            return self._process.exitcode
+        except ValueError:  # process object already closed
+            return self._report.exitcode if self._report else None
+
+    def is_alive(self) -> bool:
+        try:
+            return self._process is not None and self._process.is_alive()
+        except ValueError:
+            return False
+
+    # -- start ------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Spawn the child and wait until it says READY.
+
+        Raises:
+            PollerStartupError: the child failed (its traceback is the
+                ``__cause__``), died, or gave no READY within ``timeout``.
+                The child is gone when this is raised.
+        """
+        if self._process is not None:
+            raise PollerError("a PollerProcess can be started only once")
+        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        self._conn = parent_conn
+        self._process = self._mp.Process(target=run_embedded, args=(self.config, child_conn),
+                                         name=f"poller:{self.name}", daemon=True)
+        try:
+            self._process.start()
+        except BaseException:
+            child_conn.close()
+            self._discard()
+            raise
+        # The parent must not hold the child's end, or it would never see EOF.
+        child_conn.close()
+        try:
+            self._await_ready(timeout)
+        except BaseException:
+            self._discard()
+            raise
+        logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
+
+    def _await_ready(self, timeout: float) -> None:
+        assert self._conn is not None
+        deadline = time.monotonic() + timeout
+        spec = describe_spec(self.config.source)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s")
+            ready = wait([self._conn, self._process.sentinel], remaining)
+            if self._conn in ready or self._conn.poll(0):
+                try:
+                    message = lifeline.recv(self._conn)
+                except (EOFError, ValueError):
+                    message = None
+                if message is not None and message["kind"] == "ready":
+                    self.epoch = int(message["epoch"])
+                    return
+                if message is not None and message["kind"] == "startup_error":
+                    raise PollerStartupError(
+                        f"poller for {spec} failed to start: {message['type']}: {message['message']}"
+                    ) from RemoteTraceback(message["type"], message["message"], message["traceback"])
+                if message is None and not self._process.is_alive():
+                    self._process.join(1.0)
+                    raise PollerStartupError(
+                        f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
+            elif self._process.sentinel in ready:
+                self._process.join(1.0)
+                raise PollerStartupError(
+                    f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
+
+    def _discard(self) -> None:
+        """Undo a failed start: the child and the pipe are gone afterwards."""
+        process = self._process
+        if process is not None and process.pid is not None:
+            if process.is_alive():
+                process.kill()
+            process.join(_KILL_REAP_TIMEOUT)
+        if self._conn is not None:
+            self._conn.close()
+        if process is not None and process.exitcode is not None:
+            process.close()
+        self._report = ShutdownReport("killed", 0.0, process.exitcode if process else None, False)
+
+    # -- while running ------------------------------------------------------------
+
+    def fatal_error(self) -> RemoteTraceback | None:
+        """The traceback the child sent before dying of a source failure, if any."""
+        conn = self._conn
+        try:
+            while conn is not None and not conn.closed and conn.poll(0):
+                message = lifeline.recv(conn)
+                if message["kind"] == "fatal":
+                    self._fatal = RemoteTraceback(message["type"], message["message"], message["traceback"])
+        except (EOFError, ValueError, OSError):
+            pass
+        return self._fatal
+
+    # -- close ------------------------------------------------------------------
+
+    def close(self, timeout: float = 5.0, *,
+              wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
+        """Stop the child: STOP, then ``terminate()``, then ``kill()``.
+
+        Each of the first two stages waits up to ``timeout`` seconds.
+        ``wait_drained(seconds)``, when given, is asked after the child has
+        exited whether everything it sent was applied. Idempotent and
+        thread-safe: every caller gets the same report.
+        """
+        with self._lock:
+            if self._report is None:
+                self._report = self._close_ladder(timeout, wait_drained)
+            return self._report
+
+    def _close_ladder(self, timeout: float, wait_drained: Callable[[float], bool] | None) -> ShutdownReport:
+        started = time.monotonic()
+        process = self._process
+        if process is None:
+            return ShutdownReport("no-poller", 0.0, None, False)
+        self.fatal_error()  # read what the child left in the pipe before closing it
+        stage: Stage
+        if not process.is_alive():
+            stage = "already-exited"
+        else:
+            stage = "graceful"
+            if self._conn is not None:
+                lifeline.send(self._conn, "stop")
+            process.join(timeout)
+            if process.exitcode is None:
+                logger.warning("poller %s (pid %s) did not stop within %.3gs; terminating", self.name, process.pid, timeout)
+                stage = "terminated"
+                process.terminate()
+                process.join(timeout)
+            if process.exitcode is None:
+                logger.warning("poller %s (pid %s) ignored SIGTERM for %.3gs; killing", self.name, process.pid, timeout)
+                stage = "killed"
+                process.kill()
+                process.join(_KILL_REAP_TIMEOUT)
+        exitcode = process.exitcode
+        drained = False
+        if wait_drained is not None and stage in ("graceful", "terminated", "already-exited"):
+            drained = wait_drained(max(0.05, min(1.0, timeout)))
+        self.fatal_error()
+        if self._conn is not None:
+            self._conn.close()
+        if exitcode is not None:
+            process.close()  # releases the sentinel fd
+        else:
+            logger.error("poller %s (pid %s) survived SIGKILL for %ss", self.name, process.pid, _KILL_REAP_TIMEOUT)
+        report = ShutdownReport(stage, time.monotonic() - started, exitcode, drained)
+        logger.debug("poller %s closed: %s", self.name, report)
+        return report
+
+    def __enter__(self) -> "PollerProcess":
+        if self._process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,260 @@
+"""The wire format: pure functions between messages and ZeroMQ frames.
+
+Nothing here touches a socket. Both sides of the stream import this module,
+and nothing else in the project imports msgpack.
+
+A message is two frames::
+
+    header = msgpack [version, kind, epoch, seq]
+    body   = msgpack map, whose shape depends on ``kind``
+
+``epoch`` is chosen anew each time a poller process starts; ``seq`` counts the
+messages of one epoch from 0 (READY) upward. A receiver that sees a gap in
+``seq`` has lost something and asks for a RESYNC (a full snapshot) instead of
+silently diverging.
+
+Decoding is strict and bounded: frame sizes are capped, every field is
+type-checked, unknown kinds and versions are refused. Every failure is a
+:class:`~poller.errors.ProtocolError`; no other exception escapes
+:func:`decode`. Pickle is never used.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import msgpack
+
+from .errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Kind",
+    "Limits",
+    "Message",
+    "encode",
+    "encode_body",
+    "encode_header",
+    "decode",
+    "pack_delta_payload",
+    "encode_delta",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Poller to buffer below 16, buffer to poller from 16."""
+
+    READY = 1
+    DELTA = 2
+    HEARTBEAT = 3
+    ERROR = 4
+    BYE = 5
+    LOG = 6
+    STOP = 16
+    RESYNC = 17
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied while decoding. Anything larger is a ProtocolError."""
+
+    max_frame_bytes: int = 64 * 1024 * 1024
+    max_header_bytes: int = 128
+    max_str_len: int = 1024 * 1024
+    max_items: int = 1_000_000
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Message:
+    """One decoded message. ``body`` has been checked against ``kind``."""
+
+    kind: Kind
+    epoch: int
+    seq: int
+    body: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_header(kind: Kind, epoch: int, seq: int) -> bytes:
+    """Pack the header frame. Cheap, so the sending thread can stamp ``seq``."""
+    return msgpack.packb([PROTOCOL_VERSION, int(kind), epoch, seq])
+
+
+def encode_body(kind: Kind, body: Mapping[str, Any]) -> bytes:
+    """Check and pack a body.
+
+    Raises:
+        ProtocolError: the body does not fit ``kind`` or holds values msgpack
+            cannot encode (the message names the offending type).
+    """
+    try:
+        _check_body(kind, body)
+        return msgpack.packb(body, use_bin_type=True)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode {kind.name} body: {exc}") from exc
+
+
+def encode(message: Message) -> list[bytes]:
+    """Encode a whole message into its two frames."""
+    return [
+        encode_header(message.kind, message.epoch, message.seq),
+        encode_body(message.kind, message.body),
+    ]
+
+
+def pack_delta_payload(upserts: Mapping[str, Any], deletes: Mapping[str, Any]) -> bytes:
+    """Pack the bulky half of a DELTA body once.
+
+    :func:`encode_delta` prepends the small per-message fields, so a poller
+    can decide how to split and flag messages without packing the items
+    twice. (msgpack maps are a plain concatenation of key/value encodings.)
+
+    Raises:
+        ProtocolError: the items hold values msgpack cannot encode.
+    """
+    try:
+        packer = msgpack.Packer(use_bin_type=True)
+        return packer.pack("upserts") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
+
+
+def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes) -> bytes:
+    """A DELTA body from its flags and a payload from :func:`pack_delta_payload`."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = packer.pack_map_header(7) + b"".join(
+        packer.pack(x)
+        for x in ("poll", poll, "t", float(started), "full", full, "reset", reset, "end", end)
+    )
+    return head + payload
+
+
+def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Decode and check the two frames of one message.
+
+    Raises:
+        ProtocolError: for anything but a well-formed message of a known kind
+            and of this protocol version.
+    """
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    header_frame, body_frame = frames
+    if len(header_frame) > limits.max_header_bytes:
+        raise ProtocolError(f"header frame of {len(header_frame)} bytes exceeds {limits.max_header_bytes}")
+    if len(body_frame) > limits.max_frame_bytes:
+        raise ProtocolError(f"body frame of {len(body_frame)} bytes exceeds {limits.max_frame_bytes}")
+    header = _unpack(header_frame, limits, "header")
+    if not isinstance(header, list) or len(header) != 4:
+        raise ProtocolError("header is not [version, kind, epoch, seq]")
+    version, kind_value, epoch, seq = header
+    if not _is_int(version):
+        raise ProtocolError("header version is not an integer")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
+    if not _is_int(kind_value):
+        raise ProtocolError("header kind is not an integer")
+    try:
+        kind = Kind(kind_value)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind_value}") from None
+    if not _is_int(epoch) or not _is_int(seq) or seq < 0:
+        raise ProtocolError("header epoch/seq are not non-negative integers")
+    body = _unpack(body_frame, limits, "body")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{kind.name} body is not a map")
+    _check_body(kind, body)
+    return Message(kind, epoch, seq, body)
+
+
+def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
+    try:
+        return msgpack.unpackb(
+            frame,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=limits.max_str_len,
+            max_bin_len=limits.max_str_len,
+            max_array_len=limits.max_items,
+            max_map_len=limits.max_items,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
+        raise ProtocolError(f"malformed {what} frame: {type(exc).__name__}: {exc}") from exc
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_partitions(value: Any, name: str) -> None:
+    """``{partition: {key: tags-dict}}`` with str names."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"DELTA {name} is not a map")
+    for partition, items in value.items():
+        if not isinstance(partition, str) or not isinstance(items, dict):
+            raise ProtocolError(f"DELTA {name} entry is not str -> map")
+        for key, tags in items.items():
+            if not isinstance(key, str) or not isinstance(tags, dict):
+                raise ProtocolError(f"DELTA {name}[{partition!r}] entry is not str -> map")
+
+
+def _check_deletes(value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ProtocolError("DELTA deletes is not a map")
+    for partition, keys in value.items():
+        if not isinstance(partition, str) or not isinstance(keys, list):
+            raise ProtocolError("DELTA deletes entry is not str -> list")
+        for key in keys:
+            if not isinstance(key, str):
+                raise ProtocolError(f"DELTA deletes[{partition!r}] holds a non-str key")
+
+
+_Check = Callable[[Any], bool]
+
+# Field name -> predicate, per kind. Extra fields are allowed (forward
+# compatibility within one protocol version); missing or mistyped ones are not.
+_SCHEMAS: dict[Kind, dict[str, _Check]] = {
+    Kind.READY: {"pid": _is_int, "name": lambda v: isinstance(v, str), "interval": _is_num},
+    Kind.DELTA: {
+        "poll": _is_int,
+        "t": _is_num,
+        "full": lambda v: isinstance(v, bool),
+        "reset": lambda v: isinstance(v, bool),
+        "end": lambda v: isinstance(v, bool),
+    },
+    Kind.HEARTBEAT: {"polls": _is_int, "source_errors": _is_int, "rss": _is_int, "stalled_s": _is_num},
+    Kind.ERROR: {
+        "type": lambda v: isinstance(v, str),
+        "message": lambda v: isinstance(v, str),
+        "traceback": lambda v: isinstance(v, str),
+        "fatal": lambda v: isinstance(v, bool),
+    },
+    Kind.BYE: {"last_seq": _is_int, "reason": lambda v: isinstance(v, str)},
+    Kind.LOG: {"level": _is_int, "name": lambda v: isinstance(v, str), "message": lambda v: isinstance(v, str)},
+    Kind.STOP: {"reason": lambda v: isinstance(v, str)},
+    Kind.RESYNC: {"reason": lambda v: isinstance(v, str)},
+}
+
+
+def _check_body(kind: Kind, body: Mapping[str, Any]) -> None:
+    for name, check in _SCHEMAS[kind].items():
+        if name not in body:
+            raise ProtocolError(f"{kind.name} body lacks field {name!r}")
+        if not check(body[name]):
+            raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(body[name]).__name__}")
+    if kind is Kind.DELTA:
+        _check_partitions(body.get("upserts"), "upserts")
+        _check_deletes(body.get("deletes"))

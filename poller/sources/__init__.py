@@ -1,0 +1,80 @@
+"""Sources: what the poller lists, and how it builds one from a spec.
+
+A source is any object with ``kv_list()`` returning
+``{partition_id: {key: tags}}`` (or ``None`` for "nothing stored").
+The poller process builds it itself from an importable spec, so that the
+trainer never has to pickle a live store client into the child.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
+
+__all__ = ["Source", "SourceSpec", "load_source", "describe_spec"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What the poller needs from a key-value store."""
+
+    def kv_list(self) -> Mapping[str, Mapping[str, Mapping[str, Any]]] | None:
+        """Everything currently stored, as ``{partition_id: {key: tags}}``."""
+        ...
+
+
+#: ``"package.module:attr"``, or a picklable callable returning a Source.
+SourceSpec = Union[str, Callable[..., Any]]
+
+
+def _resolve(spec: str) -> Any:
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"source spec {spec!r} is not of the form 'package.module:attr'")
+    module = importlib.import_module(module_name)
+    obj: Any = module
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"source spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+    return obj
+
+
+def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
+    """Build a source from ``spec``.
+
+    ``spec`` names (or is) either an object that already has ``kv_list`` —
+    used as it is — or a callable, called with ``**kwargs``, whose result must
+    have ``kv_list``.
+
+    Raises:
+        ValueError: malformed spec, missing attribute, or kwargs given for an
+            object that is not called.
+        TypeError: the result has no callable ``kv_list``.
+        Exception: whatever importing the module or calling the factory raised.
+    """
+    target = _resolve(spec) if isinstance(spec, str) else spec
+    kwargs = dict(kwargs or {})
+    # A class has a kv_list attribute too (the unbound function), so "already
+    # a source" means: has kv_list and is not itself a class.
+    if hasattr(target, "kv_list") and not isinstance(target, type):
+        if kwargs:
+            raise ValueError(f"source {describe_spec(spec)} is already a source object; it takes no kwargs")
+        source = target
+    elif callable(target):
+        source = target(**kwargs)
+    else:
+        raise TypeError(f"source {describe_spec(spec)} is neither callable nor an object with kv_list()")
+    if not callable(getattr(source, "kv_list", None)):
+        raise TypeError(f"source {describe_spec(spec)} gave {type(source).__name__!r}, which has no kv_list()")
+    return source
+
+
+def describe_spec(spec: SourceSpec) -> str:
+    """A short, printable name for a spec (for logs and errors)."""
+    if isinstance(spec, str):
+        return spec
+    module = getattr(spec, "__module__", "?")
+    name = getattr(spec, "__qualname__", type(spec).__qualname__)
+    return f"{module}:{name}"

@@ -1,0 +1,382 @@
+"""The poller process's control loop.
+
+::
+
+    kv_list() ──▶ PollingThread ──queue──▶ control loop ──DEALER──▶ buffer
+                  (may block forever)       │   ▲
+                                            │   └── STOP / RESYNC (zmq), stop / EOF (lifeline),
+                                            │       SIGTERM (wakeup fd), parent pid check
+                                            └── READY, HEARTBEAT, LOG, BYE; seq numbers
+
+The control loop never calls the source, so STOP, SIGTERM and parent death
+are answered within milliseconds even while ``kv_list()`` is stuck. It owns
+the only socket and stamps every message with the epoch and a sequence
+number, so BYE can name exactly the last message sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import secrets
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Deque
+
+import zmq
+
+from . import lifeline
+from .errors import ProtocolError
+from .polling import PollingThread
+from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
+from .sources import SourceSpec, describe_spec, load_source
+
+__all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
+
+logger = logging.getLogger(__name__)
+
+
+class ExitCode:
+    """Exit statuses of the poller process."""
+
+    OK = 0
+    STARTUP_FAILED = 2
+    SOURCE_FAILED = 3
+    ORPHANED = 4
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything the poller process needs; picklable for ``spawn``."""
+
+    source: SourceSpec
+    endpoint: str
+    name: str
+    source_kwargs: dict[str, Any] = field(default_factory=dict)
+    interval: float = 1.0
+    heartbeat_interval: float = 1.0
+    max_failures: int = 5
+    chunk_items: int = 4096
+    max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes
+    linger: float = 1.0
+    # How often the control loop wakes with nothing to do: bounds how late
+    # it notices a dead parent that left no EOF (a forked sibling holding the
+    # pipe) and how stale a heartbeat can get.
+    tick: float = 0.2
+
+
+def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
+    """Entry point of a poller spawned by :class:`~poller.PollerProcess`.
+
+    Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
+    forever, and a normal interpreter shutdown would only slow the exit.
+    """
+    code = ExitCode.STARTUP_FAILED
+    try:
+        code = _ControlLoop(config, lifeline_conn).run()
+    finally:
+        logging.shutdown()
+        os._exit(code)
+
+
+def run_standalone(config: WorkerConfig) -> int:
+    """Run a poller in this process until STOP, SIGTERM or SIGINT; return its exit code."""
+    return _ControlLoop(config, None).run()
+
+
+class _ForwardingHandler(logging.Handler):
+    """Queues WARNING+ records so the control loop can send them as LOG."""
+
+    def __init__(self, wake: "_WakePipe") -> None:
+        super().__init__(logging.WARNING)
+        self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
+        self._wake = wake
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.levelno, record.name, self.format(record)))
+            self._wake.poke()
+        except Exception:  # a log call must never break the poller
+            self.handleError(record)
+
+
+class _WakePipe:
+    """A non-blocking self-pipe whose read end the zmq poller can watch."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+
+    def poke(self) -> None:
+        try:
+            os.write(self.write_fd, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already awake, or closing
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class _ControlLoop:
+    """One run of the poller: start, stream, stop. Not reusable."""
+
+    # The most messages held for a socket that cannot take them yet; beyond
+    # this the source thread blocks, which is the back-pressure we want.
+    _OUTBOX_LIMIT = 16
+
+    def __init__(self, config: WorkerConfig, lifeline_conn: Connection | None) -> None:
+        self.config = config
+        self.lifeline = lifeline_conn
+        self.embedded = lifeline_conn is not None
+        self.epoch = secrets.randbits(62) + 1
+        self.seq = -1
+        self.stop_reason: str | None = None
+        self.exit_code = ExitCode.OK
+        self.parent_pid = os.getppid()
+        self.outbox: Deque[list[bytes]] = collections.deque()
+        self.items: "queue.Queue[tuple[Kind, bytes]]" = queue.Queue(maxsize=64)
+        self.data_wake = _WakePipe()
+        self.signal_wake = _WakePipe()
+        self.log_handler = _ForwardingHandler(self.data_wake)
+        self.thread: PollingThread | None = None
+
+    # -- set-up ---------------------------------------------------------------
+
+    def _install_signals(self) -> list[tuple[int, Any]]:
+        if threading.current_thread() is not threading.main_thread():
+            return []  # signal handlers can only be set from the main thread
+        previous = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
+                    (signal.SIGINT, signal.getsignal(signal.SIGINT))]
+        signal.signal(signal.SIGTERM, self._on_signal)
+        # Ctrl-C in a terminal reaches the whole process group: an embedded
+        # poller leaves it to the trainer, which then closes the buffer.
+        signal.signal(signal.SIGINT, signal.SIG_IGN if self.embedded else self._on_signal)
+        previous.append((-1, signal.set_wakeup_fd(self.signal_wake.write_fd, warn_on_full_buffer=False)))
+        return previous
+
+    @staticmethod
+    def _restore_signals(previous: list[tuple[int, Any]]) -> None:
+        for signum, handler in previous:
+            if signum == -1:
+                signal.set_wakeup_fd(handler)
+            else:
+                signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = signal.Signals(signum).name
+
+    # -- messages ---------------------------------------------------------------
+
+    def _queue_message(self, kind: Kind, body: bytes) -> None:
+        self.seq += 1
+        self.outbox.append([encode_header(kind, self.epoch, self.seq), body])
+
+    def _emit_from_thread(self, kind: Kind, body: bytes) -> bool:
+        """Called by the source thread; blocks while the outbox is full."""
+        assert self.thread is not None
+        while not self.thread.stopping.is_set():
+            try:
+                self.items.put((kind, body), timeout=0.1)
+            except queue.Full:
+                continue
+            self.data_wake.poke()
+            return True
+        return False
+
+    def _pull_items(self) -> None:
+        while len(self.outbox) < self._OUTBOX_LIMIT:
+            try:
+                kind, body = self.items.get_nowait()
+            except queue.Empty:
+                break
+            self._queue_message(kind, body)
+        while self.log_handler.records:
+            level, name, text = self.log_handler.records.popleft()
+            self._queue_message(Kind.LOG, encode_body(Kind.LOG, {"level": level, "name": name, "message": text}))
+
+    def _flush(self, sock: zmq.Socket) -> None:
+        while self.outbox:
+            try:
+                sock.send_multipart(self.outbox[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.outbox.popleft()
+
+    def _heartbeat(self) -> None:
+        thread = self.thread
+        self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, {
+            "polls": thread.polls if thread else 0,
+            "source_errors": thread.source_errors if thread else 0,
+            "rss": _rss_bytes(),
+            "stalled_s": thread.stalled_for() if thread else 0.0,
+        }))
+
+    def _on_control(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frames)
+            except ProtocolError as exc:
+                logger.warning("poller %s ignored a malformed control message: %s", self.config.name, exc)
+                continue
+            if message.kind is Kind.STOP:
+                self.stop_reason = self.stop_reason or f"STOP: {message.body.get('reason', '')}"
+            elif message.kind is Kind.RESYNC and self.thread is not None:
+                logger.debug("resync requested: %s", message.body.get("reason"))
+                self.thread.request_resync()
+            else:
+                logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
+
+    def _on_lifeline(self) -> None:
+        assert self.lifeline is not None
+        try:
+            message = lifeline.recv(self.lifeline)
+        except (EOFError, ValueError):
+            self._orphaned("the lifeline pipe closed")
+            return
+        if message["kind"] == "stop":
+            self.stop_reason = self.stop_reason or "STOP"
+
+    def _orphaned(self, why: str) -> None:
+        # Nobody is listening any more: no BYE, no linger, just go.
+        self.stop_reason = f"parent gone ({why})"
+        self.exit_code = ExitCode.ORPHANED
+
+    # -- the run ------------------------------------------------------------------
+
+    def run(self) -> int:
+        previous_signals = self._install_signals()
+        root = logging.getLogger()
+        root.addHandler(self.log_handler)
+        ctx: zmq.Context | None = None
+        sock: zmq.Socket | None = None
+        try:
+            try:
+                source = load_source(self.config.source, self.config.source_kwargs)
+                ctx = zmq.Context()
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.IDENTITY, self.config.name.encode())
+                sock.setsockopt(zmq.LINGER, int(self.config.linger * 1000))
+                sock.setsockopt(zmq.SNDHWM, 1000)
+                sock.connect(self.config.endpoint)
+            except BaseException as exc:
+                if self.lifeline is not None:
+                    lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc))
+                logger.error("poller failed to start: %s: %s", type(exc).__name__, exc)
+                self.exit_code = ExitCode.STARTUP_FAILED
+                return self.exit_code
+            self._queue_message(Kind.READY, encode_body(Kind.READY, {
+                "pid": os.getpid(), "name": self.config.name, "interval": self.config.interval,
+                "source": describe_spec(self.config.source), "host": socket.gethostname(),
+            }))
+            self.thread = PollingThread(
+                source, self._emit_from_thread, interval=self.config.interval,
+                max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
+                max_frame_bytes=self.config.max_frame_bytes)
+            self.thread.start()
+            if self.lifeline is not None:
+                lifeline.send(self.lifeline, "ready", epoch=self.epoch, pid=os.getpid())
+            self._loop(sock)
+            self._finish(sock)
+            return self.exit_code
+        finally:
+            if self.thread is not None:
+                self.thread.stop()
+            if sock is not None:
+                sock.close()
+            if ctx is not None:
+                # Bounded by the socket's linger; the source thread holds no socket.
+                ctx.term()
+            root.removeHandler(self.log_handler)
+            self._restore_signals(previous_signals)
+            self.data_wake.close()
+            self.signal_wake.close()
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        assert self.thread is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self.data_wake.read_fd, zmq.POLLIN)
+        poller.register(self.signal_wake.read_fd, zmq.POLLIN)
+        lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
+        if lifeline_fd is not None:
+            poller.register(lifeline_fd, zmq.POLLIN)
+        next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+        while self.stop_reason is None:
+            self._pull_items()
+            self._flush(sock)
+            poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if self.outbox else 0))
+            wait = min(self.config.tick, max(0.0, next_heartbeat - time.monotonic()))
+            events = dict(poller.poll(int(wait * 1000)))
+            if self.signal_wake.read_fd in events:
+                self.signal_wake.drain()
+            if self.data_wake.read_fd in events:
+                self.data_wake.drain()
+            if lifeline_fd is not None and lifeline_fd in events:
+                self._on_lifeline()
+            if events.get(sock, 0) & zmq.POLLIN:
+                self._on_control(sock)
+            if self.embedded and os.getppid() != self.parent_pid:
+                self._orphaned("parent pid changed")
+            if not self.thread.is_alive() and self.thread.failed is not None and self.items.empty():
+                self._pull_items()  # the fatal ERROR itself
+                self.stop_reason = "source failed"
+                self.exit_code = ExitCode.SOURCE_FAILED
+            if time.monotonic() >= next_heartbeat:
+                self._heartbeat()
+                next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+
+    def _finish(self, sock: zmq.Socket) -> None:
+        """Send what is queued, then BYE, within the linger bound."""
+        assert self.thread is not None
+        self.thread.stop()
+        if self.exit_code == ExitCode.ORPHANED:
+            sock.setsockopt(zmq.LINGER, 0)
+            return
+        failed = self.thread.failed
+        if failed is not None and self.lifeline is not None:
+            lifeline.send(self.lifeline, "fatal", **lifeline.exception_fields(failed))
+        while True:  # take everything the thread already handed over
+            before = len(self.outbox)
+            self._pull_items()
+            if len(self.outbox) == before:
+                break
+            self._flush(sock)
+        self._queue_message(Kind.BYE, encode_body(Kind.BYE, {"last_seq": self.seq, "reason": self.stop_reason or ""}))
+        deadline = time.monotonic() + self.config.linger
+        while self.outbox and time.monotonic() < deadline:
+            self._flush(sock)
+            if self.outbox:
+                sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
+        logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)
