@@ -191,9 +191,10 @@ class PollerProcess:
             process.join(_KILL_REAP_TIMEOUT)
         if self._conn is not None:
             self._conn.close()
-        if process is not None and process.exitcode is not None:
+        exitcode = process.exitcode if process is not None and process.pid is not None else None
+        self._report = ShutdownReport("killed", 0.0, exitcode, False)
+        if exitcode is not None:
             process.close()
-        self._report = ShutdownReport("killed", 0.0, process.exitcode if process else None, False)
 
     # -- while running ------------------------------------------------------------
 

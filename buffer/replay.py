@@ -1,0 +1,307 @@
+"""``ReplayBuffer``: the store, the receiver and a supervised poller, composed.
+
+::
+
+    ReplayBuffer ── add/remove/sample ──▶ ReplayStore ◀── StreamReceiver (ROUTER)
+         │                                                   ▲ DELTA/HEARTBEAT/BYE
+         └── _Core ── supervisor thread ── PollerProcess ────┘ (child, DEALER)
+                      (sentinel: restart or PollerCrashed)
+
+The facade holds only ``_Core``; a finalizer closes the core when the facade
+is dropped or the interpreter exits, so nothing outlives a forgotten buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from multiprocessing.connection import wait
+from typing import Any, Iterable, Mapping
+
+from poller.errors import PollerCrashed, PollerStartupError
+from poller.process import PollerProcess, ShutdownReport
+from poller.sources import SourceSpec
+
+from .errors import BufferClosed
+from .store import BatchMeta, ReplayStore, Tags
+from .stream import StreamReceiver
+
+__all__ = ["ReplayBuffer"]
+
+logger = logging.getLogger(__name__)
+
+_RESTART_BACKOFF_BASE = 0.1
+_RESTART_BACKOFF_CAP = 2.0
+_FIRST_POLL_WAIT = 5.0
+
+
+class _Core:
+    """Everything a buffer owns. Never refers back to the facade."""
+
+    def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
+                 bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int) -> None:
+        self.source = source
+        self.source_kwargs = dict(source_kwargs or {})
+        self.poll_interval = poll_interval
+        self.start_timeout = start_timeout
+        self.close_timeout = close_timeout
+        self.max_restarts = max_restarts
+        self.store = ReplayStore()
+        self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.restarts = 0
+        self.process: PollerProcess | None = None
+        self.closing = threading.Event()
+        self._close_lock = threading.Lock()
+        self._report: ShutdownReport | None = None
+        self._supervisor: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        self._ipc_dir: str | None = None
+        if bind is None:
+            # Private by default: a 0700 directory only this user can enter.
+            self._ipc_dir = tempfile.mkdtemp(prefix="replay-")
+            bind = f"ipc://{self._ipc_dir}/stream"
+        self.receiver = StreamReceiver(self.store, bind)
+        self.endpoint: str | None = None
+
+    def start(self) -> None:
+        self.endpoint = self.receiver.start()
+        if self.source is None:
+            return
+        self.process = self._new_process()
+        started = time.monotonic()
+        self.process.start(self.start_timeout)
+        # Return with the store's current contents visible, so a sample()
+        # right after construction sees what is already stored. A source
+        # whose first kv_list() is slow is not an error: it is reported by
+        # the stream, and waiting here stays short.
+        first_poll_wait = min(_FIRST_POLL_WAIT, max(0.0, self.start_timeout - (time.monotonic() - started)))
+        if not self.receiver.wait_first_poll(self.name, first_poll_wait):
+            logger.warning("poller %s: no complete listing within %.3gs of READY", self.name, first_poll_wait)
+        self._supervisor = threading.Thread(target=self._supervise, name="replay-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _new_process(self) -> PollerProcess:
+        assert self.source is not None and self.endpoint is not None
+        return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
+                             name=self.name, interval=self.poll_interval)
+
+    # -- supervision ----------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Wait on the child's sentinel; restart it or give up."""
+        while not self.closing.is_set():
+            process = self.process
+            assert process is not None
+            ready = wait([process.sentinel, self._wake_r])
+            if self.closing.is_set():
+                return
+            if process.sentinel not in ready:
+                continue
+            cause = process.fatal_error()
+            exitcode = process.exitcode
+            process.close(0)  # reap; the stage is "already-exited"
+            logger.warning("poller %s (pid %s) exited with code %s%s", self.name, process.pid, exitcode,
+                           f": {cause.exc_type}: {cause.message}" if cause else "")
+            if not self._restart(exitcode, cause):
+                return
+
+    def _restart(self, exitcode: int | None, cause: Exception | None) -> bool:
+        while self.restarts < self.max_restarts:
+            delay = min(_RESTART_BACKOFF_BASE * 2 ** self.restarts, _RESTART_BACKOFF_CAP)
+            self.restarts += 1
+            if self.closing.wait(delay):
+                return False
+            process = self._new_process()
+            self.process = process
+            try:
+                process.start(self.start_timeout)
+            except PollerStartupError as exc:
+                logger.warning("restart %d/%d of poller %s failed: %s", self.restarts, self.max_restarts,
+                               self.name, exc)
+                cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+                if self.closing.is_set():
+                    return False
+                continue
+            logger.warning("poller %s restarted (%d/%d), pid %s", self.name, self.restarts, self.max_restarts,
+                           process.pid)
+            return True
+        error = PollerCrashed(f"poller {self.name} died (exit code {exitcode}) and "
+                              f"max_restarts={self.max_restarts} restarts were used")
+        error.__cause__ = cause
+        logger.error("%s", error)
+        self.store.fail(error)
+        return False
+
+    # -- close ------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        with self._close_lock:
+            if self._report is None:
+                self._report = self._close(self.close_timeout if timeout is None else timeout)
+            return self._report
+
+    def _close(self, timeout: float) -> ShutdownReport:
+        started = time.monotonic()
+        self.closing.set()
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass
+        if self._supervisor is not None:
+            # The supervisor may be mid-restart: its start() ends as soon as
+            # the child it is waiting for is closed below.
+            self._supervisor.join(0.2)
+        process = self.process
+        if process is None:
+            report = ShutdownReport("no-poller", 0.0, None, False)
+        else:
+            name = process.name
+            report = process.close(timeout, wait_drained=lambda t: self.receiver.wait_bye(name, process.epoch, t))
+        if self._supervisor is not None:
+            self._supervisor.join(timeout + 1.0)
+            # A restart that was starting a new child when we looked.
+            if self.process is not process and self.process is not None:
+                self.process.close(timeout)
+        self.store.close()
+        self.receiver.stop()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        report = report._replace(seconds=time.monotonic() - started)
+        logger.debug("replay buffer closed: %s", report)
+        return report
+
+
+class ReplayBuffer:
+    """A replay buffer of sample metadata fed by an isolated poller process.
+
+    Args:
+        source: ``"package.module:attr"`` or a picklable callable that gives an
+            object with ``kv_list()``; built inside the poller process. ``None``
+            starts no poller: the buffer then receives only from standalone
+            pollers connecting to ``bind`` (and from :meth:`add`).
+        source_kwargs: keyword arguments for the source factory.
+        poll_interval: seconds between ``kv_list()`` calls.
+        bind: endpoint to bind; default a private ``ipc://`` path in a 0700
+            directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
+        start_timeout: seconds to wait for the poller's READY.
+        close_timeout: default per-stage bound of :meth:`close`.
+        max_restarts: restarts of a dead poller before ``sample()`` raises
+            :class:`~poller.PollerCrashed`.
+
+    Raises:
+        PollerStartupError: the poller could not start; nothing is left running.
+    """
+
+    def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
+                 poll_interval: float = 1.0, bind: str | None = None, start_timeout: float = 30.0,
+                 close_timeout: float = 5.0, max_restarts: int = 3) -> None:
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be positive, got {poll_interval!r}")
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
+        core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts)
+        try:
+            core.start()
+        except BaseException:
+            core.close(min(close_timeout, 1.0))
+            raise
+        self._core = core
+        self._finalizer = weakref.finalize(self, core.close)
+
+    def __repr__(self) -> str:
+        core = self._core
+        state = "closed" if core.store.closed else "open"
+        return f"<ReplayBuffer {state} endpoint={core.endpoint} keys={core.store.key_count()} poller={core.process!r}>"
+
+    @property
+    def endpoint(self) -> str:
+        """The bound ZeroMQ endpoint standalone pollers connect to."""
+        assert self._core.endpoint is not None
+        return self._core.endpoint
+
+    def add(self, partition_id: str, items: Mapping[str, Mapping[str, Any]]) -> None:
+        """Merge tags per key (``tags.update(new)``); never replaces."""
+        self._core.store.add(partition_id, items)
+
+    def remove(self, partition_id: str, keys: Iterable[str]) -> None:
+        """Delete keys. They stay removed while the source still lists them."""
+        self._core.store.remove(partition_id, list(keys))
+
+    def sample(self, partition_id: str, global_steps: Any = None, batch_size: int | None = None,
+               timeout: float | None = None) -> BatchMeta:
+        """Wait for a batch; pass exactly one of ``global_steps`` and ``batch_size``.
+
+        ``global_steps=g`` waits until no key of step ``g`` is ``"running"``
+        and returns the step's ``"success"`` keys; ``batch_size=n`` waits for
+        ``n`` ``"success"`` keys and returns the first ``n`` that arrived.
+        Nothing is removed.
+
+        Raises:
+            TimeoutError: after ``timeout`` seconds, saying what is missing.
+            PollerCrashed: the poller is dead for good.
+            BufferClosed: the buffer was closed, possibly by another thread.
+        """
+        return self._core.store.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
+                                       timeout=timeout)
+
+    def snapshot(self, partition_id: str | None = None) -> dict[str, Any]:
+        """A deep copy of every partition, or of one."""
+        return self._core.store.snapshot(partition_id)
+
+    @property
+    def partitions(self) -> dict[str, dict[str, Tags]]:
+        """The same deep copy as ``snapshot()``, for code written against the old buffer."""
+        return self._core.store.snapshot()  # type: ignore[return-value]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and state of the stream and the poller."""
+        core = self._core
+        if core.store.closed:
+            raise BufferClosed("the replay buffer is closed")
+        receiver = core.receiver
+        process = core.process
+        peer = receiver.peer_info(core.name)
+        last = receiver.last_message_at
+        return {
+            "poller_pid": process.pid if process else None,
+            "poller_alive": bool(process and process.is_alive()),
+            "restarts": core.restarts,
+            "epoch": process.epoch if process else None,
+            "messages": receiver.messages,
+            "items_received": receiver.items_received,
+            "bytes_received": receiver.bytes_received,
+            "protocol_errors": receiver.protocol_errors,
+            "source_errors": receiver.source_errors,
+            "last_message_age_s": None if last is None else time.monotonic() - last,
+            "keys": core.store.key_count(),
+            "poller_rss": peer.rss if peer else None,
+            "endpoint": core.endpoint,
+        }
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        """Stop the poller and release everything; returns how it ended.
+
+        STOP, wait up to ``timeout`` (default ``close_timeout``) for BYE and
+        exit, then ``terminate()``, wait, then ``kill()``. Idempotent and
+        thread-safe: every caller gets the same report.
+        """
+        report = self._core.close(timeout)
+        self._finalizer.detach()
+        return report
+
+    def __enter__(self) -> "ReplayBuffer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,325 @@
+"""The receiver: one thread that owns the buffer's ROUTER socket.
+
+It decodes every message (strictly: a bad frame is counted and logged, never
+fatal), checks each peer's epoch and sequence, applies deltas to the
+:class:`~buffer.store.ReplayStore`, and asks a peer for a RESYNC when it sees
+a gap. Other threads talk to it only through a command queue and a wake-up
+pipe, so the socket is used by the thread that created it alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from poller.errors import ProtocolError, RemoteTraceback
+from poller.protocol import Kind, decode, encode_body, encode_header
+
+from .store import ReplayStore
+
+__all__ = ["StreamReceiver"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    name: str
+    epoch: int | None = None
+    next_seq: int = 0
+    awaiting_resync: bool = False
+    contiguous: bool = False
+    bye_seq: int | None = None
+    pid: int | None = None
+    rss: int = 0
+    source_errors: int = 0
+    last_error: RemoteTraceback | None = None
+    polls_applied: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class StreamReceiver:
+    """Binds ``endpoint`` and applies what pollers send to ``store``."""
+
+    def __init__(self, store: ReplayStore, endpoint: str) -> None:
+        self._store = store
+        self._requested_endpoint = endpoint
+        self.endpoint: str | None = None
+        self._commands: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._bound = threading.Event()
+        self._bind_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="replay-receiver", daemon=True)
+        self._peers: dict[bytes, _Peer] = {}
+        self._bye = threading.Condition()
+        self.messages = 0
+        self.items_received = 0
+        self.bytes_received = 0
+        self.protocol_errors = 0
+        self.source_errors = 0
+        self.last_message_at: float | None = None
+        self._stopped = False
+
+    # -- control from other threads ---------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> str:
+        """Start the thread and bind; return the bound endpoint."""
+        self._thread.start()
+        if not self._bound.wait(timeout):
+            raise RuntimeError(f"the receiver did not bind {self._requested_endpoint} within {timeout}s")
+        if self._bind_error is not None:
+            self._thread.join(timeout)
+            raise self._bind_error
+        assert self.endpoint is not None
+        return self.endpoint
+
+    def _command(self, *command: Any) -> None:
+        self._commands.put(command)
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass
+
+    def send_control(self, peer: str, kind: Kind, reason: str) -> None:
+        """Queue a STOP or RESYNC for ``peer``."""
+        self._command("send", peer.encode(), kind, reason)
+
+    def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
+        """Wait until ``peer``'s BYE of ``epoch`` was applied with no gap before it."""
+        deadline = time.monotonic() + timeout
+        with self._bye:
+            while True:
+                state = self._peers.get(peer.encode())
+                if state is not None and state.epoch == epoch and state.bye_seq is not None:
+                    return state.contiguous
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._bye.wait(remaining)
+
+    def wait_first_poll(self, peer: str, timeout: float) -> bool:
+        """Wait until ``peer`` has had one complete poll applied."""
+        deadline = time.monotonic() + timeout
+        with self._bye:
+            while True:
+                state = self._peers.get(peer.encode())
+                if state is not None and state.polls_applied > 0:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._bye.wait(remaining)
+
+    def peer_info(self, peer: str) -> _Peer | None:
+        return self._peers.get(peer.encode())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread, close the socket, release the pipe. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._thread.is_alive():
+            self._command("quit")
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("receiver thread did not stop within %ss", timeout)
+                return
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- the thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            # A restarted poller reuses its name; let it take over the identity.
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.setsockopt(zmq.RCVHWM, 10000)
+            sock.bind(self._requested_endpoint)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except BaseException as exc:
+            self._bind_error = exc
+            sock.close(0)
+            ctx.term()
+            self._bound.set()
+            return
+        self._bound.set()
+        try:
+            self._loop(sock)
+        except BaseException:
+            logger.exception("receiver thread failed")
+        finally:
+            sock.close(0)
+            ctx.term()
+            with self._bye:
+                self._bye.notify_all()
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(1000))
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if command[0] == "quit":
+                    return
+                _, identity, kind, reason = command
+                self._send(sock, identity, kind, reason)
+            if sock in events:
+                for _ in range(1000):  # bounded, so commands are never starved
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_frames(sock, frames)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, reason: str) -> None:
+        peer = self._peers.get(identity)
+        epoch = peer.epoch if peer and peer.epoch is not None else 0
+        try:
+            sock.send_multipart([identity, encode_header(kind, epoch, 0), encode_body(kind, {"reason": reason})],
+                                zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("could not send %s to %r: %s", kind.name, identity, exc)
+
+    def _on_frames(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        identity = frames[0].bytes
+        self.bytes_received += sum(len(f) for f in frames[1:])
+        try:
+            message = decode([f.buffer for f in frames[1:]])
+        except ProtocolError as exc:
+            self._protocol_error(identity, str(exc))
+            return
+        self.messages += 1
+        self.last_message_at = time.monotonic()
+        peer = self._peers.get(identity)
+        if peer is None:
+            peer = self._peers[identity] = _Peer(identity.decode(errors="replace"))
+        peer.last_seen = self.last_message_at
+        if message.kind in (Kind.STOP, Kind.RESYNC):
+            self._protocol_error(identity, f"{message.kind.name} is not a poller's message")
+            return
+        if not self._sequence_ok(sock, identity, peer, message):
+            return
+        handler = getattr(self, f"_on_{message.kind.name.lower()}")
+        handler(sock, identity, peer, message)
+
+    def _protocol_error(self, identity: bytes, why: str) -> None:
+        self.protocol_errors += 1
+        # Log the first few at WARNING, then only every hundredth: a hostile
+        # peer must not be able to flood the trainer's log.
+        level = logging.WARNING if self.protocol_errors <= 10 or self.protocol_errors % 100 == 0 else logging.DEBUG
+        logger.log(level, "protocol error #%d from %r: %s", self.protocol_errors, identity, why)
+
+    def _sequence_ok(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> bool:
+        if message.epoch != peer.epoch:
+            if peer.epoch is not None:
+                self._store.abandon_snapshot(peer.name)
+            peer.epoch = message.epoch
+            peer.bye_seq = None
+            peer.next_seq = message.seq + 1
+            if message.kind is Kind.READY and message.seq == 0:
+                # A new poller process: its first poll is a full snapshot.
+                peer.awaiting_resync = False
+                peer.contiguous = True
+                return True
+            # Joined an epoch mid-stream (we restarted, or READY was lost).
+            peer.contiguous = False
+            self._request_resync(sock, identity, peer, "unknown epoch")
+            return message.kind is not Kind.DELTA
+        if message.seq < peer.next_seq:
+            self._protocol_error(identity, f"replayed or out-of-order seq {message.seq} (expected {peer.next_seq})")
+            return False
+        if message.seq > peer.next_seq:
+            logger.warning("gap in the stream from %s: expected seq %d, got %d; asking for a resync",
+                           peer.name, peer.next_seq, message.seq)
+            peer.contiguous = False
+            peer.next_seq = message.seq + 1
+            self._store.abandon_snapshot(peer.name)
+            self._request_resync(sock, identity, peer, "sequence gap")
+            return message.kind is not Kind.DELTA
+        peer.next_seq += 1
+        return True
+
+    def _request_resync(self, sock: zmq.Socket, identity: bytes, peer: _Peer, why: str) -> None:
+        peer.awaiting_resync = True
+        self._send(sock, identity, Kind.RESYNC, why)
+
+    # -- per kind -----------------------------------------------------------------
+
+    def _on_ready(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
+        peer.pid = message.body["pid"]
+        logger.debug("poller %s ready: pid %s epoch %s", peer.name, peer.pid, message.epoch)
+
+    def _on_delta(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
+        body = message.body
+        if peer.awaiting_resync:
+            if not (body["full"] and body["reset"]):
+                return  # stale: everything until the snapshot is superseded by it
+            peer.awaiting_resync = False
+        if body["full"] and body["reset"]:
+            self._store.begin_snapshot(peer.name)
+        for partition_id, items in body["upserts"].items():
+            self.items_received += len(items)
+            self._store.merge_listed(peer.name, partition_id, items)
+        for partition_id, keys in body["deletes"].items():
+            self.items_received += len(keys)
+            self._store.unlist(peer.name, partition_id, keys)
+        if body["end"]:
+            if body["full"]:
+                self._store.end_snapshot(peer.name)
+            self._store.poll_completed(peer.name, body["t"])
+            if peer.polls_applied == 0:
+                with self._bye:
+                    peer.polls_applied += 1
+                    self._bye.notify_all()
+            else:
+                peer.polls_applied += 1
+
+    def _on_heartbeat(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
+        peer.rss = message.body["rss"]
+        peer.source_errors = message.body["source_errors"]
+
+    def _on_error(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
+        body = message.body
+        self.source_errors += 1
+        peer.last_error = RemoteTraceback(body["type"], body["message"], body["traceback"])
+        logger.log(logging.ERROR if body["fatal"] else logging.WARNING,
+                   "poller %s: kv_list() failed%s: %s: %s", peer.name,
+                   " for good" if body["fatal"] else f" ({body.get('count', '?')} in a row), retrying",
+                   body["type"], body["message"])
+
+    def _on_bye(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
+        with self._bye:
+            peer.bye_seq = message.body["last_seq"]
+            peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
+            self._bye.notify_all()
+        logger.debug("poller %s said BYE: %s", peer.name, message.body["reason"])
+
+    def _on_log(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
+        body = message.body
+        logging.getLogger("poller").log(body["level"], "[poller %s] %s: %s", peer.name, body["name"], body["message"])

@@ -1,0 +1,426 @@
+"""The embedded default store: a tags-only key-value store in one SQLite file.
+
+It speaks TransferQueue's KV API (``kv_put``, ``kv_batch_put``, ``kv_list``,
+``kv_clear``) so that the poller, the demo and the tests need no Ray, no
+torch and no running controller. Any number of processes may use the same
+file at once::
+
+    writer processes ──kv_batch_put──▶ kv.db (WAL) ◀──kv_list()── poller thread
+    trainer ─────────────kv_clear────▶
+
+The poller builds it from the spec ``"poller.sources.sqlite:SqliteSource"``
+with ``{"path": ...}``, so the constructor only records its arguments: the
+connection is opened on first use, in the process (and after a fork, anew in
+the child) that uses it.
+
+Only tags are kept: ``fields`` (TransferQueue's tensor payload) is accepted
+for signature compatibility and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, TypeVar
+
+__all__ = ["SqliteSource"]
+
+logger = logging.getLogger(__name__)
+
+Tags = dict[str, Any]
+_T = TypeVar("_T")
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS kv ("
+    " partition_id TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " tags TEXT NOT NULL,"
+    " PRIMARY KEY (partition_id, key)"
+    ") WITHOUT ROWID"
+)
+
+_UPSERT = (
+    "INSERT INTO kv (partition_id, key, tags) VALUES (?, ?, ?)"
+    " ON CONFLICT (partition_id, key) DO UPDATE SET tags = excluded.tags"
+)
+
+# Stay well below SQLITE_MAX_VARIABLE_NUMBER (999 on old builds) in IN (...).
+_SELECT_CHUNK = 500
+
+# Connections inherited through fork() are parked here and never touched
+# again: SQLite forbids using a connection across fork, and closing one in the
+# child counts as use (it may checkpoint or delete the parent's WAL file).
+_INHERITED: list[sqlite3.Connection] = []
+
+
+class SqliteSource:
+    """A key-value store of ``{partition_id: {key: tags}}`` in a SQLite file.
+
+    Safe to share between processes (each opens its own connection, WAL mode
+    lets readers run alongside one writer) and between the threads of one
+    process (one connection per instance, guarded by a lock). Every
+    read-modify-write runs in a ``BEGIN IMMEDIATE`` transaction, so merges
+    from concurrent processes never lose each other's tags.
+
+    Args:
+        path: the database file; it (and its directory) is created on first
+            use if missing.
+        timeout: seconds to wait for another process's write lock before
+            raising :class:`sqlite3.OperationalError` ("database is locked").
+
+    Example:
+        >>> with SqliteSource(tmp / "kv.db") as store:  # doctest: +SKIP
+        ...     store.kv_put("k1", "train", tag={"global_steps": 1, "status": "running"})
+        ...     store.kv_put("k1", "train", tag={"status": "success"})
+        ...     store.kv_list()
+        {'train': {'k1': {'global_steps': 1, 'status': 'success'}}}
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, timeout: float = 10.0) -> None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout >= 0:
+            raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+        self._path = os.fspath(path)
+        if not isinstance(self._path, str):
+            raise TypeError(f"path must be a str or os.PathLike[str], got {type(path).__name__}")
+        self._timeout = float(timeout)
+        self._reset()
+
+    def _reset(self) -> None:
+        """Start with no connection and a fresh lock (also for unpickled copies)."""
+        self._lock = threading.Lock()
+        self._lock_pid = os.getpid()
+        self._conn: sqlite3.Connection | None = None
+        self._conn_pid: int | None = None
+
+    # -- pickling: spawn children get the address, never a live connection --
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self._path, "timeout": self._timeout}
+
+    def __setstate__(self, state: Mapping[str, Any]) -> None:
+        self._path = state["path"]
+        self._timeout = state["timeout"]
+        self._reset()
+
+    def __repr__(self) -> str:
+        state = "open" if self._conn is not None and self._conn_pid == os.getpid() else "idle"
+        return f"<SqliteSource path={self._path!r} {state}>"
+
+    @property
+    def path(self) -> str:
+        """The database file this store lives in."""
+        return self._path
+
+    # -- public API (TransferQueue's KV signatures) ---------------------------
+
+    def kv_put(self, key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None) -> None:
+        """Store one key, merging ``tag`` into the tags it already has.
+
+        Merging is ``dict.update`` on the top level: keys in ``tag`` replace
+        the stored ones, the others stay. A missing key is created with
+        ``tag or {}``.
+
+        Args:
+            key: the key.
+            partition_id: its partition.
+            fields: ignored; this store keeps tags only.
+            tag: tags to merge in; ``None`` leaves existing tags unchanged.
+
+        Raises:
+            TypeError: ``key`` or ``partition_id`` is not a str, or ``tag``
+                is not a dict with str keys and JSON values.
+            ValueError: ``tag`` holds a value JSON cannot carry (e.g. NaN).
+            sqlite3.OperationalError: the write lock was not had in time.
+        """
+        _check_str("key", key)
+        self.kv_batch_put([key], partition_id, fields, None if tag is None else [tag])
+
+    def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
+                     tags: list[dict[str, Any]] | None = None) -> None:
+        """Store many keys in one transaction, merging each key's tags.
+
+        Either every key is written or none is. A key listed twice gets both
+        updates, in order.
+
+        Args:
+            keys: the keys.
+            partition_id: their partition.
+            fields: ignored; this store keeps tags only.
+            tags: one dict per key, merged as in :meth:`kv_put`; ``None``
+                means ``{}`` for each.
+
+        Raises:
+            TypeError: a key, the partition id or a tag has the wrong type.
+            ValueError: ``len(tags) != len(keys)``, or a tag value JSON
+                cannot carry.
+            sqlite3.OperationalError: the write lock was not had in time.
+        """
+        _check_str("partition_id", partition_id)
+        key_list = _check_keys(keys)
+        if tags is None:
+            tag_list: list[Tags] = [{} for _ in key_list]
+        else:
+            if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable):
+                raise TypeError(f"tags must be a list of dicts, got {type(tags).__name__}")
+            tag_list = list(tags)
+            if len(tag_list) != len(key_list):
+                raise ValueError(f"got {len(tag_list)} tags for {len(key_list)} keys")
+            for key, tag in zip(key_list, tag_list):
+                _check_tags(key, tag)
+        if not key_list:
+            return
+        with self._transaction() as conn:
+            merged = self._select_tags(conn, partition_id, dict.fromkeys(key_list))
+            for key, tag in zip(key_list, tag_list):
+                merged.setdefault(key, {}).update(tag)
+            # Values were checked above; dumping cannot fail half-way through.
+            conn.executemany(_UPSERT, [(partition_id, key, _dumps(merged[key])) for key in dict.fromkeys(key_list)])
+
+    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
+        """Everything stored, as ``{partition_id: {key: tags}}``.
+
+        One ``SELECT``, so the result is a consistent snapshot even while
+        other processes write. Partitions without keys do not appear.
+
+        Args:
+            partition_id: list only this partition (``{}`` if it is empty).
+
+        Returns:
+            Fresh dicts, safe for the caller to change.
+
+        Raises:
+            TypeError: ``partition_id`` is neither None nor a str.
+            ValueError: a stored row is not a JSON object (written by
+                something other than this class).
+        """
+        if partition_id is not None:
+            _check_str("partition_id", partition_id)
+        with self._connection() as conn:
+            if partition_id is None:
+                rows = conn.execute("SELECT partition_id, key, tags FROM kv").fetchall()
+            else:
+                rows = conn.execute("SELECT partition_id, key, tags FROM kv WHERE partition_id = ?",
+                                    (partition_id,)).fetchall()
+        listing: dict[str, dict[str, Tags]] = {}
+        for partition, key, text in rows:
+            listing.setdefault(partition, {})[key] = _loads(partition, key, text)
+        return listing
+
+    def kv_clear(self, keys: list[str], partition_id: str) -> None:
+        """Delete ``keys`` from ``partition_id``; missing keys are fine.
+
+        Raises:
+            TypeError: a key or the partition id is not a str.
+            sqlite3.OperationalError: the write lock was not had in time.
+        """
+        _check_str("partition_id", partition_id)
+        key_list = _check_keys(keys)
+        if not key_list:
+            return
+        with self._transaction() as conn:
+            conn.executemany("DELETE FROM kv WHERE partition_id = ? AND key = ?",
+                             [(partition_id, key) for key in key_list])
+
+    def close(self) -> None:
+        """Close this instance's connection. Idempotent.
+
+        A later call on this instance opens a new connection.
+        """
+        with self._checked_lock():
+            conn, self._conn = self._conn, None
+            if conn is None:
+                return
+            if self._conn_pid != os.getpid():
+                _INHERITED.append(conn)
+                return
+            conn.close()
+            logger.debug("closed %s", self._path)
+
+    def __enter__(self) -> SqliteSource:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- private: connection and transactions ---------------------------------
+
+    def _checked_lock(self) -> threading.Lock:
+        # After a fork the lock may be held by a parent thread that does not
+        # exist in the child, so a child starts with a fresh one.
+        pid = os.getpid()
+        if self._lock_pid != pid:
+            self._lock = threading.Lock()
+            self._lock_pid = pid
+        return self._lock
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        """This process's connection, held under the lock for the block."""
+        with self._checked_lock():
+            pid = os.getpid()
+            if self._conn is not None and self._conn_pid != pid:
+                logger.debug("pid changed (%s -> %s): reopening %s", self._conn_pid, pid, self._path)
+                _INHERITED.append(self._conn)
+                self._conn = None
+            if self._conn is None:
+                self._conn = self._open()
+                self._conn_pid = pid
+            yield self._conn
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
+
+        IMMEDIATE takes the write lock up front, so the read of a
+        read-modify-write cannot go stale before the write (a DEFERRED
+        transaction would fail with SQLITE_BUSY on upgrade instead of waiting).
+        """
+        with self._connection() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                # Also after a failed COMMIT: a transaction left open would
+                # make every later BEGIN on this connection fail.
+                try:
+                    conn.execute("ROLLBACK")
+                except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
+                    pass
+                raise
+
+    def _open(self) -> sqlite3.Connection:
+        directory = os.path.dirname(os.path.abspath(self._path))
+        if self._path != ":memory:" and not self._path.startswith("file:"):
+            os.makedirs(directory, exist_ok=True)
+        # isolation_level=None: the sqlite3 module must not open transactions
+        # behind our back; _transaction() issues BEGIN/COMMIT itself.
+        # check_same_thread=False: the poller calls kv_list() from a helper
+        # thread; self._lock serializes all use.
+        conn = sqlite3.connect(self._path, timeout=self._timeout, isolation_level=None,
+                               check_same_thread=False, uri=self._path.startswith("file:"))
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
+            # WAL lets kv_list() read while a writer holds the lock; the mode
+            # is stored in the file, so only the first opener changes it.
+            mode = self._retry_busy(lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+            if mode != "wal":
+                logger.debug("%s: journal_mode is %s, not wal", self._path, mode)
+            # NORMAL is durable against process crashes in WAL mode; only a
+            # power loss can drop the last transactions, which a replay
+            # buffer's metadata can afford.
+            conn.execute("PRAGMA synchronous = NORMAL")
+            self._retry_busy(lambda: conn.execute(_SCHEMA))
+        except BaseException:
+            conn.close()
+            raise
+        logger.debug("opened %s (pid %d)", self._path, os.getpid())
+        return conn
+
+    def _retry_busy(self, call: Callable[[], _T]) -> _T:
+        """Run ``call``, retrying "database is locked" until ``timeout`` passes.
+
+        Switching a fresh file to WAL needs an exclusive lock and SQLite does
+        not run the busy handler for it: with several processes opening a new
+        file at once, some got SQLITE_BUSY at once (7 of 200 trials with 6
+        processes) instead of waiting.
+        """
+        deadline = time.monotonic() + self._timeout
+        delay = 0.001
+        while True:
+            try:
+                return call()
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                if time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    @staticmethod
+    def _select_tags(conn: sqlite3.Connection, partition_id: str, keys: Mapping[str, None]) -> dict[str, Tags]:
+        """Stored tags of those ``keys`` that exist."""
+        found: dict[str, Tags] = {}
+        key_list = list(keys)
+        for start in range(0, len(key_list), _SELECT_CHUNK):
+            chunk = key_list[start:start + _SELECT_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            rows = conn.execute(f"SELECT key, tags FROM kv WHERE partition_id = ? AND key IN ({marks})",
+                                (partition_id, *chunk))
+            for key, text in rows:
+                found[key] = _loads(partition_id, key, text)
+        return found
+
+
+# -- validation and encoding --------------------------------------------------
+
+def _check_str(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}: {value!r}")
+
+
+def _check_keys(keys: Any) -> list[str]:
+    # A bare str is iterable too; kv_clear("k1", ...) would clear "k" and "1".
+    if isinstance(keys, (str, bytes, Mapping)) or not isinstance(keys, Iterable):
+        raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
+    key_list = list(keys)
+    for index, key in enumerate(key_list):
+        if not isinstance(key, str):
+            raise TypeError(f"keys[{index}] must be a str, got {type(key).__name__}: {key!r}")
+    return key_list
+
+
+def _check_tags(key: str, tags: Any) -> None:
+    if not isinstance(tags, dict):
+        raise TypeError(f"tags of key {key!r} must be a dict, got {type(tags).__name__}")
+    _check_json(tags, f"tags of key {key!r}")
+
+
+def _check_json(value: Any, where: str) -> None:
+    """Refuse what would not come back from JSON unchanged.
+
+    ``json.dumps`` silently turns tuples into lists and int dict keys into
+    strings, and writes NaN, which is not JSON; each would make a stored tag
+    differ from the one put.
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value!r} cannot be stored as JSON")
+        return
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json(item, f"{where}[{index}]")
+        return
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if not isinstance(name, str):
+                raise TypeError(f"{where}: dict key {name!r} is {type(name).__name__}, not str")
+            _check_json(item, f"{where}[{name!r}]")
+        return
+    raise TypeError(f"{where}: {type(value).__name__} {value!r} is not JSON-encodable")
+
+
+def _dumps(tags: Tags) -> str:
+    return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _loads(partition_id: str, key: str, text: str) -> Tags:
+    try:
+        tags = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are not JSON: {exc}") from None
+    if not isinstance(tags, dict):
+        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are {type(tags).__name__}, not an object")
+    return tags
