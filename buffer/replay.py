@@ -89,7 +89,7 @@ class _Core:
     def _new_process(self) -> PollerProcess:
         assert self.source is not None and self.endpoint is not None
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
-                             name=self.name, interval=self.poll_interval)
+                             name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir)
 
     # -- supervision ----------------------------------------------------------------
 

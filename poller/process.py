@@ -88,6 +88,7 @@ class PollerProcess:
         self._report: ShutdownReport | None = None
         self._fatal: RemoteTraceback | None = None
         self.epoch: int | None = None
+        self._pid: int | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._report else ("running" if self.is_alive() else "not running")
@@ -97,7 +98,7 @@ class PollerProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
+        return self._pid
 
     @property
     def sentinel(self) -> int:
@@ -143,6 +144,7 @@ class PollerProcess:
             child_conn.close()
             self._discard()
             raise
+        self._pid = self._process.pid
         # The parent must not hold the child's end, or it would never see EOF.
         child_conn.close()
         try:

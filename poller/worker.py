@@ -21,6 +21,7 @@ import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import threading
@@ -69,6 +70,9 @@ class WorkerConfig:
     # it notices a dead parent that left no EOF (a forked sibling holding the
     # pipe) and how stale a heartbeat can get.
     tick: float = 0.2
+    # A directory the parent would have removed on close (its private ipc
+    # directory); an orphaned poller removes it, since the parent cannot.
+    orphan_cleanup: str | None = None
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
@@ -322,6 +326,8 @@ class _ControlLoop:
             self._restore_signals(previous_signals)
             self.data_wake.close()
             self.signal_wake.close()
+            if self.exit_code == ExitCode.ORPHANED and self.config.orphan_cleanup:
+                shutil.rmtree(self.config.orphan_cleanup, ignore_errors=True)
 
     def _loop(self, sock: zmq.Socket) -> None:
         assert self.thread is not None

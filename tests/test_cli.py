@@ -1,0 +1,217 @@
+"""``python -m poller``: argument errors in-process, a real standalone poller and the demo as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from buffer import ReplayBuffer
+from poller.cli import main
+from poller.sources.sqlite import SqliteSource
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = "poller.sources.sqlite:SqliteSource"
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger() -> Iterator[None]:
+    """``main(["run", ...])`` calls logging.basicConfig; keep it from leaking into later tests."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert "error" in lines[0]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# -- argument errors, in-process -----------------------------------------------------------------
+
+def test_run_without_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run"]) == 2
+    line = _one_error_line(capsys)
+    assert "--source" in line or "--connect" in line
+
+
+def test_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("nope", "package.module:attr"),
+    ("no_such_module_for_the_cli_test:Thing", "ModuleNotFoundError"),
+    ("poller.sources.sqlite:NoSuchThing", "NoSuchThing"),
+    ("poller.protocol:PROTOCOL_VERSION", "TypeError"),
+])
+def test_bad_source_spec_is_one_line(capsys: pytest.CaptureFixture[str], spec: str, needle: str) -> None:
+    assert main(["run", "--source", spec, "--connect", "tcp://127.0.0.1:1"]) == 2
+    line = _one_error_line(capsys)
+    assert spec in line and needle in line
+
+
+def test_source_factory_failure_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = main(["run", "--source", SPEC, "--source-kwargs", json.dumps({"path": str(tmp_path / "kv.db"),
+                                                                          "bogus": 1}),
+                 "--connect", "tcp://127.0.0.1:1"])
+    assert code == 2
+    assert "TypeError" in _one_error_line(capsys)
+    assert not (tmp_path / "kv.db").exists()  # the source is lazy and was closed unused
+
+
+@pytest.mark.parametrize("kwargs", ["{not json", "[1, 2]", "\"path\"", ""])
+def test_bad_source_kwargs(capsys: pytest.CaptureFixture[str], kwargs: str) -> None:
+    assert main(["run", "--source", SPEC, "--source-kwargs", kwargs, "--connect", "tcp://127.0.0.1:1"]) == 2
+    assert "--source-kwargs" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "fast"])
+def test_bad_interval(capsys: pytest.CaptureFixture[str], interval: str) -> None:
+    assert main(["run", "--source", SPEC, "--connect", "tcp://127.0.0.1:1", "--interval", interval]) == 2
+    assert "interval" in _one_error_line(capsys)
+
+
+def test_bad_demo_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--writers", "0"]) == 2
+    assert "--writers" in _one_error_line(capsys)
+
+
+def test_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "run" in out and "demo" in out
+    assert main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--source" in out and "--connect" in out and "SIGTERM" in out
+
+
+# -- a real standalone poller over TCP ----------------------------------------------------------
+
+def _wait_for(predicate: Callable[[], bool], proc: subprocess.Popen[Any], what: str, timeout: float = 15.0) -> None:
+    def check() -> bool:
+        assert proc.poll() is None, f"the poller exited with {proc.returncode} while waiting for {what}"
+        return predicate()
+
+    assert wait_until(check, timeout=timeout), f"timed out waiting for {what}"
+
+
+def test_standalone_poller_streams_to_a_buffer_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    db = str(tmp_path / "kv.db")
+    stderr_path = tmp_path / "poller.stderr"
+    store = SqliteSource(db)
+    proc: subprocess.Popen[Any] | None = None
+    report = None
+    rb = ReplayBuffer(bind="tcp://127.0.0.1:0")
+    try:
+        assert rb.endpoint.startswith("tcp://127.0.0.1:") and not rb.endpoint.endswith(":0")
+        store.kv_put("k1", "train", tag={"global_steps": 1, "status": "running"})
+        store.kv_put("k1", "train", tag={"status": "success", "reward": 0.5})  # merged in the store
+        store.kv_batch_put(["k2", "k3"], "train", tags=[{"global_steps": 1, "status": "running"}] * 2)
+
+        with open(stderr_path, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "poller", "run", "--source", SPEC, "--source-kwargs", json.dumps({"path": db}),
+                 "--connect", rb.endpoint, "--interval", "0.05"],
+                cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+
+        expected: dict[str, dict[str, Any]] = {
+            "k1": {"global_steps": 1, "status": "success", "reward": 0.5},
+            "k2": {"global_steps": 1, "status": "running"},
+            "k3": {"global_steps": 1, "status": "running"},
+        }
+        _wait_for(lambda: rb.snapshot("train") == expected, proc, "the initial rows")
+
+        # Updates merge into the buffer's tags; a new partition appears.
+        store.kv_put("k2", "train", tag={"status": "success"})
+        store.kv_put("e1", "eval", tag={"global_steps": 1, "status": "success"})
+        expected["k2"] = {"global_steps": 1, "status": "success"}
+        _wait_for(lambda: rb.snapshot() == {"train": expected, "eval": {"e1": {"global_steps": 1,
+                                                                               "status": "success"}}},
+                  proc, "the update and the new partition")
+        batch = rb.sample("train", batch_size=2, timeout=5)
+        assert sorted(batch.keys) == ["k1", "k2"]
+
+        # Cleared rows vanish from the buffer.
+        store.kv_clear(["k1", "k3"], "train")
+        store.kv_clear(["e1"], "eval")
+        _wait_for(lambda: rb.snapshot() == {"train": {"k2": {"global_steps": 1, "status": "success"}}},
+                  proc, "the cleared rows to vanish")
+
+        stats = rb.stats()
+        assert stats["protocol_errors"] == 0 and stats["source_errors"] == 0
+        assert stats["messages"] >= 3 and stats["items_received"] >= 6
+        assert stats["poller_pid"] is None  # a standalone poller is not the buffer's child
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+        store.close()
+        report = rb.close()
+    assert report.stage == "no-poller"
+    assert report.exitcode is None
+    err_text = stderr_path.read_text(errors="replace")
+    assert "Traceback" not in err_text, err_text
+
+
+# -- the demo ----------------------------------------------------------------------------------------
+
+def test_demo_runs_and_shuts_down_gracefully(tmp_path: Path) -> None:
+    # A private TMPDIR: the demo's store and ipc directory land there, where we
+    # can check it removed them, and not next to other runs' /tmp/replay-* dirs.
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(private_tmp))
+    proc = subprocess.Popen([sys.executable, "-m", "poller", "demo", "--seconds", "2"], cwd=ROOT, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "shutdown: stage graceful" in out, out
+    assert "poller exit code 0" in out and "drained True" in out, out
+    assert "duplicates 0, lost 0, wrong tags 0" in out, out
+    assert "result: OK" in out, out
+    assert list(private_tmp.iterdir()) == []  # its store and ipc directory were removed
+
+
+@pytest.mark.xfail(strict=True, reason="product bug: poller/cli.py _run passes --log-level straight to "
+                                       "logging.basicConfig, so an unknown level is a ValueError traceback "
+                                       "and exit code 1, not a one-line error and exit code 2")
+def test_bad_log_level_is_a_one_line_error(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poller", "run", "--source", SPEC,
+         "--source-kwargs", json.dumps({"path": str(tmp_path / "kv.db")}),
+         "--connect", "tcp://127.0.0.1:1", "--log-level", "bogus"],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert proc.returncode == 2, err
+    assert len(err.splitlines()) == 1 and "error" in err and "Traceback" not in err, err

@@ -1,0 +1,200 @@
+"""Start, crash, restart and close: every path ends, within its bound, clean."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from buffer import ReplayBuffer
+from poller import PollerCrashed, PollerStartupError
+from poller.errors import RemoteTraceback
+from tests.conftest import wait_until
+
+SQLITE = "poller.sources.sqlite:SqliteSource"
+HELPERS = "tests.helpers.sources"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+# -- close stages --------------------------------------------------------------
+
+
+def test_idle_poller_closes_gracefully_in_milliseconds_whatever_the_interval(db):
+    rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=30.0)
+    pid = rb.stats()["poller_pid"]
+    report = rb.close()
+    assert report.stage == "graceful" and report.exitcode == 0 and report.drained
+    assert report.seconds < 2.0  # the bound is close_timeout; typical is ~10 ms
+    assert not _alive(pid)
+    assert rb.close() is report  # idempotent: the same report
+
+
+def test_poller_stuck_in_kv_list_still_closes_gracefully(db):
+    rb = ReplayBuffer(source=f"{HELPERS}:Hanging", source_kwargs={"path": db, "after": 1}, poll_interval=0.01)
+    time.sleep(0.2)  # the second kv_list() is now blocked for good
+    report = rb.close(timeout=3)
+    assert report.stage == "graceful" and report.exitcode == 0 and report.drained
+
+
+@pytest.mark.parametrize("sigterm, stage", [("default", "terminated"), ("ignore", "killed")])
+def test_a_poller_that_ignores_stop_is_terminated_or_killed(tmp_path, sigterm, stage):
+    marker = tmp_path / "stuck"
+    rb = ReplayBuffer(source=f"{HELPERS}:stuck_control_loop", source_kwargs={"marker": str(marker),
+                      "sigterm": sigterm}, poll_interval=0.01)
+    assert wait_until(marker.exists, timeout=10)
+    started = time.monotonic()
+    report = rb.close(timeout=0.5)
+    assert report.stage == stage
+    assert not report.drained
+    assert report.exitcode == (-signal.SIGTERM if stage == "terminated" else -signal.SIGKILL)
+    assert time.monotonic() - started < 0.5 * 2 + 5.0
+
+
+def test_concurrent_closes_all_get_the_same_report(db):
+    rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05)
+    reports: list = []
+    threads = [threading.Thread(target=lambda: reports.append(rb.close())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(reports) == 4 and all(r is reports[0] for r in reports)
+    assert reports[0].stage == "graceful"
+
+
+# -- start-up failures -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("source, kwargs, match", [
+    ("no.such.module:Thing", {}, "ModuleNotFoundError"),
+    ("poller.sources.sqlite:NoSuchAttr", {}, "has no attribute"),
+    ("not-a-spec", {}, "not of the form"),
+    (f"{HELPERS}:failing_factory", {"url": "x"}, "cannot connect to store"),
+    ("os:getcwd", {}, "has no kv_list"),
+])
+def test_startup_failure_raises_with_the_child_traceback_and_leaves_nothing(source, kwargs, match):
+    with pytest.raises(PollerStartupError, match=match) as info:
+        ReplayBuffer(source=source, source_kwargs=kwargs, start_timeout=20)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback)
+    assert "Traceback" in cause.traceback_text
+
+
+def test_no_ready_before_the_deadline_is_a_startup_error(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(PollerStartupError, match="no READY within 1s"):
+        ReplayBuffer(source=f"{HELPERS}:slow_factory", source_kwargs={"seconds": 60}, start_timeout=1)
+    assert time.monotonic() - started < 10
+
+
+class _Trainer:
+    """Like a verl trainer: the buffer comes first, a later init step fails."""
+
+    def __init__(self, db: str) -> None:
+        self.replay_buffer = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05)
+        self.pid = self.replay_buffer.stats()["poller_pid"]
+        raise RuntimeError("model init failed")
+
+
+def test_a_trainer_whose_init_fails_leaks_nothing(db):
+    with pytest.raises(RuntimeError, match="model init failed") as info:
+        _Trainer(db)
+    # The half-built trainer is reachable only from the traceback.
+    pid = info.traceback[-1].frame.f_locals["self"].pid
+    del info
+    gc.collect()
+    assert wait_until(lambda: not _alive(pid), timeout=5)
+
+
+# -- crashes and restarts ------------------------------------------------------------
+
+
+def test_a_crashing_poller_is_restarted_then_sample_raises_poller_crashed(store, db):
+    store.kv_put("a", "train", tag={"status": "success"})
+    rb = ReplayBuffer(source=f"{HELPERS}:CrashAfter", source_kwargs={"path": db, "polls": 2, "code": 9},
+                      poll_interval=0.02, max_restarts=2)
+    try:
+        rb.add("train", {"w": {"global_steps": 1, "status": "running"}})
+        with pytest.raises(PollerCrashed, match=r"exit code 9.*max_restarts=2") as info:
+            rb.sample("train", global_steps=1, timeout=30)
+        assert rb.stats()["restarts"] == 2
+        assert rb.snapshot("train")["a"] == {"status": "success"}  # data survives the crashes
+        del info
+    finally:
+        report = rb.close()
+    assert report.stage == "already-exited"
+
+
+def test_persistent_source_errors_end_in_poller_crashed_with_the_remote_traceback():
+    rb = ReplayBuffer(source=f"{HELPERS}:Raising", poll_interval=0.01, max_restarts=1)
+    try:
+        with pytest.raises(PollerCrashed) as info:
+            rb.sample("train", batch_size=1, timeout=60)
+        cause = info.value.__cause__
+        assert isinstance(cause, RemoteTraceback)
+        assert "store is on fire" in cause.traceback_text
+        assert rb.stats()["source_errors"] >= 10  # 5 in a row, per run
+        del info, cause
+    finally:
+        rb.close()
+
+
+def test_garbage_from_the_source_is_a_source_error_not_a_broken_stream():
+    rb = ReplayBuffer(source=f"{HELPERS}:Garbage", poll_interval=0.01, max_restarts=0)
+    try:
+        with pytest.raises(PollerCrashed) as info:
+            rb.sample("train", batch_size=1, timeout=60)
+        assert "expected a mapping of keys" in info.value.__cause__.traceback_text
+        assert rb.stats()["protocol_errors"] == 0
+        del info
+    finally:
+        rb.close()
+
+
+# -- parent death ---------------------------------------------------------------------
+
+_TRAINER = textwrap.dedent("""
+    import sys, time
+    from buffer import ReplayBuffer
+    if __name__ == "__main__":
+        source = sys.argv[1]
+        kwargs = {"path": sys.argv[2]} if source.endswith("SqliteSource") else {"path": sys.argv[2], "after": 1}
+        rb = ReplayBuffer(source=source, source_kwargs=kwargs, poll_interval=0.02)
+        print(rb.stats()["poller_pid"], flush=True)
+        time.sleep(120)
+""")
+
+
+@pytest.mark.parametrize("source", [SQLITE, f"{HELPERS}:Hanging"])
+def test_parent_sigkill_leaves_no_orphan(tmp_path, db, source):
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    trainer = subprocess.Popen([sys.executable, str(script), source, db], stdout=subprocess.PIPE, cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        line = trainer.stdout.readline()
+        poller_pid = int(line)
+        assert _alive(poller_pid)
+        trainer.kill()
+        trainer.wait(10)
+        assert wait_until(lambda: not _alive(poller_pid), timeout=2.0), "the poller outlived its trainer"
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+        trainer.stdout.close()

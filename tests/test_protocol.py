@@ -1,0 +1,429 @@
+"""The wire format (poller.protocol) and the poller-side listing/diff/encoding helpers."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import pytest
+
+from poller.errors import PollerError, ProtocolError
+from poller.polling import ListingDiff, diff_listing, encode_diff, normalize_listing
+from poller.protocol import (
+    PROTOCOL_VERSION,
+    Kind,
+    Limits,
+    Message,
+    decode,
+    encode,
+    encode_body,
+    encode_delta,
+    encode_header,
+    pack_delta_payload,
+)
+
+# One valid body per kind, with the types the schema demands.
+BODIES: dict[Kind, dict[str, Any]] = {
+    Kind.READY: {"pid": 1234, "name": "poller-a", "interval": 0.5, "source": "m:attr", "host": "h"},
+    Kind.DELTA: {
+        "poll": 3, "t": 1700000000.25, "full": True, "reset": True, "end": False,
+        "upserts": {"train": {"k1": {"global_steps": 1, "status": "running"}, "k2": {}},
+                    "eval": {"ü-key": {"nested": {"a": [1, 2.5, None, "x"]}}}},
+        "deletes": {"train": ["k0", "k-1"]},
+    },
+    Kind.HEARTBEAT: {"polls": 10, "source_errors": 0, "rss": 123456, "stalled_s": 0.0},
+    Kind.ERROR: {"type": "RuntimeError", "message": "boom", "traceback": "Traceback ...", "fatal": False,
+                 "count": 2},
+    Kind.BYE: {"last_seq": 41, "reason": "SIGTERM"},
+    Kind.LOG: {"level": 30, "name": "poller.worker", "message": "careful"},
+    Kind.STOP: {"reason": "close"},
+    Kind.RESYNC: {"reason": "sequence gap"},
+}
+
+
+def header(version: Any = PROTOCOL_VERSION, kind: Any = int(Kind.STOP), epoch: Any = 7, seq: Any = 0) -> bytes:
+    return msgpack.packb([version, kind, epoch, seq])
+
+
+def body(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def test_every_kind_is_covered() -> None:
+    assert set(BODIES) == set(Kind)
+
+
+@pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
+def test_round_trip_of_every_kind(kind: Kind) -> None:
+    message = Message(kind, epoch=2**61 + 5, seq=17, body=BODIES[kind])
+    frames = encode(message)
+    assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
+    decoded = decode(frames)
+    assert decoded == message
+    assert decoded.kind is kind
+    # memoryview frames (what the receiver hands in) decode the same.
+    assert decode([memoryview(f) for f in frames]) == message
+
+
+def test_round_trip_of_a_delta_built_from_its_parts() -> None:
+    upserts = {"train": {"k": {"status": "success", "global_steps": 4}}}
+    deletes = {"train": ["gone"]}
+    raw = encode_delta(poll=9, started=12.5, full=False, reset=False, end=True,
+                       payload=pack_delta_payload(upserts, deletes))
+    message = decode([encode_header(Kind.DELTA, 1, 3), raw])
+    assert message.body == {"poll": 9, "t": 12.5, "full": False, "reset": False, "end": True,
+                            "upserts": upserts, "deletes": deletes}
+
+
+# -- decode rejects, with ProtocolError only ------------------------------------------------------
+
+def _valid_frames(kind: Kind = Kind.DELTA) -> list[bytes]:
+    return encode(Message(kind, 5, 1, BODIES[kind]))
+
+
+@pytest.mark.parametrize("frames", [[], [b"x"], _valid_frames()[:1], _valid_frames() + [b""]],
+                         ids=["zero", "one-garbage", "one-valid", "three"])
+def test_wrong_frame_count(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError, match="2 frames"):
+        decode(frames)
+
+
+@pytest.mark.parametrize("frames", [
+    [b"\xc1", body({"reason": "x"})],          # 0xc1 is never used in msgpack
+    [header(), b"\xc1"],
+    [b"", body({"reason": "x"})],
+    [header(), b""],
+    [header() + b"\x00", body({"reason": "x"})],  # trailing data
+], ids=["bad-header", "bad-body", "empty-header", "empty-body", "extra-bytes"])
+def test_malformed_msgpack(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode(frames)
+
+
+def test_truncated_frames() -> None:
+    head, full = _valid_frames()
+    for cut in range(1, len(head)):
+        with pytest.raises(ProtocolError):
+            decode([head[:cut], full])
+    for cut in range(0, len(full), 7):
+        with pytest.raises(ProtocolError):
+            decode([head, full[:cut]])
+
+
+def test_header_shape() -> None:
+    for bad in (msgpack.packb({"v": 1}), msgpack.packb([1, 16, 0]), msgpack.packb([1, 16, 0, 0, 0]),
+                msgpack.packb("hello")):
+        with pytest.raises(ProtocolError, match="header"):
+            decode([bad, body({"reason": "x"})])
+
+
+def test_wrong_version_is_named() -> None:
+    with pytest.raises(ProtocolError, match="version") as info:
+        decode([header(version=PROTOCOL_VERSION + 6), body({"reason": "x"})])
+    assert str(PROTOCOL_VERSION + 6) in str(info.value)
+    with pytest.raises(ProtocolError, match="version"):
+        decode([header(version="1"), body({"reason": "x"})])
+
+
+@pytest.mark.parametrize("kind", [0, 7, 15, 18, 99, -1, 2**40])
+def test_unknown_kind(kind: int) -> None:
+    with pytest.raises(ProtocolError, match="kind"):
+        decode([header(kind=kind), body({"reason": "x"})])
+
+
+def test_kind_must_be_an_integer() -> None:
+    for kind in ("STOP", 16.0, True, None):
+        with pytest.raises(ProtocolError):
+            decode([header(kind=kind), body({"reason": "x"})])
+
+
+def test_negative_or_non_integer_seq() -> None:
+    for seq in (-1, -(2**40), 1.0, "3", None, True):
+        with pytest.raises(ProtocolError, match="seq"):
+            decode([header(seq=seq), body({"reason": "x"})])
+    for epoch in ("e", 1.5, None, False):
+        with pytest.raises(ProtocolError, match="epoch"):
+            decode([header(epoch=epoch), body({"reason": "x"})])
+
+
+@pytest.mark.parametrize("obj", [[1, 2, 3], "reason", 5, None, b"\x00"])
+def test_body_not_a_map(obj: Any) -> None:
+    with pytest.raises(ProtocolError, match="not a map"):
+        decode([header(), body(obj)])
+
+
+@pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
+def test_every_missing_field_is_refused(kind: Kind) -> None:
+    from poller.protocol import _SCHEMAS
+
+    for name in _SCHEMAS[kind]:
+        broken = {k: v for k, v in BODIES[kind].items() if k != name}
+        with pytest.raises(ProtocolError, match=repr(name)):
+            decode([header(kind=int(kind)), body(broken)])
+
+
+@pytest.mark.parametrize("kind, name, value", [
+    (Kind.READY, "pid", "1234"),
+    (Kind.READY, "pid", True),          # bool is not an int here
+    (Kind.READY, "interval", "fast"),
+    (Kind.READY, "name", 3),
+    (Kind.DELTA, "full", 1),
+    (Kind.DELTA, "poll", 1.0),
+    (Kind.DELTA, "t", None),
+    (Kind.HEARTBEAT, "stalled_s", False),
+    (Kind.ERROR, "fatal", "yes"),
+    (Kind.BYE, "last_seq", "41"),
+    (Kind.LOG, "level", 30.0),
+    (Kind.STOP, "reason", None),
+    (Kind.RESYNC, "reason", b"bytes"),
+])
+def test_mistyped_field(kind: Kind, name: str, value: Any) -> None:
+    broken = dict(BODIES[kind], **{name: value})
+    with pytest.raises(ProtocolError, match="wrong type"):
+        decode([header(kind=int(kind)), body(broken)])
+    with pytest.raises(ProtocolError):
+        encode_body(kind, broken)
+
+
+@pytest.mark.parametrize("upserts, deletes", [
+    ({"train": {"k": [1, 2]}}, {}),
+    ({"train": {"k": "running"}}, {}),
+    ({"train": {"k": None}}, {}),
+    ({"train": ["k"]}, {}),
+    ([], {}),
+    (None, {}),
+    ({"train": {}}, {"train": "k"}),
+    ({"train": {}}, {"train": [1]}),
+    ({"train": {}}, ["k"]),
+    ({"train": {}}, None),
+], ids=lambda v: repr(v))
+def test_delta_items_are_checked(upserts: Any, deletes: Any) -> None:
+    broken = dict(BODIES[Kind.DELTA], upserts=upserts, deletes=deletes)
+    with pytest.raises(ProtocolError, match="DELTA"):
+        decode([header(kind=int(Kind.DELTA)), body(broken)])
+    with pytest.raises(ProtocolError, match="DELTA"):
+        encode_body(Kind.DELTA, broken)
+
+
+def test_non_str_map_keys_are_refused() -> None:
+    broken = dict(BODIES[Kind.DELTA], upserts={"train": {"k": {1: "int key"}}})
+    with pytest.raises(ProtocolError):
+        decode([header(kind=int(Kind.DELTA)), body(broken)])
+
+
+def test_oversized_frames() -> None:
+    limits = Limits(max_frame_bytes=256)
+    big = dict(BODIES[Kind.LOG], message="x" * 300)
+    frames = encode(Message(Kind.LOG, 1, 0, big))
+    assert decode(frames).body["message"] == "x" * 300  # fine with the default limits
+    with pytest.raises(ProtocolError, match="exceeds 256"):
+        decode(frames, limits)
+    just_fits = encode(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="")))
+    assert len(just_fits[1]) <= 256
+    assert decode(just_fits, limits).kind is Kind.LOG
+    with pytest.raises(ProtocolError, match="header"):
+        decode([header(), body({"reason": "x"})], Limits(max_header_bytes=4))
+
+
+def test_string_and_item_limits() -> None:
+    frames = encode(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="y" * 100)))
+    with pytest.raises(ProtocolError):
+        decode(frames, Limits(max_str_len=50))
+    many = dict(BODIES[Kind.DELTA], upserts={"train": {f"k{i}": {} for i in range(20)}})
+    frames = encode(Message(Kind.DELTA, 1, 0, many))
+    with pytest.raises(ProtocolError):
+        decode(frames, Limits(max_items=10))
+
+
+def test_invalid_utf8() -> None:
+    # fixmap(1) { fixstr(2) b"\xff\xfe": nil }
+    with pytest.raises(ProtocolError):
+        decode([header(), b"\x81\xa2\xff\xfe\xc0"])
+    # a valid "reason" key whose value is invalid UTF-8
+    with pytest.raises(ProtocolError):
+        decode([header(), b"\x81\xa6reason\xa2\xc3\x28"])
+    # in the header
+    with pytest.raises(ProtocolError):
+        decode([b"\x94\x01\xa1\xff\x00\x00", body({"reason": "x"})])
+
+
+def test_extension_types_are_refused() -> None:
+    ext = msgpack.packb({"reason": msgpack.ExtType(5, b"abc")})
+    with pytest.raises(ProtocolError):
+        decode([header(), ext])
+
+
+def test_fuzzed_frames_raise_only_protocol_error() -> None:
+    rng = random.Random(1234)
+    seeds = [encode(Message(kind, 3, 2, BODIES[kind])) for kind in Kind]
+    accepted = refused = 0
+    for _ in range(3000):
+        head, raw = (bytearray(f) for f in rng.choice(seeds))
+        target = head if rng.random() < 0.3 else raw
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            if op < 0.5 and target:
+                target[rng.randrange(len(target))] = rng.randrange(256)
+            elif op < 0.75 and target:
+                del target[rng.randrange(len(target)):]
+            else:
+                target.insert(rng.randrange(len(target) + 1), rng.randrange(256))
+        try:
+            message = decode([bytes(head), bytes(raw)])
+        except ProtocolError:
+            refused += 1
+        else:
+            accepted += 1
+            assert isinstance(message, Message) and isinstance(message.body, dict)
+    assert refused > 1000  # the mutations do break things, and only ProtocolError escaped
+
+
+# -- encode -----------------------------------------------------------------------------------------
+
+def test_encode_body_of_an_unencodable_value() -> None:
+    with pytest.raises(ProtocolError, match="LOG"):
+        encode_body(Kind.LOG, dict(BODIES[Kind.LOG], extra=object()))
+    bad_delta = dict(BODIES[Kind.DELTA], upserts={"train": {"k": {"when": object()}}})
+    with pytest.raises(ProtocolError):
+        encode_body(Kind.DELTA, bad_delta)
+    with pytest.raises(ProtocolError):
+        pack_delta_payload({"train": {"k": {"s": {1, 2}}}}, {})
+    with pytest.raises(ProtocolError):
+        encode_body(Kind.HEARTBEAT, dict(BODIES[Kind.HEARTBEAT], rss=2**70))
+    assert issubclass(ProtocolError, PollerError)
+
+
+def test_encode_body_checks_the_schema() -> None:
+    with pytest.raises(ProtocolError, match="'pid'"):
+        encode_body(Kind.READY, {"name": "x", "interval": 1.0})
+
+
+# -- encode_diff --------------------------------------------------------------------------------
+
+def _decode_bodies(bodies: list[bytes], max_frame_bytes: int) -> list[dict[str, Any]]:
+    limits = Limits(max_frame_bytes=max_frame_bytes)
+    return [decode([encode_header(Kind.DELTA, 1, i), b], limits).body for i, b in enumerate(bodies)]
+
+
+def _big_diff() -> ListingDiff:
+    upserts = {
+        "train": {f"train-{i:04d}": {"global_steps": i // 10, "status": "success", "pad": "p" * 40}
+                  for i in range(200)},
+        "eval": {f"eval-{i:03d}": {"status": "running"} for i in range(30)},
+    }
+    deletes = {"train": [f"old-{i}" for i in range(50)], "eval": ["e-old"]}
+    return ListingDiff(upserts, deletes)
+
+
+def _merge_bodies(decoded: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    upserts: dict[str, dict[str, Any]] = {}
+    deletes: dict[str, list[str]] = {}
+    for b in decoded:
+        for partition, items in b["upserts"].items():
+            for key in items:
+                assert key not in upserts.get(partition, {}), "an upsert was sent twice"
+            upserts.setdefault(partition, {}).update(items)
+        for partition, keys in b["deletes"].items():
+            deletes.setdefault(partition, []).extend(keys)
+    return upserts, deletes
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_encode_diff_splits_by_size(full: bool) -> None:
+    diff = _big_diff()
+    limit = 2000
+    bodies = encode_diff(diff, poll=4, started=99.5, full=full, chunk_items=100_000, max_frame_bytes=limit)
+    assert len(bodies) > 3
+    assert all(len(b) <= limit for b in bodies)
+    decoded = _decode_bodies(bodies, limit)
+    assert [b["reset"] for b in decoded] == [full] + [False] * (len(decoded) - 1)
+    assert [b["end"] for b in decoded] == [False] * (len(decoded) - 1) + [True]
+    assert all(b["full"] is full and b["poll"] == 4 and b["t"] == 99.5 for b in decoded)
+    upserts, deletes = _merge_bodies(decoded)
+    assert upserts == diff.upserts
+    assert {p: sorted(k) for p, k in deletes.items()} == {p: sorted(k) for p, k in diff.deletes.items()}
+
+
+def test_encode_diff_splits_by_item_count() -> None:
+    diff = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {"p": ["x", "y"]})
+    bodies = encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=3, max_frame_bytes=10**6)
+    decoded = _decode_bodies(bodies, 10**6)
+    assert len(decoded) >= 4
+    assert all(sum(map(len, b["upserts"].values())) + sum(map(len, b["deletes"].values())) <= 3
+               for b in decoded)
+    assert decoded[0]["reset"] and not any(b["reset"] for b in decoded[1:])
+    assert decoded[-1]["end"] and not any(b["end"] for b in decoded[:-1])
+    upserts, deletes = _merge_bodies(decoded)
+    assert upserts == diff.upserts and deletes == diff.deletes
+
+
+def test_encode_diff_of_a_small_or_empty_diff_is_one_body() -> None:
+    for diff in (ListingDiff({}, {}), ListingDiff({"p": {"k": {"s": 1}}}, {})):
+        bodies = encode_diff(diff, poll=2, started=1.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+        assert len(bodies) == 1
+        (only,) = _decode_bodies(bodies, 10**6)
+        assert only["reset"] and only["end"] and only["full"]
+        assert only["upserts"] == diff.upserts and only["deletes"] == {}
+
+
+def test_encode_diff_refuses_one_entry_over_the_limit() -> None:
+    diff = ListingDiff({"p": {"small": {"s": 1}, "huge": {"blob": "x" * 5000}}}, {})
+    with pytest.raises(ProtocolError, match="frame limit"):
+        encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=1000)
+
+
+def test_encode_diff_refuses_unencodable_tags() -> None:
+    diff = ListingDiff({"p": {"k": {"bad": object()}}}, {})
+    with pytest.raises(ProtocolError):
+        encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+
+
+# -- normalize_listing / diff_listing -------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", [
+    [("train", {})],
+    "train",
+    {1: {"k": {}}},
+    {"train": ["k1", "k2"]},
+    {"train": {2: {}}},
+    {"train": {"k": ["not", "a", "mapping"]}},
+    {"train": {"k": "running"}},
+], ids=repr)
+def test_normalize_listing_rejects_garbage(raw: Any) -> None:
+    with pytest.raises(TypeError):
+        normalize_listing(raw)
+
+
+def test_normalize_listing_maps_none_and_copies() -> None:
+    assert normalize_listing(None) == {}
+    assert normalize_listing({}) == {}
+    source_tags = {"status": "running"}
+    raw = {"train": {"k1": source_tags, "k2": None}, "empty": {}, "gone": None}
+    listing = normalize_listing(raw)
+    assert listing == {"train": {"k1": {"status": "running"}, "k2": {}}}
+    listing["train"]["k1"]["status"] = "changed"
+    assert source_tags == {"status": "running"}  # fresh dicts, the source's are untouched
+
+
+def test_diff_listing_finds_changed_new_and_vanished() -> None:
+    sent = {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
+    listing = {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
+    diff = diff_listing(sent, listing, full=False)
+    assert diff.upserts == {"train": {"b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
+    assert {p: sorted(k) for p, k in diff.deletes.items()} == {"train": ["d"], "old": ["x"]}
+    assert diff.count() == 5
+    assert sent == {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
+
+
+def test_diff_listing_full_sends_everything_and_deletes_nothing() -> None:
+    sent = {"train": {"a": {"s": 1}, "gone": {}}}
+    listing = {"train": {"a": {"s": 1}, "b": {}}}
+    diff = diff_listing(sent, listing, full=True)
+    assert diff.upserts == listing and diff.deletes == {}
+
+
+def test_diff_listing_of_identical_listings_is_empty() -> None:
+    listing = {"train": {"a": {"s": 1}}}
+    diff = diff_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
+    assert diff.upserts == {} and diff.deletes == {} and diff.count() == 0

@@ -1,0 +1,184 @@
+"""Pins the public surface of the two packages."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import buffer
+import poller
+from buffer import BatchMeta, BufferClosed, ReplayBuffer, ShutdownReport
+from poller import (
+    PollerCrashed,
+    PollerError,
+    PollerProcess,
+    PollerStartupError,
+    ProtocolError,
+    Source,
+    load_source,
+)
+from poller.sources.sqlite import SqliteSource
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _ListsNothing:
+    def kv_list(self) -> Any:
+        return {"train": {"k": {"status": "running"}}}
+
+
+#: A module attribute that already is a source: load_source must use it as is.
+READY_MADE_SOURCE = _ListsNothing()
+
+#: A module attribute without kv_list.
+NOT_A_SOURCE = 42
+
+
+def test_buffer_all() -> None:
+    assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed"}
+    assert len(buffer.__all__) == len(set(buffer.__all__))
+    for name in buffer.__all__:
+        assert hasattr(buffer, name)
+    assert buffer.ShutdownReport is poller.process.ShutdownReport
+
+
+def test_poller_all() -> None:
+    assert set(poller.__all__) == {"PollerProcess", "Source", "load_source", "PollerError",
+                                   "PollerStartupError", "PollerCrashed", "ProtocolError"}
+    assert len(poller.__all__) == len(set(poller.__all__))
+    for name in poller.__all__:
+        assert hasattr(poller, name)
+    assert PollerProcess is poller.process.PollerProcess
+    assert load_source is poller.sources.load_source
+
+
+def test_error_hierarchy() -> None:
+    for error in (PollerStartupError, PollerCrashed, ProtocolError):
+        assert issubclass(error, PollerError)
+        assert error is not PollerError
+    assert issubclass(PollerError, Exception)
+    assert not issubclass(PollerStartupError, PollerCrashed) and not issubclass(PollerCrashed, PollerStartupError)
+    assert not issubclass(ProtocolError, (PollerStartupError, PollerCrashed))
+    assert issubclass(BufferClosed, Exception)
+
+
+def test_replay_buffer_signature() -> None:
+    params = inspect.signature(ReplayBuffer.__init__).parameters
+    assert list(params) == ["self", "source", "source_kwargs", "poll_interval", "bind", "start_timeout",
+                            "close_timeout", "max_restarts"]
+    expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
+                         "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3}
+    for name, default in expected_defaults.items():
+        param = params[name]
+        assert param.default == default and type(param.default) is type(default), name
+    assert params["source"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for name in list(expected_defaults)[1:]:
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+    # The same, seen from the class (what users call).
+    assert list(inspect.signature(ReplayBuffer).parameters) == list(expected_defaults)
+
+
+def test_batch_meta_and_shutdown_report_shape() -> None:
+    assert ShutdownReport._fields == ("stage", "seconds", "exitcode", "drained")
+    assert "keys" in BatchMeta._fields and "tags" in BatchMeta._fields
+
+
+def test_importing_poller_stays_light() -> None:
+    code = ("import json, sys; import poller; "
+            "print(json.dumps(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('buffer', 'torch', 'ray', 'transfer_queue', 'poller'))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    loaded = json.loads(result.stdout)
+    assert "poller" in loaded  # the probe itself works
+    heavy = [m for m in loaded if m.split(".")[0] in ("buffer", "torch", "ray", "transfer_queue")]
+    assert heavy == []
+
+
+def _source_files() -> list[Path]:
+    files = sorted((ROOT / "poller").rglob("*.py")) + sorted((ROOT / "buffer").rglob("*.py"))
+    assert len(files) > 10
+    return files
+
+
+def test_only_the_protocol_module_imports_msgpack() -> None:
+    pattern = re.compile(r"^\s*(import\s+msgpack\b|from\s+msgpack\b)|import_module\(\s*['\"]msgpack", re.M)
+    importers = [str(path.relative_to(ROOT)) for path in _source_files() if pattern.search(path.read_text())]
+    assert importers == ["poller/protocol.py"]
+
+
+def test_poller_package_never_imports_buffer() -> None:
+    pattern = re.compile(r"^\s*(import\s+buffer\b|from\s+buffer\b)", re.M)
+    offenders = []
+    for path in sorted((ROOT / "poller").rglob("*.py")):
+        for match in pattern.finditer(path.read_text()):
+            line = match.group(0)
+            # Allowed only inside a function: the demo imports ReplayBuffer lazily.
+            if not line.startswith((" ", "\t")):
+                offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+    assert offenders == []
+
+
+def test_py_typed_in_both_packages() -> None:
+    for package in (poller, buffer):
+        marker = Path(package.__file__).parent / "py.typed"
+        assert marker.is_file(), marker
+
+
+# -- load_source -------------------------------------------------------------------------------
+
+def test_load_source_builds_a_class_spec_with_kwargs(tmp_path: Path) -> None:
+    path = str(tmp_path / "kv.db")
+    source = load_source("poller.sources.sqlite:SqliteSource", {"path": path, "timeout": 2.5})
+    try:
+        assert isinstance(source, SqliteSource)
+        assert isinstance(source, Source)
+        assert source.path == path
+        assert source.kv_list() == {}
+    finally:
+        source.close()
+
+
+def test_load_source_accepts_a_callable() -> None:
+    source = load_source(_ListsNothing)
+    assert isinstance(source, _ListsNothing)
+    assert source.kv_list() == {"train": {"k": {"status": "running"}}}
+
+
+def test_load_source_uses_a_ready_made_source_as_is() -> None:
+    spec = f"{__name__}:READY_MADE_SOURCE"
+    assert load_source(spec) is READY_MADE_SOURCE
+    assert load_source(spec, {}) is READY_MADE_SOURCE
+    assert load_source(READY_MADE_SOURCE) is READY_MADE_SOURCE
+    with pytest.raises(ValueError, match="takes no kwargs"):
+        load_source(spec, {"path": "x"})
+
+
+@pytest.mark.parametrize("spec", ["nope", "poller.sources.sqlite", ":SqliteSource", "poller.sources.sqlite:",
+                                  "poller.sources.sqlite:NoSuchThing", "poller.sources.sqlite:SqliteSource.nope"])
+def test_load_source_rejects_a_bad_spec(spec: str) -> None:
+    with pytest.raises(ValueError):
+        load_source(spec)
+
+
+def test_load_source_rejects_what_has_no_kv_list() -> None:
+    with pytest.raises(TypeError, match="kv_list"):
+        load_source(f"{__name__}:NOT_A_SOURCE")
+    with pytest.raises(TypeError, match="kv_list"):
+        load_source("builtins:dict")  # callable, but what it builds has no kv_list()
+    with pytest.raises(TypeError, match="kv_list"):
+        load_source(object)
+
+
+def test_load_source_lets_factory_errors_through() -> None:
+    with pytest.raises(ValueError, match="cannot connect"):
+        load_source("tests.helpers.sources:failing_factory", {"host": "h"})
+    with pytest.raises(ModuleNotFoundError):
+        load_source("no_such_module_for_the_api_test:thing")
