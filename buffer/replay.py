@@ -41,6 +41,19 @@ _RESTART_BACKOFF_CAP = 2.0
 _FIRST_POLL_WAIT = 5.0
 
 
+# Unix socket paths are limited to 107 bytes (sun_path); leave room.
+_MAX_IPC_PATH = 100
+
+
+def _private_ipc_dir() -> str:
+    """A fresh 0700 directory for the ipc socket, in a place short enough to bind."""
+    directory = tempfile.mkdtemp(prefix="replay-")
+    if len(directory) + len("/stream") <= _MAX_IPC_PATH:
+        return directory
+    os.rmdir(directory)  # TMPDIR is too deep for a socket path
+    return tempfile.mkdtemp(prefix="replay-", dir="/tmp")
+
+
 class _Core:
     """Everything a buffer owns. Never refers back to the facade."""
 
@@ -64,7 +77,7 @@ class _Core:
         self._ipc_dir: str | None = None
         if bind is None:
             # Private by default: a 0700 directory only this user can enter.
-            self._ipc_dir = tempfile.mkdtemp(prefix="replay-")
+            self._ipc_dir = _private_ipc_dir()
             bind = f"ipc://{self._ipc_dir}/stream"
         self.receiver = StreamReceiver(self.store, bind)
         self.endpoint: str | None = None
@@ -103,8 +116,8 @@ class _Core:
                 return
             if process.sentinel not in ready:
                 continue
+            exitcode = process.join(5.0)
             cause = process.fatal_error()
-            exitcode = process.exitcode
             process.close(0)  # reap; the stage is "already-exited"
             logger.warning("poller %s (pid %s) exited with code %s%s", self.name, process.pid, exitcode,
                            f": {cause.exc_type}: {cause.message}" if cause else "")
@@ -206,7 +219,7 @@ class ReplayBuffer:
     def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
                  poll_interval: float = 1.0, bind: str | None = None, start_timeout: float = 30.0,
                  close_timeout: float = 5.0, max_restarts: int = 3) -> None:
-        if poll_interval <= 0:
+        if not poll_interval > 0:  # also refuses NaN
             raise ValueError(f"poll_interval must be positive, got {poll_interval!r}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")

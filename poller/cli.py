@@ -55,10 +55,14 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"python -m poller run: error: bad --source-kwargs: {exc}", file=sys.stderr)
         return 2
-    if args.interval <= 0:
+    if not args.interval > 0:  # also refuses NaN
         print("python -m poller run: error: --interval must be positive", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    level = logging.getLevelName(args.log_level.upper())
+    if not isinstance(level, int):
+        print(f"python -m poller run: error: unknown --log-level {args.log_level!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         # Build once here so a bad spec is a one-line error, not a traceback.
         source = load_source(args.source, kwargs)

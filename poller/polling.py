@@ -111,21 +111,22 @@ def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
     upserts: dict[str, dict[str, Tags]] = {}
     deletes: dict[str, list[str]] = {}
     n = 0
+    yielded = False
     for partition, items in diff.upserts.items():
         for key, tags in items.items():
             upserts.setdefault(partition, {})[key] = tags
             n += 1
             if n >= size:
                 yield ListingDiff(upserts, deletes)
-                upserts, deletes, n = {}, {}, 0
+                upserts, deletes, n, yielded = {}, {}, 0, True
     for partition, keys in diff.deletes.items():
         for key in keys:
             deletes.setdefault(partition, []).append(key)
             n += 1
             if n >= size:
                 yield ListingDiff(upserts, deletes)
-                upserts, deletes, n = {}, {}, 0
-    if n or (not upserts and not deletes):
+                upserts, deletes, n, yielded = {}, {}, 0, True
+    if n or not yielded:  # an empty poll is still one (empty) message
         yield ListingDiff(upserts, deletes)
 
 

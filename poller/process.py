@@ -76,7 +76,7 @@ class PollerProcess:
     def __init__(self, source: SourceSpec, *, endpoint: str, source_kwargs: dict[str, Any] | None = None,
                  name: str | None = None, interval: float = 1.0, start_method: str = "spawn",
                  **options: Any) -> None:
-        if interval <= 0:
+        if not interval > 0:  # also refuses NaN
             raise ValueError(f"interval must be positive, got {interval!r}")
         self.name = name or f"poller-{os.getpid()}-{id(self):x}"
         self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
@@ -121,6 +121,12 @@ class PollerProcess:
             return self._process is not None and self._process.is_alive()
         except ValueError:
             return False
+
+    def join(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` for the process to end; return its exit code."""
+        if self._process is not None and self._report is None:
+            self._process.join(timeout)
+        return self.exitcode
 
     # -- start ------------------------------------------------------------------
 
@@ -188,13 +194,16 @@ class PollerProcess:
         """Undo a failed start: the child and the pipe are gone afterwards."""
         process = self._process
         if process is not None and process.pid is not None:
+            if wait([process.sentinel], 0):
+                process.join(_KILL_REAP_TIMEOUT)
             if process.is_alive():
                 process.kill()
             process.join(_KILL_REAP_TIMEOUT)
         if self._conn is not None:
             self._conn.close()
         exitcode = process.exitcode if process is not None and process.pid is not None else None
-        self._report = ShutdownReport("killed", 0.0, exitcode, False)
+        stage: Stage = "killed" if exitcode == -9 else "already-exited"
+        self._report = ShutdownReport(stage, 0.0, exitcode, False)
         if exitcode is not None:
             process.close()
 
@@ -235,6 +244,9 @@ class PollerProcess:
             return ShutdownReport("no-poller", 0.0, None, False)
         self.fatal_error()  # read what the child left in the pipe before closing it
         stage: Stage
+        if wait([process.sentinel], 0):
+            # Its sentinel closes a moment before the child can be reaped.
+            process.join(_KILL_REAP_TIMEOUT)
         if not process.is_alive():
             stage = "already-exited"
         else:

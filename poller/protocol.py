@@ -165,7 +165,7 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
         kind = Kind(kind_value)
     except ValueError:
         raise ProtocolError(f"unknown message kind {kind_value}") from None
-    if not _is_int(epoch) or not _is_int(seq) or seq < 0:
+    if not _is_int(epoch) or not _is_int(seq) or seq < 0 or epoch < 0:
         raise ProtocolError("header epoch/seq are not non-negative integers")
     body = _unpack(body_frame, limits, "body")
     if not isinstance(body, dict):

@@ -13,6 +13,19 @@ from typing import Iterator
 
 import pytest
 
+# Each run gets its own temporary directory (inherited by every child), so
+# the ipc-directory check sees only this run's files, not another run's.
+_RUN_TMP = tempfile.mkdtemp(prefix="replay-tests-")
+os.environ["TMPDIR"] = _RUN_TMP
+tempfile.tempdir = None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import shutil
+
+    shutil.rmtree(_RUN_TMP, ignore_errors=True)
+
+
 # Settling time for things that end asynchronously (a reaped child, a thread
 # finishing its last statement). Generous: the machine is shared and noisy.
 _SETTLE_S = 5.0

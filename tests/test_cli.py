@@ -198,9 +198,6 @@ def test_demo_runs_and_shuts_down_gracefully(tmp_path: Path) -> None:
     assert list(private_tmp.iterdir()) == []  # its store and ipc directory were removed
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: poller/cli.py _run passes --log-level straight to "
-                                       "logging.basicConfig, so an unknown level is a ValueError traceback "
-                                       "and exit code 1, not a one-line error and exit code 2")
 def test_bad_log_level_is_a_one_line_error(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "poller", "run", "--source", SPEC,

@@ -367,6 +367,16 @@ def test_encode_diff_of_a_small_or_empty_diff_is_one_body() -> None:
         assert only["upserts"] == diff.upserts and only["deletes"] == {}
 
 
+def test_encode_diff_sends_no_empty_bodies() -> None:
+    by_count = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {})
+    bodies = encode_diff(by_count, poll=1, started=0.0, full=True, chunk_items=5, max_frame_bytes=10**6)
+    assert len(bodies) == 2
+    by_size = ListingDiff({"p": {f"k{i:03d}": {"pad": "x" * 40} for i in range(64)}}, {})
+    decoded = _decode_bodies(encode_diff(by_size, poll=1, started=0.0, full=True, chunk_items=4096,
+                                         max_frame_bytes=1000), 1000)
+    assert all(b["upserts"] or b["deletes"] for b in decoded)
+
+
 def test_encode_diff_refuses_one_entry_over_the_limit() -> None:
     diff = ListingDiff({"p": {"small": {"s": 1}, "huge": {"blob": "x" * 5000}}}, {})
     with pytest.raises(ProtocolError, match="frame limit"):
