@@ -40,7 +40,7 @@ def test_idle_poller_closes_gracefully_in_milliseconds_whatever_the_interval(db)
     pid = rb.stats()["poller_pid"]
     report = rb.close()
     assert report.stage == "graceful" and report.exitcode == 0 and report.drained
-    assert report.seconds < 2.0  # the bound is close_timeout; typical is ~10 ms
+    assert report.seconds < 5.0  # the bound is close_timeout (5 s); typically ~10 ms
     assert not _alive(pid)
     assert rb.close() is report  # idempotent: the same report
 

@@ -99,3 +99,13 @@ class CrashAfter:
         if self._polls < 0:
             os._exit(self._code)
         return self._inner.kv_list()
+
+
+class Chatty:
+    """Logs a warning on every kv_list(): it must reach the trainer's logging."""
+
+    def kv_list(self) -> Any:
+        import logging
+
+        logging.getLogger("poller.tests.chatty").warning("chatty source says hello from pid %d", os.getpid())
+        return {}
