@@ -111,7 +111,10 @@ class _Core:
         while not self.closing.is_set():
             process = self.process
             assert process is not None
-            ready = wait([process.sentinel, self._wake_r])
+            try:
+                ready = wait([process.sentinel, self._wake_r])
+            except (OSError, ValueError):  # closed under us by close()
+                return
             if self.closing.is_set():
                 return
             if process.sentinel not in ready:

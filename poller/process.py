@@ -168,8 +168,14 @@ class PollerProcess:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s")
-            ready = wait([self._conn, self._process.sentinel], remaining)
-            if self._conn in ready or self._conn.poll(0):
+            if self._report is not None:
+                raise PollerStartupError(f"poller for {spec} was closed while starting")
+            try:
+                ready = wait([self._conn, self._process.sentinel], remaining)
+                readable = self._conn in ready or self._conn.poll(0)
+            except (OSError, ValueError):  # closed by a concurrent close()
+                raise PollerStartupError(f"poller for {spec} was closed while starting") from None
+            if readable:
                 try:
                     message = lifeline.recv(self._conn)
                 except (EOFError, ValueError):
@@ -192,6 +198,11 @@ class PollerProcess:
 
     def _discard(self) -> None:
         """Undo a failed start: the child and the pipe are gone afterwards."""
+        with self._lock:
+            if self._report is None:  # else a concurrent close() already did it
+                self._discard_locked()
+
+    def _discard_locked(self) -> None:
         process = self._process
         if process is not None and process.pid is not None:
             if wait([process.sentinel], 0):
