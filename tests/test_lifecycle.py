@@ -198,3 +198,27 @@ def test_parent_sigkill_leaves_no_orphan(tmp_path, db, source):
         trainer.kill()
         trainer.wait(10)
         trainer.stdout.close()
+
+
+def test_a_picklable_callable_works_as_source(db, store):
+    from poller.sources.sqlite import SqliteSource
+
+    store.kv_put("k", "train", tag={"status": "success"})
+    with ReplayBuffer(source=SqliteSource, source_kwargs={"path": db}, poll_interval=0.05) as rb:
+        assert rb.snapshot("train") == {"k": {"status": "success"}}
+
+
+def test_a_poller_killed_from_outside_is_restarted_and_the_stream_continues(db, store):
+    store.kv_put("before", "train", tag={"status": "success"})
+    rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.02, max_restarts=1)
+    try:
+        first = rb.stats()["poller_pid"]
+        os.kill(first, signal.SIGKILL)
+        assert wait_until(lambda: rb.stats()["restarts"] == 1 and rb.stats()["poller_alive"], timeout=15)
+        assert rb.stats()["poller_pid"] != first
+        store.kv_put("after", "train", tag={"status": "success"})
+        store.kv_clear(["before"], "train")  # vanished while it was being restarted
+        assert wait_until(lambda: rb.snapshot("train") == {"after": {"status": "success"}})
+    finally:
+        report = rb.close()
+    assert report.stage == "graceful"
