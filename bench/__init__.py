@@ -1,0 +1,1 @@
+"""Runnable benchmarks. Every figure is a ratio against a baseline measured in the same run."""
