@@ -131,3 +131,12 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
         if time.monotonic() > deadline:
             return bool(predicate())
         time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

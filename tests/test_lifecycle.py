@@ -17,23 +17,13 @@ import pytest
 from buffer import ReplayBuffer
 from poller import PollerCrashed, PollerStartupError
 from poller.errors import RemoteTraceback
-from tests.conftest import wait_until
+from tests.conftest import alive as _alive, wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 HELPERS = "tests.helpers.sources"
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 # -- close stages --------------------------------------------------------------
-
 
 def test_idle_poller_closes_gracefully_in_milliseconds_whatever_the_interval(db):
     rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=30.0)
@@ -44,13 +34,11 @@ def test_idle_poller_closes_gracefully_in_milliseconds_whatever_the_interval(db)
     assert not _alive(pid)
     assert rb.close() is report  # idempotent: the same report
 
-
 def test_poller_stuck_in_kv_list_still_closes_gracefully(db):
     rb = ReplayBuffer(source=f"{HELPERS}:Hanging", source_kwargs={"path": db, "after": 1}, poll_interval=0.01)
     time.sleep(0.2)  # the second kv_list() is now blocked for good
     report = rb.close(timeout=3)
     assert report.stage == "graceful" and report.exitcode == 0 and report.drained
-
 
 @pytest.mark.parametrize("sigterm, stage", [("default", "terminated"), ("ignore", "killed")])
 def test_a_poller_that_ignores_stop_is_terminated_or_killed(tmp_path, sigterm, stage):
@@ -65,7 +53,6 @@ def test_a_poller_that_ignores_stop_is_terminated_or_killed(tmp_path, sigterm, s
     assert report.exitcode == (-signal.SIGTERM if stage == "terminated" else -signal.SIGKILL)
     assert time.monotonic() - started < 0.5 * 2 + 5.0
 
-
 def test_concurrent_closes_all_get_the_same_report(db):
     rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05)
     reports: list = []
@@ -77,9 +64,7 @@ def test_concurrent_closes_all_get_the_same_report(db):
     assert len(reports) == 4 and all(r is reports[0] for r in reports)
     assert reports[0].stage == "graceful"
 
-
 # -- start-up failures -----------------------------------------------------------
-
 
 @pytest.mark.parametrize("source, kwargs, match", [
     ("no.such.module:Thing", {}, "ModuleNotFoundError"),
@@ -95,13 +80,11 @@ def test_startup_failure_raises_with_the_child_traceback_and_leaves_nothing(sour
     assert isinstance(cause, RemoteTraceback)
     assert "Traceback" in cause.traceback_text
 
-
 def test_no_ready_before_the_deadline_is_a_startup_error(tmp_path):
     started = time.monotonic()
     with pytest.raises(PollerStartupError, match="no READY within 1s"):
         ReplayBuffer(source=f"{HELPERS}:slow_factory", source_kwargs={"seconds": 60}, start_timeout=1)
     assert time.monotonic() - started < 10
-
 
 class _Trainer:
     """Like a verl trainer: the buffer comes first, a later init step fails."""
@@ -110,7 +93,6 @@ class _Trainer:
         self.replay_buffer = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05)
         self.pid = self.replay_buffer.stats()["poller_pid"]
         raise RuntimeError("model init failed")
-
 
 def test_a_trainer_whose_init_fails_leaks_nothing(db):
     with pytest.raises(RuntimeError, match="model init failed") as info:
@@ -121,9 +103,7 @@ def test_a_trainer_whose_init_fails_leaks_nothing(db):
     gc.collect()
     assert wait_until(lambda: not _alive(pid), timeout=5)
 
-
 # -- crashes and restarts ------------------------------------------------------------
-
 
 def test_a_crashing_poller_is_restarted_then_sample_raises_poller_crashed(store, db):
     store.kv_put("a", "train", tag={"status": "success"})
@@ -140,7 +120,6 @@ def test_a_crashing_poller_is_restarted_then_sample_raises_poller_crashed(store,
         report = rb.close()
     assert report.stage == "already-exited"
 
-
 def test_persistent_source_errors_end_in_poller_crashed_with_the_remote_traceback():
     rb = ReplayBuffer(source=f"{HELPERS}:Raising", poll_interval=0.01, max_restarts=1)
     try:
@@ -154,7 +133,6 @@ def test_persistent_source_errors_end_in_poller_crashed_with_the_remote_tracebac
     finally:
         rb.close()
 
-
 def test_garbage_from_the_source_is_a_source_error_not_a_broken_stream():
     rb = ReplayBuffer(source=f"{HELPERS}:Garbage", poll_interval=0.01, max_restarts=0)
     try:
@@ -165,7 +143,6 @@ def test_garbage_from_the_source_is_a_source_error_not_a_broken_stream():
         del info
     finally:
         rb.close()
-
 
 # -- parent death ---------------------------------------------------------------------
 
@@ -179,7 +156,6 @@ _TRAINER = textwrap.dedent("""
         print(rb.stats()["poller_pid"], flush=True)
         time.sleep(120)
 """)
-
 
 @pytest.mark.parametrize("source", [SQLITE, f"{HELPERS}:Hanging"])
 def test_parent_sigkill_leaves_no_orphan(tmp_path, db, source):
@@ -199,14 +175,12 @@ def test_parent_sigkill_leaves_no_orphan(tmp_path, db, source):
         trainer.wait(10)
         trainer.stdout.close()
 
-
 def test_a_picklable_callable_works_as_source(db, store):
     from poller.sources.sqlite import SqliteSource
 
     store.kv_put("k", "train", tag={"status": "success"})
     with ReplayBuffer(source=SqliteSource, source_kwargs={"path": db}, poll_interval=0.05) as rb:
         assert rb.snapshot("train") == {"k": {"status": "success"}}
-
 
 def test_a_poller_killed_from_outside_is_restarted_and_the_stream_continues(db, store):
     store.kv_put("before", "train", tag={"status": "success"})

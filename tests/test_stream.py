@@ -11,8 +11,7 @@ import zmq
 
 from buffer import ReplayBuffer
 from poller.protocol import Kind, Message, decode, encode, encode_body, encode_header
-from tests.conftest import wait_until
-
+from tests.conftest import alive as _alive, wait_until
 
 class Peer:
     """A scripted poller: sends exactly the frames a test asks for."""
@@ -48,20 +47,17 @@ class Peer:
         self.sock.close(0)
         self.ctx.term()
 
-
 @pytest.fixture
 def rb():
     buffer = ReplayBuffer(bind="tcp://127.0.0.1:0")
     yield buffer
     buffer.close()
 
-
 @pytest.fixture
 def peer(rb):
     p = Peer(rb.endpoint)
     yield p
     p.close()
-
 
 def test_a_snapshot_then_deltas_apply_and_a_new_snapshot_drops_what_vanished(rb, peer):
     peer.ready()
@@ -72,7 +68,6 @@ def test_a_snapshot_then_deltas_apply_and_a_new_snapshot_drops_what_vanished(rb,
     rb.add("p", {"local": {"status": "running"}})  # never listed by a source: kept
     peer.delta({"p": {"c": {"x": 1}}}, full=True, reset=True)  # "a" is gone from the store
     assert wait_until(lambda: rb.snapshot("p") == {"c": {"x": 1}, "local": {"status": "running"}})
-
 
 def test_a_gap_asks_for_a_resync_and_stale_deltas_are_ignored_until_the_snapshot(rb, peer):
     peer.ready()
@@ -85,13 +80,11 @@ def test_a_gap_asks_for_a_resync_and_stale_deltas_are_ignored_until_the_snapshot
     peer.delta({"p": {"a": {"v": 2}, "fresh": {"v": 1}}}, full=True, reset=True)
     assert wait_until(lambda: rb.snapshot("p") == {"a": {"v": 2}, "fresh": {"v": 1}})
 
-
 def test_an_unknown_epoch_mid_stream_asks_for_a_resync(rb, peer):
     peer.delta({"p": {"a": {"v": 1}}}, seq=5)  # no READY: we joined mid-stream
     request = peer.recv()
     assert request is not None and request.kind is Kind.RESYNC
     assert rb.snapshot("p") == {}
-
 
 def test_replayed_sequence_numbers_are_counted_and_dropped(rb, peer):
     peer.ready()
@@ -100,7 +93,6 @@ def test_replayed_sequence_numbers_are_counted_and_dropped(rb, peer):
     peer.delta({"p": {"a": {"v": 99}}}, seq=1)  # a replay of seq 1
     assert wait_until(lambda: rb.stats()["protocol_errors"] == 1)
     assert rb.snapshot("p") == {"a": {"v": 1}}
-
 
 @pytest.mark.parametrize("frames", [
     [b"\xc1"],                                              # one frame, invalid msgpack
@@ -121,7 +113,6 @@ def test_malformed_input_is_counted_and_logged_and_the_stream_survives(rb, peer,
     peer.delta({"p": {"ok": {"v": 1}}}, full=True, reset=True)
     assert wait_until(lambda: rb.snapshot("p") == {"ok": {"v": 1}})
 
-
 def test_poller_warnings_reach_the_trainers_poller_logger(caplog):
     caplog.set_level(logging.WARNING, logger="poller")
     rb = ReplayBuffer(source="tests.helpers.sources:Chatty", poll_interval=0.02)
@@ -132,7 +123,6 @@ def test_poller_warnings_reach_the_trainers_poller_logger(caplog):
     finally:
         rb.close()
 
-
 def test_a_dropped_buffer_is_closed_by_its_finalizer(db):
     import gc
 
@@ -141,11 +131,3 @@ def test_a_dropped_buffer_is_closed_by_its_finalizer(db):
     del rb
     gc.collect()
     assert wait_until(lambda: not _alive(pid), timeout=5)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
