@@ -184,6 +184,7 @@ class _Core:
             # A restart that was starting a new child when we looked.
             if self.process is not process and self.process is not None:
                 self.process.close(timeout)
+                self._supervisor.join(timeout + 1.0)
         self.store.close()
         self.receiver.stop()
         for fd in (self._wake_r, self._wake_w):
