@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -24,6 +25,19 @@ from poller.sources.sqlite import SqliteSource
 
 def _idle() -> None:
     time.sleep(60)
+
+
+class StuckAfterFirstPoll:
+    """A source whose second ``kv_list()`` never returns (a store gone away)."""
+
+    def __init__(self) -> None:
+        self._calls = 0
+
+    def kv_list(self) -> dict:
+        self._calls += 1
+        if self._calls > 1:
+            threading.Event().wait()
+        return {}
 
 
 def _median(fn: Callable[[], float], repeat: int) -> float:
@@ -65,7 +79,7 @@ def close_idle(db: str) -> float:
 
 
 def close_stuck() -> float:
-    rb = ReplayBuffer(source="tests.helpers.sources:Hanging", source_kwargs={"after": 1}, poll_interval=0.01)
+    rb = ReplayBuffer(source="bench.lifecycle:StuckAfterFirstPoll", poll_interval=0.01)
     time.sleep(0.05)
     report = rb.close()
     assert report.stage == "graceful", report

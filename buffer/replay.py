@@ -27,6 +27,7 @@ from typing import Any, Iterable, Mapping
 from poller.errors import PollerCrashed, PollerStartupError
 from poller.process import PollerProcess, ShutdownReport
 from poller.sources import SourceSpec
+from poller.wakeup import WakePipe
 
 from .errors import BufferClosed
 from .store import BatchMeta, ReplayStore, Tags
@@ -73,7 +74,7 @@ class _Core:
         self._close_lock = threading.Lock()
         self._report: ShutdownReport | None = None
         self._supervisor: threading.Thread | None = None
-        self._wake_r, self._wake_w = os.pipe()
+        self._wake = WakePipe()
         self._ipc_dir: str | None = None
         if bind is None:
             # Private by default: a 0700 directory only this user can enter.
@@ -112,7 +113,7 @@ class _Core:
             process = self.process
             assert process is not None
             try:
-                ready = wait([process.sentinel, self._wake_r])
+                ready = wait([process.sentinel, self._wake.read_fd])
             except (OSError, ValueError):  # closed under us by close()
                 return
             if self.closing.is_set():
@@ -165,10 +166,7 @@ class _Core:
     def _close(self, timeout: float) -> ShutdownReport:
         started = time.monotonic()
         self.closing.set()
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:
-            pass
+        self._wake.poke()
         if self._supervisor is not None:
             # The supervisor may be mid-restart: its start() ends as soon as
             # the child it is waiting for is closed below.
@@ -187,11 +185,7 @@ class _Core:
                 self._supervisor.join(timeout + 1.0)
         self.store.close()
         self.receiver.stop()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake.close()
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         report = report._replace(seconds=time.monotonic() - started)

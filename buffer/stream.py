@@ -10,17 +10,17 @@ pipe, so the socket is used by the thread that created it alone.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
-from poller.errors import ProtocolError, RemoteTraceback
+from poller.errors import ProtocolError
 from poller.protocol import Kind, decode, encode_body, encode_header
+from poller.wakeup import WakePipe
 
 from .store import ReplayStore
 
@@ -39,8 +39,6 @@ class _Peer:
     bye_seq: int | None = None
     pid: int | None = None
     rss: int = 0
-    source_errors: int = 0
-    last_error: RemoteTraceback | None = None
     polls_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
 
@@ -53,14 +51,12 @@ class StreamReceiver:
         self._requested_endpoint = endpoint
         self.endpoint: str | None = None
         self._commands: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake = WakePipe()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="replay-receiver", daemon=True)
         self._peers: dict[bytes, _Peer] = {}
-        self._bye = threading.Condition()
+        self._events = threading.Condition()
         self.messages = 0
         self.items_received = 0
         self.bytes_received = 0
@@ -84,40 +80,33 @@ class StreamReceiver:
 
     def _command(self, *command: Any) -> None:
         self._commands.put(command)
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:
-            pass
+        self._wake.poke()
 
     def send_control(self, peer: str, kind: Kind, reason: str) -> None:
         """Queue a STOP or RESYNC for ``peer``."""
         self._command("send", peer.encode(), kind, reason)
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
-        """Wait until ``peer``'s BYE of ``epoch`` was applied with no gap before it."""
-        deadline = time.monotonic() + timeout
-        with self._bye:
-            while True:
-                state = self._peers.get(peer.encode())
-                if state is not None and state.epoch == epoch and state.bye_seq is not None:
-                    return state.contiguous
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._thread.is_alive():
-                    return False
-                self._bye.wait(remaining)
+        """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""
+        state = self._wait_for(peer, lambda p: p.epoch == epoch and p.bye_seq is not None, timeout)
+        return state is not None and state.contiguous
 
     def wait_first_poll(self, peer: str, timeout: float) -> bool:
         """Wait until ``peer`` has had one complete poll applied."""
+        return self._wait_for(peer, lambda p: p.polls_applied > 0, timeout) is not None
+
+    def _wait_for(self, peer: str, predicate: Callable[[_Peer], bool], timeout: float) -> _Peer | None:
         deadline = time.monotonic() + timeout
-        with self._bye:
+        identity = peer.encode()
+        with self._events:
             while True:
-                state = self._peers.get(peer.encode())
-                if state is not None and state.polls_applied > 0:
-                    return True
+                state = self._peers.get(identity)
+                if state is not None and predicate(state):
+                    return state
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._thread.is_alive():
-                    return False
-                self._bye.wait(remaining)
+                    return None
+                self._events.wait(remaining)
 
     def peer_info(self, peer: str) -> _Peer | None:
         return self._peers.get(peer.encode())
@@ -133,11 +122,7 @@ class StreamReceiver:
             if self._thread.is_alive():
                 logger.error("receiver thread did not stop within %ss", timeout)
                 return
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake.close()
 
     # -- the thread -------------------------------------------------------------
 
@@ -165,21 +150,17 @@ class StreamReceiver:
         finally:
             sock.close(0)
             ctx.term()
-            with self._bye:
-                self._bye.notify_all()
+            with self._events:
+                self._events.notify_all()
 
     def _loop(self, sock: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake.read_fd, zmq.POLLIN)
         while True:
             events = dict(poller.poll(1000))
-            if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
+            if self._wake.read_fd in events:
+                self._wake.drain()
             while True:
                 try:
                     command = self._commands.get_nowait()
@@ -294,30 +275,28 @@ class StreamReceiver:
                 self._store.end_snapshot(peer.name)
             self._store.poll_completed(peer.name, body["t"])
             if peer.polls_applied == 0:
-                with self._bye:
+                with self._events:
                     peer.polls_applied += 1
-                    self._bye.notify_all()
+                    self._events.notify_all()
             else:
                 peer.polls_applied += 1
 
     def _on_heartbeat(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         peer.rss = message.body["rss"]
-        peer.source_errors = message.body["source_errors"]
 
     def _on_error(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         body = message.body
         self.source_errors += 1
-        peer.last_error = RemoteTraceback(body["type"], body["message"], body["traceback"])
         logger.log(logging.ERROR if body["fatal"] else logging.WARNING,
                    "poller %s: kv_list() failed%s: %s: %s", peer.name,
                    " for good" if body["fatal"] else f" ({body.get('count', '?')} in a row), retrying",
                    body["type"], body["message"])
 
     def _on_bye(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
-        with self._bye:
+        with self._events:
             peer.bye_seq = message.body["last_seq"]
             peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
-            self._bye.notify_all()
+            self._events.notify_all()
         logger.debug("poller %s said BYE: %s", peer.name, message.body["reason"])
 
     def _on_log(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:

@@ -15,8 +15,8 @@ import socket
 import sys
 from typing import Sequence
 
-from .sources import load_source
-from .worker import ExitCode, WorkerConfig, run_standalone
+from .errors import PollerStartupError
+from .worker import WorkerConfig, run_standalone
 
 __all__ = ["main", "main_entry"]
 
@@ -63,21 +63,14 @@ def _run(args: argparse.Namespace) -> int:
         print(f"python -m poller run: error: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        # Build once here so a bad spec is a one-line error, not a traceback.
-        source = load_source(args.source, kwargs)
-        close = getattr(source, "close", None)
-        if callable(close):
-            close()
-    except Exception as exc:
-        print(f"python -m poller run: error: cannot build source {args.source!r}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        return 2
     name = args.name or _default_name(args.source, args.source_kwargs)
     config = WorkerConfig(source=args.source, source_kwargs=kwargs, endpoint=args.connect, name=name,
                           interval=args.interval)
-    code = run_standalone(config)
-    return code if code in (ExitCode.OK, ExitCode.SOURCE_FAILED) else 2
+    try:
+        return run_standalone(config)
+    except PollerStartupError as exc:
+        print(f"python -m poller run: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _default_name(spec: str, kwargs_json: str) -> str:

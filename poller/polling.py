@@ -10,7 +10,6 @@ socket and stamps sequence numbers.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -21,15 +20,12 @@ from .errors import ProtocolError
 from .protocol import Kind, encode_body, encode_delta, pack_delta_payload
 from .sources import Source
 
-__all__ = ["PollingThread", "ListingDiff", "diff_listing", "normalize_listing", "Outgoing"]
+__all__ = ["PollingThread", "ListingDiff", "diff_listing", "encode_diff", "normalize_listing"]
 
 logger = logging.getLogger(__name__)
 
 Tags = dict[str, Any]
 Listing = dict[str, dict[str, Tags]]
-
-#: What the polling thread hands to the control loop: (kind, encoded body).
-Outgoing = tuple[Kind, bytes]
 
 
 def normalize_listing(raw: Any) -> Listing:

@@ -33,10 +33,11 @@ from typing import Any, Deque
 import zmq
 
 from . import lifeline
-from .errors import ProtocolError
+from .errors import PollerStartupError, ProtocolError
 from .polling import PollingThread
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
 from .sources import SourceSpec, describe_spec, load_source
+from .wakeup import WakePipe
 
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
@@ -47,6 +48,7 @@ class ExitCode:
     """Exit statuses of the poller process."""
 
     OK = 0
+    CRASHED = 1
     STARTUP_FAILED = 2
     SOURCE_FAILED = 3
     ORPHANED = 4
@@ -81,23 +83,38 @@ def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
     Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
     forever, and a normal interpreter shutdown would only slow the exit.
     """
-    code = ExitCode.STARTUP_FAILED
+    code = ExitCode.CRASHED
     try:
         code = _ControlLoop(config, lifeline_conn).run()
+    except BaseException as exc:
+        # A bug in the loop itself: os._exit below would swallow it, so the
+        # traceback goes to the parent, which raises it as PollerCrashed's cause.
+        lifeline.send(lifeline_conn, "fatal", **lifeline.exception_fields(exc))
     finally:
         logging.shutdown()
         os._exit(code)
 
 
 def run_standalone(config: WorkerConfig) -> int:
-    """Run a poller in this process until STOP, SIGTERM or SIGINT; return its exit code."""
-    return _ControlLoop(config, None).run()
+    """Run a poller in this process until STOP, SIGTERM or SIGINT; return its exit code.
+
+    Raises:
+        PollerStartupError: the source could not be built or the endpoint
+            not connected; the original exception is the ``__cause__``.
+    """
+    loop = _ControlLoop(config, None)
+    code = loop.run()
+    if loop.startup_error is not None:
+        exc = loop.startup_error
+        raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+    return code
 
 
 class _ForwardingHandler(logging.Handler):
     """Queues WARNING+ records so the control loop can send them as LOG."""
 
-    def __init__(self, wake: "_WakePipe") -> None:
+    def __init__(self, wake: WakePipe) -> None:
         super().__init__(logging.WARNING)
         self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
         self._wake = wake
@@ -109,35 +126,6 @@ class _ForwardingHandler(logging.Handler):
             self._wake.poke()
         except Exception:  # a log call must never break the poller
             self.handleError(record)
-
-
-class _WakePipe:
-    """A non-blocking self-pipe whose read end the zmq poller can watch."""
-
-    def __init__(self) -> None:
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        os.set_blocking(self.write_fd, False)
-
-    def poke(self) -> None:
-        try:
-            os.write(self.write_fd, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # already awake, or closing
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.read_fd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        for fd in (self.read_fd, self.write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 def _rss_bytes() -> int:
@@ -166,10 +154,11 @@ class _ControlLoop:
         self.parent_pid = os.getppid()
         self.outbox: Deque[list[bytes]] = collections.deque()
         self.items: "queue.Queue[tuple[Kind, bytes]]" = queue.Queue(maxsize=64)
-        self.data_wake = _WakePipe()
-        self.signal_wake = _WakePipe()
+        self.data_wake = WakePipe()
+        self.signal_wake = WakePipe()
         self.log_handler = _ForwardingHandler(self.data_wake)
         self.thread: PollingThread | None = None
+        self.startup_error: BaseException | None = None
 
     # -- set-up ---------------------------------------------------------------
 
@@ -297,7 +286,9 @@ class _ControlLoop:
             except BaseException as exc:
                 if self.lifeline is not None:
                     lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc))
-                logger.error("poller failed to start: %s: %s", type(exc).__name__, exc)
+                # Reported to the caller (lifeline or run_standalone), so not logged twice.
+                logger.debug("poller failed to start: %r", exc)
+                self.startup_error = exc
                 self.exit_code = ExitCode.STARTUP_FAILED
                 return self.exit_code
             self._queue_message(Kind.READY, encode_body(Kind.READY, {

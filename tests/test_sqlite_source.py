@@ -7,7 +7,7 @@ import multiprocessing
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -227,6 +227,19 @@ def _reap(procs: list[Any]) -> None:
             proc.close()
 
 
+def _run_all(procs: list[Any], started: Callable[[], None] = lambda: None) -> list[int | None]:
+    """Start every process, call ``started()``, join each with a deadline; always reap."""
+    try:
+        for proc in procs:
+            proc.start()
+        started()
+        for proc in procs:
+            proc.join(JOIN_TIMEOUT)
+        return [proc.exitcode for proc in procs]
+    finally:
+        _reap(procs)
+
+
 def _fresh_file_writer(path: str, index: int, gate: Any) -> None:
     """Child: wait for the gate, then be one of several first openers of a new file."""
     if not gate.wait(JOIN_TIMEOUT):
@@ -241,16 +254,7 @@ def test_processes_opening_a_new_file_at_once(db: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
     gate = ctx.Event()
     procs = [ctx.Process(target=_fresh_file_writer, args=(str(db), n, gate)) for n in range(N_PROCS)]
-    try:
-        for proc in procs:
-            proc.start()
-        gate.set()
-        for proc in procs:
-            proc.join(JOIN_TIMEOUT)
-        exitcodes = [proc.exitcode for proc in procs]
-    finally:
-        _reap(procs)
-    assert exitcodes == [0] * N_PROCS
+    assert _run_all(procs, gate.set) == [0] * N_PROCS
     with SqliteSource(db) as store:
         assert store.kv_list() == {"p": {f"k{n}": {"index": n} for n in range(N_PROCS)}}
 
@@ -263,15 +267,7 @@ def test_concurrent_writers_from_three_processes(db: Path) -> None:
         ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=_concurrent_writer, args=(str(db), n), name=f"sqlite-writer-{n}")
                  for n in range(N_PROCS)]
-        try:
-            for proc in procs:
-                proc.start()
-            for proc in procs:
-                proc.join(JOIN_TIMEOUT)
-            exitcodes = [proc.exitcode for proc in procs]
-        finally:
-            _reap(procs)
-        assert exitcodes == [0] * N_PROCS
+        assert _run_all(procs) == [0] * N_PROCS
 
         listing = store.kv_list()
         rows = listing["train"]
