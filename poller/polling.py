@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from .errors import ProtocolError
-from .protocol import Kind, encode_body, encode_delta, pack_delta_payload
+from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, pack_delta_payload
 from .sources import Source
 
 __all__ = ["PollingThread", "ListingDiff", "diff_listing", "encode_diff", "normalize_listing"]
@@ -134,9 +134,10 @@ def encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
     every poll carries ``end``, which tells the receiver the poll is complete.
 
     Raises:
-        ProtocolError: a value msgpack cannot encode, or one key whose tags
-            alone exceed ``max_frame_bytes``.
+        ProtocolError: a value msgpack cannot encode or the receiver would
+            refuse, or one key whose tags alone exceed ``max_frame_bytes``.
     """
+    check_decodable(diff.upserts, Limits(max_frame_bytes=max_frame_bytes))
     pending = list(_chunks(diff, chunk_items))
     payloads: list[bytes] = []
     while pending:

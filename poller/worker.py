@@ -38,6 +38,7 @@ from .polling import PollingThread
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
 from .sources import SourceSpec, describe_spec, load_source
 from .wakeup import WakePipe
+from .watchdog import start_watchdog
 
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
@@ -85,6 +86,9 @@ def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
     """
     code = ExitCode.CRASHED
     try:
+        # First, while this process has no threads: the watchdog ends us if
+        # the trainer dies while we cannot notice (building, wedged, stopped).
+        start_watchdog(lifeline_conn.fileno(), config.orphan_cleanup)
         code = _ControlLoop(config, lifeline_conn).run()
     except BaseException as exc:
         # A bug in the loop itself: os._exit below would swallow it, so the
