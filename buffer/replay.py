@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -102,8 +103,13 @@ class _Core:
 
     def _new_process(self) -> PollerProcess:
         assert self.source is not None and self.endpoint is not None
+        # The epoch is chosen here, not by the child, so the receiver knows it
+        # before the child's first message: anyone else using the name is refused.
+        epoch = secrets.randbits(62) + 1
+        self.receiver.expect(self.name, epoch)
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
-                             name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir)
+                             name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
+                             epoch=epoch)
 
     # -- supervision ----------------------------------------------------------------
 

@@ -28,6 +28,9 @@ __all__ = ["StreamReceiver"]
 
 logger = logging.getLogger(__name__)
 
+# How long a RESYNC may stay unanswered before it is asked for again.
+_RESYNC_RETRY_S = 1.0
+
 
 @dataclass
 class _Peer:
@@ -41,6 +44,7 @@ class _Peer:
     rss: int = 0
     polls_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    resync_asked_at: float = 0.0
 
 
 class StreamReceiver:
@@ -64,6 +68,10 @@ class StreamReceiver:
         self.source_errors = 0
         self.last_message_at: float | None = None
         self._stopped = False
+        # identity -> the one epoch its own poller process uses (set by the
+        # buffer that spawned it), and the epochs of its earlier processes.
+        self._expected: dict[bytes, int] = {}
+        self._retired: dict[bytes, set[int]] = {}
 
     # -- control from other threads ---------------------------------------------
 
@@ -85,6 +93,21 @@ class StreamReceiver:
     def send_control(self, peer: str, kind: Kind, reason: str) -> None:
         """Queue a STOP or RESYNC for ``peer``."""
         self._command("send", peer.encode(), kind, reason)
+
+    def expect(self, peer: str, epoch: int) -> None:
+        """From now on only ``epoch`` may speak as ``peer``; earlier epochs are dropped quietly.
+
+        Called before the poller process with that epoch starts, so no message
+        of it can arrive first.
+        """
+        identity = peer.encode()
+        previous = self._expected.get(identity)
+        if previous is not None:
+            retired = self._retired.setdefault(identity, set())
+            retired.add(previous)
+            if len(retired) > 64:  # restarts are few; keep the set bounded anyway
+                retired.discard(min(retired))
+        self._expected[identity] = epoch
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
         """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""
@@ -131,8 +154,14 @@ class StreamReceiver:
         sock = ctx.socket(zmq.ROUTER)
         try:
             sock.setsockopt(zmq.LINGER, 0)
-            # A restarted poller reuses its name; let it take over the identity.
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # No ROUTER_HANDOVER: with it, a second connection using a name
+            # silently cut the first one off for good (its messages went
+            # nowhere). Without it the second one is refused while the first
+            # lives; a restarted poller connects after its predecessor's
+            # connection closed. ZMTP heartbeats close a connection whose
+            # peer vanished without closing it (a dead host), freeing its name.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
             sock.setsockopt(zmq.RCVHWM, 10000)
             sock.bind(self._requested_endpoint)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -195,6 +224,14 @@ class StreamReceiver:
         except ProtocolError as exc:
             self._protocol_error(identity, str(exc))
             return
+        expected = self._expected.get(identity)
+        if expected is not None and message.epoch != expected:
+            if message.epoch in self._retired.get(identity, ()):
+                logger.debug("dropped a late %s from an earlier process of %r", message.kind.name, identity)
+            else:
+                self._protocol_error(identity, f"epoch {message.epoch} claims the identity of the buffer's "
+                                               f"own poller (epoch {expected}); dropped")
+            return
         self.messages += 1
         self.last_message_at = time.monotonic()
         peer = self._peers.get(identity)
@@ -248,6 +285,7 @@ class StreamReceiver:
 
     def _request_resync(self, sock: zmq.Socket, identity: bytes, peer: _Peer, why: str) -> None:
         peer.awaiting_resync = True
+        peer.resync_asked_at = time.monotonic()
         self._send(sock, identity, Kind.RESYNC, why)
 
     # -- per kind -----------------------------------------------------------------
@@ -260,7 +298,12 @@ class StreamReceiver:
         body = message.body
         if peer.awaiting_resync:
             if not (body["full"] and body["reset"]):
-                return  # stale: everything until the snapshot is superseded by it
+                # Stale: everything until the snapshot is superseded by it. A
+                # request can be lost (sent while the route was down), so ask
+                # again now and then rather than wait forever.
+                if time.monotonic() - peer.resync_asked_at > _RESYNC_RETRY_S:
+                    self._request_resync(sock, identity, peer, "resync still awaited")
+                return
             peer.awaiting_resync = False
         if body["full"] and body["reset"]:
             self._store.begin_snapshot(peer.name)

@@ -76,6 +76,9 @@ class WorkerConfig:
     # A directory the parent would have removed on close (its private ipc
     # directory); an orphaned poller removes it, since the parent cannot.
     orphan_cleanup: str | None = None
+    # The stream's epoch, when the parent chose it (so its receiver knows it
+    # before the first message and can refuse anyone else using the name).
+    epoch: int | None = None
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
@@ -151,7 +154,7 @@ class _ControlLoop:
         self.config = config
         self.lifeline = lifeline_conn
         self.embedded = lifeline_conn is not None
-        self.epoch = secrets.randbits(62) + 1
+        self.epoch = config.epoch or secrets.randbits(62) + 1
         self.seq = -1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK

@@ -2,8 +2,8 @@
 
 Each acts on the file at ``path`` from outside, the way an operator, a full
 disk or a second program would: :func:`delete` removes it (and its WAL and
-shared-memory files), :func:`lock` holds an exclusive lock that blocks every
-reader, :func:`corrupt` overwrites it with noise.
+shared-memory files), :func:`lock` holds its write lock, :func:`corrupt`
+overwrites it with noise.
 """
 
 from __future__ import annotations
@@ -30,16 +30,15 @@ def delete(path: str) -> None:
 
 @contextmanager
 def lock(path: str) -> Iterator[None]:
-    """Hold the database exclusively for the block: readers and writers get "database is locked".
+    """Hold the database's write lock for the block, as a stuck writer would.
 
-    In WAL mode a plain write lock lets readers go on; ``locking_mode =
-    EXCLUSIVE`` with a write keeps everyone else out until it is released.
+    Writers then wait their ``timeout`` and fail with "database is locked".
+    In WAL mode readers (the poller's ``kv_list()``) go on: a lock that
+    blocks them too cannot be had while any other connection is open.
     """
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=10.0)
     try:
-        conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-        conn.execute("BEGIN EXCLUSIVE")
-        conn.execute("CREATE TABLE IF NOT EXISTS _fault_lock (x)")
+        conn.execute("BEGIN IMMEDIATE")
         yield
         conn.execute("ROLLBACK")
     finally:
@@ -47,9 +46,14 @@ def lock(path: str) -> Iterator[None]:
 
 
 def corrupt(path: str, seed: int = 0) -> None:
-    """Overwrite the database and its WAL with seeded noise (at least one page each)."""
+    """Overwrite the database, its WAL and its shared-memory index with seeded noise.
+
+    The index is what open connections consult to see whether their cached
+    pages are still good: with it overwritten too they notice at once, as
+    they would after a torn write by another process.
+    """
     rng = random.Random(seed)
-    for suffix in ("", "-wal"):
+    for suffix in _SIDE_FILES:
         try:
             size = os.path.getsize(path + suffix)
         except FileNotFoundError:
