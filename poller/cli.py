@@ -13,7 +13,7 @@ import json
 import logging
 import socket
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from .errors import PollerStartupError
 from .worker import WorkerConfig, run_standalone
@@ -31,7 +31,8 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="run a standalone poller that connects to a buffer's endpoint",
                               description="Run a standalone poller. SIGTERM or Ctrl-C: drain, BYE, exit 0.")
-    run.add_argument("--source", required=True, help="source spec, 'package.module:attr'")
+    run.add_argument("--source", default=None,
+                     help="source spec, 'package.module:attr' (required unless --fault is given)")
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
@@ -39,6 +40,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="stream name; a restarted poller with the same name continues the same stream "
                           "(default: derived from host, source and kwargs)")
     run.add_argument("--log-level", default="WARNING", help="logging level on stderr (default WARNING)")
+    run.add_argument("--fault", default=None, metavar="NAME[:key=value,...]",
+                     help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
     demo = commands.add_parser("demo", help="run the end-to-end demo on the embedded SQLite store",
                                description="Rollout writers, a SQLite store, a ReplayBuffer and a trainer loop.")
     from . import demo as demo_module  # the demo's own flags live with it
@@ -55,6 +58,11 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"python -m poller run: error: bad --source-kwargs: {exc}", file=sys.stderr)
         return 2
+    try:
+        spec, kwargs = _source_of(args, kwargs)
+    except ValueError as exc:
+        print(f"python -m poller run: error: {exc}", file=sys.stderr)
+        return 2
     if not args.interval > 0:  # also refuses NaN
         print("python -m poller run: error: --interval must be positive", file=sys.stderr)
         return 2
@@ -63,14 +71,25 @@ def _run(args: argparse.Namespace) -> int:
         print(f"python -m poller run: error: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    name = args.name or _default_name(args.source, args.source_kwargs)
-    config = WorkerConfig(source=args.source, source_kwargs=kwargs, endpoint=args.connect, name=name,
+    name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
+    config = WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
                           interval=args.interval)
     try:
         return run_standalone(config)
     except PollerStartupError as exc:
         print(f"python -m poller run: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The spec and kwargs to run: ``--source``, or ``--fault`` wrapping it."""
+    if args.fault is None:
+        if args.source is None:
+            raise ValueError("--source is required (or --fault)")
+        return args.source, kwargs
+    from .faults import parse_fault
+
+    return parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
 
 
 def _default_name(spec: str, kwargs_json: str) -> str:
