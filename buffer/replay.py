@@ -304,6 +304,7 @@ class ReplayBuffer:
             "keys": core.store.key_count(),
             "poller_rss": peer.rss if peer else None,
             "endpoint": core.endpoint,
+            "poller_name": core.name if core.source is not None else None,
         }
 
     def close(self, timeout: float | None = None) -> ShutdownReport:

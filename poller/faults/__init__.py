@@ -12,7 +12,8 @@ Each fault is a factory named by spec, so a spawned poller can build it::
 A fault wraps an optional *inner* source (``inner`` spec plus
 ``inner_kwargs``; without one it lists nothing) and behaves like it until it
 *fires*: after ``after`` successful calls and ``after_s`` seconds since it was
-built. ``marker`` names a file written (with the pid) when it fires; with
+built, and (when ``when_exists`` names a file) once that file exists, so a
+test can pull the trigger at the moment it chooses. ``marker`` names a file written (with the pid) when it fires; with
 ``once=True`` the fault fires in the first process that creates the marker
 only, so a restarted poller runs clean. Faults that take the whole process
 down (``crash``, ``freeze``) or wedge its control loop (``ignore_stop``,
@@ -58,7 +59,8 @@ class Fault:
     """A source that lists ``inner`` until it fires, then calls :meth:`misbehave`."""
 
     def __init__(self, *, inner: SourceSpec | None = None, inner_kwargs: Mapping[str, Any] | None = None,
-                 after: int = 0, after_s: float = 0.0, marker: str | None = None, once: bool = False) -> None:
+                 after: int = 0, after_s: float = 0.0, when_exists: str | None = None, marker: str | None = None,
+                 once: bool = False) -> None:
         if not isinstance(after, int) or after < 0:
             raise ValueError(f"after must be a non-negative int, got {after!r}")
         if not after_s >= 0:
@@ -68,6 +70,7 @@ class Fault:
         self.inner = load_source(inner, inner_kwargs) if inner is not None else None
         self.after = after
         self.after_s = float(after_s)
+        self.when_exists = when_exists
         self.marker = marker
         self.once = once
         self.calls = 0
@@ -91,6 +94,8 @@ class Fault:
 
     def _armed(self) -> bool:
         if self._disarmed or self.calls <= self.after or time.monotonic() - self._born < self.after_s:
+            return False
+        if self.when_exists is not None and not os.path.exists(self.when_exists):
             return False
         if self.fired == 0 and self.marker:
             if self.once:
