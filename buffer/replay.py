@@ -72,7 +72,9 @@ class _Core:
         self.restarts = 0
         self.process: PollerProcess | None = None
         self.closing = threading.Event()
-        self._close_lock = threading.Lock()
+        # Reentrant: a signal handler may call close() in the thread that is closing.
+        self._close_lock = threading.RLock()
+        self._closer: int | None = None
         self._report: ShutdownReport | None = None
         self._supervisor: threading.Thread | None = None
         self._wake = WakePipe()
@@ -165,8 +167,20 @@ class _Core:
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         with self._close_lock:
-            if self._report is None:
+            if self._report is not None:
+                return self._report
+            me = threading.get_ident()
+            if self._closer == me:
+                # A signal handler interrupted this thread's own close(): waiting
+                # for that close would wait for ourselves forever (it did, with a
+                # plain lock). It goes on once the handler returns.
+                logger.warning("close() called again while this thread is closing the buffer; not waiting")
+                return ShutdownReport("closing", 0.0, None, False)
+            self._closer = me
+            try:
                 self._report = self._close(self.close_timeout if timeout is None else timeout)
+            finally:
+                self._closer = None
             return self._report
 
     def _close(self, timeout: float) -> ShutdownReport:

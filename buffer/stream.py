@@ -138,13 +138,14 @@ class StreamReceiver:
         """Stop the thread, close the socket, release the pipe. Idempotent."""
         if self._stopped:
             return
-        self._stopped = True
         if self._thread.is_alive():
             self._command("quit")
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("receiver thread did not stop within %ss", timeout)
                 return
+        # Only now: a stop() interrupted while joining (Ctrl-C) must be redone by the next one.
+        self._stopped = True
         self._wake.close()
 
     # -- the thread -------------------------------------------------------------

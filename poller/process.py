@@ -32,7 +32,9 @@ __all__ = ["PollerProcess", "ShutdownReport", "Stage"]
 
 logger = logging.getLogger(__name__)
 
-Stage = Literal["graceful", "terminated", "killed", "already-exited", "no-poller"]
+# "closing": returned only to a close() re-entered (from a signal handler)
+# in the thread whose close() it interrupted; that close goes on.
+Stage = Literal["graceful", "terminated", "killed", "already-exited", "no-poller", "closing"]
 
 
 class ShutdownReport(NamedTuple):
@@ -86,6 +88,7 @@ class PollerProcess:
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self._report: ShutdownReport | None = None
+        self._close_requested = False
         self._fatal: RemoteTraceback | None = None
         self.epoch: int | None = None
         self._pid: int | None = None
@@ -168,7 +171,7 @@ class PollerProcess:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s")
-            if self._report is not None:
+            if self._report is not None or self._close_requested and not self._process.is_alive():
                 raise PollerStartupError(f"poller for {spec} was closed while starting")
             try:
                 ready = wait([self._conn, self._process.sentinel], remaining)
@@ -193,6 +196,8 @@ class PollerProcess:
                         f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
             elif self._process.sentinel in ready:
                 self._process.join(1.0)
+                if self._close_requested:
+                    raise PollerStartupError(f"poller for {spec} was closed while starting")
                 raise PollerStartupError(
                     f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
 
@@ -243,6 +248,7 @@ class PollerProcess:
         exited whether everything it sent was applied. Idempotent and
         thread-safe: every caller gets the same report.
         """
+        self._close_requested = True  # read by a start() still waiting for READY
         with self._lock:
             if self._report is None:
                 self._report = self._close_ladder(timeout, wait_drained)

@@ -276,7 +276,10 @@ class _ControlLoop:
     # -- the run ------------------------------------------------------------------
 
     def run(self) -> int:
-        previous_signals = self._install_signals()
+        # Signals are taken over only once the source is built: until then
+        # SIGTERM keeps its default and ends a poller stuck in its factory at
+        # once (the close ladder's "terminated"), instead of only SIGKILL.
+        previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
         root.addHandler(self.log_handler)
         ctx: zmq.Context | None = None
@@ -298,6 +301,7 @@ class _ControlLoop:
                 self.startup_error = exc
                 self.exit_code = ExitCode.STARTUP_FAILED
                 return self.exit_code
+            previous_signals = self._install_signals()
             self._queue_message(Kind.READY, encode_body(Kind.READY, {
                 "pid": os.getpid(), "name": self.config.name, "interval": self.config.interval,
                 "source": describe_spec(self.config.source), "host": socket.gethostname(),

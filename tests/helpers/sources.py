@@ -22,3 +22,22 @@ class Chatty:
 
         logging.getLogger("poller.tests.chatty").warning("chatty source says hello from pid %d", os.getpid())
         return {}
+
+
+def crash_then_hang_on_restart(marker: str) -> Any:
+    """First build: a source whose process SIGKILLs itself on its second call.
+
+    Every later build (the buffer's restart) writes its pid to ``marker`` and
+    then never returns from the factory: a poller caught mid-restart.
+    """
+    import threading
+
+    from poller.faults import crash
+
+    first = marker + ".first"
+    if os.path.exists(first):
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        threading.Event().wait()
+    open(first, "w").close()
+    return crash(how="sigkill", after=1)
