@@ -39,6 +39,7 @@ from ..sources import SourceSpec, load_source
 
 __all__ = [
     "FAULTS",
+    "GARBAGE",
     "Fault",
     "parse_fault",
     "raise_",

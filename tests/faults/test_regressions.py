@@ -138,6 +138,24 @@ def test_a_fault_waits_for_its_arm_file(tmp_path):
     assert fault.kv_list() == {}  # times=1: recovered
 
 
+def test_every_fault_is_exported_and_builds_by_spec():
+    import poller.faults as faults
+    from poller import load_source
+
+    assert set(faults.FAULTS) <= set(faults.__all__)
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        for name in faults.FAULTS:
+            source = load_source(f"poller.faults:{name}", {"after": 1})
+            assert isinstance(source, faults.Fault) and source.kv_list() == {}  # not fired yet
+    finally:
+        signal.signal(signal.SIGUSR2, previous)  # the wedging faults install a handler
+    with pytest.raises(ValueError, match="how must be one of"):
+        faults.crash(how="politely")
+    with pytest.raises(ValueError, match="builtin exception"):
+        faults.raise_(exc="NoSuchError")
+
+
 @pytest.mark.parametrize("text, spec, kwargs", [
     ("hang", "poller.faults:hang", {}),
     ("raise:times=2,message=down", "poller.faults:raise_", {"times": 2, "message": "down"}),
