@@ -372,6 +372,7 @@ def _security_stats(core: _Core) -> dict[str, Any]:
         "auth_rejected": receiver.auth_rejected,
         "curve": receiver.curve_enabled,
         "peers": receiver.peer_count,
+        "resyncs": receiver.resyncs_requested,
         "stale_after": receiver.stale_after,
         "stale_peers": receiver.stale_peers(),
     }

@@ -84,6 +84,7 @@ class StreamReceiver:
         self.protocol_errors = 0
         self.source_errors = 0
         self.peers_forgotten = 0
+        self.resyncs_requested = 0
         self.last_message_at: float | None = None
         self._stopped = False
 
@@ -350,6 +351,7 @@ class StreamReceiver:
 
     def _request_resync(self, sock: zmq.Socket, identity: bytes, peer: _Peer, why: str) -> None:
         peer.awaiting_resync = True
+        self.resyncs_requested += 1
         self._send(sock, identity, Kind.RESYNC, why)
 
     # -- per kind -----------------------------------------------------------------
