@@ -33,7 +33,7 @@ from typing import Any, Deque
 import zmq
 
 from . import lifeline
-from .curve import CurveClient
+from .curve import CurveClient, HandshakeWatch
 from .errors import PollerStartupError, ProtocolError
 from .polling import PollingThread
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
@@ -174,6 +174,7 @@ class _ControlLoop:
         self.log_handler = _ForwardingHandler(self.data_wake)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
+        self.handshakes: HandshakeWatch | None = None
 
     # -- set-up ---------------------------------------------------------------
 
@@ -325,6 +326,8 @@ class _ControlLoop:
             if self.thread is not None:
                 self.thread.stop()
             if sock is not None:
+                if self.handshakes is not None:
+                    self.handshakes.close(sock)  # before the socket, or ctx.term() waits for it
                 sock.close()
             if ctx is not None:
                 # Bounded by the socket's linger; the source thread holds no socket.
@@ -345,6 +348,9 @@ class _ControlLoop:
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
         if lifeline_fd is not None:
             poller.register(lifeline_fd, zmq.POLLIN)
+        if self.config.curve is not None:
+            self.handshakes = HandshakeWatch(sock, self.config.name)
+            poller.register(self.handshakes.monitor, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         while self.stop_reason is None:
             self._pull_items()
@@ -360,6 +366,8 @@ class _ControlLoop:
                 self._on_lifeline()
             if events.get(sock, 0) & zmq.POLLIN:
                 self._on_control(sock)
+            if self.handshakes is not None and self.handshakes.monitor in events:
+                self.handshakes.drain()
             if self.embedded and os.getppid() != self.parent_pid:
                 self._orphaned("parent pid changed")
             if not self.thread.is_alive() and self.thread.failed is not None and self.items.empty():

@@ -138,6 +138,8 @@ def test_data_flows_and_pollers_without_an_allowed_key_inject_nothing(
             assert proc.poll() is None  # it keeps knocking; it just never gets in
             proc.terminate()
             proc.wait(timeout=10)
+        # The refused poller says why on its stderr, instead of retrying in silence.
+        assert "refused the CURVE handshake" in pollers.stderr("stranger")
         stats = rb.stats()
         assert "evil" not in rb.snapshot()
         assert stats["peers"] == 1 and stats["protocol_errors"] == 0  # nothing of theirs reached the decoder
