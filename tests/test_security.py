@@ -274,3 +274,28 @@ def test_a_curve_client_never_shows_its_secret() -> None:
     public, secret = generate_pair()
     client = CurveClient(public, secret, public)
     assert secret.decode() not in repr(client)
+
+
+
+def test_a_curve_socket_without_its_authenticator_fails_closed(tmp_path: Path) -> None:
+    # No ZAP handler in this context: libzmq would admit any client that knows
+    # the server key, unless the socket enforces its ZAP domain (CurveServer.apply does).
+    _, secret_file = make_keys(tmp_path, "server")
+    server = CurveServer.from_files(secret_file, [])
+    public, secret = generate_pair()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    client: _Dealer | None = None
+    try:
+        server.apply(router)
+        router.bind("tcp://127.0.0.1:0")
+        client = _Dealer(router.getsockopt_string(zmq.LAST_ENDPOINT), CurveClient(public, secret, server.public_key),
+                         b"valid-but-unchecked")
+        client.send_snapshot({"k": {}})
+        assert router.poll(1000) == 0
+    finally:
+        if client is not None:
+            client.close()
+        router.close(0)
+        ctx.term()
