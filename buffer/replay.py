@@ -124,7 +124,7 @@ class _Core:
         assert self.source is not None and self.endpoint is not None
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
                              name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
-                             curve=self.child_curve)
+                             curve=self.child_curve, **_chunking_within(self.receiver.limits))
 
     # -- supervision ----------------------------------------------------------------
 
@@ -364,6 +364,16 @@ def _check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
         raise TypeError(f"limits must be a poller.protocol.Limits, got {type(limits).__name__}")
     if not stale_after > 0:  # also refuses NaN
         raise ValueError(f"stale_after must be positive, got {stale_after!r}")
+
+
+def _chunking_within(limits: Limits) -> dict[str, int]:
+    """Message sizes for the buffer's own poller that its receiver's limits accept.
+
+    A chunk of n keys spans at most n partitions, so 2n stays within the
+    keys-per-message bound.
+    """
+    return {"max_frame_bytes": limits.max_frame_bytes,
+            "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}
 
 
 def _security_stats(core: _Core) -> dict[str, Any]:

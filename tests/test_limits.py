@@ -140,3 +140,16 @@ def test_a_silent_peer_is_reported_stale_then_back(limited: ReplayBuffer, caplog
         assert limited.stats()["stale_peers"] == []
     finally:
         peer.close()
+
+
+def test_the_buffers_own_poller_sends_within_the_buffers_limits(store) -> None:
+    # 300 keys in one listing; the buffer accepts 20 partitions-plus-keys per message.
+    store.kv_batch_put([f"k{i}" for i in range(300)], "train", tags=[{"status": "success"}] * 300)
+    rb = ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": store.path}, poll_interval=0.05,
+                      limits=Limits(max_keys_per_message=20, max_frame_bytes=4096))
+    try:
+        assert wait_until(lambda: len(rb.snapshot("train")) == 300)
+        stats = rb.stats()
+        assert stats["protocol_errors"] == 0 and stats["messages"] >= 30
+    finally:
+        rb.close()
