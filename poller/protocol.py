@@ -22,6 +22,7 @@ type-checked, unknown kinds and versions are refused. Every failure is a
 from __future__ import annotations
 
 import enum
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -231,10 +232,12 @@ def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
     # tag values can nest further, so only they are walked.
     limit = limits.max_depth
     for items in upserts.values():
+        # Tag values are almost always scalars: one pass at C speed over the
+        # types of all of them, and a walk only where a container shows up.
+        if _SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, items.values())))):
+            continue
         for tags in items.values():
-            # Tag values are almost always scalars: a set test at C speed,
-            # and only tags holding containers are walked.
-            if not _SCALAR_TYPES.issuperset(map(type, tags.values())) and _deeper_than(tags, limit, 4):
+            if _deeper_than(tags, limit, 4):
                 raise ProtocolError(f"DELTA tags nest deeper than {limit}")
     others = {k: v for k, v in body.items() if k not in ("upserts", "deletes")}
     if _deeper_than(others, limits.max_depth):
