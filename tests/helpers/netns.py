@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -45,7 +46,7 @@ def netns_unavailable() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "the 'ip' tool (iproute2) is not installed"
-    probe = f"rp{os.getpid()}{secrets.token_hex(3)}probe"
+    probe = f"rp-probe-{os.getpid()}-{secrets.token_hex(3)}"
     result = _ip("netns", "add", probe)
     if result.returncode != 0:
         return f"cannot create a network namespace: {result.stderr.strip()}"
@@ -60,13 +61,25 @@ def _setns(fd: int) -> None:
         raise OSError(errno, f"setns: {os.strerror(errno)}")
 
 
+_OURS = re.compile(r"^rp-(\d+)-[0-9a-f]{6}-[ab]$")
+
+
+def _delete_orphans() -> None:
+    """Delete namespaces left by a test run that was killed before it could clean up."""
+    for line in _ip("netns", "list").stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        match = _OURS.match(name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            _ip("netns", "del", name)
+
+
 class NetnsPair:
     """Namespaces ``a`` (trainer) and ``b`` (poller host) and the veth pair between them."""
 
     def __init__(self) -> None:
         token = secrets.token_hex(3)
-        self.a = f"rp{os.getpid()}{token}-a"
-        self.b = f"rp{os.getpid()}{token}-b"
+        self.a = f"rp-{os.getpid()}-{token}-a"
+        self.b = f"rp-{os.getpid()}-{token}-b"
         self.veth_a = f"rv{token}a"  # interface names: at most 15 bytes
         self.veth_b = f"rv{token}b"
         self.trainer_ip = TRAINER_IP
@@ -74,6 +87,7 @@ class NetnsPair:
         self._made: list[str] = []
 
     def create(self) -> "NetnsPair":
+        _delete_orphans()
         try:
             for ns in (self.a, self.b):
                 self._run("netns", "add", ns)
