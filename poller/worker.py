@@ -33,6 +33,7 @@ from typing import Any, Deque
 import zmq
 
 from . import lifeline
+from .curve import CurveClient, HandshakeWatch
 from .errors import PollerStartupError, ProtocolError
 from .polling import PollingThread
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
@@ -75,6 +76,8 @@ class WorkerConfig:
     # A directory the parent would have removed on close (its private ipc
     # directory); an orphaned poller removes it, since the parent cannot.
     orphan_cleanup: str | None = None
+    # CURVE client keys when the buffer authenticates its peers.
+    curve: CurveClient | None = None
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
@@ -109,6 +112,18 @@ def run_standalone(config: WorkerConfig) -> int:
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     return code
+
+
+def _secure_socket(sock: zmq.Socket, config: WorkerConfig) -> None:
+    """CURVE keys, and ZMTP heartbeats so a cut link is noticed and redialled."""
+    if config.curve is not None:
+        config.curve.apply(sock)
+    # Without these a connection whose far end vanished (link down, host
+    # gone) looks alive until TCP gives up, minutes later; with them the
+    # poller drops it after 3 s of silence and reconnects by itself.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
 
 
 class _ForwardingHandler(logging.Handler):
@@ -159,6 +174,7 @@ class _ControlLoop:
         self.log_handler = _ForwardingHandler(self.data_wake)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
+        self.handshakes: HandshakeWatch | None = None
 
     # -- set-up ---------------------------------------------------------------
 
@@ -282,6 +298,7 @@ class _ControlLoop:
                 sock.setsockopt(zmq.IDENTITY, self.config.name.encode())
                 sock.setsockopt(zmq.LINGER, int(self.config.linger * 1000))
                 sock.setsockopt(zmq.SNDHWM, 1000)
+                _secure_socket(sock, self.config)
                 sock.connect(self.config.endpoint)
             except BaseException as exc:
                 if self.lifeline is not None:
@@ -309,6 +326,8 @@ class _ControlLoop:
             if self.thread is not None:
                 self.thread.stop()
             if sock is not None:
+                if self.handshakes is not None:
+                    self.handshakes.close(sock)  # before the socket, or ctx.term() waits for it
                 sock.close()
             if ctx is not None:
                 # Bounded by the socket's linger; the source thread holds no socket.
@@ -329,6 +348,9 @@ class _ControlLoop:
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
         if lifeline_fd is not None:
             poller.register(lifeline_fd, zmq.POLLIN)
+        if self.config.curve is not None:
+            self.handshakes = HandshakeWatch(sock, self.config.name)
+            poller.register(self.handshakes.monitor, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         while self.stop_reason is None:
             self._pull_items()
@@ -344,6 +366,8 @@ class _ControlLoop:
                 self._on_lifeline()
             if events.get(sock, 0) & zmq.POLLIN:
                 self._on_control(sock)
+            if self.handshakes is not None and self.handshakes.monitor in events:
+                self.handshakes.drain()
             if self.embedded and os.getppid() != self.parent_pid:
                 self._orphaned("parent pid changed")
             if not self.thread.is_alive() and self.thread.failed is not None and self.items.empty():
