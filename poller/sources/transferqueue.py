@@ -93,7 +93,7 @@ class TransferQueueSource:
         self._sock: zmq.Socket | None = None
         if probe_timeout is not None:
             try:
-                self._request(LIST_PARTITIONS, {}, time.monotonic() + probe_timeout)
+                self._request(LIST_PARTITIONS, {}, probe_timeout)
             except BaseException:
                 self.close()
                 raise
@@ -130,7 +130,7 @@ class TransferQueueSource:
     # -- requests ---------------------------------------------------------------
 
     def _list(self, partition_id: str | None, deadline: float) -> dict[str, Any]:
-        body = self._request(KV_LIST, {"partition_id": partition_id}, deadline)
+        body = self._request(KV_LIST, {"partition_id": partition_id}, self.call_timeout, deadline)
         partitions = body.get("partition_info")
         if not isinstance(partitions, dict):
             raise TransferQueueReplyError("KV_LIST_RESPONSE without a partition_info map")
@@ -152,15 +152,19 @@ class TransferQueueSource:
             self._sock.close(0)
             self._sock = None
 
-    def _request(self, request_type: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+    def _request(self, request_type: str, body: dict[str, Any], timeout: float,
+                 deadline: float | None = None) -> dict[str, Any]:
+        """One request and its reply, by ``deadline`` (default: ``timeout`` from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout
         sock = self._socket()
         frames = encode_request(request_type, body, sender_id=self._sender_id, receiver_id=self.controller_id)
         try:
             if not self._wait(sock, zmq.POLLOUT, deadline):
-                raise self._stall(request_type, body)
+                raise self._stall(request_type, body, timeout)
             sock.send_multipart(frames, zmq.NOBLOCK)
             if not self._wait(sock, zmq.POLLIN, deadline):
-                raise self._stall(request_type, body)
+                raise self._stall(request_type, body, timeout)
             reply = sock.recv_multipart(zmq.NOBLOCK)
         except BaseException:
             self._drop_socket()
@@ -172,11 +176,14 @@ class TransferQueueSource:
         remaining = deadline - time.monotonic()
         return remaining > 0 and bool(sock.poll(max(1, int(remaining * 1000)), event))
 
-    def _stall(self, request_type: str, body: Mapping[str, Any]) -> SourceStall:
-        what = "kv_list" if request_type == KV_LIST else request_type
-        partition = body.get("partition_id")
+    def _stall(self, request_type: str, body: Mapping[str, Any], timeout: float) -> SourceStall:
+        if request_type == KV_LIST:
+            partition = body.get("partition_id")
+            what = f"kv_list({'' if partition is None else repr(partition)})"
+        else:
+            what = f"a {request_type} probe"
         return SourceStall(f"no answer from the TransferQueue controller at {self.address} to "
-                           f"{what}({'' if partition is None else repr(partition)}) within {self.call_timeout:g}s")
+                           f"{what} within {timeout:g}s")
 
 
 def source_kwargs(conf: Any = None, *, partition_ids: Sequence[str] | None = None, call_timeout: float = 10.0,
