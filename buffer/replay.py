@@ -332,6 +332,7 @@ class ReplayBuffer:
             "bytes_received": receiver.bytes_received,
             "protocol_errors": receiver.protocol_errors,
             "source_errors": receiver.source_errors,
+            "source_stalls": receiver.source_stalls,
             "last_message_age_s": None if last is None else time.monotonic() - last,
             "keys": core.store.key_count(),
             "poller_rss": peer.rss if peer else None,

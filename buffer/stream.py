@@ -50,6 +50,10 @@ class _Peer:
     polls_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     stale: bool = False
+    # The source-stall count this peer last reported, and in which epoch
+    # (the count restarts with every poller process).
+    stalls: int = 0
+    stalls_epoch: int | None = None
 
 
 class StreamReceiver:
@@ -85,6 +89,7 @@ class StreamReceiver:
         self.source_errors = 0
         self.peers_forgotten = 0
         self.resyncs_requested = 0
+        self.source_stalls = 0
         self.last_message_at: float | None = None
         self._stopped = False
 
@@ -387,6 +392,13 @@ class StreamReceiver:
 
     def _on_heartbeat(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         peer.rss = message.body["rss"]
+        stalls = message.body.get("source_stalls")  # absent from older pollers
+        if stalls is not None:
+            if peer.stalls_epoch != message.epoch:
+                peer.stalls_epoch, peer.stalls = message.epoch, 0
+            if stalls > peer.stalls:
+                self.source_stalls += stalls - peer.stalls
+                peer.stalls = stalls
 
     def _on_error(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         body = message.body

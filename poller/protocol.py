@@ -319,12 +319,22 @@ _SCHEMAS: dict[Kind, dict[str, _Check]] = {
 }
 
 
+# Fields added after a kind was first defined: a peer that predates them
+# leaves them out, but where present they are checked like the others.
+_OPTIONAL: dict[Kind, dict[str, _Check]] = {
+    Kind.HEARTBEAT: {"source_stalls": lambda v: _is_int(v) and v >= 0},
+}
+
+
 def _check_body(kind: Kind, body: Mapping[str, Any]) -> None:
     for name, check in _SCHEMAS[kind].items():
         if name not in body:
             raise ProtocolError(f"{kind.name} body lacks field {name!r}")
         if not check(body[name]):
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(body[name]).__name__}")
+    for name, check in _OPTIONAL.get(kind, {}).items():
+        if name in body and not check(body[name]):
+            raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {body[name]!r}")
     if kind is Kind.DELTA:
         _check_partitions(body.get("upserts"), "upserts")
         _check_deletes(body.get("deletes"))

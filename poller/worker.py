@@ -78,6 +78,9 @@ class WorkerConfig:
     orphan_cleanup: str | None = None
     # CURVE client keys when the buffer authenticates its peers.
     curve: CurveClient | None = None
+    # A kv_list() call running longer than this is counted as a source stall
+    # (None: only stalls the source reports itself, by raising SourceStall).
+    stall_timeout: float | None = 30.0
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
@@ -175,6 +178,7 @@ class _ControlLoop:
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
         self.handshakes: HandshakeWatch | None = None
+        self.stalls_reported = 0
 
     # -- set-up ---------------------------------------------------------------
 
@@ -241,11 +245,13 @@ class _ControlLoop:
 
     def _heartbeat(self) -> None:
         thread = self.thread
+        self.stalls_reported = thread.source_stalls if thread else 0
         self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, {
             "polls": thread.polls if thread else 0,
             "source_errors": thread.source_errors if thread else 0,
             "rss": _rss_bytes(),
             "stalled_s": thread.stalled_for() if thread else 0.0,
+            "source_stalls": self.stalls_reported,
         }))
 
     def _on_control(self, sock: zmq.Socket) -> None:
@@ -315,7 +321,7 @@ class _ControlLoop:
             self.thread = PollingThread(
                 source, self._emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
-                max_frame_bytes=self.config.max_frame_bytes)
+                max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout)
             self.thread.start()
             if self.lifeline is not None:
                 lifeline.send(self.lifeline, "ready", epoch=self.epoch, pid=os.getpid())
@@ -374,7 +380,9 @@ class _ControlLoop:
                 self._pull_items()  # the fatal ERROR itself
                 self.stop_reason = "source failed"
                 self.exit_code = ExitCode.SOURCE_FAILED
-            if time.monotonic() >= next_heartbeat:
+            self.thread.check_stall()
+            # A new stall is reported at once, not at the next heartbeat.
+            if time.monotonic() >= next_heartbeat or self.thread.source_stalls != self.stalls_reported:
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval
 
