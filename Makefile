@@ -4,8 +4,13 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TQ_STAMP := $(VENV)/.installed-transferqueue
+# torch goes in first and stays pinned: pip takes this release's CPU build
+# from the machine's local wheel files, where anything else (plain `torch`,
+# or a range TransferQueue's dependencies pick) pulls a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test install clean
+.PHONY: demo test test-integration install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +20,11 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+$(TQ_STAMP): $(STAMP) tests/integration/constraints.txt
+	$(BIN)/python -m pip install --quiet '$(TORCH_PIN)'
+	$(BIN)/python -m pip install --quiet -c tests/integration/constraints.txt -e '.[dev,transferqueue]' '$(TORCH_PIN)'
+	touch $(TQ_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -22,6 +32,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The same .venv plus TransferQueue (with Ray and a CPU torch): a real local
+# store, the buffer on the TransferQueue source, the verl-style example.
+test-integration: $(TQ_STAMP)
+	$(BIN)/python -m pytest -m integration tests/integration
 
 clean:
 	rm -rf $(VENV) build *.egg-info

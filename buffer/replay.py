@@ -25,11 +25,14 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Iterable, Mapping
 
+from poller.curve import CurveClient, CurveServer, generate_pair
 from poller.errors import PollerCrashed, PollerStartupError
 from poller.process import PollerProcess, ShutdownReport
+from poller.protocol import DEFAULT_LIMITS, Limits
 from poller.sources import SourceSpec
 from poller.wakeup import WakePipe
 
+from .access import check_bind
 from .errors import BufferClosed
 from .store import BatchMeta, ReplayStore, Tags
 from .stream import StreamReceiver
@@ -60,7 +63,8 @@ class _Core:
     """Everything a buffer owns. Never refers back to the facade."""
 
     def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
-                 bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int) -> None:
+                 bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
+                 curve: CurveServer | None = None, limits: Limits | None = None, stale_after: float = 5.0) -> None:
         self.source = source
         self.source_kwargs = dict(source_kwargs or {})
         self.poll_interval = poll_interval
@@ -83,8 +87,24 @@ class _Core:
             # Private by default: a 0700 directory only this user can enter.
             self._ipc_dir = _private_ipc_dir()
             bind = f"ipc://{self._ipc_dir}/stream"
-        self.receiver = StreamReceiver(self.store, bind)
+        self.child_curve: CurveClient | None = None
+        self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
+
+    def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
+                         stale_after: float) -> StreamReceiver:
+        """The receiver; with CURVE, the buffer's own poller gets an ephemeral key.
+
+        The ephemeral key pair never touches a file: the secret half reaches
+        the child inside its spawn arguments (a private pipe), and the public
+        half is allowed for this buffer's lifetime only.
+        """
+        if curve is not None and self.source is not None:
+            public, secret = generate_pair()
+            self.child_curve = CurveClient(public, secret, curve.public_key)
+            curve = curve.allowing(public)
+        return StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
+                              stale_after=stale_after, pinned=frozenset({self.name}))
 
     def start(self) -> None:
         self.endpoint = self.receiver.start()
@@ -111,7 +131,7 @@ class _Core:
         self.receiver.expect(self.name, epoch)
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
                              name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
-                             epoch=epoch)
+                             epoch=epoch, curve=self.child_curve, **_chunking_within(self.receiver.limits))
 
     # -- supervision ----------------------------------------------------------------
 
@@ -229,19 +249,36 @@ class ReplayBuffer:
         close_timeout: default per-stage bound of :meth:`close`.
         max_restarts: restarts of a dead poller before ``sample()`` raises
             :class:`~poller.PollerCrashed`.
+        curve: a :class:`~poller.curve.CurveServer` (the buffer's key pair and
+            the allowed poller public keys): only pollers holding an allowed
+            key get in, and the stream is encrypted. The buffer's own poller
+            gets an ephemeral key. See SECURITY.md.
+        insecure: allow binding a network-reachable endpoint without
+            ``curve`` (logged as a warning); otherwise that is refused.
+        limits: decoding and per-peer bounds (:class:`~poller.protocol.Limits`).
+        stale_after: seconds of silence after which a poller is reported in
+            ``stats()["stale_peers"]`` and a warning is logged (pollers send a
+            heartbeat every second).
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
+        InsecureBindError: ``bind`` reaches the network without ``curve`` or
+            ``insecure=True``.
     """
 
     def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
                  poll_interval: float = 1.0, bind: str | None = None, start_timeout: float = 30.0,
-                 close_timeout: float = 5.0, max_restarts: int = 3) -> None:
+                 close_timeout: float = 5.0, max_restarts: int = 3, curve: CurveServer | None = None,
+                 insecure: bool = False, limits: Limits | None = None, stale_after: float = 5.0) -> None:
         if not poll_interval > 0:  # also refuses NaN
             raise ValueError(f"poll_interval must be positive, got {poll_interval!r}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
-        core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts)
+        _check_security_args(curve, limits, stale_after)
+        if bind is not None:  # the default, a private ipc directory, needs no check
+            bind = check_bind(bind, curve, insecure)
+        core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
+                     curve=curve, limits=limits, stale_after=stale_after)
         try:
             core.start()
         except BaseException:
@@ -314,11 +351,13 @@ class ReplayBuffer:
             "bytes_received": receiver.bytes_received,
             "protocol_errors": receiver.protocol_errors,
             "source_errors": receiver.source_errors,
+            "source_stalls": receiver.source_stalls,
             "last_message_age_s": None if last is None else time.monotonic() - last,
             "keys": core.store.key_count(),
             "poller_rss": peer.rss if peer else None,
             "endpoint": core.endpoint,
             "poller_name": core.name if core.source is not None else None,
+            **_security_stats(core),
         }
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
@@ -337,3 +376,34 @@ class ReplayBuffer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
+    if curve is not None and not isinstance(curve, CurveServer):
+        raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
+    if limits is not None and not isinstance(limits, Limits):
+        raise TypeError(f"limits must be a poller.protocol.Limits, got {type(limits).__name__}")
+    if not stale_after > 0:  # also refuses NaN
+        raise ValueError(f"stale_after must be positive, got {stale_after!r}")
+
+
+def _chunking_within(limits: Limits) -> dict[str, int]:
+    """Message sizes for the buffer's own poller that its receiver's limits accept.
+
+    A chunk of n keys spans at most n partitions, so 2n stays within the
+    keys-per-message bound.
+    """
+    return {"max_frame_bytes": limits.max_frame_bytes,
+            "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}
+
+
+def _security_stats(core: _Core) -> dict[str, Any]:
+    receiver = core.receiver
+    return {
+        "auth_rejected": receiver.auth_rejected,
+        "curve": receiver.curve_enabled,
+        "peers": receiver.peer_count,
+        "resyncs": receiver.resyncs_requested,
+        "stale_after": receiver.stale_after,
+        "stale_peers": receiver.stale_peers(),
+    }

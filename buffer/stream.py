@@ -5,6 +5,12 @@ fatal), checks each peer's epoch and sequence, applies deltas to the
 :class:`~buffer.store.ReplayStore`, and asks a peer for a RESYNC when it sees
 a gap. Other threads talk to it only through a command queue and a wake-up
 pipe, so the socket is used by the thread that created it alone.
+
+Hostile input is bounded: decoding by :class:`~poller.protocol.Limits`, the
+per-peer state by ``Limits.max_peers``, and with CURVE a peer without an
+allowed key never gets a frame to the decoder (:mod:`buffer.access`). A peer
+that sends nothing for ``stale_after`` seconds (heartbeats come every second)
+is reported stale and a warning is logged.
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ from typing import Any, Callable
 
 import zmq
 
+from poller.curve import CurveServer
 from poller.errors import ProtocolError
-from poller.protocol import Kind, decode, encode_body, encode_header
+from poller.protocol import DEFAULT_LIMITS, Kind, Limits, decode, encode_body, encode_header
 from poller.wakeup import WakePipe
 
+from .access import Gatekeeper, restrict_ipc_socket
 from .store import ReplayStore
 
 __all__ = ["StreamReceiver"]
@@ -45,14 +53,31 @@ class _Peer:
     polls_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     resync_asked_at: float = 0.0
+    stale: bool = False
+    # The source-stall count this peer last reported, and in which epoch
+    # (the count restarts with every poller process).
+    stalls: int = 0
+    stalls_epoch: int | None = None
 
 
 class StreamReceiver:
-    """Binds ``endpoint`` and applies what pollers send to ``store``."""
+    """Binds ``endpoint`` and applies what pollers send to ``store``.
 
-    def __init__(self, store: ReplayStore, endpoint: str) -> None:
+    ``curve`` makes the socket a CURVE server admitting only its allowed
+    keys; ``pinned`` names peers never forgotten to make room for others (the
+    buffer's own poller).
+    """
+
+    def __init__(self, store: ReplayStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
+                 curve: CurveServer | None = None, stale_after: float = 5.0,
+                 pinned: frozenset[str] = frozenset()) -> None:
         self._store = store
         self._requested_endpoint = endpoint
+        self.limits = limits
+        self._curve = curve
+        self.stale_after = stale_after
+        self._pinned = frozenset(name.encode() for name in pinned)
+        self._gate: Gatekeeper | None = None
         self.endpoint: str | None = None
         self._commands: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
         self._wake = WakePipe()
@@ -66,6 +91,9 @@ class StreamReceiver:
         self.bytes_received = 0
         self.protocol_errors = 0
         self.source_errors = 0
+        self.peers_forgotten = 0
+        self.resyncs_requested = 0
+        self.source_stalls = 0
         self.last_message_at: float | None = None
         self._stopped = False
         # identity -> the one epoch its own poller process uses (set by the
@@ -134,6 +162,25 @@ class StreamReceiver:
     def peer_info(self, peer: str) -> _Peer | None:
         return self._peers.get(peer.encode())
 
+    @property
+    def auth_rejected(self) -> int:
+        """Handshakes refused for want of an allowed CURVE key."""
+        return self._gate.rejected if self._gate is not None else 0
+
+    @property
+    def curve_enabled(self) -> bool:
+        return self._curve is not None
+
+    @property
+    def peer_count(self) -> int:
+        return len(self._peers)
+
+    def stale_peers(self) -> list[str]:
+        """Peers silent for more than ``stale_after`` seconds that never said BYE."""
+        now = time.monotonic()
+        return sorted(p.name for p in list(self._peers.values())
+                      if p.bye_seq is None and now - p.last_seen > self.stale_after)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread, close the socket, release the pipe. Idempotent."""
         if self._stopped:
@@ -153,23 +200,31 @@ class StreamReceiver:
     def _run(self) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
+        gate: Gatekeeper | None = None
         try:
+            gate = self._gate = Gatekeeper(ctx, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
             # No ROUTER_HANDOVER: with it, a second connection using a name
             # silently cut the first one off for good (its messages went
             # nowhere). Without it the second one is refused while the first
             # lives; a restarted poller connects after its predecessor's
-            # connection closed. ZMTP heartbeats close a connection whose
-            # peer vanished without closing it (a dead host), freeing its name.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+            # connection closed, and the heartbeats below free the name of a
+            # peer that vanished without closing its connection.
             sock.setsockopt(zmq.RCVHWM, 10000)
+            # libzmq drops (and disconnects) a sender of a bigger frame before
+            # buffering it whole; decode() checks the same bound again.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
+            # ZMTP heartbeats drop connections whose far end vanished without a
+            # FIN (a cut link, a dead host), so they do not pile up.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(3000, int(self.stale_after * 1000)))
+            gate.arm(sock)
             sock.bind(self._requested_endpoint)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            restrict_ipc_socket(self.endpoint)
         except BaseException as exc:
             self._bind_error = exc
-            sock.close(0)
-            ctx.term()
+            self._close_socket(ctx, sock, gate)
             self._bound.set()
             return
         self._bound.set()
@@ -178,19 +233,35 @@ class StreamReceiver:
         except BaseException:
             logger.exception("receiver thread failed")
         finally:
-            sock.close(0)
-            ctx.term()
+            self._close_socket(ctx, sock, gate)
             with self._events:
                 self._events.notify_all()
 
+    @staticmethod
+    def _close_socket(ctx: zmq.Context, sock: zmq.Socket, gate: Gatekeeper | None) -> None:
+        if gate is not None:
+            gate.close(sock)  # the socket before the authenticator
+        else:
+            sock.close(0)
+        ctx.term()
+
     def _loop(self, sock: zmq.Socket) -> None:
+        assert self._gate is not None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake.read_fd, zmq.POLLIN)
+        monitor = self._gate.monitor
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
+        # How often silence is checked: bounds how late the stale warning comes.
+        tick_ms = int(min(1.0, self.stale_after / 4) * 1000) or 1
         while True:
-            events = dict(poller.poll(1000))
+            events = dict(poller.poll(tick_ms))
             if self._wake.read_fd in events:
                 self._wake.drain()
+            if monitor is not None and monitor in events:
+                self._gate.on_monitor()
+            self._check_liveness()
             while True:
                 try:
                     command = self._commands.get_nowait()
@@ -208,6 +279,40 @@ class StreamReceiver:
                         break
                     self._on_frames(sock, frames)
 
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        for peer in list(self._peers.values()):
+            if peer.stale or peer.bye_seq is not None:
+                continue
+            silent = now - peer.last_seen
+            if silent > self.stale_after:
+                peer.stale = True
+                logger.warning("no message from poller %s for %.1fs (stale_after=%gs): its link is down or it "
+                               "is dead; the buffer keeps what it has", peer.name, silent, self.stale_after)
+
+    def _peer(self, identity: bytes) -> _Peer:
+        """The state of ``identity``, made on first sight within ``Limits.max_peers``."""
+        peer = self._peers.get(identity)
+        if peer is not None:
+            return peer
+        if len(self._peers) >= self.limits.max_peers:
+            self._forget_one()
+        peer = self._peers[identity] = _Peer(identity.decode(errors="replace"))
+        return peer
+
+    def _forget_one(self) -> None:
+        """Drop the peer silent longest (never a pinned one); if it returns, it resyncs."""
+        candidates = [(p.last_seen, identity) for identity, p in self._peers.items() if identity not in self._pinned]
+        if not candidates:
+            return
+        _, identity = min(candidates)
+        peer = self._peers.pop(identity)
+        self._store.abandon_snapshot(peer.name)
+        self.peers_forgotten += 1
+        level = logging.WARNING if self.peers_forgotten <= 10 or self.peers_forgotten % 100 == 0 else logging.DEBUG
+        logger.log(level, "more than %d peers: forgot the state of %s (silent longest)", self.limits.max_peers,
+                   peer.name)
+
     def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, reason: str) -> None:
         peer = self._peers.get(identity)
         epoch = peer.epoch if peer and peer.epoch is not None else 0
@@ -221,7 +326,7 @@ class StreamReceiver:
         identity = frames[0].bytes
         self.bytes_received += sum(len(f) for f in frames[1:])
         try:
-            message = decode([f.buffer for f in frames[1:]])
+            message = decode([f.buffer for f in frames[1:]], self.limits)
         except ProtocolError as exc:
             self._protocol_error(identity, str(exc))
             return
@@ -235,10 +340,11 @@ class StreamReceiver:
             return
         self.messages += 1
         self.last_message_at = time.monotonic()
-        peer = self._peers.get(identity)
-        if peer is None:
-            peer = self._peers[identity] = _Peer(identity.decode(errors="replace"))
+        peer = self._peer(identity)
         peer.last_seen = self.last_message_at
+        if peer.stale:
+            peer.stale = False
+            logger.info("poller %s is back", peer.name)
         if message.kind in (Kind.STOP, Kind.RESYNC):
             self._protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return
@@ -287,6 +393,7 @@ class StreamReceiver:
     def _request_resync(self, sock: zmq.Socket, identity: bytes, peer: _Peer, why: str) -> None:
         peer.awaiting_resync = True
         peer.resync_asked_at = time.monotonic()
+        self.resyncs_requested += 1
         self._send(sock, identity, Kind.RESYNC, why)
 
     # -- per kind -----------------------------------------------------------------
@@ -327,6 +434,13 @@ class StreamReceiver:
 
     def _on_heartbeat(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         peer.rss = message.body["rss"]
+        stalls = message.body.get("source_stalls")  # absent from older pollers
+        if stalls is not None:
+            if peer.stalls_epoch != message.epoch:
+                peer.stalls_epoch, peer.stalls = message.epoch, 0
+            if stalls > peer.stalls:
+                self.source_stalls += stalls - peer.stalls
+                peer.stalls = stalls
 
     def _on_error(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         body = message.body

@@ -1,4 +1,4 @@
-"""``python -m poller``: a standalone poller, and the demo.
+"""``python -m poller``: a standalone poller, CURVE key files, and the demo.
 
 ``main(argv) -> int`` does all the work, with nothing at module level, so
 tests can call it. Exit codes: 0 done, 2 bad arguments or a source that
@@ -15,6 +15,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
+from .curve import CurveClient, make_keys
 from .errors import PollerStartupError
 from .worker import WorkerConfig, run_standalone
 
@@ -42,6 +43,8 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--log-level", default="WARNING", help="logging level on stderr (default WARNING)")
     run.add_argument("--fault", default=None, metavar="NAME[:key=value,...]",
                      help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
+    _add_curve_arguments(run)
+    _add_keys_command(commands)
     demo = commands.add_parser("demo", help="run the end-to-end demo on the embedded SQLite store",
                                description="Rollout writers, a SQLite store, a ReplayBuffer and a trainer loop.")
     from . import demo as demo_module  # the demo's own flags live with it
@@ -71,9 +74,14 @@ def _run(args: argparse.Namespace) -> int:
         print(f"python -m poller run: error: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        curve = _curve_from_args(args)
+    except ValueError as exc:
+        print(f"python -m poller run: error: {exc}", file=sys.stderr)
+        return 2
     name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
     config = WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
-                          interval=args.interval)
+                          interval=args.interval, curve=curve)
     try:
         return run_standalone(config)
     except PollerStartupError as exc:
@@ -92,6 +100,42 @@ def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, d
     return parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
 
 
+def _add_curve_arguments(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group("CURVE authentication and encryption (both or neither; see SECURITY.md)")
+    group.add_argument("--curve-secret", metavar="FILE", default=None,
+                       help="this poller's key pair, a NAME.key_secret file from 'python -m poller keys'")
+    group.add_argument("--curve-server-key", metavar="FILE", default=None,
+                       help="the buffer's public key, its NAME.key file")
+
+
+def _curve_from_args(args: argparse.Namespace) -> CurveClient | None:
+    if args.curve_secret is None and args.curve_server_key is None:
+        return None
+    if args.curve_secret is None or args.curve_server_key is None:
+        raise ValueError("--curve-secret and --curve-server-key go together")
+    return CurveClient.from_files(args.curve_secret, args.curve_server_key)
+
+
+def _add_keys_command(commands: Any) -> None:
+    keys = commands.add_parser(
+        "keys", help="make a CURVE key pair (NAME.key public, NAME.key_secret private)",
+        description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) "
+                    "into DIR (created 0700). Make one pair for the buffer and one per poller host; the "
+                    "buffer allows the pollers' .key files.")
+    keys.add_argument("--out", required=True, metavar="DIR", help="directory for the key files")
+    keys.add_argument("--name", default=socket.gethostname(), help="file name stem (default: this host's name)")
+
+
+def _keys(args: argparse.Namespace) -> int:
+    try:
+        public, secret = make_keys(args.out, args.name)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"python -m poller keys: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"public key: {public}\nsecret key: {secret} (keep it private)")
+    return 0
+
+
 def _default_name(spec: str, kwargs_json: str) -> str:
     digest = hashlib.sha256(f"{spec}\0{kwargs_json}".encode()).hexdigest()[:12]
     return f"{socket.gethostname()}:{digest}"
@@ -106,6 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     if args.command == "run":
         return _run(args)
+    if args.command == "keys":
+        return _keys(args)
     from . import demo
 
     return demo.main_from_args(args)

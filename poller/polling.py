@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .errors import ProtocolError
 from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, pack_delta_payload
-from .sources import Source
+from .sources import Source, SourceStall
 
 __all__ = ["PollingThread", "ListingDiff", "diff_listing", "encode_diff", "normalize_listing"]
 
@@ -178,11 +178,20 @@ class PollingThread(threading.Thread):
     ``emit(kind, body)`` hands a message to the control loop and returns
     False once the poller is stopping. The thread is a daemon: if
     ``kv_list()`` never returns, the process exits without it.
+
+    A *source stall* is a ``kv_list()`` call that passed its deadline: either
+    the source gave up itself (it raised :class:`~poller.sources.SourceStall`)
+    or the call has been running longer than ``stall_timeout``, which the
+    control loop checks with :meth:`check_stall`. Each stalled call counts
+    once in ``source_stalls``; a stall is not a failure (polling goes on and
+    it never makes the poller give up). One WARNING is logged per *episode*,
+    from the first stalled call until ``kv_list()`` answers again.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
-                 backoff_base: float = 0.1, backoff_cap: float = 5.0) -> None:
+                 backoff_base: float = 0.1, backoff_cap: float = 5.0,
+                 stall_timeout: float | None = None) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
         self._emit = emit
@@ -199,8 +208,23 @@ class PollingThread(threading.Thread):
         # across threads under the GIL.
         self.polls = 0
         self.source_errors = 0
-        self.call_started: float | None = None
+        self.source_stalls = 0
+        self.stall_timeout = stall_timeout
+        # (call number, monotonic start) of the kv_list() under way, set in
+        # one assignment so the control loop never pairs one call's number
+        # with another call's start.
+        self._current: tuple[int, float] | None = None
+        self._calls = 0
+        self._stall_lock = threading.Lock()
+        self._stalled_call = 0  # number of the last call counted as stalled
+        self._episode: tuple[float, int] | None = None  # (started, stalled calls) while stalled
         self.failed: BaseException | None = None
+
+    @property
+    def call_started(self) -> float | None:
+        """Monotonic start of the ``kv_list()`` call under way, if any."""
+        current = self._current
+        return None if current is None else current[1]
 
     def request_resync(self) -> None:
         """Send a full snapshot on the next poll, and poll now."""
@@ -216,6 +240,42 @@ class PollingThread(threading.Thread):
         started = self.call_started
         return 0.0 if started is None else time.monotonic() - started
 
+    def check_stall(self) -> None:
+        """Count the call under way as stalled once it passes ``stall_timeout``.
+
+        Called by the control loop on every tick, so a source that blocks
+        forever (and can never raise) is still reported.
+        """
+        current = self._current
+        if current is None or self.stall_timeout is None:
+            return
+        call, started = current
+        running = time.monotonic() - started
+        if running >= self.stall_timeout:
+            self._stalled(call, f"kv_list() has not returned for {running:.3g}s "
+                                f"(stall timeout {self.stall_timeout:g}s)")
+
+    def _stalled(self, call: int, why: str) -> None:
+        with self._stall_lock:
+            if self._stalled_call == call:
+                return  # this call was already counted (by the other path)
+            self._stalled_call = call
+            self.source_stalls += 1
+            first = self._episode is None
+            since, count = self._episode or (time.monotonic(), 0)
+            self._episode = (since, count + 1)
+        if first:
+            logger.warning("source stall: %s; polling goes on (logged once until kv_list() answers again)", why)
+        else:
+            logger.debug("source stall #%d: %s", self.source_stalls, why)
+
+    def _answered(self) -> None:
+        with self._stall_lock:
+            episode, self._episode = self._episode, None
+        if episode is not None:
+            logger.info("kv_list() answers again after %d stalled call(s) over %.3gs",
+                        episode[1], time.monotonic() - episode[0])
+
     def _sleep(self, seconds: float) -> None:
         self._wake.wait(seconds)
         self._wake.clear()
@@ -226,17 +286,28 @@ class PollingThread(threading.Thread):
         failures = 0
         while not self.stopping.is_set():
             started = time.time()
-            self.call_started = time.monotonic()
+            self._calls += 1
+            call = self._calls
+            self._current = (call, time.monotonic())
             try:
-                listing = normalize_listing(self._source.kv_list())
+                try:
+                    raw = self._source.kv_list()
+                finally:
+                    self._current = None
+                self._answered()
+                listing = normalize_listing(raw)
                 if self._resync.is_set():
                     self._resync.clear()
                     full = True
                 diff = diff_listing(sent, listing, full)
                 bodies = encode_diff(diff, poll=self.polls + 1, started=started, full=full,
                                      chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes)
+            except SourceStall as exc:
+                self._stalled(call, str(exc) or type(exc).__name__)
+                self._sleep(self.interval)
+                continue
             except Exception as exc:  # any source failure is reported, never fatal to the trainer
-                self.call_started = None
+                self._answered()  # an error is an answer: it ends a stall episode
                 failures += 1
                 self.source_errors += 1
                 fatal = failures >= self.max_failures
@@ -247,7 +318,6 @@ class PollingThread(threading.Thread):
                     return
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue
-            self.call_started = None
             failures = 0
             for body in bodies:
                 if not self._emit(Kind.DELTA, body):

@@ -22,6 +22,7 @@ type-checked, unknown kinds and versions are refused. Every failure is a
 from __future__ import annotations
 
 import enum
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -61,12 +62,39 @@ class Kind(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds applied while decoding. Anything larger is a ProtocolError."""
+    """Bounds on what one peer can make the buffer decode and hold.
+
+    A message past any decoding bound is a counted, logged
+    :class:`~poller.errors.ProtocolError` and is dropped whole.
+
+    Attributes:
+        max_frame_bytes: size of a body frame; larger frames are also refused
+            by libzmq before they are read whole (``ZMQ_MAXMSGSIZE``), which
+            disconnects the sender.
+        max_header_bytes: size of a header frame.
+        max_str_len: length of one string or binary value (keys, tag values).
+        max_items: entries of one map or array.
+        max_keys_per_message: partitions plus keys (upserts and deletes) in
+            one DELTA; the poller sends at most 4096 per message.
+        max_depth: nesting of maps and arrays in a body (the DELTA structure
+            itself uses 4 levels), so that no tag value can make ``snapshot()``
+            recurse without bound.
+        max_peers: streams (peer identities) the receiver keeps state for; past
+            it, the one silent longest is forgotten (it resyncs if it returns).
+    """
 
     max_frame_bytes: int = 64 * 1024 * 1024
     max_header_bytes: int = 128
     max_str_len: int = 1024 * 1024
     max_items: int = 1_000_000
+    max_keys_per_message: int = 65_536
+    max_depth: int = 32
+    max_peers: int = 1024
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
 
 
 DEFAULT_LIMITS = Limits()
@@ -142,9 +170,13 @@ def check_decodable(upserts: Mapping[str, Mapping[str, Any]], limits: Limits = D
     """
     for partition, items in upserts.items():
         for key, tags in items.items():
-            problem = _undecodable(tags, limits, 0)
+            problem = _undecodable(tags, limits, _TAGS_DEPTH)
             if problem is not None:
                 raise ProtocolError(f"tags of {partition!r}/{key!r} cannot go on the wire: {problem}")
+
+
+# body -> upserts -> partition -> tags: a DELTA's tags sit at depth 4 (see _check_delta_bounds).
+_TAGS_DEPTH = 4
 
 
 def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
@@ -155,8 +187,8 @@ def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
         long_str = isinstance(value, str) and len(value) * 4 > limits.max_str_len
         size = len(value.encode(errors="surrogatepass") if long_str else value)
         return None if size <= limits.max_str_len else f"a value of {size} bytes exceeds {limits.max_str_len}"
-    if depth > 256:
-        return "nested too deep"
+    if depth > limits.max_depth:
+        return f"nested deeper than {limits.max_depth}"
     if isinstance(value, Mapping):
         if len(value) > limits.max_items:
             return f"a map of {len(value)} entries exceeds {limits.max_items}"
@@ -221,7 +253,49 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name} body is not a map")
     _check_body(kind, body)
+    if kind is Kind.DELTA:
+        _check_delta_bounds(body, limits)
+    elif _deeper_than(body, limits.max_depth):
+        raise ProtocolError(f"{kind.name} body nests deeper than {limits.max_depth}")
     return Message(kind, epoch, seq, body)
+
+
+_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
+    """True if maps/arrays in ``value`` (itself at ``depth``) nest past ``limit``. Iterative."""
+    stack = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        if level > limit:
+            return True
+        for child in (item.values() if isinstance(item, dict) else item):
+            if isinstance(child, (dict, list)):
+                stack.append((child, level + 1))
+    return False
+
+
+def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
+    """Keys per message and nesting of a DELTA already checked by :func:`_check_body`."""
+    upserts, deletes = body["upserts"], body["deletes"]
+    count = len(upserts) + len(deletes) + sum(len(v) for v in upserts.values()) + sum(len(v) for v in deletes.values())
+    if count > limits.max_keys_per_message:
+        raise ProtocolError(f"DELTA holds {count} partitions and keys, more than {limits.max_keys_per_message}")
+    # The structure is body -> upserts -> partition -> tags (depth 4); only
+    # tag values can nest further, so only they are walked.
+    limit = limits.max_depth
+    for items in upserts.values():
+        # Tag values are almost always scalars: one pass at C speed over the
+        # types of all of them, and a walk only where a container shows up.
+        if _SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, items.values())))):
+            continue
+        for tags in items.values():
+            if _deeper_than(tags, limit, 4):
+                raise ProtocolError(f"DELTA tags nest deeper than {limit}")
+    others = {k: v for k, v in body.items() if k not in ("upserts", "deletes")}
+    if _deeper_than(others, limits.max_depth):
+        raise ProtocolError(f"DELTA body nests deeper than {limits.max_depth}")
 
 
 def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
@@ -299,12 +373,22 @@ _SCHEMAS: dict[Kind, dict[str, _Check]] = {
 }
 
 
+# Fields added after a kind was first defined: a peer that predates them
+# leaves them out, but where present they are checked like the others.
+_OPTIONAL: dict[Kind, dict[str, _Check]] = {
+    Kind.HEARTBEAT: {"source_stalls": lambda v: _is_int(v) and v >= 0},
+}
+
+
 def _check_body(kind: Kind, body: Mapping[str, Any]) -> None:
     for name, check in _SCHEMAS[kind].items():
         if name not in body:
             raise ProtocolError(f"{kind.name} body lacks field {name!r}")
         if not check(body[name]):
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(body[name]).__name__}")
+    for name, check in _OPTIONAL.get(kind, {}).items():
+        if name in body and not check(body[name]):
+            raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {body[name]!r}")
     if kind is Kind.DELTA:
         _check_partitions(body.get("upserts"), "upserts")
         _check_deletes(body.get("deletes"))

@@ -33,6 +33,7 @@ from typing import Any, Deque
 import zmq
 
 from . import lifeline
+from .curve import CurveClient, HandshakeWatch
 from .errors import PollerStartupError, ProtocolError
 from .polling import PollingThread
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
@@ -79,6 +80,11 @@ class WorkerConfig:
     # The stream's epoch, when the parent chose it (so its receiver knows it
     # before the first message and can refuse anyone else using the name).
     epoch: int | None = None
+    # CURVE client keys when the buffer authenticates its peers.
+    curve: CurveClient | None = None
+    # A kv_list() call running longer than this is counted as a source stall
+    # (None: only stalls the source reports itself, by raising SourceStall).
+    stall_timeout: float | None = 30.0
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
@@ -116,6 +122,18 @@ def run_standalone(config: WorkerConfig) -> int:
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     return code
+
+
+def _secure_socket(sock: zmq.Socket, config: WorkerConfig) -> None:
+    """CURVE keys, and ZMTP heartbeats so a cut link is noticed and redialled."""
+    if config.curve is not None:
+        config.curve.apply(sock)
+    # Without these a connection whose far end vanished (link down, host
+    # gone) looks alive until TCP gives up, minutes later; with them the
+    # poller drops it after 3 s of silence and reconnects by itself.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
 
 
 class _ForwardingHandler(logging.Handler):
@@ -166,6 +184,8 @@ class _ControlLoop:
         self.log_handler = _ForwardingHandler(self.data_wake)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
+        self.handshakes: HandshakeWatch | None = None
+        self.stalls_reported = 0
 
     # -- set-up ---------------------------------------------------------------
 
@@ -232,11 +252,13 @@ class _ControlLoop:
 
     def _heartbeat(self) -> None:
         thread = self.thread
+        self.stalls_reported = thread.source_stalls if thread else 0
         self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, {
             "polls": thread.polls if thread else 0,
             "source_errors": thread.source_errors if thread else 0,
             "rss": _rss_bytes(),
             "stalled_s": thread.stalled_for() if thread else 0.0,
+            "source_stalls": self.stalls_reported,
         }))
 
     def _on_control(self, sock: zmq.Socket) -> None:
@@ -292,6 +314,7 @@ class _ControlLoop:
                 sock.setsockopt(zmq.IDENTITY, self.config.name.encode())
                 sock.setsockopt(zmq.LINGER, int(self.config.linger * 1000))
                 sock.setsockopt(zmq.SNDHWM, 1000)
+                _secure_socket(sock, self.config)
                 sock.connect(self.config.endpoint)
             except BaseException as exc:
                 if self.lifeline is not None:
@@ -309,7 +332,7 @@ class _ControlLoop:
             self.thread = PollingThread(
                 source, self._emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
-                max_frame_bytes=self.config.max_frame_bytes)
+                max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout)
             self.thread.start()
             if self.lifeline is not None:
                 lifeline.send(self.lifeline, "ready", epoch=self.epoch, pid=os.getpid())
@@ -320,6 +343,8 @@ class _ControlLoop:
             if self.thread is not None:
                 self.thread.stop()
             if sock is not None:
+                if self.handshakes is not None:
+                    self.handshakes.close(sock)  # before the socket, or ctx.term() waits for it
                 sock.close()
             if ctx is not None:
                 # Bounded by the socket's linger; the source thread holds no socket.
@@ -340,6 +365,9 @@ class _ControlLoop:
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
         if lifeline_fd is not None:
             poller.register(lifeline_fd, zmq.POLLIN)
+        if self.config.curve is not None:
+            self.handshakes = HandshakeWatch(sock, self.config.name)
+            poller.register(self.handshakes.monitor, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         while self.stop_reason is None:
             self._pull_items()
@@ -355,13 +383,17 @@ class _ControlLoop:
                 self._on_lifeline()
             if events.get(sock, 0) & zmq.POLLIN:
                 self._on_control(sock)
+            if self.handshakes is not None and self.handshakes.monitor in events:
+                self.handshakes.drain()
             if self.embedded and os.getppid() != self.parent_pid:
                 self._orphaned("parent pid changed")
             if not self.thread.is_alive() and self.thread.failed is not None and self.items.empty():
                 self._pull_items()  # the fatal ERROR itself
                 self.stop_reason = "source failed"
                 self.exit_code = ExitCode.SOURCE_FAILED
-            if time.monotonic() >= next_heartbeat:
+            self.thread.check_stall()
+            # A new stall is reported at once, not at the next heartbeat.
+            if time.monotonic() >= next_heartbeat or self.thread.source_stalls != self.stalls_reported:
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval
 

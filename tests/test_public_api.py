@@ -72,9 +72,10 @@ def test_error_hierarchy() -> None:
 def test_replay_buffer_signature() -> None:
     params = inspect.signature(ReplayBuffer.__init__).parameters
     assert list(params) == ["self", "source", "source_kwargs", "poll_interval", "bind", "start_timeout",
-                            "close_timeout", "max_restarts"]
+                            "close_timeout", "max_restarts", "curve", "insecure", "limits", "stale_after"]
     expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
-                         "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3}
+                         "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
+                         "curve": None, "insecure": False, "limits": None, "stale_after": 5.0}
     for name, default in expected_defaults.items():
         param = params[name]
         assert param.default == default and type(param.default) is type(default), name
@@ -108,10 +109,11 @@ def _source_files() -> list[Path]:
     return files
 
 
-def test_only_the_protocol_module_imports_msgpack() -> None:
+def test_only_the_protocol_modules_import_msgpack() -> None:
+    # Our wire format, and TransferQueue's controller requests (another format).
     pattern = re.compile(r"^\s*(import\s+msgpack\b|from\s+msgpack\b)|import_module\(\s*['\"]msgpack", re.M)
     importers = [str(path.relative_to(ROOT)) for path in _source_files() if pattern.search(path.read_text())]
-    assert importers == ["poller/protocol.py"]
+    assert importers == ["poller/protocol.py", "poller/sources/tq_protocol.py"]
 
 
 def test_poller_package_never_imports_buffer() -> None:

@@ -4,6 +4,10 @@ A source is any object with ``kv_list()`` returning
 ``{partition_id: {key: tags}}`` (or ``None`` for "nothing stored").
 The poller process builds it itself from an importable spec, so that the
 trainer never has to pickle a live store client into the child.
+
+A source whose ``kv_list()`` has a deadline of its own raises
+:class:`SourceStall` when the deadline passes: the poller counts a stall and
+polls again, instead of treating it as a failure.
 """
 
 from __future__ import annotations
@@ -11,7 +15,11 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
 
-__all__ = ["Source", "SourceSpec", "load_source", "describe_spec"]
+__all__ = ["Source", "SourceSpec", "SourceStall", "load_source", "describe_spec"]
+
+
+class SourceStall(TimeoutError):
+    """``kv_list()`` gave up waiting for its store: counted as a stall, not a failure."""
 
 
 @runtime_checkable

@@ -30,12 +30,20 @@ SQLITE = "poller.sources.sqlite:SqliteSource"
 
 # -- the encoder refuses what the decoder would refuse -----------------------------------------------
 
+def _nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize("tags, problem", [
     ({7: "seven"}, "map key 7 is int"),
     ({"nested": [{"ok": 1}, {b"fine": {1.5: "x"}}]}, "map key 1.5 is float"),
     ({"text": "x" * (1024 * 1024 + 1)}, "exceeds 1048576"),
     ({"text": "é" * (600 * 1024)}, "exceeds 1048576"),  # 1.2 MB of UTF-8 in 600k characters
     ({"blob": b"\0" * (1024 * 1024 + 1)}, "exceeds 1048576"),
+    ({"deep": _nested(40)}, "nested deeper than 32"),
 ])
 def test_tags_the_receiver_would_refuse_are_a_clear_error_naming_the_key(tags, problem):
     diff = diff_listing({}, {"p": {"k": tags}}, full=True)

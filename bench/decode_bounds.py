@@ -1,0 +1,66 @@
+"""What the hostile-input bounds cost the receiver, against decoding without them in the same run.
+
+    python -m bench.decode_bounds [--repeat N] [--keys K]
+
+Decodes one DELTA of K keys (default 4096, the poller's chunk size) with
+small scalar tags, the common case. Baseline: the same frames through
+msgpack and the per-kind schema check only, i.e. :func:`poller.protocol.decode`
+without the keys-per-message and nesting bounds. Prints the ratio and the
+medians of N repetitions (each the best of 5 runs of 10 decodes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import Callable, Sequence
+
+from poller import protocol
+from poller.protocol import DEFAULT_LIMITS, Kind, decode, encode_delta, encode_header, pack_delta_payload
+
+
+def _frames(keys: int) -> list[bytes]:
+    items = {"train": {f"key-{i:06d}": {"global_steps": i // 64, "status": "success", "reward": 0.5}
+                       for i in range(keys)}}
+    body = encode_delta(poll=1, started=0.0, full=False, reset=False, end=True, payload=pack_delta_payload(items, {}))
+    return [encode_header(Kind.DELTA, 1, 1), body]
+
+
+def _without_new_bounds(frames: list[bytes]) -> object:
+    body = protocol._unpack(frames[1], DEFAULT_LIMITS, "body")
+    protocol._check_body(Kind.DELTA, body)
+    return body
+
+
+def _best_per_call(fn: Callable[[], object], calls: int = 10, runs: int = 5) -> float:
+    best = float("inf")
+    for _ in range(runs):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - started) / calls)
+    return best
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_bounds", description=__doc__.split("\n")[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--keys", type=int, default=4096)
+    args = parser.parse_args(argv)
+    frames = _frames(args.keys)
+    bounded, baseline = [], []
+    for _ in range(args.repeat):  # interleaved, so load changes hit both alike
+        bounded.append(_best_per_call(lambda: decode(frames)))
+        baseline.append(_best_per_call(lambda: _without_new_bounds(frames)))
+    b, base = statistics.median(bounded), statistics.median(baseline)
+    print(f"load average {os.getloadavg()[0]:.2f}; DELTA of {args.keys} keys, {len(frames[1])} bytes")
+    print(f"decode with bounds:    {b * 1e3:.3f} ms")
+    print(f"decode without bounds: {base * 1e3:.3f} ms")
+    print(f"ratio: {b / base:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Who may reach the buffer's endpoint: the bind policy and the CURVE gate.
+
+Bind policy (:func:`check_bind`): ``ipc://`` and loopback ``tcp://`` reach
+only this host; ``tcp://:PORT`` (no host) means loopback. Any other address
+reaches the network, and binding it without CURVE is refused unless the
+caller says ``insecure=True``, which is logged as a warning. What is not
+recognised as loopback counts as network: the check fails closed.
+
+The gate (:class:`Gatekeeper`) lives in the receiver thread. pyzmq's
+:class:`~zmq.auth.thread.ThreadAuthenticator` answers libzmq's ZAP requests
+from the allowed key set, so a peer without an allowed key never completes
+the handshake and none of its frames reach the decoder. A socket monitor
+counts every failed handshake — unknown key (ZAP refused), a client that
+knows the wrong server key, a client without CURVE — as ``auth_rejected``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import re
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from poller.curve import ZAP_DOMAIN, CurveServer
+
+__all__ = ["check_bind", "is_local_endpoint", "InsecureBindError", "Gatekeeper"]
+
+logger = logging.getLogger(__name__)
+
+_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]*\]|[^:/]*):(?P<port>[^/]+)$")
+_LOCAL_TRANSPORTS = ("ipc://", "inproc://")
+
+
+class InsecureBindError(ValueError):
+    """Binding a network-reachable endpoint without authentication was refused."""
+
+
+def normalize_bind(endpoint: str) -> str:
+    """``tcp://:PORT`` (no host) becomes ``tcp://127.0.0.1:PORT``; everything else is unchanged."""
+    match = _TCP.match(endpoint)
+    if match and match.group("host") == "":
+        return f"tcp://127.0.0.1:{match.group('port')}"
+    return endpoint
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """True only for endpoints no other host can reach: ipc, inproc, tcp on loopback."""
+    if endpoint.startswith(_LOCAL_TRANSPORTS):
+        return True
+    match = _TCP.match(endpoint)
+    if not match:
+        return False  # another transport (ws, pgm, ...) or unparsable: assume the network
+    host = match.group("host").strip("[]")
+    if host in ("localhost", "lo"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # "*", an interface name, a host name
+
+
+def check_bind(endpoint: str, curve: CurveServer | None, insecure: bool) -> str:
+    """Apply the bind policy; return the endpoint to bind.
+
+    Raises:
+        InsecureBindError: ``endpoint`` reaches the network, ``curve`` is
+            ``None`` and ``insecure`` is false.
+    """
+    endpoint = normalize_bind(endpoint)
+    if curve is not None or is_local_endpoint(endpoint):
+        return endpoint
+    if not insecure:
+        raise InsecureBindError(
+            f"refusing to bind {endpoint} without authentication: anyone who can reach it could write "
+            f"into the replay buffer. Pass curve=CurveServer.from_files(...) (see SECURITY.md), bind "
+            f"loopback (tcp://127.0.0.1:PORT), or pass insecure=True to accept the risk.")
+    logger.warning("binding %s without authentication (insecure=True): any host that can reach it can "
+                   "write into this replay buffer", endpoint)
+    return endpoint
+
+
+def restrict_ipc_socket(endpoint: str) -> None:
+    """Make a bound ipc socket file connectable by its owner only (a caller-chosen path may sit in a shared dir)."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        try:
+            os.chmod(endpoint[len("ipc://"):], 0o600)
+        except OSError as exc:
+            logger.debug("could not chmod %s: %s", endpoint, exc)
+
+
+class _AllowedKeys:
+    """ZAP credentials callback: is this client's public key in the allowed set?"""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key in self.allowed
+        if not ok:
+            logger.debug("CURVE client key %r is not allowed", key)
+        return ok
+
+
+# Every failed handshake: no detail (e.g. a client without CURVE), protocol
+# (e.g. the wrong server key), auth (ZAP refused the client key).
+_REJECTED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+             | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class Gatekeeper:
+    """The ZAP authenticator and the handshake monitor of one ROUTER socket.
+
+    Created, used and closed by the thread that owns the socket. Without a
+    ``curve`` it only monitors (a NULL socket has no handshake to fail).
+    """
+
+    def __init__(self, ctx: zmq.Context, curve: CurveServer | None) -> None:
+        self.curve = curve
+        self.rejected = 0
+        self._auth: ThreadAuthenticator | None = None
+        self.monitor: zmq.Socket | None = None
+        if curve is not None:
+            auth = ThreadAuthenticator(ctx, log=logging.getLogger(f"{__name__}.zap"))
+            auth.start()
+            self._auth = auth
+            auth.configure_curve_callback(ZAP_DOMAIN, _AllowedKeys(curve.allowed))
+
+    def arm(self, sock: zmq.Socket) -> None:
+        """Configure ``sock`` (before bind) and start watching its handshakes."""
+        if self.curve is None:
+            return
+        self.curve.apply(sock)
+        self.monitor = sock.get_monitor_socket(_REJECTED)
+
+    def on_monitor(self) -> None:
+        """Count the failed handshakes the monitor has reported."""
+        assert self.monitor is not None
+        while True:
+            try:
+                event: dict[str, Any] = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not event["event"] & _REJECTED:
+                continue
+            self.rejected += 1
+            # Rate-limited: a rogue peer retrying every 100 ms must not flood the log.
+            level = logging.WARNING if self.rejected <= 5 or self.rejected % 100 == 0 else logging.DEBUG
+            logger.log(level, "rejected a peer without an allowed CURVE key on %s (#%d, %s)",
+                       event.get("endpoint", b"").decode(errors="replace"), self.rejected,
+                       _event_name(event["event"]))
+
+    def close(self, sock: zmq.Socket) -> None:
+        """Close the monitor, then ``sock``, then the authenticator (joins its thread).
+
+        The socket goes before the authenticator: libzmq lets a CURVE client
+        in unchecked while no ZAP handler is bound.
+        """
+        if self.monitor is not None:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.monitor.close(0)
+            self.monitor = None
+        sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+def _event_name(event: int) -> str:
+    return {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE or no detail",
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed, e.g. wrong server key",
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not allowed"}.get(event, str(event))

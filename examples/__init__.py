@@ -1,0 +1,1 @@
+"""Runnable examples (``python examples/NAME.py``); importable for the tests and benchmarks."""

@@ -1,0 +1,227 @@
+"""CurveZMQ keys: making key files, loading them, and configuring sockets.
+
+All cryptography is libzmq's (CurveZMQ); this module only moves keys between
+files and socket options. Key files are pyzmq's certificate format
+(:func:`zmq.auth.create_certificates`): ``NAME.key`` holds the public key and
+may be shared, ``NAME.key_secret`` holds both halves and must stay private.
+
+The buffer is the CURVE *server*: it has a key pair and a set of allowed
+poller public keys. Every poller is a *client*: it has its own key pair and
+knows the server's public key, so it cannot be talked into streaming to an
+impostor, and the buffer can refuse it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Union
+
+import zmq
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["CurveClient", "CurveServer", "HandshakeWatch", "make_keys", "load_public_key", "load_key_pair", "generate_pair"]
+
+logger = logging.getLogger(__name__)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: The ZAP domain the buffer's socket asks its authenticator about.
+ZAP_DOMAIN = "replay-buffer"
+
+
+def _require_curve() -> None:
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq was built without CURVE support")
+
+
+def make_keys(out_dir: PathLike, name: str) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (0600) into ``out_dir`` (made 0700).
+
+    Returns the two paths. Refuses to overwrite an existing key pair.
+
+    Raises:
+        FileExistsError: ``NAME.key`` or ``NAME.key_secret`` already exists.
+        ValueError: ``name`` is empty or holds a path separator.
+    """
+    _require_curve()
+    if not name or os.sep in name or name.startswith("."):
+        raise ValueError(f"bad key name {name!r}: a plain file name is needed")
+    out = Path(out_dir)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    public, secret = out / f"{name}.key", out / f"{name}.key_secret"
+    for path in (public, secret):
+        if path.exists():
+            raise FileExistsError(f"{path} exists; refusing to overwrite a key")
+    # Create the secret file empty and private first, so the key is never
+    # readable by others, not even between write and chmod.
+    old_umask = os.umask(0o077)
+    try:
+        public_file, secret_file = zmq.auth.create_certificates(str(out), name)
+    finally:
+        os.umask(old_umask)
+    os.chmod(secret_file, 0o600)
+    os.chmod(public_file, 0o644)
+    return Path(public_file), Path(secret_file)
+
+
+def load_public_key(path: PathLike) -> bytes:
+    """The z85 public key in a ``.key`` or ``.key_secret`` file.
+
+    Raises:
+        ValueError: the file holds no valid public key.
+    """
+    _require_curve()
+    try:
+        public, _ = zmq.auth.load_certificate(os.fspath(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read a CURVE public key from {path}: {exc}") from exc
+    return _checked(public, path)
+
+
+def load_key_pair(path: PathLike) -> tuple[bytes, bytes]:
+    """``(public, secret)`` z85 keys from a ``.key_secret`` file.
+
+    Raises:
+        ValueError: the file holds no secret key (a ``.key`` file was given?).
+    """
+    _require_curve()
+    try:
+        public, secret = zmq.auth.load_certificate(os.fspath(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read a CURVE key pair from {path}: {exc}") from exc
+    if not secret:
+        raise ValueError(f"{path} holds no secret key; pass the .key_secret file")
+    return _checked(public, path), _checked(secret, path)
+
+
+def generate_pair() -> tuple[bytes, bytes]:
+    """A fresh ``(public, secret)`` z85 key pair that never touches a file."""
+    _require_curve()
+    return zmq.curve_keypair()
+
+
+def _checked(key: bytes | None, path: PathLike) -> bytes:
+    if not key or len(key) != 40:
+        raise ValueError(f"{path} holds no valid z85 CURVE key")
+    return key
+
+
+def _public_keys(allowed: PathLike | Iterable[PathLike | bytes]) -> frozenset[bytes]:
+    """Public keys from a directory of ``.key`` files, or an iterable of files and z85 keys."""
+    if isinstance(allowed, (str, os.PathLike)) and Path(allowed).is_dir():
+        paths: list[PathLike | bytes] = sorted(Path(allowed).glob("*.key"))
+    elif isinstance(allowed, (str, os.PathLike)):
+        paths = [allowed]
+    else:
+        paths = list(allowed)
+    keys = set()
+    for item in paths:
+        if isinstance(item, bytes):
+            keys.add(_checked(item, "an allowed key"))
+        else:
+            keys.add(load_public_key(item))
+    return frozenset(keys)
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """A poller's CURVE settings: its own key pair and the buffer's public key (z85)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+
+    @classmethod
+    def from_files(cls, secret_file: PathLike, server_key_file: PathLike) -> "CurveClient":
+        """From the poller's ``.key_secret`` file and the buffer's ``.key`` file."""
+        public, secret = load_key_pair(secret_file)
+        return cls(public, secret, load_public_key(server_key_file))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE client of the buffer (before ``connect``)."""
+        sock.curve_publickey = self.public_key
+        sock.curve_secretkey = self.secret_key
+        sock.curve_serverkey = self.server_key
+
+    def __repr__(self) -> str:  # never print a secret key
+        return f"CurveClient(public_key={self.public_key!r}, server_key={self.server_key!r})"
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """The buffer's CURVE settings: its key pair and the poller public keys it accepts (z85).
+
+    Build it with :meth:`from_files`; ``allowed`` may be a directory of
+    ``.key`` files, one file, or an iterable of files and z85 keys.
+    """
+
+    public_key: bytes
+    secret_key: bytes
+    allowed: frozenset[bytes]
+
+    @classmethod
+    def from_files(cls, secret_file: PathLike,
+                   allowed: PathLike | Iterable[PathLike | bytes]) -> "CurveServer":
+        public, secret = load_key_pair(secret_file)
+        return cls(public, secret, _public_keys(allowed))
+
+    def allowing(self, *public_keys: bytes) -> "CurveServer":
+        """The same server, accepting ``public_keys`` as well."""
+        return CurveServer(self.public_key, self.secret_key, self.allowed | frozenset(public_keys))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE server that asks ZAP about every client (before ``bind``)."""
+        sock.curve_server = True
+        sock.curve_publickey = self.public_key
+        sock.curve_secretkey = self.secret_key
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        try:
+            # Fail closed: without a ZAP handler, refuse rather than admit.
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+        except (AttributeError, zmq.ZMQError):
+            pass  # older libzmq: the authenticator is bound before the socket, so ZAP is always asked
+
+    def __repr__(self) -> str:
+        return f"CurveServer(public_key={self.public_key!r}, allowed={len(self.allowed)} keys)"
+
+
+# Handshake failures a client can see: the server refused our key (ZAP), or
+# the handshake broke (e.g. we hold the wrong server key).
+_CLIENT_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+class HandshakeWatch:
+    """Logs, rate-limited, when the buffer refuses this poller's CURVE handshake.
+
+    Without it a poller holding the wrong key would retry silently forever.
+    Owned by the thread that owns ``sock``; :meth:`close` before the socket.
+    """
+
+    def __init__(self, sock: zmq.Socket, name: str) -> None:
+        self.name = name
+        self.failures = 0
+        self.monitor = sock.get_monitor_socket(_CLIENT_FAILURES)
+
+    def drain(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.failures += 1
+            if self.failures <= 3 or self.failures % 100 == 0:
+                logger.warning("poller %s: the buffer refused the CURVE handshake (%d times so far; event %s): "
+                               "is this poller's public key allowed, and is --curve-server-key the buffer's?",
+                               self.name, self.failures, event["event"])
+
+    def close(self, sock: zmq.Socket) -> None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(0)

@@ -1,0 +1,247 @@
+"""A source that lists a running TransferQueue controller, without Ray.
+
+::
+
+    trainer process                         poller process
+    tq.init() ── owns Ray, the controller   TransferQueueSource
+    source_kwargs(conf) ── address ───────▶   DEALER ── KV_LIST ──▶ controller's ROUTER
+                                              (a deadline on every call)
+
+The trainer owns TransferQueue: it called ``tq.init()`` and is the only
+process that may call ``tq.close()`` (from any other process that kills the
+shared controller for everybody). The poller only needs the controller's
+request address, which :func:`source_kwargs` reads from the trainer's live
+TransferQueue as plain, picklable (and JSON-able) keyword arguments.
+
+Inside the poller this source speaks the controller's request protocol
+itself (:mod:`poller.sources.tq_protocol`) over a socket of its own, so the
+poller imports neither ``transfer_queue``, Ray nor torch (seconds of import
+and hundreds of MB per poller), and every ``kv_list()`` has a deadline,
+which TransferQueue's own client lacks: a call past it raises
+:class:`~poller.sources.SourceStall`, which the poller counts and logs once
+per episode while it keeps polling. The source never calls TransferQueue's
+``close()``; its own :meth:`TransferQueueSource.close` closes its socket only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import zmq
+
+from . import SourceStall
+from .tq_protocol import KV_LIST, LIST_PARTITIONS, TransferQueueReplyError, decode_reply, encode_request
+
+__all__ = ["SPEC", "TransferQueueSource", "source_kwargs"]
+
+logger = logging.getLogger(__name__)
+
+#: The spec to give :class:`buffer.ReplayBuffer` (``source=SPEC``).
+SPEC = "poller.sources.transferqueue:TransferQueueSource"
+
+# The port TransferQueue's controller serves requests on (ZMQServerInfo.ports).
+_REQUEST_PORT = "request_handle_socket"
+
+
+class TransferQueueSource:
+    """Lists a running TransferQueue controller at ``address``.
+
+    Args:
+        address: the controller's request endpoint, ``tcp://host:port``
+            (what :func:`source_kwargs` gives).
+        controller_id: the controller's id, sent as the receiver of each
+            request (informational on the controller's side).
+        partition_ids: poll only these partitions (one request each, all
+            under the same deadline); ``None`` lists every partition with one
+            ``kv_list(partition_id=None)``, whose result passes through as is.
+        call_timeout: the deadline of one ``kv_list()`` call, in seconds.
+        probe_timeout: on construction, wait this long for the controller to
+            answer a cheap request, so a wrong address fails the poller's
+            start-up with a clear error; ``None`` skips the probe.
+
+    Raises:
+        ValueError: bad arguments.
+        SourceStall: the probe got no answer within ``probe_timeout``.
+    """
+
+    def __init__(self, address: str, *, controller_id: str = "", partition_ids: Sequence[str] | None = None,
+                 call_timeout: float = 10.0, probe_timeout: float | None = 10.0) -> None:
+        if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"address must be a 'tcp://host:port' endpoint, got {address!r}")
+        if isinstance(partition_ids, str):
+            raise ValueError("partition_ids must be a list of partition ids, not one string")
+        if partition_ids is not None:
+            partition_ids = list(partition_ids)
+            bad = [p for p in partition_ids if not isinstance(p, str) or not p]
+            if bad or not partition_ids:
+                raise ValueError(f"partition_ids must be non-empty strings (or None for all), got {partition_ids!r}")
+        for name, value in (("call_timeout", call_timeout), ("probe_timeout", probe_timeout)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if call_timeout is None:
+            raise ValueError("call_timeout must be a positive number of seconds, got None")
+        self.address = address
+        self.controller_id = controller_id
+        self.partition_ids = partition_ids
+        self.call_timeout = float(call_timeout)
+        self._sender_id = f"replay-poller-{os.getpid()}"
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
+        if probe_timeout is not None:
+            try:
+                self._request(LIST_PARTITIONS, {}, probe_timeout)
+            except BaseException:
+                self.close()
+                raise
+            # The probe ran in the thread that builds the source; kv_list()
+            # runs in another one, which opens a socket of its own.
+            self._drop_socket()
+
+    def __repr__(self) -> str:
+        return (f"<TransferQueueSource {self.address} partitions={self.partition_ids or 'all'} "
+                f"call_timeout={self.call_timeout:g}s>")
+
+    def kv_list(self) -> dict[str, Any]:
+        """``{partition_id: {key: tags}}`` from the controller; missing partitions are left out.
+
+        Raises:
+            SourceStall: no complete answer within ``call_timeout``.
+            TransferQueueReplyError: the controller refused the request or
+                sent a reply this source does not read.
+        """
+        deadline = time.monotonic() + self.call_timeout
+        if self.partition_ids is None:
+            return self._list(None, deadline)
+        listing: dict[str, Any] = {}
+        for partition_id in self.partition_ids:
+            listing.update(self._list(partition_id, deadline))
+        return listing
+
+    def close(self) -> None:
+        """Close this source's socket. TransferQueue itself is left alone."""
+        self._drop_socket()
+        if not self._ctx.closed:
+            self._ctx.term()
+
+    # -- requests ---------------------------------------------------------------
+
+    def _list(self, partition_id: str | None, deadline: float) -> dict[str, Any]:
+        body = self._request(KV_LIST, {"partition_id": partition_id}, self.call_timeout, deadline)
+        partitions = body.get("partition_info")
+        if not isinstance(partitions, dict):
+            raise TransferQueueReplyError("KV_LIST_RESPONSE without a partition_info map")
+        return partitions
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.address)
+            self._sock = sock
+        return self._sock
+
+    def _drop_socket(self) -> None:
+        # A request that timed out may still be answered later; that reply
+        # must never be read as the answer to the next request, so the
+        # socket goes and the next call connects afresh.
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def _request(self, request_type: str, body: dict[str, Any], timeout: float,
+                 deadline: float | None = None) -> dict[str, Any]:
+        """One request and its reply, by ``deadline`` (default: ``timeout`` from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + timeout
+        sock = self._socket()
+        frames = encode_request(request_type, body, sender_id=self._sender_id, receiver_id=self.controller_id)
+        try:
+            if not self._wait(sock, zmq.POLLOUT, deadline):
+                raise self._stall(request_type, body, timeout)
+            sock.send_multipart(frames, zmq.NOBLOCK)
+            if not self._wait(sock, zmq.POLLIN, deadline):
+                raise self._stall(request_type, body, timeout)
+            reply = sock.recv_multipart(zmq.NOBLOCK)
+        except BaseException:
+            self._drop_socket()
+            raise
+        return decode_reply(request_type, reply)
+
+    @staticmethod
+    def _wait(sock: zmq.Socket, event: int, deadline: float) -> bool:
+        remaining = deadline - time.monotonic()
+        return remaining > 0 and bool(sock.poll(max(1, int(remaining * 1000)), event))
+
+    def _stall(self, request_type: str, body: Mapping[str, Any], timeout: float) -> SourceStall:
+        if request_type == KV_LIST:
+            partition = body.get("partition_id")
+            what = f"kv_list({'' if partition is None else repr(partition)})"
+        else:
+            what = f"a {request_type} probe"
+        return SourceStall(f"no answer from the TransferQueue controller at {self.address} to "
+                           f"{what} within {timeout:g}s")
+
+
+def source_kwargs(conf: Any = None, *, partition_ids: Sequence[str] | None = None, call_timeout: float = 10.0,
+                  probe_timeout: float | None = 10.0) -> dict[str, Any]:
+    """Keyword arguments for :class:`TransferQueueSource`, from the trainer's live TransferQueue.
+
+    Call it in the trainer, after ``tq.init()``. ``conf`` is what ``init()``
+    returned (its ``controller.zmq_info``), a ``ZMQServerInfo`` or its
+    ``to_dict()``. Without one — ``init()`` returns no address in a process
+    that attached to an existing controller — the controller actor is asked
+    through Ray. The result is plain data: picklable and JSON-able, so it
+    also serves ``python -m poller run --source-kwargs``.
+
+    Raises:
+        ValueError: ``conf`` holds no controller address.
+    """
+    info = _controller_info(conf)
+    ip = str(info["ip"]).strip("[]")
+    host = f"[{ip}]" if ":" in ip else ip
+    try:
+        port = int(info["ports"][_REQUEST_PORT])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"the controller info {info!r} has no {_REQUEST_PORT!r} port") from None
+    return {
+        "address": f"tcp://{host}:{port}",
+        "controller_id": str(info.get("id", "")),
+        "partition_ids": None if partition_ids is None else list(partition_ids),
+        "call_timeout": call_timeout,
+        "probe_timeout": probe_timeout,
+    }
+
+
+def _controller_info(conf: Any) -> dict[str, Any]:
+    """The controller's ``{"id", "ip", "ports"}`` from ``conf``, or from Ray."""
+    info = conf
+    controller = _get(conf, "controller")
+    if controller is not None:
+        info = _get(controller, "zmq_info")
+    if info is None:
+        # Imported only here, in the trainer: the poller never needs Ray.
+        import ray
+
+        actor = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+        info = ray.get(actor.get_zmq_server_info.remote(), timeout=60)
+    if hasattr(info, "to_dict"):
+        info = info.to_dict()
+    if not isinstance(info, Mapping) or "ip" not in info or "ports" not in info:
+        raise ValueError(f"no TransferQueue controller address in {conf!r}")
+    return dict(info)
+
+
+def _get(obj: Any, name: str) -> Any:
+    """``obj.name`` or ``obj[name]`` (an OmegaConf config, a dict), else None."""
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # OmegaConf raises on some missing keys in struct mode
+        return None

@@ -1,0 +1,155 @@
+"""Bounds against a hostile or broken peer: decoding limits, the per-peer state
+cap, and the liveness bound (``stale_after``), through a real buffer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterator
+
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from buffer import ReplayBuffer
+from poller.errors import ProtocolError
+from poller.protocol import Kind, Limits, Message, decode, encode
+from tests.conftest import wait_until
+from tests.test_stream import Peer
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _delta(upserts: dict[str, Any], deletes: dict[str, Any] | None = None) -> list[bytes]:
+    return encode(Message(Kind.DELTA, 1, 1, {"poll": 1, "t": 0.0, "full": False, "reset": False, "end": True,
+                                             "upserts": upserts, "deletes": deletes or {}}))
+
+
+def test_limits_validate_their_values() -> None:
+    for bad in (0, -1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="max_peers"):
+            Limits(max_peers=bad)  # type: ignore[arg-type]
+
+
+def test_keys_per_message_counts_partitions_upserts_and_deletes() -> None:
+    limits = Limits(max_keys_per_message=5)
+    decode(_delta({"p": {"a": {}, "b": {}}}, {"q": ["c"]}), limits)  # 2 partitions + 3 keys
+    with pytest.raises(ProtocolError, match="more than 5"):
+        decode(_delta({"p": {"a": {}, "b": {}}}, {"q": ["c", "d"]}), limits)
+
+
+@pytest.mark.parametrize("kind, body", [
+    (Kind.DELTA, lambda v: {"poll": 1, "t": 0.0, "full": False, "reset": False, "end": True,
+                            "upserts": {"p": {"k": {"deep": v}}}, "deletes": {}}),
+    (Kind.DELTA, lambda v: {"poll": 1, "t": 0.0, "full": False, "reset": False, "end": True,
+                            "upserts": {}, "deletes": {}, "extra": v}),
+    (Kind.HEARTBEAT, lambda v: {"polls": 1, "source_errors": 0, "rss": 0, "stalled_s": 0.0, "extra": v}),
+])
+def test_nesting_is_bounded_in_every_body(kind: Kind, body: Any) -> None:
+    limits = Limits(max_depth=8)
+    decode(encode(Message(kind, 1, 1, body(_nested(3)))), limits)
+    with pytest.raises(ProtocolError, match="deeper than 8"):
+        decode(encode(Message(kind, 1, 1, body(_nested(9)))), limits)
+
+
+def test_default_nesting_bound_keeps_snapshot_safe() -> None:
+    # msgpack itself would accept ~1000 levels, enough to break deepcopy in snapshot().
+    frames = _delta({"p": {"k": {"v": _nested(200)}}})
+    with pytest.raises(ProtocolError, match="deeper than 32"):
+        decode(frames)
+
+
+@pytest.fixture
+def limited() -> Iterator[ReplayBuffer]:
+    rb = ReplayBuffer(bind="tcp://127.0.0.1:0",
+                      limits=Limits(max_keys_per_message=4, max_depth=8, max_str_len=64, max_frame_bytes=4096,
+                                    max_peers=3),
+                      stale_after=0.5)
+    yield rb
+    rb.close()
+
+
+def test_the_buffer_applies_its_configured_limits(limited: ReplayBuffer) -> None:
+    peer = Peer(limited.endpoint)
+    try:
+        peer.ready()
+        peer.delta({"p": {f"k{i}": {} for i in range(4)}}, full=True, reset=True)   # 5 > 4
+        peer.delta({"p": {"k": {"v": _nested(10)}}})                                # too deep
+        peer.delta({"p": {"k": {"v": "x" * 100}}})                                  # string too long
+        assert wait_until(lambda: limited.stats()["protocol_errors"] == 3)
+        peer.delta({"p": {"ok": {"v": 1}}}, full=True, reset=True)
+        request = peer.recv()  # the dropped messages left a gap: the buffer asks for a snapshot
+        assert request is not None and request.kind is Kind.RESYNC
+        peer.delta({"p": {"ok": {"v": 1}}}, full=True, reset=True)
+        assert wait_until(lambda: limited.snapshot() == {"p": {"ok": {"v": 1}}})
+        # A frame past max_frame_bytes is refused by libzmq before it is read:
+        # the buffer hangs up on the sender, and the decoder never sees it.
+        monitor = peer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            errors = limited.stats()["protocol_errors"]
+            peer.sock.send_multipart([b"h", b"x" * 5000])
+            assert monitor.poll(10_000), "the buffer did not drop the sender of an oversized frame"
+            assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+            assert limited.stats()["protocol_errors"] == errors
+        finally:
+            peer.sock.disable_monitor()
+            monitor.close(0)
+    finally:
+        peer.close()
+
+
+def test_per_peer_state_is_capped(limited: ReplayBuffer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="buffer")
+    peers = [Peer(limited.endpoint, name=f"peer{i}".encode(), epoch=10 + i) for i in range(6)]
+    try:
+        for i, peer in enumerate(peers):
+            peer.ready()
+            peer.delta({f"part{i}": {"k": {"v": i}}}, full=True, reset=True)
+            assert wait_until(lambda: f"part{i}" in limited.snapshot())
+        assert limited.stats()["peers"] == 3
+        assert any("forgot the state of peer" in r.getMessage() for r in caplog.records)
+        # A forgotten peer that speaks again is asked to resync, not trusted mid-stream.
+        peers[0].delta({"part0": {"k": {"v": 99}}})
+        request = peers[0].recv()
+        assert request is not None and request.kind is Kind.RESYNC
+        assert limited.snapshot("part0") == {"k": {"v": 0}}
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_a_silent_peer_is_reported_stale_then_back(limited: ReplayBuffer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="buffer")
+    peer = Peer(limited.endpoint, name=b"quiet")
+    try:
+        peer.ready()
+        assert wait_until(lambda: limited.stats()["peers"] == 1)
+        assert limited.stats()["stale_peers"] == []
+        assert wait_until(lambda: limited.stats()["stale_peers"] == ["quiet"], timeout=5)
+        assert wait_until(lambda: any("no message from poller quiet" in r.getMessage() for r in caplog.records))
+        peer.send(Kind.HEARTBEAT, {"polls": 1, "source_errors": 0, "rss": 0, "stalled_s": 0.0})
+        assert wait_until(lambda: limited.stats()["stale_peers"] == [])
+        # A peer that said BYE left on purpose: it is not stale.
+        peer.send(Kind.BYE, {"last_seq": peer.seq - 1, "reason": "done"})
+        time.sleep(1.0)
+        assert limited.stats()["stale_peers"] == []
+    finally:
+        peer.close()
+
+
+def test_the_buffers_own_poller_sends_within_the_buffers_limits(store) -> None:
+    # 300 keys in one listing; the buffer accepts 20 partitions-plus-keys per message.
+    store.kv_batch_put([f"k{i}" for i in range(300)], "train", tags=[{"status": "success"}] * 300)
+    rb = ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": store.path}, poll_interval=0.05,
+                      limits=Limits(max_keys_per_message=20, max_frame_bytes=4096))
+    try:
+        assert wait_until(lambda: len(rb.snapshot("train")) == 300)
+        stats = rb.stats()
+        assert stats["protocol_errors"] == 0 and stats["messages"] >= 30
+    finally:
+        rb.close()

@@ -1,0 +1,81 @@
+"""Source stalls: a kv_list() past its deadline is counted, logged once per
+episode, never fatal, and never keeps the poller from stopping."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from buffer import ReplayBuffer
+from poller import PollerProcess, ProtocolError
+from poller.protocol import Kind, Message, decode, encode
+from tests.conftest import wait_until
+from tests.test_stream import Peer
+
+HEARTBEAT = {"polls": 1, "source_errors": 0, "rss": 1, "stalled_s": 0.0}
+
+
+def _stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "source stall:" in r.getMessage()]
+
+
+def test_stalls_the_source_reports_are_counted_and_logged_once_per_episode(caplog):
+    caplog.set_level(logging.WARNING, logger="poller")
+    # Seven stalls in two episodes; six in a row is more than the five
+    # failures that end a poller, and a stall is not a failure.
+    with ReplayBuffer(source="tests.helpers.stalls:ScriptedStalls", source_kwargs={"script": "SSSSSSLSL"},
+                      poll_interval=0.02) as rb:
+        assert wait_until(lambda: rb.stats()["source_stalls"] == 7 and rb.snapshot().get("train"), timeout=20)
+        assert wait_until(lambda: len(_stall_warnings(caplog)) == 2, timeout=10)
+        stats = rb.stats()
+        assert stats["restarts"] == 0 and stats["poller_alive"] and stats["source_errors"] == 0
+        assert rb.snapshot("train") == {"k": {"status": "success"}}
+    assert len(_stall_warnings(caplog)) == 2
+    assert "scripted store did not answer" in _stall_warnings(caplog)[0]
+
+
+def test_a_call_stuck_forever_is_one_stall_and_stop_still_works(caplog):
+    caplog.set_level(logging.WARNING, logger="poller")
+    with ReplayBuffer(bind="tcp://127.0.0.1:0") as rb:
+        poller = PollerProcess("poller.faults:hang", endpoint=rb.endpoint, name="stuck",
+                               interval=0.02, stall_timeout=0.3)
+        poller.start(30)
+        try:
+            assert wait_until(lambda: rb.stats()["source_stalls"] == 1, timeout=20)
+            time.sleep(1.0)  # the same call, still stuck: still one stall
+            assert rb.stats()["source_stalls"] == 1
+            assert wait_until(lambda: len(_stall_warnings(caplog)) == 1, timeout=10)
+            assert "has not returned for" in _stall_warnings(caplog)[0]
+        finally:
+            report = poller.close(5)
+        assert report.stage == "graceful" and report.exitcode == 0
+        assert report.seconds < 5
+
+
+def test_the_receiver_sums_stalls_over_poller_restarts():
+    with ReplayBuffer(bind="tcp://127.0.0.1:0") as rb:
+        peer = Peer(rb.endpoint, epoch=5)
+        try:
+            peer.ready()
+            for count in (2, 3, 3):
+                peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=count))
+            assert wait_until(lambda: rb.stats()["source_stalls"] == 3)
+            peer.epoch, peer.seq = 6, 0  # a restarted poller counts from zero again
+            peer.ready()
+            peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=1))
+            assert wait_until(lambda: rb.stats()["source_stalls"] == 4)
+            peer.send(Kind.HEARTBEAT, HEARTBEAT)  # an older poller sends no count
+            assert wait_until(lambda: rb.stats()["messages"] == 6)
+            assert rb.stats()["source_stalls"] == 4 and rb.stats()["protocol_errors"] == 0
+        finally:
+            peer.close()
+
+
+def test_the_heartbeat_stall_count_is_optional_but_checked():
+    for body in (HEARTBEAT, dict(HEARTBEAT, source_stalls=0), dict(HEARTBEAT, source_stalls=12)):
+        assert decode(encode(Message(Kind.HEARTBEAT, 1, 1, body))).body == body
+    for bad in (-1, "3", 1.5, True, None):
+        with pytest.raises(ProtocolError, match="source_stalls"):
+            encode(Message(Kind.HEARTBEAT, 1, 1, dict(HEARTBEAT, source_stalls=bad)))

@@ -1,0 +1,148 @@
+"""The TransferQueue source without TransferQueue: its request codec, its
+arguments, its deadline against an address where nothing answers, and that
+importing it stays light. Against a real TransferQueue: tests/integration."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from buffer import ReplayBuffer
+from poller import PollerStartupError
+from poller.sources import SourceStall
+from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
+from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_reply, encode_request
+from tests.conftest import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "ray", "transfer_queue", "tensordict")
+
+
+def heavy_modules_after(statement: str) -> list[str]:
+    """Top-level heavy packages in sys.modules after running ``statement`` in a fresh interpreter."""
+    code = (f"import json, sys; {statement}; "
+            f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_importing_the_packages_and_the_source_loads_no_transferqueue_ray_or_torch():
+    assert heavy_modules_after("import poller, buffer, poller.sources.transferqueue") == []
+
+
+def _reply(request_type: str, body: dict) -> list[bytes]:
+    return [msgpack.packb({"request_type": request_type, "sender_id": "c", "receiver_id": "me",
+                           "request_id": "1", "timestamp": 0.0, "body": body})]
+
+
+def test_a_request_is_one_msgpack_map_the_controller_understands():
+    frames = encode_request(KV_LIST, {"partition_id": None}, sender_id="me", receiver_id="TQ_CONTROLLER_1")
+    assert len(frames) == 1
+    message = msgpack.unpackb(frames[0])
+    assert message["request_type"] == "KV_LIST" and message["body"] == {"partition_id": None}
+    assert message["sender_id"] == "me" and message["receiver_id"] == "TQ_CONTROLLER_1"
+    assert isinstance(message["request_id"], str) and isinstance(message["timestamp"], float)
+    with pytest.raises(ValueError):
+        encode_request("PUT", {}, sender_id="me", receiver_id=None)
+
+
+def test_a_listing_reply_passes_through_unchanged():
+    info = {"train": {"k": {"global_steps": 3, "status": "running", "score": 0.5, "extra": [1, None]}}}
+    body = decode_reply(KV_LIST, _reply("KV_LIST_RESPONSE", {"partition_info": info, "message": "success"}))
+    assert body["partition_info"] == info
+
+
+@pytest.mark.parametrize("frames, match", [
+    (_reply("REQUEST_ERROR", {"success": False, "message": "boom"}), "refused KV_LIST: boom"),
+    (_reply("GET_META_RESPONSE", {}), "expected KV_LIST_RESPONSE"),
+    ([b"\xc1\xfe\xed", b"pickle bytes"], "pickled reply"),
+    (_reply("KV_LIST_RESPONSE", {"partition_info": {}}) + [b"tensor bytes"], "2 frames"),
+    ([msgpack.packb({"request_type": "KV_LIST_RESPONSE",
+                     "body": {"partition_info": {"t": {"k": {"x": msgpack.ExtType(1, b"pickled")}}}}})],
+     "extension type 1"),
+    ([b"\x93\x01"], "malformed"),
+    ([msgpack.packb([1, 2])], "not a message map"),
+    ([], "empty reply"),
+])
+def test_replies_this_side_will_not_read_are_refused_with_the_reason(frames, match):
+    with pytest.raises(TransferQueueReplyError, match=match):
+        decode_reply(KV_LIST, frames)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"address": "127.0.0.1:5555"}, "address"),
+    ({"address": "tcp://127.0.0.1:1", "partition_ids": "train"}, "not one string"),
+    ({"address": "tcp://127.0.0.1:1", "partition_ids": []}, "non-empty"),
+    ({"address": "tcp://127.0.0.1:1", "partition_ids": ["train", ""]}, "non-empty"),
+    ({"address": "tcp://127.0.0.1:1", "call_timeout": 0}, "call_timeout"),
+    ({"address": "tcp://127.0.0.1:1", "call_timeout": float("nan")}, "call_timeout"),
+    ({"address": "tcp://127.0.0.1:1", "call_timeout": None}, "call_timeout"),
+    ({"address": "tcp://127.0.0.1:1", "probe_timeout": -1}, "probe_timeout"),
+])
+def test_bad_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TransferQueueSource(**kwargs)
+
+
+def test_source_kwargs_from_the_address_info_init_returns():
+    info = {"role": "TransferQueueController", "id": "TQ_CONTROLLER_1", "ip": "127.0.0.1",
+            "ports": {"handshake_socket": 1, "request_handle_socket": 4242}}
+    kwargs = source_kwargs({"controller": {"zmq_info": info}}, partition_ids=("train",), call_timeout=2.0)
+    assert kwargs == {"address": "tcp://127.0.0.1:4242", "controller_id": "TQ_CONTROLLER_1",
+                      "partition_ids": ["train"], "call_timeout": 2.0, "probe_timeout": 10.0}
+    assert json.loads(json.dumps(kwargs)) == kwargs  # plain data: picklable, and fit for --source-kwargs
+    assert source_kwargs(dict(info, ip="::1"))["address"] == "tcp://[::1]:4242"
+    with pytest.raises(ValueError, match="request_handle_socket"):
+        source_kwargs(dict(info, ports={"handshake_socket": 1}))
+    with pytest.raises(ValueError, match="no TransferQueue controller address"):
+        source_kwargs({"controller": {"zmq_info": {"nothing": 1}}})
+
+
+def _dead_address() -> str:
+    """A loopback port nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
+def test_kv_list_gives_up_at_its_deadline_with_a_stall():
+    source = TransferQueueSource(_dead_address(), call_timeout=0.2, probe_timeout=None, partition_ids=["a", "b"])
+    try:
+        started = time.monotonic()
+        with pytest.raises(SourceStall, match=r"kv_list\('a'\) within 0.2s"):
+            source.kv_list()
+        assert time.monotonic() - started < 5  # the deadline holds for the whole call (0.2 s)
+    finally:
+        source.close()
+
+
+def test_a_wrong_address_fails_the_start_up_with_a_clear_error():
+    started = time.monotonic()
+    with pytest.raises(PollerStartupError, match="no answer from the TransferQueue controller"):
+        ReplayBuffer(SPEC, source_kwargs={"address": _dead_address(), "probe_timeout": 0.3}, start_timeout=30)
+    assert time.monotonic() - started < 25
+
+
+def test_a_silent_controller_is_counted_as_stalls_and_the_buffer_still_closes_at_once(caplog):
+    caplog.set_level(logging.WARNING, logger="poller")
+    rb = ReplayBuffer(SPEC, source_kwargs={"address": _dead_address(), "call_timeout": 0.2,
+                                           "probe_timeout": None}, poll_interval=0.02)
+    try:
+        assert wait_until(lambda: rb.stats()["source_stalls"] >= 3, timeout=20)
+        stats = rb.stats()
+        assert stats["poller_alive"] and stats["restarts"] == 0 and stats["source_errors"] == 0
+        warnings = [r.getMessage() for r in caplog.records if "source stall:" in r.getMessage()]
+        assert len(warnings) == 1 and "no answer from the TransferQueue controller" in warnings[0]
+    finally:
+        report = rb.close()
+    assert report.stage == "graceful" and report.drained
