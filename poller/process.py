@@ -171,7 +171,7 @@ class PollerProcess:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s")
-            if self._report is not None or self._close_requested and not self._process.is_alive():
+            if self._report is not None:
                 raise PollerStartupError(f"poller for {spec} was closed while starting")
             try:
                 ready = wait([self._conn, self._process.sentinel], remaining)
@@ -190,16 +190,19 @@ class PollerProcess:
                     raise PollerStartupError(
                         f"poller for {spec} failed to start: {message['type']}: {message['message']}"
                     ) from RemoteTraceback(message["type"], message["message"], message["traceback"])
-                if message is None and not self._process.is_alive():
-                    self._process.join(1.0)
-                    raise PollerStartupError(
-                        f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
+                if message is None and wait([self._process.sentinel], 0):
+                    self._died_starting(spec)
             elif self._process.sentinel in ready:
-                self._process.join(1.0)
-                if self._close_requested:
-                    raise PollerStartupError(f"poller for {spec} was closed while starting")
-                raise PollerStartupError(
-                    f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
+                self._died_starting(spec)
+
+    def _died_starting(self, spec: str) -> None:
+        # A concurrent close() reaps the child itself: reaping it here too,
+        # from a second thread, could leave that close() without the exit
+        # status (its waitpid fails) and have it escalate against a dead pid.
+        if self._close_requested:
+            raise PollerStartupError(f"poller for {spec} was closed while starting")
+        self._process.join(1.0)
+        raise PollerStartupError(f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
 
     def _discard(self) -> None:
         """Undo a failed start: the child and the pipe are gone afterwards."""
