@@ -167,6 +167,7 @@ class PollerProcess:
         assert self._conn is not None
         deadline = time.monotonic() + timeout
         spec = describe_spec(self.config.source)
+        sentinel = self._process.sentinel  # read once: a concurrent close() may close the process object
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -174,7 +175,7 @@ class PollerProcess:
             if self._report is not None:
                 raise PollerStartupError(f"poller for {spec} was closed while starting")
             try:
-                ready = wait([self._conn, self._process.sentinel], remaining)
+                ready = wait([self._conn, sentinel], remaining)
                 readable = self._conn in ready or self._conn.poll(0)
             except (OSError, ValueError):  # closed by a concurrent close()
                 raise PollerStartupError(f"poller for {spec} was closed while starting") from None
@@ -190,9 +191,9 @@ class PollerProcess:
                     raise PollerStartupError(
                         f"poller for {spec} failed to start: {message['type']}: {message['message']}"
                     ) from RemoteTraceback(message["type"], message["message"], message["traceback"])
-                if message is None and wait([self._process.sentinel], 0):
+                if message is None and (self._close_requested or wait([sentinel], 0)):
                     self._died_starting(spec)
-            elif self._process.sentinel in ready:
+            elif sentinel in ready:
                 self._died_starting(spec)
 
     def _died_starting(self, spec: str) -> None:
