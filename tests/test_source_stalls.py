@@ -67,7 +67,7 @@ def test_the_receiver_sums_stalls_over_poller_restarts():
             peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=1))
             assert wait_until(lambda: rb.stats()["source_stalls"] == 4)
             peer.send(Kind.HEARTBEAT, HEARTBEAT)  # an older poller sends no count
-            assert wait_until(lambda: rb.stats()["messages"] == 6)
+            assert wait_until(lambda: rb.stats()["messages"] == 7)  # 2 READY and 5 HEARTBEAT
             assert rb.stats()["source_stalls"] == 4 and rb.stats()["protocol_errors"] == 0
         finally:
             peer.close()
