@@ -78,7 +78,11 @@ def _parent_of(pid: int) -> int | None:
 
 
 def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer to handle
+    # Signals sent to the whole process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) must not
+    # end the watchdog before the poller: a poller ignoring SIGTERM then outlived them both.
+    # It exits with its poller anyway.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     poll = select.poll()
     poll.register(exit_r, select.POLLIN)
     # RDHUP without IN: told when the trainer's end closes, never about data.

@@ -1,10 +1,12 @@
-"""A trainer SIGKILLed while its poller is healthy, hung, frozen or mid-restart
+"""A trainer SIGKILLed while its poller is healthy, hung, frozen or mid-restart,
+or SIGTERMed with its whole process group while the poller ignores SIGTERM,
 leaves no orphan: the poller (or its watchdog) ends it within a second."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -50,15 +52,18 @@ def _children_of(pid: int) -> list[int]:
     return found
 
 
-def _kill_trainer_and_watch(trainer: subprocess.Popen, victims: list[int]) -> float:
-    trainer.kill()
+def _kill_trainer_and_watch(trainer: subprocess.Popen, victims: list[int], group_sigterm: bool) -> float:
+    if group_sigterm:  # as `timeout` or `kill -TERM -PGID` do: trainer, poller and watchdog alike
+        os.killpg(trainer.pid, signal.SIGTERM)
+    else:
+        trainer.kill()
     trainer.wait(10)
     started = time.monotonic()
     wait_until(lambda: not any(alive(pid) for pid in victims), timeout=10.0)
     return time.monotonic() - started
 
 
-@pytest.mark.parametrize("case", ["healthy", "hung", "frozen", "mid-restart"])
+@pytest.mark.parametrize("case", ["healthy", "hung", "frozen", "mid-restart", "wedged, group SIGTERM"])
 def test_no_orphan_one_second_after_the_trainer_is_sigkilled(tmp_path, case):
     db = str(tmp_path / "kv.db")
     marker = str(tmp_path / "marker")
@@ -68,11 +73,12 @@ def test_no_orphan_one_second_after_the_trainer_is_sigkilled(tmp_path, case):
         "hung": ("poller.faults:hang", {**inner, "after": 1, "marker": marker}),
         "frozen": ("poller.faults:freeze", {**inner, "after": 1, "marker": marker}),
         "mid-restart": ("tests.helpers.sources:crash_then_hang_on_restart", {"marker": marker}),
+        "wedged, group SIGTERM": ("poller.faults:ignore_sigterm", {"after": 1, "marker": marker}),
     }[case]
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER)
     trainer = subprocess.Popen([sys.executable, str(script), source, json.dumps(kwargs)], stdout=subprocess.PIPE,
-                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True)
     victims: list[int] = []
     try:
         first = int(trainer.stdout.readline())
@@ -87,7 +93,7 @@ def test_no_orphan_one_second_after_the_trainer_is_sigkilled(tmp_path, case):
                 victims = [int(f.read())]  # the first one is dead; this restart is stuck building its source
         victims += [child for pid in victims for child in _children_of(pid)]  # the watchdogs
         assert all(alive(pid) for pid in victims)
-        took = _kill_trainer_and_watch(trainer, victims)
+        took = _kill_trainer_and_watch(trainer, victims, group_sigterm=case.endswith("group SIGTERM"))
         survivors = [pid for pid in victims if alive(pid)]
         assert not survivors, f"{survivors} outlived the trainer"
         # The bound is 1 s; the margin is for a loaded machine.
