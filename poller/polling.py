@@ -13,8 +13,7 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 from .errors import ProtocolError
 from .protocol import Kind, encode_body, encode_delta, pack_delta_payload
@@ -64,8 +63,7 @@ def normalize_listing(raw: Any) -> Listing:
     return listing
 
 
-@dataclass
-class ListingDiff:
+class ListingDiff(NamedTuple):
     """What changed between the last listing sent and the current one."""
 
     upserts: dict[str, dict[str, Tags]]

@@ -20,15 +20,10 @@ import collections
 import logging
 import os
 import queue
-import secrets
-import shutil
 import signal
-import socket
 import threading
 import time
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from typing import Any, Deque
+from typing import Any, Deque, Mapping, NamedTuple
 
 import zmq
 
@@ -54,14 +49,13 @@ class ExitCode:
     ORPHANED = 4
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Everything the poller process needs; picklable for ``spawn``."""
+class WorkerConfig(NamedTuple):
+    """Everything the poller process needs; picklable for the child."""
 
     source: SourceSpec
     endpoint: str
     name: str
-    source_kwargs: dict[str, Any] = field(default_factory=dict)
+    source_kwargs: Mapping[str, Any] = {}  # never mutated
     interval: float = 1.0
     heartbeat_interval: float = 1.0
     max_failures: int = 5
@@ -77,7 +71,7 @@ class WorkerConfig:
     orphan_cleanup: str | None = None
 
 
-def run_embedded(config: WorkerConfig, lifeline_conn: Connection) -> None:
+def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None:
     """Entry point of a poller spawned by :class:`~poller.PollerProcess`.
 
     Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
@@ -143,11 +137,13 @@ class _ControlLoop:
     # this the source thread blocks, which is the back-pressure we want.
     _OUTBOX_LIMIT = 16
 
-    def __init__(self, config: WorkerConfig, lifeline_conn: Connection | None) -> None:
+    def __init__(self, config: WorkerConfig, lifeline_conn: lifeline.Endpoint | None) -> None:
         self.config = config
         self.lifeline = lifeline_conn
         self.embedded = lifeline_conn is not None
-        self.epoch = secrets.randbits(62) + 1
+        # os.urandom, not secrets: the epoch need only be unpredictable enough
+        # not to repeat, and secrets (hashlib, random) costs start-up time.
+        self.epoch = (int.from_bytes(os.urandom(8), "big") >> 2) + 1
         self.seq = -1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK
@@ -293,7 +289,7 @@ class _ControlLoop:
                 return self.exit_code
             self._queue_message(Kind.READY, encode_body(Kind.READY, {
                 "pid": os.getpid(), "name": self.config.name, "interval": self.config.interval,
-                "source": describe_spec(self.config.source), "host": socket.gethostname(),
+                "source": describe_spec(self.config.source), "host": os.uname().nodename,
             }))
             self.thread = PollingThread(
                 source, self._emit_from_thread, interval=self.config.interval,
@@ -318,6 +314,8 @@ class _ControlLoop:
             self.data_wake.close()
             self.signal_wake.close()
             if self.exit_code == ExitCode.ORPHANED and self.config.orphan_cleanup:
+                import shutil  # rare path; kept out of start-up
+
                 shutil.rmtree(self.config.orphan_cleanup, ignore_errors=True)
 
     def _loop(self, sock: zmq.Socket) -> None:
