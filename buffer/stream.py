@@ -64,6 +64,9 @@ class StreamReceiver:
         self.source_errors = 0
         self.last_message_at: float | None = None
         self._stopped = False
+        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread.
+        self._last_bye: tuple[bytes, int | None] | None = None
+        self._quit = False
 
     # -- control from other threads ---------------------------------------------
 
@@ -85,6 +88,14 @@ class StreamReceiver:
     def send_control(self, peer: str, kind: Kind, reason: str) -> None:
         """Queue a STOP or RESYNC for ``peer``."""
         self._command("send", peer.encode(), kind, reason)
+
+    def stop_after_bye(self, peer: str, epoch: int | None) -> None:
+        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
+
+        Closing the socket and context then overlaps the poller's exit
+        instead of following it; :meth:`stop` still joins (or ends) the thread.
+        """
+        self._command("quit_after_bye", peer.encode(), epoch)
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
         """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""
@@ -168,6 +179,13 @@ class StreamReceiver:
                     break
                 if command[0] == "quit":
                     return
+                if command[0] == "quit_after_bye":
+                    _, identity, epoch = command
+                    peer = self._peers.get(identity)
+                    if peer is not None and peer.epoch == epoch and peer.bye_seq is not None:
+                        return
+                    self._last_bye = (identity, epoch)
+                    continue
                 _, identity, kind, reason = command
                 self._send(sock, identity, kind, reason)
             if sock in events:
@@ -177,6 +195,8 @@ class StreamReceiver:
                     except zmq.Again:
                         break
                     self._on_frames(sock, frames)
+                    if self._quit:
+                        return
 
     def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, reason: str) -> None:
         peer = self._peers.get(identity)
@@ -297,6 +317,8 @@ class StreamReceiver:
             peer.bye_seq = message.body["last_seq"]
             peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
             self._events.notify_all()
+        if self._last_bye == (identity, message.epoch):
+            self._quit = True
         logger.debug("poller %s said BYE: %s", peer.name, message.body["reason"])
 
     def _on_log(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
