@@ -299,6 +299,8 @@ class ReplayBuffer:
             "keys": core.store.key_count(),
             "poller_rss": peer.rss if peer else None,
             "endpoint": core.endpoint,
+            "polls": peer.polls_applied if peer else 0,
+            "snapshots": peer.snapshots_applied if peer else 0,
         }
 
     def close(self, timeout: float | None = None) -> ShutdownReport:

@@ -40,6 +40,7 @@ class _Peer:
     pid: int | None = None
     rss: int = 0
     polls_applied: int = 0
+    snapshots_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -293,6 +294,7 @@ class StreamReceiver:
         if body["end"]:
             if body["full"]:
                 self._store.end_snapshot(peer.name)
+                peer.snapshots_applied += 1
             self._store.poll_completed(peer.name, body["t"])
             if peer.polls_applied == 0:
                 with self._events:
