@@ -20,7 +20,7 @@ from .protocol import Kind, encode_body, encode_delta, pack_delta_payload
 from .sources import Source
 
 __all__ = ["PollingThread", "ListingDiff", "diff_listing", "diff_raw_listing", "commit_listing", "encode_diff",
-           "normalize_listing"]
+           "iter_encode_diff", "normalize_listing"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,24 +197,43 @@ def encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
         ProtocolError: a value msgpack cannot encode, or one key whose tags
             alone exceed ``max_frame_bytes``.
     """
-    pending = list(_chunks(diff, chunk_items))
-    payloads: list[bytes] = []
-    while pending:
-        piece = pending.pop(0)
+    return list(iter_encode_diff(diff, poll=poll, started=started, full=full, chunk_items=chunk_items,
+                                 max_frame_bytes=max_frame_bytes))
+
+
+def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
+                     chunk_items: int, max_frame_bytes: int) -> Iterator[bytes]:
+    """:func:`encode_diff`, one body at a time.
+
+    Each body can be sent while the next is packed, so the trainer decodes
+    a snapshot while the poller still encodes it. A ProtocolError can come
+    after some bodies were sent: the poll then has no ``end`` and is sent
+    again, which the receiver tolerates (merges are idempotent, a new
+    snapshot starts over).
+    """
+    previous: bytes | None = None
+    first = True
+    for payload in _payloads(diff, chunk_items, max_frame_bytes):
+        if previous is not None:
+            yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=False,
+                               payload=previous)
+            first = False
+        previous = payload
+    assert previous is not None  # _chunks yields at least one piece
+    yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=True, payload=previous)
+
+
+def _payloads(diff: ListingDiff, size: int, max_frame_bytes: int) -> Iterator[bytes]:
+    for piece in _chunks(diff, size):
         payload = pack_delta_payload(piece.upserts, piece.deletes)
         if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
-            payloads.append(payload)
+            yield payload
             continue
         n = piece.count()
         if n <= 1:
             raise ProtocolError(
                 f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
-        pending[:0] = list(_chunks(piece, (n + 1) // 2))
-    last = len(payloads) - 1
-    return [
-        encode_delta(poll=poll, started=started, full=full, reset=full and i == 0, end=i == last, payload=p)
-        for i, p in enumerate(payloads)
-    ]
+        yield from _payloads(piece, (n + 1) // 2, max_frame_bytes)
 
 
 # Upper bound of the fixed fields encode_delta puts before the payload.
@@ -291,9 +310,12 @@ class PollingThread(threading.Thread):
                 if self._resync.is_set():
                     self._resync.clear()
                     full = True
+                self.call_started = None
                 diff = diff_raw_listing(sent, raw, full)
-                bodies = encode_diff(diff, poll=self.polls + 1, started=started, full=full,
-                                     chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes)
+                for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
+                                             chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes):
+                    if not self._emit(Kind.DELTA, body):
+                        return
             except Exception as exc:  # any source failure is reported, never fatal to the trainer
                 self.call_started = None
                 failures += 1
@@ -306,11 +328,7 @@ class PollingThread(threading.Thread):
                     return
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue
-            self.call_started = None
             failures = 0
-            for body in bodies:
-                if not self._emit(Kind.DELTA, body):
-                    return
             # The diff holds copies: nothing the source owns is kept.
             commit_listing(sent, diff, full)
             full = False
