@@ -51,11 +51,17 @@ class SyntheticSource:
     changes one key every ``stamp_every`` seconds and writes the wall-clock
     time of the change into its tags (``t_changed``), which the trainer reads
     to time change -> visible.
+
+    ``fresh`` (default) answers with new tag dicts each call, as an RPC
+    client decoding a reply does; ``fresh=False`` hands out its own tag
+    dicts (an in-memory store with no decoding: the store costs ~nothing).
     """
 
-    def __init__(self, keys: int = 1000, changes: int = 0, stamp_every: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, keys: int = 1000, changes: int = 0, stamp_every: float = 0.0, seed: int = 0,
+                 fresh: bool = True) -> None:
         self.keys = keys
         self.changes = changes
+        self.fresh = fresh
         self._listing = make_listing(keys)
         self._cursor = 0
         self._lock = threading.Lock()
@@ -85,8 +91,8 @@ class SyntheticSource:
     def kv_list(self) -> Listing:
         with self._lock:
             self._change()
-            # A store answers with fresh objects (an RPC decodes them anew);
-            # handing out our own would let the poller alias our state.
+            if not self.fresh:
+                return {p: dict(items) for p, items in self._listing.items()}
             return {p: {k: dict(t) for k, t in items.items()} for p, items in self._listing.items()}
 
 
