@@ -50,7 +50,7 @@ class BatchMeta(NamedTuple):
 
 def _freeze(tags: Tags) -> _Held:
     # Version 2 writes no back-references, so equal dicts built in the same
-    # key order give equal bytes (the unchanged-resync shortcut in _merge).
+    # key order give equal bytes (the resync shortcut in _merge).
     try:
         return marshal.dumps(tags, 2)
     except ValueError:
@@ -184,9 +184,10 @@ class ReplayStore:
                 snapshot.setdefault(partition_id, set()).update(items)
             tomb = self._tomb_listed.get(partition_id)
             part = self._part(partition_id)
+            resync = snapshot is not None
             if tomb is None and not self._tomb_pending:  # the common case: no removal in flight
                 for key, tags in items.items():
-                    self._merge(part, key, tags)
+                    self._merge(part, key, tags, resync)
                 self._cond.notify_all()
                 return
             for key, tags in items.items():
@@ -198,7 +199,7 @@ class ReplayStore:
                     self._tomb_listed.setdefault(partition_id, set()).add(key)
                     tomb = self._tomb_listed[partition_id]
                     continue
-                self._merge(part, key, tags)
+                self._merge(part, key, tags, resync)
             self._cond.notify_all()
 
     def unlist(self, source_id: str, partition_id: str, keys: Iterable[str]) -> None:
@@ -289,7 +290,7 @@ class ReplayStore:
             elif part is not None:
                 self._drop(part, key)
 
-    def _merge(self, part: _Partition, key: str, new: Mapping[str, Any]) -> None:
+    def _merge(self, part: _Partition, key: str, new: Mapping[str, Any], resync: bool = False) -> None:
         held = part.items.get(key)
         if held is None:
             current = dict(new)
@@ -297,9 +298,10 @@ class ReplayStore:
             part.arrival[key] = self._arrivals
             old_class: tuple[Any, Any] = (None, None)
         else:
-            frozen = _freeze(new) if type(new) is dict else None
-            if frozen is not None and frozen == held:
-                return  # the same tags again (a resync): nothing changes
+            # During a snapshot most tags come back unchanged: equal bytes
+            # (0.3 us) skip the thaw and re-freeze (1 us). A delta changed them.
+            if resync and type(new) is dict and _freeze(new) == held:
+                return
             current = marshal.loads(held) if type(held) is bytes else held
             old_class = _classify(current)
             current.update(new)
