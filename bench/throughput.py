@@ -25,7 +25,7 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
     table = Table("7", f"full-snapshot throughput, K={keys:,}",
                   ["contender", "median s", "items/s", "MB/s", "product / contender"])
     progress(f"snapshot: product, {reps} resyncs of {keys:,} keys")
-    rb = ReplayBuffer(source=SOURCE, source_kwargs={"keys": keys, "fresh": False}, poll_interval=30.0,
+    rb = ReplayBuffer(source=SOURCE, source_kwargs={"keys": keys}, poll_interval=30.0,
                       start_timeout=300)
     wait_for(lambda: rb.stats()["polls"] >= 1, 600, "the first snapshot never arrived")
     try:
@@ -47,7 +47,7 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
     ceiling_s = median([r[0] for r in runs])
     ceiling_bytes = median([r[1] for r in runs])
     progress(f"snapshot: mpqueue, {reps} × {keys:,} keys")
-    mq = MpQueueBuffer(SyntheticSource, {"keys": keys, "fresh": False}, poll_interval=600.0)
+    mq = MpQueueBuffer(SyntheticSource, {"keys": keys}, poll_interval=600.0)
     try:
         mq.wait_polls(1)
         mq_times = []
@@ -75,8 +75,8 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
     table.notes.append("the trainer-share row is the floor of this design: even with free transport and a free "
                        "poller, the trainer decodes (the ceiling's whole work) and then checks and applies")
     table.notes.append(ITEM_BYTES_NOTE)
-    table.notes.append("the synthetic source hands out its own tag dicts here (fresh=False), so the store's "
-                       "cost is ~0 for the product and mpqueue alike")
+    table.notes.append("the synthetic source hands out its own tag dicts, so the store's cost is ~0 for the "
+                       "product and mpqueue alike")
     return table
 
 

@@ -52,13 +52,14 @@ class SyntheticSource:
     time of the change into its tags (``t_changed``), which the trainer reads
     to time change -> visible.
 
-    ``fresh`` (default) answers with new tag dicts each call, as an RPC
-    client decoding a reply does; ``fresh=False`` hands out its own tag
-    dicts (an in-memory store with no decoding: the store costs ~nothing).
+    By default it hands out its own tag dicts (an in-memory store with no
+    decoding, so the store's cost does not dominate any figure); with
+    ``fresh=True`` it answers with new dicts each call, as an RPC client
+    decoding a reply does.
     """
 
     def __init__(self, keys: int = 1000, changes: int = 0, stamp_every: float = 0.0, seed: int = 0,
-                 fresh: bool = True) -> None:
+                 fresh: bool = False) -> None:
         self.keys = keys
         self.changes = changes
         self.fresh = fresh
