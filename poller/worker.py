@@ -214,7 +214,11 @@ class _ControlLoop:
     def _flush(self, sock: zmq.Socket) -> None:
         while self.outbox:
             try:
-                sock.send_multipart(self.outbox[0], flags=zmq.NOBLOCK, copy=False)
+                # Copied, never zero-copy: pyzmq frees zero-copy frames through a
+                # second context and thread of its own, which the poller would then
+                # start on its first large body and tear down at every exit; a
+                # copy of a snapshot body (~300 kB) costs ~50 us.
+                sock.send_multipart(self.outbox[0], flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
             self.outbox.popleft()
