@@ -61,14 +61,21 @@ class ExecProcess:
 
     def __init__(self, config: Any, name: str) -> None:
         self.name = name
-        self._payload = pickle.dumps(config, protocol=pickle.HIGHEST_PROTOCOL)
+        self._config = config
         self._popen: Any = None
         self._sentinel: int | None = None
         self._closed = False
 
     def start_with(self, child_end: Channel, parent_end: Channel) -> None:
-        """Launch the child on ``child_end`` and send it its configuration."""
+        """Launch the child on ``child_end`` and send it its configuration.
+
+        Raises:
+            pickle.PicklingError, TypeError, AttributeError: the configuration
+                (a callable source) cannot be pickled; nothing was started.
+        """
         import subprocess  # parent only: the child imports this module too
+
+        payload = pickle.dumps(self._config, protocol=pickle.HIGHEST_PROTOCOL)
 
         sentinel_r, sentinel_w = os.pipe()
         argv = [sys.executable, "-c", _BOOTSTRAP, os.pathsep.join(sys.path), str(child_end.fileno())]
@@ -82,7 +89,7 @@ class ExecProcess:
             os.close(sentinel_w)
         self._sentinel = sentinel_r
         try:
-            parent_end.send_bytes(self._payload)
+            parent_end.send_bytes(payload)
         except OSError:
             pass  # the child died at once; the start-up wait reports it
 

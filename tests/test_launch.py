@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -81,3 +82,11 @@ def test_wait_returns_what_is_readable_within_the_timeout():
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_an_unpicklable_source_raises_at_once_and_leaves_nothing():
+    def local_factory():  # a local function: pickle cannot name it
+        return None
+
+    with pytest.raises((AttributeError, pickle.PicklingError), match="pickle"):
+        ReplayBuffer(source=local_factory, start_timeout=20)
