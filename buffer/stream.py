@@ -48,6 +48,7 @@ class _Peer:
     pid: int | None = None
     rss: int = 0
     polls_applied: int = 0
+    snapshots_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     stale: bool = False
     # The source-stall count this peer last reported, and in which epoch
@@ -92,6 +93,9 @@ class StreamReceiver:
         self.source_stalls = 0
         self.last_message_at: float | None = None
         self._stopped = False
+        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread.
+        self._last_bye: tuple[bytes, int | None] | None = None
+        self._quit = False
 
     # -- control from other threads ---------------------------------------------
 
@@ -113,6 +117,14 @@ class StreamReceiver:
     def send_control(self, peer: str, kind: Kind, reason: str) -> None:
         """Queue a STOP or RESYNC for ``peer``."""
         self._command("send", peer.encode(), kind, reason)
+
+    def stop_after_bye(self, peer: str, epoch: int | None) -> None:
+        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
+
+        Closing the socket and context then overlaps the poller's exit
+        instead of following it; :meth:`stop` still joins (or ends) the thread.
+        """
+        self._command("quit_after_bye", peer.encode(), epoch)
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
         """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""
@@ -241,6 +253,13 @@ class StreamReceiver:
                     break
                 if command[0] == "quit":
                     return
+                if command[0] == "quit_after_bye":
+                    _, identity, epoch = command
+                    peer = self._peers.get(identity)
+                    if peer is not None and peer.epoch == epoch and peer.bye_seq is not None:
+                        return
+                    self._last_bye = (identity, epoch)
+                    continue
                 _, identity, kind, reason = command
                 self._send(sock, identity, kind, reason)
             if sock in events:
@@ -250,6 +269,8 @@ class StreamReceiver:
                     except zmq.Again:
                         break
                     self._on_frames(sock, frames)
+                    if self._quit:
+                        return
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
@@ -382,6 +403,7 @@ class StreamReceiver:
         if body["end"]:
             if body["full"]:
                 self._store.end_snapshot(peer.name)
+                peer.snapshots_applied += 1
             self._store.poll_completed(peer.name, body["t"])
             if peer.polls_applied == 0:
                 with self._events:
@@ -413,6 +435,8 @@ class StreamReceiver:
             peer.bye_seq = message.body["last_seq"]
             peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
             self._events.notify_all()
+        if self._last_bye == (identity, message.epoch):
+            self._quit = True
         logger.debug("poller %s said BYE: %s", peer.name, message.body["reason"])
 
     def _on_log(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:

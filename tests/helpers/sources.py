@@ -109,3 +109,13 @@ class Chatty:
 
         logging.getLogger("poller.tests.chatty").warning("chatty source says hello from pid %d", os.getpid())
         return {}
+
+
+class ReportsModules:
+    """Lists, as tags, which heavyweight modules the poller process imported."""
+
+    def kv_list(self) -> Any:
+        import sys
+
+        watched = ("multiprocessing", "__mp_main__", "dataclasses")
+        return {"modules": {name: {"loaded": name in sys.modules} for name in watched}}
