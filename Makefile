@@ -10,7 +10,7 @@ TQ_STAMP := $(VENV)/.installed-transferqueue
 # or a range TransferQueue's dependencies pick) pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-integration install clean
+.PHONY: demo test test-integration install bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ test: $(STAMP)
 # store, the buffer on the TransferQueue source, the verl-style example.
 test-integration: $(TQ_STAMP)
 	$(BIN)/python -m pytest -m integration tests/integration
+
+# The benchmarks (README, "Performance"); matplotlib draws the plots.
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,30 +1,24 @@
-"""Start-up and close of an embedded poller, against floors measured in the same run.
+"""Start-up and close of an embedded poller: #5 close, #6 start -> first data.
 
-    python -m bench.lifecycle [--repeat N]
-
-Floors: a bare spawn of ``python -c "import zmq, msgpack"`` to exit, and
-SIGKILL-and-reap of an idle spawned child. Medians of N repetitions.
+Floors measured in the same run: a bare spawn of ``python -c "import zmq,
+msgpack"`` for start-up, SIGKILL-and-reap of an idle child for close (and,
+for reference, of an idle poller: a process of the poller's own size).
 """
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing
 import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 from buffer import ReplayBuffer
-from poller.sources.sqlite import SqliteSource
 
-
-def _idle() -> None:
-    time.sleep(60)
+from .baselines.floors import bare_spawn, kill_floor, poller_kill
+from .overhead import SOURCE
+from .report import Goal, Table, median
+from .workload import fill_sqlite
 
 
 class StuckAfterFirstPoll:
@@ -40,76 +34,81 @@ class StuckAfterFirstPoll:
         return {}
 
 
-def _median(fn: Callable[[], float], repeat: int) -> float:
-    return statistics.median(fn() for _ in range(repeat))
-
-
-def bare_spawn() -> float:
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import zmq, msgpack"], check=True)
-    return time.perf_counter() - started
-
-
-def kill_floor() -> float:
-    child = multiprocessing.get_context("spawn").Process(target=_idle)
-    child.start()
-    time.sleep(0.05)
-    started = time.perf_counter()
-    child.kill()
-    child.join()
-    elapsed = time.perf_counter() - started
-    child.close()
-    return elapsed
-
-
-def start_to_first_data(db: str) -> float:
-    started = time.perf_counter()
-    rb = ReplayBuffer(source="poller.sources.sqlite:SqliteSource", source_kwargs={"path": db}, poll_interval=1.0)
-    assert rb.snapshot("train"), "the first listing was not applied"
-    elapsed = time.perf_counter() - started
-    rb.close()
-    return elapsed
-
-
-def close_idle(db: str) -> float:
-    rb = ReplayBuffer(source="poller.sources.sqlite:SqliteSource", source_kwargs={"path": db}, poll_interval=1.0)
+def _close(make: Callable[[], ReplayBuffer], settle: float = 0.05) -> float:
+    rb = make()
+    time.sleep(settle)
     report = rb.close()
-    assert report.stage == "graceful", report
+    if report.stage != "graceful":
+        raise RuntimeError(f"close was not graceful: {report}")
     return report.seconds
 
 
-def close_stuck() -> float:
-    rb = ReplayBuffer(source="bench.lifecycle:StuckAfterFirstPoll", poll_interval=0.01)
-    time.sleep(0.05)
-    report = rb.close()
-    assert report.stage == "graceful", report
-    return report.seconds
+def _poller_floor() -> float:
+    rb = ReplayBuffer(source=SOURCE, source_kwargs={"keys": 1000}, poll_interval=1.0, max_restarts=0)
+    try:
+        time.sleep(0.05)
+        return poller_kill(rb)
+    finally:
+        rb.close(timeout=0.05)  # no BYE will come from a killed poller
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.lifecycle", description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=15)
-    args = parser.parse_args(argv)
+def close(progress: Callable[[str], None], quick: bool) -> Table:
+    reps = 7 if quick else 21
+    cases: dict[str, Callable[[], float]] = {
+        "kill floor: SIGKILL + reap of an idle child": kill_floor,
+        "SIGKILL + reap of an idle poller (reference)": _poller_floor,
+        "close(), idle poller": lambda: _close(lambda: ReplayBuffer(
+            source=SOURCE, source_kwargs={"keys": 1000}, poll_interval=1.0)),
+        "close(), mid-stream (K=100k, 10k changes every 10 ms)": lambda: _close(lambda: ReplayBuffer(
+            source=SOURCE, source_kwargs={"keys": 100_000, "changes": 10_000}, poll_interval=0.01,
+            start_timeout=60), settle=0.3),
+        "close(), source stuck in kv_list()": lambda: _close(lambda: ReplayBuffer(
+            source="bench.lifecycle:StuckAfterFirstPoll", poll_interval=0.01)),
+    }
+    medians = {}
+    for name, case in cases.items():
+        progress(f"close: {name}")
+        samples = []
+        for i in range(reps):
+            samples.append(case())
+        medians[name] = median(samples)
+    floor = medians["kill floor: SIGKILL + reap of an idle child"]
+    table = Table("5", "close(): graceful stages against the kill floor", ["case", "median ms", "× kill floor"])
+    for name, value in medians.items():
+        table.add(name, value * 1e3, value / floor)
+    names = list(medians)
+    table.goals.append(Goal("idle close / kill floor", medians[names[2]] / floor, 3.0))
+    table.goals.append(Goal("stuck close / kill floor", medians[names[4]] / floor, 5.0))
+    table.notes.append(f"medians of {reps}; every close reached the 'graceful' stage with drained=True")
+    return table
+
+
+def start(progress: Callable[[str], None], quick: bool) -> Table:
+    reps = 7 if quick else 21
     with tempfile.TemporaryDirectory() as tmp:
         db = os.path.join(tmp, "kv.db")
-        with SqliteSource(db) as store:
-            store.kv_batch_put([f"k{i}" for i in range(1000)], "train",
-                               tags=[{"global_steps": 1, "status": "success"}] * 1000)
-        spawn = _median(bare_spawn, args.repeat)
-        floor = _median(kill_floor, args.repeat)
-        start = _median(lambda: start_to_first_data(db), args.repeat)
-        idle = _median(lambda: close_idle(db), args.repeat)
-        stuck = _median(close_stuck, args.repeat)
-    load = os.getloadavg()[0]
-    print(f"load average {load:.2f}, {os.cpu_count()} cores, medians of {args.repeat}")
-    print(f"{'figure':44} {'ms':>9} {'ratio':>8}")
-    print(f"{'bare spawn: python -c import zmq, msgpack':44} {spawn * 1e3:9.1f} {'1.00':>8}")
-    print(f"{'constructor start -> 1000 keys visible':44} {start * 1e3:9.1f} {start / spawn:7.2f}x  (vs bare spawn)")
-    print(f"{'kill floor: SIGKILL + reap idle child':44} {floor * 1e3:9.1f} {'1.00':>8}")
-    print(f"{'close(), idle poller (graceful)':44} {idle * 1e3:9.1f} {idle / floor:7.2f}x  (vs kill floor)")
-    print(f"{'close(), kv_list() stuck (graceful)':44} {stuck * 1e3:9.1f} {stuck / floor:7.2f}x  (vs kill floor)")
-    return 0
+        fill_sqlite(db, 1000)
+        spawn, first = [], []
+        progress(f"start: {reps} × (bare spawn, constructor -> 1000 keys visible)")
+        for _ in range(reps):  # interleaved, so load drift hits both alike
+            spawn.append(bare_spawn())
+            first.append(_start_to_first_data(db))
+    table = Table("6", "constructor start -> first data visible", ["case", "median ms", "× bare spawn"])
+    table.add('bare spawn: python -c "import zmq, msgpack"', median(spawn) * 1e3, 1.0)
+    ratio = median(first) / median(spawn)
+    table.add("ReplayBuffer(...) -> 1000 keys visible (SQLite)", median(first) * 1e3, ratio)
+    table.goals.append(Goal("start / bare spawn", ratio, 1.5))
+    table.notes.append("the constructor returns once the first complete listing is applied")
+    return table
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _start_to_first_data(db: str) -> float:
+    started = time.perf_counter()
+    rb = ReplayBuffer(source="poller.sources.sqlite:SqliteSource", source_kwargs={"path": db}, poll_interval=1.0)
+    elapsed = time.perf_counter() - started
+    try:
+        if len(rb.snapshot("train")) != 900:
+            raise RuntimeError("the first listing was not applied")
+        return elapsed
+    finally:
+        rb.close()

@@ -207,15 +207,16 @@ class _Core:
         started = time.monotonic()
         self.closing.set()
         self._wake.poke()
-        if self._supervisor is not None:
-            # The supervisor may be mid-restart: its start() ends as soon as
-            # the child it is waiting for is closed below.
-            self._supervisor.join(0.2)
+        # Not joined yet: an idle supervisor just returns, and one that is
+        # mid-restart ends as soon as the child it is waiting for is closed
+        # below (or its new child is, after the join further down). Joining
+        # first would put its wake-up on the path of every close.
         process = self.process
         if process is None:
             report = ShutdownReport("no-poller", 0.0, None, False)
         else:
             name = process.name
+            self.receiver.stop_after_bye(name, process.epoch)
             report = process.close(timeout, wait_drained=lambda t: self.receiver.wait_bye(name, process.epoch, t))
         if self._supervisor is not None:
             self._supervisor.join(timeout + 1.0)
@@ -358,6 +359,8 @@ class ReplayBuffer:
             "endpoint": core.endpoint,
             "poller_name": core.name if core.source is not None else None,
             **_security_stats(core),
+            "polls": peer.polls_applied if peer else 0,
+            "snapshots": peer.snapshots_applied if peer else 0,
         }
 
     def close(self, timeout: float | None = None) -> ShutdownReport:

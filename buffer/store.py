@@ -12,12 +12,19 @@ source, which keys that source currently lists, so it can tell
 ``sample()`` waits on a condition that every change notifies, so it returns
 as soon as the data that satisfies it has arrived. Indexes by step and
 status keep its checks independent of the partition's size.
+
+Tags are held marshalled (``bytes``), and every per-key container maps to
+atomic values, so the garbage collector finds nothing to traverse in them:
+a full ``gc.collect()`` with 1M keys held is then a few milliseconds, where
+a dict of 1M tag dicts costs tens (see ``python -m bench``). Tags marshal
+cannot hold (the trainer's own objects in ``add``) stay dicts.
 """
 
 from __future__ import annotations
 
 import copy
 import heapq
+import marshal
 import threading
 import time
 from dataclasses import dataclass
@@ -28,6 +35,8 @@ from .errors import BufferClosed
 __all__ = ["BatchMeta", "ReplayStore"]
 
 Tags = dict[str, Any]
+# What the store holds per key: marshalled tags, or the dict itself.
+_Held = Any
 
 RUNNING = "running"
 SUCCESS = "success"
@@ -38,6 +47,20 @@ class BatchMeta(NamedTuple):
     partition_id: str
     keys: list[str]
     tags: list[Tags]
+
+def _freeze(tags: Tags) -> _Held:
+    # Version 2 writes no back-references, so equal dicts built in the same
+    # key order give equal bytes (the resync shortcut in _merge).
+    try:
+        return marshal.dumps(tags, 2)
+    except ValueError:
+        return tags
+
+
+def _thaw(held: _Held) -> Tags:
+    """A fresh dict of the held tags."""
+    return marshal.loads(held) if type(held) is bytes else copy.deepcopy(held)
+
 
 def _classify(tags: Mapping[str, Any]) -> tuple[Any, Any]:
     step = tags.get("global_steps")
@@ -50,7 +73,7 @@ def _classify(tags: Mapping[str, Any]) -> tuple[Any, Any]:
 
 @dataclass
 class _Partition:
-    items: dict[str, Tags]
+    items: dict[str, _Held]
     arrival: dict[str, int]
     running_by_step: dict[Any, set[str]]
     success_by_step: dict[Any, dict[str, int]]
@@ -67,8 +90,9 @@ class ReplayStore:
         self._cond = threading.Condition(threading.Lock())
         self._parts: dict[str, _Partition] = {}
         self._arrivals = 0
-        # source id -> partition -> keys that source listed last.
-        self._listed: dict[str, dict[str, set[str]]] = {}
+        # source id -> partition -> keys that source listed last (a dict of
+        # None rather than a set: the GC need not traverse it).
+        self._listed: dict[str, dict[str, dict[str, None]]] = {}
         # source id -> partition -> keys seen in the snapshot being received.
         self._snapshots: dict[str, dict[str, set[str]]] = {}
         # Tombstones of keys still listed by some source: cleared by unlist.
@@ -111,8 +135,9 @@ class ReplayStore:
             self._check_open()
             if partition_id is not None:
                 part = self._parts.get(partition_id)
-                return copy.deepcopy(part.items) if part else {}
-            return {pid: copy.deepcopy(part.items) for pid, part in self._parts.items() if part.items}
+                return {k: _thaw(v) for k, v in part.items.items()} if part else {}
+            return {pid: {k: _thaw(v) for k, v in part.items.items()}
+                    for pid, part in self._parts.items() if part.items}
 
     def key_count(self) -> int:
         with self._cond:
@@ -152,13 +177,19 @@ class ReplayStore:
         with self._cond:
             if self._closed:
                 return
-            listed = self._listed.setdefault(source_id, {}).setdefault(partition_id, set())
-            listed.update(items)
+            listed = self._listed.setdefault(source_id, {}).setdefault(partition_id, {})
+            listed.update(dict.fromkeys(items))
             snapshot = self._snapshots.get(source_id)
             if snapshot is not None:
                 snapshot.setdefault(partition_id, set()).update(items)
             tomb = self._tomb_listed.get(partition_id)
             part = self._part(partition_id)
+            resync = snapshot is not None
+            if tomb is None and not self._tomb_pending:  # the common case: no removal in flight
+                for key, tags in items.items():
+                    self._merge(part, key, tags, resync)
+                self._cond.notify_all()
+                return
             for key, tags in items.items():
                 if tomb is not None and key in tomb:
                     continue
@@ -168,7 +199,7 @@ class ReplayStore:
                     self._tomb_listed.setdefault(partition_id, set()).add(key)
                     tomb = self._tomb_listed[partition_id]
                     continue
-                self._merge(part, key, tags)
+                self._merge(part, key, tags, resync)
             self._cond.notify_all()
 
     def unlist(self, source_id: str, partition_id: str, keys: Iterable[str]) -> None:
@@ -191,7 +222,8 @@ class ReplayStore:
             if seen is None or self._closed:
                 return
             for partition_id, listed in list(self._listed.get(source_id, {}).items()):
-                vanished = listed - seen.get(partition_id, set())
+                kept = seen.get(partition_id, set())
+                vanished = [key for key in listed if key not in kept]
                 if vanished:
                     self._unlist(source_id, partition_id, vanished)
             self._cond.notify_all()
@@ -250,7 +282,7 @@ class ReplayStore:
         tomb = self._tomb_listed.get(partition_id)
         for key in list(keys):
             if listed is not None:
-                listed.discard(key)
+                listed.pop(key, None)
             if self._is_listed(partition_id, key):
                 continue
             if tomb is not None and key in tomb:
@@ -258,23 +290,29 @@ class ReplayStore:
             elif part is not None:
                 self._drop(part, key)
 
-    def _merge(self, part: _Partition, key: str, new: Mapping[str, Any]) -> None:
-        current = part.items.get(key)
-        if current is None:
-            current = part.items[key] = dict(new)
+    def _merge(self, part: _Partition, key: str, new: Mapping[str, Any], resync: bool = False) -> None:
+        held = part.items.get(key)
+        if held is None:
+            current = dict(new)
             self._arrivals += 1
             part.arrival[key] = self._arrivals
             old_class: tuple[Any, Any] = (None, None)
         else:
+            # During a snapshot most tags come back unchanged: equal bytes
+            # (0.3 us) skip the thaw and re-freeze (1 us). A delta changed them.
+            if resync and type(new) is dict and _freeze(new) == held:
+                return
+            current = marshal.loads(held) if type(held) is bytes else held
             old_class = _classify(current)
             current.update(new)
+        part.items[key] = _freeze(current)
         self._reindex(part, key, old_class, _classify(current))
 
     def _drop(self, part: _Partition, key: str) -> None:
-        tags = part.items.pop(key, None)
-        if tags is None:
+        held = part.items.pop(key, None)
+        if held is None:
             return
-        self._reindex(part, key, _classify(tags), (None, None))
+        self._reindex(part, key, _classify(_thaw(held)), (None, None))
         del part.arrival[key]
 
     def _reindex(self, part: _Partition, key: str, old: tuple[Any, Any], new: tuple[Any, Any]) -> None:
@@ -305,7 +343,7 @@ class ReplayStore:
                 part.success_by_step.setdefault(new_step, {})[key] = order
 
     def _batch(self, partition_id: str, part: _Partition, keys: list[str]) -> BatchMeta:
-        return BatchMeta(partition_id, keys, [copy.deepcopy(part.items[k]) for k in keys])
+        return BatchMeta(partition_id, keys, [_thaw(part.items[k]) for k in keys])
 
     def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:
         part = self._parts.get(partition_id)

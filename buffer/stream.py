@@ -51,6 +51,7 @@ class _Peer:
     pid: int | None = None
     rss: int = 0
     polls_applied: int = 0
+    snapshots_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     resync_asked_at: float = 0.0
     stale: bool = False
@@ -100,6 +101,9 @@ class StreamReceiver:
         # buffer that spawned it), and the epochs of its earlier processes.
         self._expected: dict[bytes, int] = {}
         self._retired: dict[bytes, set[int]] = {}
+        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread.
+        self._last_bye: tuple[bytes, int | None] | None = None
+        self._quit = False
 
     # -- control from other threads ---------------------------------------------
 
@@ -136,6 +140,14 @@ class StreamReceiver:
             if len(retired) > 64:  # restarts are few; keep the set bounded anyway
                 retired.discard(min(retired))
         self._expected[identity] = epoch
+
+    def stop_after_bye(self, peer: str, epoch: int | None) -> None:
+        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
+
+        Closing the socket and context then overlaps the poller's exit
+        instead of following it; :meth:`stop` still joins (or ends) the thread.
+        """
+        self._command("quit_after_bye", peer.encode(), epoch)
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
         """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""
@@ -269,6 +281,13 @@ class StreamReceiver:
                     break
                 if command[0] == "quit":
                     return
+                if command[0] == "quit_after_bye":
+                    _, identity, epoch = command
+                    peer = self._peers.get(identity)
+                    if peer is not None and peer.epoch == epoch and peer.bye_seq is not None:
+                        return
+                    self._last_bye = (identity, epoch)
+                    continue
                 _, identity, kind, reason = command
                 self._send(sock, identity, kind, reason)
             if sock in events:
@@ -278,6 +297,8 @@ class StreamReceiver:
                     except zmq.Again:
                         break
                     self._on_frames(sock, frames)
+                    if self._quit:
+                        return
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
@@ -424,6 +445,7 @@ class StreamReceiver:
         if body["end"]:
             if body["full"]:
                 self._store.end_snapshot(peer.name)
+                peer.snapshots_applied += 1
             self._store.poll_completed(peer.name, body["t"])
             if peer.polls_applied == 0:
                 with self._events:
@@ -455,6 +477,8 @@ class StreamReceiver:
             peer.bye_seq = message.body["last_seq"]
             peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
             self._events.notify_all()
+        if self._last_bye == (identity, message.epoch):
+            self._quit = True
         logger.debug("poller %s said BYE: %s", peer.name, message.body["reason"])
 
     def _on_log(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:

@@ -16,15 +16,14 @@ every stage is logged, and the report says which one was reached.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import threading
 import time
-from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Literal, NamedTuple, Optional
 
 from . import lifeline
 from .errors import PollerError, PollerStartupError, RemoteTraceback
+from .launch import ExecProcess, wait
 from .sources import SourceSpec, describe_spec
 from .worker import WorkerConfig, run_embedded
 
@@ -70,22 +69,29 @@ class PollerProcess:
         name: the stream's identity; a restarted poller with the same name
             continues the same stream (the buffer computes what vanished).
         interval: seconds between ``kv_list()`` calls.
-        start_method: ``multiprocessing`` start method; ``spawn`` is safe in
-            processes that already hold threads or CUDA.
+        start_method: ``"exec"`` (default): a fresh interpreter running only
+            the poller (see :mod:`poller.launch`); safe in processes that
+            already hold threads or CUDA, and it never re-imports the
+            trainer's ``__main__``. Or a ``multiprocessing`` start method
+            (``"spawn"``, ``"forkserver"``, ``"fork"``).
         **options: further :class:`~poller.worker.WorkerConfig` fields.
     """
 
     def __init__(self, source: SourceSpec, *, endpoint: str, source_kwargs: dict[str, Any] | None = None,
-                 name: str | None = None, interval: float = 1.0, start_method: str = "spawn",
+                 name: str | None = None, interval: float = 1.0, start_method: str = "exec",
                  **options: Any) -> None:
         if not interval > 0:  # also refuses NaN
             raise ValueError(f"interval must be positive, got {interval!r}")
         self.name = name or f"poller-{os.getpid()}-{id(self):x}"
         self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
                                    source_kwargs=dict(source_kwargs or {}), interval=interval, **options)
-        self._mp = multiprocessing.get_context(start_method)
+        self.start_method = start_method
+        if start_method != "exec":
+            import multiprocessing  # only here: the poller itself never needs it
+
+            self._mp: Any = multiprocessing.get_context(start_method)
         self._process: Any = None
-        self._conn: Connection | None = None
+        self._conn: lifeline.Endpoint | Any = None
         self._lock = threading.Lock()
         self._report: ShutdownReport | None = None
         self._close_requested = False
@@ -143,12 +149,18 @@ class PollerProcess:
         """
         if self._process is not None:
             raise PollerError("a PollerProcess can be started only once")
-        parent_conn, child_conn = self._mp.Pipe(duplex=True)
+        if self.start_method == "exec":
+            parent_conn, child_conn = lifeline.Channel.pair()
+            self._process = ExecProcess(self.config, name=f"poller:{self.name}")
+            start = lambda: self._process.start_with(child_conn, parent_conn)  # noqa: E731
+        else:
+            parent_conn, child_conn = self._mp.Pipe(duplex=True)
+            self._process = self._mp.Process(target=run_embedded, args=(self.config, child_conn),
+                                             name=f"poller:{self.name}", daemon=True)
+            start = self._process.start
         self._conn = parent_conn
-        self._process = self._mp.Process(target=run_embedded, args=(self.config, child_conn),
-                                         name=f"poller:{self.name}", daemon=True)
         try:
-            self._process.start()
+            start()
         except BaseException:
             child_conn.close()
             self._discard()

@@ -41,3 +41,13 @@ def crash_then_hang_on_restart(marker: str) -> Any:
         threading.Event().wait()
     open(first, "w").close()
     return crash(how="sigkill", after=1)
+
+
+class ReportsModules:
+    """Lists, as tags, which heavyweight modules the poller process imported."""
+
+    def kv_list(self) -> Any:
+        import sys
+
+        watched = ("multiprocessing", "__mp_main__", "dataclasses")
+        return {"modules": {name: {"loaded": name in sys.modules} for name in watched}}

@@ -1,0 +1,144 @@
+"""Start a poller as a fresh interpreter, without ``multiprocessing``.
+
+``multiprocessing``'s ``spawn`` is safe in a trainer that already holds
+threads or CUDA, but its child re-imports ``multiprocessing``, unpickles the
+parent's preparation data and re-runs the parent's ``__main__`` module (a
+trainer script importing torch costs seconds there). The ``exec`` start
+method keeps what makes spawn safe — a new interpreter, nothing inherited but
+what is passed — and skips the rest::
+
+    parent                                   child: python -c BOOTSTRAP PATH FD SENTINEL
+    Channel.pair() ── child end (pass_fds) ─▶ sys.path = PATH
+    os.pipe() ─────── write end (pass_fds) ─▶ held open until the process ends
+    send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
+
+Pickle crosses only this private pipe, from the parent to its own child
+(as with spawn); the ZeroMQ stream never carries it.
+
+:class:`ExecProcess` offers the part of ``multiprocessing.Process`` that
+:class:`~poller.process.PollerProcess` uses, so both start methods share one
+close ladder. The sentinel is the read end of a pipe whose only write end
+the child holds: it becomes readable the moment the child's fds are
+released at exit, the same signal ``multiprocessing`` gives.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import sys
+from typing import Any, Iterable
+
+from .lifeline import Channel
+
+__all__ = ["ExecProcess", "wait"]
+
+# Runs before anything is imported: the parent's sys.path first, so the child
+# finds the same modules (the source spec's included) that the parent would.
+_BOOTSTRAP = ("import sys, os; sys.path[:] = sys.argv[1].split(os.pathsep); "
+              "from poller.child import main; main(int(sys.argv[2]))")
+
+
+def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
+    """The objects (fds or objects with ``fileno()``) readable within ``timeout``.
+
+    Like ``multiprocessing.connection.wait``, without importing it. EOF and
+    errors count as readable.
+    """
+    objects = list(objects)
+    fds = {(o if isinstance(o, int) else o.fileno()): o for o in objects}
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    return [fds[fd] for fd, _ in poller.poll(ms)]
+
+
+class ExecProcess:
+    """A poller child running ``poller.child`` in a fresh interpreter."""
+
+    def __init__(self, config: Any, name: str) -> None:
+        self.name = name
+        self._config = config
+        self._popen: Any = None
+        self._sentinel: int | None = None
+        self._closed = False
+
+    def start_with(self, child_end: Channel, parent_end: Channel) -> None:
+        """Launch the child on ``child_end`` and send it its configuration.
+
+        Raises:
+            pickle.PicklingError, TypeError, AttributeError: the configuration
+                (a callable source) cannot be pickled; nothing was started.
+        """
+        import subprocess  # parent only: the child imports this module too
+
+        payload = pickle.dumps(self._config, protocol=pickle.HIGHEST_PROTOCOL)
+
+        sentinel_r, sentinel_w = os.pipe()
+        argv = [sys.executable, "-c", _BOOTSTRAP, os.pathsep.join(sys.path), str(child_end.fileno())]
+        try:
+            self._popen = subprocess.Popen(argv, pass_fds=(child_end.fileno(), sentinel_w),
+                                           stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            os.close(sentinel_r)
+            raise
+        finally:
+            os.close(sentinel_w)
+        self._sentinel = sentinel_r
+        try:
+            parent_end.send_bytes(payload)
+        except OSError:
+            pass  # the child died at once; the start-up wait reports it
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    @property
+    def sentinel(self) -> int:
+        if self._closed or self._sentinel is None:
+            raise ValueError("process object is closed or not started")
+        return self._sentinel
+
+    @property
+    def exitcode(self) -> int | None:
+        if self._popen is None:
+            return None
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen is not None and self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` for the child to end, and reap it."""
+        if self._popen is None or self._popen.returncode is not None:
+            return
+        if timeout is not None and not wait([self.sentinel], timeout):
+            return
+        # The sentinel closes as the child's fds are released; reaping it can
+        # take a moment longer, so this blocking wait is short.
+        self._popen.wait()
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self._popen is not None and self._popen.poll() is None:
+            try:
+                os.kill(self._popen.pid, signum)
+            except ProcessLookupError:
+                pass  # it just ended
+
+    def close(self) -> None:
+        """Release the sentinel. Raises ValueError while the child runs."""
+        if self._popen is not None and self._popen.poll() is None:
+            raise ValueError("cannot close a process while it is still running")
+        if not self._closed and self._sentinel is not None:
+            os.close(self._sentinel)
+        self._closed = True
