@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -75,7 +76,9 @@ class _Core:
         self.restarts = 0
         self.process: PollerProcess | None = None
         self.closing = threading.Event()
-        self._close_lock = threading.Lock()
+        # Reentrant: a signal handler may call close() in the thread that is closing.
+        self._close_lock = threading.RLock()
+        self._closer: int | None = None
         self._report: ShutdownReport | None = None
         self._supervisor: threading.Thread | None = None
         self._wake = WakePipe()
@@ -122,9 +125,13 @@ class _Core:
 
     def _new_process(self) -> PollerProcess:
         assert self.source is not None and self.endpoint is not None
+        # The epoch is chosen here, not by the child, so the receiver knows it
+        # before the child's first message: anyone else using the name is refused.
+        epoch = secrets.randbits(62) + 1
+        self.receiver.expect(self.name, epoch)
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
                              name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
-                             curve=self.child_curve, **_chunking_within(self.receiver.limits))
+                             epoch=epoch, curve=self.child_curve, **_chunking_within(self.receiver.limits))
 
     # -- supervision ----------------------------------------------------------------
 
@@ -180,8 +187,20 @@ class _Core:
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         with self._close_lock:
-            if self._report is None:
+            if self._report is not None:
+                return self._report
+            me = threading.get_ident()
+            if self._closer == me:
+                # A signal handler interrupted this thread's own close(): waiting
+                # for that close would wait for ourselves forever (it did, with a
+                # plain lock). It goes on once the handler returns.
+                logger.warning("close() called again while this thread is closing the buffer; not waiting")
+                return ShutdownReport("closing", 0.0, None, False)
+            self._closer = me
+            try:
                 self._report = self._close(self.close_timeout if timeout is None else timeout)
+            finally:
+                self._closer = None
             return self._report
 
     def _close(self, timeout: float) -> ShutdownReport:
@@ -338,6 +357,7 @@ class ReplayBuffer:
             "keys": core.store.key_count(),
             "poller_rss": peer.rss if peer else None,
             "endpoint": core.endpoint,
+            "poller_name": core.name if core.source is not None else None,
             **_security_stats(core),
             "polls": peer.polls_applied if peer else 0,
             "snapshots": peer.snapshots_applied if peer else 0,

@@ -36,6 +36,9 @@ __all__ = ["StreamReceiver"]
 
 logger = logging.getLogger(__name__)
 
+# How long a RESYNC may stay unanswered before it is asked for again.
+_RESYNC_RETRY_S = 1.0
+
 
 @dataclass
 class _Peer:
@@ -50,6 +53,7 @@ class _Peer:
     polls_applied: int = 0
     snapshots_applied: int = 0
     last_seen: float = field(default_factory=time.monotonic)
+    resync_asked_at: float = 0.0
     stale: bool = False
     # The source-stall count this peer last reported, and in which epoch
     # (the count restarts with every poller process).
@@ -93,6 +97,10 @@ class StreamReceiver:
         self.source_stalls = 0
         self.last_message_at: float | None = None
         self._stopped = False
+        # identity -> the one epoch its own poller process uses (set by the
+        # buffer that spawned it), and the epochs of its earlier processes.
+        self._expected: dict[bytes, int] = {}
+        self._retired: dict[bytes, set[int]] = {}
         # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread.
         self._last_bye: tuple[bytes, int | None] | None = None
         self._quit = False
@@ -117,6 +125,21 @@ class StreamReceiver:
     def send_control(self, peer: str, kind: Kind, reason: str) -> None:
         """Queue a STOP or RESYNC for ``peer``."""
         self._command("send", peer.encode(), kind, reason)
+
+    def expect(self, peer: str, epoch: int) -> None:
+        """From now on only ``epoch`` may speak as ``peer``; earlier epochs are dropped quietly.
+
+        Called before the poller process with that epoch starts, so no message
+        of it can arrive first.
+        """
+        identity = peer.encode()
+        previous = self._expected.get(identity)
+        if previous is not None:
+            retired = self._retired.setdefault(identity, set())
+            retired.add(previous)
+            if len(retired) > 64:  # restarts are few; keep the set bounded anyway
+                retired.discard(min(retired))
+        self._expected[identity] = epoch
 
     def stop_after_bye(self, peer: str, epoch: int | None) -> None:
         """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
@@ -174,13 +197,14 @@ class StreamReceiver:
         """Stop the thread, close the socket, release the pipe. Idempotent."""
         if self._stopped:
             return
-        self._stopped = True
         if self._thread.is_alive():
             self._command("quit")
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("receiver thread did not stop within %ss", timeout)
                 return
+        # Only now: a stop() interrupted while joining (Ctrl-C) must be redone by the next one.
+        self._stopped = True
         self._wake.close()
 
     # -- the thread -------------------------------------------------------------
@@ -192,8 +216,12 @@ class StreamReceiver:
         try:
             gate = self._gate = Gatekeeper(ctx, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
-            # A restarted poller reuses its name; let it take over the identity.
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            # No ROUTER_HANDOVER: with it, a second connection using a name
+            # silently cut the first one off for good (its messages went
+            # nowhere). Without it the second one is refused while the first
+            # lives; a restarted poller connects after its predecessor's
+            # connection closed, and the heartbeats below free the name of a
+            # peer that vanished without closing its connection.
             sock.setsockopt(zmq.RCVHWM, 10000)
             # libzmq drops (and disconnects) a sender of a bigger frame before
             # buffering it whole; decode() checks the same bound again.
@@ -323,6 +351,14 @@ class StreamReceiver:
         except ProtocolError as exc:
             self._protocol_error(identity, str(exc))
             return
+        expected = self._expected.get(identity)
+        if expected is not None and message.epoch != expected:
+            if message.epoch in self._retired.get(identity, ()):
+                logger.debug("dropped a late %s from an earlier process of %r", message.kind.name, identity)
+            else:
+                self._protocol_error(identity, f"epoch {message.epoch} claims the identity of the buffer's "
+                                               f"own poller (epoch {expected}); dropped")
+            return
         self.messages += 1
         self.last_message_at = time.monotonic()
         peer = self._peer(identity)
@@ -377,6 +413,7 @@ class StreamReceiver:
 
     def _request_resync(self, sock: zmq.Socket, identity: bytes, peer: _Peer, why: str) -> None:
         peer.awaiting_resync = True
+        peer.resync_asked_at = time.monotonic()
         self.resyncs_requested += 1
         self._send(sock, identity, Kind.RESYNC, why)
 
@@ -390,7 +427,12 @@ class StreamReceiver:
         body = message.body
         if peer.awaiting_resync:
             if not (body["full"] and body["reset"]):
-                return  # stale: everything until the snapshot is superseded by it
+                # Stale: everything until the snapshot is superseded by it. A
+                # request can be lost (sent while the route was down), so ask
+                # again now and then rather than wait forever.
+                if time.monotonic() - peer.resync_asked_at > _RESYNC_RETRY_S:
+                    self._request_resync(sock, identity, peer, "resync still awaited")
+                return
             peer.awaiting_resync = False
         if body["full"] and body["reset"]:
             self._store.begin_snapshot(peer.name)

@@ -32,7 +32,8 @@ def _build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="run a standalone poller that connects to a buffer's endpoint",
                               description="Run a standalone poller. SIGTERM or Ctrl-C: drain, BYE, exit 0.")
-    run.add_argument("--source", required=True, help="source spec, 'package.module:attr'")
+    run.add_argument("--source", default=None,
+                     help="source spec, 'package.module:attr' (required unless --fault is given)")
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
@@ -40,6 +41,8 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="stream name; a restarted poller with the same name continues the same stream "
                           "(default: derived from host, source and kwargs)")
     run.add_argument("--log-level", default="WARNING", help="logging level on stderr (default WARNING)")
+    run.add_argument("--fault", default=None, metavar="NAME[:key=value,...]",
+                     help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
     _add_curve_arguments(run)
     _add_keys_command(commands)
     demo = commands.add_parser("demo", help="run the end-to-end demo on the embedded SQLite store",
@@ -58,6 +61,11 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"python -m poller run: error: bad --source-kwargs: {exc}", file=sys.stderr)
         return 2
+    try:
+        spec, kwargs = _source_of(args, kwargs)
+    except ValueError as exc:
+        print(f"python -m poller run: error: {exc}", file=sys.stderr)
+        return 2
     if not args.interval > 0:  # also refuses NaN
         print("python -m poller run: error: --interval must be positive", file=sys.stderr)
         return 2
@@ -71,14 +79,25 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"python -m poller run: error: {exc}", file=sys.stderr)
         return 2
-    name = args.name or _default_name(args.source, args.source_kwargs)
-    config = WorkerConfig(source=args.source, source_kwargs=kwargs, endpoint=args.connect, name=name,
+    name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
+    config = WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
                           interval=args.interval, curve=curve)
     try:
         return run_standalone(config)
     except PollerStartupError as exc:
         print(f"python -m poller run: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The spec and kwargs to run: ``--source``, or ``--fault`` wrapping it."""
+    if args.fault is None:
+        if args.source is None:
+            raise ValueError("--source is required (or --fault)")
+        return args.source, kwargs
+    from .faults import parse_fault
+
+    return parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
 
 
 def _add_curve_arguments(run: argparse.ArgumentParser) -> None:

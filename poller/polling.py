@@ -16,7 +16,7 @@ import traceback
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 from .errors import ProtocolError
-from .protocol import Kind, encode_body, encode_delta, pack_delta_payload
+from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, pack_delta_payload
 from .sources import Source, SourceStall
 
 __all__ = ["PollingThread", "ListingDiff", "diff_listing", "diff_raw_listing", "commit_listing", "encode_diff",
@@ -194,8 +194,8 @@ def encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
     every poll carries ``end``, which tells the receiver the poll is complete.
 
     Raises:
-        ProtocolError: a value msgpack cannot encode, or one key whose tags
-            alone exceed ``max_frame_bytes``.
+        ProtocolError: a value msgpack cannot encode or the receiver would
+            refuse, or one key whose tags alone exceed ``max_frame_bytes``.
     """
     return list(iter_encode_diff(diff, poll=poll, started=started, full=full, chunk_items=chunk_items,
                                  max_frame_bytes=max_frame_bytes))
@@ -211,6 +211,8 @@ def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool
     again, which the receiver tolerates (merges are idempotent, a new
     snapshot starts over).
     """
+    # Before the first body: what the receiver would refuse must not half-send a poll.
+    check_decodable(diff.upserts, Limits(max_frame_bytes=max_frame_bytes))
     previous: bytes | None = None
     first = True
     for payload in _payloads(diff, chunk_items, max_frame_bytes):

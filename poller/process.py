@@ -31,7 +31,9 @@ __all__ = ["PollerProcess", "ShutdownReport", "Stage"]
 
 logger = logging.getLogger(__name__)
 
-Stage = Literal["graceful", "terminated", "killed", "already-exited", "no-poller"]
+# "closing": returned only to a close() re-entered (from a signal handler)
+# in the thread whose close() it interrupted; that close goes on.
+Stage = Literal["graceful", "terminated", "killed", "already-exited", "no-poller", "closing"]
 
 
 class ShutdownReport(NamedTuple):
@@ -92,6 +94,7 @@ class PollerProcess:
         self._conn: lifeline.Endpoint | Any = None
         self._lock = threading.Lock()
         self._report: ShutdownReport | None = None
+        self._close_requested = False
         self._fatal: RemoteTraceback | None = None
         self.epoch: int | None = None
         self._pid: int | None = None
@@ -176,6 +179,7 @@ class PollerProcess:
         assert self._conn is not None
         deadline = time.monotonic() + timeout
         spec = describe_spec(self.config.source)
+        sentinel = self._process.sentinel  # read once: a concurrent close() may close the process object
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -183,7 +187,7 @@ class PollerProcess:
             if self._report is not None:
                 raise PollerStartupError(f"poller for {spec} was closed while starting")
             try:
-                ready = wait([self._conn, self._process.sentinel], remaining)
+                ready = wait([self._conn, sentinel], remaining)
                 readable = self._conn in ready or self._conn.poll(0)
             except (OSError, ValueError):  # closed by a concurrent close()
                 raise PollerStartupError(f"poller for {spec} was closed while starting") from None
@@ -199,14 +203,19 @@ class PollerProcess:
                     raise PollerStartupError(
                         f"poller for {spec} failed to start: {message['type']}: {message['message']}"
                     ) from RemoteTraceback(message["type"], message["message"], message["traceback"])
-                if message is None and not self._process.is_alive():
-                    self._process.join(1.0)
-                    raise PollerStartupError(
-                        f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
-            elif self._process.sentinel in ready:
-                self._process.join(1.0)
-                raise PollerStartupError(
-                    f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
+                if message is None and (self._close_requested or wait([sentinel], 0)):
+                    self._died_starting(spec)
+            elif sentinel in ready:
+                self._died_starting(spec)
+
+    def _died_starting(self, spec: str) -> None:
+        # A concurrent close() reaps the child itself: reaping it here too,
+        # from a second thread, could leave that close() without the exit
+        # status (its waitpid fails) and have it escalate against a dead pid.
+        if self._close_requested:
+            raise PollerStartupError(f"poller for {spec} was closed while starting")
+        self._process.join(1.0)
+        raise PollerStartupError(f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
 
     def _discard(self) -> None:
         """Undo a failed start: the child and the pipe are gone afterwards."""
@@ -255,6 +264,7 @@ class PollerProcess:
         exited whether everything it sent was applied. Idempotent and
         thread-safe: every caller gets the same report.
         """
+        self._close_requested = True  # read by a start() still waiting for READY
         with self._lock:
             if self._report is None:
                 self._report = self._close_ladder(timeout, wait_drained)

@@ -40,6 +40,7 @@ __all__ = [
     "decode",
     "pack_delta_payload",
     "encode_delta",
+    "check_decodable",
 ]
 
 PROTOCOL_VERSION = 1
@@ -160,6 +161,59 @@ def pack_delta_payload(upserts: Mapping[str, Any], deletes: Mapping[str, Any]) -
         return packer.pack("upserts") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
+
+
+def check_decodable(upserts: Mapping[str, Mapping[str, Any]], limits: Limits = DEFAULT_LIMITS) -> None:
+    """Refuse tags that would pack but that :func:`decode` would then refuse.
+
+    msgpack packs int map keys and strings of any length; the receiver's
+    strict, bounded decoder does not accept them. Sent anyway, such an item
+    fails its whole message on the far side, and every resync sends it again:
+    the stream breaks for good. Checked here, it is one clear source error
+    that names the key. Cost follows the items sent, not the store.
+
+    Raises:
+        ProtocolError: naming the partition and key, and what is wrong.
+    """
+    for partition, items in upserts.items():
+        for key, tags in items.items():
+            problem = _undecodable(tags, limits, _TAGS_DEPTH)
+            if problem is not None:
+                raise ProtocolError(f"tags of {partition!r}/{key!r} cannot go on the wire: {problem}")
+
+
+# body -> upserts -> partition -> tags: a DELTA's tags sit at depth 4 (see _check_delta_bounds).
+_TAGS_DEPTH = 4
+
+
+def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
+    if value is None or isinstance(value, (int, float)):
+        return None
+    if isinstance(value, (str, bytes, bytearray, memoryview)):
+        # UTF-8 takes at most 4 bytes a character: encode only strings that could be too long.
+        long_str = isinstance(value, str) and len(value) * 4 > limits.max_str_len
+        size = len(value.encode(errors="surrogatepass") if long_str else value)
+        return None if size <= limits.max_str_len else f"a value of {size} bytes exceeds {limits.max_str_len}"
+    if depth > limits.max_depth:
+        return f"nested deeper than {limits.max_depth}"
+    if isinstance(value, Mapping):
+        if len(value) > limits.max_items:
+            return f"a map of {len(value)} entries exceeds {limits.max_items}"
+        for name, item in value.items():
+            if not isinstance(name, (str, bytes)):
+                return f"map key {name!r} is {type(name).__name__}, not str"
+            problem = _undecodable(name, limits, depth + 1) or _undecodable(item, limits, depth + 1)
+            if problem is not None:
+                return problem
+        return None
+    if isinstance(value, (list, tuple)):
+        if len(value) > limits.max_items:
+            return f"a list of {len(value)} items exceeds {limits.max_items}"
+        for item in value:
+            problem = _undecodable(item, limits, depth + 1)
+            if problem is not None:
+                return problem
+    return None  # anything else is left to msgpack, which refuses what it cannot pack
 
 
 def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes) -> bytes:

@@ -33,6 +33,7 @@ from .polling import PollingThread
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
 from .sources import SourceSpec, describe_spec, load_source
 from .wakeup import WakePipe
+from .watchdog import start_watchdog
 
 if TYPE_CHECKING:
     # Imported where used: poller.curve pulls in zmq.auth and asyncio, ~35 ms
@@ -74,6 +75,9 @@ class WorkerConfig(NamedTuple):
     # A directory the parent would have removed on close (its private ipc
     # directory); an orphaned poller removes it, since the parent cannot.
     orphan_cleanup: str | None = None
+    # The stream's epoch, when the parent chose it (so its receiver knows it
+    # before the first message and can refuse anyone else using the name).
+    epoch: int | None = None
     # CURVE client keys when the buffer authenticates its peers.
     curve: CurveClient | None = None
     # A kv_list() call running longer than this is counted as a source stall
@@ -89,6 +93,9 @@ def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None
     """
     code = ExitCode.CRASHED
     try:
+        # First, while this process has no threads: the watchdog ends us if
+        # the trainer dies while we cannot notice (building, wedged, stopped).
+        start_watchdog(lifeline_conn.fileno(), config.orphan_cleanup)
         code = _ControlLoop(config, lifeline_conn).run()
     except BaseException as exc:
         # A bug in the loop itself: os._exit below would swallow it, so the
@@ -165,7 +172,8 @@ class _ControlLoop:
         self.embedded = lifeline_conn is not None
         # os.urandom, not secrets: the epoch need only be unpredictable enough
         # not to repeat, and secrets (hashlib, random) costs start-up time.
-        self.epoch = (int.from_bytes(os.urandom(8), "big") >> 2) + 1
+        # A buffer that spawned this poller chose the epoch itself (config.epoch).
+        self.epoch = config.epoch or (int.from_bytes(os.urandom(8), "big") >> 2) + 1
         self.seq = -1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK
@@ -295,7 +303,10 @@ class _ControlLoop:
     # -- the run ------------------------------------------------------------------
 
     def run(self) -> int:
-        previous_signals = self._install_signals()
+        # Signals are taken over only once the source is built: until then
+        # SIGTERM keeps its default and ends a poller stuck in its factory at
+        # once (the close ladder's "terminated"), instead of only SIGKILL.
+        previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
         root.addHandler(self.log_handler)
         ctx: zmq.Context | None = None
@@ -318,6 +329,7 @@ class _ControlLoop:
                 self.startup_error = exc
                 self.exit_code = ExitCode.STARTUP_FAILED
                 return self.exit_code
+            previous_signals = self._install_signals()
             self._queue_message(Kind.READY, encode_body(Kind.READY, {
                 "pid": os.getpid(), "name": self.config.name, "interval": self.config.interval,
                 "source": describe_spec(self.config.source), "host": os.uname().nodename,

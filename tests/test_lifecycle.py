@@ -21,6 +21,11 @@ from tests.conftest import alive as _alive, wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 HELPERS = "tests.helpers.sources"
+FAULTS = "poller.faults"
+
+
+def _over_sqlite(db: str, **kwargs: object) -> dict:
+    return {"inner": SQLITE, "inner_kwargs": {"path": db}, **kwargs}
 REPO = Path(__file__).resolve().parent.parent
 
 # -- close stages --------------------------------------------------------------
@@ -35,16 +40,16 @@ def test_idle_poller_closes_gracefully_in_milliseconds_whatever_the_interval(db)
     assert rb.close() is report  # idempotent: the same report
 
 def test_poller_stuck_in_kv_list_still_closes_gracefully(db):
-    rb = ReplayBuffer(source=f"{HELPERS}:Hanging", source_kwargs={"path": db, "after": 1}, poll_interval=0.01)
+    rb = ReplayBuffer(source=f"{FAULTS}:hang", source_kwargs=_over_sqlite(db, after=1), poll_interval=0.01)
     time.sleep(0.2)  # the second kv_list() is now blocked for good
     report = rb.close(timeout=3)
     assert report.stage == "graceful" and report.exitcode == 0 and report.drained
 
-@pytest.mark.parametrize("sigterm, stage", [("default", "terminated"), ("ignore", "killed")])
-def test_a_poller_that_ignores_stop_is_terminated_or_killed(tmp_path, sigterm, stage):
+@pytest.mark.parametrize("fault, stage", [("ignore_stop", "terminated"), ("ignore_sigterm", "killed")])
+def test_a_poller_that_ignores_stop_is_terminated_or_killed(tmp_path, fault, stage):
     marker = tmp_path / "stuck"
-    rb = ReplayBuffer(source=f"{HELPERS}:stuck_control_loop", source_kwargs={"marker": str(marker),
-                      "sigterm": sigterm}, poll_interval=0.01)
+    rb = ReplayBuffer(source=f"{FAULTS}:{fault}", source_kwargs={"marker": str(marker), "after": 1},
+                      poll_interval=0.01)
     assert wait_until(marker.exists, timeout=10)
     started = time.monotonic()
     report = rb.close(timeout=0.5)
@@ -83,7 +88,7 @@ def test_startup_failure_raises_with_the_child_traceback_and_leaves_nothing(sour
 def test_no_ready_before_the_deadline_is_a_startup_error(tmp_path):
     started = time.monotonic()
     with pytest.raises(PollerStartupError, match="no READY within 1s"):
-        ReplayBuffer(source=f"{HELPERS}:slow_factory", source_kwargs={"seconds": 60}, start_timeout=1)
+        ReplayBuffer(source=f"{FAULTS}:slow", source_kwargs={"start_s": 60}, start_timeout=1)
     assert time.monotonic() - started < 10
 
 class _Trainer:
@@ -107,7 +112,7 @@ def test_a_trainer_whose_init_fails_leaks_nothing(db):
 
 def test_a_crashing_poller_is_restarted_then_sample_raises_poller_crashed(store, db):
     store.kv_put("a", "train", tag={"status": "success"})
-    rb = ReplayBuffer(source=f"{HELPERS}:CrashAfter", source_kwargs={"path": db, "polls": 2, "code": 9},
+    rb = ReplayBuffer(source=f"{FAULTS}:crash", source_kwargs=_over_sqlite(db, after=2, how="exit", code=9),
                       poll_interval=0.02, max_restarts=2)
     try:
         rb.add("train", {"w": {"global_steps": 1, "status": "running"}})
@@ -121,7 +126,8 @@ def test_a_crashing_poller_is_restarted_then_sample_raises_poller_crashed(store,
     assert report.stage == "already-exited"
 
 def test_persistent_source_errors_end_in_poller_crashed_with_the_remote_traceback():
-    rb = ReplayBuffer(source=f"{HELPERS}:Raising", poll_interval=0.01, max_restarts=1)
+    rb = ReplayBuffer(source=f"{FAULTS}:raise_", source_kwargs={"message": "store is on fire"}, poll_interval=0.01,
+                      max_restarts=1)
     try:
         with pytest.raises(PollerCrashed) as info:
             rb.sample("train", batch_size=1, timeout=60)
@@ -134,7 +140,8 @@ def test_persistent_source_errors_end_in_poller_crashed_with_the_remote_tracebac
         rb.close()
 
 def test_garbage_from_the_source_is_a_source_error_not_a_broken_stream():
-    rb = ReplayBuffer(source=f"{HELPERS}:Garbage", poll_interval=0.01, max_restarts=0)
+    rb = ReplayBuffer(source=f"{FAULTS}:garbage", source_kwargs={"kind": "partition-not-a-mapping"},
+                      poll_interval=0.01, max_restarts=0)
     try:
         with pytest.raises(PollerCrashed) as info:
             rb.sample("train", batch_size=1, timeout=60)
@@ -151,13 +158,14 @@ _TRAINER = textwrap.dedent("""
     from buffer import ReplayBuffer
     if __name__ == "__main__":
         source = sys.argv[1]
-        kwargs = {"path": sys.argv[2]} if source.endswith("SqliteSource") else {"path": sys.argv[2], "after": 1}
+        kwargs = ({"path": sys.argv[2]} if source.endswith("SqliteSource") else
+                  {"inner": "poller.sources.sqlite:SqliteSource", "inner_kwargs": {"path": sys.argv[2]}, "after": 1})
         rb = ReplayBuffer(source=source, source_kwargs=kwargs, poll_interval=0.02)
         print(rb.stats()["poller_pid"], flush=True)
         time.sleep(120)
 """)
 
-@pytest.mark.parametrize("source", [SQLITE, f"{HELPERS}:Hanging"])
+@pytest.mark.parametrize("source", [SQLITE, f"{FAULTS}:hang"])
 def test_parent_sigkill_leaves_no_orphan(tmp_path, db, source):
     script = tmp_path / "trainer.py"
     script.write_text(_TRAINER)

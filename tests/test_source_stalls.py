@@ -39,7 +39,7 @@ def test_stalls_the_source_reports_are_counted_and_logged_once_per_episode(caplo
 def test_a_call_stuck_forever_is_one_stall_and_stop_still_works(caplog):
     caplog.set_level(logging.WARNING, logger="poller")
     with ReplayBuffer(bind="tcp://127.0.0.1:0") as rb:
-        poller = PollerProcess("tests.helpers.sources:Hanging", endpoint=rb.endpoint, name="stuck",
+        poller = PollerProcess("poller.faults:hang", endpoint=rb.endpoint, name="stuck",
                                interval=0.02, stall_timeout=0.3)
         poller.start(30)
         try:
@@ -67,7 +67,7 @@ def test_the_receiver_sums_stalls_over_poller_restarts():
             peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=1))
             assert wait_until(lambda: rb.stats()["source_stalls"] == 4)
             peer.send(Kind.HEARTBEAT, HEARTBEAT)  # an older poller sends no count
-            assert wait_until(lambda: rb.stats()["messages"] == 6)
+            assert wait_until(lambda: rb.stats()["messages"] == 7)  # 2 READY and 5 HEARTBEAT
             assert rb.stats()["source_stalls"] == 4 and rb.stats()["protocol_errors"] == 0
         finally:
             peer.close()

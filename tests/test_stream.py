@@ -1,51 +1,17 @@
-"""The stream as a peer sees it: a hand-driven DEALER speaking the protocol to
-a real buffer, for sequencing, resync, snapshots and hostile input."""
+"""The stream as a peer sees it: a hand-driven DEALER (the rogue peer of
+:mod:`poller.faults.peer`) speaking the protocol to a real buffer, for
+sequencing, resync, snapshots and hostile input."""
 
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
-import zmq
 
 from buffer import ReplayBuffer
-from poller.protocol import Kind, Message, decode, encode, encode_body, encode_header
+from poller.faults.peer import RoguePeer as Peer
+from poller.protocol import Kind, encode_body, encode_header
 from tests.conftest import alive as _alive, wait_until
-
-class Peer:
-    """A scripted poller: sends exactly the frames a test asks for."""
-
-    def __init__(self, endpoint: str, name: bytes = b"rogue", epoch: int = 77) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, name)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.epoch = epoch
-        self.seq = 0
-
-    def send(self, kind: Kind, body: dict, seq: int | None = None) -> None:
-        seq = self.seq if seq is None else seq
-        self.sock.send_multipart(encode(Message(kind, self.epoch, seq, body)))
-        self.seq = seq + 1
-
-    def ready(self) -> None:
-        self.send(Kind.READY, {"pid": 1, "name": "rogue", "interval": 0.1}, seq=0)
-
-    def delta(self, upserts: dict, deletes: dict | None = None, *, full: bool = False, reset: bool = False,
-              seq: int | None = None) -> None:
-        self.send(Kind.DELTA, {"poll": 1, "t": time.time(), "full": full, "reset": reset, "end": True,
-                               "upserts": upserts, "deletes": deletes or {}}, seq=seq)
-
-    def recv(self, timeout: float = 5.0) -> Message | None:
-        if not self.sock.poll(int(timeout * 1000)):
-            return None
-        return decode(self.sock.recv_multipart())
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
 
 @pytest.fixture
 def rb():

@@ -99,6 +99,7 @@ class SqliteSource:
         self._lock_pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
         self._conn_pid: int | None = None
+        self._conn_file: tuple[int, int] | None = None
 
     # -- pickling: spawn children get the address, never a live connection --
 
@@ -271,10 +272,44 @@ class SqliteSource:
                 logger.debug("pid changed (%s -> %s): reopening %s", self._conn_pid, pid, self._path)
                 _INHERITED.append(self._conn)
                 self._conn = None
+            if self._conn is not None:
+                self._check_file()
             if self._conn is None:
                 self._conn = self._open()
                 self._conn_pid = pid
+                self._conn_file = self._file_id()
             yield self._conn
+
+    def _file_id(self) -> tuple[int, int] | None:
+        if self._path == ":memory:" or self._path.startswith("file:"):
+            return None
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def _check_file(self) -> None:
+        """Drop a connection whose file was deleted or replaced since it was opened.
+
+        SQLite keeps reading an unlinked file through its open descriptor:
+        without this check a deleted store would go on listing its old rows
+        forever while writers fill a new file at the same path.
+
+        Raises:
+            FileNotFoundError: the file is gone; the next call starts a new one.
+        """
+        if self._conn_file is None:
+            return
+        current = self._file_id()
+        if current == self._conn_file:
+            return
+        assert self._conn is not None
+        self._conn.close()
+        self._conn = None
+        if current is None:
+            raise FileNotFoundError(f"{self._path} was deleted while open; the next call opens a new store")
+        logger.warning("%s was replaced while open; reopening it", self._path)
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

@@ -1,0 +1,354 @@
+"""The fault matrix: every fault, and what must happen when it strikes.
+
+One :class:`Row` per fault names the outcome it must reach; :func:`run_trial`
+plays one trial of a row against a real buffer, a real poller process and a
+real SQLite store, and returns what happened as an :class:`Outcome`.
+``tests/faults`` asserts every row once; ``python -m bench.faults`` repeats
+them and tabulates. A trial goes:
+
+1. the store holds step 1; the buffer starts and the trainer samples step 1
+   and consumes one key (``remove`` + ``kv_clear``: it must never come back);
+2. step 2's ``running`` markers are written and seen;
+3. the fault is triggered (an arm file for source faults, an action on the
+   SQLite file, or a rogue peer's frames) and has fired;
+4. step 2 completes in the store and the trainer samples it — what it saw is
+   the result, an exception, or the protocol errors counted;
+5. the buffer is compared with the store: after recovery they must be equal;
+   where the poller is gone or stuck, the buffer must still hold exactly what
+   it had. Then ``close()``: its stage and time against the stage's bound.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from buffer import ReplayBuffer
+from poller import PollerCrashed
+from poller.errors import RemoteTraceback
+from poller.faults import store as store_faults
+from poller.faults.peer import WIRE_FAULTS, RoguePeer
+from poller.protocol import Kind
+from poller.sources.sqlite import SqliteSource
+
+__all__ = ["Row", "Outcome", "ROWS", "run_trial", "close_bound"]
+
+SQLITE = "poller.sources.sqlite:SqliteSource"
+PARTITION = "train"
+POLL_INTERVAL = 0.02
+# How long a trainer waits for step 2 where the fault must stop the data.
+STALL_WAIT = 1.0
+# How long everything else may take on a loaded machine; never a measured figure.
+GENEROUS = 30.0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One fault and the outcome it must reach.
+
+    ``saw`` is what the trainer sees: ``"nothing"``, ``"PollerCrashed"``,
+    ``"TimeoutError"`` or ``"ProtocolError"`` (counted in ``stats()``).
+    ``converges``: after recovery the buffer equals the store; otherwise
+    the buffer must keep exactly what it held before the fault.
+    """
+
+    name: str
+    fault: str | None = None            # a poller.faults factory; None: the plain store
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    action: str | None = None           # "delete" / "lock" / "corrupt", or a wire fault
+    stage: str = "graceful"
+    saw: str = "nothing"
+    cause: str | None = None            # the type of PollerCrashed's __cause__, when it must have one
+    restarts: int = 0
+    converges: bool = True
+    max_restarts: int = 1
+    close_timeout: float = 0.5
+    once: bool = False                  # the fault fires in one poller process only
+
+
+def close_bound(row: Row) -> float:
+    """The most a ``close()`` reaching ``row.stage`` may take."""
+    t = row.close_timeout
+    # graceful: STOP + the wait for BYE (at most 1 s); terminated: two waits;
+    # killed: two waits and the reap of a SIGKILLed process (5 s bound).
+    return {"graceful": t + 1.0, "already-exited": 1.0, "terminated": 2 * t + 1.0, "killed": 2 * t + 5.0}[row.stage]
+
+
+# libzmq refuses a frame over the buffer's limit (ZMQ_MAXMSGSIZE) and drops
+# its sender before the decoder sees anything: nothing to count.
+REFUSED_BY_THE_SOCKET = frozenset({"oversized-body"})
+
+_GARBAGE_KINDS = ("not-a-mapping", "partition-not-a-mapping", "non-str-key", "tags-not-a-mapping", "unencodable",
+                  "non-str-tag-key", "overlong-string")
+
+ROWS: tuple[Row, ...] = (
+    Row("healthy"),
+    Row("raise_:transient", "raise_", {"times": 2}),
+    Row("raise_:forever", "raise_", saw="PollerCrashed", cause="RemoteTraceback", stage="already-exited",
+        converges=False, max_restarts=0),
+    Row("flaky", "flaky", {"p": 0.2, "seed": 180}),  # this seed has no 4 failures in a row in 5000 calls
+    Row("slow", "slow", {"seconds": 0.2}),
+    Row("hang", "hang", saw="TimeoutError", converges=False),
+    Row("freeze", "freeze", saw="TimeoutError", stage="killed", converges=False),
+    Row("ignore_stop", "ignore_stop", saw="TimeoutError", stage="terminated", converges=False),
+    Row("ignore_sigterm", "ignore_sigterm", saw="TimeoutError", stage="killed", converges=False),
+    *(Row(f"crash:{how}:once", "crash", {"how": how}, restarts=1, once=True)
+      for how in ("exit", "segfault", "abort", "sigkill")),
+    Row("crash:segfault:always", "crash", {"how": "segfault"}, saw="PollerCrashed", stage="already-exited",
+        restarts=1, converges=False),
+    *(Row(f"garbage:{kind}", "garbage", {"kind": kind}, saw="PollerCrashed", cause="RemoteTraceback",
+          stage="already-exited", converges=False, max_restarts=0) for kind in _GARBAGE_KINDS),
+    Row("huge:16MiB", "huge", {"megabytes": 16}),
+    Row("huge:one-2MiB-value", "huge", {"megabytes": 2, "value_bytes": 2 * 1024 * 1024}, saw="PollerCrashed",
+        cause="RemoteTraceback", stage="already-exited", converges=False, max_restarts=0),
+    Row("leak", "leak", {"megabytes": 1}),
+    *(Row(f"wire:{name}", action=name, saw="nothing" if name in REFUSED_BY_THE_SOCKET else "ProtocolError")
+      for name in WIRE_FAULTS),
+    Row("wire:replayed-seq", action="replayed-seq", saw="ProtocolError"),
+    Row("wire:out-of-order-seq", action="out-of-order-seq", saw="ProtocolError"),
+    Row("wire:same-identity", action="same-identity"),
+    Row("store:deleted", action="delete"),
+    Row("store:locked", action="lock"),
+    Row("store:corrupted", action="corrupt", saw="PollerCrashed", cause="RemoteTraceback", stage="already-exited",
+        restarts=1, converges=False),
+)
+
+
+@dataclass
+class Outcome:
+    """What one trial of a row did."""
+
+    row: str
+    stage: str = "?"
+    close_s: float = 0.0
+    bound_s: float = 0.0
+    saw: str = "?"
+    cause: str | None = None
+    detail: str = ""
+    restarts: int = 0
+    protocol_errors: int = 0
+    source_errors: int = 0
+    lost: list[str] = field(default_factory=list)
+    resurrected: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def mismatches(self, row: Row) -> list[str]:
+        """Every way this outcome differs from what ``row`` requires (empty: it passed)."""
+        out = list(self.problems)
+        for what, want, got in (("stage", row.stage, self.stage), ("trainer saw", row.saw, self.saw),
+                                ("restarts", row.restarts, self.restarts)):
+            if want != got:
+                out.append(f"{what}: want {want!r}, got {got!r} ({self.detail})")
+        if row.cause is not None and self.cause != row.cause:
+            out.append(f"cause: want {row.cause}, got {self.cause}")
+        if self.close_s > self.bound_s:
+            out.append(f"close took {self.close_s:.3f}s, over its {self.bound_s:g}s bound")
+        for what, keys in (("lost", self.lost), ("resurrected", self.resurrected), ("not in the store", self.extra),
+                           ("sampled twice", self.duplicates)):
+            if keys:
+                out.append(f"keys {what}: {sorted(keys)}")
+        return out
+
+
+def _wait(predicate: Callable[[], bool], timeout: float = GENEROUS) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _source(row: Row, db: str, workdir: str) -> tuple[str, dict[str, Any]]:
+    if row.fault is None:
+        return SQLITE, {"path": db}
+    kwargs = {"inner": SQLITE, "inner_kwargs": {"path": db}, **row.kwargs,
+              "when_exists": os.path.join(workdir, "arm"), "marker": os.path.join(workdir, "fired")}
+    if row.once:
+        kwargs["once"] = True
+    return f"poller.faults:{row.fault}", kwargs
+
+
+def _wire(action: str, rb: ReplayBuffer) -> int:
+    """Play a wire fault from a rogue peer; return the protocol errors it must cause."""
+    if action == "same-identity":
+        with RoguePeer(rb.endpoint, name=rb.stats()["poller_name"], epoch=5) as peer:
+            peer.ready()
+            peer.delta({PARTITION: {"evil": {"global_steps": 2, "status": "success"}}}, full=True, reset=True)
+            time.sleep(0.2)  # long enough to be applied, were it accepted
+        return 0
+    with RoguePeer(rb.endpoint, name=b"rogue") as peer:
+        if action in REFUSED_BY_THE_SOCKET:
+            peer.send_raw(WIRE_FAULTS[action]())
+            time.sleep(0.3)  # long enough to arrive, were it let through
+            return 0
+        if action in WIRE_FAULTS:
+            peer.send_raw(WIRE_FAULTS[action]())
+            # Open until counted: a DEALER closed at once drops what it has not sent.
+            _wait(lambda: rb.stats()["protocol_errors"] >= 1, 10.0)
+            return 1
+        peer.ready()
+        peer.delta({"rogue": {"r1": {"v": 1}}}, full=True, reset=True)
+        if action == "replayed-seq":
+            peer.delta({"rogue": {"r1": {"v": 99}}}, seq=1)
+        else:  # out of order: seq 3 (a gap: a RESYNC request), then the late seq 2
+            peer.delta({"rogue": {"r2": {"v": 3}}}, seq=3)
+            request = peer.recv(5.0)
+            if request is None or request.kind is not Kind.RESYNC:
+                raise AssertionError(f"the gap brought no RESYNC but {request}")
+            peer.delta({"rogue": {"r1": {"v": 99}}}, seq=2)
+        if not _wait(lambda: rb.stats()["protocol_errors"] >= 1, 10.0):
+            raise AssertionError("the replayed message was not counted")
+        if rb.snapshot("rogue").get("r1") != {"v": 1}:
+            raise AssertionError(f"a replayed message was applied: {rb.snapshot('rogue')}")
+        return 1
+
+
+def _store_action(action: str, db: str, writer: SqliteSource) -> Callable[[], None]:
+    """Do a store fault; return what undoes it once step 2 is written."""
+    if action == "delete":
+        store_faults.delete(db)
+        writer.close()  # its next call opens the new file, as a restarted writer would
+        return lambda: None
+    if action == "corrupt":
+        store_faults.corrupt(db)
+        return lambda: None
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold() -> None:
+        with store_faults.lock(db):
+            held.set()
+            release.wait(GENEROUS)
+
+    holder = threading.Thread(target=hold, name="store-lock")
+    holder.start()
+    held.wait(GENEROUS)
+    # Writers wait for the lock (their timeout is longer); release it soon.
+    threading.Timer(0.5, release.set).start()
+    return lambda: holder.join(GENEROUS)
+
+
+def run_trial(row: Row, workdir: str) -> Outcome:
+    """Play one trial of ``row`` in ``workdir`` (an empty directory)."""
+    out = Outcome(row.name, bound_s=close_bound(row))
+    db = os.path.join(workdir, "kv.db")
+    writer = SqliteSource(db)
+    writer.kv_batch_put([f"k{i}" for i in range(1, 4)], PARTITION, tags=[{"global_steps": 1, "status": "success"}] * 3)
+    source, kwargs = _source(row, db, workdir)
+    rb = ReplayBuffer(source=source, source_kwargs=kwargs, poll_interval=POLL_INTERVAL, max_restarts=row.max_restarts,
+                      close_timeout=row.close_timeout, start_timeout=GENEROUS)
+    removed: set[str] = set()
+    sampled: list[str] = []
+    try:
+        def consume(keys: list[str]) -> None:
+            sampled.extend(keys)
+            rb.remove(PARTITION, keys)
+            writer.kv_clear(keys, PARTITION)
+            removed.update(keys)
+
+        consume(rb.sample(PARTITION, global_steps=1, timeout=GENEROUS).keys[:1])
+        step2 = ["s2a", "s2b"]
+        writer.kv_batch_put(step2, PARTITION, tags=[{"global_steps": 2, "status": "running"}] * 2)
+        if not _wait(lambda: all(k in rb.snapshot(PARTITION) for k in step2)):
+            out.problems.append("step 2's running markers never arrived")
+        good = rb.snapshot(PARTITION)
+        rss_before = _wait_rss(rb) if row.fault == "leak" else 0
+        undo: Callable[[], None] = lambda: None
+        want_protocol_errors = 0
+        if row.fault is not None:
+            open(os.path.join(workdir, "arm"), "w").close()
+            if not _wait(lambda: os.path.exists(os.path.join(workdir, "fired"))):
+                out.problems.append("the fault never fired")
+        elif row.action in ("delete", "lock", "corrupt"):
+            undo = _store_action(row.action, db, writer)
+        elif row.action is not None:
+            want_protocol_errors = _wire(row.action, rb)
+        try:
+            for key in step2:
+                writer.kv_put(key, PARTITION, tag={"global_steps": 2, "status": "success"})
+        except Exception as exc:  # a corrupted store refuses writes too
+            out.detail = f"writer: {type(exc).__name__}: {exc}"
+        undo()
+        _sample_step2(row, rb, out, consume)
+        if row.action in WIRE_FAULTS or row.action in ("replayed-seq", "out-of-order-seq"):
+            _wait(lambda: rb.stats()["protocol_errors"] >= want_protocol_errors, 10.0)
+        stats = rb.stats()
+        if out.saw == "nothing" and stats["protocol_errors"]:
+            out.saw = "ProtocolError"
+        if row.action in WIRE_FAULTS and stats["protocol_errors"] != want_protocol_errors:
+            out.problems.append(f"{stats['protocol_errors']} protocol errors counted, want {want_protocol_errors}")
+        if row.fault == "leak" and not _wait(lambda: (rb.stats()["poller_rss"] or 0) > rss_before + 32 * 2**20, 10.0):
+            out.problems.append(f"poller_rss did not grow: {rss_before} -> {rb.stats()['poller_rss']}")
+        if row.fault == "huge" and out.saw == "nothing":
+            _check_huge(rb, out)
+        _compare(row, rb, writer, good, removed, out)
+        stats = rb.stats()
+        out.restarts, out.protocol_errors, out.source_errors = (stats["restarts"], stats["protocol_errors"],
+                                                                stats["source_errors"])
+        out.duplicates = sorted({k for k in sampled if sampled.count(k) > 1})
+    finally:
+        report = rb.close()
+        writer.close()
+    out.stage, out.close_s = report.stage, report.seconds
+    return out
+
+
+def _check_huge(rb: ReplayBuffer, out: Outcome) -> None:
+    """All of it arrived, and the poller's memory stays put while it keeps listing it."""
+    count = len(rb.snapshot("huge"))
+    if count != 16 * 1024:
+        out.problems.append(f"the huge partition arrived with {count} of {16 * 1024} keys")
+    first = _wait_rss(rb)
+    # Two heartbeats later (one a second): dozens of polls of the same 16 MiB.
+    time.sleep(2.2)
+    later = rb.stats()["poller_rss"] or 0
+    if later > first + 16 * 2**20:
+        out.problems.append(f"poller_rss grew from {first} to {later} while listing the same data")
+
+
+def _wait_rss(rb: ReplayBuffer) -> int:
+    _wait(lambda: bool(rb.stats()["poller_rss"]), 10.0)
+    return rb.stats()["poller_rss"] or 0
+
+
+def _sample_step2(row: Row, rb: ReplayBuffer, out: Outcome, consume: Callable[[list[str]], None]) -> None:
+    timeout = STALL_WAIT if row.saw == "TimeoutError" else GENEROUS
+    try:
+        batch = rb.sample(PARTITION, global_steps=2, timeout=timeout)
+    except PollerCrashed as exc:
+        out.saw, out.detail = "PollerCrashed", str(exc)
+        out.cause = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
+        if isinstance(exc.__cause__, RemoteTraceback) and "Traceback" not in exc.__cause__.traceback_text:
+            out.problems.append("the remote traceback is empty")
+    except TimeoutError as exc:
+        out.saw, out.detail = "TimeoutError", str(exc)
+        if "still 'running'" not in str(exc):
+            out.problems.append(f"the TimeoutError does not say what it waited for: {exc}")
+    else:
+        out.saw = "nothing"
+        consume(batch.keys)
+
+
+def _compare(row: Row, rb: ReplayBuffer, writer: SqliteSource, good: dict[str, Any], removed: set[str],
+             out: Outcome) -> None:
+    if row.converges:
+        def listed() -> dict[str, Any]:
+            return writer.kv_list(PARTITION).get(PARTITION, {})
+
+        _wait(lambda: rb.snapshot(PARTITION) == listed(), GENEROUS)
+        expected = listed()
+    else:
+        expected = {k: v for k, v in good.items() if k not in removed}
+    have = rb.snapshot(PARTITION)
+    out.lost = sorted(k for k in expected if k not in have)
+    out.resurrected = sorted(k for k in removed if k in have)
+    out.extra = sorted(k for k in have if k not in expected and k not in removed)
+    wrong = sorted(k for k in expected if k in have and have[k] != expected[k])
+    if wrong:
+        out.problems.append(f"keys with other tags than the store's: {wrong}")

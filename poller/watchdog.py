@@ -1,0 +1,104 @@
+"""A tiny process that ends an orphaned poller which cannot end itself.
+
+The poller notices its trainer's death on its own (EOF on the lifeline, a
+changed parent pid) — as long as its control loop runs. It does not while the
+source factory is still building (a store client connecting forever), while
+the main thread is wedged, or while the process is stopped (SIGSTOP, a
+debugger): then only someone else can end it. PR_SET_PDEATHSIG cannot: it
+fires when the *thread* that spawned the child ends, and a trainer may start
+a buffer from any thread.
+
+So the poller forks this watchdog first thing, before it builds anything::
+
+    trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
+                 ╚═══════════(watched for hang-up)═══╝
+
+The watchdog only ever waits: for the poller to exit (EOF on the exit pipe:
+it exits too), or for the trainer to go (hang-up on the lifeline, or the
+poller's parent pid changes). In the second case it gives the poller a short
+grace to leave by itself, then SIGKILLs it and removes the directory the
+trainer would have removed. It never reads the lifeline, so it takes no
+message meant for the poller.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+
+__all__ = ["start_watchdog"]
+
+# A healthy orphan exits within a tick (0.2 s) of its parent; give it that
+# and a margin before killing it, so the whole takes well under a second.
+_GRACE_S = 0.4
+_CHECK_S = 0.2
+
+
+def start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
+    """Fork the watchdog of this process. Call it before starting any thread."""
+    poller_pid = os.getpid()
+    trainer_pid = os.getppid()
+    exit_r, exit_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(exit_r)
+        # Kept open, never written: the watchdog sees EOF when we are gone.
+        _keep.append(exit_w)
+        return
+    try:
+        _close_fds_except(lifeline_fd, exit_r)
+        _watch(poller_pid, trainer_pid, lifeline_fd, exit_r, orphan_cleanup)
+    finally:
+        os._exit(0)
+
+
+_keep: list[int] = []
+
+
+def _close_fds_except(*keep: int) -> None:
+    # Above all the sentinel pipe of multiprocessing: while we held it, the
+    # trainer would not see the poller die.
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:
+    # Signals sent to the whole process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) must not
+    # end the watchdog before the poller: a poller ignoring SIGTERM then outlived them both.
+    # It exits with its poller anyway.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    poll = select.poll()
+    poll.register(exit_r, select.POLLIN)
+    # RDHUP without IN: told when the trainer's end closes, never about data.
+    poll.register(lifeline_fd, select.POLLRDHUP)
+    while True:
+        events = dict(poll.poll(int(_CHECK_S * 1000)))
+        if exit_r in events:
+            return  # the poller exited
+        if lifeline_fd in events or _parent_of(poller_pid) != trainer_pid:
+            break
+    poll.unregister(lifeline_fd)
+    if poll.poll(int(_GRACE_S * 1000)):
+        return  # it noticed by itself and left
+    try:
+        os.kill(poller_pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    if cleanup:
+        shutil.rmtree(cleanup, ignore_errors=True)
