@@ -183,9 +183,11 @@ def hang(**trigger: Any) -> Fault:
 class _Freeze(Fault):
     def misbehave(self) -> Any:
         # The whole process stops; STOP, SIGTERM and parent death go unseen
-        # until SIGCONT, and only SIGKILL ends it.
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return self.listing()
+        # and only SIGKILL ends it. Something else may send SIGCONT (job
+        # control, a debugger detaching): the process then stops again at once,
+        # so a frozen poller stays frozen.
+        while True:
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def freeze(**trigger: Any) -> Fault:
