@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from poller.procfs import children_of
+
 from .faultmatrix import ROWS, Outcome, Row, close_bound, run_trial
 
 # Three rounds take about two minutes on a 2-core machine.
@@ -43,19 +45,7 @@ def _tracker() -> tuple[int | None, int | None]:
 
 
 def _children() -> set[int]:
-    me = str(os.getpid())
-    tracker_pid = _tracker()[0]
-    found = set()
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid = int(stat.split("/")[2])
-        if fields[1] == me and fields[0] != "Z" and pid != tracker_pid:
-            found.add(pid)
-    return found
+    return children_of(os.getpid()) - {_tracker()[0]}
 
 
 def _fds() -> set[str]:

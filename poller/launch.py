@@ -29,6 +29,7 @@ import pickle
 import select
 import signal
 import sys
+import time
 from typing import Any, Iterable
 
 from .lifeline import Channel
@@ -116,11 +117,18 @@ class ExecProcess:
         """Wait up to ``timeout`` for the child to end, and reap it."""
         if self._popen is None or self._popen.returncode is not None:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
         if timeout is not None and not wait([self.sentinel], timeout):
             return
-        # The sentinel closes as the child's fds are released; reaping it can
-        # take a moment longer, so this blocking wait is short.
-        self._popen.wait()
+        # The sentinel closes as the child's fds are released; reaping it
+        # takes a moment longer. Still bounded: a child that closed its end of
+        # the sentinel itself has not exited at all.
+        import subprocess  # parent only, as in start()
+
+        try:
+            self._popen.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
     def terminate(self) -> None:
         self._signal(signal.SIGTERM)

@@ -28,6 +28,8 @@ import select
 import shutil
 import signal
 
+from .procfs import parent_of
+
 __all__ = ["start_watchdog"]
 
 # A healthy orphan exits within a tick (0.2 s) of its parent; give it that
@@ -69,14 +71,6 @@ def _close_fds_except(*keep: int) -> None:
                 pass
 
 
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:
     # Signals sent to the whole process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) must not
     # end the watchdog before the poller: a poller ignoring SIGTERM then outlived them both.
@@ -91,7 +85,7 @@ def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cle
         events = dict(poll.poll(int(_CHECK_S * 1000)))
         if exit_r in events:
             return  # the poller exited
-        if lifeline_fd in events or _parent_of(poller_pid) != trainer_pid:
+        if lifeline_fd in events or parent_of(poller_pid) != trainer_pid:
             break
     poll.unregister(lifeline_fd)
     if poll.poll(int(_GRACE_S * 1000)):

@@ -13,6 +13,8 @@ from typing import Iterator
 
 import pytest
 
+from poller.procfs import children_of, is_running
+
 # Each run gets its own temporary directory (inherited by every child), so
 # the ipc-directory check sees only this run's files, not another run's.
 _RUN_TMP = tempfile.mkdtemp(prefix="replay-tests-")
@@ -32,17 +34,7 @@ _SETTLE_S = 5.0
 
 
 def _children() -> set[int]:
-    me = str(os.getpid())
-    found = set()
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z":
-            found.add(int(stat.split("/")[2]))
-    return found
+    return children_of(os.getpid())
 
 
 def _fds() -> set[str]:
@@ -135,8 +127,4 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
 
 def alive(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return is_running(pid)

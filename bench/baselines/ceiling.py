@@ -82,4 +82,5 @@ def snapshot_seconds(keys: int) -> tuple[float, int]:
             child.wait()
         sock.close(0)
         ctx.term()
-        os.rmdir(directory) if os.path.isdir(directory) and not os.listdir(directory) else None
+        if os.path.isdir(directory) and not os.listdir(directory):
+            os.rmdir(directory)

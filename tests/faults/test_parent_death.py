@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from poller.procfs import children_of, state
+
 from tests.conftest import alive, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,27 +31,6 @@ _TRAINER = textwrap.dedent("""
         print(rb.stats()["poller_pid"], flush=True)
         time.sleep(120)
 """)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
-def _children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
 
 
 def _kill_trainer_and_watch(trainer: subprocess.Popen, victims: list[int], group_sigterm: bool) -> float:
@@ -86,12 +67,12 @@ def test_no_orphan_one_second_after_the_trainer_is_sigkilled(tmp_path, case):
         if case != "healthy":
             assert wait_until(lambda: os.path.exists(marker), timeout=30), f"the {case} state was never reached"
         if case == "frozen":
-            assert wait_until(lambda: _state(first) == "T", timeout=10)
+            assert wait_until(lambda: state(first) == "T", timeout=10)
         if case == "mid-restart":
             assert wait_until(lambda: os.path.getsize(marker) > 0, timeout=10)
             with open(marker) as f:
                 victims = [int(f.read())]  # the first one is dead; this restart is stuck building its source
-        victims += [child for pid in victims for child in _children_of(pid)]  # the watchdogs
+        victims += [child for pid in victims for child in sorted(children_of(pid))]  # the watchdogs
         assert all(alive(pid) for pid in victims)
         took = _kill_trainer_and_watch(trainer, victims, group_sigterm=case.endswith("group SIGTERM"))
         survivors = [pid for pid in victims if alive(pid)]

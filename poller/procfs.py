@@ -1,0 +1,50 @@
+"""Process facts read from Linux's /proc: state, parent and children.
+
+The watchdog needs a process's parent; leak checks and fault tests need a
+process's children and whether one is still running. One parser for all of
+them: ``/proc/PID/stat`` puts the command name in parentheses, and the name
+may itself hold spaces and parentheses, so fields are counted from the last
+``)``.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["state", "parent_of", "children_of", "is_running"]
+
+
+def _fields(pid: int) -> list[str] | None:
+    """The fields after the command name (state first), or None once ``pid`` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def state(pid: int) -> str | None:
+    """One letter (``R``, ``S``, ``T`` stopped, ``Z`` zombie, ...), or None once ``pid`` is gone."""
+    fields = _fields(pid)
+    return fields[0] if fields else None
+
+
+def parent_of(pid: int) -> int | None:
+    fields = _fields(pid)
+    return int(fields[1]) if fields else None
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    return state(pid) not in (None, "Z")
+
+
+def children_of(pid: int) -> set[int]:
+    """Live (non-zombie) children of ``pid``."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _fields(int(entry))
+            if fields and fields[0] != "Z" and int(fields[1]) == pid:
+                found.add(int(entry))
+    return found
