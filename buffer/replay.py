@@ -339,20 +339,21 @@ class ReplayBuffer:
         if core.store.closed:
             raise BufferClosed("the replay buffer is closed")
         receiver = core.receiver
+        table = receiver.table
         process = core.process
         peer = receiver.peer_info(core.name)
-        last = receiver.last_message_at
+        last = table.last_message_at
         return {
             "poller_pid": process.pid if process else None,
             "poller_alive": bool(process and process.is_alive()),
             "restarts": core.restarts,
             "epoch": process.epoch if process else None,
-            "messages": receiver.messages,
-            "items_received": receiver.items_received,
-            "bytes_received": receiver.bytes_received,
-            "protocol_errors": receiver.protocol_errors,
-            "source_errors": receiver.source_errors,
-            "source_stalls": receiver.source_stalls,
+            "messages": table.messages,
+            "items_received": table.items_received,
+            "bytes_received": table.bytes_received,
+            "protocol_errors": table.protocol_errors,
+            "source_errors": table.source_errors,
+            "source_stalls": table.source_stalls,
             "last_message_age_s": None if last is None else time.monotonic() - last,
             "keys": core.store.key_count(),
             "poller_rss": peer.rss if peer else None,
@@ -390,13 +391,15 @@ def _check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
         raise ValueError(f"stale_after must be positive, got {stale_after!r}")
 
 
-def _chunking_within(limits: Limits) -> dict[str, int]:
-    """Message sizes for the buffer's own poller that its receiver's limits accept.
+def _chunking_within(limits: Limits) -> dict[str, Any]:
+    """Message sizes and bounds for the buffer's own poller that its receiver accepts.
 
     A chunk of n keys spans at most n partitions, so 2n stays within the
-    keys-per-message bound.
+    keys-per-message bound. The whole ``limits`` go along too: the poller
+    checks tags against the receiver's string, item and depth bounds, or a
+    tag the receiver refuses would fail every resync, for good.
     """
-    return {"max_frame_bytes": limits.max_frame_bytes,
+    return {"max_frame_bytes": limits.max_frame_bytes, "limits": limits,
             "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}
 
 
@@ -406,7 +409,7 @@ def _security_stats(core: _Core) -> dict[str, Any]:
         "auth_rejected": receiver.auth_rejected,
         "curve": receiver.curve_enabled,
         "peers": receiver.peer_count,
-        "resyncs": receiver.resyncs_requested,
+        "resyncs": receiver.table.resyncs_requested,
         "stale_after": receiver.stale_after,
         "stale_peers": receiver.stale_peers(),
     }

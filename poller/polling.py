@@ -16,7 +16,7 @@ import traceback
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 from .errors import ProtocolError
-from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, pack_delta_payload
+from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, fit_text, pack_delta_payload
 from .sources import Source, SourceStall
 
 __all__ = ["PollingThread", "ListingDiff", "diff_listing", "diff_raw_listing", "commit_listing", "encode_diff",
@@ -202,17 +202,18 @@ def encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
 
 
 def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
-                     chunk_items: int, max_frame_bytes: int) -> Iterator[bytes]:
+                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None) -> Iterator[bytes]:
     """:func:`encode_diff`, one body at a time.
 
     Each body can be sent while the next is packed, so the trainer decodes
     a snapshot while the poller still encodes it. A ProtocolError can come
     after some bodies were sent: the poll then has no ``end`` and is sent
     again, which the receiver tolerates (merges are idempotent, a new
-    snapshot starts over).
+    snapshot starts over). ``limits`` are the receiver's (default: the
+    defaults, with ``max_frame_bytes``).
     """
     # Before the first body: what the receiver would refuse must not half-send a poll.
-    check_decodable(diff.upserts, Limits(max_frame_bytes=max_frame_bytes))
+    check_decodable(diff.upserts, limits or Limits(max_frame_bytes=max_frame_bytes))
     previous: bytes | None = None
     first = True
     for payload in _payloads(diff, chunk_items, max_frame_bytes):
@@ -242,11 +243,11 @@ def _payloads(diff: ListingDiff, size: int, max_frame_bytes: int) -> Iterator[by
 _DELTA_HEAD_BYTES = 64
 
 
-def _error_body(exc: BaseException, *, fatal: bool, count: int) -> bytes:
+def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits | None = None) -> bytes:
     return encode_body(Kind.ERROR, {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "type": fit_text(type(exc).__name__, limits),
+        "message": fit_text(str(exc), limits),
+        "traceback": fit_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), limits),
         "fatal": fatal,
         "count": count,
     })
@@ -271,7 +272,7 @@ class PollingThread(threading.Thread):
     def __init__(self, source: Source, emit: Callable[[Kind, bytes], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  backoff_base: float = 0.1, backoff_cap: float = 5.0,
-                 stall_timeout: float | None = None) -> None:
+                 stall_timeout: float | None = None, limits: Limits | None = None) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
         self._emit = emit
@@ -279,6 +280,7 @@ class PollingThread(threading.Thread):
         self.max_failures = max_failures
         self.chunk_items = chunk_items
         self.max_frame_bytes = max_frame_bytes
+        self.limits = limits
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
         self.stopping = threading.Event()
@@ -381,7 +383,8 @@ class PollingThread(threading.Thread):
                     full = True
                 diff = diff_raw_listing(sent, raw, full)
                 for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
-                                             chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes):
+                                             chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
+                                             limits=self.limits):
                     if not self._emit(Kind.DELTA, body):
                         return
             except SourceStall as exc:
@@ -396,7 +399,7 @@ class PollingThread(threading.Thread):
                 logger.debug("kv_list() failed (%d in a row): %r", failures, exc)
                 if fatal:
                     self.failed = exc
-                if not self._emit(Kind.ERROR, _error_body(exc, fatal=fatal, count=failures)) or fatal:
+                if not self._emit(Kind.ERROR, _error_body(exc, fatal=fatal, count=failures, limits=self.limits)) or fatal:
                     return
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue

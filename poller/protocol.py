@@ -41,6 +41,7 @@ __all__ = [
     "pack_delta_payload",
     "encode_delta",
     "check_decodable",
+    "fit_text",
 ]
 
 PROTOCOL_VERSION = 1
@@ -57,6 +58,9 @@ class Kind(enum.IntEnum):
     LOG = 6
     STOP = 16
     RESYNC = 17
+    # The receiver heard a HEARTBEAT (one that carried ``last_seq``): how a
+    # poller on a new connection learns that the buffer admitted it.
+    ACK = 18
 
 
 # NamedTuples rather than dataclasses in every module the poller process
@@ -244,6 +248,20 @@ def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
     return None  # anything else is left to msgpack, which refuses what it cannot pack
 
 
+def fit_text(text: str, limits: Limits | None) -> str:
+    """``text`` cut to ``limits.max_str_len`` UTF-8 bytes, so a receiver with those limits takes it.
+
+    For what a poller says about itself (ERROR and LOG text), which must
+    reach a receiver with small limits rather than be refused whole.
+    """
+    if limits is None or len(text) * 4 <= limits.max_str_len:
+        return text
+    raw = text.encode(errors="surrogatepass")
+    if len(raw) <= limits.max_str_len:
+        return text
+    return raw[:limits.max_str_len].decode(errors="ignore")
+
+
 def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes) -> bytes:
     """A DELTA body from its flags and a payload from :func:`pack_delta_payload`."""
     packer = msgpack.Packer(use_bin_type=True)
@@ -405,13 +423,17 @@ _SCHEMAS: dict[Kind, dict[str, _Check]] = {
     Kind.LOG: {"level": _is_int, "name": lambda v: isinstance(v, str), "message": lambda v: isinstance(v, str)},
     Kind.STOP: {"reason": lambda v: isinstance(v, str)},
     Kind.RESYNC: {"reason": lambda v: isinstance(v, str)},
+    Kind.ACK: {"seq": _is_int},
 }
 
 
 # Fields added after a kind was first defined: a peer that predates them
 # leaves them out, but where present they are checked like the others.
 _OPTIONAL: dict[Kind, dict[str, _Check]] = {
-    Kind.HEARTBEAT: {"source_stalls": lambda v: _is_int(v) and v >= 0},
+    Kind.HEARTBEAT: {"source_stalls": lambda v: _is_int(v) and v >= 0,
+                     # The seq of the last message sent before this heartbeat; a
+                     # poller that sends it asks for an ACK of every heartbeat.
+                     "last_seq": lambda v: _is_int(v) and v >= -1},
 }
 
 

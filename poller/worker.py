@@ -29,8 +29,9 @@ import zmq
 
 from . import lifeline
 from .errors import PollerStartupError, ProtocolError
+from .link import Link
 from .polling import PollingThread
-from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
+from .protocol import DEFAULT_LIMITS, Kind, Limits, decode, encode_body, encode_header, fit_text
 from .sources import SourceSpec, describe_spec, load_source
 from .wakeup import WakePipe
 from .watchdog import start_watchdog
@@ -38,7 +39,7 @@ from .watchdog import start_watchdog
 if TYPE_CHECKING:
     # Imported where used: poller.curve pulls in zmq.auth and asyncio, ~35 ms
     # of every poller's start-up, needed only when the stream uses CURVE.
-    from .curve import CurveClient, HandshakeWatch
+    from .curve import CurveClient
 
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
@@ -83,6 +84,9 @@ class WorkerConfig(NamedTuple):
     # A kv_list() call running longer than this is counted as a source stall
     # (None: only stalls the source reports itself, by raising SourceStall).
     stall_timeout: float | None = 30.0
+    # The receiver's decoding bounds, so tags it would refuse are refused
+    # here, as one clear source error (None: the defaults, max_frame_bytes above).
+    limits: Limits | None = None
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None:
@@ -120,18 +124,6 @@ def run_standalone(config: WorkerConfig) -> int:
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     return code
-
-
-def _secure_socket(sock: zmq.Socket, config: WorkerConfig) -> None:
-    """CURVE keys, and ZMTP heartbeats so a cut link is noticed and redialled."""
-    if config.curve is not None:
-        config.curve.apply(sock)
-    # Without these a connection whose far end vanished (link down, host
-    # gone) looks alive until TCP gives up, minutes later; with them the
-    # poller drops it after 3 s of silence and reconnects by itself.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
 
 
 class _ForwardingHandler(logging.Handler):
@@ -185,8 +177,10 @@ class _ControlLoop:
         self.log_handler = _ForwardingHandler(self.data_wake)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
-        self.handshakes: HandshakeWatch | None = None
+        self.link: Link | None = None
         self.stalls_reported = 0
+        # Set when the link came back on a new connection: heartbeat at once.
+        self.heartbeat_now = True
 
     # -- set-up ---------------------------------------------------------------
 
@@ -241,7 +235,9 @@ class _ControlLoop:
             self._queue_message(kind, body)
         while self.log_handler.records:
             level, name, text = self.log_handler.records.popleft()
-            self._queue_message(Kind.LOG, encode_body(Kind.LOG, {"level": level, "name": name, "message": text}))
+            limits = self.config.limits
+            self._queue_message(Kind.LOG, encode_body(Kind.LOG, {"level": level, "name": fit_text(name, limits),
+                                                                 "message": fit_text(text, limits)}))
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self.outbox:
@@ -264,6 +260,8 @@ class _ControlLoop:
             "rss": _rss_bytes(),
             "stalled_s": thread.stalled_for() if thread else 0.0,
             "source_stalls": self.stalls_reported,
+            # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
+            "last_seq": self.seq,
         }))
 
     def _on_control(self, sock: zmq.Socket) -> None:
@@ -277,7 +275,10 @@ class _ControlLoop:
             except ProtocolError as exc:
                 logger.warning("poller %s ignored a malformed control message: %s", self.config.name, exc)
                 continue
-            if message.kind is Kind.STOP:
+            if message.kind is Kind.ACK:
+                assert self.link is not None
+                self.link.on_ack()
+            elif message.kind is Kind.STOP:
                 self.stop_reason = self.stop_reason or f"STOP: {message.body.get('reason', '')}"
             elif message.kind is Kind.RESYNC and self.thread is not None:
                 logger.debug("resync requested: %s", message.body.get("reason"))
@@ -310,17 +311,12 @@ class _ControlLoop:
         root = logging.getLogger()
         root.addHandler(self.log_handler)
         ctx: zmq.Context | None = None
-        sock: zmq.Socket | None = None
         try:
             try:
                 source = load_source(self.config.source, self.config.source_kwargs)
                 ctx = zmq.Context()
-                sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.IDENTITY, self.config.name.encode())
-                sock.setsockopt(zmq.LINGER, int(self.config.linger * 1000))
-                sock.setsockopt(zmq.SNDHWM, 1000)
-                _secure_socket(sock, self.config)
-                sock.connect(self.config.endpoint)
+                self.link = Link(ctx, name=self.config.name, endpoint=self.config.endpoint,
+                                 linger=self.config.linger, curve=self.config.curve)
             except BaseException as exc:
                 if self.lifeline is not None:
                     lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc))
@@ -337,20 +333,19 @@ class _ControlLoop:
             self.thread = PollingThread(
                 source, self._emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
-                max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout)
+                max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout,
+                limits=self.config.limits)
             self.thread.start()
             if self.lifeline is not None:
                 lifeline.send(self.lifeline, "ready", epoch=self.epoch, pid=os.getpid())
-            self._loop(sock)
-            self._finish(sock)
+            self._loop(self.link)
+            self._finish(self.link.sock)
             return self.exit_code
         finally:
             if self.thread is not None:
                 self.thread.stop()
-            if sock is not None:
-                if self.handshakes is not None:
-                    self.handshakes.close(sock)  # before the socket, or ctx.term() waits for it
-                sock.close()
+            if self.link is not None:
+                self.link.close()
             if ctx is not None:
                 # Bounded by the socket's linger; the source thread holds no socket.
                 ctx.term()
@@ -363,8 +358,9 @@ class _ControlLoop:
 
                 shutil.rmtree(self.config.orphan_cleanup, ignore_errors=True)
 
-    def _loop(self, sock: zmq.Socket) -> None:
+    def _loop(self, link: Link) -> None:
         assert self.thread is not None
+        sock = link.sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self.data_wake.read_fd, zmq.POLLIN)
@@ -372,10 +368,7 @@ class _ControlLoop:
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
         if lifeline_fd is not None:
             poller.register(lifeline_fd, zmq.POLLIN)
-        if self.config.curve is not None:
-            from .curve import HandshakeWatch
-            self.handshakes = HandshakeWatch(sock, self.config.name)
-            poller.register(self.handshakes.monitor, zmq.POLLIN)
+        poller.register(link.monitor, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         while self.stop_reason is None:
             self._pull_items()
@@ -391,8 +384,12 @@ class _ControlLoop:
                 self._on_lifeline()
             if events.get(sock, 0) & zmq.POLLIN:
                 self._on_control(sock)
-            if self.handshakes is not None and self.handshakes.monitor in events:
-                self.handshakes.drain()
+            if link.monitor in events and link.on_events():
+                # A new connection replaced a lost one: what was queued on the
+                # old one is gone, so the buffer gets a full snapshot.
+                self.thread.request_resync()
+                self.heartbeat_now = True
+            link.check()
             if self.embedded and os.getppid() != self.parent_pid:
                 self._orphaned("parent pid changed")
             if not self.thread.is_alive() and self.thread.failed is not None and self.items.empty():
@@ -401,7 +398,9 @@ class _ControlLoop:
                 self.exit_code = ExitCode.SOURCE_FAILED
             self.thread.check_stall()
             # A new stall is reported at once, not at the next heartbeat.
-            if time.monotonic() >= next_heartbeat or self.thread.source_stalls != self.stalls_reported:
+            if (self.heartbeat_now or time.monotonic() >= next_heartbeat
+                    or self.thread.source_stalls != self.stalls_reported):
+                self.heartbeat_now = False
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval
 

@@ -39,6 +39,7 @@ BODIES: dict[Kind, dict[str, Any]] = {
     Kind.LOG: {"level": 30, "name": "poller.worker", "message": "careful"},
     Kind.STOP: {"reason": "close"},
     Kind.RESYNC: {"reason": "sequence gap"},
+    Kind.ACK: {"seq": 9},
 }
 
 
@@ -126,7 +127,7 @@ def test_wrong_version_is_named() -> None:
         decode([header(version="1"), body({"reason": "x"})])
 
 
-@pytest.mark.parametrize("kind", [0, 7, 15, 18, 99, -1, 2**40])
+@pytest.mark.parametrize("kind", [0, 7, 15, 19, 99, -1, 2**40])
 def test_unknown_kind(kind: int) -> None:
     with pytest.raises(ProtocolError, match="kind"):
         decode([header(kind=kind), body({"reason": "x"})])
