@@ -50,6 +50,24 @@ _FIRST_POLL_WAIT = 5.0
 _MAX_IPC_PATH = 100
 
 
+# Buffers not closed yet. Closed at interpreter exit *before* non-daemon
+# threads are joined (the hook concurrent.futures uses): a non-daemon thread
+# waiting in sample(timeout=None) would otherwise keep the interpreter from
+# ever reaching atexit handlers and finalizers, which run after that join.
+_OPEN_CORES: "set[_Core]" = set()
+
+
+def _close_open_buffers() -> None:
+    for core in list(_OPEN_CORES):
+        try:
+            core.close()
+        except Exception:  # one buffer's failure must not keep the others open
+            logger.exception("closing a replay buffer at exit failed")
+
+
+threading._register_atexit(_close_open_buffers)  # type: ignore[attr-defined]
+
+
 def _private_ipc_dir() -> str:
     """A fresh 0700 directory for the ipc socket, in a place short enough to bind."""
     directory = tempfile.mkdtemp(prefix="replay-")
@@ -90,6 +108,7 @@ class _Core:
         self.child_curve: CurveClient | None = None
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
+        _OPEN_CORES.add(self)
 
     def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
                          stale_after: float) -> StreamReceiver:
@@ -227,6 +246,7 @@ class _Core:
         self.store.close()
         self.receiver.stop()
         self._wake.close()
+        _OPEN_CORES.discard(self)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
         report = report._replace(seconds=time.monotonic() - started)
