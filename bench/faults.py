@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 from poller.procfs import children_of
 
 from .faultmatrix import ROWS, Outcome, Row, close_bound, run_trial
+from .streamrows import STREAM_ROWS, run_stream_trial
 
 # Three rounds take about two minutes on a 2-core machine.
 DEFAULT_TRIALS = 3
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     logging.basicConfig(level=logging.CRITICAL)  # the faults log loudly, on purpose
-    rows = [r for r in ROWS if args.only is None or args.only in r.name]
+    rows = [r for r in ROWS + STREAM_ROWS if args.only is None or args.only in r.name]
     # A private TMPDIR, inherited by the pollers, so ipc directories left
     # behind are ours to count.
     run_tmp = tempfile.mkdtemp(prefix="bench-faults-")
@@ -175,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in stats:
                 workdir = tempfile.mkdtemp(prefix="trial-", dir=run_tmp)
                 try:
-                    outcome, leaks = _leaks_of(lambda: run_trial(s.row, workdir))
+                    play = run_stream_trial if s.row in STREAM_ROWS else run_trial
+                    outcome, leaks = _leaks_of(lambda: play(s.row, workdir))
                 except Exception as exc:  # a trial that broke is a failed trial, not the end of the report
                     outcome, leaks = Outcome(s.row.name, problems=[f"{type(exc).__name__}: {exc}"]), Leaks()
                 finally:

@@ -47,10 +47,11 @@ class PauseOutcome:
     target: str
     stopped_s: float
     converged_s: float | None = None
-    missing: int = 0
-    extra: int = 0
-    wrong: int = 0
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
     store_keys: int = 0
+    close_s: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
     stage: str = "?"
     drained: bool = False
@@ -82,7 +83,7 @@ def _trainer(argv: Sequence[str]) -> int:
     finally:
         report = rb.close()
         store.close()
-    print(json.dumps({"stage": report.stage, "drained": report.drained}), flush=True)
+    print(json.dumps({"stage": report.stage, "drained": report.drained, "seconds": report.seconds}), flush=True)
     return 0
 
 
@@ -98,11 +99,12 @@ def _converge(rb: Any, store: SqliteSource, deadline_s: float) -> dict[str, Any]
         if time.monotonic() - started > deadline_s:
             break
         time.sleep(0.01)
-    want = {(p, k): t for p, items in listed.items() for k, t in items.items()}
-    got = {(p, k): t for p, items in have.items() for k, t in items.items()}
+    want = {f"{p}/{k}": t for p, items in listed.items() for k, t in items.items()}
+    got = {f"{p}/{k}": t for p, items in have.items() for k, t in items.items()}
     stats = rb.stats()
-    return {"converged_s": converged, "missing": len(want.keys() - got.keys()), "extra": len(got.keys() - want.keys()),
-            "wrong": sum(1 for k in want.keys() & got.keys() if want[k] != got[k]), "store_keys": len(want),
+    return {"converged_s": converged, "missing": sorted(want.keys() - got.keys()),
+            "extra": sorted(got.keys() - want.keys()),
+            "wrong": sorted(k for k in want.keys() & got.keys() if want[k] != got[k]), "store_keys": len(want),
             "stats": {k: stats[k] for k in ("messages", "resyncs", "stale_peers", "protocol_errors", "restarts")}}
 
 
@@ -180,7 +182,7 @@ def run_pause(target: str, stopped_s: float, workdir: str, *, interval: float = 
         proc.stdin.write("close\n")
         proc.stdin.flush()
         report = _read_json(proc, _GENEROUS)
-        out.stage, out.drained = report["stage"], report["drained"]
+        out.stage, out.drained, out.close_s = report["stage"], report["drained"], report["seconds"]
         if writer.error is not None:
             out.problems.append(f"writer: {writer.error!r}")
         if out.stage != "graceful" or not out.drained:
@@ -225,10 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     outcomes.append(run_pause(target, seconds, workdir, converge_deadline=args.deadline))
             ok = [o.converged_s for o in outcomes if o.converged_s is not None]
             failed += sum(not o.ok for o in outcomes)
-            worst = max(outcomes, key=lambda o: o.missing + o.extra + o.wrong)
+            worst = max(outcomes, key=lambda o: len(o.missing) + len(o.extra) + len(o.wrong))
             times = f"{statistics.median(ok):.2f} / {max(ok):.2f}" if ok else "-"
             print(f"| {target} | {seconds:g} | {len(outcomes)} | {len(ok)} | {times} "
-                  f"| {worst.missing}/{worst.extra}/{worst.wrong} "
+                  f"| {len(worst.missing)}/{len(worst.extra)}/{len(worst.wrong)} "
                   f"| {max(o.stats.get('resyncs', 0) for o in outcomes)} |", flush=True)
             for o in outcomes:
                 if o.problems:

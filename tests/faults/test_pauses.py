@@ -37,7 +37,7 @@ def test_a_stopped_process_gets_its_stream_back(stopped_s: float, tmp_path) -> N
         os.mkdir(tmp_path / target)
     for outcome in _both(stopped_s, str(tmp_path)):
         assert outcome.ok, outcome
-        assert (outcome.missing, outcome.extra, outcome.wrong) == (0, 0, 0), outcome
+        assert (outcome.missing, outcome.extra, outcome.wrong) == ([], [], []), outcome
 
 
 @pytest.mark.timeout(180)
