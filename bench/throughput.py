@@ -93,7 +93,7 @@ def _trainer_share(keys: int) -> float:
     started = time.perf_counter()
     store.begin_snapshot("bench")
     for frame in frames:
-        for partition, items in decode(frame).body["upserts"].items():
+        for partition, items in decode(frame).body.upserts.items():
             store.merge_listed("bench", partition, items)
     store.end_snapshot("bench")
     return time.perf_counter() - started

@@ -25,9 +25,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence, cast
 
 from poller.errors import ProtocolError
+from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop
 from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
 
 from .ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
@@ -47,7 +48,7 @@ class Send(NamedTuple):
     identity: bytes
     kind: Kind
     epoch: int
-    body: dict[str, Any]
+    body: Body
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Peer:
 
 
 def _snapshot_start(message: Message) -> bool:
-    return message.kind is Kind.DELTA and bool(message.body["full"]) and bool(message.body["reset"])
+    return message.kind is Kind.DELTA and message.body.full and message.body.reset
 
 
 class PeerTable:
@@ -125,7 +126,8 @@ class PeerTable:
     def control(self, identity: bytes, kind: Kind, reason: str) -> Send:
         """A STOP or RESYNC for ``identity``, stamped with its current epoch."""
         peer = self.peers.get(identity)
-        return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, {"reason": reason})
+        body = Stop(reason) if kind is Kind.STOP else Resync(reason)
+        return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, body)
 
     # -- time -------------------------------------------------------------------
 
@@ -268,69 +270,70 @@ class PeerTable:
     # -- per kind -----------------------------------------------------------------
 
     def _on_ready(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        peer.pid = message.body["pid"]
+        peer.pid = cast(Ready, message.body).pid
         logger.debug("poller %s ready: pid %s epoch %s", peer.name, peer.pid, message.epoch)
 
     def _on_delta(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        body = message.body
+        body = cast(Delta, message.body)
         if peer.awaiting_resync:
             if not _snapshot_start(message):
                 return  # superseded by the snapshot asked for; tick() asks again if it is lost
             peer.awaiting_resync = False
-        if body["full"] and body["reset"]:
+        if body.full and body.reset:
             self._store.begin_snapshot(peer.name)
             # Whatever was lost before it, the snapshot replaces: from here
             # the stream is whole again (close() reports drained=True).
             peer.contiguous = True
-        for partition_id, items in body["upserts"].items():
+        for partition_id, items in body.upserts.items():
             self.items_received += len(items)
             self._store.merge_listed(peer.name, partition_id, items)
-        for partition_id, keys in body["deletes"].items():
+        for partition_id, keys in body.deletes.items():
             self.items_received += len(keys)
             self._store.unlist(peer.name, partition_id, keys)
-        if body["end"]:
-            if body["full"]:
+        if body.end:
+            if body.full:
                 self._store.end_snapshot(peer.name)
                 peer.snapshots_applied += 1
-            self._store.poll_completed(peer.name, body["t"])
+            self._store.poll_completed(peer.name, body.t)
             peer.polls_applied += 1
             if peer.polls_applied == 1:
                 self._on_change()
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        body = message.body
-        peer.rss = body["rss"]
-        stalls = body.get("source_stalls")  # absent from older pollers
+        beat = cast(Heartbeat, message.body)
+        peer.rss = beat.rss
+        stalls = beat.source_stalls  # None from older pollers
         if stalls is not None:
             if peer.stalls_epoch != message.epoch:
                 peer.stalls_epoch, peer.stalls = message.epoch, 0
             if stalls > peer.stalls:
                 self.source_stalls += stalls - peer.stalls
                 peer.stalls = stalls
-        last_seq = body.get("last_seq")  # absent from older pollers, which want no ACK either
+        last_seq = beat.last_seq  # None from older pollers, which want no ACK either
         if last_seq is None:
             return
         if last_seq != message.seq - 1 and not peer.awaiting_resync:
             # The header's seq passed, but the poller says it sent other
             # messages than we counted: trust neither, resync.
             actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
-        actions.append(Send(identity, Kind.ACK, message.epoch, {"seq": message.seq}))
+        actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
 
     def _on_error(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        body = message.body
+        error = cast(Error, message.body)
         self.source_errors += 1
-        self._log.log("error", logging.ERROR if body["fatal"] else logging.WARNING,
+        self._log.log("error", logging.ERROR if error.fatal else logging.WARNING,
                       "poller %s: kv_list() failed%s: %s: %s", peer.name,
-                      " for good" if body["fatal"] else f" ({body.get('count', '?')} in a row), retrying",
-                      body["type"][:200], body["message"][:MAX_FORWARDED_CHARS])
+                      " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",
+                      error.type[:200], error.message[:MAX_FORWARDED_CHARS])
 
     def _on_bye(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        peer.bye_seq = message.body["last_seq"]
+        bye = cast(Bye, message.body)
+        peer.bye_seq = bye.last_seq
         peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
-        logger.debug("poller %s said BYE: %s", peer.name, message.body["reason"])
+        logger.debug("poller %s said BYE: %s", peer.name, bye.reason)
         self._on_change()
 
     def _on_log(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        body = message.body
-        self._log.log("log", clamp_level(body["level"]), "[poller %s] %s: %s", peer.name, body["name"][:200],
-                      body["message"][:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))
+        record = cast(Log, message.body)
+        self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.name, record.name[:200],
+                      record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))

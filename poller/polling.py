@@ -16,6 +16,7 @@ import traceback
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 from .errors import ProtocolError
+from .messages import Error
 from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, fit_text, pack_delta_payload
 from .sources import Source, SourceStall
 
@@ -244,13 +245,13 @@ _DELTA_HEAD_BYTES = 64
 
 
 def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits | None = None) -> bytes:
-    return encode_body(Kind.ERROR, {
-        "type": fit_text(type(exc).__name__, limits),
-        "message": fit_text(str(exc), limits),
-        "traceback": fit_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), limits),
-        "fatal": fatal,
-        "count": count,
-    })
+    return encode_body(Kind.ERROR, Error(
+        type=fit_text(type(exc).__name__, limits),
+        message=fit_text(str(exc), limits),
+        traceback=fit_text("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), limits),
+        fatal=fatal,
+        count=count,
+    ))
 
 
 class PollingThread(threading.Thread):

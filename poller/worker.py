@@ -31,6 +31,7 @@ from . import lifeline
 from .errors import PollerStartupError, ProtocolError
 from .link import Link
 from .polling import PollingThread
+from .messages import Bye, Heartbeat, Log, Ready
 from .protocol import DEFAULT_LIMITS, Kind, Limits, decode, encode_body, encode_header, fit_text
 from .sources import SourceSpec, describe_spec, load_source
 from .wakeup import WakePipe
@@ -236,8 +237,8 @@ class _ControlLoop:
         while self.log_handler.records:
             level, name, text = self.log_handler.records.popleft()
             limits = self.config.limits
-            self._queue_message(Kind.LOG, encode_body(Kind.LOG, {"level": level, "name": fit_text(name, limits),
-                                                                 "message": fit_text(text, limits)}))
+            self._queue_message(Kind.LOG, encode_body(Kind.LOG, Log(level, fit_text(name, limits),
+                                                                    fit_text(text, limits))))
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self.outbox:
@@ -254,15 +255,15 @@ class _ControlLoop:
     def _heartbeat(self) -> None:
         thread = self.thread
         self.stalls_reported = thread.source_stalls if thread else 0
-        self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, {
-            "polls": thread.polls if thread else 0,
-            "source_errors": thread.source_errors if thread else 0,
-            "rss": _rss_bytes(),
-            "stalled_s": thread.stalled_for() if thread else 0.0,
-            "source_stalls": self.stalls_reported,
+        self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
+            polls=thread.polls if thread else 0,
+            source_errors=thread.source_errors if thread else 0,
+            rss=_rss_bytes(),
+            stalled_s=thread.stalled_for() if thread else 0.0,
+            source_stalls=self.stalls_reported,
             # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
-            "last_seq": self.seq,
-        }))
+            last_seq=self.seq,
+        )))
 
     def _on_control(self, sock: zmq.Socket) -> None:
         while True:
@@ -279,9 +280,9 @@ class _ControlLoop:
                 assert self.link is not None
                 self.link.on_ack()
             elif message.kind is Kind.STOP:
-                self.stop_reason = self.stop_reason or f"STOP: {message.body.get('reason', '')}"
+                self.stop_reason = self.stop_reason or f"STOP: {message.body.reason}"
             elif message.kind is Kind.RESYNC and self.thread is not None:
-                logger.debug("resync requested: %s", message.body.get("reason"))
+                logger.debug("resync requested: %s", message.body.reason)
                 self.thread.request_resync()
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
@@ -326,10 +327,8 @@ class _ControlLoop:
                 self.exit_code = ExitCode.STARTUP_FAILED
                 return self.exit_code
             previous_signals = self._install_signals()
-            self._queue_message(Kind.READY, encode_body(Kind.READY, {
-                "pid": os.getpid(), "name": self.config.name, "interval": self.config.interval,
-                "source": describe_spec(self.config.source), "host": os.uname().nodename,
-            }))
+            self._queue_message(Kind.READY, encode_body(Kind.READY, Ready(os.getpid(), self.config.name,
+                                                                          self.config.interval)))
             self.thread = PollingThread(
                 source, self._emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
@@ -420,7 +419,7 @@ class _ControlLoop:
             if len(self.outbox) == before:
                 break
             self._flush(sock)
-        self._queue_message(Kind.BYE, encode_body(Kind.BYE, {"last_seq": self.seq, "reason": self.stop_reason or ""}))
+        self._queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(self.seq, self.stop_reason or "")))
         deadline = time.monotonic() + self.config.linger
         while self.outbox and time.monotonic() < deadline:
             self._flush(sock)

@@ -13,6 +13,7 @@ import pytest
 from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
 from buffer.store import ReplayStore
+from poller.messages import Ack, Delta, Heartbeat, Log, Ready
 from poller.protocol import Kind, Limits, Message, encode
 
 ID = b"p1"
@@ -20,20 +21,16 @@ EPOCH = 41
 
 
 def ready(seq: int = 0, epoch: int = EPOCH) -> Message:
-    return Message(Kind.READY, epoch, seq, {"pid": 7, "name": "p1", "interval": 0.1})
+    return Message(Kind.READY, epoch, seq, Ready(7, "p1", 0.1))
 
 
 def delta(seq: int, upserts: dict[str, Any], *, full: bool = False, reset: bool = False, end: bool = True,
           deletes: dict[str, list[str]] | None = None, epoch: int = EPOCH) -> Message:
-    return Message(Kind.DELTA, epoch, seq, {"poll": seq, "t": 1.0, "full": full, "reset": reset, "end": end,
-                                            "upserts": upserts, "deletes": deletes or {}})
+    return Message(Kind.DELTA, epoch, seq, Delta(seq, 1.0, full, reset, end, upserts, deletes or {}))
 
 
 def heartbeat(seq: int, last_seq: int | None = None, epoch: int = EPOCH) -> Message:
-    body: dict[str, Any] = {"polls": 1, "source_errors": 0, "rss": 1, "stalled_s": 0.0}
-    if last_seq is not None:
-        body["last_seq"] = last_seq
-    return Message(Kind.HEARTBEAT, epoch, seq, body)
+    return Message(Kind.HEARTBEAT, epoch, seq, Heartbeat(1, 0, 1, 0.0, last_seq=last_seq))
 
 
 def kinds(actions: list[Send]) -> list[Kind]:
@@ -86,7 +83,7 @@ def test_a_heartbeat_gap_asks_for_a_resync_and_is_acknowledged(table: PeerTable)
     started(table)
     actions = table.on_message(ID, heartbeat(4, last_seq=3), 0.1)  # seq 2 and 3 never came
     assert kinds(actions) == [Kind.RESYNC, Kind.ACK]
-    assert actions[1].body == {"seq": 4}
+    assert actions[1].body == Ack(4)
 
 
 def test_a_heartbeat_whose_last_seq_disagrees_asks_for_a_resync(table: PeerTable) -> None:
@@ -137,7 +134,7 @@ def test_a_pinned_epoch_refuses_others_and_drops_retired_ones_quietly(table: Pee
 def test_replayed_seq_and_control_kinds_are_protocol_errors(table: PeerTable) -> None:
     started(table)
     table.on_message(ID, delta(1, {"p": {"again": {}}}), 0.1)
-    table.on_message(ID, Message(Kind.ACK, EPOCH, 2, {"seq": 1}), 0.1)
+    table.on_message(ID, Message(Kind.ACK, EPOCH, 2, Ack(1)), 0.1)
     assert table.protocol_errors == 2 and "again" not in snapshot(table)["p"]
 
 
@@ -168,14 +165,13 @@ def test_peer_logs_are_rate_limited_and_their_levels_clamped(caplog: pytest.LogC
         table.on_message(ID, ready(), 0.0)
         caplog.set_level(logging.DEBUG, logger="poller")
         for seq in range(1, 101):
-            table.on_message(ID, Message(Kind.LOG, EPOCH, seq, {"level": 50_000, "name": "x",
-                                                                "message": "y" * 100_000}), 0.0)
+            table.on_message(ID, Message(Kind.LOG, EPOCH, seq, Log(50_000, "x", "y" * 100_000)), 0.0)
         forwarded = [r for r in caplog.records if r.name == "poller"]
         assert len(forwarded) == 3
         assert {r.levelno for r in forwarded} == {logging.ERROR}
         assert max(len(r.getMessage()) for r in forwarded) < 2100
         now[0] = 60.0  # the bucket refilled: the next one says how many were dropped
-        table.on_message(ID, Message(Kind.LOG, EPOCH, 101, {"level": 30, "name": "x", "message": "z"}), 0.0)
+        table.on_message(ID, Message(Kind.LOG, EPOCH, 101, Log(30, "x", "z")), 0.0)
         assert "97 similar records were suppressed" in caplog.records[-1].getMessage()
     finally:
         store.close()
