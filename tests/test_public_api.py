@@ -42,21 +42,33 @@ NOT_A_SOURCE = 42
 
 
 def test_buffer_all() -> None:
-    assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed"}
+    assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed",
+                                   "InsecureBindError", "EndpointInUseError"}
     assert len(buffer.__all__) == len(set(buffer.__all__))
     for name in buffer.__all__:
         assert hasattr(buffer, name)
     assert buffer.ShutdownReport is poller.process.ShutdownReport
+    # Where README names them too.
+    assert buffer.InsecureBindError is buffer.access.InsecureBindError
+    assert issubclass(buffer.InsecureBindError, ValueError)
+    assert buffer.EndpointInUseError is buffer.access.EndpointInUseError
+    assert issubclass(buffer.EndpointInUseError, OSError)
 
 
 def test_poller_all() -> None:
-    assert set(poller.__all__) == {"PollerProcess", "Source", "load_source", "PollerError",
-                                   "PollerStartupError", "PollerCrashed", "ProtocolError"}
+    assert set(poller.__all__) == {"PollerProcess", "Source", "SourceStall", "load_source", "Limits", "CurveServer",
+                                   "PollerError", "PollerStartupError", "PollerCrashed", "ProtocolError",
+                                   "RemoteTraceback"}
     assert len(poller.__all__) == len(set(poller.__all__))
     for name in poller.__all__:
         assert hasattr(poller, name)
     assert PollerProcess is poller.process.PollerProcess
     assert load_source is poller.sources.load_source
+    # Where README names them too.
+    from poller import curve, errors, protocol, sources
+
+    assert poller.Limits is protocol.Limits and poller.CurveServer is curve.CurveServer
+    assert poller.SourceStall is sources.SourceStall and poller.RemoteTraceback is errors.RemoteTraceback
 
 
 def test_error_hierarchy() -> None:
