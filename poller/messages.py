@@ -80,7 +80,7 @@ class Error(NamedTuple):
     message: str
     traceback: str
     fatal: bool
-    count: int | None = None
+    count: int | None = None  # type: ignore[assignment]  # the wire name; shadows tuple.count
 
 
 class Bye(NamedTuple):

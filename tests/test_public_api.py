@@ -196,3 +196,23 @@ def test_load_source_lets_factory_errors_through() -> None:
         load_source("tests.helpers.sources:failing_factory", {"host": "h"})
     with pytest.raises(ModuleNotFoundError):
         load_source("no_such_module_for_the_api_test:thing")
+
+
+def test_stats_has_the_documented_typed_shape(tmp_path: Path) -> None:
+    import types
+    from typing import Union, get_args, get_origin, get_type_hints
+
+    from buffer.stats import BufferStats
+
+    hints = get_type_hints(BufferStats)
+    with ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": str(tmp_path / "kv.db")},
+                      poll_interval=0.05) as rb:
+        stats = rb.stats()
+    assert list(stats) == list(hints)  # every documented key, in order, and no other
+    readme = (ROOT / "README.md").read_text()
+    for name, value in stats.items():
+        assert f"`{name}`" in readme, f"stats()[{name!r}] is not documented in README"
+        hint = hints[name]
+        options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+        allowed = tuple(get_origin(t) or t for t in options)
+        assert isinstance(value, allowed), (name, value, hint)
