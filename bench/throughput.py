@@ -7,7 +7,7 @@ from typing import Callable
 
 from buffer import ReplayBuffer
 from buffer.store import ReplayStore
-from poller.polling import diff_raw_listing, encode_diff
+from poller.polling import diff_raw_listing, iter_encode_diff
 from poller.protocol import Kind, decode, encode_header
 
 from .baselines import ceiling
@@ -83,8 +83,8 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
 def _trainer_share(keys: int) -> float:
     """What the trainer must do per snapshot: decode the bodies, apply them to a store holding the keys."""
     listing = make_listing(keys)
-    bodies = encode_diff(diff_raw_listing({}, listing, True), poll=1, started=0.0, full=True, chunk_items=4096,
-                         max_frame_bytes=64 * 1024 * 1024)
+    bodies = list(iter_encode_diff(diff_raw_listing({}, listing, True), poll=1, started=0.0, full=True,
+                                   chunk_items=4096, max_frame_bytes=64 * 1024 * 1024))
     frames = [[encode_header(Kind.DELTA, 1, i), body] for i, body in enumerate(bodies)]
     store = ReplayStore()
     for partition, items in listing.items():

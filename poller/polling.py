@@ -20,8 +20,7 @@ from .messages import Error
 from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, fit_text, pack_delta_payload
 from .sources import Source, SourceStall
 
-__all__ = ["PollingThread", "ListingDiff", "diff_listing", "diff_raw_listing", "commit_listing", "encode_diff",
-           "iter_encode_diff", "normalize_listing"]
+__all__ = ["PollingThread", "ListingDiff", "diff_raw_listing", "commit_listing", "iter_encode_diff"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,21 +28,15 @@ Tags = dict[str, Any]
 Listing = dict[str, dict[str, Tags]]
 
 
-def normalize_listing(raw: Any) -> Listing:
-    """Check a ``kv_list()`` result and turn it into plain dicts.
-
-    ``None`` means nothing is stored. Anything but
-    ``{str: {str: mapping-with-str-keys}}`` is a source error: raising here
-    keeps garbage out of the stream instead of breaking it.
-
-    Raises:
-        TypeError: with a message naming the first offending entry.
-    """
-    return {p: dict(items) for p, items in diff_raw_listing({}, raw, full=True).upserts.items()}
-
-
 def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
-    """:func:`normalize_listing` and :func:`diff_listing` in one pass over ``raw``.
+    """Check a ``kv_list()`` result and diff it against ``sent``, in one pass over ``raw``.
+
+    The diff holds the keys whose tags changed since ``sent`` (as fresh
+    dicts; ``None`` tags are ``{}``) and, unless ``full``, the keys that
+    vanished. With ``full`` every listed key is an upsert and nothing is a
+    delete: the receiver works out what vanished from the snapshot itself,
+    because after a restart this side no longer knows what it had sent.
+    ``raw=None`` means nothing is stored.
 
     Only changed tags are copied and checked; an unchanged key costs one
     lookup and one comparison in C, and nothing is built for it unless
@@ -51,7 +44,9 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
     modified; :func:`commit_listing` applies the diff once it was encoded.
 
     Raises:
-        TypeError: as :func:`normalize_listing`.
+        TypeError: ``raw`` is not ``{str: {str: mapping-with-str-keys}}``, with
+            a message naming the first offending entry (a source error: it
+            keeps garbage out of the stream instead of breaking it).
     """
     if raw is None:
         raw = {}
@@ -125,33 +120,6 @@ class ListingDiff(NamedTuple):
         return sum(map(len, self.upserts.values())) + sum(map(len, self.deletes.values()))
 
 
-def diff_listing(sent: Listing, listing: Listing, full: bool) -> ListingDiff:
-    """Keys whose tags changed since ``sent``, and keys that vanished.
-
-    With ``full`` every listed key is an upsert and nothing is a delete: the
-    receiver works out what vanished from the snapshot itself, because after
-    a restart this side no longer knows what it had sent.
-    ``sent`` is not modified; see :func:`commit_listing`.
-    """
-    upserts: dict[str, dict[str, Tags]] = {}
-    deletes: dict[str, list[str]] = {}
-    for partition, items in listing.items():
-        if full:
-            changed = items
-        else:
-            previous = sent.get(partition, {})
-            changed = {key: tags for key, tags in items.items() if previous.get(key) != tags}
-        if changed:
-            upserts[partition] = changed
-    if not full:
-        for partition, previous in sent.items():
-            current = listing.get(partition, {})
-            gone = [key for key in previous if key not in current]
-            if gone:
-                deletes[partition] = gone
-    return ListingDiff(upserts, deletes)
-
-
 def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
     """Split a diff into pieces of at most ``size`` entries each.
 
@@ -187,31 +155,22 @@ def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
         yield ListingDiff(upserts, deletes)
 
 
-def encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
-                chunk_items: int, max_frame_bytes: int) -> list[bytes]:
-    """Encode a diff as one or more DELTA bodies, each under the frame limit.
+def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
+                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None) -> Iterator[bytes]:
+    """Encode a diff as one or more DELTA bodies, each under the frame limit, one at a time.
 
     The first body of a full snapshot carries ``reset``; the last body of
     every poll carries ``end``, which tells the receiver the poll is complete.
-
-    Raises:
-        ProtocolError: a value msgpack cannot encode or the receiver would
-            refuse, or one key whose tags alone exceed ``max_frame_bytes``.
-    """
-    return list(iter_encode_diff(diff, poll=poll, started=started, full=full, chunk_items=chunk_items,
-                                 max_frame_bytes=max_frame_bytes))
-
-
-def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
-                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None) -> Iterator[bytes]:
-    """:func:`encode_diff`, one body at a time.
-
     Each body can be sent while the next is packed, so the trainer decodes
     a snapshot while the poller still encodes it. A ProtocolError can come
     after some bodies were sent: the poll then has no ``end`` and is sent
     again, which the receiver tolerates (merges are idempotent, a new
     snapshot starts over). ``limits`` are the receiver's (default: the
     defaults, with ``max_frame_bytes``).
+
+    Raises:
+        ProtocolError: a value msgpack cannot encode or the receiver would
+            refuse, or one key whose tags alone exceed ``max_frame_bytes``.
     """
     # Before the first body: what the receiver would refuse must not half-send a poll.
     check_decodable(diff.upserts, limits or Limits(max_frame_bytes=max_frame_bytes))

@@ -10,7 +10,7 @@ import pytest
 
 from poller.errors import PollerError, ProtocolError
 from poller.messages import RECORDS, Delta, to_record
-from poller.polling import ListingDiff, diff_listing, encode_diff, normalize_listing
+from poller.polling import ListingDiff, diff_raw_listing, iter_encode_diff
 from poller.protocol import (
     PROTOCOL_VERSION,
     Kind,
@@ -23,6 +23,16 @@ from poller.protocol import (
     encode_header,
     pack_delta_payload,
 )
+
+def _encoded(diff: ListingDiff, **options: Any) -> list[bytes]:
+    """Every body the poller's encoder yields for ``diff``."""
+    return list(iter_encode_diff(diff, **options))
+
+
+def _listed(raw: Any) -> dict[str, Any]:
+    """``raw`` checked and copied, as the poller's first (full) poll takes it."""
+    return diff_raw_listing({}, raw, full=True).upserts
+
 
 # One valid body per kind, with the types the schema demands.
 BODIES: dict[Kind, dict[str, Any]] = {
@@ -304,7 +314,7 @@ def test_encode_body_checks_the_schema() -> None:
         encode_body(Kind.READY, {"name": "x", "interval": 1.0})
 
 
-# -- encode_diff --------------------------------------------------------------------------------
+# -- iter_encode_diff --------------------------------------------------------------------------------
 
 def _decode_bodies(bodies: list[bytes], max_frame_bytes: int) -> list[dict[str, Any]]:
     limits = Limits(max_frame_bytes=max_frame_bytes)
@@ -338,7 +348,7 @@ def _merge_bodies(decoded: list[dict[str, Any]]) -> tuple[dict[str, dict[str, An
 def test_encode_diff_splits_by_size(full: bool) -> None:
     diff = _big_diff()
     limit = 2000
-    bodies = encode_diff(diff, poll=4, started=99.5, full=full, chunk_items=100_000, max_frame_bytes=limit)
+    bodies = _encoded(diff, poll=4, started=99.5, full=full, chunk_items=100_000, max_frame_bytes=limit)
     assert len(bodies) > 3
     assert all(len(b) <= limit for b in bodies)
     decoded = _decode_bodies(bodies, limit)
@@ -352,7 +362,7 @@ def test_encode_diff_splits_by_size(full: bool) -> None:
 
 def test_encode_diff_splits_by_item_count() -> None:
     diff = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {"p": ["x", "y"]})
-    bodies = encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=3, max_frame_bytes=10**6)
+    bodies = _encoded(diff, poll=1, started=0.0, full=True, chunk_items=3, max_frame_bytes=10**6)
     decoded = _decode_bodies(bodies, 10**6)
     assert len(decoded) >= 4
     assert all(sum(map(len, b["upserts"].values())) + sum(map(len, b["deletes"].values())) <= 3
@@ -365,7 +375,7 @@ def test_encode_diff_splits_by_item_count() -> None:
 
 def test_encode_diff_of_a_small_or_empty_diff_is_one_body() -> None:
     for diff in (ListingDiff({}, {}), ListingDiff({"p": {"k": {"s": 1}}}, {})):
-        bodies = encode_diff(diff, poll=2, started=1.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+        bodies = _encoded(diff, poll=2, started=1.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
         assert len(bodies) == 1
         (only,) = _decode_bodies(bodies, 10**6)
         assert only["reset"] and only["end"] and only["full"]
@@ -374,10 +384,10 @@ def test_encode_diff_of_a_small_or_empty_diff_is_one_body() -> None:
 
 def test_encode_diff_sends_no_empty_bodies() -> None:
     by_count = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {})
-    bodies = encode_diff(by_count, poll=1, started=0.0, full=True, chunk_items=5, max_frame_bytes=10**6)
+    bodies = _encoded(by_count, poll=1, started=0.0, full=True, chunk_items=5, max_frame_bytes=10**6)
     assert len(bodies) == 2
     by_size = ListingDiff({"p": {f"k{i:03d}": {"pad": "x" * 40} for i in range(64)}}, {})
-    decoded = _decode_bodies(encode_diff(by_size, poll=1, started=0.0, full=True, chunk_items=4096,
+    decoded = _decode_bodies(_encoded(by_size, poll=1, started=0.0, full=True, chunk_items=4096,
                                          max_frame_bytes=1000), 1000)
     assert all(b["upserts"] or b["deletes"] for b in decoded)
 
@@ -385,16 +395,16 @@ def test_encode_diff_sends_no_empty_bodies() -> None:
 def test_encode_diff_refuses_one_entry_over_the_limit() -> None:
     diff = ListingDiff({"p": {"small": {"s": 1}, "huge": {"blob": "x" * 5000}}}, {})
     with pytest.raises(ProtocolError, match="frame limit"):
-        encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=1000)
+        _encoded(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=1000)
 
 
 def test_encode_diff_refuses_unencodable_tags() -> None:
     diff = ListingDiff({"p": {"k": {"bad": object()}}}, {})
     with pytest.raises(ProtocolError):
-        encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+        _encoded(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
 
 
-# -- normalize_listing / diff_listing -------------------------------------------------------------
+# -- diff_raw_listing -------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [
     [("train", {})],
@@ -407,15 +417,15 @@ def test_encode_diff_refuses_unencodable_tags() -> None:
 ], ids=repr)
 def test_normalize_listing_rejects_garbage(raw: Any) -> None:
     with pytest.raises(TypeError):
-        normalize_listing(raw)
+        _listed(raw)
 
 
 def test_normalize_listing_maps_none_and_copies() -> None:
-    assert normalize_listing(None) == {}
-    assert normalize_listing({}) == {}
+    assert _listed(None) == {}
+    assert _listed({}) == {}
     source_tags = {"status": "running"}
     raw = {"train": {"k1": source_tags, "k2": None}, "empty": {}, "gone": None}
-    listing = normalize_listing(raw)
+    listing = _listed(raw)
     assert listing == {"train": {"k1": {"status": "running"}, "k2": {}}}
     listing["train"]["k1"]["status"] = "changed"
     assert source_tags == {"status": "running"}  # fresh dicts, the source's are untouched
@@ -424,7 +434,7 @@ def test_normalize_listing_maps_none_and_copies() -> None:
 def test_diff_listing_finds_changed_new_and_vanished() -> None:
     sent = {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
     listing = {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
-    diff = diff_listing(sent, listing, full=False)
+    diff = diff_raw_listing(sent, listing, full=False)
     assert diff.upserts == {"train": {"b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
     assert {p: sorted(k) for p, k in diff.deletes.items()} == {"train": ["d"], "old": ["x"]}
     assert diff.count() == 5
@@ -434,11 +444,11 @@ def test_diff_listing_finds_changed_new_and_vanished() -> None:
 def test_diff_listing_full_sends_everything_and_deletes_nothing() -> None:
     sent = {"train": {"a": {"s": 1}, "gone": {}}}
     listing = {"train": {"a": {"s": 1}, "b": {}}}
-    diff = diff_listing(sent, listing, full=True)
+    diff = diff_raw_listing(sent, listing, full=True)
     assert diff.upserts == listing and diff.deletes == {}
 
 
 def test_diff_listing_of_identical_listings_is_empty() -> None:
     listing = {"train": {"a": {"s": 1}}}
-    diff = diff_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
+    diff = diff_raw_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
     assert diff.upserts == {} and diff.deletes == {} and diff.count() == 0
