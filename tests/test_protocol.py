@@ -415,12 +415,12 @@ def test_encode_diff_refuses_unencodable_tags() -> None:
     {"train": {"k": ["not", "a", "mapping"]}},
     {"train": {"k": "running"}},
 ], ids=repr)
-def test_normalize_listing_rejects_garbage(raw: Any) -> None:
+def test_a_listing_of_garbage_is_refused(raw: Any) -> None:
     with pytest.raises(TypeError):
         _listed(raw)
 
 
-def test_normalize_listing_maps_none_and_copies() -> None:
+def test_a_listing_maps_none_and_is_copied() -> None:
     assert _listed(None) == {}
     assert _listed({}) == {}
     source_tags = {"status": "running"}
@@ -431,7 +431,7 @@ def test_normalize_listing_maps_none_and_copies() -> None:
     assert source_tags == {"status": "running"}  # fresh dicts, the source's are untouched
 
 
-def test_diff_listing_finds_changed_new_and_vanished() -> None:
+def test_diff_finds_changed_new_and_vanished() -> None:
     sent = {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
     listing = {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
     diff = diff_raw_listing(sent, listing, full=False)
@@ -441,14 +441,14 @@ def test_diff_listing_finds_changed_new_and_vanished() -> None:
     assert sent == {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
 
 
-def test_diff_listing_full_sends_everything_and_deletes_nothing() -> None:
+def test_diff_full_sends_everything_and_deletes_nothing() -> None:
     sent = {"train": {"a": {"s": 1}, "gone": {}}}
     listing = {"train": {"a": {"s": 1}, "b": {}}}
     diff = diff_raw_listing(sent, listing, full=True)
     assert diff.upserts == listing and diff.deletes == {}
 
 
-def test_diff_listing_of_identical_listings_is_empty() -> None:
+def test_diff_of_identical_listings_is_empty() -> None:
     listing = {"train": {"a": {"s": 1}}}
     diff = diff_raw_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
     assert diff.upserts == {} and diff.deletes == {} and diff.count() == 0
