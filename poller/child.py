@@ -1,4 +1,4 @@
-"""Entry point of a poller started by :mod:`poller.launch` (``start_method="exec"``).
+"""Entry point of a poller started by :mod:`poller.launch`.
 
 Imports only what the poller itself needs: the parent's modules, its
 ``__main__`` and ``multiprocessing`` stay out of the child.

@@ -1,4 +1,4 @@
-"""The ``exec`` start method: a lean child that still behaves like ``spawn``."""
+"""The poller's launch: a lean child that still behaves like ``spawn``."""
 
 from __future__ import annotations
 
@@ -53,11 +53,9 @@ def test_a_callable_the_child_cannot_unpickle_is_a_startup_error(tmp_path: Path)
         sys.modules.pop("vanishing_source", None)
 
 
-@pytest.mark.parametrize("start_method", ["exec", "spawn"])
-def test_both_start_methods_start_and_close_gracefully(start_method: str):
+def test_a_poller_process_on_its_own_starts_and_closes_gracefully():
     rb = ReplayBuffer(source=None, bind="tcp://127.0.0.1:0")
-    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05,
-                            start_method=start_method)
+    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05)
     try:
         process.start(timeout=30)
         pid = process.pid

@@ -76,7 +76,8 @@ def left_since(before: Resources, settle_s: float = 5.0) -> Resources:
     deadline = time.monotonic() + settle_s
     while True:
         now = snapshot()
-        left = Resources(*(current - earlier for current, earlier in zip(now, before)))
+        left = Resources(now.children - before.children, now.threads - before.threads, now.fds - before.fds,
+                         now.ipc_dirs - before.ipc_dirs)
         if not any(left) or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
