@@ -390,7 +390,7 @@ def _check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
         raise ValueError(f"stale_after must be positive, got {stale_after!r}")
 
 
-def _chunking_within(limits: Limits) -> dict[str, int]:
+def _chunking_within(limits: Limits) -> dict[str, Any]:
     """Message sizes for the buffer's own poller that its receiver's limits accept.
 
     A chunk of n keys spans at most n partitions, so 2n stays within the

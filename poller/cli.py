@@ -13,7 +13,7 @@ import json
 import logging
 import socket
 import sys
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from .curve import CurveClient, make_keys
 from .errors import PollerStartupError
@@ -23,7 +23,7 @@ __all__ = ["main", "main_entry"]
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every bad-input path
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every bad-input path
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

@@ -193,7 +193,7 @@ class _ControlLoop:
     def _install_signals(self) -> list[tuple[int, Any]]:
         if threading.current_thread() is not threading.main_thread():
             return []  # signal handlers can only be set from the main thread
-        previous = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
+        previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
                     (signal.SIGINT, signal.getsignal(signal.SIGINT))]
         signal.signal(signal.SIGTERM, self._on_signal)
         # Ctrl-C in a terminal reaches the whole process group: an embedded
