@@ -303,7 +303,6 @@ def _train(rb: Any, store: SqliteSource, shared: _Shared, procs: Sequence[BasePr
         _progress(out, tally, time.monotonic() - start, _buffer_keys(rb))
     except KeyboardInterrupt:
         tally.interrupted = True
-        tally.errors.append(f"interrupted in step {step}")
     except _DemoError as exc:
         tally.errors.append(str(exc))
     except Exception as exc:  # sample() timing out or the poller crashing: report, then shut down cleanly
@@ -324,7 +323,8 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
 
     Returns:
         0 when every success row written was sampled exactly once with the
-        right tags and the buffer closed gracefully; 1 otherwise.
+        right tags and the buffer closed gracefully; 130 when Ctrl-C ended
+        it early; 1 otherwise.
 
     Raises:
         ValueError: an argument is out of range.
@@ -367,18 +367,21 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
             tally.errors.append(f"writer {proc.name} exit code {code}")
     stage = getattr(report.stage, "value", report.stage)
     sampled = len(tally.sampled)
-    lost = max(0, written - sampled)
+    unsampled = max(0, written - sampled)
+    # Ctrl-C ends the demo mid-step: rows written but not sampled yet are not lost.
+    missing = f"not sampled (interrupted) {unsampled}" if tally.interrupted else f"lost {unsampled}"
     print(f"shutdown: stage {stage}, {report.seconds * 1000:.1f} ms, poller exit code {report.exitcode}, "
           f"drained {report.drained}", file=out)
     print(f"totals: {tally.steps} step(s), success rows written {written}, sampled {sampled}, "
-          f"duplicates {tally.duplicates}, lost {lost}, wrong tags {tally.wrong_tags}, "
+          f"duplicates {tally.duplicates}, {missing}, wrong tags {tally.wrong_tags}, "
           f"steps with a count mismatch {tally.short_steps}", file=out)
     for error in tally.errors:
         print(f"error: {error}", file=out)
     ok = (written == sampled and tally.duplicates == 0 and tally.wrong_tags == 0 and tally.short_steps == 0
-          and not tally.errors and stage == "graceful")
-    print("result: OK" if ok else "result: FAILED", file=out, flush=True)
-    return 0 if ok else 1
+          and not tally.errors and stage == "graceful" and not tally.interrupted)
+    result = "OK" if ok else "INTERRUPTED" if tally.interrupted else "FAILED"
+    print(f"result: {result}", file=out, flush=True)
+    return 0 if ok else 130 if tally.interrupted else 1
 
 
 # -- command line -------------------------------------------------------------------------------
@@ -410,5 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main_from_args(args: argparse.Namespace) -> int:
     """Run the demo with parsed arguments; return the exit code."""
     # sys.stdout looked up now, not at import: callers (and tests) may have replaced it.
-    return run_demo(args.seconds, writers=args.writers, keys_per_step=args.keys_per_step,
-                    interval=args.interval, out=sys.stdout)
+    try:
+        return run_demo(args.seconds, writers=args.writers, keys_per_step=args.keys_per_step,
+                        interval=args.interval, out=sys.stdout)
+    except KeyboardInterrupt:  # before or after the steps: nothing to report but that
+        print(f"{args.command_name}: interrupted", file=sys.stderr)
+        return 130

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Deque, Mapping, NamedTuple
 import zmq
 
 from . import lifeline
-from .errors import PollerStartupError, ProtocolError
+from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .polling import PollingThread
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
 from .sources import SourceSpec, describe_spec, load_source
@@ -112,6 +112,8 @@ def run_standalone(config: WorkerConfig) -> int:
     Raises:
         PollerStartupError: the source could not be built or the endpoint
             not connected; the original exception is the ``__cause__``.
+        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row
+            (exit code 3); the last exception is the ``__cause__``.
     """
     loop = _ControlLoop(config, None)
     code = loop.run()
@@ -119,6 +121,10 @@ def run_standalone(config: WorkerConfig) -> int:
         exc = loop.startup_error
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
+    failed = loop.thread.failed if loop.thread is not None else None
+    if code == ExitCode.SOURCE_FAILED and failed is not None:
+        raise PollerCrashed(f"kv_list() of {describe_spec(config.source)} failed {config.max_failures} times in "
+                            f"a row, last with {type(failed).__name__}: {failed}") from failed
     return code
 
 

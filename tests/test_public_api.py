@@ -42,11 +42,16 @@ NOT_A_SOURCE = 42
 
 
 def test_buffer_all() -> None:
-    assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed"}
+    assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed",
+                                   "InsecureBindError", "PollerCrashed", "PollerStartupError"}
     assert len(buffer.__all__) == len(set(buffer.__all__))
     for name in buffer.__all__:
         assert hasattr(buffer, name)
     assert buffer.ShutdownReport is poller.process.ShutdownReport
+    # The errors a trainer catches, importable from the package it uses; the same classes as poller's.
+    assert buffer.PollerCrashed is poller.PollerCrashed and buffer.PollerStartupError is poller.PollerStartupError
+    assert buffer.InsecureBindError is buffer.access.InsecureBindError
+    assert issubclass(buffer.InsecureBindError, ValueError)
 
 
 def test_poller_all() -> None:
