@@ -50,6 +50,10 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
                      help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
     _add_curve_arguments(run)
     _add_keys_command(commands)
+    commands.add_parser("doctor", help="check that poller and buffer are this distribution's installed files",
+                        description="Compare the poller and buffer packages Python would import with this "
+                                    "distribution's install record; exit 1 and say how to fix it when they differ "
+                                    "(another distribution also installs a top-level 'buffer').")
     demo = commands.add_parser("demo", help="run the end-to-end demo on the embedded SQLite store",
                                description="Rollout writers, a SQLite store, a ReplayBuffer and a trainer loop.")
     from . import demo as demo_module  # the demo's own flags live with it
@@ -144,6 +148,15 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import diagnose
+
+    diagnosis = diagnose()
+    for line in diagnosis.lines():
+        print(line, file=sys.stdout if diagnosis.healthy else sys.stderr)
+    return 0 if diagnosis.healthy else 1
+
+
 def _default_name(spec: str, kwargs_json: str) -> str:
     digest = hashlib.sha256(f"{spec}\0{kwargs_json}".encode()).hexdigest()[:12]
     return f"{socket.gethostname()}:{digest}"
@@ -164,6 +177,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> i
         return _run(args)
     if args.command == "keys":
         return _keys(args)
+    if args.command == "doctor":
+        return _doctor(args)
     from . import demo
 
     return demo.main_from_args(args)

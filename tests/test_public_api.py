@@ -108,8 +108,13 @@ def test_importing_poller_stays_light() -> None:
     assert heavy == []
 
 
+# The packages as imported: the source tree, or an installed wheel (.ci/check_dist.py runs these
+# tests from an unpacked sdist without the package sources).
+PACKAGES_ROOT = Path(poller.__file__).resolve().parent.parent
+
+
 def _source_files() -> list[Path]:
-    files = sorted((ROOT / "poller").rglob("*.py")) + sorted((ROOT / "buffer").rglob("*.py"))
+    files = sorted((PACKAGES_ROOT / "poller").rglob("*.py")) + sorted((PACKAGES_ROOT / "buffer").rglob("*.py"))
     assert len(files) > 10
     return files
 
@@ -117,19 +122,19 @@ def _source_files() -> list[Path]:
 def test_only_the_protocol_modules_import_msgpack() -> None:
     # Our wire format, and TransferQueue's controller requests (another format).
     pattern = re.compile(r"^\s*(import\s+msgpack\b|from\s+msgpack\b)|import_module\(\s*['\"]msgpack", re.M)
-    importers = [str(path.relative_to(ROOT)) for path in _source_files() if pattern.search(path.read_text())]
+    importers = [str(path.relative_to(PACKAGES_ROOT)) for path in _source_files() if pattern.search(path.read_text())]
     assert importers == ["poller/protocol.py", "poller/sources/tq_protocol.py"]
 
 
 def test_poller_package_never_imports_buffer() -> None:
     pattern = re.compile(r"^\s*(import\s+buffer\b|from\s+buffer\b)", re.M)
     offenders = []
-    for path in sorted((ROOT / "poller").rglob("*.py")):
+    for path in sorted((PACKAGES_ROOT / "poller").rglob("*.py")):
         for match in pattern.finditer(path.read_text()):
             line = match.group(0)
             # Allowed only inside a function: the demo imports ReplayBuffer lazily.
             if not line.startswith((" ", "\t")):
-                offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+                offenders.append(f"{path.relative_to(PACKAGES_ROOT)}: {line.strip()}")
     assert offenders == []
 
 
