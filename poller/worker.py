@@ -83,6 +83,8 @@ class WorkerConfig(NamedTuple):
     # A kv_list() call running longer than this is counted as a source stall
     # (None: only stalls the source reports itself, by raising SourceStall).
     stall_timeout: float | None = 30.0
+    # Records from this level on are sent to the buffer (LOG), which re-emits them.
+    log_level: int = logging.WARNING
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None:
@@ -143,8 +145,8 @@ def _secure_socket(sock: zmq.Socket, config: WorkerConfig) -> None:
 class _ForwardingHandler(logging.Handler):
     """Queues WARNING+ records so the control loop can send them as LOG."""
 
-    def __init__(self, wake: WakePipe) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, wake: WakePipe, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
         self._wake = wake
         self.setFormatter(logging.Formatter("%(message)s"))
@@ -188,7 +190,7 @@ class _ControlLoop:
         self.items: "queue.Queue[tuple[Kind, bytes]]" = queue.Queue(maxsize=64)
         self.data_wake = WakePipe()
         self.signal_wake = WakePipe()
-        self.log_handler = _ForwardingHandler(self.data_wake)
+        self.log_handler = _ForwardingHandler(self.data_wake, config.log_level)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
         self.handshakes: HandshakeWatch | None = None
@@ -315,6 +317,8 @@ class _ControlLoop:
         previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
         root.addHandler(self.log_handler)
+        if self.embedded:  # its own process: the root level decides which records exist at all
+            root.setLevel(self.config.log_level)
         ctx: zmq.Context | None = None
         sock: zmq.Socket | None = None
         try:

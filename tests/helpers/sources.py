@@ -15,12 +15,16 @@ def failing_factory(**kwargs: Any) -> Any:
 
 
 class Chatty:
-    """Logs a warning on every kv_list(): it must reach the trainer's logging."""
+    """Logs a warning (or ``level``) on every kv_list(): it must reach the trainer's logging."""
+
+    def __init__(self, level: str = "WARNING") -> None:
+        self.level = level
 
     def kv_list(self) -> Any:
         import logging
 
-        logging.getLogger("poller.tests.chatty").warning("chatty source says hello from pid %d", os.getpid())
+        logging.getLogger("poller.tests.chatty").log(logging.getLevelName(self.level),
+                                                     "chatty source says hello from pid %d", os.getpid())
         return {}
 
 
