@@ -30,6 +30,7 @@ import zmq
 from . import lifeline
 from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .polling import PollingThread
+from .procfs import set_process_name
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
 from .sources import SourceSpec, describe_spec, load_source
 from .wakeup import WakePipe
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
 logger = logging.getLogger(__name__)
+
+
+#: The poller's process name (``/proc/PID/comm``); its watchdog is ``replay-watchdog``.
+POLLER_PROCESS_NAME = "replay-poller"
 
 
 class ExitCode:
@@ -94,6 +99,7 @@ def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None
     forever, and a normal interpreter shutdown would only slow the exit.
     """
     code = ExitCode.CRASHED
+    set_process_name(POLLER_PROCESS_NAME)  # for ps -e, top, pgrep: not "python3.11"
     try:
         # First, while this process has no threads: the watchdog ends us if
         # the trainer dies while we cannot notice (building, wedged, stopped).

@@ -47,6 +47,14 @@ def crash_then_hang_on_restart(marker: str) -> Any:
     return crash(how="sigkill", after=1)
 
 
+class ReportsEnvironment:
+    """Lists, as tags, the launcher's variables in the poller's environment (none may be left)."""
+
+    def kv_list(self) -> Any:
+        names = ("PYTHONPATH", "REPLAY_POLLER_SYS_PATH", "REPLAY_POLLER_SYS_PATH_PYTHONPATH")
+        return {"environment": {name: {"value": os.environ.get(name, "")} for name in names}}
+
+
 class ReportsModules:
     """Lists, as tags, which heavyweight modules the poller process imported."""
 
