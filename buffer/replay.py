@@ -34,6 +34,7 @@ from poller.wakeup import WakePipe
 
 from .access import check_bind
 from .errors import BufferClosed
+from .metrics import BufferStats, collect_stats, metrics_of
 from .options import as_limits, check_log_level, check_stall_timeout
 from .store import BatchMeta, ReplayStore, Tags
 from .stream import StreamReceiver
@@ -347,35 +348,18 @@ class ReplayBuffer:
         """The same deep copy as ``snapshot()``, for code written against the old buffer."""
         return self._core.store.snapshot()  # type: ignore[return-value]
 
-    def stats(self) -> dict[str, Any]:
-        """Counters and state of the stream and the poller."""
-        core = self._core
-        if core.store.closed:
+    def stats(self) -> BufferStats:
+        """Counters and state of the stream and the poller (README, "Use")."""
+        if self._core.store.closed:
             raise BufferClosed("the replay buffer is closed")
-        receiver = core.receiver
-        process = core.process
-        peer = receiver.peer_info(core.name)
-        last = receiver.last_message_at
-        return {
-            "poller_pid": process.pid if process else None,
-            "poller_alive": bool(process and process.is_alive()),
-            "restarts": core.restarts,
-            "epoch": process.epoch if process else None,
-            "messages": receiver.messages,
-            "items_received": receiver.items_received,
-            "bytes_received": receiver.bytes_received,
-            "protocol_errors": receiver.protocol_errors,
-            "source_errors": receiver.source_errors,
-            "source_stalls": receiver.source_stalls,
-            "last_message_age_s": None if last is None else time.monotonic() - last,
-            "keys": core.store.key_count(),
-            "poller_rss": peer.rss if peer else None,
-            "endpoint": core.endpoint,
-            "poller_name": core.name if core.source is not None else None,
-            **_security_stats(core),
-            "polls": peer.polls_applied if peer else 0,
-            "snapshots": peer.snapshots_applied if peer else 0,
-        }
+        return collect_stats(self._core)
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers only, under stable dotted names (``replay.keys``, ``replay.source.stalls``, ...).
+
+        Fit to pass to a tracker as it is; :data:`buffer.metrics.METRICS` lists them.
+        """
+        return metrics_of(self.stats())
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; returns how it ended.
@@ -413,15 +397,3 @@ def _chunking_within(limits: Limits) -> dict[str, Any]:
     """
     return {"max_frame_bytes": limits.max_frame_bytes,
             "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}
-
-
-def _security_stats(core: _Core) -> dict[str, Any]:
-    receiver = core.receiver
-    return {
-        "auth_rejected": receiver.auth_rejected,
-        "curve": receiver.curve_enabled,
-        "peers": receiver.peer_count,
-        "resyncs": receiver.resyncs_requested,
-        "stale_after": receiver.stale_after,
-        "stale_peers": receiver.stale_peers(),
-    }
