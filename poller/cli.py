@@ -56,9 +56,9 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
                                     "(another distribution also installs a top-level 'buffer').")
     demo = commands.add_parser("demo", help="run the end-to-end demo on the embedded SQLite store",
                                description="Rollout writers, a SQLite store, a ReplayBuffer and a trainer loop.")
-    from . import demo as demo_module  # the demo's own flags live with it
+    from . import demo_cli  # the demo's own flags live with it
 
-    demo_module.add_arguments(demo)
+    demo_cli.add_arguments(demo)
     return parser
 
 
@@ -179,9 +179,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> i
         return _keys(args)
     if args.command == "doctor":
         return _doctor(args)
-    from . import demo
+    from . import demo_cli
 
-    return demo.main_from_args(args)
+    return demo_cli.main_from_args(args)
 
 
 def main_entry() -> None:

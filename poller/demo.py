@@ -23,7 +23,6 @@ makes the exit code 1.
 
 from __future__ import annotations
 
-import argparse
 import math
 import multiprocessing
 import random
@@ -41,7 +40,7 @@ from typing import Any, TextIO
 
 from .sources.sqlite import SqliteSource
 
-__all__ = ["run_demo", "add_arguments", "main_from_args"]
+__all__ = ["run_demo"]
 
 PARTITION = "train"
 SOURCE_SPEC = "poller.sources.sqlite:SqliteSource"
@@ -382,40 +381,3 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
     result = "OK" if ok else "INTERRUPTED" if tally.interrupted else "FAILED"
     print(f"result: {result}", file=out, flush=True)
     return 0 if ok else 130 if tally.interrupted else 1
-
-
-# -- command line -------------------------------------------------------------------------------
-
-def _number(kind: Callable[[str], float], low: float, strict: bool) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
-        return value
-    return parse
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the demo's options to ``parser`` (the ``demo`` sub-command)."""
-    parser.add_argument("--seconds", type=_number(float, 0, False), default=10.0,
-                        help="how long to keep starting steps (default: %(default)s)")
-    parser.add_argument("--writers", type=_number(int, 1, False), default=2,
-                        help="rollout-writer processes (default: %(default)s)")
-    parser.add_argument("--keys-per-step", type=_number(int, 1, False), default=64,
-                        help="keys per writer and step (default: %(default)s)")
-    parser.add_argument("--interval", type=_number(float, 0, True), default=0.05,
-                        help="poll interval in seconds (default: %(default)s)")
-
-
-def main_from_args(args: argparse.Namespace) -> int:
-    """Run the demo with parsed arguments; return the exit code."""
-    # sys.stdout looked up now, not at import: callers (and tests) may have replaced it.
-    try:
-        return run_demo(args.seconds, writers=args.writers, keys_per_step=args.keys_per_step,
-                        interval=args.interval, out=sys.stdout)
-    except KeyboardInterrupt:  # before or after the steps: nothing to report but that
-        print(f"{args.command_name}: interrupted", file=sys.stderr)
-        return 130
