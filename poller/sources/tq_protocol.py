@@ -19,9 +19,10 @@ This module is the one place in the poller that knows that format.
 The controller announces no protocol version, so the source checks two things
 at its probe: the TransferQueue release the trainer runs (when it is known,
 :data:`KNOWN_VERSIONS`: the releases whose controller serves these two
-requests with these message and body fields, read from their source, 0.1.7
-to 0.1.11; the integration tests run the one pinned in
-``tests/integration/constraints.txt``), and the shape of the controller's
+requests with these message and body fields and whose controller actor
+:func:`~poller.sources.transferqueue.source_kwargs` finds through Ray, 0.1.8
+to 0.1.11; ``make test-integration`` runs the one pinned in
+``tests/integration/constraints.txt``, and passed with 0.1.8 as well), and the shape of the controller's
 reply to the probe (:func:`check_probe_reply`). Either unknown is a
 :class:`TransferQueueProtocolError` that says what this source speaks.
 """
@@ -55,7 +56,7 @@ _REQUEST_ERROR = "REQUEST_ERROR"
 _PICKLED_MARKER = b"\xc1\xfe\xed"
 
 #: TransferQueue releases whose controller request protocol this module speaks.
-KNOWN_VERSIONS = ("0.1.7", "0.1.8", "0.1.9", "0.1.10", "0.1.11")
+KNOWN_VERSIONS = ("0.1.8", "0.1.9", "0.1.10", "0.1.11")
 # The fields of every controller message in those releases (ZMQMessage.serialize()).
 _MESSAGE_FIELDS = frozenset({"request_type", "sender_id", "receiver_id", "request_id", "timestamp", "body"})
 
