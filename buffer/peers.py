@@ -92,7 +92,9 @@ class PeerTable:
         self.stale_after = stale_after
         self._pinned = pinned
         self._on_change = on_change
-        self._log = log or LogLimiter(logger)
+        # Forwarded LOG records get more room than the receiver's own warnings:
+        # a poller_log_level of INFO is a choice, not a flood.
+        self._log = log or LogLimiter(logger, budgets={"log": (100, 60.0)})
         self.peers: dict[bytes, Peer] = {}
         self.messages = 0
         self.items_received = 0

@@ -20,27 +20,30 @@ MAX_FORWARDED_CHARS = 2000
 
 
 def clamp_level(level: int) -> int:
-    """A peer's log level, kept between WARNING and ERROR.
+    """A peer's log level, kept between DEBUG and ERROR.
 
-    Pollers forward only WARNING and above; a peer claiming CRITICAL (or
-    50_000) must not outrank the trainer's own errors, nor one claiming DEBUG
-    hide below the handlers' threshold what it is made to look like.
+    A peer claiming CRITICAL (or 50_000) must not outrank the trainer's own
+    errors; a level below DEBUG (0, negative) is not a level a handler
+    expects. Pollers forward from their ``poller_log_level`` on, WARNING by
+    default.
     """
-    return min(max(level, logging.WARNING), logging.ERROR)
+    return min(max(level, logging.DEBUG), logging.ERROR)
 
 
 class LogLimiter:
     """At most ``burst`` records per category at once, refilled at ``burst / per`` a second.
 
     Categories are a few fixed names chosen by the code ("protocol", "log",
-    ...), never peer-supplied strings, so the state stays bounded.
+    ...), never peer-supplied strings, so the state stays bounded. ``budgets``
+    gives some categories a ``(burst, per)`` of their own.
     """
 
     def __init__(self, logger: logging.Logger, *, burst: int = 10, per: float = 60.0,
+                 budgets: dict[str, tuple[int, float]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._logger = logger
-        self._burst = float(burst)
-        self._rate = burst / per
+        self._default = (float(burst), burst / per)
+        self._budgets = {name: (float(b), b / p) for name, (b, p) in (budgets or {}).items()}
         self._clock = clock
         self._tokens: dict[str, float] = {}
         self._updated: dict[str, float] = {}
@@ -49,8 +52,8 @@ class LogLimiter:
     def log(self, category: str, level: int, msg: str, *args: Any, logger: logging.Logger | None = None) -> bool:
         """Log ``msg % args`` unless ``category`` is over its rate; True if it was logged."""
         now = self._clock()
-        tokens = min(self._burst, self._tokens.get(category, self._burst)
-                     + (now - self._updated.get(category, now)) * self._rate)
+        burst, rate = self._budgets.get(category, self._default)
+        tokens = min(burst, self._tokens.get(category, burst) + (now - self._updated.get(category, now)) * rate)
         self._updated[category] = now
         if tokens < 1.0:
             self._tokens[category] = tokens

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__ as __version__  # one source: poller/_version.py
 from .errors import PollerCrashed, PollerError, PollerStartupError, ProtocolError, RemoteTraceback
 from .process import PollerProcess
 from .protocol import Limits

@@ -112,7 +112,7 @@ def _checked(key: bytes | None, path: PathLike) -> bytes:
 def _public_keys(allowed: PathLike | Iterable[PathLike | bytes]) -> frozenset[bytes]:
     """Public keys from a directory of ``.key`` files, or an iterable of files and z85 keys."""
     if isinstance(allowed, (str, os.PathLike)) and Path(allowed).is_dir():
-        paths: list[PathLike | bytes] = sorted(Path(allowed).glob("*.key"))
+        paths: list[PathLike | bytes] = list(sorted(Path(allowed).glob("*.key")))
     elif isinstance(allowed, (str, os.PathLike)):
         paths = [allowed]
     else:

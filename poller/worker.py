@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Deque, Mapping, NamedTuple
 import zmq
 
 from . import lifeline
-from .errors import PollerStartupError, ProtocolError
+from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .link import Link
-from .polling import PollingThread
 from .messages import Bye, Heartbeat, Log, Ready
+from .polling import PollingThread
+from .procfs import set_process_name
 from .protocol import DEFAULT_LIMITS, Kind, Limits, decode, encode_body, encode_header, fit_text
 from .sources import SourceSpec, describe_spec, load_source
 from .wakeup import WakePipe
@@ -45,6 +46,10 @@ if TYPE_CHECKING:
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
 logger = logging.getLogger(__name__)
+
+
+#: The poller's process name (``/proc/PID/comm``); its watchdog is ``replay-watchdog``.
+POLLER_PROCESS_NAME = "replay-poller"
 
 
 class ExitCode:
@@ -88,6 +93,8 @@ class WorkerConfig(NamedTuple):
     # The receiver's decoding bounds, so tags it would refuse are refused
     # here, as one clear source error (None: the defaults, max_frame_bytes above).
     limits: Limits | None = None
+    # Records from this level on are sent to the buffer (LOG), which re-emits them.
+    log_level: int = logging.WARNING
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None:
@@ -97,6 +104,7 @@ def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None
     forever, and a normal interpreter shutdown would only slow the exit.
     """
     code = ExitCode.CRASHED
+    set_process_name(POLLER_PROCESS_NAME)  # for ps -e, top, pgrep: not "python3.11"
     try:
         # First, while this process has no threads: the watchdog ends us if
         # the trainer dies while we cannot notice (building, wedged, stopped).
@@ -117,6 +125,8 @@ def run_standalone(config: WorkerConfig) -> int:
     Raises:
         PollerStartupError: the source could not be built or the endpoint
             not connected; the original exception is the ``__cause__``.
+        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row
+            (exit code 3); the last exception is the ``__cause__``.
     """
     loop = _ControlLoop(config, None)
     code = loop.run()
@@ -124,14 +134,18 @@ def run_standalone(config: WorkerConfig) -> int:
         exc = loop.startup_error
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
+    failed = loop.thread.failed if loop.thread is not None else None
+    if code == ExitCode.SOURCE_FAILED and failed is not None:
+        raise PollerCrashed(f"kv_list() of {describe_spec(config.source)} failed {config.max_failures} times in "
+                            f"a row, last with {type(failed).__name__}: {failed}") from failed
     return code
 
 
 class _ForwardingHandler(logging.Handler):
     """Queues WARNING+ records so the control loop can send them as LOG."""
 
-    def __init__(self, wake: WakePipe) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, wake: WakePipe, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
         self._wake = wake
         self.setFormatter(logging.Formatter("%(message)s"))
@@ -175,7 +189,7 @@ class _ControlLoop:
         self.items: "queue.Queue[tuple[Kind, bytes]]" = queue.Queue(maxsize=64)
         self.data_wake = WakePipe()
         self.signal_wake = WakePipe()
-        self.log_handler = _ForwardingHandler(self.data_wake)
+        self.log_handler = _ForwardingHandler(self.data_wake, config.log_level)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
         self.link: Link | None = None
@@ -188,7 +202,7 @@ class _ControlLoop:
     def _install_signals(self) -> list[tuple[int, Any]]:
         if threading.current_thread() is not threading.main_thread():
             return []  # signal handlers can only be set from the main thread
-        previous = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
+        previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
                     (signal.SIGINT, signal.getsignal(signal.SIGINT))]
         signal.signal(signal.SIGTERM, self._on_signal)
         # Ctrl-C in a terminal reaches the whole process group: an embedded
@@ -311,6 +325,8 @@ class _ControlLoop:
         previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
         root.addHandler(self.log_handler)
+        if self.embedded:  # its own process: the root level decides which records exist at all
+            root.setLevel(self.config.log_level)
         ctx: zmq.Context | None = None
         try:
             try:
