@@ -35,7 +35,7 @@ from poller.wakeup import WakePipe
 from .access import check_bind
 from .errors import BufferClosed
 from .metrics import BufferStats, collect_stats, metrics_of
-from .options import as_limits, check_log_level, check_stall_timeout
+from .options import as_limits, check_log_level, check_security_args, check_stall_timeout, poller_limits
 from .store import BatchMeta, ReplayStore, Tags
 from .stream import StreamReceiver
 
@@ -154,7 +154,7 @@ class _Core:
         self.receiver.expect(self.name, epoch)
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
                              name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
-                             epoch=epoch, curve=self.child_curve, **_chunking_within(self.receiver.limits),
+                             epoch=epoch, curve=self.child_curve, **poller_limits(self.receiver.limits),
                              **self.poller_options)
 
     # -- supervision ----------------------------------------------------------------
@@ -307,7 +307,7 @@ class ReplayBuffer:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
         resolved_limits = as_limits(limits)
-        _check_security_args(curve, resolved_limits, stale_after)
+        check_security_args(curve, resolved_limits, stale_after)
         poller_options = {"stall_timeout": check_stall_timeout(stall_timeout),
                           "log_level": check_log_level(poller_log_level)}
         if bind is not None:  # the default, a private ipc directory, needs no check
@@ -397,25 +397,3 @@ class ReplayBuffer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
-    if curve is not None and not isinstance(curve, CurveServer):
-        raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
-    if limits is not None and not isinstance(limits, Limits):
-        raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
-                        f"got {type(limits).__name__}")
-    if not stale_after > 0:  # also refuses NaN
-        raise ValueError(f"stale_after must be positive, got {stale_after!r}")
-
-
-def _chunking_within(limits: Limits) -> dict[str, Any]:
-    """Message sizes and bounds for the buffer's own poller that its receiver accepts.
-
-    A chunk of n keys spans at most n partitions, so 2n stays within the
-    keys-per-message bound. The whole ``limits`` go along too: the poller
-    checks tags against the receiver's string, item and depth bounds, or a
-    tag the receiver refuses would fail every resync, for good.
-    """
-    return {"max_frame_bytes": limits.max_frame_bytes, "limits": limits,
-            "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}

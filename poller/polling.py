@@ -359,7 +359,8 @@ class PollingThread(threading.Thread):
                 logger.debug("kv_list() failed (%d in a row): %r", failures, exc)
                 if fatal:
                     self.failed = exc
-                if not self._emit(Kind.ERROR, _error_body(exc, fatal=fatal, count=failures, limits=self.limits)) or fatal:
+                body = _error_body(exc, fatal=fatal, count=failures, limits=self.limits)
+                if not self._emit(Kind.ERROR, body) or fatal:
                     return
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue
