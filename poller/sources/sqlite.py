@@ -19,9 +19,7 @@ for signature compatibility and ignored.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import sqlite3
 import threading
@@ -31,11 +29,12 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .sqlite_tags import Tags, check_keys, check_str, check_tags, dump_tags, load_tags
+
 __all__ = ["SqliteSource"]
 
 logger = logging.getLogger(__name__)
 
-Tags = dict[str, Any]
 _T = TypeVar("_T")
 
 _SCHEMA = (
@@ -141,7 +140,7 @@ class SqliteSource:
             ValueError: ``tag`` holds a value JSON cannot carry (e.g. NaN).
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        _check_str("key", key)
+        check_str("key", key)
         self.kv_batch_put([key], partition_id, fields, None if tag is None else [tag])
 
     def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
@@ -164,8 +163,8 @@ class SqliteSource:
                 cannot carry.
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        _check_str("partition_id", partition_id)
-        key_list = _check_keys(keys)
+        check_str("partition_id", partition_id)
+        key_list = check_keys(keys)
         if tags is None:
             tag_list: list[Tags] = [{} for _ in key_list]
         else:
@@ -175,7 +174,7 @@ class SqliteSource:
             if len(tag_list) != len(key_list):
                 raise ValueError(f"got {len(tag_list)} tags for {len(key_list)} keys")
             for key, tag in zip(key_list, tag_list):
-                _check_tags(key, tag)
+                check_tags(key, tag)
         if not key_list:
             return
         with self._transaction() as conn:
@@ -183,7 +182,7 @@ class SqliteSource:
             for key, tag in zip(key_list, tag_list):
                 merged.setdefault(key, {}).update(tag)
             # Values were checked above; dumping cannot fail half-way through.
-            conn.executemany(_UPSERT, [(partition_id, key, _dumps(merged[key])) for key in dict.fromkeys(key_list)])
+            conn.executemany(_UPSERT, [(partition_id, key, dump_tags(merged[key])) for key in dict.fromkeys(key_list)])
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
         """Everything stored, as ``{partition_id: {key: tags}}``.
@@ -203,7 +202,7 @@ class SqliteSource:
                 something other than this class).
         """
         if partition_id is not None:
-            _check_str("partition_id", partition_id)
+            check_str("partition_id", partition_id)
         with self._connection() as conn:
             if partition_id is None:
                 rows = conn.execute("SELECT partition_id, key, tags FROM kv").fetchall()
@@ -212,7 +211,7 @@ class SqliteSource:
                                     (partition_id,)).fetchall()
         listing: dict[str, dict[str, Tags]] = {}
         for partition, key, text in rows:
-            listing.setdefault(partition, {})[key] = _loads(partition, key, text)
+            listing.setdefault(partition, {})[key] = load_tags(partition, key, text)
         return listing
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
@@ -222,8 +221,8 @@ class SqliteSource:
             TypeError: a key or the partition id is not a str.
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        _check_str("partition_id", partition_id)
-        key_list = _check_keys(keys)
+        check_str("partition_id", partition_id)
+        key_list = check_keys(keys)
         if not key_list:
             return
         with self._transaction() as conn:
@@ -393,69 +392,5 @@ class SqliteSource:
             rows = conn.execute(f"SELECT key, tags FROM kv WHERE partition_id = ? AND key IN ({marks})",
                                 (partition_id, *chunk))
             for key, text in rows:
-                found[key] = _loads(partition_id, key, text)
+                found[key] = load_tags(partition_id, key, text)
         return found
-
-
-# -- validation and encoding --------------------------------------------------
-
-def _check_str(name: str, value: Any) -> None:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}: {value!r}")
-
-
-def _check_keys(keys: Any) -> list[str]:
-    # A bare str is iterable too; kv_clear("k1", ...) would clear "k" and "1".
-    if isinstance(keys, (str, bytes, Mapping)) or not isinstance(keys, Iterable):
-        raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
-    key_list = list(keys)
-    for index, key in enumerate(key_list):
-        if not isinstance(key, str):
-            raise TypeError(f"keys[{index}] must be a str, got {type(key).__name__}: {key!r}")
-    return key_list
-
-
-def _check_tags(key: str, tags: Any) -> None:
-    if not isinstance(tags, dict):
-        raise TypeError(f"tags of key {key!r} must be a dict, got {type(tags).__name__}")
-    _check_json(tags, f"tags of key {key!r}")
-
-
-def _check_json(value: Any, where: str) -> None:
-    """Refuse what would not come back from JSON unchanged.
-
-    ``json.dumps`` silently turns tuples into lists and int dict keys into
-    strings, and writes NaN, which is not JSON; each would make a stored tag
-    differ from the one put.
-    """
-    if value is None or isinstance(value, (str, bool, int)):
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{where}: {value!r} cannot be stored as JSON")
-        return
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_json(item, f"{where}[{index}]")
-        return
-    if isinstance(value, dict):
-        for name, item in value.items():
-            if not isinstance(name, str):
-                raise TypeError(f"{where}: dict key {name!r} is {type(name).__name__}, not str")
-            _check_json(item, f"{where}[{name!r}]")
-        return
-    raise TypeError(f"{where}: {type(value).__name__} {value!r} is not JSON-encodable")
-
-
-def _dumps(tags: Tags) -> str:
-    return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-def _loads(partition_id: str, key: str, text: str) -> Tags:
-    try:
-        tags = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are not JSON: {exc}") from None
-    if not isinstance(tags, dict):
-        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are {type(tags).__name__}, not an object")
-    return tags
