@@ -4,11 +4,14 @@
 
     ReplayBuffer ── add/remove/sample ──▶ ReplayStore ◀── StreamReceiver (ROUTER)
          │                                                   ▲ DELTA/HEARTBEAT/BYE
-         └── _Core ── supervisor thread ── PollerProcess ────┘ (child, DEALER)
-                      (sentinel: restart or PollerCrashed)
+         └── _Core ── Supervisor thread ── PollerProcess ────┘ (child, DEALER)
+              close ─▶ (request)   (start, sentinel, restart or PollerCrashed, close ladder)
+                   ◀── report (future)
 
 The facade holds only ``_Core``; a finalizer closes the core when the facade
 is dropped or the interpreter exits, so nothing outlives a forgotten buffer.
+The child has one owner, :class:`~buffer.supervisor.Supervisor`: ``close()``
+asks it and waits for its answer.
 """
 
 from __future__ import annotations
@@ -22,15 +25,12 @@ import threading
 import time
 import uuid
 import weakref
-from multiprocessing.connection import wait
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from poller.curve import CurveClient, CurveServer, generate_pair
-from poller.errors import PollerCrashed, PollerStartupError
 from poller.process import PollerProcess, ShutdownReport
 from poller.protocol import DEFAULT_LIMITS, Limits
 from poller.sources import SourceSpec
-from poller.wakeup import WakePipe
 
 from .access import check_bind
 from .errors import BufferClosed
@@ -38,14 +38,15 @@ from .metrics import BufferStats, collect_stats, metrics_of
 from .options import as_limits, check_log_level, check_security_args, check_stall_timeout, poller_limits
 from .store import BatchMeta, ReplayStore, Tags
 from .stream import StreamReceiver
+from .supervisor import Supervisor
 
 __all__ = ["ReplayBuffer"]
 
 logger = logging.getLogger(__name__)
 
-_RESTART_BACKOFF_BASE = 0.1
-_RESTART_BACKOFF_CAP = 2.0
 _FIRST_POLL_WAIT = 5.0
+# Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
+_CLOSE_MARGIN_S = 10.0
 
 
 # Unix socket paths are limited to 107 bytes (sun_path); leave room.
@@ -95,15 +96,11 @@ class _Core:
         self.max_restarts = max_restarts
         self.store = ReplayStore()
         self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.restarts = 0
-        self.process: PollerProcess | None = None
-        self.closing = threading.Event()
         # Reentrant: a signal handler may call close() in the thread that is closing.
         self._close_lock = threading.RLock()
         self._closer: int | None = None
         self._report: ShutdownReport | None = None
-        self._supervisor: threading.Thread | None = None
-        self._wake = WakePipe()
+        self._supervisor: Supervisor | None = None
         self._ipc_dir: str | None = None
         if bind is None:
             # Private by default: a 0700 directory only this user can enter.
@@ -129,13 +126,26 @@ class _Core:
         return StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
                               stale_after=stale_after, pinned=frozenset({self.name}))
 
+    @property
+    def process(self) -> PollerProcess | None:
+        """The poller child now (owned by the supervisor; read-only here)."""
+        return self._supervisor.process if self._supervisor is not None else None
+
+    @property
+    def restarts(self) -> int:
+        return self._supervisor.restarts if self._supervisor is not None else 0
+
     def start(self) -> None:
         self.endpoint = self.receiver.start()
         if self.source is None:
             return
-        self.process = self._new_process()
         started = time.monotonic()
-        self.process.start(self.start_timeout)
+        self._supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
+                                      max_restarts=self.max_restarts, drained=self._drained,
+                                      give_up=self.store.fail)
+        self._supervisor.start()
+        # The child's start is bounded by start_timeout; the margin covers launching it.
+        self._supervisor.started.result(self.start_timeout + 30.0)
         # Return with the store's current contents visible, so a sample()
         # right after construction sees what is already stored. A source
         # whose first kv_list() is slow is not an error: it is reported by
@@ -143,8 +153,14 @@ class _Core:
         first_poll_wait = min(_FIRST_POLL_WAIT, max(0.0, self.start_timeout - (time.monotonic() - started)))
         if not self.receiver.wait_first_poll(self.name, first_poll_wait):
             logger.warning("poller %s: no complete listing within %.3gs of READY", self.name, first_poll_wait)
-        self._supervisor = threading.Thread(target=self._supervise, name="replay-supervisor", daemon=True)
-        self._supervisor.start()
+
+    def _drained(self, process: PollerProcess) -> Callable[[float], bool]:
+        """Whether everything ``process`` sent before BYE was applied (asked after it exited)."""
+        name, epoch = process.name, process.epoch
+        # Let the receiver end once that BYE is applied: closing its socket then
+        # overlaps the poller's exit instead of following it.
+        self.receiver.stop_after_bye(name, epoch)
+        return lambda seconds: self.receiver.wait_bye(name, epoch, seconds)
 
     def _new_process(self) -> PollerProcess:
         assert self.source is not None and self.endpoint is not None
@@ -156,56 +172,6 @@ class _Core:
                              name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
                              epoch=epoch, curve=self.child_curve, **poller_limits(self.receiver.limits),
                              **self.poller_options)
-
-    # -- supervision ----------------------------------------------------------------
-
-    def _supervise(self) -> None:
-        """Wait on the child's sentinel; restart it or give up."""
-        while not self.closing.is_set():
-            process = self.process
-            assert process is not None
-            try:
-                ready = wait([process.sentinel, self._wake.read_fd])
-            except (OSError, ValueError):  # closed under us by close()
-                return
-            if self.closing.is_set():
-                return
-            if process.sentinel not in ready:
-                continue
-            exitcode = process.join(5.0)
-            cause = process.fatal_error()
-            process.close(0)  # reap; the stage is "already-exited"
-            logger.warning("poller %s (pid %s) exited with code %s%s", self.name, process.pid, exitcode,
-                           f": {cause.exc_type}: {cause.message}" if cause else "")
-            if not self._restart(exitcode, cause):
-                return
-
-    def _restart(self, exitcode: int | None, cause: Exception | None) -> bool:
-        while self.restarts < self.max_restarts:
-            delay = min(_RESTART_BACKOFF_BASE * 2 ** self.restarts, _RESTART_BACKOFF_CAP)
-            self.restarts += 1
-            if self.closing.wait(delay):
-                return False
-            process = self._new_process()
-            self.process = process
-            try:
-                process.start(self.start_timeout)
-            except PollerStartupError as exc:
-                logger.warning("restart %d/%d of poller %s failed: %s", self.restarts, self.max_restarts,
-                               self.name, exc)
-                cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-                if self.closing.is_set():
-                    return False
-                continue
-            logger.warning("poller %s restarted (%d/%d), pid %s", self.name, self.restarts, self.max_restarts,
-                           process.pid)
-            return True
-        error = PollerCrashed(f"poller {self.name} died (exit code {exitcode}) and "
-                              f"max_restarts={self.max_restarts} restarts were used")
-        error.__cause__ = cause
-        logger.error("%s", error)
-        self.store.fail(error)
-        return False
 
     # -- close ------------------------------------------------------------------------
 
@@ -229,28 +195,17 @@ class _Core:
 
     def _close(self, timeout: float) -> ShutdownReport:
         started = time.monotonic()
-        self.closing.set()
-        self._wake.poke()
-        # Not joined yet: an idle supervisor just returns, and one that is
-        # mid-restart ends as soon as the child it is waiting for is closed
-        # below (or its new child is, after the join further down). Joining
-        # first would put its wake-up on the path of every close.
-        process = self.process
-        if process is None:
+        supervisor = self._supervisor
+        if supervisor is None:
             report = ShutdownReport("no-poller", 0.0, None, False)
         else:
-            name = process.name
-            self.receiver.stop_after_bye(name, process.epoch)
-            report = process.close(timeout, wait_drained=lambda t: self.receiver.wait_bye(name, process.epoch, t))
-        if self._supervisor is not None:
-            self._supervisor.join(timeout + 1.0)
-            # A restart that was starting a new child when we looked.
-            if self.process is not process and self.process is not None:
-                self.process.close(timeout)
-                self._supervisor.join(timeout + 1.0)
+            # A request to the child's one owner: STOP, terminate, kill, each
+            # bounded, so this wait is too (the margin covers the reap and a
+            # start it cuts short).
+            report = supervisor.close(timeout).result(2 * timeout + _CLOSE_MARGIN_S)
+            supervisor.join(1.0)
         self.store.close()
         self.receiver.stop()
-        self._wake.close()
         _OPEN_CORES.discard(self)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -132,8 +132,12 @@ class PollerProcess:
 
     # -- start ------------------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, *, abort_fd: int | None = None) -> None:
         """Spawn the child and wait until it says READY.
+
+        ``abort_fd`` becoming readable gives up the wait at once (the child
+        is killed): how the thread that owns this process lets a close
+        request cut a start short.
 
         Raises:
             PollerStartupError: the child failed (its traceback is the
@@ -155,13 +159,13 @@ class PollerProcess:
         # The parent must not hold the child's end, or it would never see EOF.
         child_conn.close()
         try:
-            self._await_ready(timeout)
+            self._await_ready(timeout, abort_fd)
         except BaseException:
             self._discard()
             raise
         logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
 
-    def _await_ready(self, timeout: float) -> None:
+    def _await_ready(self, timeout: float, abort_fd: int | None = None) -> None:
         assert self._conn is not None and self._process is not None
         deadline = time.monotonic() + timeout
         spec = describe_spec(self.config.source)
@@ -173,10 +177,12 @@ class PollerProcess:
             if self._report is not None:
                 raise PollerStartupError(f"poller for {spec} was closed while starting")
             try:
-                ready = wait([self._conn, sentinel], remaining)
+                ready = wait([self._conn, sentinel, *([] if abort_fd is None else [abort_fd])], remaining)
                 readable = self._conn in ready or self._conn.poll(0)
             except (OSError, ValueError):  # closed by a concurrent close()
                 raise PollerStartupError(f"poller for {spec} was closed while starting") from None
+            if abort_fd is not None and abort_fd in ready and not readable:
+                raise PollerStartupError(f"poller for {spec} was closed while starting")
             if readable:
                 try:
                     message = lifeline.recv(self._conn)
