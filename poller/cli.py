@@ -15,6 +15,7 @@ import socket
 import sys
 from typing import Any, Sequence
 
+from .arguments import check_seconds
 from .curve import CurveClient, make_keys
 from .errors import PollerStartupError
 from .worker import WorkerConfig, run_standalone
@@ -66,8 +67,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"python -m poller run: error: {exc}", file=sys.stderr)
         return 2
-    if not args.interval > 0:  # also refuses NaN
-        print("python -m poller run: error: --interval must be positive", file=sys.stderr)
+    try:
+        check_seconds("--interval", args.interval)
+    except ValueError as exc:  # nan, inf, <= 0
+        print(f"python -m poller run: error: {exc}", file=sys.stderr)
         return 2
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):

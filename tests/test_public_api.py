@@ -72,9 +72,10 @@ def test_error_hierarchy() -> None:
 def test_replay_buffer_signature() -> None:
     params = inspect.signature(ReplayBuffer.__init__).parameters
     assert list(params) == ["self", "source", "source_kwargs", "poll_interval", "bind", "start_timeout",
-                            "close_timeout", "max_restarts", "curve", "insecure", "limits", "stale_after"]
+                            "close_timeout", "max_restarts", "restart_window", "curve", "insecure", "limits",
+                            "stale_after"]
     expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
-                         "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
+                         "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3, "restart_window": 600.0,
                          "curve": None, "insecure": False, "limits": None, "stale_after": 5.0}
     for name, default in expected_defaults.items():
         param = params[name]
