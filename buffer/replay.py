@@ -156,25 +156,26 @@ class _Core:
                 return False
             process = self._new_process()
             self.process = process
+            budget.use()
             try:
                 process.start(self.start_timeout)
             except PollerStartupError as exc:
                 if self.closing.is_set():
                     return False
                 if exc.unavailable:  # retried without using the budget (buffer/restarts.py)
+                    budget.refund()
                     refused += 1
                     self.start_retries += 1
                     logger.log(logging.WARNING if refused == 1 else logging.DEBUG,
-                               "poller %s cannot start, its store is unavailable (try %d; retrying every "
-                               "%.3gs at most): %s", self.name, refused, budget.unavailable_backoff(refused), exc)
+                               "poller %s cannot start, its store is unavailable (try %d, next in %.3gs; "
+                               "this uses no restart): %s", self.name, refused, budget.unavailable_backoff(refused),
+                               exc)
                     continue
                 refused = 0
-                budget.use()
                 logger.warning("restart %d/%d of poller %s failed: %s", budget.recent(), budget.max_restarts,
                                self.name, exc)
                 cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
                 continue
-            budget.use()
             logger.warning("poller %s restarted (%d/%d in %gs), pid %s", self.name, budget.recent(),
                            budget.max_restarts, budget.window, process.pid)
             return True

@@ -44,9 +44,15 @@ class RestartBudget:
         return self.recent() >= self.max_restarts
 
     def use(self) -> None:
-        """Count one restart now."""
+        """Count one restart now (before it starts: its data may arrive before start() returns)."""
         self._times.append(time.monotonic())
         self.total += 1
+
+    def refund(self) -> None:
+        """Take back the restart just counted: the store refused it, and refusals use no budget."""
+        if self._times:
+            self._times.pop()
+            self.total -= 1
 
     def backoff(self) -> float:
         """The wait before the next restart: doubles with the restarts in the window."""

@@ -194,7 +194,8 @@ def test_a_poller_that_cannot_reach_its_store_at_restart_keeps_trying(db, store,
                       max_restarts=1) as rb:
         down.touch()  # kv_list() fails until the poller gives up; its restarts cannot connect
         assert wait_until(lambda: rb.stats()["start_retries"] >= 3, timeout=60), rb.stats()
-        assert rb.stats()["restarts"] == 0  # refused start-ups use no budget (before: PollerCrashed in 0.1 s)
+        # Refused start-ups use no budget: before, max_restarts=1 was gone after one refusal (PollerCrashed).
+        assert rb.stats()["restarts"] <= 1  # 1 only while an attempt is under way
         store.kv_put("back", "p", tag={"status": "success"})
         down.unlink()  # the store is back
         assert rb.sample("p", batch_size=1, timeout=60).keys == ["back"]
