@@ -29,7 +29,7 @@ def _ipc_dir(rb: ReplayBuffer) -> str:
 
 def _run(code: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, check=False)
 
 
 # -- 1. a forked child's exit leaves the parent's buffer alone ----------------------------------------------
