@@ -67,6 +67,9 @@ def test_error_hierarchy() -> None:
     assert not issubclass(PollerStartupError, PollerCrashed) and not issubclass(PollerCrashed, PollerStartupError)
     assert not issubclass(ProtocolError, (PollerStartupError, PollerCrashed))
     assert issubclass(BufferClosed, Exception)
+    # Whether the same start may work later (a store that could not be reached); restarts rely on it.
+    assert PollerStartupError("x").unavailable is False
+    assert PollerStartupError("x", unavailable=True).unavailable is True
 
 
 def test_replay_buffer_signature() -> None:
