@@ -100,5 +100,6 @@ def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any
     if curve is not None and not isinstance(curve, CurveServer):
         raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
     if limits is not None and not isinstance(limits, Limits):
-        raise TypeError(f"limits must be a poller.protocol.Limits, got {type(limits).__name__}")
+        raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
+                        f"got {type(limits).__name__}")
 
