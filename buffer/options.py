@@ -9,16 +9,16 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from poller.curve import CurveServer
+from poller.arguments import check_optional_seconds
 from poller.protocol import Limits
 
-__all__ = ["as_limits", "check_stall_timeout", "check_log_level", "check_security_args", "poller_limits"]
+__all__ = ["as_limits", "check_stall_timeout", "check_log_level", "poller_limits"]
 
 
 def as_limits(limits: Any) -> Any:
     """A :class:`Limits` from a mapping of its fields (Hydra/OmegaConf ``_target_`` configs pass mappings)."""
     if limits is None or isinstance(limits, Limits) or not isinstance(limits, Mapping):
-        return limits  # the type check follows in check_security_args
+        return limits  # the type check follows in validate.check_buffer_args
     fields = {str(name): value for name, value in limits.items()}
     unknown = sorted(set(fields) - set(Limits._fields))
     if unknown:
@@ -27,9 +27,8 @@ def as_limits(limits: Any) -> Any:
 
 
 def check_stall_timeout(stall_timeout: Any) -> float | None:
-    if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
-        raise ValueError(f"stall_timeout must be positive seconds or None, got {stall_timeout!r}")
-    return None if stall_timeout is None else float(stall_timeout)
+    # Finite too: an infinite stall timeout is None, said plainly.
+    return check_optional_seconds("stall_timeout", stall_timeout)
 
 
 def check_log_level(level: Any) -> int:
@@ -37,16 +36,6 @@ def check_log_level(level: Any) -> int:
     if not isinstance(number, int) or isinstance(number, bool) or number < 0:
         raise ValueError(f"poller_log_level must be a logging level name or number, got {level!r}")
     return number
-
-
-def check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
-    if curve is not None and not isinstance(curve, CurveServer):
-        raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
-    if limits is not None and not isinstance(limits, Limits):
-        raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
-                        f"got {type(limits).__name__}")
-    if not stale_after > 0:  # also refuses NaN
-        raise ValueError(f"stale_after must be positive, got {stale_after!r}")
 
 
 def poller_limits(limits: Limits) -> dict[str, Any]:

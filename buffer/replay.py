@@ -19,14 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 import uuid
 import weakref
 from typing import Any, Callable, Iterable, Mapping
 
+from poller.arguments import check_optional_seconds
 from poller.curve import CurveClient, CurveServer, generate_pair
 from poller.process import PollerProcess, ShutdownReport
 from poller.protocol import DEFAULT_LIMITS, Limits
@@ -34,11 +33,14 @@ from poller.sources import SourceSpec
 
 from .access import check_bind
 from .errors import BufferClosed
+from .ipcdir import PrivateIpcDir
 from .metrics import BufferStats, collect_stats, metrics_of
-from .options import as_limits, check_log_level, check_security_args, check_stall_timeout, poller_limits
+from .options import as_limits, check_log_level, check_stall_timeout, poller_limits
+from .restarts import RestartBudget
 from .store import BatchMeta, ReplayStore, Tags
 from .stream import StreamReceiver
 from .supervisor import Supervisor
+from .validate import check_buffer_args, check_items, check_keys, check_partition, check_sample
 
 __all__ = ["ReplayBuffer"]
 
@@ -47,10 +49,6 @@ logger = logging.getLogger(__name__)
 _FIRST_POLL_WAIT = 5.0
 # Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
 _CLOSE_MARGIN_S = 10.0
-
-
-# Unix socket paths are limited to 107 bytes (sun_path); leave room.
-_MAX_IPC_PATH = 100
 
 
 # Buffers not closed yet. Closed at interpreter exit *before* non-daemon
@@ -71,41 +69,35 @@ def _close_open_buffers() -> None:
 threading._register_atexit(_close_open_buffers)  # type: ignore[attr-defined]
 
 
-def _private_ipc_dir() -> str:
-    """A fresh 0700 directory for the ipc socket, in a place short enough to bind."""
-    directory = tempfile.mkdtemp(prefix="replay-")
-    if len(directory) + len("/stream") <= _MAX_IPC_PATH:
-        return directory
-    os.rmdir(directory)  # TMPDIR is too deep for a socket path
-    return tempfile.mkdtemp(prefix="replay-", dir="/tmp")
-
-
 class _Core:
     """Everything a buffer owns. Never refers back to the facade."""
 
     def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
                  bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
                  curve: CurveServer | None = None, limits: Limits | None = None, stale_after: float = 5.0,
-                 poller_options: Mapping[str, Any] | None = None) -> None:
+                 poller_options: Mapping[str, Any] | None = None, restart_window: float = 600.0) -> None:
         self.source = source
         self.poller_options = dict(poller_options or {})  # further WorkerConfig fields
         self.source_kwargs = dict(source_kwargs or {})
         self.poll_interval = poll_interval
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
-        self.max_restarts = max_restarts
+        self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
         self.store = ReplayStore()
+        # Only this process may stop the poller or remove the ipc directory:
+        # a forked child inherits this object and its finalizer.
+        self.owner_pid = os.getpid()
         self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # Reentrant: a signal handler may call close() in the thread that is closing.
         self._close_lock = threading.RLock()
         self._closer: int | None = None
         self._report: ShutdownReport | None = None
         self._supervisor: Supervisor | None = None
-        self._ipc_dir: str | None = None
+        self._ipc_dir: PrivateIpcDir | None = None
         if bind is None:
             # Private by default: a 0700 directory only this user can enter.
-            self._ipc_dir = _private_ipc_dir()
-            bind = f"ipc://{self._ipc_dir}/stream"
+            self._ipc_dir = PrivateIpcDir.create()
+            bind = self._ipc_dir.endpoint
         self.child_curve: CurveClient | None = None
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
@@ -132,8 +124,9 @@ class _Core:
         return self._supervisor.process if self._supervisor is not None else None
 
     @property
-    def restarts(self) -> int:
-        return self._supervisor.restarts if self._supervisor is not None else 0
+    def start_retries(self) -> int:
+        """Restarts refused by an unreachable store (they use no budget)."""
+        return self._supervisor.start_retries if self._supervisor is not None else 0
 
     def start(self) -> None:
         self.endpoint = self.receiver.start()
@@ -141,8 +134,7 @@ class _Core:
             return
         started = time.monotonic()
         self._supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
-                                      max_restarts=self.max_restarts, drained=self._drained,
-                                      give_up=self.store.fail)
+                                      budget=self.budget, drained=self._drained, give_up=self.store.fail)
         self._supervisor.start()
         # The child's start is bounded by start_timeout; the margin covers launching it.
         self._supervisor.started.result(self.start_timeout + 30.0)
@@ -169,13 +161,20 @@ class _Core:
         epoch = secrets.randbits(62) + 1
         self.receiver.expect(self.name, epoch)
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
-                             name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
+                             name=self.name, interval=self.poll_interval,
+                             orphan_cleanup=self._ipc_dir.path if self._ipc_dir else None,
                              epoch=epoch, curve=self.child_curve, **poller_limits(self.receiver.limits),
                              **self.poller_options)
 
     # -- close ------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
+        if os.getpid() != self.owner_pid:
+            # A forked child's copy (its finalizer at exit, or a `with` block
+            # unwinding in it): the poller, its lifeline, the sockets and the
+            # ipc directory are the parent's. Touch nothing, take no lock (a
+            # thread that held it at the fork does not exist here).
+            return ShutdownReport("no-poller", 0.0, None, False)
         with self._close_lock:
             if self._report is not None:
                 return self._report
@@ -208,7 +207,7 @@ class _Core:
         self.receiver.stop()
         _OPEN_CORES.discard(self)
         if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir.remove()
         report = report._replace(seconds=time.monotonic() - started)
         logger.debug("replay buffer closed: %s", report)
         return report
@@ -228,8 +227,12 @@ class ReplayBuffer:
             directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
         start_timeout: seconds to wait for the poller's READY.
         close_timeout: default per-stage bound of :meth:`close`.
-        max_restarts: restarts of a dead poller before ``sample()`` raises
-            :class:`~poller.PollerCrashed`.
+        max_restarts: restarts of a dead poller within ``restart_window``
+            seconds; the next death makes ``sample()`` raise
+            :class:`~poller.PollerCrashed`. A restart refused because the
+            store cannot be reached uses none: it is tried again, with
+            backoff capped at 5 s, until the store answers.
+        restart_window: seconds over which restarts are counted.
         curve: a :class:`~poller.curve.CurveServer` (the buffer's key pair and
             the allowed poller public keys): only pollers holding an allowed
             key get in, and the stream is encrypted. The buffer's own poller
@@ -250,26 +253,26 @@ class ReplayBuffer:
         PollerStartupError: the poller could not start; nothing is left running.
         InsecureBindError: ``bind`` reaches the network without ``curve`` or
             ``insecure=True``.
+        ValueError: a number out of range: durations must be finite (and
+            positive, ``close_timeout`` may be 0), ``max_restarts`` an int >= 0.
     """
 
     def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
                  poll_interval: float = 1.0, bind: str | None = None, start_timeout: float = 30.0,
-                 close_timeout: float = 5.0, max_restarts: int = 3, curve: CurveServer | None = None,
-                 insecure: bool = False, limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
+                 close_timeout: float = 5.0, max_restarts: int = 3, restart_window: float = 600.0,
+                 curve: CurveServer | None = None, insecure: bool = False,
+                 limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
                  stall_timeout: float | None = 30.0, poller_log_level: int | str = "WARNING") -> None:
-        if not poll_interval > 0:  # also refuses NaN
-            raise ValueError(f"poll_interval must be positive, got {poll_interval!r}")
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
         resolved_limits = as_limits(limits)
-        check_security_args(curve, resolved_limits, stale_after)
+        check_buffer_args(poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after,
+                          curve, resolved_limits)
         poller_options = {"stall_timeout": check_stall_timeout(stall_timeout),
                           "log_level": check_log_level(poller_log_level)}
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
                      curve=curve, limits=resolved_limits, stale_after=stale_after,
-                     poller_options=poller_options)
+                     poller_options=poller_options, restart_window=restart_window)
         try:
             core.start()
         except BaseException:
@@ -290,12 +293,26 @@ class ReplayBuffer:
         return self._core.endpoint
 
     def add(self, partition_id: str, items: Mapping[str, Mapping[str, Any]]) -> None:
-        """Merge tags per key (``tags.update(new)``); never replaces."""
-        self._core.store.add(partition_id, items)
+        """Merge tags per key (``tags.update(new)``); never replaces.
+
+        All or nothing: every item is checked before any is applied.
+
+        Raises:
+            TypeError: ``partition_id`` or a key is not a str, ``items`` or a
+                key's tags is not a mapping, or a tag name is not a str.
+        """
+        check_partition(partition_id)
+        self._core.store.add(partition_id, check_items(items))
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
-        """Delete keys. They stay removed while the source still lists them."""
-        self._core.store.remove(partition_id, list(keys))
+        """Delete keys. They stay removed while the source still lists them.
+
+        Raises:
+            TypeError: ``keys`` is one string (pass ``[key]``), or a key or
+                ``partition_id`` is not a str; nothing is removed.
+        """
+        check_partition(partition_id)
+        self._core.store.remove(partition_id, check_keys(keys))
 
     def sample(self, partition_id: str, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
@@ -310,7 +327,13 @@ class ReplayBuffer:
             TimeoutError: after ``timeout`` seconds, saying what is missing.
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
+            ValueError: ``batch_size`` is not an int >= 1 (``True`` neither),
+                or ``timeout`` is not a finite number >= 0 (``None`` waits
+                without a limit).
+            TypeError: ``partition_id`` is not a str.
         """
+        check_partition(partition_id)
+        timeout = check_sample(batch_size, timeout)
         return self._core.store.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
                                        timeout=timeout)
 
@@ -341,8 +364,13 @@ class ReplayBuffer:
 
         STOP, wait up to ``timeout`` (default ``close_timeout``) for BYE and
         exit, then ``terminate()``, wait, then ``kill()``. Idempotent and
-        thread-safe: every caller gets the same report.
+        thread-safe: every caller gets the same report. In a forked child
+        it touches nothing of the parent's (stage ``"no-poller"``).
+
+        Raises:
+            ValueError: ``timeout`` is not a finite number of seconds >= 0.
         """
+        check_optional_seconds("timeout", timeout, allow_zero=True)
         report = self._core.close(timeout)
         self._finalizer.detach()
         return report

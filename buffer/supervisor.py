@@ -26,12 +26,11 @@ from poller.launch import wait
 from poller.process import PollerProcess, ShutdownReport
 from poller.wakeup import WakePipe
 
+from .restarts import RestartBudget
+
 __all__ = ["Supervisor"]
 
 logger = logging.getLogger(__name__)
-
-_RESTART_BACKOFF_BASE = 0.1
-_RESTART_BACKOFF_CAP = 2.0
 
 
 class _CloseRequest(NamedTuple):
@@ -40,25 +39,28 @@ class _CloseRequest(NamedTuple):
 
 
 class Supervisor:
-    """Runs one poller child at a time for a buffer, restarting it up to ``max_restarts`` times.
+    """Runs one poller child at a time for a buffer, restarting it within ``budget``.
 
     ``new_process()`` makes the next (unstarted) child; ``drained(process)``
     says, after its exit, whether everything it sent was applied;
-    ``give_up(error)`` is told when the restarts are used up.
+    ``give_up(error)`` is told when the budget is used up
+    (:mod:`buffer.restarts`: restarts per window; a start-up refused because
+    the store is unreachable uses none and is tried again with backoff).
     """
 
     def __init__(self, name: str, new_process: Callable[[], PollerProcess], *, start_timeout: float,
-                 max_restarts: int, drained: Callable[[PollerProcess], Callable[[float], bool]],
+                 budget: RestartBudget, drained: Callable[[PollerProcess], Callable[[float], bool]],
                  give_up: Callable[[PollerCrashed], None]) -> None:
         self.name = name
         self._new_process = new_process
         self._start_timeout = start_timeout
-        self._max_restarts = max_restarts
+        self._budget = budget
         self._drained = drained
         self._give_up = give_up
         #: The child now (read by stats() from any thread; written by the supervisor only).
         self.process: PollerProcess | None = None
-        self.restarts = 0
+        #: Restarts refused by an unreachable store (they use no budget).
+        self.start_retries = 0
         #: Done once the first child said READY (or failed to: PollerStartupError).
         self.started: Future[None] = Future()
         self._requests: queue.SimpleQueue[_CloseRequest] = queue.SimpleQueue()
@@ -133,27 +135,38 @@ class Supervisor:
 
     def _restart(self, exitcode: int | None, cause: Exception | None) -> PollerProcess | _CloseRequest | None:
         """A started new child; or the close request that came first; or None once given up."""
-        while self.restarts < self._max_restarts:
-            delay = min(_RESTART_BACKOFF_BASE * 2 ** self.restarts, _RESTART_BACKOFF_CAP)
-            self.restarts += 1
-            request = self._wait(None, delay)
+        budget = self._budget
+        refused = 0  # start-ups in a row refused because the store could not be reached
+        while refused or not budget.exhausted():
+            request = self._wait(None, budget.unavailable_backoff(refused) if refused else budget.backoff())
             if request is not None:
                 return request
             process = self.process = self._new_process()
+            budget.use()  # before it starts: its data may arrive before start() returns
             try:
                 process.start(self._start_timeout, abort_fd=self._wake.read_fd)
             except PollerStartupError as exc:
                 if not self._requests.empty():
                     return self._requests.get()
-                logger.warning("restart %d/%d of poller %s failed: %s", self.restarts, self._max_restarts,
+                if exc.unavailable:  # retried without using the budget (buffer/restarts.py)
+                    budget.refund()
+                    refused += 1
+                    self.start_retries += 1
+                    logger.log(logging.WARNING if refused == 1 else logging.DEBUG,
+                               "poller %s cannot start, its store is unavailable (try %d, next in %.3gs; "
+                               "this uses no restart): %s", self.name, refused, budget.unavailable_backoff(refused),
+                               exc)
+                    continue
+                refused = 0
+                logger.warning("restart %d/%d of poller %s failed: %s", budget.recent(), budget.max_restarts,
                                self.name, exc)
                 cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
                 continue
-            logger.warning("poller %s restarted (%d/%d), pid %s", self.name, self.restarts, self._max_restarts,
-                           process.pid)
+            logger.warning("poller %s restarted (%d/%d in %gs), pid %s", self.name, budget.recent(),
+                           budget.max_restarts, budget.window, process.pid)
             return process
         error = PollerCrashed(f"poller {self.name} died (exit code {exitcode}) and "
-                              f"max_restarts={self._max_restarts} restarts were used")
+                              f"max_restarts={budget.max_restarts} restarts within {budget.window:g}s were used")
         error.__cause__ = cause
         logger.error("%s", error)
         self._give_up(error)

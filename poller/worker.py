@@ -28,6 +28,7 @@ from typing import Any, Deque
 import zmq
 
 from . import lifeline
+from .arguments import check_worker_config
 from .config import ExitCode, WorkerConfig
 from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .link import Link
@@ -78,7 +79,9 @@ def run_standalone(config: WorkerConfig) -> int:
             not connected; the original exception is the ``__cause__``.
         PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row
             (exit code 3); the last exception is the ``__cause__``.
+        ValueError: a numeric field of ``config`` is out of range (e.g. ``interval=inf``).
     """
+    check_worker_config(config)
     loop = _ControlLoop(config, None)
     code = loop.run()
     if loop.startup_error is not None:
@@ -287,7 +290,9 @@ class _ControlLoop:
                                  linger=self.config.linger, curve=self.config.curve)
             except BaseException as exc:
                 if self.lifeline is not None:
-                    lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc))
+                    # A store that cannot be reached now is worth retrying; a broken source is not.
+                    lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc),
+                                  unavailable=isinstance(exc, (ConnectionError, TimeoutError)))
                 # Reported to the caller (lifeline or run_standalone), so not logged twice.
                 logger.debug("poller failed to start: %r", exc)
                 self.startup_error = exc
