@@ -2,7 +2,8 @@
 
 ::
 
-    ReplayBuffer ── add/remove/sample ──▶ ReplayStore ◀── StreamReceiver (ROUTER)
+    ReplayBuffer ── add/remove/sample ──▶ PartitionStore ◀── StreamReceiver (ROUTER)
+         │                                  ▲ policies: StepSampler (sample), ...
          │                                                   ▲ DELTA/HEARTBEAT/BYE
          └── _Core ── supervisor thread ── PollerProcess ────┘ (child, DEALER)
                       (sentinel: restart or PollerCrashed)
@@ -23,7 +24,7 @@ import time
 import uuid
 import weakref
 from multiprocessing.connection import wait
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from poller.curve import CurveClient, CurveServer, generate_pair
 from poller.errors import PollerCrashed, PollerStartupError
@@ -34,12 +35,15 @@ from poller.wakeup import WakePipe
 
 from .access import check_bind
 from .errors import BufferClosed
-from .store import BatchMeta, ReplayStore, Tags
+from .partitions import PartitionStore, Policy, Tags
+from .steps import BatchMeta, StepSampler
 from .stream import StreamReceiver
 
 __all__ = ["ReplayBuffer"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _RESTART_BACKOFF_BASE = 0.1
 _RESTART_BACKOFF_CAP = 2.0
@@ -71,7 +75,8 @@ class _Core:
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
         self.max_restarts = max_restarts
-        self.store = ReplayStore()
+        self.store = PartitionStore()
+        self.steps = StepSampler(self.store)
         self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.restarts = 0
         self.process: PollerProcess | None = None
@@ -321,8 +326,26 @@ class ReplayBuffer:
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
         """
-        return self._core.store.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
+        return self._core.steps.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
                                        timeout=timeout)
+
+    # -- package-private: for sampling policies of this package (buffer.verl) ----
+
+    def _attach_policy(self, policy: Policy) -> None:
+        """Attach a :class:`~buffer.partitions.Policy`; it first sees every key held as added."""
+        self._core.store.attach(policy)
+
+    def _detach_policy(self, policy: Policy) -> None:
+        self._core.store.detach(policy)
+
+    def _wait_until(self, attempt: Callable[[], _T | None], *, timeout: float | None,
+                    describe: Callable[[], str]) -> _T:
+        """:meth:`~buffer.partitions.PartitionStore.wait_until` on this buffer's store."""
+        return self._core.store.wait_until(attempt, timeout=timeout, describe=describe)
+
+    @property
+    def _store(self) -> PartitionStore:
+        return self._core.store
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, Any]:
         """A deep copy of every partition, or of one."""

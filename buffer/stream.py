@@ -2,7 +2,7 @@
 
 It decodes every message (strictly: a bad frame is counted and logged, never
 fatal), checks each peer's epoch and sequence, applies deltas to the
-:class:`~buffer.store.ReplayStore`, and asks a peer for a RESYNC when it sees
+:class:`~buffer.partitions.PartitionStore`, and asks a peer for a RESYNC when it sees
 a gap. Other threads talk to it only through a command queue and a wake-up
 pipe, so the socket is used by the thread that created it alone.
 
@@ -30,7 +30,7 @@ from poller.protocol import DEFAULT_LIMITS, Kind, Limits, decode, encode_body, e
 from poller.wakeup import WakePipe
 
 from .access import Gatekeeper, restrict_ipc_socket
-from .store import ReplayStore
+from .partitions import PartitionStore
 
 __all__ = ["StreamReceiver"]
 
@@ -69,7 +69,7 @@ class StreamReceiver:
     buffer's own poller).
     """
 
-    def __init__(self, store: ReplayStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
+    def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
                  curve: CurveServer | None = None, stale_after: float = 5.0,
                  pinned: frozenset[str] = frozenset()) -> None:
         self._store = store
