@@ -15,6 +15,16 @@ can tell
 * a key the trainer removed while a poll already under way still lists it
   (a *tombstone*: ignore that key until the source stops listing it).
 
+A removal of a key no source lists leaves a *pending* tombstone: a poll that
+began before the removal may still list the key. Whether a poll began before
+the removal is told by the source's poll numbers, never by clocks (the
+trainer's and a poller's host may disagree by any amount). At the removal the
+store notes, per source, the highest poll it has received any message of,
+``m``; poll ``m + 1`` may already be listing, and a poll numbered ``m + 2`` or
+later began after poll ``m + 1`` was sent whole, so after the removal unless
+the receiver was a whole poll behind its poller. The first *complete* poll
+past that horizon that does not list the key ends the pending tombstone.
+
 Tags are held marshalled (``bytes``), and every per-key container maps to
 atomic values, so the garbage collector finds nothing to traverse in them: a
 full ``gc.collect()`` with 1M keys held is then a few milliseconds, where a
@@ -86,9 +96,11 @@ class PartitionStore:
         self._snapshots: dict[str, dict[str, set[str]]] = {}
         # Tombstones of keys still listed by some source: cleared by unlist.
         self._tomb_listed: dict[str, set[str]] = {}
-        # Tombstones of keys no source listed when removed: cleared by the
-        # first poll that started after the removal and does not list them.
-        self._tomb_pending: dict[tuple[str, str], float] = {}
+        # Tombstones of keys no source listed when removed -> the horizon of
+        # the removal: source -> (epoch, last poll that may have begun before it).
+        self._tomb_pending: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+        # source id -> (epoch, highest poll number received any message of).
+        self._seen: dict[str, tuple[int, int]] = {}
         self._closed = False
         self._failure: BaseException | None = None
 
@@ -161,15 +173,17 @@ class PartitionStore:
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
         """Delete keys; a poll still listing them will not bring them back."""
-        now = time.time()
         with self._cond:
             self._check_open()
+            horizon: dict[str, tuple[int, int]] | None = None
             for key in keys:
                 self._drop(partition_id, key)
                 if self._is_listed(partition_id, key):
                     self._tomb_listed.setdefault(partition_id, set()).add(key)
                 else:
-                    self._tomb_pending[(partition_id, key)] = now
+                    if horizon is None:  # one per call, shared by its keys
+                        horizon = {source: (epoch, poll + 1) for source, (epoch, poll) in self._seen.items()}
+                    self._tomb_pending[(partition_id, key)] = horizon
             self._cond.notify_all()
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]] | dict[str, Tags]:
@@ -186,6 +200,13 @@ class PartitionStore:
             return sum(map(len, self._parts.values()))
 
     # -- source side (called by the stream receiver) ----------------------------
+
+    def poll_seen(self, source_id: str, epoch: int, poll: int) -> None:
+        """A message of poll number ``poll`` of ``source_id``'s process ``epoch`` arrived."""
+        with self._cond:
+            seen = self._seen.get(source_id)
+            if seen is None or seen[0] != epoch or seen[1] < poll:
+                self._seen[source_id] = (epoch, poll)
 
     def merge_listed(self, source_id: str, partition_id: str, items: Mapping[str, Tags]) -> None:
         """Merge what ``source_id`` lists; tombstoned keys are ignored."""
@@ -248,13 +269,13 @@ class PartitionStore:
         with self._cond:
             self._snapshots.pop(source_id, None)
 
-    def poll_completed(self, source_id: str, started_at: float) -> None:
-        """A poll that began at ``started_at`` (wall clock) has been applied."""
+    def poll_completed(self, source_id: str, epoch: int, poll: int) -> None:
+        """Poll ``poll`` of ``source_id``'s process ``epoch`` has been applied whole."""
         with self._cond:
             if not self._tomb_pending:
                 return
-            expired = [pk for pk, removed_at in self._tomb_pending.items()
-                       if removed_at < started_at and not self._is_listed(*pk)]
+            expired = [pk for pk, horizon in self._tomb_pending.items()
+                       if _after(horizon, source_id, epoch, poll) and not self._is_listed(*pk)]
             for pk in expired:
                 del self._tomb_pending[pk]
 
@@ -344,3 +365,14 @@ class PartitionStore:
             error.__cause__ = exc
             self._failure = self._failure or error
 
+
+def _after(horizon: Mapping[str, tuple[int, int]], source_id: str, epoch: int, poll: int) -> bool:
+    """Whether poll ``poll`` of ``source_id``/``epoch`` began after the removal with ``horizon``.
+
+    A process unseen at the removal (new source, restarted poller) may have
+    had its first poll under way then.
+    """
+    known = horizon.get(source_id)
+    if known is None or known[0] != epoch:
+        return poll > 1
+    return poll > known[1]

@@ -425,6 +425,7 @@ class StreamReceiver:
 
     def _on_delta(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         body = message.body
+        self._store.poll_seen(peer.name, message.epoch, body["poll"])
         if peer.awaiting_resync:
             if not (body["full"] and body["reset"]):
                 # Stale: everything until the snapshot is superseded by it. A
@@ -446,7 +447,7 @@ class StreamReceiver:
             if body["full"]:
                 self._store.end_snapshot(peer.name)
                 peer.snapshots_applied += 1
-            self._store.poll_completed(peer.name, body["t"])
+            self._store.poll_completed(peer.name, message.epoch, body["poll"])
             if peer.polls_applied == 0:
                 with self._events:
                     peer.polls_applied += 1
