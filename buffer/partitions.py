@@ -101,6 +101,10 @@ class PartitionStore:
         self._tomb_pending: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
         # source id -> (epoch, highest poll number received any message of).
         self._seen: dict[str, tuple[int, int]] = {}
+        # source id -> highest sync token a complete poll of it answered, and
+        # the epoch of its last complete poll.
+        self._synced: dict[str, int] = {}
+        self._completed_epoch: dict[str, int] = {}
         self._closed = False
         self._failure: BaseException | None = None
 
@@ -269,15 +273,30 @@ class PartitionStore:
         with self._cond:
             self._snapshots.pop(source_id, None)
 
-    def poll_completed(self, source_id: str, epoch: int, poll: int) -> None:
-        """Poll ``poll`` of ``source_id``'s process ``epoch`` has been applied whole."""
+    def poll_completed(self, source_id: str, epoch: int, poll: int, sync: int | None = None) -> None:
+        """Poll ``poll`` of ``source_id``'s process ``epoch`` has been applied whole.
+
+        ``sync`` is the highest sync token the poller had received when the
+        poll's listing began.
+        """
         with self._cond:
+            if (sync is not None and sync > self._synced.get(source_id, 0)) \
+                    or self._completed_epoch.get(source_id) != epoch:
+                # Wakes sync() waiters: answered, or a new poller process to ask again.
+                self._synced[source_id] = max(sync or 0, self._synced.get(source_id, 0))
+                self._completed_epoch[source_id] = epoch
+                self._cond.notify_all()
             if not self._tomb_pending:
                 return
             expired = [pk for pk, horizon in self._tomb_pending.items()
                        if _after(horizon, source_id, epoch, poll) and not self._is_listed(*pk)]
             for pk in expired:
                 del self._tomb_pending[pk]
+
+    def synced(self, source_id: str) -> int:
+        """The highest sync token a complete poll of ``source_id`` answered (0: none)."""
+        with self._cond:
+            return self._synced.get(source_id, 0)
 
     # -- lifecycle ----------------------------------------------------------------
 

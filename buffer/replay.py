@@ -38,6 +38,7 @@ from .errors import BufferClosed
 from .partitions import PartitionStore, Policy, Tags
 from .steps import BatchMeta, StepSampler
 from .stream import StreamReceiver
+from .sync import ListingSync
 
 __all__ = ["ReplayBuffer"]
 
@@ -95,6 +96,7 @@ class _Core:
         self.child_curve: CurveClient | None = None
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
+        self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
 
     def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
                          stale_after: float) -> StreamReceiver:
@@ -328,6 +330,28 @@ class ReplayBuffer:
         """
         return self._core.steps.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
                                        timeout=timeout)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Read your writes: return once a listing that began after this call has been applied.
+
+        Asks the buffer's own poller for a poll at once (its next poll is not
+        waited for), so everything written to the store before the call is
+        reflected when this returns. Several concurrent calls may be answered
+        by one poll. Without a source (standalone pollers only) it returns at once.
+
+        Raises:
+            TimeoutError: no such listing within ``timeout`` seconds (the
+                source stalls or fails); the message says what is known.
+            PollerCrashed: the poller is dead for good.
+            BufferClosed: the buffer was closed, possibly by another thread.
+        """
+        core = self._core
+        core.store.check_open()
+        if core.listing_sync is None:
+            if timeout is not None and not timeout >= 0:
+                raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+            return
+        core.listing_sync.wait(timeout)
 
     # -- package-private: for sampling policies of this package (buffer.verl) ----
 
