@@ -12,7 +12,7 @@ from poller.process import ShutdownReport
 
 from .errors import BufferClosed
 from .replay import ReplayBuffer
-from .store import BatchMeta
+from .steps import BatchMeta
 
 __all__ = ["ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed"]
 

@@ -2,7 +2,8 @@
 
 ::
 
-    ReplayBuffer ── add/remove/sample ──▶ ReplayStore ◀── StreamReceiver (ROUTER)
+    ReplayBuffer ── add/remove/sample ──▶ PartitionStore ◀── StreamReceiver (ROUTER)
+         │                                  ▲ policies: StepSampler (sample), ...
          │                                                   ▲ DELTA/HEARTBEAT/BYE
          └── _Core ── supervisor thread ── PollerProcess ────┘ (child, DEALER)
                       (sentinel: restart or PollerCrashed)
@@ -23,7 +24,7 @@ import time
 import uuid
 import weakref
 from multiprocessing.connection import wait
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from poller.curve import CurveClient, CurveServer, generate_pair
 from poller.errors import PollerCrashed, PollerStartupError
@@ -34,12 +35,16 @@ from poller.wakeup import WakePipe
 
 from .access import check_bind
 from .errors import BufferClosed
-from .store import BatchMeta, ReplayStore, Tags
+from .partitions import PartitionStore, Policy, Tags
+from .steps import BatchMeta, StepSampler
 from .stream import StreamReceiver
+from .sync import ListingSync
 
 __all__ = ["ReplayBuffer"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _RESTART_BACKOFF_BASE = 0.1
 _RESTART_BACKOFF_CAP = 2.0
@@ -71,7 +76,8 @@ class _Core:
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
         self.max_restarts = max_restarts
-        self.store = ReplayStore()
+        self.store = PartitionStore()
+        self.steps = StepSampler(self.store)
         self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.restarts = 0
         self.process: PollerProcess | None = None
@@ -90,6 +96,7 @@ class _Core:
         self.child_curve: CurveClient | None = None
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
+        self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
 
     def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
                          stale_after: float) -> StreamReceiver:
@@ -321,8 +328,48 @@ class ReplayBuffer:
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
         """
-        return self._core.store.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
+        return self._core.steps.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
                                        timeout=timeout)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Read your writes: return once a listing that began after this call has been applied.
+
+        Asks the buffer's own poller for a poll at once (its next poll is not
+        waited for), so everything written to the store before the call is
+        reflected when this returns. Several concurrent calls may be answered
+        by one poll. Without a source (standalone pollers only) it returns at once.
+
+        Raises:
+            TimeoutError: no such listing within ``timeout`` seconds (the
+                source stalls or fails); the message says what is known.
+            PollerCrashed: the poller is dead for good.
+            BufferClosed: the buffer was closed, possibly by another thread.
+        """
+        core = self._core
+        core.store.check_open()
+        if core.listing_sync is None:
+            if timeout is not None and not timeout >= 0:
+                raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+            return
+        core.listing_sync.wait(timeout)
+
+    # -- package-private: for sampling policies of this package (buffer.verl) ----
+
+    def _attach_policy(self, policy: Policy) -> None:
+        """Attach a :class:`~buffer.partitions.Policy`; it first sees every key held as added."""
+        self._core.store.attach(policy)
+
+    def _detach_policy(self, policy: Policy) -> None:
+        self._core.store.detach(policy)
+
+    def _wait_until(self, attempt: Callable[[], _T | None], *, timeout: float | None,
+                    describe: Callable[[], str]) -> _T:
+        """:meth:`~buffer.partitions.PartitionStore.wait_until` on this buffer's store."""
+        return self._core.store.wait_until(attempt, timeout=timeout, describe=describe)
+
+    @property
+    def _store(self) -> PartitionStore:
+        return self._core.store
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, Any]:
         """A deep copy of every partition, or of one."""

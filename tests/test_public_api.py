@@ -184,3 +184,9 @@ def test_load_source_lets_factory_errors_through() -> None:
         load_source("tests.helpers.sources:failing_factory", {"host": "h"})
     with pytest.raises(ModuleNotFoundError):
         load_source("no_such_module_for_the_api_test:thing")
+
+
+def test_replay_buffer_sync_signature() -> None:
+    params = inspect.signature(ReplayBuffer.sync).parameters
+    assert list(params) == ["self", "timeout"]
+    assert params["timeout"].default is None
