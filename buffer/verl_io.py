@@ -1,0 +1,127 @@
+"""The verl sampler's own store calls: where it clears keys and reads DAPO metrics, and its batch record.
+
+The poller lists the store in its own process; the few writes and reads the
+sampler makes itself run in the trainer:
+
+* on TransferQueue (the default source), through ``transfer_queue``'s
+  module functions, in the trainer process that initialised it;
+* on any other source (the embedded SQLite store in tests and the example),
+  through an instance the trainer builds from the same spec and kwargs; it
+  must have ``kv_clear`` (and ``kv_batch_get`` for DAPO).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from poller.sources import SourceSpec, describe_spec, load_source
+from poller.sources import _resolve as resolve_spec
+from poller.sources.transferqueue import SPEC as TRANSFERQUEUE_SPEC
+from poller.sources.transferqueue import source_kwargs as transferqueue_source_kwargs
+
+__all__ = ["StoreClient", "VerlBatch", "close_client", "is_transferqueue", "make_batch", "open_client",
+           "poller_source", "read_metric"]
+
+
+class StoreClient(Protocol):
+    def kv_clear(self, keys: list[str], partition_id: str) -> None: ...
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: list[str] | None = None) -> Any: ...
+
+
+@dataclass
+class VerlBatch:
+    """A batch shaped like ``transfer_queue.KVBatchMeta``, used when TransferQueue is not loaded."""
+
+    keys: list[str] = field(default_factory=list)
+    tags: list[dict[str, Any]] = field(default_factory=list)
+    partition_id: str | None = None
+    fields: list[str] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+def is_transferqueue(source: SourceSpec | None) -> bool:
+    return source is None or source == TRANSFERQUEUE_SPEC
+
+
+def poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None) -> tuple[SourceSpec, dict[str, Any]]:
+    """The spec and kwargs the poller lists. TransferQueue's address is looked up here, in the trainer."""
+    if not is_transferqueue(source):
+        assert source is not None
+        return source, dict(kwargs or {})
+    given = dict(kwargs or {})
+    if "address" in given:
+        return TRANSFERQUEUE_SPEC, given
+    # Options only (call_timeout, partition_ids, ...): the address comes from the live controller.
+    return TRANSFERQUEUE_SPEC, transferqueue_source_kwargs(None, **given)
+
+
+def open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:
+    """The trainer-side client and whether the sampler owns it (and must close it).
+
+    Raises:
+        TypeError: the client lacks ``kv_clear`` (or ``kv_batch_get`` when DAPO needs it).
+    """
+    if is_transferqueue(source):
+        import transfer_queue
+
+        return transfer_queue, False
+    assert source is not None
+    client = load_source(source, kwargs)
+    # load_source hands back a ready-made source object as it is: that one is not ours to close.
+    target = resolve_spec(source) if isinstance(source, str) else source
+    owned = client is not target
+    wanted = ["kv_clear"] + (["kv_batch_get"] if need_fields else [])
+    missing = [name for name in wanted if not callable(getattr(client, name, None))]
+    if missing:
+        if owned:
+            _close(client)
+        raise TypeError(f"source {describe_spec(source)} built {type(client).__name__}, which has no "
+                        f"{' or '.join(missing)}: the sampler clears keys"
+                        + (" and reads DAPO metrics" if need_fields else "") + " through it")
+    return client, owned
+
+
+def _close(client: Any) -> None:
+    close = getattr(client, "close", None)
+    if callable(close):
+        close()
+
+
+def close_client(client: Any, owned: bool) -> None:
+    if owned:
+        _close(client)
+
+
+def read_metric(client: Any, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
+    """Each key's ``extra_fields["reward_extra_info"][metric]`` (None where it is missing)."""
+    if not keys:
+        return []
+    data = client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
+    column = list(data["extra_fields"])
+    if len(column) != len(keys):
+        raise RuntimeError(f"kv_batch_get returned {len(column)} extra_fields for {len(keys)} keys")
+    values: list[float | None] = []
+    for extra in column:
+        extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
+        info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
+        values.append(float(info[metric]) if isinstance(info, dict) and metric in info else None)
+    return values
+
+
+def make_batch(partition_id: str, keys: list[str], tags: list[dict[str, Any]], transferqueue: bool) -> Any:
+    """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
+    if transferqueue or "transfer_queue" in sys.modules:
+        from transfer_queue import KVBatchMeta
+
+        return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
+    return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
