@@ -98,15 +98,16 @@ class _Run:
         self.step = 0
 
 
-def _rounds(contender: _Contender, rollouts: Rollouts, run: _Run, rounds: int, lead: float,
+def _rounds(contender: _Contender, rollouts: Rollouts, run: _Run, rounds: int, lead: float, spread: float,
             progress: Callable[[str], None]) -> dict[str, list[float]]:
     rng = random.Random(1)
     out: dict[str, list[float]] = {"thread_cpu": [], "process_cpu": [], "latency": []}
     for r in range(rounds):
         run.step += 1
         uids = [run.backlog.popleft() for _ in range(BATCH)]
-        # After the sampler's first look at the store, at a random phase of its poll schedule.
-        rollouts.finish(uids, lead + rng.uniform(0, INTERVAL))
+        # After the sampler's first look at the store, at a random phase of its poll schedule: both
+        # schedules start with the call, so the spread covers several of either's periods.
+        rollouts.finish(uids, lead + rng.uniform(0, spread))
         thread_cpu, process_cpu = time.thread_time(), time.process_time()
         keys = contender.sample(run.step)
         returned = time.monotonic()
@@ -187,6 +188,8 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                 probe.kv_list()
                 list_s = time.perf_counter() - started
             lead = 1.5 * list_s + 0.05
+            # verl's period is a listing, its rebuild (about as long again) and the interval.
+            spread = 3 * (2 * list_s + INTERVAL)
             rollouts = Rollouts(db)
             try:
                 results = {}
@@ -197,7 +200,7 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                     progress(f"verl: {name}, K={k:,}, {rounds} samples")
                     contender = make()
                     try:
-                        results[name] = _rounds(contender, rollouts, run_state, rounds, lead, progress)
+                        results[name] = _rounds(contender, rollouts, run_state, rounds, lead, spread, progress)
                     finally:
                         contender.close()
                 if k == 100_000:
@@ -247,9 +250,10 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                      "poller's mean is about period/2 + one listing, its p99 about period + one listing, so the p99 "
                      "goal (5 ms + interval/2) is out of reach for polling once a listing costs more than a few ms")
     lat.notes.append("from the rollout process's commit that made the last of the batch's groups terminal to "
-                     "sample() returning; groups turn terminal after the sampler's first look, at a random phase "
-                     "of the poll schedule; kv_list() ms is one listing of the whole store in the trainer, the "
-                     "floor of any poller's interval at that K")
+                     "sample() returning; groups turn terminal after the sampler's first look, at a random time "
+                     "spread over three of verl's poll periods (so at a random phase of either schedule); "
+                     "kv_list() ms is one listing of the whole store in the trainer, the floor of any poller's "
+                     "period at that K")
     slow.notes.append("median of per-pair ratios: the loop beside the sampler (constructed and, for the product, its "
                       "poller listing the store every interval), then the loop without it; the rollout process "
                       "changes one trajectory every 5 ms in both halves. verl's sampler does nothing between "
