@@ -73,7 +73,13 @@ def _product(db: str, interval: float = INTERVAL) -> _Contender:
                           max_off_policy_strategy="drop",
                           sampler_kwargs={"source": SQLITE, "source_kwargs": {"path": db},
                                           "poll_interval": interval, "start_timeout": 600})
-    sampler.get_sampleable_count(0, PARTITION)  # starts the poller: its first listing is not a sample's cost
+    sampler.get_sampleable_count(0, PARTITION)  # starts the poller
+    # Its first listing (a snapshot of K keys, ~20 s at 1M) is start-up, not any sample's cost.
+    deadline = time.monotonic() + 900
+    while sampler.stats()["polls"] < 1:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the product's first listing never arrived")
+        time.sleep(0.05)
 
     def sample(step: int) -> list[str]:
         return list(sampler.sample(global_steps=step, partition_id=PARTITION, batch_size=BATCH)[0].keys)
