@@ -47,7 +47,7 @@ from .group_rules import (
     plan_sync,
     sampleable_count,
 )
-from .groups import FAILURE, FINISHED, PENDING, RUNNING, GroupIndex, GroupPartition
+from .groups import GroupIndex, GroupPartition
 from .replay import ReplayBuffer as _Buffer
 from .verl_config import SamplerConfig
 from .verl_io import VerlBatch, close_client, is_transferqueue, make_batch, open_client, poller_source, read_metric
@@ -186,9 +186,11 @@ class ReplayBuffer:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
         what = self._call("get_sampleable_count", global_steps, partition_id)
         deadline = self._deadline()
+        def count(part: GroupPartition) -> Plan | int:
+            return sampleable_count(part, self._rules, partition_id, global_steps)
+
         while True:
-            result = self._decide(what, partition_id, deadline,
-                                  lambda part: sampleable_count(part, self._rules, partition_id, global_steps))
+            result = self._decide(what, partition_id, deadline, count)
             if isinstance(result, int):
                 return result
             self._carry_out(result, partition_id, {}, deadline)
@@ -226,14 +228,15 @@ class ReplayBuffer:
 
     # -- deciding and carrying out ------------------------------------------------------------
 
-    def _call(self, name: str, global_steps: Any, partition_id: Any, count: Any = None) -> str:
+    def _call(self, name: str, global_steps: Any, partition_id: Any, count: Any = None,
+              count_name: str = "batch_size") -> str:
         if not isinstance(global_steps, int) or isinstance(global_steps, bool):
             raise TypeError(f"global_steps must be an int, got {global_steps!r}")
         if not isinstance(partition_id, str) or not partition_id:
             raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
         if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
             raise ValueError(f"the batch size / target count must be an int >= 0, got {count!r}")
-        tail = "" if count is None else f", {count}"
+        tail = "" if count is None else f", {count_name}={count}"
         return f"{name}(global_steps={global_steps}, partition_id={partition_id!r}{tail})"
 
     def _deadline(self) -> float | None:
@@ -282,7 +285,7 @@ class ReplayBuffer:
                 wait = min(wait, deadline - now)
             try:
                 return buffer._wait_until(attempt, timeout=max(0.0, wait),
-                                          describe=lambda: self._describe(partition_id))
+                                          describe=lambda: self._index.partition(partition_id).describe(partition_id))
             except TimeoutError as exc:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{what} timed out after {self._config.sample_timeout:g}s: {exc}") from None
@@ -358,16 +361,7 @@ class ReplayBuffer:
         return make_batch(partition_id, keys, [held[key] for key in keys], is_transferqueue(self._config.source))
 
     def _group_counts(self) -> dict[str, dict[str, int]]:
-        return {pid: {status: self._index.partition(pid).count(status)
-                      for status in (PENDING, RUNNING, FINISHED, FAILURE)}
-                for pid in self._index.partition_ids()}
-
-    def _describe(self, partition_id: str) -> str:
-        part = self._index.partition(partition_id)
-        inflight = [*part.uids(RUNNING), *part.uids(PENDING)][:5]
-        return (f"partition {partition_id!r} holds {part.count(PENDING)} pending, {part.count(RUNNING)} running, "
-                f"{part.count(FINISHED)} finished and {part.count(FAILURE)} failure prompt(s)"
-                + (f"; in flight: {', '.join(inflight)}" if inflight else ""))
+        return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}
 
 
 class ReplayBufferAsync(ReplayBuffer):
@@ -381,7 +375,7 @@ class ReplayBufferAsync(ReplayBuffer):
 
         Returns their uids and the eviction metrics; nothing is consumed.
         """
-        what = self._call("wait_for_sampleable", global_steps, partition_id, target_count)
+        what = self._call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
         plan, metrics = self._wait(what, global_steps, partition_id, target_count, select=False)
         return plan.sampleable, metrics
 

@@ -12,6 +12,7 @@ sampler makes itself run in the trainer:
 
 from __future__ import annotations
 
+import importlib
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,9 +73,8 @@ def open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_f
         TypeError: the client lacks ``kv_clear`` (or ``kv_batch_get`` when DAPO needs it).
     """
     if is_transferqueue(source):
-        import transfer_queue
-
-        return transfer_queue, False
+        # Imported here, in the trainer that initialised it: import_module keeps type checkers out of it.
+        return importlib.import_module("transfer_queue"), False
     assert source is not None
     client = load_source(source, kwargs)
     # load_source hands back a ready-made source object as it is: that one is not ours to close.
@@ -121,7 +121,6 @@ def read_metric(client: Any, partition_id: str, keys: list[str], metric: str) ->
 def make_batch(partition_id: str, keys: list[str], tags: list[dict[str, Any]], transferqueue: bool) -> Any:
     """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
     if transferqueue or "transfer_queue" in sys.modules:
-        from transfer_queue import KVBatchMeta
-
-        return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
+        meta = importlib.import_module("transfer_queue").KVBatchMeta
+        return meta(partition_id=partition_id, keys=keys, tags=tags)
     return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
