@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from poller.process import ShutdownReport
 
@@ -190,7 +190,7 @@ class ReplayBuffer:
             return sampleable_count(part, self._rules, partition_id, global_steps)
 
         while True:
-            result = self._decide(what, partition_id, deadline, count)
+            result = cast("Plan | int", self._decide(what, partition_id, deadline, count))
             if isinstance(result, int):
                 return result
             self._carry_out(result, partition_id, {}, deadline)
