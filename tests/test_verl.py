@@ -387,3 +387,21 @@ def test_a_trainer_constructor_that_fails_after_building_the_sampler_leaks_nothi
     with pytest.raises(RuntimeError, match="later init step"):
         Trainer()
     # Nothing to undo: the sampler had started nothing (no_leaks checks processes, threads, fds, ipc dirs).
+
+
+@pytest.mark.parametrize("mode", ["sync", "colocate_async"])
+def test_the_verl_v1_example_on_sqlite_runs_and_its_never_closed_sampler_leaves_no_poller(mode: str) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "examples/verl_v1_trainer.py", "--store", "sqlite", "--mode", mode,
+                             "--steps", "3"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    names = [event["event"] for event in events]
+    assert names == ["trainer-built", "step", "step", "step", "fit-done", "store-closed"]
+    assert all(event["groups"] == 4 for event in events if event["event"] == "step")
+    assert wait_until(lambda: not alive(events[1]["poller_pid"]))
