@@ -241,6 +241,33 @@ def test_sync_dapo_reads_metrics_refills_twice_and_discards_surplus(make, store)
     assert surplus not in listed and f"{surplus}_1_0" not in listed
 
 
+def test_sync_dapo_counts_what_refill_fn_just_submitted_as_in_flight(make, store) -> None:
+    # Two filtered groups give 4 credits; only max_inflight_gen_batches * train_batch_size = 2 may be in flight.
+    # refill_fn only registers pending prompts (the agent loop runs later), as verl's does: the next decision
+    # must see them (read-your-writes) or it dispatches the remaining credit at once.
+    for _ in range(2):
+        produce(store, "train", "finished", sessions=2, rewards=[1.0, 1.0])
+    calls: list[list[str]] = []
+
+    def submit_only(n: int) -> int:
+        uids = [uid() for _ in range(n)]
+        store.kv_batch_put(uids, "train", tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}] * n)
+        calls.append(uids)
+        return n
+
+    rb = make(refill_fn=submit_only, filter_groups_metric="acc", train_batch_size=2, gen_batch_size=1)
+    consumer = Consumer(lambda: rb.sample(global_steps=1, partition_id="train", batch_size=2))
+    consumer.start()
+    assert wait_until(lambda: len(calls) >= 1)
+    time.sleep(0.5)
+    assert [len(c) for c in calls] == [2] and consumer.is_alive()
+    for key in calls[0]:  # the agent loop runs them: groups with signal
+        produce(store, "train", "finished", sessions=2, rewards=[0.0, 1.0], key=key)
+    batch, metrics = consumer.outcome()
+    assert uids_of(batch.keys) == set(calls[0]) and len(calls) == 1
+    assert metrics["training/filter_groups/evicted_samples"] == 2
+
+
 def test_dapo_without_the_metric_is_a_clear_error(make, store) -> None:
     produce(store, "train", "finished", sessions=2)
     rb = make(refill_fn=print, filter_groups_metric="acc", train_batch_size=1, gen_batch_size=1)
