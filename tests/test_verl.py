@@ -159,6 +159,17 @@ def test_options_from_sampler_kwargs_as_verls_custom_path_passes_them(db: str) -
         ("acc", 4, 3, 0.05)
 
 
+def test_sampler_kwargs_as_the_omegaconf_mapping_verl_passes(db: str, store) -> None:
+    omegaconf = pytest.importorskip("omegaconf")  # installed with TransferQueue (make test-integration)
+    finished = produce(store, "train", "finished")
+    config = omegaconf.OmegaConf.create({"sampler_kwargs": {"source": SPEC, "source_kwargs": {"path": db},
+                                                            "poll_interval": 0.05, "sample_timeout": 60}})
+    with ReplayBuffer(trainer_mode="sync", trainer_config=omegaconf.OmegaConf.create({}), max_off_policy_threshold=1,
+                      max_off_policy_strategy="drop", sampler_kwargs=config.sampler_kwargs) as rb:
+        batch, _ = rb.sample(global_steps=0, partition_id="train", batch_size=1)
+        assert uids_of(batch.keys) == {finished} and rb.poll_interval == 0.05
+
+
 # -- sync rules ------------------------------------------------------------------------------------
 
 def test_sample_returns_whole_terminal_groups_oldest_first_and_clears_their_prompts(make, store) -> None:
