@@ -50,21 +50,13 @@ from .group_rules import (
 from .groups import GroupIndex, GroupPartition
 from .replay import ReplayBuffer as _Buffer
 from .verl_config import SamplerConfig
-from .verl_io import VerlBatch, close_client, is_transferqueue, make_batch, open_client, poller_source, read_metric
+from .verl_io import VerlBatch, is_transferqueue, make_batch, open_client, poller_source, read_metric, shut_down
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
 logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
-
-
-def _shut(buffer: _Buffer, client: Any, owned: bool) -> None:
-    """Finalizer body: holds no reference to the sampler."""
-    try:
-        buffer.close()
-    finally:
-        close_client(client, owned)
 
 
 class ReplayBuffer:
@@ -257,10 +249,14 @@ class ReplayBuffer:
                 buffer = _Buffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
                                  **config.buffer_kwargs)
             except BaseException:
-                close_client(client, owned)
+                shut_down(None, client, owned)
                 raise
-            self._finalizer = weakref.finalize(self, _shut, buffer, client, owned)
-            buffer._attach_policy(self._index)
+            self._finalizer = weakref.finalize(self, shut_down, buffer, client, owned)
+            try:
+                buffer._attach_policy(self._index)
+            except BaseException:
+                self._finalizer()
+                raise
             self._buffer, self._client = buffer, client
             logger.debug("verl sampler started: %r", buffer)
             return buffer

@@ -23,7 +23,7 @@ from poller.sources.transferqueue import SPEC as TRANSFERQUEUE_SPEC
 from poller.sources.transferqueue import source_kwargs as transferqueue_source_kwargs
 
 __all__ = ["StoreClient", "VerlBatch", "close_client", "is_transferqueue", "make_batch", "open_client",
-           "poller_source", "read_metric"]
+           "poller_source", "read_metric", "shut_down"]
 
 
 class StoreClient(Protocol):
@@ -100,6 +100,15 @@ def _close(client: Any) -> None:
 def close_client(client: Any, owned: bool) -> None:
     if owned:
         _close(client)
+
+
+def shut_down(buffer: Any, client: Any, owned: bool) -> None:
+    """The sampler's finalizer: close its buffer, then the client it built (no reference to the sampler)."""
+    try:
+        if buffer is not None:
+            buffer.close()
+    finally:
+        close_client(client, owned)
 
 
 def read_metric(client: Any, partition_id: str, keys: list[str], metric: str) -> list[float | None]:

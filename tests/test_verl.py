@@ -443,3 +443,38 @@ def test_the_verl_v1_example_on_sqlite_runs_and_its_never_closed_sampler_leaves_
     assert names == ["trainer-built", "step", "step", "step", "fit-done", "store-closed"]
     assert all(event["groups"] == 4 for event in events if event["event"] == "step")
     assert wait_until(lambda: not alive(events[1]["poller_pid"]))
+
+
+_EXITING_TRAINER = """
+import json, logging, sys
+from buffer.verl import ReplayBuffer
+
+logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+
+class Trainer:  # refill_fn ties trainer and sampler in a cycle, as in verl: no refcount frees them
+    def __init__(self, db):
+        self.replay_buffer = ReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=1,
+                                          max_off_policy_strategy="drop", refill_fn=self.refill,
+                                          sampler_kwargs={"source": "poller.sources.sqlite:SqliteSource",
+                                                          "source_kwargs": {"path": db}})
+    def refill(self, n):
+        return n
+
+trainer = Trainer(sys.argv[1])
+trainer.replay_buffer.get_sampleable_count(0, "train")
+print(json.dumps({"poller_pid": trainer.replay_buffer.stats()["poller_pid"]}), flush=True)
+"""
+
+
+def test_a_trainer_that_exits_without_closing_its_sampler_leaves_no_poller(db: str) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run([sys.executable, "-c", _EXITING_TRAINER, db], cwd=Path(__file__).resolve().parent.parent,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    # At exit the sampler's finalizer closed the buffer itself (not just the poller noticing its parent die).
+    assert "replay buffer closed: ShutdownReport(stage='graceful'" in result.stderr
+    assert wait_until(lambda: not alive(json.loads(result.stdout)["poller_pid"]))
