@@ -41,7 +41,6 @@ from .group_rules import (
     Plan,
     Rules,
     accumulate_metrics,
-    classify,
     metrics_prefix,
     plan_async,
     plan_sync,
@@ -50,13 +49,17 @@ from .group_rules import (
 from .groups import GroupIndex, GroupPartition
 from .replay import ReplayBuffer as _Buffer
 from .verl_config import SamplerConfig
-from .verl_io import VerlBatch, is_transferqueue, make_batch, open_client, poller_source, read_metric, shut_down
+from .verl_io import (SyncAhead, VerlBatch, classify_groups, is_transferqueue, make_batch, open_client,
+                      poller_source, shut_down)
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
 logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
+
+# A sync started ahead gives up after this long; the next call then syncs itself (with its own deadline).
+_SYNC_AHEAD_TIMEOUT = 60.0
 
 
 class ReplayBuffer:
@@ -126,6 +129,7 @@ class ReplayBuffer:
         self._finalizer: weakref.finalize | None = None
         self._closed = False
         self._needs_sync = False
+        self._sync_ahead: SyncAhead | None = None
         # DAPO metrics read outside the lock, recorded in the index by the next decision.
         self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0}
@@ -197,6 +201,8 @@ class ReplayBuffer:
         report = buffer.close(timeout)
         if finalizer is not None:
             finalizer()
+        if self._sync_ahead is not None:
+            self._sync_ahead.done(1.0)  # ends with BufferClosed
         return report
 
     def stats(self) -> dict[str, Any]:
@@ -265,6 +271,10 @@ class ReplayBuffer:
                 rule: Callable[[GroupPartition], _R | None]) -> _R:
         """The first non-None ``rule(view)``, waking on every change; logs progress while it waits."""
         buffer = self._started()
+        ahead, self._sync_ahead = self._sync_ahead, None
+        if ahead is not None and self._needs_sync:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._needs_sync = not ahead.done(remaining)
         if self._needs_sync:
             self._sync(what, deadline)
 
@@ -326,20 +336,9 @@ class ReplayBuffer:
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
-        metric = self._config.filter_groups_metric
-        assert metric is not None
-        keys = [key for group_keys in groups.values() for key in group_keys]
-        values = iter(read_metric(self._client, partition_id, keys, metric))
-        fetched = self._fetched.setdefault(partition_id, {})
-        missing = []
-        for uid, group_keys in groups.items():
-            group_values = [next(values) for _ in group_keys]
-            if not group_values or any(value is None for value in group_values):
-                missing.append(uid)
-            else:
-                fetched[uid] = (group_keys, classify([v for v in group_values if v is not None]))
-        if missing:
-            raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
+        assert self._config.filter_groups_metric is not None
+        classes = classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
+        self._fetched.setdefault(partition_id, {}).update(classes)
 
     def _record_fetched(self, partition_id: str) -> None:
         fetched = self._fetched.pop(partition_id, None)
@@ -354,6 +353,8 @@ class ReplayBuffer:
         keys = [key for key in keys if key in held]
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
+        # The next call must see a listing that began after this clear: have it run during the training step.
+        self._sync_ahead = SyncAhead(buffer, _SYNC_AHEAD_TIMEOUT)
         return make_batch(partition_id, keys, [held[key] for key in keys], is_transferqueue(self._config.source))
 
     def _group_counts(self) -> dict[str, dict[str, int]]:

@@ -188,6 +188,8 @@ def test_sample_returns_whole_terminal_groups_oldest_first_and_clears_their_prom
     # Read-your-writes: at once, the next sample cannot hand the same groups out again.
     batch, _ = rb.sample(global_steps=5, partition_id="train", batch_size=1)
     assert uids_of(batch.keys) == {newest}
+    # The listing that proves it was started right after the clear, in the background: no sync in the call.
+    assert rb.stats()["syncs"] == 0
 
 
 def test_sample_waits_on_the_change_that_completes_it(make, store) -> None:
