@@ -43,7 +43,7 @@ def test_async_drop_failure_refill_and_wait_built_with_verls_full_signature(stor
     assert sum(out["refill_calls"]) == 3
 
 
-def test_sync_dapo_reads_extra_fields_from_transferqueue(store):
+def test_sync_dapo_reads_extra_fields_from_transferqueue_and_failed_groups_are_refilled(store):
     out = run(store, "dapo_rules")
     assert out["metrics"]["training/filter_groups/evicted_samples"] == 1
 

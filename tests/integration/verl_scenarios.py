@@ -162,6 +162,10 @@ def sync_rules(conf: Any) -> dict[str, Any]:
         message = str(exc)
     assert stuck in message and "1 running" in message, message
     _closed(timed)
+    # Validation never evicts: a stale failure group is handed out as it is.
+    val_failure = group("val", "failure", step=0)
+    val_batch, val_metrics = rb.sample(global_steps=9, partition_id="val", batch_size=1)
+    assert uids_of(val_batch.keys) == {val_failure} and val_metrics == {}
     return {"latency_s": latency, "decisions": rb.stats()["decisions"], "poller_pid": _closed(rb)}
 
 
@@ -222,6 +226,18 @@ def dapo_rules(conf: Any) -> dict[str, Any]:
                        "training/filter_groups/discarded_surplus_samples": 1}, metrics
     surplus = (set(refill.produced) - sampled).pop()
     assert {same, f"{same}_0_0", surplus, f"{surplus}_1_0"}.isdisjoint(listed("train"))
+    _closed(rb)
+    # sync_refill_failed_groups: a failure group without trajectories is evicted and refilled.
+    import transfer_queue as tq
+
+    tq.kv_clear(keys=list(listed("train")), partition_id="train")
+    finished = group("train", "finished", step=1)
+    empty = group("train", "failure", step=1, sessions=0)
+    refill = Refill("train", step=1)
+    rb = custom_path("sync", refill, sync_refill_failed_groups=True, gen_batch_size=1)
+    batch, failure_metrics = rb.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert uids_of(batch.keys) == {finished, *refill.produced} and refill.calls == [1]
+    assert failure_metrics == {"training/rollout_failure/evicted_samples": 1} and empty not in listed("train")
     return {"metrics": {k: v for k, v in metrics.items() if not k.startswith("_")}, "poller_pid": _closed(rb)}
 
 
