@@ -10,7 +10,7 @@ TQ_STAMP := $(VENV)/.installed-transferqueue
 # or a range TransferQueue's dependencies pick) pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-integration install bench clean
+.PHONY: demo test lint check-dist test-integration install bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m poller demo
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest
+
+# Style and types of the two packages (configured in pyproject.toml and setup.cfg).
+lint: $(STAMP)
+	$(BIN)/python -m ruff check poller buffer
+	$(BIN)/python -m mypy
+
+# Build the sdist and wheel, check their contents and metadata, install the wheel
+# apart and run a fast subset of the sdist's own tests against it (~30 s).
+check-dist: $(STAMP)
+	$(BIN)/python .ci/check_dist.py
 
 # The same .venv plus TransferQueue (with Ray and a CPU torch): a real local
 # store, the buffer on the TransferQueue source, the verl-style example.

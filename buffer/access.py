@@ -142,7 +142,7 @@ class Gatekeeper:
         assert self.monitor is not None
         while True:
             try:
-                event: dict[str, Any] = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                event: Any = recv_monitor_message(self.monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if not event["event"] & _REJECTED:
@@ -174,6 +174,7 @@ class Gatekeeper:
 
 
 def _event_name(event: int) -> str:
-    return {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE or no detail",
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed, e.g. wrong server key",
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not allowed"}.get(event, str(event))
+    names: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE or no detail",
+                             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed, e.g. wrong server key",
+                             zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not allowed"}
+    return names.get(event, str(event))

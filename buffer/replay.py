@@ -35,6 +35,8 @@ from poller.wakeup import WakePipe
 
 from .access import check_bind
 from .errors import BufferClosed
+from .metrics import BufferStats, collect_stats, metrics_of
+from .options import as_limits, check_log_level, check_stall_timeout
 from .partitions import PartitionStore, Policy, Tags
 from .steps import BatchMeta, StepSampler
 from .stream import StreamReceiver
@@ -69,8 +71,10 @@ class _Core:
 
     def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
                  bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
-                 curve: CurveServer | None = None, limits: Limits | None = None, stale_after: float = 5.0) -> None:
+                 curve: CurveServer | None = None, limits: Limits | None = None, stale_after: float = 5.0,
+                 poller_options: Mapping[str, Any] | None = None) -> None:
         self.source = source
+        self.poller_options = dict(poller_options or {})  # further WorkerConfig fields
         self.source_kwargs = dict(source_kwargs or {})
         self.poll_interval = poll_interval
         self.start_timeout = start_timeout
@@ -138,7 +142,8 @@ class _Core:
         self.receiver.expect(self.name, epoch)
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
                              name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
-                             epoch=epoch, curve=self.child_curve, **_chunking_within(self.receiver.limits))
+                             epoch=epoch, curve=self.child_curve, **_chunking_within(self.receiver.limits),
+                             **self.poller_options)
 
     # -- supervision ----------------------------------------------------------------
 
@@ -263,10 +268,15 @@ class ReplayBuffer:
             gets an ephemeral key. See SECURITY.md.
         insecure: allow binding a network-reachable endpoint without
             ``curve`` (logged as a warning); otherwise that is refused.
-        limits: decoding and per-peer bounds (:class:`~poller.protocol.Limits`).
+        limits: decoding and per-peer bounds: a :class:`~poller.protocol.Limits`,
+            or a mapping of some of its fields (a Hydra/OmegaConf config node).
         stale_after: seconds of silence after which a poller is reported in
             ``stats()["stale_peers"]`` and a warning is logged (pollers send a
             heartbeat every second).
+        stall_timeout: seconds after which a ``kv_list()`` still running counts
+            as a source stall (``None``: only stalls the source reports itself).
+        poller_log_level: the level (name or number) from which the poller's
+            log records are re-emitted in this process under the ``poller`` logger.
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
@@ -277,16 +287,21 @@ class ReplayBuffer:
     def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
                  poll_interval: float = 1.0, bind: str | None = None, start_timeout: float = 30.0,
                  close_timeout: float = 5.0, max_restarts: int = 3, curve: CurveServer | None = None,
-                 insecure: bool = False, limits: Limits | None = None, stale_after: float = 5.0) -> None:
+                 insecure: bool = False, limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
+                 stall_timeout: float | None = 30.0, poller_log_level: int | str = "WARNING") -> None:
         if not poll_interval > 0:  # also refuses NaN
             raise ValueError(f"poll_interval must be positive, got {poll_interval!r}")
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
-        _check_security_args(curve, limits, stale_after)
+        resolved_limits = as_limits(limits)
+        _check_security_args(curve, resolved_limits, stale_after)
+        poller_options = {"stall_timeout": check_stall_timeout(stall_timeout),
+                          "log_level": check_log_level(poller_log_level)}
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
-                     curve=curve, limits=limits, stale_after=stale_after)
+                     curve=curve, limits=resolved_limits, stale_after=stale_after,
+                     poller_options=poller_options)
         try:
             core.start()
         except BaseException:
@@ -380,35 +395,18 @@ class ReplayBuffer:
         """The same deep copy as ``snapshot()``, for code written against the old buffer."""
         return self._core.store.snapshot()  # type: ignore[return-value]
 
-    def stats(self) -> dict[str, Any]:
-        """Counters and state of the stream and the poller."""
-        core = self._core
-        if core.store.closed:
+    def stats(self) -> BufferStats:
+        """Counters and state of the stream and the poller (README, "Use")."""
+        if self._core.store.closed:
             raise BufferClosed("the replay buffer is closed")
-        receiver = core.receiver
-        process = core.process
-        peer = receiver.peer_info(core.name)
-        last = receiver.last_message_at
-        return {
-            "poller_pid": process.pid if process else None,
-            "poller_alive": bool(process and process.is_alive()),
-            "restarts": core.restarts,
-            "epoch": process.epoch if process else None,
-            "messages": receiver.messages,
-            "items_received": receiver.items_received,
-            "bytes_received": receiver.bytes_received,
-            "protocol_errors": receiver.protocol_errors,
-            "source_errors": receiver.source_errors,
-            "source_stalls": receiver.source_stalls,
-            "last_message_age_s": None if last is None else time.monotonic() - last,
-            "keys": core.store.key_count(),
-            "poller_rss": peer.rss if peer else None,
-            "endpoint": core.endpoint,
-            "poller_name": core.name if core.source is not None else None,
-            **_security_stats(core),
-            "polls": peer.polls_applied if peer else 0,
-            "snapshots": peer.snapshots_applied if peer else 0,
-        }
+        return collect_stats(self._core)
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers only, under stable dotted names (``replay.keys``, ``replay.source.stalls``, ...).
+
+        Fit to pass to a tracker as it is; :data:`buffer.metrics.METRICS` lists them.
+        """
+        return metrics_of(self.stats())
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; returns how it ended.
@@ -432,12 +430,13 @@ def _check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
     if curve is not None and not isinstance(curve, CurveServer):
         raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
     if limits is not None and not isinstance(limits, Limits):
-        raise TypeError(f"limits must be a poller.protocol.Limits, got {type(limits).__name__}")
+        raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
+                        f"got {type(limits).__name__}")
     if not stale_after > 0:  # also refuses NaN
         raise ValueError(f"stale_after must be positive, got {stale_after!r}")
 
 
-def _chunking_within(limits: Limits) -> dict[str, int]:
+def _chunking_within(limits: Limits) -> dict[str, Any]:
     """Message sizes for the buffer's own poller that its receiver's limits accept.
 
     A chunk of n keys spans at most n partitions, so 2n stays within the
@@ -445,15 +444,3 @@ def _chunking_within(limits: Limits) -> dict[str, int]:
     """
     return {"max_frame_bytes": limits.max_frame_bytes,
             "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}
-
-
-def _security_stats(core: _Core) -> dict[str, Any]:
-    receiver = core.receiver
-    return {
-        "auth_rejected": receiver.auth_rejected,
-        "curve": receiver.curve_enabled,
-        "peers": receiver.peer_count,
-        "resyncs": receiver.resyncs_requested,
-        "stale_after": receiver.stale_after,
-        "stale_peers": receiver.stale_peers(),
-    }

@@ -189,7 +189,8 @@ class StreamReceiver:
 
     @property
     def peer_count(self) -> int:
-        return len(self._peers)
+        """Pollers connected that have not said BYE (the state of those that did is kept for a restart)."""
+        return sum(1 for peer in list(self._peers.values()) if peer.bye_seq is None)
 
     def stale_peers(self) -> list[str]:
         """Peers silent for more than ``stale_after`` seconds that never said BYE."""

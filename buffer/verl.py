@@ -34,6 +34,7 @@ from typing import Any, TypeVar, cast
 
 from poller.process import ShutdownReport
 
+from . import verl_io
 from .errors import BufferClosed
 from .group_rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
@@ -49,8 +50,7 @@ from .group_rules import (
 from .groups import GroupIndex, GroupPartition
 from .replay import ReplayBuffer as _Buffer
 from .verl_config import SamplerConfig
-from .verl_io import (SyncAhead, VerlBatch, classify_groups, is_transferqueue, make_batch, open_client,
-                      poller_source, shut_down)
+from .verl_io import VerlBatch
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
@@ -129,7 +129,7 @@ class ReplayBuffer:
         self._finalizer: weakref.finalize | None = None
         self._closed = False
         self._needs_sync = False
-        self._sync_ahead: SyncAhead | None = None
+        self._sync_ahead: verl_io.SyncAhead | None = None
         # DAPO metrics read outside the lock, recorded in the index by the next decision.
         self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0}
@@ -248,16 +248,16 @@ class ReplayBuffer:
             if self._buffer is not None:
                 return self._buffer
             config = self._config
-            spec, kwargs = poller_source(config.source, config.source_kwargs)
-            client, owned = open_client(config.source, config.source_kwargs,
+            spec, kwargs = verl_io.poller_source(config.source, config.source_kwargs)
+            client, owned = verl_io.open_client(config.source, config.source_kwargs,
                                         need_fields=config.filter_groups_metric is not None)
             try:
                 buffer = _Buffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
                                  **config.buffer_kwargs)
             except BaseException:
-                shut_down(None, client, owned)
+                verl_io.shut_down(None, client, owned)
                 raise
-            self._finalizer = weakref.finalize(self, shut_down, buffer, client, owned)
+            self._finalizer = weakref.finalize(self, verl_io.shut_down, buffer, client, owned)
             try:
                 buffer._attach_policy(self._index)
             except BaseException:
@@ -337,7 +337,7 @@ class ReplayBuffer:
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
         assert self._config.filter_groups_metric is not None
-        classes = classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
+        classes = verl_io.classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
         self._fetched.setdefault(partition_id, {}).update(classes)
 
     def _record_fetched(self, partition_id: str) -> None:
@@ -354,8 +354,9 @@ class ReplayBuffer:
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
-        self._sync_ahead = SyncAhead(buffer, _SYNC_AHEAD_TIMEOUT)
-        return make_batch(partition_id, keys, [held[key] for key in keys], is_transferqueue(self._config.source))
+        self._sync_ahead = verl_io.SyncAhead(buffer, _SYNC_AHEAD_TIMEOUT)
+        on_tq = verl_io.is_transferqueue(self._config.source)
+        return verl_io.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)
 
     def _group_counts(self) -> dict[str, dict[str, int]]:
         return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from ._version import __version__ as __version__  # one source: poller/_version.py
 from .errors import PollerCrashed, PollerError, PollerStartupError, ProtocolError
 from .process import PollerProcess
 from .sources import Source, load_source

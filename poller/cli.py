@@ -2,7 +2,9 @@
 
 ``main(argv) -> int`` does all the work, with nothing at module level, so
 tests can call it. Exit codes: 0 done, 2 bad arguments or a source that
-cannot be built, 3 the source failed for good.
+cannot be built, 3 the source failed for good, 1 ``doctor`` found a problem,
+130 the demo was interrupted. Every error is one line on stderr that starts
+with the command as it was started (``python -m poller run`` or ``poller run``).
 """
 
 from __future__ import annotations
@@ -11,24 +13,27 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import socket
 import sys
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
+from ._version import __version__
 from .curve import CurveClient, make_keys
-from .errors import PollerStartupError
+from .errors import PollerCrashed, PollerStartupError
 from .worker import WorkerConfig, run_standalone
 
 __all__ = ["main", "main_entry"]
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, like every bad-input path
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every bad-input path
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m poller", description="Poll a key-value store and stream it to a ReplayBuffer.")
+def _build_parser(prog: str) -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Poll a key-value store and stream it to a ReplayBuffer.")
+    parser.add_argument("--version", action="version", version=f"zmq-replay-poller {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="run a standalone poller that connects to a buffer's endpoint",
                               description="Run a standalone poller. SIGTERM or Ctrl-C: drain, BYE, exit 0.")
@@ -45,11 +50,15 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
     _add_curve_arguments(run)
     _add_keys_command(commands)
+    commands.add_parser("doctor", help="check that poller and buffer are this distribution's installed files",
+                        description="Compare the poller and buffer packages Python would import with this "
+                                    "distribution's install record; exit 1 and say how to fix it when they differ "
+                                    "(another distribution also installs a top-level 'buffer').")
     demo = commands.add_parser("demo", help="run the end-to-end demo on the embedded SQLite store",
                                description="Rollout writers, a SQLite store, a ReplayBuffer and a trainer loop.")
-    from . import demo as demo_module  # the demo's own flags live with it
+    from . import demo_cli  # the demo's own flags live with it
 
-    demo_module.add_arguments(demo)
+    demo_cli.add_arguments(demo)
     return parser
 
 
@@ -59,25 +68,25 @@ def _run(args: argparse.Namespace) -> int:
         if not isinstance(kwargs, dict):
             raise ValueError("--source-kwargs must be a JSON object")
     except ValueError as exc:
-        print(f"python -m poller run: error: bad --source-kwargs: {exc}", file=sys.stderr)
+        print(f"{args.command_name}: error: bad --source-kwargs: {exc}", file=sys.stderr)
         return 2
     try:
         spec, kwargs = _source_of(args, kwargs)
     except ValueError as exc:
-        print(f"python -m poller run: error: {exc}", file=sys.stderr)
+        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
     if not args.interval > 0:  # also refuses NaN
-        print("python -m poller run: error: --interval must be positive", file=sys.stderr)
+        print(f"{args.command_name}: error: --interval must be positive", file=sys.stderr)
         return 2
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):
-        print(f"python -m poller run: error: unknown --log-level {args.log_level!r}", file=sys.stderr)
+        print(f"{args.command_name}: error: unknown --log-level {args.log_level!r}", file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         curve = _curve_from_args(args)
     except ValueError as exc:
-        print(f"python -m poller run: error: {exc}", file=sys.stderr)
+        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
     name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
     config = WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
@@ -85,8 +94,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return run_standalone(config)
     except PollerStartupError as exc:
-        print(f"python -m poller run: error: {exc}", file=sys.stderr)
+        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
+    except PollerCrashed as exc:  # the reason was logged at DEBUG only: say it here
+        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
+        return 3
 
 
 def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -130,10 +142,19 @@ def _keys(args: argparse.Namespace) -> int:
     try:
         public, secret = make_keys(args.out, args.name)
     except (OSError, ValueError, RuntimeError) as exc:
-        print(f"python -m poller keys: error: {exc}", file=sys.stderr)
+        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
     print(f"public key: {public}\nsecret key: {secret} (keep it private)")
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import diagnose
+
+    diagnosis = diagnose()
+    for line in diagnosis.lines():
+        print(line, file=sys.stdout if diagnosis.healthy else sys.stderr)
+    return 0 if diagnosis.healthy else 1
 
 
 def _default_name(spec: str, kwargs_json: str) -> str:
@@ -141,22 +162,28 @@ def _default_name(spec: str, kwargs_json: str) -> str:
     return f"{socket.gethostname()}:{digest}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    parser = _build_parser()
+def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> int:
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code.
+
+    ``prog`` is the command as the user typed it, for usage and error lines.
+    """
+    parser = _build_parser(prog)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    args.command_name = f"{prog} {args.command}"
     if args.command == "run":
         return _run(args)
     if args.command == "keys":
         return _keys(args)
-    from . import demo
+    if args.command == "doctor":
+        return _doctor(args)
+    from . import demo_cli
 
-    return demo.main_from_args(args)
+    return demo_cli.main_from_args(args)
 
 
 def main_entry() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point: errors name the script as it was started (``poller``)."""
+    sys.exit(main(prog=os.path.basename(sys.argv[0]) or "poller"))

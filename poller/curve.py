@@ -23,7 +23,8 @@ import zmq
 import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["CurveClient", "CurveServer", "HandshakeWatch", "make_keys", "load_public_key", "load_key_pair", "generate_pair"]
+__all__ = ["CurveClient", "CurveServer", "HandshakeWatch", "make_keys", "load_public_key", "load_key_pair",
+           "generate_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def _checked(key: bytes | None, path: PathLike) -> bytes:
 def _public_keys(allowed: PathLike | Iterable[PathLike | bytes]) -> frozenset[bytes]:
     """Public keys from a directory of ``.key`` files, or an iterable of files and z85 keys."""
     if isinstance(allowed, (str, os.PathLike)) and Path(allowed).is_dir():
-        paths: list[PathLike | bytes] = sorted(Path(allowed).glob("*.key"))
+        paths: list[PathLike | bytes] = list(sorted(Path(allowed).glob("*.key")))
     elif isinstance(allowed, (str, os.PathLike)):
         paths = [allowed]
     else:

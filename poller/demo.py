@@ -23,7 +23,6 @@ makes the exit code 1.
 
 from __future__ import annotations
 
-import argparse
 import math
 import multiprocessing
 import random
@@ -41,7 +40,7 @@ from typing import Any, TextIO
 
 from .sources.sqlite import SqliteSource
 
-__all__ = ["run_demo", "add_arguments", "main_from_args"]
+__all__ = ["run_demo"]
 
 PARTITION = "train"
 SOURCE_SPEC = "poller.sources.sqlite:SqliteSource"
@@ -303,7 +302,6 @@ def _train(rb: Any, store: SqliteSource, shared: _Shared, procs: Sequence[BasePr
         _progress(out, tally, time.monotonic() - start, _buffer_keys(rb))
     except KeyboardInterrupt:
         tally.interrupted = True
-        tally.errors.append(f"interrupted in step {step}")
     except _DemoError as exc:
         tally.errors.append(str(exc))
     except Exception as exc:  # sample() timing out or the poller crashing: report, then shut down cleanly
@@ -324,7 +322,8 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
 
     Returns:
         0 when every success row written was sampled exactly once with the
-        right tags and the buffer closed gracefully; 1 otherwise.
+        right tags and the buffer closed gracefully; 130 when Ctrl-C ended
+        it early; 1 otherwise.
 
     Raises:
         ValueError: an argument is out of range.
@@ -367,48 +366,18 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
             tally.errors.append(f"writer {proc.name} exit code {code}")
     stage = getattr(report.stage, "value", report.stage)
     sampled = len(tally.sampled)
-    lost = max(0, written - sampled)
+    unsampled = max(0, written - sampled)
+    # Ctrl-C ends the demo mid-step: rows written but not sampled yet are not lost.
+    missing = f"not sampled (interrupted) {unsampled}" if tally.interrupted else f"lost {unsampled}"
     print(f"shutdown: stage {stage}, {report.seconds * 1000:.1f} ms, poller exit code {report.exitcode}, "
           f"drained {report.drained}", file=out)
     print(f"totals: {tally.steps} step(s), success rows written {written}, sampled {sampled}, "
-          f"duplicates {tally.duplicates}, lost {lost}, wrong tags {tally.wrong_tags}, "
+          f"duplicates {tally.duplicates}, {missing}, wrong tags {tally.wrong_tags}, "
           f"steps with a count mismatch {tally.short_steps}", file=out)
     for error in tally.errors:
         print(f"error: {error}", file=out)
     ok = (written == sampled and tally.duplicates == 0 and tally.wrong_tags == 0 and tally.short_steps == 0
-          and not tally.errors and stage == "graceful")
-    print("result: OK" if ok else "result: FAILED", file=out, flush=True)
-    return 0 if ok else 1
-
-
-# -- command line -------------------------------------------------------------------------------
-
-def _number(kind: Callable[[str], float], low: float, strict: bool) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
-        return value
-    return parse
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the demo's options to ``parser`` (the ``demo`` sub-command)."""
-    parser.add_argument("--seconds", type=_number(float, 0, False), default=10.0,
-                        help="how long to keep starting steps (default: %(default)s)")
-    parser.add_argument("--writers", type=_number(int, 1, False), default=2,
-                        help="rollout-writer processes (default: %(default)s)")
-    parser.add_argument("--keys-per-step", type=_number(int, 1, False), default=64,
-                        help="keys per writer and step (default: %(default)s)")
-    parser.add_argument("--interval", type=_number(float, 0, True), default=0.05,
-                        help="poll interval in seconds (default: %(default)s)")
-
-
-def main_from_args(args: argparse.Namespace) -> int:
-    """Run the demo with parsed arguments; return the exit code."""
-    # sys.stdout looked up now, not at import: callers (and tests) may have replaced it.
-    return run_demo(args.seconds, writers=args.writers, keys_per_step=args.keys_per_step,
-                    interval=args.interval, out=sys.stdout)
+          and not tally.errors and stage == "graceful" and not tally.interrupted)
+    result = "OK" if ok else "INTERRUPTED" if tally.interrupted else "FAILED"
+    print(f"result: {result}", file=out, flush=True)
+    return 0 if ok else 130 if tally.interrupted else 1

@@ -7,8 +7,8 @@ trainer script importing torch costs seconds there). The ``exec`` start
 method keeps what makes spawn safe — a new interpreter, nothing inherited but
 what is passed — and skips the rest::
 
-    parent                                   child: python -c BOOTSTRAP PATH FD SENTINEL
-    Channel.pair() ── child end (pass_fds) ─▶ sys.path = PATH
+    parent                                   child: python -m poller.child FD NAME
+    Channel.pair() ── child end (pass_fds) ─▶ sys.path = the parent's (from the environment)
     os.pipe() ─────── write end (pass_fds) ─▶ held open until the process ends
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
 
@@ -36,10 +36,10 @@ from .lifeline import Channel
 
 __all__ = ["ExecProcess", "wait"]
 
-# Runs before anything is imported: the parent's sys.path first, so the child
-# finds the same modules (the source spec's included) that the parent would.
-_BOOTSTRAP = ("import sys, os; sys.path[:] = sys.argv[1].split(os.pathsep); "
-              "from poller.child import main; main(int(sys.argv[2]))")
+# The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
+# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and
+# poller.child then takes the parent's exact sys.path (and drops both variables).
+PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
 
 
 def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
@@ -79,10 +79,16 @@ class ExecProcess:
         payload = pickle.dumps(self._config, protocol=pickle.HIGHEST_PROTOCOL)
 
         sentinel_r, sentinel_w = os.pipe()
-        argv = [sys.executable, "-c", _BOOTSTRAP, os.pathsep.join(sys.path), str(child_end.fileno())]
+        # -P (3.11+): no current directory in front of the parent's path.
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        argv = [sys.executable, *safe_path, "-m", "poller.child", str(child_end.fileno()), self.name]
+        path = os.pathsep.join(sys.path)
+        env = dict(os.environ, PYTHONPATH=path, **{PATH_VARIABLE: path})
+        if "PYTHONPATH" in os.environ:
+            env[PATH_VARIABLE + "_PYTHONPATH"] = os.environ["PYTHONPATH"]  # restored in the child
         try:
             self._popen = subprocess.Popen(argv, pass_fds=(child_end.fileno(), sentinel_w),
-                                           stdin=subprocess.DEVNULL, close_fds=True)
+                                           stdin=subprocess.DEVNULL, close_fds=True, env=env)
         except BaseException:
             os.close(sentinel_r)
             raise

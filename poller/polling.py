@@ -120,7 +120,7 @@ class ListingDiff(NamedTuple):
     upserts: dict[str, dict[str, Tags]]
     deletes: dict[str, list[str]]
 
-    def count(self) -> int:
+    def item_count(self) -> int:
         return sum(map(len, self.upserts.values())) + sum(map(len, self.deletes.values()))
 
 
@@ -232,7 +232,7 @@ def _payloads(diff: ListingDiff, size: int, max_frame_bytes: int) -> Iterator[by
         if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
             yield payload
             continue
-        n = piece.count()
+        n = piece.item_count()
         if n <= 1:
             raise ProtocolError(
                 f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")

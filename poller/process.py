@@ -288,7 +288,8 @@ class PollerProcess:
                 lifeline.send(self._conn, "stop")
             process.join(timeout)
             if process.exitcode is None:
-                logger.warning("poller %s (pid %s) did not stop within %.3gs; terminating", self.name, process.pid, timeout)
+                logger.warning("poller %s (pid %s) did not stop within %.3gs; terminating", self.name, process.pid,
+                               timeout)
                 stage = "terminated"
                 process.terminate()
                 process.join(timeout)

@@ -220,8 +220,10 @@ def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
         return None
     if isinstance(value, (str, bytes, bytearray, memoryview)):
         # UTF-8 takes at most 4 bytes a character: encode only strings that could be too long.
-        long_str = isinstance(value, str) and len(value) * 4 > limits.max_str_len
-        size = len(value.encode(errors="surrogatepass") if long_str else value)
+        if isinstance(value, str) and len(value) * 4 > limits.max_str_len:
+            size = len(value.encode(errors="surrogatepass"))
+        else:
+            size = len(value)
         return None if size <= limits.max_str_len else f"a value of {size} bytes exceeds {limits.max_str_len}"
     if depth > limits.max_depth:
         return f"nested deeper than {limits.max_depth}"

@@ -28,13 +28,14 @@ import select
 import shutil
 import signal
 
-from .procfs import parent_of
+from .procfs import parent_of, set_process_name
 
 __all__ = ["start_watchdog"]
 
 # A healthy orphan exits within a tick (0.2 s) of its parent; give it that
 # and a margin before killing it, so the whole takes well under a second.
 _GRACE_S = 0.4
+WATCHDOG_PROCESS_NAME = "replay-watchdog"
 _CHECK_S = 0.2
 
 
@@ -50,6 +51,7 @@ def start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
         _keep.append(exit_w)
         return
     try:
+        set_process_name(WATCHDOG_PROCESS_NAME)  # its command line is the poller's (a fork): tell them apart
         _close_fds_except(lifeline_fd, exit_r)
         _watch(poller_pid, trainer_pid, lifeline_fd, exit_r, orphan_cleanup)
     finally:

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Deque, Mapping, NamedTuple
 import zmq
 
 from . import lifeline
-from .errors import PollerStartupError, ProtocolError
+from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .polling import PollingThread
+from .procfs import set_process_name
 from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
 from .sources import SourceSpec, describe_spec, load_source
 from .wakeup import WakePipe
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
 logger = logging.getLogger(__name__)
+
+
+#: The poller's process name (``/proc/PID/comm``); its watchdog is ``replay-watchdog``.
+POLLER_PROCESS_NAME = "replay-poller"
 
 
 class ExitCode:
@@ -83,6 +88,8 @@ class WorkerConfig(NamedTuple):
     # A kv_list() call running longer than this is counted as a source stall
     # (None: only stalls the source reports itself, by raising SourceStall).
     stall_timeout: float | None = 30.0
+    # Records from this level on are sent to the buffer (LOG), which re-emits them.
+    log_level: int = logging.WARNING
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None:
@@ -92,6 +99,7 @@ def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None
     forever, and a normal interpreter shutdown would only slow the exit.
     """
     code = ExitCode.CRASHED
+    set_process_name(POLLER_PROCESS_NAME)  # for ps -e, top, pgrep: not "python3.11"
     try:
         # First, while this process has no threads: the watchdog ends us if
         # the trainer dies while we cannot notice (building, wedged, stopped).
@@ -112,6 +120,8 @@ def run_standalone(config: WorkerConfig) -> int:
     Raises:
         PollerStartupError: the source could not be built or the endpoint
             not connected; the original exception is the ``__cause__``.
+        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row
+            (exit code 3); the last exception is the ``__cause__``.
     """
     loop = _ControlLoop(config, None)
     code = loop.run()
@@ -119,6 +129,10 @@ def run_standalone(config: WorkerConfig) -> int:
         exc = loop.startup_error
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
+    failed = loop.thread.failed if loop.thread is not None else None
+    if code == ExitCode.SOURCE_FAILED and failed is not None:
+        raise PollerCrashed(f"kv_list() of {describe_spec(config.source)} failed {config.max_failures} times in "
+                            f"a row, last with {type(failed).__name__}: {failed}") from failed
     return code
 
 
@@ -137,8 +151,8 @@ def _secure_socket(sock: zmq.Socket, config: WorkerConfig) -> None:
 class _ForwardingHandler(logging.Handler):
     """Queues WARNING+ records so the control loop can send them as LOG."""
 
-    def __init__(self, wake: WakePipe) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, wake: WakePipe, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
         self._wake = wake
         self.setFormatter(logging.Formatter("%(message)s"))
@@ -182,7 +196,7 @@ class _ControlLoop:
         self.items: "queue.Queue[tuple[Kind, bytes]]" = queue.Queue(maxsize=64)
         self.data_wake = WakePipe()
         self.signal_wake = WakePipe()
-        self.log_handler = _ForwardingHandler(self.data_wake)
+        self.log_handler = _ForwardingHandler(self.data_wake, config.log_level)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
         self.handshakes: HandshakeWatch | None = None
@@ -193,7 +207,7 @@ class _ControlLoop:
     def _install_signals(self) -> list[tuple[int, Any]]:
         if threading.current_thread() is not threading.main_thread():
             return []  # signal handlers can only be set from the main thread
-        previous = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
+        previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
                     (signal.SIGINT, signal.getsignal(signal.SIGINT))]
         signal.signal(signal.SIGTERM, self._on_signal)
         # Ctrl-C in a terminal reaches the whole process group: an embedded
@@ -311,6 +325,8 @@ class _ControlLoop:
         previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
         root.addHandler(self.log_handler)
+        if self.embedded:  # its own process: the root level decides which records exist at all
+            root.setLevel(self.config.log_level)
         ctx: zmq.Context | None = None
         sock: zmq.Socket | None = None
         try:

@@ -212,3 +212,72 @@ def test_bad_log_level_is_a_one_line_error(tmp_path: Path) -> None:
             proc.communicate(timeout=10)
     assert proc.returncode == 2, err
     assert len(err.splitlines()) == 1 and "error" in err and "Traceback" not in err, err
+
+
+# -- errors that speak --------------------------------------------------------------------------
+
+def _run_cli(args: list[str], timeout: float = 60.0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout, **kwargs)
+
+
+def test_a_source_failing_for_good_exits_3_with_the_reason_on_stderr(tmp_path: Path) -> None:
+    rb = ReplayBuffer(bind="tcp://127.0.0.1:0")
+    try:
+        result = _run_cli([sys.executable, "-m", "poller", "run", "--source", SPEC,
+                           "--source-kwargs", json.dumps({"path": str(tmp_path / "kv.db")}),
+                           "--fault", "raise_:exc=ConnectionError,message=store unreachable",
+                           "--connect", rb.endpoint, "--interval", "0.01"])
+    finally:
+        rb.close()
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("python -m poller run: error: kv_list() of ")
+    assert "failed 5 times in a row, last with ConnectionError: store unreachable" in lines[0]
+
+
+def test_the_console_script_names_itself_in_errors() -> None:
+    # What the `poller` console script runs, started as .../bin/poller.
+    code = "import sys; sys.argv[0] = '/somewhere/bin/poller'; from poller.cli import main_entry; main_entry()"
+    result = _run_cli([sys.executable, "-c", code, "run", "--connect", "tcp://127.0.0.1:1"])
+    assert result.returncode == 2
+    assert result.stderr == "poller run: error: --source is required (or --fault)\n"
+    result = _run_cli([sys.executable, "-c", code, "run", "--source", SPEC, "--connect", "x", "--interval", "0"])
+    assert result.stderr == "poller run: error: --interval must be positive\n"
+    result = _run_cli([sys.executable, "-c", code, "run"])
+    assert result.stderr.startswith("poller run: error: ") and "python -m" not in result.stderr
+    # Started as python -m poller, they say so.
+    result = _run_cli([sys.executable, "-m", "poller", "run", "--connect", "tcp://127.0.0.1:1"])
+    assert result.stderr == "python -m poller run: error: --source is required (or --fault)\n"
+
+
+def test_ctrl_c_on_the_demo_says_interrupted_and_reports_nothing_lost(tmp_path: Path) -> None:
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(private_tmp), PYTHONUNBUFFERED="1")
+    # Its own process group, as a terminal has: Ctrl-C reaches the demo, its writers and its poller.
+    proc = subprocess.Popen([sys.executable, "-m", "poller", "demo", "--seconds", "60", "--keys-per-step", "256"],
+                            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:  # bounded by the demo's progress lines (every 0.5 s) and pytest-timeout
+            seen.append(line)
+            if line.startswith("step"):
+                break
+        assert seen and seen[-1].startswith("step"), "".join(seen)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    out = "".join(seen) + out
+    assert proc.returncode == 130, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "result: INTERRUPTED" in out, out
+    assert "lost" not in out and "error:" not in out, out
+    assert "not sampled (interrupted)" in out and "shutdown: stage graceful" in out, out
+    assert "Traceback" not in err, err
+    assert list(private_tmp.iterdir()) == []

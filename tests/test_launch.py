@@ -90,3 +90,55 @@ def test_an_unpicklable_source_raises_at_once_and_leaves_nothing():
 
     with pytest.raises((AttributeError, pickle.PicklingError), match="pickle"):
         ReplayBuffer(source=local_factory, start_timeout=20)
+
+
+# -- what `ps` shows -----------------------------------------------------------------------------
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def _comm(pid: int) -> str:
+    return Path(f"/proc/{pid}/comm").read_text().strip()
+
+
+@pytest.mark.parametrize("pythonpath", [None, "/opt/the-users-own-path"])
+def test_the_poller_and_its_watchdog_have_names_a_person_recognises(monkeypatch: pytest.MonkeyPatch,
+                                                                    pythonpath: str | None):
+    from poller.procfs import children_of
+
+    if pythonpath is None:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONPATH", pythonpath)
+    with ReplayBuffer("tests.helpers.sources:ReportsEnvironment", poll_interval=0.05) as rb:
+        pid = rb.stats()["poller_pid"]
+        argv = _cmdline(pid)
+        assert argv[0] == sys.executable
+        assert argv[1:-2] in (["-m", "poller.child"], ["-P", "-m", "poller.child"])
+        assert argv[-1] == f"poller:{rb.stats()['poller_name']}" and argv[-2].isdigit()
+        # The short command, not `python -c <bootstrap> <the whole sys.path>`.
+        assert len("\0".join(argv)) < 200 + len(sys.executable) and all("site-packages" not in a for a in argv)
+        assert _comm(pid) == "replay-poller"
+        watchdogs = [child for child in children_of(pid) if _comm(child) == "replay-watchdog"]
+        assert len(watchdogs) == 1
+        assert _cmdline(watchdogs[0]) == argv  # a fork: its name tells it apart
+        # The launcher's variables are gone; the user's PYTHONPATH is as it was, for the source's own children.
+        environment = rb.snapshot("environment")
+        assert environment["PYTHONPATH"]["value"] == (pythonpath or "")
+        assert environment["REPLAY_POLLER_SYS_PATH"]["value"] == ""
+        assert environment["REPLAY_POLLER_SYS_PATH_PYTHONPATH"]["value"] == ""
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_multiprocessing_pollers_are_named_too(tmp_path: Path, start_method: str):
+    with ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": str(tmp_path / "kv.db")},
+                      poll_interval=0.05) as rb:
+        assert _comm(rb.stats()["poller_pid"]) == "replay-poller"
+    process = PollerProcess("poller.sources.sqlite:SqliteSource", endpoint="tcp://127.0.0.1:1",
+                            source_kwargs={"path": str(tmp_path / "kv.db")}, start_method=start_method)
+    process.start(30)
+    try:
+        assert _comm(process.pid) == "replay-poller"
+    finally:
+        process.close(5)

@@ -430,7 +430,7 @@ def test_diff_listing_finds_changed_new_and_vanished() -> None:
     diff = diff_listing(sent, listing, full=False)
     assert diff.upserts == {"train": {"b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
     assert {p: sorted(k) for p, k in diff.deletes.items()} == {"train": ["d"], "old": ["x"]}
-    assert diff.count() == 5
+    assert diff.item_count() == 5
     assert sent == {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
 
 
@@ -444,4 +444,4 @@ def test_diff_listing_full_sends_everything_and_deletes_nothing() -> None:
 def test_diff_listing_of_identical_listings_is_empty() -> None:
     listing = {"train": {"a": {"s": 1}}}
     diff = diff_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
-    assert diff.upserts == {} and diff.deletes == {} and diff.count() == 0
+    assert diff.upserts == {} and diff.deletes == {} and diff.item_count() == 0

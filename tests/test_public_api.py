@@ -42,11 +42,16 @@ NOT_A_SOURCE = 42
 
 
 def test_buffer_all() -> None:
-    assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed"}
+    assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed",
+                                   "InsecureBindError", "PollerCrashed", "PollerStartupError"}
     assert len(buffer.__all__) == len(set(buffer.__all__))
     for name in buffer.__all__:
         assert hasattr(buffer, name)
     assert buffer.ShutdownReport is poller.process.ShutdownReport
+    # The errors a trainer catches, importable from the package it uses; the same classes as poller's.
+    assert buffer.PollerCrashed is poller.PollerCrashed and buffer.PollerStartupError is poller.PollerStartupError
+    assert buffer.InsecureBindError is buffer.access.InsecureBindError
+    assert issubclass(buffer.InsecureBindError, ValueError)
 
 
 def test_poller_all() -> None:
@@ -72,10 +77,12 @@ def test_error_hierarchy() -> None:
 def test_replay_buffer_signature() -> None:
     params = inspect.signature(ReplayBuffer.__init__).parameters
     assert list(params) == ["self", "source", "source_kwargs", "poll_interval", "bind", "start_timeout",
-                            "close_timeout", "max_restarts", "curve", "insecure", "limits", "stale_after"]
+                            "close_timeout", "max_restarts", "curve", "insecure", "limits", "stale_after",
+                            "stall_timeout", "poller_log_level"]
     expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
                          "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
-                         "curve": None, "insecure": False, "limits": None, "stale_after": 5.0}
+                         "curve": None, "insecure": False, "limits": None, "stale_after": 5.0,
+                         "stall_timeout": 30.0, "poller_log_level": "WARNING"}
     for name, default in expected_defaults.items():
         param = params[name]
         assert param.default == default and type(param.default) is type(default), name
@@ -103,8 +110,13 @@ def test_importing_poller_stays_light() -> None:
     assert heavy == []
 
 
+# The packages as imported: the source tree, or an installed wheel (.ci/check_dist.py runs these
+# tests from an unpacked sdist without the package sources).
+PACKAGES_ROOT = Path(poller.__file__).resolve().parent.parent
+
+
 def _source_files() -> list[Path]:
-    files = sorted((ROOT / "poller").rglob("*.py")) + sorted((ROOT / "buffer").rglob("*.py"))
+    files = sorted((PACKAGES_ROOT / "poller").rglob("*.py")) + sorted((PACKAGES_ROOT / "buffer").rglob("*.py"))
     assert len(files) > 10
     return files
 
@@ -112,19 +124,19 @@ def _source_files() -> list[Path]:
 def test_only_the_protocol_modules_import_msgpack() -> None:
     # Our wire format, and TransferQueue's controller requests (another format).
     pattern = re.compile(r"^\s*(import\s+msgpack\b|from\s+msgpack\b)|import_module\(\s*['\"]msgpack", re.M)
-    importers = [str(path.relative_to(ROOT)) for path in _source_files() if pattern.search(path.read_text())]
+    importers = [str(path.relative_to(PACKAGES_ROOT)) for path in _source_files() if pattern.search(path.read_text())]
     assert importers == ["poller/protocol.py", "poller/sources/tq_protocol.py"]
 
 
 def test_poller_package_never_imports_buffer() -> None:
     pattern = re.compile(r"^\s*(import\s+buffer\b|from\s+buffer\b)", re.M)
     offenders = []
-    for path in sorted((ROOT / "poller").rglob("*.py")):
+    for path in sorted((PACKAGES_ROOT / "poller").rglob("*.py")):
         for match in pattern.finditer(path.read_text()):
             line = match.group(0)
             # Allowed only inside a function: the demo imports ReplayBuffer lazily.
             if not line.startswith((" ", "\t")):
-                offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+                offenders.append(f"{path.relative_to(PACKAGES_ROOT)}: {line.strip()}")
     assert offenders == []
 
 

@@ -76,7 +76,8 @@ def test_insecure_true_binds_and_warns(caplog: pytest.LogCaptureFixture) -> None
 
 
 @pytest.mark.parametrize("kwargs, error", [
-    ({"curve": "keys/"}, TypeError), ({"limits": {"max_peers": 1}}, TypeError),
+    ({"curve": "keys/"}, TypeError), ({"limits": [("max_peers", 1)]}, TypeError),
+    ({"limits": {"max_pears": 1}}, ValueError),  # a mapping is fine (config files), an unknown field is not
     ({"stale_after": 0}, ValueError), ({"stale_after": float("nan")}, ValueError),
 ])
 def test_bad_security_arguments(kwargs: dict[str, Any], error: type) -> None:

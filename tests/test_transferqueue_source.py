@@ -4,8 +4,10 @@ importing it stays light. Against a real TransferQueue: tests/integration."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import threading
 import socket
 import subprocess
 import sys
@@ -14,12 +16,20 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import zmq
 
 from buffer import ReplayBuffer
 from poller import PollerStartupError
 from poller.sources import SourceStall
 from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
-from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_reply, encode_request
+from poller.sources.tq_protocol import (
+    KNOWN_VERSIONS,
+    KV_LIST,
+    TransferQueueProtocolError,
+    TransferQueueReplyError,
+    decode_reply,
+    encode_request,
+)
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,13 +108,21 @@ def test_source_kwargs_from_the_address_info_init_returns():
             "ports": {"handshake_socket": 1, "request_handle_socket": 4242}}
     kwargs = source_kwargs({"controller": {"zmq_info": info}}, partition_ids=("train",), call_timeout=2.0)
     assert kwargs == {"address": "tcp://127.0.0.1:4242", "controller_id": "TQ_CONTROLLER_1",
-                      "partition_ids": ["train"], "call_timeout": 2.0, "probe_timeout": 10.0}
+                      "partition_ids": ["train"], "call_timeout": 2.0, "probe_timeout": 10.0,
+                      "controller_version": _installed_tq()}
     assert json.loads(json.dumps(kwargs)) == kwargs  # plain data: picklable, and fit for --source-kwargs
     assert source_kwargs(dict(info, ip="::1"))["address"] == "tcp://[::1]:4242"
     with pytest.raises(ValueError, match="request_handle_socket"):
         source_kwargs(dict(info, ports={"handshake_socket": 1}))
     with pytest.raises(ValueError, match="no TransferQueue controller address"):
         source_kwargs({"controller": {"zmq_info": {"nothing": 1}}})
+
+
+def _installed_tq() -> str | None:
+    try:
+        return importlib.metadata.version("transferqueue")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _dead_address() -> str:
@@ -146,3 +164,81 @@ def test_a_silent_controller_is_counted_as_stalls_and_the_buffer_still_closes_at
     finally:
         report = rb.close()
     assert report.stage == "graceful" and report.drained
+
+
+# -- the protocol check at the probe ------------------------------------------------------------
+
+class OneReplyController:
+    """A ROUTER on loopback that answers the first request with ``reply`` (frames), like the controller's socket."""
+
+    def __init__(self, reply: list[bytes]) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.request: dict | None = None
+        self._reply = reply
+        self._thread = threading.Thread(target=self._serve, name="fake-tq-controller")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        if self._sock.poll(20_000):
+            identity, frame = self._sock.recv_multipart()
+            self.request = msgpack.unpackb(frame)
+            self._sock.send_multipart([identity, *self._reply])
+
+    def close(self) -> None:
+        self._thread.join(30)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def _message(request_type: str, body: dict, **extra: object) -> list[bytes]:
+    return [msgpack.packb({"request_type": request_type, "sender_id": "TQ_CONTROLLER_1", "receiver_id": "me",
+                           "request_id": "1", "timestamp": 0.0, "body": body, **extra})]
+
+
+def test_the_probe_accepts_the_protocol_of_the_known_releases():
+    controller = OneReplyController(_message("LIST_PARTITIONS_RESPONSE", {"partition_ids": ["train"]}))
+    try:
+        source = TransferQueueSource(controller.address, probe_timeout=10, controller_version=KNOWN_VERSIONS[-1])
+        source.close()
+    finally:
+        controller.close()
+    assert controller.request is not None and controller.request["request_type"] == "GET_LIST_PARTITIONS"
+
+
+@pytest.mark.parametrize("reply, problem", [
+    (_message("LIST_PARTITIONS_RESPONSE", {"partition_ids": ["train"]}, protocol_version=2),
+     "message fields .*protocol_version"),
+    (_message("PARTITIONS", {"partition_ids": []}), "'PARTITIONS' in answer to GET_LIST_PARTITIONS"),
+    (_message("LIST_PARTITIONS_RESPONSE", {"partitions": {"train": {}}}), "without a partition_ids list"),
+    ([msgpack.packb(["LIST_PARTITIONS_RESPONSE", ["train"]])], "a list, not a message map"),
+])
+def test_the_probe_refuses_an_unknown_protocol_with_a_clear_error(reply, problem):
+    controller = OneReplyController(reply)
+    try:
+        with pytest.raises(TransferQueueProtocolError, match=problem) as caught:
+            TransferQueueSource(controller.address, probe_timeout=10)
+    finally:
+        controller.close()
+    assert "answered the probe in a protocol this poller does not know" in str(caught.value)
+    assert f"TransferQueue {KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]}" in str(caught.value)
+
+
+def test_an_unknown_release_fails_the_buffers_start_with_the_reason():
+    with pytest.raises(PollerStartupError, match=r"TransferQueue 0\.2\.0 is not a release this poller knows"):
+        ReplayBuffer(SPEC, source_kwargs={"address": _dead_address(), "controller_version": "0.2.0"}, start_timeout=30)
+
+
+def test_the_extra_range_covers_the_pinned_release_and_only_known_ones():
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    requirement = config["options.extras_require"]["transferqueue"].split("#")[0].strip()
+    assert requirement == f"transferqueue>={KNOWN_VERSIONS[0]},<={KNOWN_VERSIONS[-1]}"
+    constraints = (ROOT / "tests/integration/constraints.txt").read_text().splitlines()
+    pinned = [line.split("==")[1].strip() for line in constraints if line.startswith("transferqueue==")]
+    assert pinned and pinned[0] in KNOWN_VERSIONS

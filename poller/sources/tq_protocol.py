@@ -14,8 +14,17 @@ extension types (pickle, tensors, arrays) or a whole pickled reply; listing
 tags never needs them, and this side never unpickles what arrives over a
 socket, so any of them is refused with an error that says so.
 
-This module is the one place in the poller that knows that format (checked
-against TransferQueue 0.1.11, the version the ``transferqueue`` extra pins).
+This module is the one place in the poller that knows that format.
+
+The controller announces no protocol version, so the source checks two things
+at its probe: the TransferQueue release the trainer runs (when it is known,
+:data:`KNOWN_VERSIONS`: the releases whose controller serves these two
+requests with these message and body fields and whose controller actor
+:func:`~poller.sources.transferqueue.source_kwargs` finds through Ray, 0.1.8
+to 0.1.11; ``make test-integration`` runs the one pinned in
+``tests/integration/constraints.txt``, and passed with 0.1.8 as well), and the shape of the controller's
+reply to the probe (:func:`check_probe_reply`). Either unknown is a
+:class:`TransferQueueProtocolError` that says what this source speaks.
 """
 
 from __future__ import annotations
@@ -29,9 +38,13 @@ import msgpack
 __all__ = [
     "KV_LIST",
     "LIST_PARTITIONS",
+    "KNOWN_VERSIONS",
     "TransferQueueReplyError",
+    "TransferQueueProtocolError",
     "encode_request",
     "decode_reply",
+    "check_version",
+    "check_probe_reply",
 ]
 
 KV_LIST = "KV_LIST"
@@ -42,9 +55,47 @@ _REQUEST_ERROR = "REQUEST_ERROR"
 # (0xc1 is never valid msgpack).
 _PICKLED_MARKER = b"\xc1\xfe\xed"
 
+#: TransferQueue releases whose controller request protocol this module speaks.
+KNOWN_VERSIONS = ("0.1.8", "0.1.9", "0.1.10", "0.1.11")
+# The fields of every controller message in those releases (ZMQMessage.serialize()).
+_MESSAGE_FIELDS = frozenset({"request_type", "sender_id", "receiver_id", "request_id", "timestamp", "body"})
+
 
 class TransferQueueReplyError(RuntimeError):
     """The controller refused a request, or sent a reply this side cannot read."""
+
+
+class TransferQueueProtocolError(TransferQueueReplyError):
+    """The controller speaks a protocol (or runs a release) this source does not know."""
+
+
+def _speaks() -> str:
+    return f"this source speaks the controller protocol of TransferQueue {KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]}"
+
+
+def check_version(version: str | None) -> None:
+    """Refuse a TransferQueue release outside :data:`KNOWN_VERSIONS` (``None``: not known, not checked)."""
+    if version is not None and version not in KNOWN_VERSIONS:
+        raise TransferQueueProtocolError(
+            f"TransferQueue {version} is not a release this poller knows: {_speaks()}. Install one of those "
+            f"(pip install 'zmq-replay-poller[transferqueue]'), or a zmq-replay-poller that knows {version}")
+
+
+def check_probe_reply(message: Any, address: str) -> None:
+    """Refuse a probe reply whose shape is not the protocol of :data:`KNOWN_VERSIONS`."""
+    problem = None
+    if not isinstance(message, dict):
+        problem = f"a {type(message).__name__}, not a message map"
+    elif set(message) != _MESSAGE_FIELDS:
+        problem = f"message fields {sorted(map(str, message))}, expected {sorted(_MESSAGE_FIELDS)}"
+    elif message["request_type"] != _RESPONSES[LIST_PARTITIONS]:
+        problem = f"{message['request_type']!r} in answer to {LIST_PARTITIONS}"
+    elif not isinstance(message["body"], dict) or not isinstance(message["body"].get("partition_ids"), list):
+        problem = "a LIST_PARTITIONS_RESPONSE without a partition_ids list"
+    if problem is not None:
+        raise TransferQueueProtocolError(
+            f"the TransferQueue controller at {address} answered the probe in a protocol this poller does not "
+            f"know ({problem}); {_speaks()}")
 
 
 def encode_request(request_type: str, body: dict[str, Any], *, sender_id: str, receiver_id: str | None) -> list[bytes]:
@@ -68,12 +119,16 @@ def _refuse_extension(code: int, data: bytes) -> Any:
         f"str, int, float, bool, None, lists and maps")
 
 
-def decode_reply(request_type: str, frames: Sequence[bytes]) -> dict[str, Any]:
+def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: str | None = None) -> dict[str, Any]:
     """The body of the controller's reply to a ``request_type`` request.
+
+    With ``probe_address``, the reply is the start-up probe's and its shape is
+    checked first (:func:`check_probe_reply`).
 
     Raises:
         TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply
             of another type, or one this side refuses to read (see above).
+        TransferQueueProtocolError: a probe reply of an unknown protocol.
     """
     if not frames or not frames[0]:
         raise TransferQueueReplyError("empty reply from the TransferQueue controller")
@@ -90,6 +145,8 @@ def decode_reply(request_type: str, frames: Sequence[bytes]) -> dict[str, Any]:
     except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
         raise TransferQueueReplyError(f"malformed reply from the TransferQueue controller: "
                                       f"{type(exc).__name__}: {exc}") from exc
+    if probe_address is not None and not (isinstance(message, dict) and message.get("request_type") == _REQUEST_ERROR):
+        check_probe_reply(message, probe_address)
     if not isinstance(message, dict) or not isinstance(message.get("body"), dict):
         raise TransferQueueReplyError("the controller's reply is not a message map with a body")
     body: dict[str, Any] = message["body"]

@@ -34,7 +34,14 @@ from typing import Any, Mapping, Sequence
 import zmq
 
 from . import SourceStall
-from .tq_protocol import KV_LIST, LIST_PARTITIONS, TransferQueueReplyError, decode_reply, encode_request
+from .tq_protocol import (
+    KV_LIST,
+    LIST_PARTITIONS,
+    TransferQueueReplyError,
+    check_version,
+    decode_reply,
+    encode_request,
+)
 
 __all__ = ["SPEC", "TransferQueueSource", "source_kwargs"]
 
@@ -61,15 +68,22 @@ class TransferQueueSource:
         call_timeout: the deadline of one ``kv_list()`` call, in seconds.
         probe_timeout: on construction, wait this long for the controller to
             answer a cheap request, so a wrong address fails the poller's
-            start-up with a clear error; ``None`` skips the probe.
+            start-up with a clear error, and check the answer's protocol;
+            ``None`` skips the probe.
+        controller_version: the TransferQueue release the trainer runs (what
+            :func:`source_kwargs` finds installed); one this source does not
+            know fails at once. ``None``: not checked.
 
     Raises:
         ValueError: bad arguments.
         SourceStall: the probe got no answer within ``probe_timeout``.
+        TransferQueueProtocolError: an unknown ``controller_version``, or a
+            probe answered in an unknown protocol.
     """
 
     def __init__(self, address: str, *, controller_id: str = "", partition_ids: Sequence[str] | None = None,
-                 call_timeout: float = 10.0, probe_timeout: float | None = 10.0) -> None:
+                 call_timeout: float = 10.0, probe_timeout: float | None = 10.0,
+                 controller_version: str | None = None) -> None:
         if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"address must be a 'tcp://host:port' endpoint, got {address!r}")
         if isinstance(partition_ids, str):
@@ -84,6 +98,7 @@ class TransferQueueSource:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if call_timeout is None:
             raise ValueError("call_timeout must be a positive number of seconds, got None")
+        check_version(controller_version)
         self.address = address
         self.controller_id = controller_id
         self.partition_ids = partition_ids
@@ -93,7 +108,7 @@ class TransferQueueSource:
         self._sock: zmq.Socket | None = None
         if probe_timeout is not None:
             try:
-                self._request(LIST_PARTITIONS, {}, probe_timeout)
+                self._request(LIST_PARTITIONS, {}, probe_timeout, probe=True)
             except BaseException:
                 self.close()
                 raise
@@ -153,7 +168,7 @@ class TransferQueueSource:
             self._sock = None
 
     def _request(self, request_type: str, body: dict[str, Any], timeout: float,
-                 deadline: float | None = None) -> dict[str, Any]:
+                 deadline: float | None = None, probe: bool = False) -> dict[str, Any]:
         """One request and its reply, by ``deadline`` (default: ``timeout`` from now)."""
         if deadline is None:
             deadline = time.monotonic() + timeout
@@ -169,7 +184,7 @@ class TransferQueueSource:
         except BaseException:
             self._drop_socket()
             raise
-        return decode_reply(request_type, reply)
+        return decode_reply(request_type, reply, probe_address=self.address if probe else None)
 
     @staticmethod
     def _wait(sock: zmq.Socket, event: int, deadline: float) -> bool:
@@ -197,6 +212,9 @@ def source_kwargs(conf: Any = None, *, partition_ids: Sequence[str] | None = Non
     through Ray. The result is plain data: picklable and JSON-able, so it
     also serves ``python -m poller run --source-kwargs``.
 
+    ``controller_version`` is the TransferQueue release installed here, which
+    the source checks against the releases it knows.
+
     Raises:
         ValueError: ``conf`` holds no controller address.
     """
@@ -213,7 +231,18 @@ def source_kwargs(conf: Any = None, *, partition_ids: Sequence[str] | None = Non
         "partition_ids": None if partition_ids is None else list(partition_ids),
         "call_timeout": call_timeout,
         "probe_timeout": probe_timeout,
+        "controller_version": _installed_version(),
     }
+
+
+def _installed_version() -> str | None:
+    """The TransferQueue release installed in this (the trainer's) environment, read without importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transferqueue")
+    except PackageNotFoundError:
+        return None
 
 
 def _controller_info(conf: Any) -> dict[str, Any]:

@@ -15,12 +15,16 @@ def failing_factory(**kwargs: Any) -> Any:
 
 
 class Chatty:
-    """Logs a warning on every kv_list(): it must reach the trainer's logging."""
+    """Logs a warning (or ``level``) on every kv_list(): it must reach the trainer's logging."""
+
+    def __init__(self, level: str = "WARNING") -> None:
+        self.level = level
 
     def kv_list(self) -> Any:
         import logging
 
-        logging.getLogger("poller.tests.chatty").warning("chatty source says hello from pid %d", os.getpid())
+        logging.getLogger("poller.tests.chatty").log(logging.getLevelName(self.level),
+                                                     "chatty source says hello from pid %d", os.getpid())
         return {}
 
 
@@ -41,6 +45,14 @@ def crash_then_hang_on_restart(marker: str) -> Any:
         threading.Event().wait()
     open(first, "w").close()
     return crash(how="sigkill", after=1)
+
+
+class ReportsEnvironment:
+    """Lists, as tags, the launcher's variables in the poller's environment (none may be left)."""
+
+    def kv_list(self) -> Any:
+        names = ("PYTHONPATH", "REPLAY_POLLER_SYS_PATH", "REPLAY_POLLER_SYS_PATH_PYTHONPATH")
+        return {"environment": {name: {"value": os.environ.get(name, "")} for name in names}}
 
 
 class ReportsModules:

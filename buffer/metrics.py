@@ -1,0 +1,127 @@
+"""What a buffer reports about itself: ``stats()`` (typed) and ``metrics()`` (numbers only).
+
+``stats()`` mixes numbers with the endpoint, the poller's name and the list of stale peers: good
+to read, not fit for a tracker. ``metrics()`` gives only numbers, under dotted names that stay
+stable across releases (verl's trackers, wandb, MLflow take such a dict as it is);
+:mod:`buffer.prometheus` exports the same table to Prometheus.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, TypedDict
+
+if TYPE_CHECKING:
+    from .replay import _Core
+
+__all__ = ["BufferStats", "Metric", "METRICS", "collect_stats", "metrics_of"]
+
+
+class BufferStats(TypedDict):
+    """The result of :meth:`buffer.ReplayBuffer.stats` (README, "Use")."""
+
+    poller_pid: int | None
+    poller_alive: bool
+    restarts: int
+    epoch: int | None
+    messages: int
+    items_received: int
+    bytes_received: int
+    protocol_errors: int
+    source_errors: int
+    source_stalls: int
+    last_message_age_s: float | None
+    keys: int
+    poller_rss: int | None
+    endpoint: str | None
+    poller_name: str | None
+    auth_rejected: int
+    curve: bool
+    peers: int
+    resyncs: int
+    stale_after: float
+    stale_peers: list[str]
+    polls: int
+    snapshots: int
+
+
+def collect_stats(core: _Core) -> BufferStats:
+    """The stats of an open buffer's core."""
+    receiver = core.receiver
+    process = core.process
+    peer = receiver.peer_info(core.name)
+    last = receiver.last_message_at
+    return {
+        "poller_pid": process.pid if process else None,
+        "poller_alive": bool(process and process.is_alive()),
+        "restarts": core.restarts,
+        "epoch": process.epoch if process else None,
+        "messages": receiver.messages,
+        "items_received": receiver.items_received,
+        "bytes_received": receiver.bytes_received,
+        "protocol_errors": receiver.protocol_errors,
+        "source_errors": receiver.source_errors,
+        "source_stalls": receiver.source_stalls,
+        "last_message_age_s": None if last is None else time.monotonic() - last,
+        "keys": core.store.key_count(),
+        "poller_rss": peer.rss if peer else None,
+        "endpoint": core.endpoint,
+        "poller_name": core.name if core.source is not None else None,
+        "auth_rejected": receiver.auth_rejected,
+        "curve": receiver.curve_enabled,
+        "peers": receiver.peer_count,
+        "resyncs": receiver.resyncs_requested,
+        "stale_after": receiver.stale_after,
+        "stale_peers": receiver.stale_peers(),
+        "polls": peer.polls_applied if peer else 0,
+        "snapshots": peer.snapshots_applied if peer else 0,
+    }
+
+
+class Metric(NamedTuple):
+    """One metric: its stable dotted name, whether it only grows, what it means, how to read it."""
+
+    name: str
+    kind: Literal["counter", "gauge"]
+    help: str
+    read: Callable[[BufferStats], float]
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+#: Every metric, in a fixed order. Names never change meaning; new ones may be added.
+METRICS: tuple[Metric, ...] = (
+    Metric("replay.keys", "gauge", "keys held by the buffer", lambda s: s["keys"]),
+    Metric("replay.poller.alive", "gauge", "1 while the buffer's own poller process runs",
+           lambda s: int(s["poller_alive"])),
+    Metric("replay.poller.restarts", "counter", "restarts of the buffer's own poller", lambda s: s["restarts"]),
+    Metric("replay.poller.polls", "counter", "complete listings applied from the buffer's own poller",
+           lambda s: s["polls"]),
+    Metric("replay.poller.snapshots", "counter", "full listings among the polls", lambda s: s["snapshots"]),
+    Metric("replay.poller.rss_bytes", "gauge", "resident memory of the buffer's own poller (NaN: not reported)",
+           lambda s: _or_nan(s["poller_rss"])),
+    Metric("replay.source.errors", "counter", "failed kv_list() calls reported by pollers",
+           lambda s: s["source_errors"]),
+    Metric("replay.source.stalls", "counter", "kv_list() calls past their deadline", lambda s: s["source_stalls"]),
+    Metric("replay.stream.messages", "counter", "messages received from pollers", lambda s: s["messages"]),
+    Metric("replay.stream.items", "counter", "keys received (upserts and deletes)", lambda s: s["items_received"]),
+    Metric("replay.stream.bytes", "counter", "bytes received from pollers", lambda s: s["bytes_received"]),
+    Metric("replay.stream.protocol_errors", "counter", "messages refused by the decoder",
+           lambda s: s["protocol_errors"]),
+    Metric("replay.stream.resyncs", "counter", "full snapshots asked of pollers after a gap", lambda s: s["resyncs"]),
+    Metric("replay.stream.auth_rejected", "counter", "handshakes refused for want of an allowed CURVE key",
+           lambda s: s["auth_rejected"]),
+    Metric("replay.stream.peers", "gauge", "pollers connected that have not said BYE", lambda s: s["peers"]),
+    Metric("replay.stream.stale_peers", "gauge", "pollers silent longer than stale_after",
+           lambda s: len(s["stale_peers"])),
+    Metric("replay.stream.last_message_age_seconds", "gauge", "seconds since the last message (NaN: none yet)",
+           lambda s: _or_nan(s["last_message_age_s"])),
+)
+
+
+def metrics_of(stats: BufferStats) -> dict[str, float]:
+    """``{dotted name: number}`` for every metric in :data:`METRICS`."""
+    return {metric.name: float(metric.read(stats)) for metric in METRICS}

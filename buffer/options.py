@@ -1,0 +1,38 @@
+"""Options of :class:`~buffer.ReplayBuffer` that arrive from config files as plain values.
+
+A buffer built through Hydra/OmegaConf (``_target_: buffer.ReplayBuffer``) gets mappings, strings
+and numbers; these turn them into what the buffer and its poller use, or say clearly what is wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from poller.protocol import Limits
+
+__all__ = ["as_limits", "check_stall_timeout", "check_log_level"]
+
+
+def as_limits(limits: Any) -> Any:
+    """A :class:`Limits` from a mapping of its fields (Hydra/OmegaConf ``_target_`` configs pass mappings)."""
+    if limits is None or isinstance(limits, Limits) or not isinstance(limits, Mapping):
+        return limits  # the type check follows in _check_security_args
+    fields = {str(name): value for name, value in limits.items()}
+    unknown = sorted(set(fields) - set(Limits._fields))
+    if unknown:
+        raise ValueError(f"unknown limits {unknown}; the fields of poller.protocol.Limits are {list(Limits._fields)}")
+    return Limits(**fields)
+
+
+def check_stall_timeout(stall_timeout: Any) -> float | None:
+    if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
+        raise ValueError(f"stall_timeout must be positive seconds or None, got {stall_timeout!r}")
+    return None if stall_timeout is None else float(stall_timeout)
+
+
+def check_log_level(level: Any) -> int:
+    number = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+        raise ValueError(f"poller_log_level must be a logging level name or number, got {level!r}")
+    return number

@@ -1,0 +1,196 @@
+"""``python -m poller doctor``: are ``poller`` and ``buffer`` the files this distribution installed?
+
+The distribution installs two top-level packages, ``poller`` and ``buffer``. Another distribution
+on the public index also installs a top-level ``buffer``; installed after this one it overwrites
+``buffer/__init__.py`` (or shadows the whole package from an earlier ``sys.path`` entry), and
+``from buffer import ReplayBuffer`` breaks while ``pip check`` sees nothing wrong: pip checks
+requirements, not files. This check compares what Python would import with the installer's
+record (``RECORD``, via :mod:`importlib.metadata`): where each package is found, and the sha256 of
+every file recorded for it. Nothing is imported but this package, so a broken ``buffer`` cannot
+stop the check.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from ._version import __version__
+
+__all__ = ["DISTRIBUTION", "PACKAGES", "Diagnosis", "diagnose"]
+
+DISTRIBUTION = "zmq-replay-poller"
+PACKAGES = ("poller", "buffer")
+
+
+@dataclass
+class Diagnosis:
+    """What the check found: ``ok`` lines, ``problems``, and how to fix them."""
+
+    ok: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        """The report, one finding a line."""
+        out = [f"ok: {line}" for line in self.ok] + [f"problem: {line}" for line in self.problems]
+        out += [f"fix: {line}" for line in self.fixes]
+        if self.healthy:
+            out.append(f"{DISTRIBUTION} {__version__}: poller and buffer are this distribution's files")
+        return out
+
+
+def diagnose() -> Diagnosis:
+    """Compare the importable ``poller`` and ``buffer`` with this distribution's install record."""
+    result = Diagnosis()
+    dist = _our_distribution()
+    if dist is None:
+        where = {name: _imported_dir(name) for name in PACKAGES}
+        result.problems.append(f"{DISTRIBUTION} is not installed in this environment (poller from {where['poller']}, "
+                               f"buffer from {where['buffer']}); nothing to compare them with")
+        result.fixes.append(f"pip install {DISTRIBUTION}")
+        return result
+    editable_root = _editable_root(dist)
+    owners: set[str] = set()
+    for package in PACKAGES:
+        if editable_root is not None:
+            _check_editable(package, editable_root, result)
+        else:
+            owners |= _check_recorded(dist, package, result)
+    if not result.healthy:
+        _advise(result, owners, editable_root)
+    return result
+
+
+def _our_distribution() -> importlib.metadata.Distribution | None:
+    """This distribution's record: the one beside the ``poller`` Python imports, else the first found."""
+    found = list(importlib.metadata.distributions(name=DISTRIBUTION))
+    imported = _imported_dir("poller")
+    for dist in found:
+        root = _editable_root(dist)
+        where = root / "poller" if root is not None else Path(str(dist.locate_file("poller"))).resolve()
+        if where == imported:
+            return dist
+    return found[0] if found else None
+
+
+def _imported_dir(package: str) -> Path | None:
+    """The directory ``import package`` would load, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None:
+        return None
+    if spec.origin is not None and spec.origin not in ("namespace", "built-in"):
+        return Path(spec.origin).resolve().parent
+    locations = list(spec.submodule_search_locations or [])
+    return Path(locations[0]).resolve() if locations else None
+
+
+def _has_init(package: str) -> bool:
+    spec = importlib.util.find_spec(package)
+    return spec is not None and spec.origin is not None and spec.origin.endswith("__init__.py")
+
+
+def _editable_root(dist: importlib.metadata.Distribution) -> Path | None:
+    """The source tree of an editable install (``pip install -e``), whose record lists no package files."""
+    text = dist.read_text("direct_url.json")
+    if not text:
+        return None
+    try:
+        info = json.loads(text)
+    except ValueError:
+        return None
+    url = info.get("url", "")
+    if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
+        return Path(url[len("file://"):]).resolve()
+    return None
+
+
+def _check_editable(package: str, root: Path, result: Diagnosis) -> None:
+    imported, expected = _imported_dir(package), root / package
+    if imported != expected or not _has_init(package):
+        result.problems.append(f"{package} is imported from {imported}, not from the editable install's "
+                               f"source tree {expected}")
+    else:
+        result.ok.append(f"{package} from {imported} (editable install)")
+
+
+def _check_recorded(dist: importlib.metadata.Distribution, package: str, result: Diagnosis) -> set[str]:
+    """Check one package against the record; return the other distributions found owning its files."""
+    recorded = [f for f in dist.files or [] if f.parts and f.parts[0] == package]
+    installed_dir = Path(str(dist.locate_file(package))).resolve()
+    imported = _imported_dir(package)
+    if not recorded:
+        result.problems.append(f"the install record of {DISTRIBUTION} lists no files of {package}")
+        return set()
+    if imported != installed_dir:
+        result.problems.append(f"{package} is imported from {imported}, but {DISTRIBUTION} installed it in "
+                               f"{installed_dir}: another package named {package} comes first on sys.path")
+        return _owners_of(package, imported, dist)
+    if not any(f.hash is not None for f in recorded):
+        # An .egg-info in a source tree (after a build there): it lists files without hashes.
+        result.ok.append(f"{package} from {installed_dir} (a source tree: its record has no hashes to compare)")
+        return set()
+    bad = []
+    for file in recorded:
+        if file.hash is None or file.hash.mode != "sha256":
+            continue  # RECORD itself, compiled files
+        path = Path(str(dist.locate_file(file)))
+        if not path.is_file():
+            bad.append(f"{file} is missing")
+        elif _sha256(path) != file.hash.value:
+            bad.append(f"{file} was changed")
+    recorded_names = {PurePosixPath(*f.parts) for f in recorded}
+    strangers = sorted(str(PurePosixPath(package, *p.relative_to(installed_dir).parts))
+                       for p in installed_dir.rglob("*.py")
+                       if PurePosixPath(package, *p.relative_to(installed_dir).parts) not in recorded_names)
+    bad += [f"{name} is not one of {DISTRIBUTION}'s files" for name in strangers]
+    if not bad:
+        checked = sum(1 for f in recorded if f.hash is not None)
+        result.ok.append(f"{package} from {installed_dir} ({checked} files match the install record)")
+        return set()
+    result.problems.append(f"{package} in {installed_dir} is not what {DISTRIBUTION} installed: " + "; ".join(bad))
+    return _owners_of(package, installed_dir, dist)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def _owners_of(package: str, directory: Path | None, ours: importlib.metadata.Distribution) -> set[str]:
+    """Other installed distributions that record files of ``package`` in ``directory``."""
+    owners: set[str] = set()
+    if directory is None:
+        return owners
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"] or "?"
+        if name == DISTRIBUTION:
+            continue
+        for file in dist.files or []:
+            if file.parts and file.parts[0] == package and \
+                    Path(str(dist.locate_file(file))).resolve().parent.is_relative_to(directory):
+                owners.add(name)
+                break
+    return owners
+
+
+def _advise(result: Diagnosis, owners: set[str], editable_root: Path | None) -> None:
+    if owners:
+        names = " ".join(sorted(owners))
+        result.problems.append(f"installed by another distribution as well: {names} (it also installs a top-level "
+                               f"package of that name; both cannot live in one environment)")
+        result.fixes.append(f"pip uninstall {names}   (or give it an environment of its own), then:")
+    if editable_root is not None:
+        result.fixes.append(f"pip install -e {editable_root}   (and remove what shadows it from sys.path)")
+    else:
+        result.fixes.append(f"pip install --force-reinstall --no-deps {DISTRIBUTION}=={__version__}   "
+                            f"(puts this distribution's files back)")
