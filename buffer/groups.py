@@ -68,6 +68,16 @@ class GroupPartition:
         counts = ", ".join(f"{status}={self.count(status)}" for status in STATUSES)
         return f"<GroupPartition {counts} groups_with_trajectories={len(self.trajectories)}>"
 
+    def counts(self) -> dict[str, int]:
+        return {status: self.count(status) for status in STATUSES}
+
+    def describe(self, partition_id: str) -> str:
+        """Counts by status and the oldest prompts in flight (for timeouts and progress logs)."""
+        inflight = [*self.uids(RUNNING), *self.uids(PENDING)][:5]
+        return (f"partition {partition_id!r} holds {self.count(PENDING)} pending, {self.count(RUNNING)} running, "
+                f"{self.count(FINISHED)} finished and {self.count(FAILURE)} failure prompt(s)"
+                + (f"; in flight: {', '.join(inflight)}" if inflight else ""))
+
     def count(self, status: str) -> int:
         return sum(len(uids) for uids in self.buckets[status].values())
 

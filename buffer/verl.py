@@ -30,10 +30,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from poller.process import ShutdownReport
 
+from . import verl_io
 from .errors import BufferClosed
 from .group_rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
@@ -41,16 +42,15 @@ from .group_rules import (
     Plan,
     Rules,
     accumulate_metrics,
-    classify,
     metrics_prefix,
     plan_async,
     plan_sync,
     sampleable_count,
 )
-from .groups import FAILURE, FINISHED, PENDING, RUNNING, GroupIndex, GroupPartition
+from .groups import GroupIndex, GroupPartition
 from .replay import ReplayBuffer as _Buffer
 from .verl_config import SamplerConfig
-from .verl_io import VerlBatch, close_client, is_transferqueue, make_batch, open_client, poller_source, read_metric
+from .verl_io import VerlBatch
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
@@ -58,13 +58,8 @@ logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 
-
-def _shut(buffer: _Buffer, client: Any, owned: bool) -> None:
-    """Finalizer body: holds no reference to the sampler."""
-    try:
-        buffer.close()
-    finally:
-        close_client(client, owned)
+# A sync started ahead gives up after this long; the next call then syncs itself (with its own deadline).
+_SYNC_AHEAD_TIMEOUT = 60.0
 
 
 class ReplayBuffer:
@@ -134,6 +129,7 @@ class ReplayBuffer:
         self._finalizer: weakref.finalize | None = None
         self._closed = False
         self._needs_sync = False
+        self._sync_ahead: verl_io.SyncAhead | None = None
         # DAPO metrics read outside the lock, recorded in the index by the next decision.
         self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0}
@@ -186,9 +182,11 @@ class ReplayBuffer:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
         what = self._call("get_sampleable_count", global_steps, partition_id)
         deadline = self._deadline()
+        def count(part: GroupPartition) -> Plan | int:
+            return sampleable_count(part, self._rules, partition_id, global_steps)
+
         while True:
-            result = self._decide(what, partition_id, deadline,
-                                  lambda part: sampleable_count(part, self._rules, partition_id, global_steps))
+            result = cast("Plan | int", self._decide(what, partition_id, deadline, count))
             if isinstance(result, int):
                 return result
             self._carry_out(result, partition_id, {}, deadline)
@@ -203,6 +201,8 @@ class ReplayBuffer:
         report = buffer.close(timeout)
         if finalizer is not None:
             finalizer()
+        if self._sync_ahead is not None:
+            self._sync_ahead.done(1.0)  # ends with BufferClosed
         return report
 
     def stats(self) -> dict[str, Any]:
@@ -226,14 +226,15 @@ class ReplayBuffer:
 
     # -- deciding and carrying out ------------------------------------------------------------
 
-    def _call(self, name: str, global_steps: Any, partition_id: Any, count: Any = None) -> str:
+    def _call(self, name: str, global_steps: Any, partition_id: Any, count: Any = None,
+              count_name: str = "batch_size") -> str:
         if not isinstance(global_steps, int) or isinstance(global_steps, bool):
             raise TypeError(f"global_steps must be an int, got {global_steps!r}")
         if not isinstance(partition_id, str) or not partition_id:
             raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
         if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
             raise ValueError(f"the batch size / target count must be an int >= 0, got {count!r}")
-        tail = "" if count is None else f", {count}"
+        tail = "" if count is None else f", {count_name}={count}"
         return f"{name}(global_steps={global_steps}, partition_id={partition_id!r}{tail})"
 
     def _deadline(self) -> float | None:
@@ -247,17 +248,21 @@ class ReplayBuffer:
             if self._buffer is not None:
                 return self._buffer
             config = self._config
-            spec, kwargs = poller_source(config.source, config.source_kwargs)
-            client, owned = open_client(config.source, config.source_kwargs,
+            spec, kwargs = verl_io.poller_source(config.source, config.source_kwargs)
+            client, owned = verl_io.open_client(config.source, config.source_kwargs,
                                         need_fields=config.filter_groups_metric is not None)
             try:
                 buffer = _Buffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
                                  **config.buffer_kwargs)
             except BaseException:
-                close_client(client, owned)
+                verl_io.shut_down(None, client, owned)
                 raise
-            self._finalizer = weakref.finalize(self, _shut, buffer, client, owned)
-            buffer._attach_policy(self._index)
+            self._finalizer = weakref.finalize(self, verl_io.shut_down, buffer, client, owned)
+            try:
+                buffer._attach_policy(self._index)
+            except BaseException:
+                self._finalizer()
+                raise
             self._buffer, self._client = buffer, client
             logger.debug("verl sampler started: %r", buffer)
             return buffer
@@ -266,6 +271,10 @@ class ReplayBuffer:
                 rule: Callable[[GroupPartition], _R | None]) -> _R:
         """The first non-None ``rule(view)``, waking on every change; logs progress while it waits."""
         buffer = self._started()
+        ahead, self._sync_ahead = self._sync_ahead, None
+        if ahead is not None and self._needs_sync:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._needs_sync = not ahead.done(remaining)
         if self._needs_sync:
             self._sync(what, deadline)
 
@@ -282,7 +291,7 @@ class ReplayBuffer:
                 wait = min(wait, deadline - now)
             try:
                 return buffer._wait_until(attempt, timeout=max(0.0, wait),
-                                          describe=lambda: self._describe(partition_id))
+                                          describe=lambda: self._index.partition(partition_id).describe(partition_id))
             except TimeoutError as exc:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{what} timed out after {self._config.sample_timeout:g}s: {exc}") from None
@@ -327,20 +336,9 @@ class ReplayBuffer:
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
-        metric = self._config.filter_groups_metric
-        assert metric is not None
-        keys = [key for group_keys in groups.values() for key in group_keys]
-        values = iter(read_metric(self._client, partition_id, keys, metric))
-        fetched = self._fetched.setdefault(partition_id, {})
-        missing = []
-        for uid, group_keys in groups.items():
-            group_values = [next(values) for _ in group_keys]
-            if not group_values or any(value is None for value in group_values):
-                missing.append(uid)
-            else:
-                fetched[uid] = (group_keys, classify([v for v in group_values if v is not None]))
-        if missing:
-            raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
+        assert self._config.filter_groups_metric is not None
+        classes = verl_io.classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
+        self._fetched.setdefault(partition_id, {}).update(classes)
 
     def _record_fetched(self, partition_id: str) -> None:
         fetched = self._fetched.pop(partition_id, None)
@@ -355,19 +353,13 @@ class ReplayBuffer:
         keys = [key for key in keys if key in held]
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
-        return make_batch(partition_id, keys, [held[key] for key in keys], is_transferqueue(self._config.source))
+        # The next call must see a listing that began after this clear: have it run during the training step.
+        self._sync_ahead = verl_io.SyncAhead(buffer, _SYNC_AHEAD_TIMEOUT)
+        on_tq = verl_io.is_transferqueue(self._config.source)
+        return verl_io.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)
 
     def _group_counts(self) -> dict[str, dict[str, int]]:
-        return {pid: {status: self._index.partition(pid).count(status)
-                      for status in (PENDING, RUNNING, FINISHED, FAILURE)}
-                for pid in self._index.partition_ids()}
-
-    def _describe(self, partition_id: str) -> str:
-        part = self._index.partition(partition_id)
-        inflight = [*part.uids(RUNNING), *part.uids(PENDING)][:5]
-        return (f"partition {partition_id!r} holds {part.count(PENDING)} pending, {part.count(RUNNING)} running, "
-                f"{part.count(FINISHED)} finished and {part.count(FAILURE)} failure prompt(s)"
-                + (f"; in flight: {', '.join(inflight)}" if inflight else ""))
+        return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}
 
 
 class ReplayBufferAsync(ReplayBuffer):
@@ -381,7 +373,7 @@ class ReplayBufferAsync(ReplayBuffer):
 
         Returns their uids and the eviction metrics; nothing is consumed.
         """
-        what = self._call("wait_for_sampleable", global_steps, partition_id, target_count)
+        what = self._call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
         plan, metrics = self._wait(what, global_steps, partition_id, target_count, select=False)
         return plan.sampleable, metrics
 

@@ -12,7 +12,9 @@ sampler makes itself run in the trainer:
 
 from __future__ import annotations
 
+import importlib
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,8 +23,10 @@ from poller.sources import _resolve as resolve_spec
 from poller.sources.transferqueue import SPEC as TRANSFERQUEUE_SPEC
 from poller.sources.transferqueue import source_kwargs as transferqueue_source_kwargs
 
-__all__ = ["StoreClient", "VerlBatch", "close_client", "is_transferqueue", "make_batch", "open_client",
-           "poller_source", "read_metric"]
+from .group_rules import classify
+
+__all__ = ["StoreClient", "SyncAhead", "VerlBatch", "classify_groups", "close_client", "is_transferqueue",
+           "make_batch", "open_client", "poller_source", "read_metric", "shut_down"]
 
 
 class StoreClient(Protocol):
@@ -72,9 +76,8 @@ def open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_f
         TypeError: the client lacks ``kv_clear`` (or ``kv_batch_get`` when DAPO needs it).
     """
     if is_transferqueue(source):
-        import transfer_queue
-
-        return transfer_queue, False
+        # Imported here, in the trainer that initialised it: import_module keeps type checkers out of it.
+        return importlib.import_module("transfer_queue"), False
     assert source is not None
     client = load_source(source, kwargs)
     # load_source hands back a ready-made source object as it is: that one is not ours to close.
@@ -102,6 +105,40 @@ def close_client(client: Any, owned: bool) -> None:
         _close(client)
 
 
+class SyncAhead:
+    """``buffer.sync()`` in a thread, started right after a call's last write.
+
+    The listing it waits for runs while the trainer trains on the batch, so
+    the next call usually finds it applied instead of waiting one listing.
+    """
+
+    def __init__(self, buffer: Any, timeout: float) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(buffer, timeout), name="verl-sync-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, buffer: Any, timeout: float) -> None:
+        try:
+            buffer.sync(timeout)
+        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
+            self.error = exc
+
+    def done(self, timeout: float | None) -> bool:
+        """True once the sync succeeded (waiting up to ``timeout``)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive() and self.error is None
+
+
+def shut_down(buffer: Any, client: Any, owned: bool) -> None:
+    """The sampler's finalizer: close its buffer, then the client it built (no reference to the sampler)."""
+    try:
+        if buffer is not None:
+            buffer.close()
+    finally:
+        close_client(client, owned)
+
+
 def read_metric(client: Any, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
     """Each key's ``extra_fields["reward_extra_info"][metric]`` (None where it is missing)."""
     if not keys:
@@ -118,10 +155,32 @@ def read_metric(client: Any, partition_id: str, keys: list[str], metric: str) ->
     return values
 
 
+def classify_groups(client: Any, partition_id: str, groups: dict[str, list[str]],
+                    metric: str) -> dict[str, tuple[list[str], float | None]]:
+    """uid -> (the trajectory keys read, the value DAPO filters on or None), for finished groups.
+
+    Raises:
+        RuntimeError: a group has no trajectory, or one without the metric (verl's error).
+    """
+    keys = [key for group_keys in groups.values() for key in group_keys]
+    values = iter(read_metric(client, partition_id, keys, metric))
+    classes: dict[str, tuple[list[str], float | None]] = {}
+    missing = []
+    for uid, group_keys in groups.items():
+        group_values = [next(values) for _ in group_keys]
+        present = [value for value in group_values if value is not None]
+        if not group_values or len(present) != len(group_values):
+            missing.append(uid)
+        else:
+            classes[uid] = (group_keys, classify(present))
+    if missing:
+        raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
+    return classes
+
+
 def make_batch(partition_id: str, keys: list[str], tags: list[dict[str, Any]], transferqueue: bool) -> Any:
     """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
     if transferqueue or "transfer_queue" in sys.modules:
-        from transfer_queue import KVBatchMeta
-
-        return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
+        meta = importlib.import_module("transfer_queue").KVBatchMeta
+        return meta(partition_id=partition_id, keys=keys, tags=tags)
     return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
