@@ -20,7 +20,9 @@ them and tabulates. A trial goes:
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -114,6 +116,16 @@ ROWS: tuple[Row, ...] = (
     Row("store:locked", action="lock"),
     Row("store:corrupted", action="corrupt", saw="PollerCrashed", cause="RemoteTraceback", stage="already-exited",
         restarts=1, converges=False),
+    # The store stops answering: the poller gives up, and its restarts cannot connect until the store is back;
+    # those refused start-ups use none of the budget (max_restarts=1 would otherwise be gone at once).
+    Row("store:down-at-restart", "down", restarts=1),
+    # A polling thread killed by what `except Exception` does not catch: the poller must end with a fatal
+    # ERROR (restarted, then PollerCrashed) instead of heartbeating with no polls.
+    Row("thread-death:SystemExit", "raise_", {"exc": "SystemExit"}, saw="PollerCrashed", cause="RemoteTraceback",
+        stage="already-exited", restarts=1, converges=False),
+    # A forked child (a data-loader worker) exits normally: its exit handlers must leave the parent's poller
+    # and ipc directory alone, so the parent's next poller (after a SIGKILL here) still streams.
+    Row("fork:child-exits", action="fork-exit", restarts=1),
 )
 
 
@@ -267,6 +279,8 @@ def run_trial(row: Row, workdir: str) -> Outcome:
                 out.problems.append("the fault never fired")
         elif row.action in ("delete", "lock", "corrupt"):
             undo = _store_action(row.action, db, writer)
+        elif row.action == "fork-exit":
+            out.problems.extend(_fork_exit_then_restart(rb))
         elif row.action is not None:
             want_protocol_errors = _wire(row.action, rb)
         try:
@@ -275,6 +289,10 @@ def run_trial(row: Row, workdir: str) -> Outcome:
         except Exception as exc:  # a corrupted store refuses writes too
             out.detail = f"writer: {type(exc).__name__}: {exc}"
         undo()
+        if row.fault == "down":  # the store comes back once restarts were refused for a while
+            if not _wait(lambda: rb.stats().get("start_retries", 0) >= 2):
+                out.problems.append(f"no refused restarts while the store was down: {rb.stats()}")
+            os.unlink(os.path.join(workdir, "arm"))
         _sample_step2(row, rb, out, consume)
         if row.action in WIRE_FAULTS or row.action in ("replayed-seq", "out-of-order-seq"):
             _wait(lambda: rb.stats()["protocol_errors"] >= want_protocol_errors, 10.0)
@@ -297,6 +315,24 @@ def run_trial(row: Row, workdir: str) -> Outcome:
         writer.close()
     out.stage, out.close_s = report.stage, report.seconds
     return out
+
+
+def _fork_exit_then_restart(rb: ReplayBuffer) -> list[str]:
+    """Fork a child that exits normally, then SIGKILL the poller; return what went wrong."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            atexit._run_exitfuncs()  # what a normal exit runs in the child: the buffer's finalizer among them
+        finally:
+            os._exit(0)
+    if not _wait(lambda: os.waitpid(pid, os.WNOHANG) != (0, 0)):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return ["the forked child did not exit"]
+    os.kill(rb.stats()["poller_pid"], signal.SIGKILL)
+    if not _wait(lambda: rb.stats()["restarts"] >= 1 and rb.stats()["poller_alive"]):
+        return [f"the poller was not restarted: {rb.stats()}"]
+    return []
 
 
 def _check_huge(rb: ReplayBuffer, out: Outcome) -> None:

@@ -24,6 +24,7 @@ class BufferStats(TypedDict):
     poller_pid: int | None
     poller_alive: bool
     restarts: int
+    start_retries: int
     epoch: int | None
     messages: int
     items_received: int
@@ -55,7 +56,8 @@ def collect_stats(core: _Core) -> BufferStats:
     return {
         "poller_pid": process.pid if process else None,
         "poller_alive": bool(process and process.is_alive()),
-        "restarts": core.restarts,
+        "restarts": core.budget.total,
+        "start_retries": core.start_retries,
         "epoch": process.epoch if process else None,
         "messages": receiver.messages,
         "items_received": receiver.items_received,
@@ -119,6 +121,9 @@ METRICS: tuple[Metric, ...] = (
            lambda s: len(s["stale_peers"])),
     Metric("replay.stream.last_message_age_seconds", "gauge", "seconds since the last message (NaN: none yet)",
            lambda s: _or_nan(s["last_message_age_s"])),
+    Metric("replay.poller.start_retries", "counter",
+           "restarts of the buffer's own poller refused because its store could not be reached",
+           lambda s: s["start_retries"]),
 )
 
 

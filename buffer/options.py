@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from poller.arguments import check_optional_seconds
 from poller.protocol import Limits
 
 __all__ = ["as_limits", "check_stall_timeout", "check_log_level"]
@@ -26,9 +27,8 @@ def as_limits(limits: Any) -> Any:
 
 
 def check_stall_timeout(stall_timeout: Any) -> float | None:
-    if stall_timeout is not None and not (isinstance(stall_timeout, (int, float)) and stall_timeout > 0):
-        raise ValueError(f"stall_timeout must be positive seconds or None, got {stall_timeout!r}")
-    return None if stall_timeout is None else float(stall_timeout)
+    # Finite too: an infinite stall timeout is None, said plainly.
+    return check_optional_seconds("stall_timeout", stall_timeout)
 
 
 def check_log_level(level: Any) -> int:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -26,6 +24,7 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
+from poller.arguments import check_optional_seconds
 from poller.curve import CurveClient, CurveServer, generate_pair
 from poller.errors import PollerCrashed, PollerStartupError
 from poller.process import PollerProcess, ShutdownReport
@@ -35,12 +34,15 @@ from poller.wakeup import WakePipe
 
 from .access import check_bind
 from .errors import BufferClosed
+from .ipcdir import PrivateIpcDir
 from .metrics import BufferStats, collect_stats, metrics_of
 from .options import as_limits, check_log_level, check_stall_timeout
 from .partitions import PartitionStore, Policy, Tags
+from .restarts import RestartBudget
 from .steps import BatchMeta, StepSampler
 from .stream import StreamReceiver
 from .sync import ListingSync
+from .validate import check_buffer_args, check_items, check_keys, check_partition, check_sample
 
 __all__ = ["ReplayBuffer"]
 
@@ -48,22 +50,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-_RESTART_BACKOFF_BASE = 0.1
-_RESTART_BACKOFF_CAP = 2.0
 _FIRST_POLL_WAIT = 5.0
-
-
-# Unix socket paths are limited to 107 bytes (sun_path); leave room.
-_MAX_IPC_PATH = 100
-
-
-def _private_ipc_dir() -> str:
-    """A fresh 0700 directory for the ipc socket, in a place short enough to bind."""
-    directory = tempfile.mkdtemp(prefix="replay-")
-    if len(directory) + len("/stream") <= _MAX_IPC_PATH:
-        return directory
-    os.rmdir(directory)  # TMPDIR is too deep for a socket path
-    return tempfile.mkdtemp(prefix="replay-", dir="/tmp")
 
 
 class _Core:
@@ -72,18 +59,21 @@ class _Core:
     def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
                  bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
                  curve: CurveServer | None = None, limits: Limits | None = None, stale_after: float = 5.0,
-                 poller_options: Mapping[str, Any] | None = None) -> None:
+                 poller_options: Mapping[str, Any] | None = None, restart_window: float = 600.0) -> None:
         self.source = source
         self.poller_options = dict(poller_options or {})  # further WorkerConfig fields
         self.source_kwargs = dict(source_kwargs or {})
         self.poll_interval = poll_interval
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
-        self.max_restarts = max_restarts
+        self.budget = RestartBudget(max_restarts, restart_window)
+        self.start_retries = 0  # restarts refused by an unreachable store (they use no budget)
         self.store = PartitionStore()
         self.steps = StepSampler(self.store)
+        # Only this process may stop the poller or remove the ipc directory:
+        # a forked child inherits this object and its finalizer.
+        self.owner_pid = os.getpid()
         self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.restarts = 0
         self.process: PollerProcess | None = None
         self.closing = threading.Event()
         # Reentrant: a signal handler may call close() in the thread that is closing.
@@ -92,11 +82,11 @@ class _Core:
         self._report: ShutdownReport | None = None
         self._supervisor: threading.Thread | None = None
         self._wake = WakePipe()
-        self._ipc_dir: str | None = None
+        self._ipc_dir: PrivateIpcDir | None = None
         if bind is None:
             # Private by default: a 0700 directory only this user can enter.
-            self._ipc_dir = _private_ipc_dir()
-            bind = f"ipc://{self._ipc_dir}/stream"
+            self._ipc_dir = PrivateIpcDir.create()
+            bind = self._ipc_dir.endpoint
         self.child_curve: CurveClient | None = None
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
@@ -141,7 +131,8 @@ class _Core:
         epoch = secrets.randbits(62) + 1
         self.receiver.expect(self.name, epoch)
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
-                             name=self.name, interval=self.poll_interval, orphan_cleanup=self._ipc_dir,
+                             name=self.name, interval=self.poll_interval,
+                             orphan_cleanup=self._ipc_dir.path if self._ipc_dir else None,
                              epoch=epoch, curve=self.child_curve, **_chunking_within(self.receiver.limits),
                              **self.poller_options)
 
@@ -169,27 +160,38 @@ class _Core:
                 return
 
     def _restart(self, exitcode: int | None, cause: Exception | None) -> bool:
-        while self.restarts < self.max_restarts:
-            delay = min(_RESTART_BACKOFF_BASE * 2 ** self.restarts, _RESTART_BACKOFF_CAP)
-            self.restarts += 1
-            if self.closing.wait(delay):
+        budget = self.budget
+        refused = 0  # start-ups in a row refused because the store could not be reached
+        while refused or not budget.exhausted():
+            if self.closing.wait(budget.unavailable_backoff(refused) if refused else budget.backoff()):
                 return False
             process = self._new_process()
             self.process = process
+            budget.use()
             try:
                 process.start(self.start_timeout)
             except PollerStartupError as exc:
-                logger.warning("restart %d/%d of poller %s failed: %s", self.restarts, self.max_restarts,
-                               self.name, exc)
-                cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
                 if self.closing.is_set():
                     return False
+                if exc.unavailable:  # retried without using the budget (buffer/restarts.py)
+                    budget.refund()
+                    refused += 1
+                    self.start_retries += 1
+                    logger.log(logging.WARNING if refused == 1 else logging.DEBUG,
+                               "poller %s cannot start, its store is unavailable (try %d, next in %.3gs; "
+                               "this uses no restart): %s", self.name, refused, budget.unavailable_backoff(refused),
+                               exc)
+                    continue
+                refused = 0
+                logger.warning("restart %d/%d of poller %s failed: %s", budget.recent(), budget.max_restarts,
+                               self.name, exc)
+                cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
                 continue
-            logger.warning("poller %s restarted (%d/%d), pid %s", self.name, self.restarts, self.max_restarts,
-                           process.pid)
+            logger.warning("poller %s restarted (%d/%d in %gs), pid %s", self.name, budget.recent(),
+                           budget.max_restarts, budget.window, process.pid)
             return True
         error = PollerCrashed(f"poller {self.name} died (exit code {exitcode}) and "
-                              f"max_restarts={self.max_restarts} restarts were used")
+                              f"max_restarts={budget.max_restarts} restarts within {budget.window:g}s were used")
         error.__cause__ = cause
         logger.error("%s", error)
         self.store.fail(error)
@@ -198,6 +200,12 @@ class _Core:
     # -- close ------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
+        if os.getpid() != self.owner_pid:
+            # A forked child's copy (its finalizer at exit, or a `with` block
+            # unwinding in it): the poller, its lifeline, the sockets and the
+            # ipc directory are the parent's. Touch nothing, take no lock (a
+            # thread that held it at the fork does not exist here).
+            return ShutdownReport("no-poller", 0.0, None, False)
         with self._close_lock:
             if self._report is not None:
                 return self._report
@@ -240,7 +248,7 @@ class _Core:
         self.receiver.stop()
         self._wake.close()
         if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir.remove()
         report = report._replace(seconds=time.monotonic() - started)
         logger.debug("replay buffer closed: %s", report)
         return report
@@ -260,8 +268,12 @@ class ReplayBuffer:
             directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
         start_timeout: seconds to wait for the poller's READY.
         close_timeout: default per-stage bound of :meth:`close`.
-        max_restarts: restarts of a dead poller before ``sample()`` raises
-            :class:`~poller.PollerCrashed`.
+        max_restarts: restarts of a dead poller within ``restart_window``
+            seconds; the next death makes ``sample()`` raise
+            :class:`~poller.PollerCrashed`. A restart refused because the
+            store cannot be reached uses none: it is tried again, with
+            backoff capped at 5 s, until the store answers.
+        restart_window: seconds over which restarts are counted.
         curve: a :class:`~poller.curve.CurveServer` (the buffer's key pair and
             the allowed poller public keys): only pollers holding an allowed
             key get in, and the stream is encrypted. The buffer's own poller
@@ -282,26 +294,26 @@ class ReplayBuffer:
         PollerStartupError: the poller could not start; nothing is left running.
         InsecureBindError: ``bind`` reaches the network without ``curve`` or
             ``insecure=True``.
+        ValueError: a number out of range: durations must be finite (and
+            positive, ``close_timeout`` may be 0), ``max_restarts`` an int >= 0.
     """
 
     def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
                  poll_interval: float = 1.0, bind: str | None = None, start_timeout: float = 30.0,
-                 close_timeout: float = 5.0, max_restarts: int = 3, curve: CurveServer | None = None,
-                 insecure: bool = False, limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
+                 close_timeout: float = 5.0, max_restarts: int = 3, restart_window: float = 600.0,
+                 curve: CurveServer | None = None, insecure: bool = False,
+                 limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
                  stall_timeout: float | None = 30.0, poller_log_level: int | str = "WARNING") -> None:
-        if not poll_interval > 0:  # also refuses NaN
-            raise ValueError(f"poll_interval must be positive, got {poll_interval!r}")
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts!r}")
         resolved_limits = as_limits(limits)
-        _check_security_args(curve, resolved_limits, stale_after)
+        check_buffer_args(poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after,
+                          curve, resolved_limits)
         poller_options = {"stall_timeout": check_stall_timeout(stall_timeout),
                           "log_level": check_log_level(poller_log_level)}
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
                      curve=curve, limits=resolved_limits, stale_after=stale_after,
-                     poller_options=poller_options)
+                     poller_options=poller_options, restart_window=restart_window)
         try:
             core.start()
         except BaseException:
@@ -322,12 +334,26 @@ class ReplayBuffer:
         return self._core.endpoint
 
     def add(self, partition_id: str, items: Mapping[str, Mapping[str, Any]]) -> None:
-        """Merge tags per key (``tags.update(new)``); never replaces."""
-        self._core.store.add(partition_id, items)
+        """Merge tags per key (``tags.update(new)``); never replaces.
+
+        All or nothing: every item is checked before any is applied.
+
+        Raises:
+            TypeError: ``partition_id`` or a key is not a str, ``items`` or a
+                key's tags is not a mapping, or a tag name is not a str.
+        """
+        check_partition(partition_id)
+        self._core.store.add(partition_id, check_items(items))
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
-        """Delete keys. They stay removed while the source still lists them."""
-        self._core.store.remove(partition_id, list(keys))
+        """Delete keys. They stay removed while the source still lists them.
+
+        Raises:
+            TypeError: ``keys`` is one string (pass ``[key]``), or a key or
+                ``partition_id`` is not a str; nothing is removed.
+        """
+        check_partition(partition_id)
+        self._core.store.remove(partition_id, check_keys(keys))
 
     def sample(self, partition_id: str, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
@@ -342,7 +368,13 @@ class ReplayBuffer:
             TimeoutError: after ``timeout`` seconds, saying what is missing.
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
+            ValueError: ``batch_size`` is not an int >= 1 (``True`` neither),
+                or ``timeout`` is not a finite number >= 0 (``None`` waits
+                without a limit).
+            TypeError: ``partition_id`` is not a str.
         """
+        check_partition(partition_id)
+        timeout = check_sample(batch_size, timeout)
         return self._core.steps.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
                                        timeout=timeout)
 
@@ -359,14 +391,13 @@ class ReplayBuffer:
                 source stalls or fails); the message says what is known.
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
+            ValueError: ``timeout`` is not a finite number >= 0 (``None`` waits without a limit).
         """
         core = self._core
         core.store.check_open()
-        if core.listing_sync is None:
-            if timeout is not None and not timeout >= 0:
-                raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
-            return
-        core.listing_sync.wait(timeout)
+        timeout = check_optional_seconds("timeout", timeout, allow_zero=True)
+        if core.listing_sync is not None:
+            core.listing_sync.wait(timeout)
 
     # -- package-private: for sampling policies of this package (buffer.verl) ----
 
@@ -413,8 +444,13 @@ class ReplayBuffer:
 
         STOP, wait up to ``timeout`` (default ``close_timeout``) for BYE and
         exit, then ``terminate()``, wait, then ``kill()``. Idempotent and
-        thread-safe: every caller gets the same report.
+        thread-safe: every caller gets the same report. In a forked child
+        it touches nothing of the parent's (stage ``"no-poller"``).
+
+        Raises:
+            ValueError: ``timeout`` is not a finite number of seconds >= 0.
         """
+        check_optional_seconds("timeout", timeout, allow_zero=True)
         report = self._core.close(timeout)
         self._finalizer.detach()
         return report
@@ -424,16 +460,6 @@ class ReplayBuffer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _check_security_args(curve: Any, limits: Any, stale_after: float) -> None:
-    if curve is not None and not isinstance(curve, CurveServer):
-        raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
-    if limits is not None and not isinstance(limits, Limits):
-        raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
-                        f"got {type(limits).__name__}")
-    if not stale_after > 0:  # also refuses NaN
-        raise ValueError(f"stale_after must be positive, got {stale_after!r}")
 
 
 def _chunking_within(limits: Limits) -> dict[str, Any]:

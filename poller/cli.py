@@ -19,6 +19,7 @@ import sys
 from typing import Any, NoReturn, Sequence
 
 from ._version import __version__
+from .arguments import check_seconds
 from .curve import CurveClient, make_keys
 from .errors import PollerCrashed, PollerStartupError
 from .worker import WorkerConfig, run_standalone
@@ -75,8 +76,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
-    if not args.interval > 0:  # also refuses NaN
-        print(f"{args.command_name}: error: --interval must be positive", file=sys.stderr)
+    try:
+        check_seconds("--interval", args.interval)
+    except ValueError as exc:  # nan, inf, <= 0
+        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):

@@ -38,6 +38,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TextIO
 
+from .arguments import check_count, check_seconds
 from .sources.sqlite import SqliteSource
 
 __all__ = ["run_demo"]
@@ -328,14 +329,10 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
     Raises:
         ValueError: an argument is out of range.
     """
-    if not seconds >= 0:
-        raise ValueError(f"seconds must be >= 0, got {seconds!r}")
-    if writers < 1:
-        raise ValueError(f"writers must be >= 1, got {writers!r}")
-    if keys_per_step < 1:
-        raise ValueError(f"keys_per_step must be >= 1, got {keys_per_step!r}")
-    if not interval > 0:
-        raise ValueError(f"interval must be > 0, got {interval!r}")
+    check_seconds("seconds", seconds, allow_zero=True)
+    check_count("writers", writers, minimum=1)
+    check_count("keys_per_step", keys_per_step, minimum=1)
+    check_seconds("interval", interval)
     # Imported here: the poller package must not import buffer at import time.
     from buffer import ReplayBuffer
 

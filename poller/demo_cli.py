@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,8 @@ def _number(kind: Callable[[str], float], low: float, strict: bool) -> Callable[
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value):  # nan slips past every comparison below; inf never ends
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (strict and value == low):
             raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
         return value

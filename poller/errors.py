@@ -23,7 +23,19 @@ class PollerError(Exception):
 
 
 class PollerStartupError(PollerError):
-    """The poller process could not be started or never said READY."""
+    """The poller process could not be started or never said READY.
+
+    Attributes:
+        unavailable: the source could not reach its store (its factory raised
+            ``ConnectionError`` or ``TimeoutError``, e.g. a probe that got no
+            answer) or no READY came in time: the same start may work later.
+            False for a poller that is broken (bad spec, import error, a
+            factory raising anything else, a crash while starting).
+    """
+
+    def __init__(self, *args: object, unavailable: bool = False) -> None:
+        super().__init__(*args)
+        self.unavailable = unavailable
 
 
 class PollerCrashed(PollerError):

@@ -375,6 +375,19 @@ class PollingThread(threading.Thread):
         self._wake.clear()
 
     def run(self) -> None:
+        try:
+            self._poll_until_stopped()
+        except BaseException as exc:  # noqa: BLE001 - reported below, never swallowed
+            # A source raising SystemExit or KeyboardInterrupt, or a bug here
+            # (Event.wait(inf) raised OverflowError): without this the thread
+            # died unseen while heartbeats went on. Now the control loop ends
+            # the poller with this fatal ERROR, and the buffer restarts it.
+            self.failed = exc
+            self.source_errors += 1
+            logger.error("the polling thread died: %r", exc)
+            self._emit(Kind.ERROR, _error_body(exc, fatal=True, count=1))
+
+    def _poll_until_stopped(self) -> None:
         sent: Listing = {}
         full = True
         failures = 0

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, Literal, NamedTuple, Optional
 
 from . import lifeline
+from .arguments import check_seconds, check_worker_config
 from .errors import PollerError, PollerStartupError, RemoteTraceback
 from .launch import ExecProcess, wait
 from .sources import SourceSpec, describe_spec
@@ -80,11 +81,10 @@ class PollerProcess:
     def __init__(self, source: SourceSpec, *, endpoint: str, source_kwargs: dict[str, Any] | None = None,
                  name: str | None = None, interval: float = 1.0, start_method: str = "exec",
                  **options: Any) -> None:
-        if not interval > 0:  # also refuses NaN
-            raise ValueError(f"interval must be positive, got {interval!r}")
         self.name = name or f"poller-{os.getpid()}-{id(self):x}"
         self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
                                    source_kwargs=dict(source_kwargs or {}), interval=interval, **options)
+        check_worker_config(self.config)
         self.start_method = start_method
         if start_method != "exec":
             import multiprocessing  # only here: the poller itself never needs it
@@ -145,8 +145,13 @@ class PollerProcess:
         Raises:
             PollerStartupError: the child failed (its traceback is the
                 ``__cause__``), died, or gave no READY within ``timeout``.
-                The child is gone when this is raised.
+                The child is gone when this is raised. Its ``unavailable``
+                is true when the source could not reach its store (the
+                factory raised ``ConnectionError`` or ``TimeoutError``) or
+                gave no READY in time: trying again later may work.
+            ValueError: ``timeout`` is not a finite number of seconds > 0.
         """
+        timeout = check_seconds("timeout", timeout)
         if self._process is not None:
             raise PollerError("a PollerProcess can be started only once")
         if self.start_method == "exec":
@@ -183,7 +188,7 @@ class PollerProcess:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s")
+                raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s", unavailable=True)
             if self._report is not None:
                 raise PollerStartupError(f"poller for {spec} was closed while starting")
             try:
@@ -201,7 +206,8 @@ class PollerProcess:
                     return
                 if message is not None and message["kind"] == "startup_error":
                     raise PollerStartupError(
-                        f"poller for {spec} failed to start: {message['type']}: {message['message']}"
+                        f"poller for {spec} failed to start: {message['type']}: {message['message']}",
+                        unavailable=bool(message.get("unavailable")),
                     ) from RemoteTraceback(message["type"], message["message"], message["traceback"])
                 if message is None and (self._close_requested or wait([sentinel], 0)):
                     self._died_starting(spec)
@@ -263,7 +269,11 @@ class PollerProcess:
         ``wait_drained(seconds)``, when given, is asked after the child has
         exited whether everything it sent was applied. Idempotent and
         thread-safe: every caller gets the same report.
+
+        Raises:
+            ValueError: ``timeout`` is not a finite number of seconds >= 0.
         """
+        timeout = check_seconds("timeout", timeout, allow_zero=True)
         self._close_requested = True  # read by a start() still waiting for READY
         with self._lock:
             if self._report is None:

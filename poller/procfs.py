@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["state", "parent_of", "children_of", "is_running", "set_process_name"]
+__all__ = ["state", "parent_of", "children_of", "is_running", "set_process_name", "start_time"]
 
 _PR_SET_NAME = 15
 _COMM_LENGTH = 15  # the kernel keeps 16 bytes with the terminating NUL
@@ -50,6 +50,16 @@ def state(pid: int) -> str | None:
 def parent_of(pid: int) -> int | None:
     fields = _fields(pid)
     return int(fields[1]) if fields else None
+
+
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot, or None once it is gone.
+
+    A pid and its start time name one process for good: a pid reused by a
+    later process comes with another start time.
+    """
+    fields = _fields(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
 
 
 def is_running(pid: int) -> bool:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Deque, Mapping, NamedTuple
 import zmq
 
 from . import lifeline
+from .arguments import check_worker_config
 from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .polling import PollingThread
 from .procfs import set_process_name
@@ -122,7 +123,9 @@ def run_standalone(config: WorkerConfig) -> int:
             not connected; the original exception is the ``__cause__``.
         PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row
             (exit code 3); the last exception is the ``__cause__``.
+        ValueError: a numeric field of ``config`` is out of range (e.g. ``interval=inf``).
     """
+    check_worker_config(config)
     loop = _ControlLoop(config, None)
     code = loop.run()
     if loop.startup_error is not None:
@@ -341,7 +344,9 @@ class _ControlLoop:
                 sock.connect(self.config.endpoint)
             except BaseException as exc:
                 if self.lifeline is not None:
-                    lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc))
+                    # A store that cannot be reached now is worth retrying; a broken source is not.
+                    lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc),
+                                  unavailable=isinstance(exc, (ConnectionError, TimeoutError)))
                 # Reported to the caller (lifeline or run_standalone), so not logged twice.
                 logger.debug("poller failed to start: %r", exc)
                 self.startup_error = exc

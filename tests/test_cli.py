@@ -244,7 +244,7 @@ def test_the_console_script_names_itself_in_errors() -> None:
     assert result.returncode == 2
     assert result.stderr == "poller run: error: --source is required (or --fault)\n"
     result = _run_cli([sys.executable, "-c", code, "run", "--source", SPEC, "--connect", "x", "--interval", "0"])
-    assert result.stderr == "poller run: error: --interval must be positive\n"
+    assert result.stderr == "poller run: error: --interval must be a number of seconds > 0, got 0.0\n"
     result = _run_cli([sys.executable, "-c", code, "run"])
     assert result.stderr.startswith("poller run: error: ") and "python -m" not in result.stderr
     # Started as python -m poller, they say so.

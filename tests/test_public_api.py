@@ -72,15 +72,18 @@ def test_error_hierarchy() -> None:
     assert not issubclass(PollerStartupError, PollerCrashed) and not issubclass(PollerCrashed, PollerStartupError)
     assert not issubclass(ProtocolError, (PollerStartupError, PollerCrashed))
     assert issubclass(BufferClosed, Exception)
+    # Whether the same start may work later (a store that could not be reached); restarts rely on it.
+    assert PollerStartupError("x").unavailable is False
+    assert PollerStartupError("x", unavailable=True).unavailable is True
 
 
 def test_replay_buffer_signature() -> None:
     params = inspect.signature(ReplayBuffer.__init__).parameters
     assert list(params) == ["self", "source", "source_kwargs", "poll_interval", "bind", "start_timeout",
-                            "close_timeout", "max_restarts", "curve", "insecure", "limits", "stale_after",
-                            "stall_timeout", "poller_log_level"]
+                            "close_timeout", "max_restarts", "restart_window", "curve", "insecure", "limits",
+                            "stale_after", "stall_timeout", "poller_log_level"]
     expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
-                         "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
+                         "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3, "restart_window": 600.0,
                          "curve": None, "insecure": False, "limits": None, "stale_after": 5.0,
                          "stall_timeout": 30.0, "poller_log_level": "WARNING"}
     for name, default in expected_defaults.items():

@@ -57,7 +57,7 @@ def test_without_a_source_sync_returns_at_once():
 
 
 def test_bad_timeouts_are_refused(rb):
-    for bad in (-1.0, float("nan")):
+    for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="timeout"):
             rb.sync(timeout=bad)
 

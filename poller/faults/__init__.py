@@ -53,6 +53,7 @@ __all__ = [
     "garbage",
     "huge",
     "leak",
+    "down",
 ]
 
 
@@ -116,10 +117,11 @@ class _Raise(Fault):
     def __init__(self, *, exc: str = "RuntimeError", message: str = "injected fault", times: int | None = None,
                  **trigger: Any) -> None:
         error = getattr(builtins, exc, None)
-        if not (isinstance(error, type) and issubclass(error, Exception)):
+        # BaseException too: a store client that calls sys.exit() raises SystemExit in the poller.
+        if not (isinstance(error, type) and issubclass(error, BaseException)):
             raise ValueError(f"exc must name a builtin exception class, got {exc!r}")
         super().__init__(**trigger)
-        self.error: type[Exception] = error
+        self.error: type[BaseException] = error
         self.message = message
         self.times = times
 
@@ -324,8 +326,24 @@ def leak(*, megabytes: float = 1.0, **trigger: Any) -> Fault:
     return _Leak(megabytes=megabytes, **trigger)
 
 
+class _Down(Fault):
+    def __init__(self, **trigger: Any) -> None:
+        super().__init__(**trigger)
+        if self.when_exists is not None and os.path.exists(self.when_exists):
+            raise ConnectionRefusedError(f"store down ({self.when_exists} exists): cannot connect")
+
+    def misbehave(self) -> Any:
+        raise ConnectionRefusedError(f"store down (call {self.calls})")
+
+
+def down(**trigger: Any) -> Fault:
+    """The store is unreachable: ``kv_list()`` raises ``ConnectionRefusedError``, and so does
+    building the source while ``when_exists`` exists (a restarted poller cannot connect)."""
+    return _Down(**trigger)
+
+
 FAULTS = ("raise_", "flaky", "slow", "hang", "freeze", "ignore_stop", "ignore_sigterm", "crash", "garbage",
-          "huge", "leak")
+          "huge", "leak", "down")
 
 
 def parse_fault(text: str, inner: SourceSpec | None = None,

@@ -1,0 +1,154 @@
+"""The buffer's private ipc directory: made, owned and removed by one process.
+
+The default endpoint is a socket in a fresh 0700 directory. It is removed by
+the buffer's ``close()`` (or its finalizer, or interpreter exit), by the
+poller or its watchdog when the trainer died, and otherwise — a trainer killed
+by a signal while it had no poller (``source=None``: nobody was left to clean
+up) — by the next buffer that starts on this host, as a *stale* directory.
+
+Each directory holds a file ``owner``: the pid of the process that made it,
+that process's start time and its pid namespace.
+
+* Only the owner removes it on close. A forked child inherits the buffer and
+  its finalizer; its normal exit must not delete the parent's directory (the
+  parent's next poller would stream into nothing). ``os.register_at_fork``
+  disarms every directory in the child, and the pid check covers a fork that
+  skipped the hook.
+* A directory is stale when its owner is gone: no such pid, or the pid now
+  belongs to a process that started at another time. A directory of another
+  user, without a readable owner file, or made in another pid namespace (a
+  container sharing ``/tmp``, whose pids mean nothing here) is never touched.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import weakref
+
+from poller.procfs import start_time, state
+
+__all__ = ["PrivateIpcDir", "remove_stale"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "replay-"
+OWNER_FILE = "owner"
+# Unix socket paths are limited to 107 bytes (sun_path); leave room.
+_MAX_IPC_PATH = 100
+_SOCKET_NAME = "stream"
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _owner_record() -> dict[str, object]:
+    pid = os.getpid()
+    return {"pid": pid, "start": start_time(pid), "pidns": _pid_namespace()}
+
+
+class PrivateIpcDir:
+    """A fresh 0700 directory for the buffer's ipc socket, removed by its owner only."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.owner_pid = os.getpid()
+        self._disarmed = False
+        _live.add(self)
+
+    @classmethod
+    def create(cls) -> PrivateIpcDir:
+        """Remove stale directories of dead owners, then make a new one and record its owner."""
+        remove_stale()
+        path = tempfile.mkdtemp(prefix=PREFIX)
+        if len(path) + len(_SOCKET_NAME) + 1 > _MAX_IPC_PATH:
+            os.rmdir(path)  # TMPDIR is too deep for a socket path
+            path = tempfile.mkdtemp(prefix=PREFIX, dir="/tmp")
+        try:
+            fd = os.open(os.path.join(path, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(_owner_record(), f)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return cls(path)
+
+    @property
+    def endpoint(self) -> str:
+        return f"ipc://{self.path}/{_SOCKET_NAME}"
+
+    @property
+    def owned(self) -> bool:
+        """True in the process that made the directory; false in a forked child."""
+        return not self._disarmed and os.getpid() == self.owner_pid
+
+    def disarm(self) -> None:
+        """Never remove the directory from this process (it belongs to another one)."""
+        self._disarmed = True
+
+    def remove(self) -> None:
+        """Remove the directory, in its owner process only; idempotent."""
+        if self.owned:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+# Every directory this process holds; a forked child disarms its copies.
+_live: weakref.WeakSet[PrivateIpcDir] = weakref.WeakSet()
+
+
+def _disarm_inherited() -> None:
+    for directory in list(_live):
+        directory.disarm()
+
+
+os.register_at_fork(after_in_child=_disarm_inherited)
+
+
+def _owner_gone(record: object) -> bool:
+    """True only when the recorded owner process surely no longer runs."""
+    if not isinstance(record, dict) or not isinstance(record.get("pid"), int):
+        return False
+    if record.get("pidns") != _pid_namespace():
+        return False  # another namespace's pid: cannot tell
+    pid = record["pid"]
+    if pid == os.getpid():
+        return False
+    started = start_time(pid)
+    if started is None or state(pid) == "Z":
+        return True
+    return record.get("start") is not None and started != record["start"]
+
+
+def remove_stale() -> list[str]:
+    """Remove this user's ipc directories whose owner process is gone; return them.
+
+    Looks where buffers make them (the temporary directory, and ``/tmp`` for
+    a temporary directory too deep for a socket path). Never raises.
+    """
+    removed: list[str] = []
+    places = {tempfile.gettempdir(), "/tmp"}
+    for place in places:
+        for path in glob.glob(os.path.join(glob.escape(place), PREFIX + "*")):
+            try:
+                info = os.lstat(path)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                    continue  # a symlink or a file, or another user's
+                with open(os.path.join(path, OWNER_FILE)) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue  # not ours, not a buffer's, or still being made
+            if _owner_gone(record):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                logger.info("removed the stale ipc directory %s of process %s, which is gone", path,
+                            record.get("pid"))
+    return removed

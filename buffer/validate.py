@@ -1,0 +1,105 @@
+"""Checks of what a trainer passes to the buffer, before the store is touched.
+
+Bad input gets a clear error and changes nothing: ``add`` checks every item
+before it applies any (so it is all or nothing), and ``remove`` refuses a
+bare string, which would otherwise be taken as its characters
+(``remove("train", "uid1")`` removing the keys ``"u"``, ``"i"``, ``"d"``,
+``"1"``). Wrong types raise ``TypeError``, as the SQLite store's ``kv_*``
+methods do; numbers out of range raise ``ValueError``
+(:mod:`poller.arguments`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from poller.arguments import check_count, check_optional_seconds, check_seconds
+from poller.curve import CurveServer
+from poller.protocol import Limits
+
+__all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample"]
+
+Tags = dict[str, Any]
+
+
+def check_partition(partition_id: Any) -> str:
+    """Raises ``TypeError`` unless ``partition_id`` is a str."""
+    if not isinstance(partition_id, str):
+        raise TypeError(f"partition_id must be a str, got {type(partition_id).__name__} {partition_id!r}")
+    return partition_id
+
+
+def check_items(items: Any) -> dict[str, Tags]:
+    """``items`` as ``{key: tags}`` with str keys and str tag names, copied.
+
+    Raises:
+        TypeError: naming the first bad key or tags; nothing was applied.
+    """
+    if not isinstance(items, Mapping):
+        raise TypeError(f"items must be a mapping of key -> tags, got {type(items).__name__}")
+    checked: dict[str, Tags] = {}
+    for key, tags in items.items():
+        if not isinstance(key, str):
+            raise TypeError(f"item key {key!r} is {type(key).__name__}, not a str; nothing was added")
+        if not isinstance(tags, Mapping):
+            raise TypeError(f"tags of {key!r} must be a mapping, got {type(tags).__name__}; nothing was added")
+        copied = dict(tags)
+        for name in copied:
+            if not isinstance(name, str):
+                raise TypeError(f"tags of {key!r}: tag name {name!r} is not a str; nothing was added")
+        checked[key] = copied
+    return checked
+
+
+def check_keys(keys: Any) -> list[str]:
+    """``keys`` as a list of str; a bare string (or bytes) is refused, not split.
+
+    Raises:
+        TypeError: ``keys`` is a string or not iterable, or holds a non-str; nothing was removed.
+    """
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise TypeError(f"keys must be a list (or other iterable) of keys, not one {type(keys).__name__} "
+                        f"{keys!r}: write remove(partition_id, [{keys!r}])")
+    try:
+        listed = list(keys)
+    except TypeError:
+        raise TypeError(f"keys must be an iterable of str, got {type(keys).__name__}") from None
+    for key in listed:
+        if not isinstance(key, str):
+            raise TypeError(f"key {key!r} is {type(key).__name__}, not a str; nothing was removed")
+    return listed
+
+
+def check_sample(batch_size: Any, timeout: Any) -> float | None:
+    """Check ``sample()``'s numbers; return ``timeout`` as float seconds or None.
+
+    Raises:
+        ValueError: ``batch_size`` is not an int >= 1 (``True`` is refused) or
+            ``timeout`` is not a finite number >= 0 (or None).
+    """
+    if batch_size is not None:
+        check_count("batch_size", batch_size, minimum=1)
+    return check_optional_seconds("timeout", timeout, allow_zero=True)
+
+
+def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any, max_restarts: Any,
+                      restart_window: Any, stale_after: Any, curve: Any, limits: Any) -> None:
+    """Check the ``ReplayBuffer`` constructor's arguments.
+
+    Raises:
+        ValueError: a number is out of range (``nan``, ``inf``, negative, a bool).
+        TypeError: ``curve`` or ``limits`` has the wrong type.
+    """
+    check_seconds("poll_interval", poll_interval)
+    check_seconds("start_timeout", start_timeout)
+    check_seconds("close_timeout", close_timeout, allow_zero=True)
+    check_count("max_restarts", max_restarts)
+    check_seconds("restart_window", restart_window)
+    check_seconds("stale_after", stale_after)
+    if curve is not None and not isinstance(curve, CurveServer):
+        raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
+    if limits is not None and not isinstance(limits, Limits):
+        raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
+                        f"got {type(limits).__name__}")
+

@@ -1,0 +1,78 @@
+"""Checks of the numeric arguments of the public API.
+
+Every duration and count a caller passes is checked where it enters, with a
+``ValueError`` that names the argument and the value, so that a bad value
+never reaches a wait: ``nan`` compares false with everything (a deadline that
+never passes, a loop that spins a core), ``inf`` and very large durations make
+``Event.wait`` raise ``OverflowError`` in whatever thread waits, and a bool
+is an int to Python but never a count a person meant.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+__all__ = ["check_count", "check_optional_seconds", "check_seconds", "check_worker_config"]
+
+# The longest wait the threading primitives accept (OverflowError beyond it).
+MAX_SECONDS = float(threading.TIMEOUT_MAX)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    """``value`` as float seconds: a finite number, positive (or >= 0 with ``allow_zero``).
+
+    Raises:
+        ValueError: naming ``name`` and ``value``.
+    """
+    return _seconds(name, value, allow_zero, "")
+
+
+def check_optional_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float | None:
+    """:func:`check_seconds`, where ``None`` (no limit) is allowed too."""
+    return None if value is None else _seconds(name, value, allow_zero, " or None")
+
+
+def _seconds(name: str, value: Any, allow_zero: bool, or_none: str) -> float:
+    bound = ">= 0" if allow_zero else "> 0"
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number of seconds {bound}{or_none}, got {value!r}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a number of seconds {bound}{or_none}, got {value!r}")
+    if seconds > MAX_SECONDS:  # also inf
+        hint = " (None means no limit)" if or_none else ""
+        raise ValueError(f"{name} must be finite, at most {MAX_SECONDS:.3g} seconds, got {value!r}{hint}")
+    return seconds
+
+
+def check_count(name: str, value: Any, *, minimum: int = 0) -> int:
+    """``value`` as an int >= ``minimum`` (a bool is refused).
+
+    Raises:
+        ValueError: naming ``name`` and ``value``.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_worker_config(config: Any) -> None:
+    """Check the numeric fields of a :class:`~poller.worker.WorkerConfig`.
+
+    Raises:
+        ValueError: naming the first bad field and its value.
+    """
+    check_seconds("interval", config.interval)
+    check_seconds("heartbeat_interval", config.heartbeat_interval)
+    check_count("max_failures", config.max_failures, minimum=1)
+    check_count("chunk_items", config.chunk_items, minimum=1)
+    check_count("max_frame_bytes", config.max_frame_bytes, minimum=1)
+    check_seconds("linger", config.linger, allow_zero=True)
+    check_seconds("tick", config.tick)
+    check_optional_seconds("stall_timeout", config.stall_timeout)
