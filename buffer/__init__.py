@@ -18,7 +18,7 @@ from poller.process import ShutdownReport
 from .access import InsecureBindError
 from .errors import BufferClosed
 from .replay import ReplayBuffer
-from .store import BatchMeta
+from .steps import BatchMeta
 
 __all__ = [
     "ReplayBuffer",

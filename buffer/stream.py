@@ -2,7 +2,7 @@
 
 It decodes every message (strictly: a bad frame is counted and logged, never
 fatal), checks each peer's epoch and sequence, applies deltas to the
-:class:`~buffer.store.ReplayStore`, and asks a peer for a RESYNC when it sees
+:class:`~buffer.partitions.PartitionStore`, and asks a peer for a RESYNC when it sees
 a gap. Other threads talk to it only through a command queue and a wake-up
 pipe, so the socket is used by the thread that created it alone.
 
@@ -30,7 +30,7 @@ from poller.protocol import DEFAULT_LIMITS, Kind, Limits, decode, encode_body, e
 from poller.wakeup import WakePipe
 
 from .access import Gatekeeper, restrict_ipc_socket
-from .store import ReplayStore
+from .partitions import PartitionStore
 
 __all__ = ["StreamReceiver"]
 
@@ -69,7 +69,7 @@ class StreamReceiver:
     buffer's own poller).
     """
 
-    def __init__(self, store: ReplayStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
+    def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
                  curve: CurveServer | None = None, stale_after: float = 5.0,
                  pinned: frozenset[str] = frozenset()) -> None:
         self._store = store
@@ -125,6 +125,10 @@ class StreamReceiver:
     def send_control(self, peer: str, kind: Kind, reason: str) -> None:
         """Queue a STOP or RESYNC for ``peer``."""
         self._command("send", peer.encode(), kind, reason)
+
+    def send_sync(self, peer: str, token: int) -> None:
+        """Queue a SYNC ``token`` for ``peer``: it polls at once and tags that listing with the token."""
+        self._command("sync", peer.encode(), token)
 
     def expect(self, peer: str, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``peer``; earlier epochs are dropped quietly.
@@ -289,8 +293,12 @@ class StreamReceiver:
                         return
                     self._last_bye = (identity, epoch)
                     continue
+                if command[0] == "sync":
+                    _, identity, token = command
+                    self._send(sock, identity, Kind.SYNC, {"token": token})
+                    continue
                 _, identity, kind, reason = command
-                self._send(sock, identity, kind, reason)
+                self._send(sock, identity, kind, {"reason": reason})
             if sock in events:
                 for _ in range(1000):  # bounded, so commands are never starved
                     try:
@@ -335,12 +343,11 @@ class StreamReceiver:
         logger.log(level, "more than %d peers: forgot the state of %s (silent longest)", self.limits.max_peers,
                    peer.name)
 
-    def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, reason: str) -> None:
+    def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, body: dict[str, Any]) -> None:
         peer = self._peers.get(identity)
         epoch = peer.epoch if peer and peer.epoch is not None else 0
         try:
-            sock.send_multipart([identity, encode_header(kind, epoch, 0), encode_body(kind, {"reason": reason})],
-                                zmq.NOBLOCK)
+            sock.send_multipart([identity, encode_header(kind, epoch, 0), encode_body(kind, body)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.debug("could not send %s to %r: %s", kind.name, identity, exc)
 
@@ -367,7 +374,7 @@ class StreamReceiver:
         if peer.stale:
             peer.stale = False
             logger.info("poller %s is back", peer.name)
-        if message.kind in (Kind.STOP, Kind.RESYNC):
+        if message.kind in (Kind.STOP, Kind.RESYNC, Kind.SYNC):
             self._protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return
         if not self._sequence_ok(sock, identity, peer, message):
@@ -416,7 +423,7 @@ class StreamReceiver:
         peer.awaiting_resync = True
         peer.resync_asked_at = time.monotonic()
         self.resyncs_requested += 1
-        self._send(sock, identity, Kind.RESYNC, why)
+        self._send(sock, identity, Kind.RESYNC, {"reason": why})
 
     # -- per kind -----------------------------------------------------------------
 
@@ -426,6 +433,7 @@ class StreamReceiver:
 
     def _on_delta(self, sock: zmq.Socket, identity: bytes, peer: _Peer, message: Any) -> None:
         body = message.body
+        self._store.poll_seen(peer.name, message.epoch, body["poll"])
         if peer.awaiting_resync:
             if not (body["full"] and body["reset"]):
                 # Stale: everything until the snapshot is superseded by it. A
@@ -447,7 +455,7 @@ class StreamReceiver:
             if body["full"]:
                 self._store.end_snapshot(peer.name)
                 peer.snapshots_applied += 1
-            self._store.poll_completed(peer.name, body["t"])
+            self._store.poll_completed(peer.name, message.epoch, body["poll"], body.get("sync"))
             if peer.polls_applied == 0:
                 with self._events:
                     peer.polls_applied += 1

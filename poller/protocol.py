@@ -57,6 +57,7 @@ class Kind(enum.IntEnum):
     LOG = 6
     STOP = 16
     RESYNC = 17
+    SYNC = 18
 
 
 # NamedTuples rather than dataclasses in every module the poller process
@@ -246,12 +247,18 @@ def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
     return None  # anything else is left to msgpack, which refuses what it cannot pack
 
 
-def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes) -> bytes:
-    """A DELTA body from its flags and a payload from :func:`pack_delta_payload`."""
+def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes,
+                 sync: int = 0) -> bytes:
+    """A DELTA body from its flags and a payload from :func:`pack_delta_payload`.
+
+    ``sync`` is the highest SYNC token the poller had received when this
+    poll's listing began (0: none), so the buffer knows which of its
+    ``sync()`` calls the listing answers.
+    """
     packer = msgpack.Packer(use_bin_type=True)
-    head = packer.pack_map_header(7) + b"".join(
+    head = packer.pack_map_header(8) + b"".join(
         packer.pack(x)
-        for x in ("poll", poll, "t", float(started), "full", full, "reset", reset, "end", end)
+        for x in ("poll", poll, "t", float(started), "full", full, "reset", reset, "end", end, "sync", sync)
     )
     return head + payload
 
@@ -407,6 +414,7 @@ _SCHEMAS: dict[Kind, dict[str, _Check]] = {
     Kind.LOG: {"level": _is_int, "name": lambda v: isinstance(v, str), "message": lambda v: isinstance(v, str)},
     Kind.STOP: {"reason": lambda v: isinstance(v, str)},
     Kind.RESYNC: {"reason": lambda v: isinstance(v, str)},
+    Kind.SYNC: {"token": lambda v: _is_int(v) and v > 0},
 }
 
 
@@ -414,6 +422,7 @@ _SCHEMAS: dict[Kind, dict[str, _Check]] = {
 # leaves them out, but where present they are checked like the others.
 _OPTIONAL: dict[Kind, dict[str, _Check]] = {
     Kind.HEARTBEAT: {"source_stalls": lambda v: _is_int(v) and v >= 0},
+    Kind.DELTA: {"sync": lambda v: _is_int(v) and v >= 0},
 }
 
 
