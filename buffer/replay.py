@@ -2,7 +2,8 @@
 
 ::
 
-    ReplayBuffer ── add/remove/sample ──▶ ReplayStore ◀── StreamReceiver (ROUTER)
+    ReplayBuffer ── add/remove/sample ──▶ PartitionStore ◀── StreamReceiver (ROUTER)
+         │                                  ▲ policies: StepSampler (sample), ...
          │                                                   ▲ DELTA/HEARTBEAT/BYE
          └── _Core ── Supervisor thread ── PollerProcess ────┘ (child, DEALER)
               close ─▶ (request)   (start, sentinel, restart or PollerCrashed, close ladder)
@@ -23,7 +24,7 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from poller.arguments import check_optional_seconds
 from poller.curve import CurveClient, CurveServer, generate_pair
@@ -36,15 +37,19 @@ from .errors import BufferClosed
 from .ipcdir import PrivateIpcDir
 from .metrics import BufferStats, collect_stats, metrics_of
 from .options import as_limits, check_log_level, check_stall_timeout, poller_limits
+from .partitions import PartitionStore, Policy, Tags
 from .restarts import RestartBudget
-from .store import BatchMeta, ReplayStore, Tags
+from .steps import BatchMeta, StepSampler
 from .stream import StreamReceiver
 from .supervisor import Supervisor
+from .sync import ListingSync
 from .validate import check_buffer_args, check_items, check_keys, check_partition, check_sample
 
 __all__ = ["ReplayBuffer"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 _FIRST_POLL_WAIT = 5.0
 # Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
@@ -83,7 +88,8 @@ class _Core:
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
         self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
-        self.store = ReplayStore()
+        self.store = PartitionStore()
+        self.steps = StepSampler(self.store)
         # Only this process may stop the poller or remove the ipc directory:
         # a forked child inherits this object and its finalizer.
         self.owner_pid = os.getpid()
@@ -101,6 +107,7 @@ class _Core:
         self.child_curve: CurveClient | None = None
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
+        self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
         _OPEN_CORES.add(self)
 
     def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
@@ -334,8 +341,47 @@ class ReplayBuffer:
         """
         check_partition(partition_id)
         timeout = check_sample(batch_size, timeout)
-        return self._core.store.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
+        return self._core.steps.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
                                        timeout=timeout)
+
+    def sync(self, timeout: float | None = None) -> None:
+        """Read your writes: return once a listing that began after this call has been applied.
+
+        Asks the buffer's own poller for a poll at once (its next poll is not
+        waited for), so everything written to the store before the call is
+        reflected when this returns. Several concurrent calls may be answered
+        by one poll. Without a source (standalone pollers only) it returns at once.
+
+        Raises:
+            TimeoutError: no such listing within ``timeout`` seconds (the
+                source stalls or fails); the message says what is known.
+            PollerCrashed: the poller is dead for good.
+            BufferClosed: the buffer was closed, possibly by another thread.
+            ValueError: ``timeout`` is not a finite number >= 0 (``None`` waits without a limit).
+        """
+        core = self._core
+        core.store.check_open()
+        timeout = check_optional_seconds("timeout", timeout, allow_zero=True)
+        if core.listing_sync is not None:
+            core.listing_sync.wait(timeout)
+
+    # -- package-private: for sampling policies of this package (buffer.verl) ----
+
+    def _attach_policy(self, policy: Policy) -> None:
+        """Attach a :class:`~buffer.partitions.Policy`; it first sees every key held as added."""
+        self._core.store.attach(policy)
+
+    def _detach_policy(self, policy: Policy) -> None:
+        self._core.store.detach(policy)
+
+    def _wait_until(self, attempt: Callable[[], _T | None], *, timeout: float | None,
+                    describe: Callable[[], str]) -> _T:
+        """:meth:`~buffer.partitions.PartitionStore.wait_until` on this buffer's store."""
+        return self._core.store.wait_until(attempt, timeout=timeout, describe=describe)
+
+    @property
+    def _store(self) -> PartitionStore:
+        return self._core.store
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, Any]:
         """A deep copy of every partition, or of one."""

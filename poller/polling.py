@@ -156,7 +156,8 @@ def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
 
 
 def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
-                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None) -> Iterator[bytes]:
+                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None,
+                     sync: int = 0) -> Iterator[bytes]:
     """Encode a diff as one or more DELTA bodies, each under the frame limit, one at a time.
 
     The first body of a full snapshot carries ``reset``; the last body of
@@ -179,11 +180,12 @@ def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool
     for payload in _payloads(diff, chunk_items, max_frame_bytes):
         if previous is not None:
             yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=False,
-                               payload=previous)
+                               payload=previous, sync=sync)
             first = False
         previous = payload
     assert previous is not None  # _chunks yields at least one piece
-    yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=True, payload=previous)
+    yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=True, payload=previous,
+                       sync=sync)
 
 
 def _payloads(diff: ListingDiff, size: int, max_frame_bytes: int) -> Iterator[bytes]:
@@ -261,6 +263,9 @@ class PollingThread(threading.Thread):
         self._stalled_call = 0  # number of the last call counted as stalled
         self._episode: tuple[float, int] | None = None  # (started, stalled calls) while stalled
         self.failed: BaseException | None = None
+        # The highest SYNC token received; written by the control loop before
+        # it wakes this thread, read here when a listing begins.
+        self.sync_received = 0
 
     @property
     def call_started(self) -> float | None:
@@ -271,6 +276,16 @@ class PollingThread(threading.Thread):
     def request_resync(self) -> None:
         """Send a full snapshot on the next poll, and poll now."""
         self._resync.set()
+        self._wake.set()
+
+    def request_sync(self, token: int) -> None:
+        """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
+
+        Called by the control loop only. Several requests that arrive while a
+        listing is under way are all answered by the next one.
+        """
+        if token > self.sync_received:
+            self.sync_received = token
         self._wake.set()
 
     def stop(self) -> None:
@@ -342,6 +357,7 @@ class PollingThread(threading.Thread):
         while not self.stopping.is_set():
             started = time.time()
             began = time.monotonic()
+            covered = self.sync_received  # before the listing: it answers only requests received by now
             self._calls += 1
             call = self._calls
             self._current = (call, began)
@@ -357,7 +373,7 @@ class PollingThread(threading.Thread):
                 diff = diff_raw_listing(sent, raw, full)
                 for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
                                              chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
-                                             limits=self.limits):
+                                             limits=self.limits, sync=covered):
                     if not self._emit(Kind.DELTA, body):
                         return
             except SourceStall as exc:

@@ -4,7 +4,7 @@
 
     kv_list() ──▶ PollingThread ──queue──▶ control loop ──DEALER──▶ buffer
                   (may block forever)       │   ▲
-                                            │   └── STOP / RESYNC (zmq), stop / EOF (lifeline),
+                                            │   └── STOP / RESYNC / SYNC (zmq), stop / EOF (lifeline),
                                             │       SIGTERM (wakeup fd), parent pid check
                                             └── READY, HEARTBEAT, LOG, BYE; seq numbers
 
@@ -252,6 +252,8 @@ class _ControlLoop:
             elif message.kind is Kind.RESYNC and self.thread is not None:
                 logger.debug("resync requested: %s", message.body.reason)
                 self.thread.request_resync()
+            elif message.kind is Kind.SYNC and self.thread is not None:
+                self.thread.request_sync(message.body.token)
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 

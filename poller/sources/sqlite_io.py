@@ -1,0 +1,215 @@
+"""The SQLite store's connections, and the checks and JSON encoding of its keys, tags and fields.
+
+Only values that come back from JSON unchanged are accepted, so what a
+reader gets equals what was put.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+Tags = dict[str, Any]
+
+# Stay well below SQLITE_MAX_VARIABLE_NUMBER (999 on old builds) in IN (...).
+_SELECT_CHUNK = 500
+
+
+def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], table: str = "kv") -> dict[str, Tags]:
+    """Stored tags (or, from ``kv_fields``, fields) of those ``keys`` that exist."""
+    column = "tags" if table == "kv" else "fields"
+    found: dict[str, Tags] = {}
+    key_list = list(dict.fromkeys(keys))
+    for start in range(0, len(key_list), _SELECT_CHUNK):
+        chunk = key_list[start:start + _SELECT_CHUNK]
+        marks = ",".join("?" * len(chunk))
+        rows = conn.execute(f"SELECT key, {column} FROM {table} WHERE partition_id = ? AND key IN ({marks})",
+                            (partition_id, *chunk))
+        for key, text in rows:
+            found[key] = loads(partition_id, key, text)
+    return found
+
+
+def tag_rows(keys: list[str], tags: Any) -> list[Tags]:
+    """``tags`` of kv_batch_put as one checked dict per key (``None``: ``{}`` each)."""
+    if tags is None:
+        return [{} for _ in keys]
+    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable):
+        raise TypeError(f"tags must be a list of dicts, got {type(tags).__name__}")
+    rows = list(tags)
+    if len(rows) != len(keys):
+        raise ValueError(f"got {len(rows)} tags for {len(keys)} keys")
+    for key, tag in zip(keys, rows):
+        check_tags(key, tag)
+    return rows
+
+def check_str(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}: {value!r}")
+
+
+def check_keys(keys: Any) -> list[str]:
+    # A bare str is iterable too; kv_clear("k1", ...) would clear "k" and "1".
+    if isinstance(keys, (str, bytes, Mapping)) or not isinstance(keys, Iterable):
+        raise TypeError(f"keys must be a list of str, got {type(keys).__name__}")
+    key_list = list(keys)
+    for index, key in enumerate(key_list):
+        if not isinstance(key, str):
+            raise TypeError(f"keys[{index}] must be a str, got {type(key).__name__}: {key!r}")
+    return key_list
+
+
+def field_rows(keys: list[str], fields: Any) -> list[Tags]:
+    """``fields`` of kv_batch_put as one checked dict per key."""
+    if isinstance(fields, Mapping):
+        columns = dict(fields)
+        rows: list[Tags] = [{} for _ in keys]
+        for name, column in columns.items():
+            check_str("field name", name)
+            if isinstance(column, (str, bytes, Mapping)) or not isinstance(column, Iterable):
+                raise TypeError(f"field {name!r} must be a list with one value per key, got {type(column).__name__}")
+            values = list(column)
+            if len(values) != len(keys):
+                raise ValueError(f"field {name!r} has {len(values)} values for {len(keys)} keys")
+            for row, value in zip(rows, values):
+                row[name] = value
+    elif isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
+        raise TypeError(f"fields must be a list of dicts or a dict of columns, got {type(fields).__name__}")
+    else:
+        rows = list(fields)
+        if len(rows) != len(keys):
+            raise ValueError(f"got {len(rows)} field rows for {len(keys)} keys")
+    for key, row in zip(keys, rows):
+        if not isinstance(row, dict):
+            raise TypeError(f"fields of key {key!r} must be a dict, got {type(row).__name__}")
+        check_json(row, f"fields of key {key!r}")
+    return rows
+
+
+def check_tags(key: str, tags: Any) -> None:
+    if not isinstance(tags, dict):
+        raise TypeError(f"tags of key {key!r} must be a dict, got {type(tags).__name__}")
+    check_json(tags, f"tags of key {key!r}")
+
+
+def check_json(value: Any, where: str) -> None:
+    """Refuse what would not come back from JSON unchanged.
+
+    ``json.dumps`` silently turns tuples into lists and int dict keys into
+    strings, and writes NaN, which is not JSON; each would make a stored tag
+    differ from the one put.
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value!r} cannot be stored as JSON")
+        return
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            check_json(item, f"{where}[{index}]")
+        return
+    if isinstance(value, dict):
+        for name, item in value.items():
+            if not isinstance(name, str):
+                raise TypeError(f"{where}: dict key {name!r} is {type(name).__name__}, not str")
+            check_json(item, f"{where}[{name!r}]")
+        return
+    raise TypeError(f"{where}: {type(value).__name__} {value!r} is not JSON-encodable")
+
+
+def dumps(tags: Tags) -> str:
+    return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def loads(partition_id: str, key: str, text: str) -> Tags:
+    try:
+        tags = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are not JSON: {exc}") from None
+    if not isinstance(tags, dict):
+        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are {type(tags).__name__}, not an object")
+    return tags
+
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS kv ("
+    " partition_id TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " tags TEXT NOT NULL,"
+    " PRIMARY KEY (partition_id, key)"
+    ") WITHOUT ROWID"
+)
+
+# A table of its own, so files written before fields were kept need no migration.
+_FIELDS_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS kv_fields ("
+    " partition_id TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " fields TEXT NOT NULL,"
+    " PRIMARY KEY (partition_id, key)"
+    ") WITHOUT ROWID"
+)
+
+
+
+def open_connection(path: str, timeout: float) -> sqlite3.Connection:
+    """A connection to ``path`` in WAL mode with both tables, retrying a busy file up to ``timeout``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if path != ":memory:" and not path.startswith("file:"):
+        os.makedirs(directory, exist_ok=True)
+    # isolation_level=None: the sqlite3 module must not open transactions
+    # behind our back; _transaction() issues BEGIN/COMMIT itself.
+    # check_same_thread=False: the poller calls kv_list() from a helper
+    # thread; self._lock serializes all use.
+    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
+                           check_same_thread=False, uri=path.startswith("file:"))
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+        # WAL lets kv_list() read while a writer holds the lock; the mode
+        # is stored in the file, so only the first opener changes it.
+        mode = _retry_busy(timeout, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        if mode != "wal":
+            logger.debug("%s: journal_mode is %s, not wal", path, mode)
+        # NORMAL is durable against process crashes in WAL mode; only a
+        # power loss can drop the last transactions, which a replay
+        # buffer's metadata can afford.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        _retry_busy(timeout, lambda: conn.execute(_SCHEMA))
+        _retry_busy(timeout, lambda: conn.execute(_FIELDS_SCHEMA))
+    except BaseException:
+        conn.close()
+        raise
+    logger.debug("opened %s (pid %d)", path, os.getpid())
+    return conn
+
+
+def _retry_busy(timeout: float, call: Callable[[], _T]) -> _T:
+    """Run ``call``, retrying "database is locked" until ``timeout`` seconds pass.
+
+    Switching a fresh file to WAL needs an exclusive lock and SQLite does
+    not run the busy handler for it: with several processes opening a new
+    file at once, some got SQLITE_BUSY at once (7 of 200 trials with 6
+    processes) instead of waiting.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            return call()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
