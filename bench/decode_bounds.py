@@ -18,6 +18,7 @@ import time
 from typing import Callable, Sequence
 
 from poller import protocol
+from poller.messages import check_body
 from poller.protocol import DEFAULT_LIMITS, Kind, decode, encode_delta, encode_header, pack_delta_payload
 
 
@@ -30,7 +31,7 @@ def _frames(keys: int) -> list[bytes]:
 
 def _without_new_bounds(frames: list[bytes]) -> object:
     body = protocol._unpack(frames[1], DEFAULT_LIMITS, "body")
-    protocol._check_body(Kind.DELTA, body)
+    check_body(Kind.DELTA, body)
     return body
 
 

@@ -340,6 +340,9 @@ def _check_huge(rb: ReplayBuffer, out: Outcome) -> None:
     count = len(rb.snapshot("huge"))
     if count != 16 * 1024:
         out.problems.append(f"the huge partition arrived with {count} of {16 * 1024} keys")
+    # A heartbeat sent after the huge listing (one a second; the first one
+    # comes at start-up, before it).
+    time.sleep(1.2)
     first = _wait_rss(rb)
     # Two heartbeats later (one a second): dozens of polls of the same 16 MiB.
     time.sleep(2.2)

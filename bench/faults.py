@@ -14,61 +14,26 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from poller.procfs import children_of
+from poller.faults import leaks
 
 from .faultmatrix import ROWS, Outcome, Row, close_bound, run_trial
+from .streamrows import STREAM_ROWS, run_stream_trial
 
 # Three rounds take about two minutes on a 2-core machine.
 DEFAULT_TRIALS = 3
 _SETTLE_S = 5.0
 RESULTS = Path(__file__).resolve().parent / "results" / "faults.md"
-
-
-def _tracker() -> tuple[int | None, int | None]:
-    # multiprocessing starts one resource tracker per process, for good: not a leak.
-    import multiprocessing.resource_tracker as rt
-
-    return getattr(rt._resource_tracker, "_pid", None), getattr(rt._resource_tracker, "_fd", None)
-
-
-def _children() -> set[int]:
-    return children_of(os.getpid()) - {_tracker()[0]}
-
-
-def _fds() -> set[str]:
-    found = set()
-    tracker_fd = _tracker()[1]
-    for fd in os.listdir("/proc/self/fd"):
-        if tracker_fd is not None and fd == str(tracker_fd):
-            continue
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if not target.startswith("/dev/shm/") and "(deleted)" not in target:
-            found.add(f"{fd}->{target}")
-    return found
-
-
-def _threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.is_alive()}
-
-
-def _ipc_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "replay-*")))
 
 
 @dataclass
@@ -80,20 +45,11 @@ class Leaks:
 
 
 def _leaks_of(trial: Callable[[], Outcome]) -> tuple[Outcome, Leaks]:
-    before = (_children(), _threads(), _fds(), _ipc_dirs())
+    before = leaks.snapshot()
     outcome = trial()
-    deadline = time.monotonic() + _SETTLE_S
-    while True:  # things that end asynchronously get a moment, as in the tests
-        now = (_children() - before[0], _threads() - before[1], _fds() - before[2], _ipc_dirs() - before[3])
-        if not any(now) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    for pid in now[0]:  # do not let one leak spoil the next trial
-        try:
-            os.kill(pid, 9)
-        except OSError:
-            pass
-    return outcome, Leaks(len(now[0]), len(now[1]), len(now[2]), len(now[3]))
+    left = leaks.left_since(before, _SETTLE_S)  # things that end asynchronously get a moment, as in the tests
+    leaks.kill(left.children)  # do not let one leak spoil the next trial
+    return outcome, Leaks(len(left.children), len(left.threads), len(left.fds), len(left.ipc_dirs))
 
 
 @dataclass
@@ -162,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     logging.basicConfig(level=logging.CRITICAL)  # the faults log loudly, on purpose
-    rows = [r for r in ROWS if args.only is None or args.only in r.name]
+    rows = [r for r in ROWS + STREAM_ROWS if args.only is None or args.only in r.name]
     # A private TMPDIR, inherited by the pollers, so ipc directories left
     # behind are ours to count.
     run_tmp = tempfile.mkdtemp(prefix="bench-faults-")
@@ -175,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for s in stats:
                 workdir = tempfile.mkdtemp(prefix="trial-", dir=run_tmp)
                 try:
-                    outcome, leaks = _leaks_of(lambda: run_trial(s.row, workdir))
+                    play = run_stream_trial if s.row in STREAM_ROWS else run_trial
+                    outcome, leaks = _leaks_of(lambda: play(s.row, workdir))
                 except Exception as exc:  # a trial that broke is a failed trial, not the end of the report
                     outcome, leaks = Outcome(s.row.name, problems=[f"{type(exc).__name__}: {exc}"]), Leaks()
                 finally:

@@ -8,7 +8,7 @@ from typing import Callable
 from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
 from buffer.steps import StepSampler
-from poller.polling import diff_raw_listing, encode_diff
+from poller.polling import diff_raw_listing, iter_encode_diff
 from poller.protocol import Kind, decode, encode_header
 
 from .baselines import ceiling
@@ -84,8 +84,8 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
 def _trainer_share(keys: int) -> float:
     """What the trainer must do per snapshot: decode the bodies, apply them to a store holding the keys."""
     listing = make_listing(keys)
-    bodies = encode_diff(diff_raw_listing({}, listing, True), poll=1, started=0.0, full=True, chunk_items=4096,
-                         max_frame_bytes=64 * 1024 * 1024)
+    bodies = list(iter_encode_diff(diff_raw_listing({}, listing, True), poll=1, started=0.0, full=True,
+                                   chunk_items=4096, max_frame_bytes=64 * 1024 * 1024))
     frames = [[encode_header(Kind.DELTA, 1, i), body] for i, body in enumerate(bodies)]
     store = PartitionStore()
     StepSampler(store)  # the policy ReplayBuffer attaches: its indexing is part of the cost
@@ -95,7 +95,7 @@ def _trainer_share(keys: int) -> float:
     started = time.perf_counter()
     store.begin_snapshot("bench")
     for frame in frames:
-        for partition, items in decode(frame).body["upserts"].items():
+        for partition, items in decode(frame).body.upserts.items():
             store.merge_listed("bench", partition, items)
     store.end_snapshot("bench")
     return time.perf_counter() - started

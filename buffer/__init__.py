@@ -3,8 +3,9 @@
 Public surface: :class:`ReplayBuffer`, :class:`BatchMeta`,
 :class:`ShutdownReport`, and the errors a trainer catches:
 :class:`BufferClosed` (you closed it), :class:`PollerCrashed` (the poller
-died for good), :class:`PollerStartupError` (it never started) and
-:class:`InsecureBindError` (a network bind without authentication).
+died for good), :class:`PollerStartupError` (it never started),
+:class:`InsecureBindError` (a network bind without authentication) and
+:class:`EndpointInUseError` (an ``ipc://`` path another live socket holds).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from poller._version import __version__ as __version__  # the same release as po
 from poller.errors import PollerCrashed, PollerStartupError
 from poller.process import ShutdownReport
 
-from .access import InsecureBindError
+from .access import EndpointInUseError, InsecureBindError
 from .errors import BufferClosed
 from .replay import ReplayBuffer
 from .steps import BatchMeta
@@ -26,6 +27,7 @@ __all__ = [
     "ShutdownReport",
     "BufferClosed",
     "InsecureBindError",
+    "EndpointInUseError",
     "PollerCrashed",
     "PollerStartupError",
 ]

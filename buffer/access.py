@@ -20,6 +20,8 @@ import ipaddress
 import logging
 import os
 import re
+import socket
+import stat
 from typing import Any
 
 import zmq
@@ -28,7 +30,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from poller.curve import ZAP_DOMAIN, CurveServer
 
-__all__ = ["check_bind", "is_local_endpoint", "InsecureBindError", "Gatekeeper"]
+__all__ = ["check_bind", "is_local_endpoint", "InsecureBindError", "EndpointInUseError", "claim_ipc_path",
+           "Gatekeeper"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,52 @@ def check_bind(endpoint: str, curve: CurveServer | None, insecure: bool) -> str:
     logger.warning("binding %s without authentication (insecure=True): any host that can reach it can "
                    "write into this replay buffer", endpoint)
     return endpoint
+
+
+class EndpointInUseError(OSError):
+    """An ``ipc://`` path to bind is held by a live socket, or is not a socket at all."""
+
+
+def claim_ipc_path(endpoint: str) -> None:
+    """Refuse an ``ipc://`` path another live socket listens on; clear a stale one.
+
+    libzmq unlinks whatever sits at the path before it binds, so a second
+    buffer given the same path silently took the first one's stream (its
+    restarted poller connected to the newcomer). A socket file nobody
+    listens on is what a dead process left behind: it is removed and reused.
+    A path that is not a socket is never removed. (Between this check and
+    the bind another process could still bind the path: the check is for
+    mistakes, not for a race between two hostile binders.)
+
+    Raises:
+        EndpointInUseError: naming the path, when it is in use or not a socket.
+    """
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return  # only filesystem paths; abstract names fail to bind when taken
+    path = endpoint[len("ipc://"):]
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise EndpointInUseError(f"cannot bind {endpoint}: {path} exists and is not a socket; choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        logger.info("removing %s, a stale socket left by a process that is gone", path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    except OSError as exc:
+        raise EndpointInUseError(f"cannot bind {endpoint}: cannot tell whether {path} is in use ({exc})") from exc
+    finally:
+        probe.close()
+    raise EndpointInUseError(f"cannot bind {endpoint}: {path} is in use by a live socket (another buffer?); "
+                             f"choose another path, or close that buffer first")
 
 
 def restrict_ipc_socket(endpoint: str) -> None:

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
-    from .replay import _Core
+    from .core import _Core
 
 __all__ = ["BufferStats", "Metric", "METRICS", "collect_stats", "metrics_of"]
 
@@ -50,21 +50,22 @@ class BufferStats(TypedDict):
 def collect_stats(core: _Core) -> BufferStats:
     """The stats of an open buffer's core."""
     receiver = core.receiver
+    table = receiver.table  # the stream's counters live in its peer state machine
     process = core.process
     peer = receiver.peer_info(core.name)
-    last = receiver.last_message_at
+    last = table.last_message_at
     return {
         "poller_pid": process.pid if process else None,
         "poller_alive": bool(process and process.is_alive()),
         "restarts": core.budget.total,
         "start_retries": core.start_retries,
         "epoch": process.epoch if process else None,
-        "messages": receiver.messages,
-        "items_received": receiver.items_received,
-        "bytes_received": receiver.bytes_received,
-        "protocol_errors": receiver.protocol_errors,
-        "source_errors": receiver.source_errors,
-        "source_stalls": receiver.source_stalls,
+        "messages": table.messages,
+        "items_received": table.items_received,
+        "bytes_received": table.bytes_received,
+        "protocol_errors": table.protocol_errors,
+        "source_errors": table.source_errors,
+        "source_stalls": table.source_stalls,
         "last_message_age_s": None if last is None else time.monotonic() - last,
         "keys": core.store.key_count(),
         "poller_rss": peer.rss if peer else None,
@@ -73,7 +74,7 @@ def collect_stats(core: _Core) -> BufferStats:
         "auth_rejected": receiver.auth_rejected,
         "curve": receiver.curve_enabled,
         "peers": receiver.peer_count,
-        "resyncs": receiver.resyncs_requested,
+        "resyncs": table.resyncs_requested,
         "stale_after": receiver.stale_after,
         "stale_peers": receiver.stale_peers(),
         "polls": peer.polls_applied if peer else 0,

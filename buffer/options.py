@@ -12,13 +12,13 @@ from typing import Any, Mapping
 from poller.arguments import check_optional_seconds
 from poller.protocol import Limits
 
-__all__ = ["as_limits", "check_stall_timeout", "check_log_level"]
+__all__ = ["as_limits", "check_stall_timeout", "check_log_level", "poller_limits"]
 
 
 def as_limits(limits: Any) -> Any:
     """A :class:`Limits` from a mapping of its fields (Hydra/OmegaConf ``_target_`` configs pass mappings)."""
     if limits is None or isinstance(limits, Limits) or not isinstance(limits, Mapping):
-        return limits  # the type check follows in _check_security_args
+        return limits  # the type check follows in validate.check_buffer_args
     fields = {str(name): value for name, value in limits.items()}
     unknown = sorted(set(fields) - set(Limits._fields))
     if unknown:
@@ -36,3 +36,15 @@ def check_log_level(level: Any) -> int:
     if not isinstance(number, int) or isinstance(number, bool) or number < 0:
         raise ValueError(f"poller_log_level must be a logging level name or number, got {level!r}")
     return number
+
+
+def poller_limits(limits: Limits) -> dict[str, Any]:
+    """Message sizes and bounds for the buffer's own poller that its receiver accepts.
+
+    A chunk of n keys spans at most n partitions, so 2n stays within the
+    keys-per-message bound. The whole ``limits`` go along too: the poller
+    checks tags against the receiver's string, item and depth bounds, or a
+    tag the receiver refuses would fail every resync, for good.
+    """
+    return {"max_frame_bytes": limits.max_frame_bytes, "limits": limits,
+            "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}

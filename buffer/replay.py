@@ -5,43 +5,35 @@
     ReplayBuffer ── add/remove/sample ──▶ PartitionStore ◀── StreamReceiver (ROUTER)
          │                                  ▲ policies: StepSampler (sample), ...
          │                                                   ▲ DELTA/HEARTBEAT/BYE
-         └── _Core ── supervisor thread ── PollerProcess ────┘ (child, DEALER)
-                      (sentinel: restart or PollerCrashed)
+         └── _Core ── Supervisor thread ── PollerProcess ────┘ (child, DEALER)
+              close ─▶ (request)   (start, sentinel, restart or PollerCrashed, close ladder)
+                   ◀── report (future)
 
 The facade holds only ``_Core``; a finalizer closes the core when the facade
 is dropped or the interpreter exits, so nothing outlives a forgotten buffer.
+The child has one owner, :class:`~buffer.supervisor.Supervisor`: ``close()``
+asks it and waits for its answer.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import secrets
-import threading
-import time
-import uuid
 import weakref
-from multiprocessing.connection import wait
 from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 from poller.arguments import check_optional_seconds
-from poller.curve import CurveClient, CurveServer, generate_pair
-from poller.errors import PollerCrashed, PollerStartupError
-from poller.process import PollerProcess, ShutdownReport
-from poller.protocol import DEFAULT_LIMITS, Limits
+from poller.curve import CurveServer
+from poller.process import ShutdownReport
+from poller.protocol import Limits
 from poller.sources import SourceSpec
-from poller.wakeup import WakePipe
 
 from .access import check_bind
+from .core import _Core
 from .errors import BufferClosed
-from .ipcdir import PrivateIpcDir
 from .metrics import BufferStats, collect_stats, metrics_of
 from .options import as_limits, check_log_level, check_stall_timeout
 from .partitions import PartitionStore, Policy, Tags
-from .restarts import RestartBudget
-from .steps import BatchMeta, StepSampler
-from .stream import StreamReceiver
-from .sync import ListingSync
+from .steps import BatchMeta
 from .validate import check_buffer_args, check_items, check_keys, check_partition, check_sample
 
 __all__ = ["ReplayBuffer"]
@@ -49,210 +41,6 @@ __all__ = ["ReplayBuffer"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-
-_FIRST_POLL_WAIT = 5.0
-
-
-class _Core:
-    """Everything a buffer owns. Never refers back to the facade."""
-
-    def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
-                 bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
-                 curve: CurveServer | None = None, limits: Limits | None = None, stale_after: float = 5.0,
-                 poller_options: Mapping[str, Any] | None = None, restart_window: float = 600.0) -> None:
-        self.source = source
-        self.poller_options = dict(poller_options or {})  # further WorkerConfig fields
-        self.source_kwargs = dict(source_kwargs or {})
-        self.poll_interval = poll_interval
-        self.start_timeout = start_timeout
-        self.close_timeout = close_timeout
-        self.budget = RestartBudget(max_restarts, restart_window)
-        self.start_retries = 0  # restarts refused by an unreachable store (they use no budget)
-        self.store = PartitionStore()
-        self.steps = StepSampler(self.store)
-        # Only this process may stop the poller or remove the ipc directory:
-        # a forked child inherits this object and its finalizer.
-        self.owner_pid = os.getpid()
-        self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.process: PollerProcess | None = None
-        self.closing = threading.Event()
-        # Reentrant: a signal handler may call close() in the thread that is closing.
-        self._close_lock = threading.RLock()
-        self._closer: int | None = None
-        self._report: ShutdownReport | None = None
-        self._supervisor: threading.Thread | None = None
-        self._wake = WakePipe()
-        self._ipc_dir: PrivateIpcDir | None = None
-        if bind is None:
-            # Private by default: a 0700 directory only this user can enter.
-            self._ipc_dir = PrivateIpcDir.create()
-            bind = self._ipc_dir.endpoint
-        self.child_curve: CurveClient | None = None
-        self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
-        self.endpoint: str | None = None
-        self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
-
-    def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
-                         stale_after: float) -> StreamReceiver:
-        """The receiver; with CURVE, the buffer's own poller gets an ephemeral key.
-
-        The ephemeral key pair never touches a file: the secret half reaches
-        the child inside its spawn arguments (a private pipe), and the public
-        half is allowed for this buffer's lifetime only.
-        """
-        if curve is not None and self.source is not None:
-            public, secret = generate_pair()
-            self.child_curve = CurveClient(public, secret, curve.public_key)
-            curve = curve.allowing(public)
-        return StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
-                              stale_after=stale_after, pinned=frozenset({self.name}))
-
-    def start(self) -> None:
-        self.endpoint = self.receiver.start()
-        if self.source is None:
-            return
-        self.process = self._new_process()
-        started = time.monotonic()
-        self.process.start(self.start_timeout)
-        # Return with the store's current contents visible, so a sample()
-        # right after construction sees what is already stored. A source
-        # whose first kv_list() is slow is not an error: it is reported by
-        # the stream, and waiting here stays short.
-        first_poll_wait = min(_FIRST_POLL_WAIT, max(0.0, self.start_timeout - (time.monotonic() - started)))
-        if not self.receiver.wait_first_poll(self.name, first_poll_wait):
-            logger.warning("poller %s: no complete listing within %.3gs of READY", self.name, first_poll_wait)
-        self._supervisor = threading.Thread(target=self._supervise, name="replay-supervisor", daemon=True)
-        self._supervisor.start()
-
-    def _new_process(self) -> PollerProcess:
-        assert self.source is not None and self.endpoint is not None
-        # The epoch is chosen here, not by the child, so the receiver knows it
-        # before the child's first message: anyone else using the name is refused.
-        epoch = secrets.randbits(62) + 1
-        self.receiver.expect(self.name, epoch)
-        return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
-                             name=self.name, interval=self.poll_interval,
-                             orphan_cleanup=self._ipc_dir.path if self._ipc_dir else None,
-                             epoch=epoch, curve=self.child_curve, **_chunking_within(self.receiver.limits),
-                             **self.poller_options)
-
-    # -- supervision ----------------------------------------------------------------
-
-    def _supervise(self) -> None:
-        """Wait on the child's sentinel; restart it or give up."""
-        while not self.closing.is_set():
-            process = self.process
-            assert process is not None
-            try:
-                ready = wait([process.sentinel, self._wake.read_fd])
-            except (OSError, ValueError):  # closed under us by close()
-                return
-            if self.closing.is_set():
-                return
-            if process.sentinel not in ready:
-                continue
-            exitcode = process.join(5.0)
-            cause = process.fatal_error()
-            process.close(0)  # reap; the stage is "already-exited"
-            logger.warning("poller %s (pid %s) exited with code %s%s", self.name, process.pid, exitcode,
-                           f": {cause.exc_type}: {cause.message}" if cause else "")
-            if not self._restart(exitcode, cause):
-                return
-
-    def _restart(self, exitcode: int | None, cause: Exception | None) -> bool:
-        budget = self.budget
-        refused = 0  # start-ups in a row refused because the store could not be reached
-        while refused or not budget.exhausted():
-            if self.closing.wait(budget.unavailable_backoff(refused) if refused else budget.backoff()):
-                return False
-            process = self._new_process()
-            self.process = process
-            budget.use()
-            try:
-                process.start(self.start_timeout)
-            except PollerStartupError as exc:
-                if self.closing.is_set():
-                    return False
-                if exc.unavailable:  # retried without using the budget (buffer/restarts.py)
-                    budget.refund()
-                    refused += 1
-                    self.start_retries += 1
-                    logger.log(logging.WARNING if refused == 1 else logging.DEBUG,
-                               "poller %s cannot start, its store is unavailable (try %d, next in %.3gs; "
-                               "this uses no restart): %s", self.name, refused, budget.unavailable_backoff(refused),
-                               exc)
-                    continue
-                refused = 0
-                logger.warning("restart %d/%d of poller %s failed: %s", budget.recent(), budget.max_restarts,
-                               self.name, exc)
-                cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-                continue
-            logger.warning("poller %s restarted (%d/%d in %gs), pid %s", self.name, budget.recent(),
-                           budget.max_restarts, budget.window, process.pid)
-            return True
-        error = PollerCrashed(f"poller {self.name} died (exit code {exitcode}) and "
-                              f"max_restarts={budget.max_restarts} restarts within {budget.window:g}s were used")
-        error.__cause__ = cause
-        logger.error("%s", error)
-        self.store.fail(error)
-        return False
-
-    # -- close ------------------------------------------------------------------------
-
-    def close(self, timeout: float | None = None) -> ShutdownReport:
-        if os.getpid() != self.owner_pid:
-            # A forked child's copy (its finalizer at exit, or a `with` block
-            # unwinding in it): the poller, its lifeline, the sockets and the
-            # ipc directory are the parent's. Touch nothing, take no lock (a
-            # thread that held it at the fork does not exist here).
-            return ShutdownReport("no-poller", 0.0, None, False)
-        with self._close_lock:
-            if self._report is not None:
-                return self._report
-            me = threading.get_ident()
-            if self._closer == me:
-                # A signal handler interrupted this thread's own close(): waiting
-                # for that close would wait for ourselves forever (it did, with a
-                # plain lock). It goes on once the handler returns.
-                logger.warning("close() called again while this thread is closing the buffer; not waiting")
-                return ShutdownReport("closing", 0.0, None, False)
-            self._closer = me
-            try:
-                self._report = self._close(self.close_timeout if timeout is None else timeout)
-            finally:
-                self._closer = None
-            return self._report
-
-    def _close(self, timeout: float) -> ShutdownReport:
-        started = time.monotonic()
-        self.closing.set()
-        self._wake.poke()
-        # Not joined yet: an idle supervisor just returns, and one that is
-        # mid-restart ends as soon as the child it is waiting for is closed
-        # below (or its new child is, after the join further down). Joining
-        # first would put its wake-up on the path of every close.
-        process = self.process
-        if process is None:
-            report = ShutdownReport("no-poller", 0.0, None, False)
-        else:
-            name = process.name
-            self.receiver.stop_after_bye(name, process.epoch)
-            report = process.close(timeout, wait_drained=lambda t: self.receiver.wait_bye(name, process.epoch, t))
-        if self._supervisor is not None:
-            self._supervisor.join(timeout + 1.0)
-            # A restart that was starting a new child when we looked.
-            if self.process is not process and self.process is not None:
-                self.process.close(timeout)
-                self._supervisor.join(timeout + 1.0)
-        self.store.close()
-        self.receiver.stop()
-        self._wake.close()
-        if self._ipc_dir is not None:
-            self._ipc_dir.remove()
-        report = report._replace(seconds=time.monotonic() - started)
-        logger.debug("replay buffer closed: %s", report)
-        return report
-
 
 class ReplayBuffer:
     """A replay buffer of sample metadata fed by an isolated poller process.
@@ -460,13 +248,3 @@ class ReplayBuffer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _chunking_within(limits: Limits) -> dict[str, Any]:
-    """Message sizes for the buffer's own poller that its receiver's limits accept.
-
-    A chunk of n keys spans at most n partitions, so 2n stays within the
-    keys-per-message bound.
-    """
-    return {"max_frame_bytes": limits.max_frame_bytes,
-            "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}

@@ -70,10 +70,11 @@ class ListingSync:
             why.append("the poller has not connected")
         else:
             why.append(f"{peer.polls_applied} poll(s) applied from it in all")
-            if self._receiver.source_stalls:
-                why.append(f"kv_list() stalled {self._receiver.source_stalls} time(s) (see stats()['source_stalls'])")
-            if self._receiver.source_errors:
-                why.append(f"kv_list() failed {self._receiver.source_errors} time(s)")
+            counters = self._receiver.table
+            if counters.source_stalls:
+                why.append(f"kv_list() stalled {counters.source_stalls} time(s) (see stats()['source_stalls'])")
+            if counters.source_errors:
+                why.append(f"kv_list() failed {counters.source_errors} time(s)")
             if peer.stale:
                 why.append("the poller has been silent past stale_after")
         if len(asked) > 1:

@@ -1,4 +1,4 @@
-"""Entry point of a poller started by :mod:`poller.launch` (``start_method="exec"``).
+"""Entry point of a poller started by :mod:`poller.launch`.
 
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name, which is there
 for ``ps`` only. Imports only what the poller itself needs: the parent's modules, its

@@ -21,10 +21,8 @@ from typing import Iterable, Union
 
 import zmq
 import zmq.auth
-from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["CurveClient", "CurveServer", "HandshakeWatch", "make_keys", "load_public_key", "load_key_pair",
-           "generate_pair"]
+__all__ = ["CurveClient", "CurveServer", "make_keys", "load_public_key", "load_key_pair", "generate_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,41 +186,3 @@ class CurveServer:
 
     def __repr__(self) -> str:
         return f"CurveServer(public_key={self.public_key!r}, allowed={len(self.allowed)} keys)"
-
-
-# Handshake failures a client can see: the server refused our key (ZAP), or
-# the handshake broke (e.g. we hold the wrong server key).
-_CLIENT_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-
-
-class HandshakeWatch:
-    """Logs, rate-limited, when the buffer refuses this poller's CURVE handshake.
-
-    Without it a poller holding the wrong key would retry silently forever.
-    Owned by the thread that owns ``sock``; :meth:`close` before the socket.
-    """
-
-    def __init__(self, sock: zmq.Socket, name: str) -> None:
-        self.name = name
-        self.failures = 0
-        self.monitor = sock.get_monitor_socket(_CLIENT_FAILURES)
-
-    def drain(self) -> None:
-        while True:
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.failures += 1
-            if self.failures <= 3 or self.failures % 100 == 0:
-                logger.warning("poller %s: the buffer refused the CURVE handshake (%d times so far; event %s): "
-                               "is this poller's public key allowed, and is --curve-server-key the buffer's?",
-                               self.name, self.failures, event["event"])
-
-    def close(self, sock: zmq.Socket) -> None:
-        try:
-            sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(0)

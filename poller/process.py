@@ -26,7 +26,7 @@ from .arguments import check_seconds, check_worker_config
 from .errors import PollerError, PollerStartupError, RemoteTraceback
 from .launch import ExecProcess, wait
 from .sources import SourceSpec, describe_spec
-from .worker import WorkerConfig, run_embedded
+from .worker import WorkerConfig
 
 __all__ = ["PollerProcess", "ShutdownReport", "Stage"]
 
@@ -62,6 +62,10 @@ _KILL_REAP_TIMEOUT = 5.0
 class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
+    The child is a fresh interpreter running only the poller (see
+    :mod:`poller.launch`): safe in processes that already hold threads or
+    CUDA, and it never re-imports the trainer's ``__main__``.
+
     Args:
         source: ``"package.module:attr"`` or a picklable callable (see
             :func:`poller.load_source`), resolved in the child.
@@ -70,28 +74,17 @@ class PollerProcess:
         name: the stream's identity; a restarted poller with the same name
             continues the same stream (the buffer computes what vanished).
         interval: seconds between ``kv_list()`` calls.
-        start_method: ``"exec"`` (default): a fresh interpreter running only
-            the poller (see :mod:`poller.launch`); safe in processes that
-            already hold threads or CUDA, and it never re-imports the
-            trainer's ``__main__``. Or a ``multiprocessing`` start method
-            (``"spawn"``, ``"forkserver"``, ``"fork"``).
         **options: further :class:`~poller.worker.WorkerConfig` fields.
     """
 
     def __init__(self, source: SourceSpec, *, endpoint: str, source_kwargs: dict[str, Any] | None = None,
-                 name: str | None = None, interval: float = 1.0, start_method: str = "exec",
-                 **options: Any) -> None:
+                 name: str | None = None, interval: float = 1.0, **options: Any) -> None:
         self.name = name or f"poller-{os.getpid()}-{id(self):x}"
         self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
                                    source_kwargs=dict(source_kwargs or {}), interval=interval, **options)
         check_worker_config(self.config)
-        self.start_method = start_method
-        if start_method != "exec":
-            import multiprocessing  # only here: the poller itself never needs it
-
-            self._mp: Any = multiprocessing.get_context(start_method)
-        self._process: Any = None
-        self._conn: lifeline.Endpoint | Any = None
+        self._process: ExecProcess | None = None
+        self._conn: lifeline.Channel | None = None
         self._lock = threading.Lock()
         self._report: ShutdownReport | None = None
         self._close_requested = False
@@ -139,8 +132,12 @@ class PollerProcess:
 
     # -- start ------------------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> None:
+    def start(self, timeout: float = 30.0, *, abort_fd: int | None = None) -> None:
         """Spawn the child and wait until it says READY.
+
+        ``abort_fd`` becoming readable gives up the wait at once (the child
+        is killed): how the thread that owns this process lets a close
+        request cut a start short.
 
         Raises:
             PollerStartupError: the child failed (its traceback is the
@@ -154,34 +151,27 @@ class PollerProcess:
         timeout = check_seconds("timeout", timeout)
         if self._process is not None:
             raise PollerError("a PollerProcess can be started only once")
-        if self.start_method == "exec":
-            parent_conn, child_conn = lifeline.Channel.pair()
-            self._process = ExecProcess(self.config, name=f"poller:{self.name}")
-            start = lambda: self._process.start_with(child_conn, parent_conn)  # noqa: E731
-        else:
-            parent_conn, child_conn = self._mp.Pipe(duplex=True)
-            self._process = self._mp.Process(target=run_embedded, args=(self.config, child_conn),
-                                             name=f"poller:{self.name}", daemon=True)
-            start = self._process.start
+        parent_conn, child_conn = lifeline.Channel.pair()
+        process = self._process = ExecProcess(self.config, name=f"poller:{self.name}")
         self._conn = parent_conn
         try:
-            start()
+            process.start_with(child_conn, parent_conn)
         except BaseException:
             child_conn.close()
             self._discard()
             raise
-        self._pid = self._process.pid
+        self._pid = process.pid
         # The parent must not hold the child's end, or it would never see EOF.
         child_conn.close()
         try:
-            self._await_ready(timeout)
+            self._await_ready(timeout, abort_fd)
         except BaseException:
             self._discard()
             raise
         logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
 
-    def _await_ready(self, timeout: float) -> None:
-        assert self._conn is not None
+    def _await_ready(self, timeout: float, abort_fd: int | None = None) -> None:
+        assert self._conn is not None and self._process is not None
         deadline = time.monotonic() + timeout
         spec = describe_spec(self.config.source)
         sentinel = self._process.sentinel  # read once: a concurrent close() may close the process object
@@ -192,10 +182,12 @@ class PollerProcess:
             if self._report is not None:
                 raise PollerStartupError(f"poller for {spec} was closed while starting")
             try:
-                ready = wait([self._conn, sentinel], remaining)
+                ready = wait([self._conn, sentinel, *([] if abort_fd is None else [abort_fd])], remaining)
                 readable = self._conn in ready or self._conn.poll(0)
             except (OSError, ValueError):  # closed by a concurrent close()
                 raise PollerStartupError(f"poller for {spec} was closed while starting") from None
+            if abort_fd is not None and abort_fd in ready and not readable:
+                raise PollerStartupError(f"poller for {spec} was closed while starting")
             if readable:
                 try:
                     message = lifeline.recv(self._conn)
@@ -220,6 +212,7 @@ class PollerProcess:
         # status (its waitpid fails) and have it escalate against a dead pid.
         if self._close_requested:
             raise PollerStartupError(f"poller for {spec} was closed while starting")
+        assert self._process is not None
         self._process.join(1.0)
         raise PollerStartupError(f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
 
@@ -242,7 +235,7 @@ class PollerProcess:
         exitcode = process.exitcode if process is not None and process.pid is not None else None
         stage: Stage = "killed" if exitcode == -9 else "already-exited"
         self._report = ShutdownReport(stage, 0.0, exitcode, False)
-        if exitcode is not None:
+        if exitcode is not None and process is not None:
             process.close()
 
     # -- while running ------------------------------------------------------------

@@ -21,13 +21,13 @@ type-checked, unknown kinds and versions are refused. Every failure is a
 
 from __future__ import annotations
 
-import enum
 from itertools import chain, compress
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgpack
 
 from .errors import ProtocolError
+from .messages import Body, Kind, as_map, check_body, to_record
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -41,23 +41,10 @@ __all__ = [
     "pack_delta_payload",
     "encode_delta",
     "check_decodable",
+    "fit_text",
 ]
 
 PROTOCOL_VERSION = 1
-
-
-class Kind(enum.IntEnum):
-    """Message kinds. Poller to buffer below 16, buffer to poller from 16."""
-
-    READY = 1
-    DELTA = 2
-    HEARTBEAT = 3
-    ERROR = 4
-    BYE = 5
-    LOG = 6
-    STOP = 16
-    RESYNC = 17
-    SYNC = 18
 
 
 # NamedTuples rather than dataclasses in every module the poller process
@@ -110,12 +97,13 @@ DEFAULT_LIMITS = Limits()
 
 
 class Message(NamedTuple):
-    """One decoded message. ``body`` has been checked against ``kind``."""
+    """One message. Decoded, ``body`` is the record of ``kind`` (:mod:`poller.messages`);
+    to encode, a record or a plain map (a hand-driven peer's) will do."""
 
     kind: Kind
     epoch: int
     seq: int
-    body: dict[str, Any]
+    body: Any
 
 
 def encode_header(kind: Kind, epoch: int, seq: int) -> bytes:
@@ -123,16 +111,17 @@ def encode_header(kind: Kind, epoch: int, seq: int) -> bytes:
     return msgpack.packb([PROTOCOL_VERSION, int(kind), epoch, seq])
 
 
-def encode_body(kind: Kind, body: Mapping[str, Any]) -> bytes:
-    """Check and pack a body.
+def encode_body(kind: Kind, body: Body | Mapping[str, Any]) -> bytes:
+    """Check and pack a body: the record of ``kind``, or a map of its fields.
 
     Raises:
         ProtocolError: the body does not fit ``kind`` or holds values msgpack
             cannot encode (the message names the offending type).
     """
     try:
-        _check_body(kind, body)
-        return msgpack.packb(body, use_bin_type=True)
+        fields = as_map(kind, body)
+        check_body(kind, fields)
+        return msgpack.packb(fields, use_bin_type=True)
     except ProtocolError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
@@ -247,6 +236,20 @@ def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
     return None  # anything else is left to msgpack, which refuses what it cannot pack
 
 
+def fit_text(text: str, limits: Limits | None) -> str:
+    """``text`` cut to ``limits.max_str_len`` UTF-8 bytes, so a receiver with those limits takes it.
+
+    For what a poller says about itself (ERROR and LOG text), which must
+    reach a receiver with small limits rather than be refused whole.
+    """
+    if limits is None or len(text) * 4 <= limits.max_str_len:
+        return text
+    raw = text.encode(errors="surrogatepass")
+    if len(raw) <= limits.max_str_len:
+        return text
+    return raw[:limits.max_str_len].decode(errors="ignore")
+
+
 def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes,
                  sync: int = 0) -> bytes:
     """A DELTA body from its flags and a payload from :func:`pack_delta_payload`.
@@ -296,12 +299,12 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
     body = _unpack(body_frame, limits, "body")
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name} body is not a map")
-    _check_body(kind, body)
+    check_body(kind, body)
     if kind is Kind.DELTA:
         _check_delta_bounds(body, limits)
     elif _deeper_than(body, limits.max_depth):
         raise ProtocolError(f"{kind.name} body nests deeper than {limits.max_depth}")
-    return Message(kind, epoch, seq, body)
+    return Message(kind, epoch, seq, to_record(kind, body))
 
 
 _SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
@@ -321,7 +324,7 @@ def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
 
 
 def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
-    """Keys per message and nesting of a DELTA already checked by :func:`_check_body`."""
+    """Keys per message and nesting of a DELTA already checked by :func:`~poller.messages.check_body`."""
     upserts, deletes = body["upserts"], body["deletes"]
     count = len(upserts) + len(deletes) + sum(len(v) for v in upserts.values()) + sum(len(v) for v in deletes.values())
     if count > limits.max_keys_per_message:
@@ -361,80 +364,3 @@ def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_partitions(value: Any, name: str) -> None:
-    """``{partition: {key: tags-dict}}`` with str names."""
-    if not isinstance(value, dict):
-        raise ProtocolError(f"DELTA {name} is not a map")
-    for partition, items in value.items():
-        if not isinstance(partition, str) or not isinstance(items, dict):
-            raise ProtocolError(f"DELTA {name} entry is not str -> map")
-        for key, tags in items.items():
-            if not isinstance(key, str) or not isinstance(tags, dict):
-                raise ProtocolError(f"DELTA {name}[{partition!r}] entry is not str -> map")
-
-
-def _check_deletes(value: Any) -> None:
-    if not isinstance(value, dict):
-        raise ProtocolError("DELTA deletes is not a map")
-    for partition, keys in value.items():
-        if not isinstance(partition, str) or not isinstance(keys, list):
-            raise ProtocolError("DELTA deletes entry is not str -> list")
-        for key in keys:
-            if not isinstance(key, str):
-                raise ProtocolError(f"DELTA deletes[{partition!r}] holds a non-str key")
-
-
-_Check = Callable[[Any], bool]
-
-# Field name -> predicate, per kind. Extra fields are allowed (forward
-# compatibility within one protocol version); missing or mistyped ones are not.
-_SCHEMAS: dict[Kind, dict[str, _Check]] = {
-    Kind.READY: {"pid": _is_int, "name": lambda v: isinstance(v, str), "interval": _is_num},
-    Kind.DELTA: {
-        "poll": _is_int,
-        "t": _is_num,
-        "full": lambda v: isinstance(v, bool),
-        "reset": lambda v: isinstance(v, bool),
-        "end": lambda v: isinstance(v, bool),
-    },
-    Kind.HEARTBEAT: {"polls": _is_int, "source_errors": _is_int, "rss": _is_int, "stalled_s": _is_num},
-    Kind.ERROR: {
-        "type": lambda v: isinstance(v, str),
-        "message": lambda v: isinstance(v, str),
-        "traceback": lambda v: isinstance(v, str),
-        "fatal": lambda v: isinstance(v, bool),
-    },
-    Kind.BYE: {"last_seq": _is_int, "reason": lambda v: isinstance(v, str)},
-    Kind.LOG: {"level": _is_int, "name": lambda v: isinstance(v, str), "message": lambda v: isinstance(v, str)},
-    Kind.STOP: {"reason": lambda v: isinstance(v, str)},
-    Kind.RESYNC: {"reason": lambda v: isinstance(v, str)},
-    Kind.SYNC: {"token": lambda v: _is_int(v) and v > 0},
-}
-
-
-# Fields added after a kind was first defined: a peer that predates them
-# leaves them out, but where present they are checked like the others.
-_OPTIONAL: dict[Kind, dict[str, _Check]] = {
-    Kind.HEARTBEAT: {"source_stalls": lambda v: _is_int(v) and v >= 0},
-    Kind.DELTA: {"sync": lambda v: _is_int(v) and v >= 0},
-}
-
-
-def _check_body(kind: Kind, body: Mapping[str, Any]) -> None:
-    for name, check in _SCHEMAS[kind].items():
-        if name not in body:
-            raise ProtocolError(f"{kind.name} body lacks field {name!r}")
-        if not check(body[name]):
-            raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(body[name]).__name__}")
-    for name, check in _OPTIONAL.get(kind, {}).items():
-        if name in body and not check(body[name]):
-            raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {body[name]!r}")
-    if kind is Kind.DELTA:
-        _check_partitions(body.get("upserts"), "upserts")
-        _check_deletes(body.get("deletes"))

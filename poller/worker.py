@@ -23,24 +23,22 @@ import queue
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Deque, Mapping, NamedTuple
+from typing import Any, Deque
 
 import zmq
 
 from . import lifeline
 from .arguments import check_worker_config
+from .config import ExitCode, WorkerConfig
 from .errors import PollerCrashed, PollerStartupError, ProtocolError
+from .link import Link
+from .messages import Bye, Heartbeat, Log, Ready
 from .polling import PollingThread
-from .procfs import set_process_name
-from .protocol import DEFAULT_LIMITS, Kind, decode, encode_body, encode_header
-from .sources import SourceSpec, describe_spec, load_source
+from .procfs import own_rss_bytes, set_process_name
+from .protocol import Kind, decode, encode_body, encode_header, fit_text
+from .sources import describe_spec, load_source
 from .wakeup import WakePipe
 from .watchdog import start_watchdog
-
-if TYPE_CHECKING:
-    # Imported where used: poller.curve pulls in zmq.auth and asyncio, ~35 ms
-    # of every poller's start-up, needed only when the stream uses CURVE.
-    from .curve import CurveClient, HandshakeWatch
 
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
@@ -49,48 +47,6 @@ logger = logging.getLogger(__name__)
 
 #: The poller's process name (``/proc/PID/comm``); its watchdog is ``replay-watchdog``.
 POLLER_PROCESS_NAME = "replay-poller"
-
-
-class ExitCode:
-    """Exit statuses of the poller process."""
-
-    OK = 0
-    CRASHED = 1
-    STARTUP_FAILED = 2
-    SOURCE_FAILED = 3
-    ORPHANED = 4
-
-
-class WorkerConfig(NamedTuple):
-    """Everything the poller process needs; picklable for the child."""
-
-    source: SourceSpec
-    endpoint: str
-    name: str
-    source_kwargs: Mapping[str, Any] = {}  # never mutated
-    interval: float = 1.0
-    heartbeat_interval: float = 1.0
-    max_failures: int = 5
-    chunk_items: int = 4096
-    max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes
-    linger: float = 1.0
-    # How often the control loop wakes with nothing to do: bounds how late
-    # it notices a dead parent that left no EOF (a forked sibling holding the
-    # pipe) and how stale a heartbeat can get.
-    tick: float = 0.2
-    # A directory the parent would have removed on close (its private ipc
-    # directory); an orphaned poller removes it, since the parent cannot.
-    orphan_cleanup: str | None = None
-    # The stream's epoch, when the parent chose it (so its receiver knows it
-    # before the first message and can refuse anyone else using the name).
-    epoch: int | None = None
-    # CURVE client keys when the buffer authenticates its peers.
-    curve: CurveClient | None = None
-    # A kv_list() call running longer than this is counted as a source stall
-    # (None: only stalls the source reports itself, by raising SourceStall).
-    stall_timeout: float | None = 30.0
-    # Records from this level on are sent to the buffer (LOG), which re-emits them.
-    log_level: int = logging.WARNING
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None:
@@ -139,18 +95,6 @@ def run_standalone(config: WorkerConfig) -> int:
     return code
 
 
-def _secure_socket(sock: zmq.Socket, config: WorkerConfig) -> None:
-    """CURVE keys, and ZMTP heartbeats so a cut link is noticed and redialled."""
-    if config.curve is not None:
-        config.curve.apply(sock)
-    # Without these a connection whose far end vanished (link down, host
-    # gone) looks alive until TCP gives up, minutes later; with them the
-    # poller drops it after 3 s of silence and reconnects by itself.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-
-
 class _ForwardingHandler(logging.Handler):
     """Queues WARNING+ records so the control loop can send them as LOG."""
 
@@ -166,14 +110,6 @@ class _ForwardingHandler(logging.Handler):
             self._wake.poke()
         except Exception:  # a log call must never break the poller
             self.handleError(record)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class _ControlLoop:
@@ -202,8 +138,10 @@ class _ControlLoop:
         self.log_handler = _ForwardingHandler(self.data_wake, config.log_level)
         self.thread: PollingThread | None = None
         self.startup_error: BaseException | None = None
-        self.handshakes: HandshakeWatch | None = None
+        self.link: Link | None = None
         self.stalls_reported = 0
+        # Set when the link came back on a new connection: heartbeat at once.
+        self.heartbeat_now = True
 
     # -- set-up ---------------------------------------------------------------
 
@@ -258,7 +196,9 @@ class _ControlLoop:
             self._queue_message(kind, body)
         while self.log_handler.records:
             level, name, text = self.log_handler.records.popleft()
-            self._queue_message(Kind.LOG, encode_body(Kind.LOG, {"level": level, "name": name, "message": text}))
+            limits = self.config.limits
+            self._queue_message(Kind.LOG, encode_body(Kind.LOG, Log(level, fit_text(name, limits),
+                                                                    fit_text(text, limits))))
 
     def _flush(self, sock: zmq.Socket) -> None:
         while self.outbox:
@@ -275,13 +215,15 @@ class _ControlLoop:
     def _heartbeat(self) -> None:
         thread = self.thread
         self.stalls_reported = thread.source_stalls if thread else 0
-        self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, {
-            "polls": thread.polls if thread else 0,
-            "source_errors": thread.source_errors if thread else 0,
-            "rss": _rss_bytes(),
-            "stalled_s": thread.stalled_for() if thread else 0.0,
-            "source_stalls": self.stalls_reported,
-        }))
+        self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
+            polls=thread.polls if thread else 0,
+            source_errors=thread.source_errors if thread else 0,
+            rss=own_rss_bytes(),
+            stalled_s=thread.stalled_for() if thread else 0.0,
+            source_stalls=self.stalls_reported,
+            # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
+            last_seq=self.seq,
+        )))
 
     def _on_control(self, sock: zmq.Socket) -> None:
         while True:
@@ -294,13 +236,16 @@ class _ControlLoop:
             except ProtocolError as exc:
                 logger.warning("poller %s ignored a malformed control message: %s", self.config.name, exc)
                 continue
-            if message.kind is Kind.STOP:
-                self.stop_reason = self.stop_reason or f"STOP: {message.body.get('reason', '')}"
+            if message.kind is Kind.ACK:
+                assert self.link is not None
+                self.link.on_ack()
+            elif message.kind is Kind.STOP:
+                self.stop_reason = self.stop_reason or f"STOP: {message.body.reason}"
             elif message.kind is Kind.RESYNC and self.thread is not None:
-                logger.debug("resync requested: %s", message.body.get("reason"))
+                logger.debug("resync requested: %s", message.body.reason)
                 self.thread.request_resync()
             elif message.kind is Kind.SYNC and self.thread is not None:
-                self.thread.request_sync(message.body["token"])
+                self.thread.request_sync(message.body.token)
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 
@@ -331,17 +276,12 @@ class _ControlLoop:
         if self.embedded:  # its own process: the root level decides which records exist at all
             root.setLevel(self.config.log_level)
         ctx: zmq.Context | None = None
-        sock: zmq.Socket | None = None
         try:
             try:
                 source = load_source(self.config.source, self.config.source_kwargs)
                 ctx = zmq.Context()
-                sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.IDENTITY, self.config.name.encode())
-                sock.setsockopt(zmq.LINGER, int(self.config.linger * 1000))
-                sock.setsockopt(zmq.SNDHWM, 1000)
-                _secure_socket(sock, self.config)
-                sock.connect(self.config.endpoint)
+                self.link = Link(ctx, name=self.config.name, endpoint=self.config.endpoint,
+                                 linger=self.config.linger, curve=self.config.curve)
             except BaseException as exc:
                 if self.lifeline is not None:
                     # A store that cannot be reached now is worth retrying; a broken source is not.
@@ -353,27 +293,24 @@ class _ControlLoop:
                 self.exit_code = ExitCode.STARTUP_FAILED
                 return self.exit_code
             previous_signals = self._install_signals()
-            self._queue_message(Kind.READY, encode_body(Kind.READY, {
-                "pid": os.getpid(), "name": self.config.name, "interval": self.config.interval,
-                "source": describe_spec(self.config.source), "host": os.uname().nodename,
-            }))
+            self._queue_message(Kind.READY, encode_body(Kind.READY, Ready(os.getpid(), self.config.name,
+                                                                          self.config.interval)))
             self.thread = PollingThread(
                 source, self._emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
-                max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout)
+                max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout,
+                limits=self.config.limits)
             self.thread.start()
             if self.lifeline is not None:
                 lifeline.send(self.lifeline, "ready", epoch=self.epoch, pid=os.getpid())
-            self._loop(sock)
-            self._finish(sock)
+            self._loop(self.link)
+            self._finish(self.link.sock)
             return self.exit_code
         finally:
             if self.thread is not None:
                 self.thread.stop()
-            if sock is not None:
-                if self.handshakes is not None:
-                    self.handshakes.close(sock)  # before the socket, or ctx.term() waits for it
-                sock.close()
+            if self.link is not None:
+                self.link.close()
             if ctx is not None:
                 # Bounded by the socket's linger; the source thread holds no socket.
                 ctx.term()
@@ -386,8 +323,9 @@ class _ControlLoop:
 
                 shutil.rmtree(self.config.orphan_cleanup, ignore_errors=True)
 
-    def _loop(self, sock: zmq.Socket) -> None:
+    def _loop(self, link: Link) -> None:
         assert self.thread is not None
+        sock = link.sock
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self.data_wake.read_fd, zmq.POLLIN)
@@ -395,10 +333,7 @@ class _ControlLoop:
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
         if lifeline_fd is not None:
             poller.register(lifeline_fd, zmq.POLLIN)
-        if self.config.curve is not None:
-            from .curve import HandshakeWatch
-            self.handshakes = HandshakeWatch(sock, self.config.name)
-            poller.register(self.handshakes.monitor, zmq.POLLIN)
+        poller.register(link.monitor, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         while self.stop_reason is None:
             self._pull_items()
@@ -414,8 +349,12 @@ class _ControlLoop:
                 self._on_lifeline()
             if events.get(sock, 0) & zmq.POLLIN:
                 self._on_control(sock)
-            if self.handshakes is not None and self.handshakes.monitor in events:
-                self.handshakes.drain()
+            if link.monitor in events and link.on_events():
+                # A new connection replaced a lost one: what was queued on the
+                # old one is gone, so the buffer gets a full snapshot.
+                self.thread.request_resync()
+                self.heartbeat_now = True
+            link.check()
             if self.embedded and os.getppid() != self.parent_pid:
                 self._orphaned("parent pid changed")
             if not self.thread.is_alive() and self.thread.failed is not None and self.items.empty():
@@ -424,7 +363,9 @@ class _ControlLoop:
                 self.exit_code = ExitCode.SOURCE_FAILED
             self.thread.check_stall()
             # A new stall is reported at once, not at the next heartbeat.
-            if time.monotonic() >= next_heartbeat or self.thread.source_stalls != self.stalls_reported:
+            if (self.heartbeat_now or time.monotonic() >= next_heartbeat
+                    or self.thread.source_stalls != self.stalls_reported):
+                self.heartbeat_now = False
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval
 
@@ -444,7 +385,7 @@ class _ControlLoop:
             if len(self.outbox) == before:
                 break
             self._flush(sock)
-        self._queue_message(Kind.BYE, encode_body(Kind.BYE, {"last_seq": self.seq, "reason": self.stop_reason or ""}))
+        self._queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(self.seq, self.stop_reason or "")))
         deadline = time.monotonic() + self.config.linger
         while self.outbox and time.monotonic() < deadline:
             self._flush(sock)

@@ -197,4 +197,4 @@ def test_a_polling_thread_that_dies_records_why_and_sends_a_fatal_error():
     assert isinstance(thread.failed, OverflowError)
     assert [kind for kind, _ in sent] == [Kind.DELTA, Kind.ERROR]
     error = decode([encode_header(Kind.ERROR, 1, 0), sent[-1][1]]).body
-    assert error["fatal"] is True and error["type"] == "OverflowError"
+    assert error.fatal is True and error.type == "OverflowError"

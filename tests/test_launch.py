@@ -1,4 +1,4 @@
-"""The ``exec`` start method: a lean child that still behaves like ``spawn``."""
+"""The poller's launch: a lean child that still behaves like ``spawn``."""
 
 from __future__ import annotations
 
@@ -53,11 +53,9 @@ def test_a_callable_the_child_cannot_unpickle_is_a_startup_error(tmp_path: Path)
         sys.modules.pop("vanishing_source", None)
 
 
-@pytest.mark.parametrize("start_method", ["exec", "spawn"])
-def test_both_start_methods_start_and_close_gracefully(start_method: str):
+def test_a_poller_process_on_its_own_starts_and_closes_gracefully():
     rb = ReplayBuffer(source=None, bind="tcp://127.0.0.1:0")
-    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05,
-                            start_method=start_method)
+    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05)
     try:
         process.start(timeout=30)
         pid = process.pid
@@ -130,13 +128,9 @@ def test_the_poller_and_its_watchdog_have_names_a_person_recognises(monkeypatch:
         assert environment["REPLAY_POLLER_SYS_PATH_PYTHONPATH"]["value"] == ""
 
 
-@pytest.mark.parametrize("start_method", ["spawn", "fork"])
-def test_multiprocessing_pollers_are_named_too(tmp_path: Path, start_method: str):
-    with ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": str(tmp_path / "kv.db")},
-                      poll_interval=0.05) as rb:
-        assert _comm(rb.stats()["poller_pid"]) == "replay-poller"
+def test_a_poller_process_on_its_own_is_named_too(tmp_path: Path):
     process = PollerProcess("poller.sources.sqlite:SqliteSource", endpoint="tcp://127.0.0.1:1",
-                            source_kwargs={"path": str(tmp_path / "kv.db")}, start_method=start_method)
+                            source_kwargs={"path": str(tmp_path / "kv.db")})
     process.start(30)
     try:
         assert _comm(process.pid) == "replay-poller"

@@ -204,3 +204,37 @@ def test_a_poller_killed_from_outside_is_restarted_and_the_stream_continues(db, 
     finally:
         report = rb.close()
     assert report.stage == "graceful"
+
+
+def test_a_waiter_in_a_non_daemon_thread_does_not_hang_the_interpreter_exit(db, tmp_path):
+    """Regression: the interpreter joins non-daemon threads before atexit handlers and
+    finalizers run, so a buffer never closed left a thread in sample(timeout=None), and
+    the process, waiting forever."""
+    script = tmp_path / "trainer.py"
+    script.write_text(textwrap.dedent("""
+        import sys, threading
+        from buffer import ReplayBuffer, BufferClosed
+
+        rb = ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": sys.argv[1]},
+                          poll_interval=0.05)
+        rb.add("train", {"k": {"global_steps": 1, "status": "running"}})
+
+        def wait():
+            try:
+                rb.sample("train", global_steps=1, timeout=None)
+            except BufferClosed as exc:
+                print("woken:", type(exc).__name__, flush=True)
+
+        threading.Thread(target=wait, name="waiter").start()   # not a daemon
+        print("waiting", flush=True)
+        # the main thread ends here, with the buffer open
+    """))
+    proc = subprocess.Popen([sys.executable, str(script), db], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail("the interpreter did not exit: the waiter was never woken")
+    assert proc.returncode == 0
+    assert out.split("\n")[:2] == ["waiting", "woken: BufferClosed"]

@@ -82,7 +82,7 @@ def test_the_buffer_applies_its_configured_limits(limited: ReplayBuffer) -> None
         peer.delta({"p": {"k": {"v": _nested(10)}}})                                # too deep
         peer.delta({"p": {"k": {"v": "x" * 100}}})                                  # string too long
         assert wait_until(lambda: limited.stats()["protocol_errors"] == 3)
-        peer.delta({"p": {"ok": {"v": 1}}}, full=True, reset=True)
+        peer.delta({"p": {"lost": {"v": 1}}})
         request = peer.recv()  # the dropped messages left a gap: the buffer asks for a snapshot
         assert request is not None and request.kind is Kind.RESYNC
         peer.delta({"p": {"ok": {"v": 1}}}, full=True, reset=True)
@@ -153,3 +153,17 @@ def test_the_buffers_own_poller_sends_within_the_buffers_limits(store) -> None:
         assert stats["protocol_errors"] == 0 and stats["messages"] >= 30
     finally:
         rb.close()
+
+
+def test_the_buffers_own_poller_checks_tags_against_the_buffers_limits(db: str, store: Any) -> None:
+    """Regression: only the frame size reached the poller, so a tag the receiver refuses
+    (here a string over max_str_len) went out, was refused, and every resync sent it again."""
+    from poller import PollerCrashed
+
+    store.kv_put("k", "p", tag={"v": "x" * 100})
+    with ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": db}, poll_interval=0.05,
+                      max_restarts=0, limits=Limits(max_str_len=64)) as rb:
+        with pytest.raises(PollerCrashed) as info:
+            rb.sample("p", batch_size=1, timeout=20)
+        assert "'p'/'k'" in str(info.value.__cause__) and "exceeds 64" in str(info.value.__cause__)
+        assert rb.stats()["protocol_errors"] == 0

@@ -9,7 +9,8 @@ import msgpack
 import pytest
 
 from poller.errors import PollerError, ProtocolError
-from poller.polling import ListingDiff, diff_listing, encode_diff, normalize_listing
+from poller.messages import RECORDS, Delta, to_record
+from poller.polling import ListingDiff, diff_raw_listing, iter_encode_diff
 from poller.protocol import (
     PROTOCOL_VERSION,
     Kind,
@@ -22,6 +23,16 @@ from poller.protocol import (
     encode_header,
     pack_delta_payload,
 )
+
+def _encoded(diff: ListingDiff, **options: Any) -> list[bytes]:
+    """Every body the poller's encoder yields for ``diff``."""
+    return list(iter_encode_diff(diff, **options))
+
+
+def _listed(raw: Any) -> dict[str, Any]:
+    """``raw`` checked and copied, as the poller's first (full) poll takes it."""
+    return diff_raw_listing({}, raw, full=True).upserts
+
 
 # One valid body per kind, with the types the schema demands.
 BODIES: dict[Kind, dict[str, Any]] = {
@@ -40,6 +51,7 @@ BODIES: dict[Kind, dict[str, Any]] = {
     Kind.STOP: {"reason": "close"},
     Kind.RESYNC: {"reason": "sequence gap"},
     Kind.SYNC: {"token": 12},
+    Kind.ACK: {"seq": 9},
 }
 
 
@@ -61,10 +73,12 @@ def test_round_trip_of_every_kind(kind: Kind) -> None:
     frames = encode(message)
     assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
     decoded = decode(frames)
-    assert decoded == message
-    assert decoded.kind is kind
+    # Decoded, the body is the kind's record; fields it does not know are left out.
+    assert decoded == message._replace(body=to_record(kind, BODIES[kind]))
+    assert decoded.kind is kind and isinstance(decoded.body, RECORDS[kind])
+    assert decode(encode(decoded)) == decoded  # a record encodes as well as a map
     # memoryview frames (what the receiver hands in) decode the same.
-    assert decode([memoryview(f) for f in frames]) == message
+    assert decode([memoryview(f) for f in frames]) == decoded
 
 
 def test_round_trip_of_a_delta_built_from_its_parts() -> None:
@@ -73,8 +87,8 @@ def test_round_trip_of_a_delta_built_from_its_parts() -> None:
     raw = encode_delta(poll=9, started=12.5, full=False, reset=False, end=True,
                        payload=pack_delta_payload(upserts, deletes), sync=4)
     message = decode([encode_header(Kind.DELTA, 1, 3), raw])
-    assert message.body == {"poll": 9, "t": 12.5, "full": False, "reset": False, "end": True, "sync": 4,
-                            "upserts": upserts, "deletes": deletes}
+    assert message.body == Delta(poll=9, t=12.5, full=False, reset=False, end=True, upserts=upserts,
+                                 deletes=deletes, sync=4)
 
 
 @pytest.mark.parametrize("kind, field, value", [(Kind.SYNC, "token", 0), (Kind.SYNC, "token", "1"),
@@ -134,7 +148,7 @@ def test_wrong_version_is_named() -> None:
         decode([header(version="1"), body({"reason": "x"})])
 
 
-@pytest.mark.parametrize("kind", [0, 7, 15, 19, 99, -1, 2**40])
+@pytest.mark.parametrize("kind", [0, 7, 15, 20, 99, -1, 2**40])
 def test_unknown_kind(kind: int) -> None:
     with pytest.raises(ProtocolError, match="kind"):
         decode([header(kind=kind), body({"reason": "x"})])
@@ -163,9 +177,10 @@ def test_body_not_a_map(obj: Any) -> None:
 
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
 def test_every_missing_field_is_refused(kind: Kind) -> None:
-    from poller.protocol import _SCHEMAS
+    from poller.messages import RECORDS
 
-    for name in _SCHEMAS[kind]:
+    record = RECORDS[kind]
+    for name in (n for n in record._fields if n not in record._field_defaults):
         broken = {k: v for k, v in BODIES[kind].items() if k != name}
         with pytest.raises(ProtocolError, match=repr(name)):
             decode([header(kind=int(kind)), body(broken)])
@@ -224,7 +239,7 @@ def test_oversized_frames() -> None:
     limits = Limits(max_frame_bytes=256)
     big = dict(BODIES[Kind.LOG], message="x" * 300)
     frames = encode(Message(Kind.LOG, 1, 0, big))
-    assert decode(frames).body["message"] == "x" * 300  # fine with the default limits
+    assert decode(frames).body.message == "x" * 300  # fine with the default limits
     with pytest.raises(ProtocolError, match="exceeds 256"):
         decode(frames, limits)
     just_fits = encode(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="")))
@@ -283,7 +298,7 @@ def test_fuzzed_frames_raise_only_protocol_error() -> None:
             refused += 1
         else:
             accepted += 1
-            assert isinstance(message, Message) and isinstance(message.body, dict)
+            assert isinstance(message, Message) and isinstance(message.body, RECORDS[message.kind])
     assert refused > 1000  # the mutations do break things, and only ProtocolError escaped
 
 
@@ -307,11 +322,11 @@ def test_encode_body_checks_the_schema() -> None:
         encode_body(Kind.READY, {"name": "x", "interval": 1.0})
 
 
-# -- encode_diff --------------------------------------------------------------------------------
+# -- iter_encode_diff --------------------------------------------------------------------------------
 
 def _decode_bodies(bodies: list[bytes], max_frame_bytes: int) -> list[dict[str, Any]]:
     limits = Limits(max_frame_bytes=max_frame_bytes)
-    return [decode([encode_header(Kind.DELTA, 1, i), b], limits).body for i, b in enumerate(bodies)]
+    return [decode([encode_header(Kind.DELTA, 1, i), b], limits).body._asdict() for i, b in enumerate(bodies)]
 
 
 def _big_diff() -> ListingDiff:
@@ -341,7 +356,7 @@ def _merge_bodies(decoded: list[dict[str, Any]]) -> tuple[dict[str, dict[str, An
 def test_encode_diff_splits_by_size(full: bool) -> None:
     diff = _big_diff()
     limit = 2000
-    bodies = encode_diff(diff, poll=4, started=99.5, full=full, chunk_items=100_000, max_frame_bytes=limit)
+    bodies = _encoded(diff, poll=4, started=99.5, full=full, chunk_items=100_000, max_frame_bytes=limit)
     assert len(bodies) > 3
     assert all(len(b) <= limit for b in bodies)
     decoded = _decode_bodies(bodies, limit)
@@ -355,7 +370,7 @@ def test_encode_diff_splits_by_size(full: bool) -> None:
 
 def test_encode_diff_splits_by_item_count() -> None:
     diff = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {"p": ["x", "y"]})
-    bodies = encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=3, max_frame_bytes=10**6)
+    bodies = _encoded(diff, poll=1, started=0.0, full=True, chunk_items=3, max_frame_bytes=10**6)
     decoded = _decode_bodies(bodies, 10**6)
     assert len(decoded) >= 4
     assert all(sum(map(len, b["upserts"].values())) + sum(map(len, b["deletes"].values())) <= 3
@@ -368,7 +383,7 @@ def test_encode_diff_splits_by_item_count() -> None:
 
 def test_encode_diff_of_a_small_or_empty_diff_is_one_body() -> None:
     for diff in (ListingDiff({}, {}), ListingDiff({"p": {"k": {"s": 1}}}, {})):
-        bodies = encode_diff(diff, poll=2, started=1.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+        bodies = _encoded(diff, poll=2, started=1.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
         assert len(bodies) == 1
         (only,) = _decode_bodies(bodies, 10**6)
         assert only["reset"] and only["end"] and only["full"]
@@ -377,10 +392,10 @@ def test_encode_diff_of_a_small_or_empty_diff_is_one_body() -> None:
 
 def test_encode_diff_sends_no_empty_bodies() -> None:
     by_count = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {})
-    bodies = encode_diff(by_count, poll=1, started=0.0, full=True, chunk_items=5, max_frame_bytes=10**6)
+    bodies = _encoded(by_count, poll=1, started=0.0, full=True, chunk_items=5, max_frame_bytes=10**6)
     assert len(bodies) == 2
     by_size = ListingDiff({"p": {f"k{i:03d}": {"pad": "x" * 40} for i in range(64)}}, {})
-    decoded = _decode_bodies(encode_diff(by_size, poll=1, started=0.0, full=True, chunk_items=4096,
+    decoded = _decode_bodies(_encoded(by_size, poll=1, started=0.0, full=True, chunk_items=4096,
                                          max_frame_bytes=1000), 1000)
     assert all(b["upserts"] or b["deletes"] for b in decoded)
 
@@ -388,16 +403,16 @@ def test_encode_diff_sends_no_empty_bodies() -> None:
 def test_encode_diff_refuses_one_entry_over_the_limit() -> None:
     diff = ListingDiff({"p": {"small": {"s": 1}, "huge": {"blob": "x" * 5000}}}, {})
     with pytest.raises(ProtocolError, match="frame limit"):
-        encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=1000)
+        _encoded(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=1000)
 
 
 def test_encode_diff_refuses_unencodable_tags() -> None:
     diff = ListingDiff({"p": {"k": {"bad": object()}}}, {})
     with pytest.raises(ProtocolError):
-        encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+        _encoded(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
 
 
-# -- normalize_listing / diff_listing -------------------------------------------------------------
+# -- diff_raw_listing -------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [
     [("train", {})],
@@ -408,40 +423,40 @@ def test_encode_diff_refuses_unencodable_tags() -> None:
     {"train": {"k": ["not", "a", "mapping"]}},
     {"train": {"k": "running"}},
 ], ids=repr)
-def test_normalize_listing_rejects_garbage(raw: Any) -> None:
+def test_a_listing_of_garbage_is_refused(raw: Any) -> None:
     with pytest.raises(TypeError):
-        normalize_listing(raw)
+        _listed(raw)
 
 
-def test_normalize_listing_maps_none_and_copies() -> None:
-    assert normalize_listing(None) == {}
-    assert normalize_listing({}) == {}
+def test_a_listing_maps_none_and_is_copied() -> None:
+    assert _listed(None) == {}
+    assert _listed({}) == {}
     source_tags = {"status": "running"}
     raw = {"train": {"k1": source_tags, "k2": None}, "empty": {}, "gone": None}
-    listing = normalize_listing(raw)
+    listing = _listed(raw)
     assert listing == {"train": {"k1": {"status": "running"}, "k2": {}}}
     listing["train"]["k1"]["status"] = "changed"
     assert source_tags == {"status": "running"}  # fresh dicts, the source's are untouched
 
 
-def test_diff_listing_finds_changed_new_and_vanished() -> None:
+def test_diff_finds_changed_new_and_vanished() -> None:
     sent = {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
     listing = {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
-    diff = diff_listing(sent, listing, full=False)
+    diff = diff_raw_listing(sent, listing, full=False)
     assert diff.upserts == {"train": {"b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
     assert {p: sorted(k) for p, k in diff.deletes.items()} == {"train": ["d"], "old": ["x"]}
     assert diff.item_count() == 5
     assert sent == {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
 
 
-def test_diff_listing_full_sends_everything_and_deletes_nothing() -> None:
+def test_diff_full_sends_everything_and_deletes_nothing() -> None:
     sent = {"train": {"a": {"s": 1}, "gone": {}}}
     listing = {"train": {"a": {"s": 1}, "b": {}}}
-    diff = diff_listing(sent, listing, full=True)
+    diff = diff_raw_listing(sent, listing, full=True)
     assert diff.upserts == listing and diff.deletes == {}
 
 
-def test_diff_listing_of_identical_listings_is_empty() -> None:
+def test_diff_of_identical_listings_is_empty() -> None:
     listing = {"train": {"a": {"s": 1}}}
-    diff = diff_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
+    diff = diff_raw_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
     assert diff.upserts == {} and diff.deletes == {} and diff.item_count() == 0

@@ -43,7 +43,7 @@ NOT_A_SOURCE = 42
 
 def test_buffer_all() -> None:
     assert set(buffer.__all__) == {"ReplayBuffer", "BatchMeta", "ShutdownReport", "BufferClosed",
-                                   "InsecureBindError", "PollerCrashed", "PollerStartupError"}
+                                   "InsecureBindError", "EndpointInUseError", "PollerCrashed", "PollerStartupError"}
     assert len(buffer.__all__) == len(set(buffer.__all__))
     for name in buffer.__all__:
         assert hasattr(buffer, name)
@@ -52,16 +52,24 @@ def test_buffer_all() -> None:
     assert buffer.PollerCrashed is poller.PollerCrashed and buffer.PollerStartupError is poller.PollerStartupError
     assert buffer.InsecureBindError is buffer.access.InsecureBindError
     assert issubclass(buffer.InsecureBindError, ValueError)
+    assert buffer.EndpointInUseError is buffer.access.EndpointInUseError
+    assert issubclass(buffer.EndpointInUseError, OSError)
 
 
 def test_poller_all() -> None:
-    assert set(poller.__all__) == {"PollerProcess", "Source", "load_source", "PollerError",
-                                   "PollerStartupError", "PollerCrashed", "ProtocolError"}
+    assert set(poller.__all__) == {"PollerProcess", "Source", "SourceStall", "load_source", "Limits", "CurveServer",
+                                   "PollerError", "PollerStartupError", "PollerCrashed", "ProtocolError",
+                                   "RemoteTraceback"}
     assert len(poller.__all__) == len(set(poller.__all__))
     for name in poller.__all__:
         assert hasattr(poller, name)
     assert PollerProcess is poller.process.PollerProcess
     assert load_source is poller.sources.load_source
+    # Where README names them too.
+    from poller import curve, errors, protocol, sources
+
+    assert poller.Limits is protocol.Limits and poller.CurveServer is curve.CurveServer
+    assert poller.SourceStall is sources.SourceStall and poller.RemoteTraceback is errors.RemoteTraceback
 
 
 def test_error_hierarchy() -> None:
@@ -199,6 +207,26 @@ def test_load_source_lets_factory_errors_through() -> None:
         load_source("tests.helpers.sources:failing_factory", {"host": "h"})
     with pytest.raises(ModuleNotFoundError):
         load_source("no_such_module_for_the_api_test:thing")
+
+
+def test_stats_has_the_documented_typed_shape(tmp_path: Path) -> None:
+    import types
+    from typing import Union, get_args, get_origin, get_type_hints
+
+    from buffer.metrics import BufferStats
+
+    hints = get_type_hints(BufferStats)
+    with ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": str(tmp_path / "kv.db")},
+                      poll_interval=0.05) as rb:
+        stats = rb.stats()
+    assert list(stats) == list(hints)  # every documented key, in order, and no other
+    readme = (ROOT / "README.md").read_text()
+    for name, value in stats.items():
+        assert f"`{name}`" in readme, f"stats()[{name!r}] is not documented in README"
+        hint = hints[name]
+        options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
+        allowed = tuple(get_origin(t) or t for t in options)
+        assert isinstance(value, allowed), (name, value, hint)
 
 
 def test_replay_buffer_sync_signature() -> None:

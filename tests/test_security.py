@@ -300,3 +300,29 @@ def test_a_curve_socket_without_its_authenticator_fails_closed(tmp_path: Path) -
             client.close()
         router.close(0)
         ctx.term()
+
+
+def test_a_peer_cannot_flood_the_trainers_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: forwarded LOG (at any level the peer chose, up to 1 MiB each), ERROR and
+    gap warnings were logged one for one, though this file's SECURITY.md says they are bounded."""
+    from poller.faults.peer import RoguePeer
+
+    caplog.set_level(logging.DEBUG)
+    with ReplayBuffer() as rb, RoguePeer(rb.endpoint) as peer:
+        peer.ready()
+        for _ in range(100):
+            for _ in range(3):  # forwarded LOG has a larger budget (100 a minute) than the rest (10)
+                peer.send(Kind.LOG, {"level": 10**6, "name": "x", "message": "y" * 100_000})
+            peer.send(Kind.ERROR, {"type": "E", "message": "z" * 100_000, "traceback": "", "fatal": False})
+            peer.send(Kind.HEARTBEAT, {"polls": 0, "source_errors": 0, "rss": 0, "stalled_s": 0.0},
+                      seq=peer.seq + 1)  # a gap every time
+        assert wait_until(lambda: rb.stats()["messages"] >= 501, timeout=20)
+        assert rb.stats()["source_errors"] == 100  # all counted, whatever was logged
+    forwarded = [r for r in caplog.records if r.name == "poller"]
+    errors = [r for r in caplog.records if "kv_list() failed" in r.getMessage()]
+    gaps = [r for r in caplog.records if "gap in the stream" in r.getMessage()]
+    assert 1 <= len(forwarded) <= 110, len(forwarded)
+    for records in (errors, gaps):
+        assert 1 <= len(records) <= 20, len(records)
+    assert max(r.levelno for r in forwarded) == logging.ERROR  # clamped, not 10**6
+    assert max(len(r.getMessage()) for r in forwarded + errors) < 3000

@@ -10,6 +10,7 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller import PollerProcess, ProtocolError
+from poller.messages import as_map
 from poller.protocol import Kind, Message, decode, encode
 from tests.conftest import wait_until
 from tests.test_stream import Peer
@@ -75,7 +76,7 @@ def test_the_receiver_sums_stalls_over_poller_restarts():
 
 def test_the_heartbeat_stall_count_is_optional_but_checked():
     for body in (HEARTBEAT, dict(HEARTBEAT, source_stalls=0), dict(HEARTBEAT, source_stalls=12)):
-        assert decode(encode(Message(Kind.HEARTBEAT, 1, 1, body))).body == body
+        assert as_map(Kind.HEARTBEAT, decode(encode(Message(Kind.HEARTBEAT, 1, 1, body))).body) == body
     for bad in (-1, "3", 1.5, True, None):
         with pytest.raises(ProtocolError, match="source_stalls"):
             encode(Message(Kind.HEARTBEAT, 1, 1, dict(HEARTBEAT, source_stalls=bad)))

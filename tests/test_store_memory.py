@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from buffer.partitions import PartitionStore
 from buffer.steps import StepSampler
-from poller.polling import commit_listing, diff_raw_listing, normalize_listing
+from poller.polling import commit_listing, diff_raw_listing
 
 
 class _Store(PartitionStore):
@@ -66,7 +66,7 @@ def test_after_one_full_collection_the_big_containers_are_not_tracked():
 
 def test_diff_raw_listing_copies_only_what_changed_and_commits_after():
     source_tags = {"s": 1}
-    sent = normalize_listing({"train": {"a": source_tags, "b": {"s": 2}}, "old": {"x": {}}})
+    sent = diff_raw_listing({}, {"train": {"a": source_tags, "b": {"s": 2}}, "old": {"x": {}}}, full=True).upserts
     held_a = sent["train"]["a"]
     raw = {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": None}, "old": {}}
     diff = diff_raw_listing(sent, raw, full=False)

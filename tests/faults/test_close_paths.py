@@ -215,3 +215,21 @@ def test_ctrl_c_while_sample_waits_raises_keyboard_interrupt_and_close_still_wor
         trainer.stdout.close()
     assert out.split("\n")[:2] == ["KeyboardInterrupt", "graceful True"], out
     assert trainer.returncode == 0
+
+
+def test_a_start_cut_short_by_its_owner_leaves_nothing(tmp_path):
+    """The supervisor's way to honour a close while a child starts: PollerProcess.start(abort_fd=...)."""
+    from poller.wakeup import WakePipe
+
+    process = PollerProcess("poller.faults:slow", endpoint="tcp://127.0.0.1:9", source_kwargs={"start_s": 60})
+    abort = WakePipe()
+    try:
+        threading.Timer(0.5, abort.poke).start()
+        started = time.monotonic()
+        with pytest.raises(PollerStartupError, match="closed while starting"):
+            process.start(timeout=30, abort_fd=abort.read_fd)
+        assert time.monotonic() - started < 20  # not the 30 s start timeout (nor the 60 s factory)
+        assert process.pid is not None and not alive(process.pid)
+        assert process.close().stage in ("killed", "already-exited")
+    finally:
+        abort.close()

@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from poller.errors import ProtocolError
-from poller.protocol import PROTOCOL_VERSION, Kind, Message, _SCHEMAS, decode
+from poller.messages import RECORDS
+from poller.protocol import PROTOCOL_VERSION, Kind, Message, decode
 
-_FIELDS = sorted({name for schema in _SCHEMAS.values() for name in schema} | {"upserts", "deletes"})
+_FIELDS = sorted({name for record in RECORDS.values() for name in record._fields})
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**64, max_value=2**64),
                      st.floats(allow_nan=True), st.text(max_size=20), st.binary(max_size=20))
@@ -42,7 +43,7 @@ def _decodes_or_refuses(frames: list[bytes]) -> None:
         message = decode(frames)
     except ProtocolError:
         return
-    assert isinstance(message, Message) and isinstance(message.body, dict)
+    assert isinstance(message, Message) and isinstance(message.body, RECORDS[message.kind])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -19,7 +19,7 @@ from poller.errors import ProtocolError
 from poller.faults import parse_fault, raise_
 from poller.faults.peer import RoguePeer
 from poller.faults.store import delete
-from poller.polling import diff_listing, encode_diff
+from poller.polling import diff_raw_listing, iter_encode_diff
 from poller.protocol import Kind, check_decodable
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
@@ -46,9 +46,9 @@ def _nested(levels: int) -> list:
     ({"deep": _nested(40)}, "nested deeper than 32"),
 ])
 def test_tags_the_receiver_would_refuse_are_a_clear_error_naming_the_key(tags, problem):
-    diff = diff_listing({}, {"p": {"k": tags}}, full=True)
+    diff = diff_raw_listing({}, {"p": {"k": tags}}, full=True)
     with pytest.raises(ProtocolError, match=rf"tags of 'p'/'k' cannot go on the wire: .*{problem}"):
-        encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=10, max_frame_bytes=64 * 2**20)
+        list(iter_encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=10, max_frame_bytes=64 * 2**20))
 
 
 def test_tags_the_receiver_accepts_pass_the_check():

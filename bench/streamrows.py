@@ -1,0 +1,105 @@
+"""Fault-matrix rows for the stream itself: stopped processes and a contested ipc path.
+
+Kept apart from :data:`bench.faultmatrix.ROWS` because a stopped-process trial
+takes seconds by design (``tests/faults/test_pauses.py`` plays those once);
+``python -m bench.faults`` runs both sets.
+
+- ``pause:trainer:10s`` / ``pause:poller:10s``: :func:`bench.pauses.run_pause`,
+  the trainer process (or its poller) SIGSTOPped for 10 s while the store
+  changes; the buffer must equal the store again after SIGCONT and close
+  gracefully and drained.
+- ``bind:same-ipc-path``: a second buffer given the first one's explicit
+  ``ipc://`` path is refused (``EndpointInUseError``), and the first buffer's
+  stream is untouched, also across a restart of its poller.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+from buffer import ReplayBuffer
+from buffer.access import EndpointInUseError
+from poller.sources.sqlite import SqliteSource
+
+from .faultmatrix import GENEROUS, PARTITION, SQLITE, Outcome, Row, close_bound
+from .pauses import run_pause
+
+__all__ = ["STREAM_ROWS", "run_stream_trial"]
+
+STREAM_ROWS: tuple[Row, ...] = (
+    Row("pause:trainer:10s", action="pause:trainer:10", close_timeout=5.0),
+    Row("pause:poller:10s", action="pause:poller:10", close_timeout=5.0),
+    Row("bind:same-ipc-path", action="bind", saw="EndpointInUseError", restarts=1, once=True),
+)
+
+
+def run_stream_trial(row: Row, workdir: str) -> Outcome:
+    """Play one trial of a :data:`STREAM_ROWS` row in ``workdir``."""
+    if row.action is not None and row.action.startswith("pause:"):
+        return _pause(row, workdir)
+    if row.action == "bind":
+        return _bind(row, workdir)
+    raise ValueError(f"not a stream row: {row.name}")
+
+
+def _pause(row: Row, workdir: str) -> Outcome:
+    assert row.action is not None
+    _, target, seconds = row.action.split(":")
+    pause = run_pause(target, float(seconds), workdir, converge_deadline=GENEROUS)
+    out = Outcome(row.name, stage=pause.stage, close_s=pause.close_s, bound_s=close_bound(row), saw="nothing",
+                  restarts=int(pause.stats.get("restarts", 0)), lost=pause.missing, extra=pause.extra,
+                  detail=f"converged {pause.converged_s}s after SIGCONT, resyncs {pause.stats.get('resyncs')}")
+    out.problems += pause.problems
+    if pause.converged_s is None:
+        out.problems.append(f"the buffer did not converge within {GENEROUS}s of SIGCONT")
+    if pause.wrong:
+        out.problems.append(f"keys with other tags than the store's: {pause.wrong[:20]}")
+    return out
+
+
+def _bind(row: Row, workdir: str) -> Outcome:
+    out = Outcome(row.name, bound_s=close_bound(row))
+    db = os.path.join(workdir, "kv.db")
+    writer = SqliteSource(db)
+    short = tempfile.mkdtemp(prefix="bind-", dir="/tmp")  # sun_path holds 107 bytes
+    endpoint = f"ipc://{short}/stream"
+    marker = os.path.join(workdir, "crashed")
+    try:
+        writer.kv_put("k1", PARTITION, tag={"v": 1})
+        # The first buffer's poller crashes once, after a few polls: its restart
+        # reconnects to the path, which is where a second buffer took the stream.
+        first = ReplayBuffer("poller.faults:crash", source_kwargs={
+            "inner": SQLITE, "inner_kwargs": {"path": db}, "after": 5, "marker": marker, "once": True},
+            bind=endpoint, poll_interval=0.02, max_restarts=1, close_timeout=row.close_timeout,
+            start_timeout=GENEROUS)
+        try:
+            try:
+                second = ReplayBuffer(bind=endpoint)
+            except EndpointInUseError as exc:
+                out.saw, out.detail = "EndpointInUseError", str(exc)
+                if short not in str(exc):
+                    out.problems.append(f"the error does not name the path: {exc}")
+            else:
+                out.saw = "nothing"
+                second.close()
+            deadline = time.monotonic() + GENEROUS
+            while first.stats()["restarts"] < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            writer.kv_put("k2", PARTITION, tag={"v": 2})
+            want = writer.kv_list()
+            while first.snapshot() != want and time.monotonic() < deadline:
+                time.sleep(0.02)
+            have = first.snapshot(PARTITION)
+            out.lost = sorted(k for k in want.get(PARTITION, {}) if k not in have)
+            out.extra = sorted(k for k in have if k not in want.get(PARTITION, {}))
+            out.restarts = first.stats()["restarts"]
+        finally:
+            report = first.close()
+        out.stage, out.close_s = report.stage, report.seconds
+    finally:
+        writer.close()
+        shutil.rmtree(short, ignore_errors=True)
+    return out

@@ -1,0 +1,347 @@
+"""The receiver's peer state machine: epochs, sequence numbers, resync, liveness.
+
+No sockets here. :class:`PeerTable` takes what arrived (an identity and its
+frames) and the time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
+and returns the control messages to send back as :class:`Send` actions; the
+thread that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
+
+Recovery rules (a stream must converge to its source, whatever was lost):
+
+- a gap in a peer's sequence numbers, or an epoch joined mid-stream, asks
+  for a RESYNC (a full snapshot) and ignores deltas until one starts; the
+  start of a full snapshot is itself the answer, so none is asked for then;
+- a peer silent for more than ``stale_after`` that speaks again is asked for
+  a RESYNC too, whatever its sequence says;
+- heartbeats that carry ``last_seq`` are answered with ACK, which tells a
+  poller on a new connection that it was admitted (:mod:`poller.link`), and
+  a ``last_seq`` that does not match what was received is a gap;
+- an unanswered RESYNC is asked for again every :data:`RESYNC_RETRY_S`
+  (:meth:`PeerTable.tick`), because a request sent while the route was down
+  is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence, cast
+
+from poller.errors import ProtocolError
+from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Sync
+from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
+
+from .partitions import PartitionStore
+from .ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
+
+__all__ = ["Peer", "PeerTable", "Send", "RESYNC_RETRY_S"]
+
+logger = logging.getLogger(__name__)
+
+#: How long a RESYNC may stay unanswered before it is asked for again.
+RESYNC_RETRY_S = 1.0
+
+
+class Send(NamedTuple):
+    """An action: send ``kind`` with ``body`` to the peer ``identity``."""
+
+    identity: bytes
+    kind: Kind
+    epoch: int
+    body: Body
+
+
+@dataclass
+class Peer:
+    name: str
+    epoch: int | None = None
+    next_seq: int = 0
+    awaiting_resync: bool = False
+    contiguous: bool = False
+    bye_seq: int | None = None
+    pid: int | None = None
+    rss: int = 0
+    polls_applied: int = 0
+    snapshots_applied: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    resync_asked_at: float = 0.0
+    stale: bool = False
+    # The source-stall count this peer last reported, and in which epoch
+    # (the count restarts with every poller process).
+    stalls: int = 0
+    stalls_epoch: int | None = None
+
+
+def _snapshot_start(message: Message) -> bool:
+    return message.kind is Kind.DELTA and message.body.full and message.body.reset
+
+
+class PeerTable:
+    """Per-peer stream state, applied to ``store``.
+
+    ``pinned`` names peers never forgotten to make room for others (the
+    buffer's own poller); ``on_change`` is called after a BYE or a first
+    complete poll was applied, for threads waiting on those.
+    """
+
+    def __init__(self, store: PartitionStore, *, limits: Limits = DEFAULT_LIMITS, stale_after: float = 5.0,
+                 pinned: frozenset[bytes] = frozenset(), on_change: Callable[[], None] = lambda: None,
+                 log: LogLimiter | None = None) -> None:
+        self._store = store
+        self.limits = limits
+        self.stale_after = stale_after
+        self._pinned = pinned
+        self._on_change = on_change
+        # Forwarded LOG records get more room than the receiver's own warnings:
+        # a poller_log_level of INFO is a choice, not a flood.
+        self._log = log or LogLimiter(logger, budgets={"log": (100, 60.0)})
+        self.peers: dict[bytes, Peer] = {}
+        self.messages = 0
+        self.items_received = 0
+        self.bytes_received = 0
+        self.protocol_errors = 0
+        self.source_errors = 0
+        self.peers_forgotten = 0
+        self.resyncs_requested = 0
+        self.source_stalls = 0
+        self.last_message_at: float | None = None
+        # identity -> the one epoch its own poller process uses (set by the
+        # buffer that spawned it), and the epochs of its earlier processes.
+        self._expected: dict[bytes, int] = {}
+        self._retired: dict[bytes, set[int]] = {}
+
+    def expect(self, identity: bytes, epoch: int) -> None:
+        """From now on only ``epoch`` may speak as ``identity``; earlier epochs are dropped quietly."""
+        previous = self._expected.get(identity)
+        if previous is not None:
+            retired = self._retired.setdefault(identity, set())
+            retired.add(previous)
+            if len(retired) > 64:  # restarts are few; keep the set bounded anyway
+                retired.discard(min(retired))
+        self._expected[identity] = epoch
+
+    def stale_peers(self, now: float) -> list[str]:
+        """Peers silent for more than ``stale_after`` seconds that never said BYE."""
+        return sorted(p.name for p in list(self.peers.values())
+                      if p.bye_seq is None and now - p.last_seen > self.stale_after)
+
+    def control(self, identity: bytes, kind: Kind, reason: str) -> Send:
+        """A STOP or RESYNC for ``identity``, stamped with its current epoch."""
+        peer = self.peers.get(identity)
+        body = Stop(reason) if kind is Kind.STOP else Resync(reason)
+        return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, body)
+
+    def sync(self, identity: bytes, token: int) -> Send:
+        """A SYNC for ``identity``: poll at once, and tag that listing with ``token``."""
+        peer = self.peers.get(identity)
+        return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0, Sync(token))
+
+    # -- time -------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Send]:
+        """Mark silent peers stale; ask again for RESYNCs left unanswered."""
+        actions = []
+        for identity, peer in list(self.peers.items()):
+            if peer.bye_seq is not None:
+                continue
+            silent = now - peer.last_seen
+            if not peer.stale and silent > self.stale_after:
+                peer.stale = True
+                self._log.log("stale", logging.WARNING,
+                              "no message from poller %s for %.1fs (stale_after=%gs): its link is down or it is "
+                              "dead; the buffer keeps what it has", peer.name, silent, self.stale_after)
+            if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
+                actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
+        return actions
+
+    # -- messages -----------------------------------------------------------------
+
+    def on_frames(self, identity: bytes, frames: Sequence[bytes | memoryview], now: float) -> list[Send]:
+        """Decode and apply one message from ``identity``; return what to send back."""
+        self.bytes_received += sum(len(f) for f in frames)
+        try:
+            message = decode(frames, self.limits)
+        except ProtocolError as exc:
+            self.protocol_error(identity, str(exc))
+            return []
+        return self.on_message(identity, message, now)
+
+    def on_message(self, identity: bytes, message: Message, now: float) -> list[Send]:
+        """Apply one decoded message from ``identity``; return what to send back."""
+        expected = self._expected.get(identity)
+        if expected is not None and message.epoch != expected:
+            if message.epoch in self._retired.get(identity, ()):
+                logger.debug("dropped a late %s from an earlier process of %r", message.kind.name, identity)
+            else:
+                self.protocol_error(identity, f"epoch {message.epoch} claims the identity of the buffer's "
+                                              f"own poller (epoch {expected}); dropped")
+            return []
+        self.messages += 1
+        self.last_message_at = now
+        peer = self._peer(identity, now)
+        came_back = peer.stale
+        peer.last_seen = now
+        if came_back:
+            peer.stale = False
+            logger.info("poller %s is back", peer.name)
+        if message.kind in (Kind.STOP, Kind.RESYNC, Kind.SYNC, Kind.ACK):
+            self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
+            return []
+        actions: list[Send] = []
+        if not self._sequence_ok(identity, peer, message, now, actions):
+            return actions
+        if came_back:
+            fresh = message.kind is Kind.READY and message.seq == 0
+            if not (fresh or _snapshot_start(message) or peer.awaiting_resync):
+                # Silence can hide loss the sequence cannot show (a poller
+                # that redialled and was refused streamed nowhere): resync.
+                actions.append(self._request_resync(identity, peer, "silent peer came back", now))
+                if message.kind is Kind.DELTA:
+                    return actions
+        handler = getattr(self, f"_on_{message.kind.name.lower()}")
+        handler(identity, peer, message, now, actions)
+        return actions
+
+    def protocol_error(self, identity: bytes, why: str) -> None:
+        self.protocol_errors += 1
+        self._log.log("protocol", logging.WARNING, "protocol error #%d from %r: %s", self.protocol_errors, identity,
+                      why)
+
+    def _peer(self, identity: bytes, now: float) -> Peer:
+        """The state of ``identity``, made on first sight within ``Limits.max_peers``."""
+        peer = self.peers.get(identity)
+        if peer is not None:
+            return peer
+        if len(self.peers) >= self.limits.max_peers:
+            self._forget_one()
+        peer = self.peers[identity] = Peer(identity.decode(errors="replace"), last_seen=now)
+        return peer
+
+    def _forget_one(self) -> None:
+        """Drop the peer silent longest (never a pinned one); if it returns, it resyncs."""
+        candidates = [(p.last_seen, identity) for identity, p in self.peers.items() if identity not in self._pinned]
+        if not candidates:
+            return
+        _, identity = min(candidates)
+        peer = self.peers.pop(identity)
+        self._store.abandon_snapshot(peer.name)
+        self.peers_forgotten += 1
+        self._log.log("forget", logging.WARNING, "more than %d peers: forgot the state of %s (silent longest)",
+                      self.limits.max_peers, peer.name)
+
+    def _sequence_ok(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> bool:
+        """Check epoch and seq; False drops the message (a RESYNC may have been asked for)."""
+        if message.epoch != peer.epoch:
+            if peer.epoch is not None:
+                self._store.abandon_snapshot(peer.name)
+            peer.epoch = message.epoch
+            peer.bye_seq = None
+            peer.next_seq = message.seq + 1
+            if message.kind is Kind.READY and message.seq == 0:
+                # A new poller process: its first poll is a full snapshot.
+                peer.awaiting_resync = False
+                peer.contiguous = True
+                return True
+            # Joined an epoch mid-stream (we restarted, or READY was lost).
+            peer.contiguous = False
+            return self._resync_unless_snapshot(identity, peer, message, "unknown epoch", now, actions)
+        if message.seq < peer.next_seq:
+            self.protocol_error(identity, f"replayed or out-of-order seq {message.seq} (expected {peer.next_seq})")
+            return False
+        if message.seq > peer.next_seq:
+            self._log.log("gap", logging.WARNING, "gap in the stream from %s: expected seq %d, got %d; asking for a "
+                          "resync", peer.name, peer.next_seq, message.seq)
+            peer.contiguous = False
+            peer.next_seq = message.seq + 1
+            self._store.abandon_snapshot(peer.name)
+            return self._resync_unless_snapshot(identity, peer, message, "sequence gap", now, actions)
+        peer.next_seq += 1
+        return True
+
+    def _resync_unless_snapshot(self, identity: bytes, peer: Peer, message: Message, why: str, now: float,
+                                actions: list[Send]) -> bool:
+        if _snapshot_start(message):
+            # The poller is already sending what a RESYNC would ask for.
+            peer.awaiting_resync = True  # cleared by _on_delta as the snapshot starts
+            return True
+        actions.append(self._request_resync(identity, peer, why, now))
+        return message.kind is not Kind.DELTA
+
+    def _request_resync(self, identity: bytes, peer: Peer, why: str, now: float, retry: bool = False) -> Send:
+        peer.awaiting_resync = True
+        peer.resync_asked_at = now
+        if not retry:  # counts the resyncs needed, not the requests repeated while one is awaited
+            self.resyncs_requested += 1
+        return self.control(identity, Kind.RESYNC, why)
+
+    # -- per kind -----------------------------------------------------------------
+
+    def _on_ready(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
+        peer.pid = cast(Ready, message.body).pid
+        logger.debug("poller %s ready: pid %s epoch %s", peer.name, peer.pid, message.epoch)
+
+    def _on_delta(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
+        body = cast(Delta, message.body)
+        self._store.poll_seen(peer.name, message.epoch, body.poll)
+        if peer.awaiting_resync:
+            if not _snapshot_start(message):
+                return  # superseded by the snapshot asked for; tick() asks again if it is lost
+            peer.awaiting_resync = False
+        if body.full and body.reset:
+            self._store.begin_snapshot(peer.name)
+            # Whatever was lost before it, the snapshot replaces: from here
+            # the stream is whole again (close() reports drained=True).
+            peer.contiguous = True
+        for partition_id, items in body.upserts.items():
+            self.items_received += len(items)
+            self._store.merge_listed(peer.name, partition_id, items)
+        for partition_id, keys in body.deletes.items():
+            self.items_received += len(keys)
+            self._store.unlist(peer.name, partition_id, keys)
+        if body.end:
+            if body.full:
+                self._store.end_snapshot(peer.name)
+                peer.snapshots_applied += 1
+            self._store.poll_completed(peer.name, message.epoch, body.poll, body.sync)
+            peer.polls_applied += 1
+            if peer.polls_applied == 1:
+                self._on_change()
+
+    def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
+        beat = cast(Heartbeat, message.body)
+        peer.rss = beat.rss
+        stalls = beat.source_stalls  # None from older pollers
+        if stalls is not None:
+            if peer.stalls_epoch != message.epoch:
+                peer.stalls_epoch, peer.stalls = message.epoch, 0
+            if stalls > peer.stalls:
+                self.source_stalls += stalls - peer.stalls
+                peer.stalls = stalls
+        last_seq = beat.last_seq  # None from older pollers, which want no ACK either
+        if last_seq is None:
+            return
+        if last_seq != message.seq - 1 and not peer.awaiting_resync:
+            # The header's seq passed, but the poller says it sent other
+            # messages than we counted: trust neither, resync.
+            actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
+        actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
+
+    def _on_error(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
+        error = cast(Error, message.body)
+        self.source_errors += 1
+        self._log.log("error", logging.ERROR if error.fatal else logging.WARNING,
+                      "poller %s: kv_list() failed%s: %s: %s", peer.name,
+                      " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",
+                      error.type[:200], error.message[:MAX_FORWARDED_CHARS])
+
+    def _on_bye(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
+        bye = cast(Bye, message.body)
+        peer.bye_seq = bye.last_seq
+        peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
+        logger.debug("poller %s said BYE: %s", peer.name, bye.reason)
+        self._on_change()
+
+    def _on_log(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
+        record = cast(Log, message.body)
+        self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.name, record.name[:200],
+                      record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))

@@ -1,0 +1,209 @@
+"""One record type per message kind: each field's name, type and check live here only.
+
+:mod:`poller.protocol` packs a record's fields as a msgpack map and checks a
+decoded map against the record before building it, so a field is named in
+one place. A field with a default was added after its kind was first
+defined: a peer that predates it leaves it out (and a record leaves out
+such a field while it is ``None``, so an older receiver is not shown a
+``nil`` it would refuse). Extra fields in a received map are ignored
+(forward compatibility within one protocol version).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Mapping, NamedTuple, Union
+
+from .errors import ProtocolError
+
+__all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Body",
+           "RECORDS",
+           "check_body", "to_record", "as_map"]
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Poller to buffer below 16, buffer to poller from 16."""
+
+    READY = 1
+    DELTA = 2
+    HEARTBEAT = 3
+    ERROR = 4
+    BYE = 5
+    LOG = 6
+    STOP = 16
+    RESYNC = 17
+    # Poll now, and tag that listing with this token (ReplayBuffer.sync()).
+    SYNC = 18
+    # The receiver heard a HEARTBEAT that carried ``last_seq``: how a poller
+    # on a new connection learns that the buffer admitted it (poller.link).
+    ACK = 19
+
+
+# Field types beyond the plain ones, named so their checks can be found by name.
+Count = int          # a non-negative integer
+Token = int          # a positive integer
+LastSeq = int        # a sequence number, or -1 before the first message
+Upserts = dict       # {partition: {key: tags}}
+Deletes = dict       # {partition: [key, ...]}
+
+# NamedTuples rather than dataclasses in every module the poller process
+# imports: dataclasses pulls in inspect, ~8 ms of its start-up.
+
+
+class Ready(NamedTuple):
+    pid: int
+    name: str
+    interval: float
+
+
+class Delta(NamedTuple):
+    """One part of a poll: ``full`` (a snapshot), ``reset`` (its first part), ``end`` (the poll's last part)."""
+
+    poll: int
+    t: float
+    full: bool
+    reset: bool
+    end: bool
+    upserts: Upserts
+    deletes: Deletes
+    # The highest SYNC token the poller had received when this poll's
+    # listing began (0: none), so the buffer knows which sync() it answers.
+    sync: Count | None = None
+
+
+class Heartbeat(NamedTuple):
+    polls: int
+    source_errors: int
+    rss: int
+    stalled_s: float
+    source_stalls: Count | None = None
+    # The seq of the last message sent before this heartbeat; a poller that
+    # sends it asks for an ACK of every heartbeat.
+    last_seq: LastSeq | None = None
+
+
+class Error(NamedTuple):
+    type: str
+    message: str
+    traceback: str
+    fatal: bool
+    count: int | None = None  # type: ignore[assignment]  # the wire name; shadows tuple.count
+
+
+class Bye(NamedTuple):
+    last_seq: int
+    reason: str
+
+
+class Log(NamedTuple):
+    level: int
+    name: str
+    message: str
+
+
+class Stop(NamedTuple):
+    reason: str
+
+
+class Resync(NamedTuple):
+    reason: str
+
+
+class Sync(NamedTuple):
+    token: Token
+
+
+class Ack(NamedTuple):
+    seq: int
+
+
+Body = Union[Ready, Delta, Heartbeat, Error, Bye, Log, Stop, Resync, Sync, Ack]
+
+RECORDS: dict[Kind, Any] = {Kind.READY: Ready, Kind.DELTA: Delta, Kind.HEARTBEAT: Heartbeat, Kind.ERROR: Error,
+                            Kind.BYE: Bye, Kind.LOG: Log, Kind.STOP: Stop, Kind.RESYNC: Resync, Kind.SYNC: Sync,
+                            Kind.ACK: Ack}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _partitions_ok(value: Any) -> bool:
+    """``{partition: {key: tags-dict}}`` with str names."""
+    return isinstance(value, dict) and all(
+        isinstance(partition, str) and isinstance(items, dict)
+        and all(isinstance(key, str) and isinstance(tags, dict) for key, tags in items.items())
+        for partition, items in value.items())
+
+
+def _deletes_ok(value: Any) -> bool:
+    return isinstance(value, dict) and all(
+        isinstance(partition, str) and isinstance(keys, list) and all(isinstance(key, str) for key in keys)
+        for partition, keys in value.items())
+
+
+_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "int": _is_int,
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "Count": lambda v: _is_int(v) and v >= 0,
+    "Token": lambda v: _is_int(v) and v > 0,
+    "LastSeq": lambda v: _is_int(v) and v >= -1,
+    "Upserts": _partitions_ok,
+    "Deletes": _deletes_ok,
+}
+
+
+def _fields(record: Any) -> list[tuple[str, Callable[[Any], bool], bool]]:
+    """(name, check, required) of each field of ``record``, from its annotations."""
+    out = []
+    for name in record._fields:
+        hint = record.__annotations__[name]
+        annotation = str(getattr(hint, "__forward_arg__", hint))  # NamedTuple keeps them as ForwardRef
+        out.append((name, _CHECKS[annotation.split(" | ")[0]], name not in record._field_defaults))
+    return out
+
+
+_SCHEMAS = {kind: _fields(record) for kind, record in RECORDS.items()}
+# Fields whose type is a bounded int (Count, LastSeq): an int there can still be a wrong value.
+_BOUNDED = {kind: {name for name in record._fields
+                   if str(getattr(record.__annotations__[name], "__forward_arg__", "")).split(" | ")[0]
+                   in ("Count", "LastSeq", "Token")}
+            for kind, record in RECORDS.items()}
+
+
+def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
+    """Check ``body`` against the record of ``kind``.
+
+    Raises:
+        ProtocolError: a required field is missing, or a field has the wrong type or value.
+    """
+    for name, check, required in _SCHEMAS[kind]:
+        if name not in body:
+            if required:
+                raise ProtocolError(f"{kind.name} body lacks field {name!r}")
+            continue
+        if not check(body[name]):
+            value = body[name]
+            if _is_int(value) and name in _BOUNDED[kind]:  # an int out of its bounds
+                raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
+            raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
+
+
+def to_record(kind: Kind, body: Mapping[str, Any]) -> Body:
+    """The record of ``kind`` from a map :func:`check_body` accepted."""
+    record = RECORDS[kind]
+    return record(*(body.get(name) for name in record._fields))  # type: ignore[no-any-return]
+
+
+def as_map(kind: Kind, body: Body | Mapping[str, Any]) -> Mapping[str, Any]:
+    """What goes on the wire for ``body``: a record's fields (less unset optional ones), or a map as it is."""
+    if isinstance(body, tuple):
+        record = RECORDS[kind]
+        if not isinstance(body, record):
+            raise ProtocolError(f"a {type(body).__name__} is not a {kind.name} body")
+        defaults = record._field_defaults
+        return {name: value for name, value in zip(record._fields, body)
+                if not (value is None and name in defaults)}
+    return body

@@ -1,0 +1,183 @@
+"""The receiver's peer state machine, without ZeroMQ: messages in, actions out.
+
+Time is passed in, so liveness and retries are checked without sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
+from buffer.ratelimit import LogLimiter, clamp_level
+from buffer.partitions import PartitionStore
+from poller.messages import Ack, Delta, Heartbeat, Log, Ready
+from poller.protocol import Kind, Limits, Message, encode
+
+ID = b"p1"
+EPOCH = 41
+
+
+def ready(seq: int = 0, epoch: int = EPOCH) -> Message:
+    return Message(Kind.READY, epoch, seq, Ready(7, "p1", 0.1))
+
+
+def delta(seq: int, upserts: dict[str, Any], *, full: bool = False, reset: bool = False, end: bool = True,
+          deletes: dict[str, list[str]] | None = None, epoch: int = EPOCH) -> Message:
+    return Message(Kind.DELTA, epoch, seq, Delta(seq, 1.0, full, reset, end, upserts, deletes or {}))
+
+
+def heartbeat(seq: int, last_seq: int | None = None, epoch: int = EPOCH) -> Message:
+    return Message(Kind.HEARTBEAT, epoch, seq, Heartbeat(1, 0, 1, 0.0, last_seq=last_seq))
+
+
+def kinds(actions: list[Send]) -> list[Kind]:
+    return [a.kind for a in actions]
+
+
+@pytest.fixture
+def table() -> PeerTable:
+    store = PartitionStore()
+    yield PeerTable(store, stale_after=5.0)
+    store.close()
+
+
+def snapshot(table: PeerTable) -> dict[str, Any]:
+    return table._store.snapshot()
+
+
+def started(table: PeerTable) -> None:
+    assert table.on_message(ID, ready(), 0.0) == []
+    assert table.on_message(ID, delta(1, {"p": {"a": {"v": 1}}}, full=True, reset=True), 0.0) == []
+    assert snapshot(table) == {"p": {"a": {"v": 1}}}
+
+
+def test_a_contiguous_stream_is_applied_and_asks_nothing(table: PeerTable) -> None:
+    started(table)
+    assert table.on_message(ID, delta(2, {"p": {"b": {"v": 2}}}, deletes={"p": ["a"]}), 0.1) == []
+    assert snapshot(table) == {"p": {"b": {"v": 2}}}
+    assert table.resyncs_requested == 0 and table.peers[ID].contiguous
+
+
+def test_a_gap_asks_for_a_resync_and_ignores_deltas_until_the_snapshot(table: PeerTable) -> None:
+    started(table)
+    actions = table.on_message(ID, delta(5, {"p": {"late": {}}}), 0.1)
+    assert kinds(actions) == [Kind.RESYNC] and actions[0].epoch == EPOCH
+    assert table.on_message(ID, delta(6, {"p": {"later": {}}}), 0.2) == []
+    assert "later" not in snapshot(table)["p"] and not table.peers[ID].contiguous
+    assert table.on_message(ID, delta(7, {"p": {"z": {}}}, full=True, reset=True), 0.3) == []
+    assert snapshot(table) == {"p": {"z": {}}}
+    assert table.peers[ID].contiguous and table.resyncs_requested == 1
+
+
+def test_a_snapshot_start_after_a_gap_is_the_resync_itself(table: PeerTable) -> None:
+    started(table)
+    assert table.on_message(ID, delta(9, {"p": {"new": {}}}, full=True, reset=True), 0.1) == []
+    assert snapshot(table) == {"p": {"new": {}}}
+    assert table.resyncs_requested == 0
+
+
+def test_a_heartbeat_gap_asks_for_a_resync_and_is_acknowledged(table: PeerTable) -> None:
+    started(table)
+    actions = table.on_message(ID, heartbeat(4, last_seq=3), 0.1)  # seq 2 and 3 never came
+    assert kinds(actions) == [Kind.RESYNC, Kind.ACK]
+    assert actions[1].body == Ack(4)
+
+
+def test_a_heartbeat_whose_last_seq_disagrees_asks_for_a_resync(table: PeerTable) -> None:
+    started(table)
+    assert kinds(table.on_message(ID, heartbeat(2, last_seq=7), 0.1)) == [Kind.RESYNC, Kind.ACK]
+
+
+def test_an_older_heartbeat_without_last_seq_gets_no_ack(table: PeerTable) -> None:
+    started(table)
+    assert table.on_message(ID, heartbeat(2), 0.1) == []
+    assert kinds(table.on_message(ID, heartbeat(3, last_seq=2), 0.2)) == [Kind.ACK]
+
+
+def test_a_silent_peer_that_comes_back_is_resynced(table: PeerTable) -> None:
+    started(table)
+    table.tick(3.0)
+    assert table.stale_peers(3.0) == []
+    table.tick(6.0)
+    assert table.peers[ID].stale and table.stale_peers(6.0) == ["p1"]
+    # In sequence, yet the silence may have hidden loss: resync.
+    actions = table.on_message(ID, delta(2, {"p": {"b": {}}}), 6.1)
+    assert kinds(actions) == [Kind.RESYNC]
+    assert "b" not in snapshot(table)["p"] and not table.peers[ID].stale
+
+
+def test_an_unanswered_resync_is_asked_again(table: PeerTable) -> None:
+    started(table)
+    table.on_message(ID, delta(5, {}), 1.0)
+    assert table.tick(1.0 + RESYNC_RETRY_S / 2) == []
+    assert kinds(table.tick(1.0 + RESYNC_RETRY_S + 0.01)) == [Kind.RESYNC]
+    assert table.resyncs_requested == 1  # a repeated request is not a new resync
+
+
+def test_a_new_epoch_mid_stream_asks_for_a_resync(table: PeerTable) -> None:
+    started(table)
+    assert kinds(table.on_message(ID, delta(12, {"p": {}}, epoch=EPOCH + 1), 0.1)) == [Kind.RESYNC]
+
+
+def test_a_pinned_epoch_refuses_others_and_drops_retired_ones_quietly(table: PeerTable) -> None:
+    table.expect(ID, EPOCH)
+    table.expect(ID, EPOCH + 1)
+    assert table.on_message(ID, ready(epoch=EPOCH), 0.0) == []  # an earlier process: dropped quietly
+    assert table.protocol_errors == 0
+    assert table.on_message(ID, ready(epoch=999), 0.0) == []
+    assert table.protocol_errors == 1 and ID not in table.peers
+
+
+def test_replayed_seq_and_control_kinds_are_protocol_errors(table: PeerTable) -> None:
+    started(table)
+    table.on_message(ID, delta(1, {"p": {"again": {}}}), 0.1)
+    table.on_message(ID, Message(Kind.ACK, EPOCH, 2, Ack(1)), 0.1)
+    assert table.protocol_errors == 2 and "again" not in snapshot(table)["p"]
+
+
+def test_frames_are_decoded_within_the_limits(table: PeerTable) -> None:
+    table.limits = Limits(max_keys_per_message=2)
+    frames = encode(delta(0, {"p": {"a": {}, "b": {}, "c": {}}}))
+    assert table.on_frames(ID, frames, 0.0) == []
+    assert table.protocol_errors == 1 and table.bytes_received == sum(map(len, frames))
+
+
+def test_past_max_peers_the_one_silent_longest_is_forgotten() -> None:
+    store = PartitionStore()
+    try:
+        table = PeerTable(store, limits=Limits(max_peers=2), pinned=frozenset({b"own"}))
+        table.on_message(b"own", ready(), 0.0)
+        table.on_message(b"a", ready(), 1.0)
+        table.on_message(b"b", ready(), 2.0)
+        assert set(table.peers) == {b"own", b"b"} and table.peers_forgotten == 1
+    finally:
+        store.close()
+
+
+def test_peer_logs_are_rate_limited_and_their_levels_clamped(caplog: pytest.LogCaptureFixture) -> None:
+    store = PartitionStore()
+    now = [0.0]
+    try:
+        table = PeerTable(store, log=LogLimiter(logging.getLogger("test"), burst=3, per=60.0, clock=lambda: now[0]))
+        table.on_message(ID, ready(), 0.0)
+        caplog.set_level(logging.DEBUG, logger="poller")
+        for seq in range(1, 101):
+            table.on_message(ID, Message(Kind.LOG, EPOCH, seq, Log(50_000, "x", "y" * 100_000)), 0.0)
+        forwarded = [r for r in caplog.records if r.name == "poller"]
+        assert len(forwarded) == 3
+        assert {r.levelno for r in forwarded} == {logging.ERROR}
+        assert max(len(r.getMessage()) for r in forwarded) < 2100
+        now[0] = 60.0  # the bucket refilled: the next one says how many were dropped
+        table.on_message(ID, Message(Kind.LOG, EPOCH, 101, Log(30, "x", "z")), 0.0)
+        assert "97 similar records were suppressed" in caplog.records[-1].getMessage()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("level, clamped", [(0, logging.DEBUG), (10, 10), (20, 20), (30, 30), (40, 40),
+                                            (50, logging.ERROR), (10**9, logging.ERROR), (-5, logging.DEBUG)])
+def test_clamp_level(level: int, clamped: int) -> None:
+    assert clamp_level(level) == clamped
