@@ -21,6 +21,7 @@ groups older than the threshold" touch only the buckets they need.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -73,7 +74,7 @@ class GroupPartition:
 
     def describe(self, partition_id: str) -> str:
         """Counts by status and the oldest prompts in flight (for timeouts and progress logs)."""
-        inflight = [*self.uids(RUNNING), *self.uids(PENDING)][:5]
+        inflight = list(itertools.islice(itertools.chain(self.uids(RUNNING), self.uids(PENDING)), 5))
         return (f"partition {partition_id!r} holds {self.count(PENDING)} pending, {self.count(RUNNING)} running, "
                 f"{self.count(FINISHED)} finished and {self.count(FAILURE)} failure prompt(s)"
                 + (f"; in flight: {', '.join(inflight)}" if inflight else ""))

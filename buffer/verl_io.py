@@ -181,7 +181,8 @@ def wait_for_decision(buffer: Any, attempt: Callable[[], _R | None], describe: C
         TimeoutError: past ``deadline`` (``config.sample_timeout``), naming what is in flight.
     """
     try:
-        return buffer._wait_until(attempt, timeout=0, describe=describe)
+        # The message of this first look is never shown: do not build it.
+        return buffer._wait_until(attempt, timeout=0, describe=str)
     except TimeoutError:
         pass  # not ready now
     hurry = PollWhileWaiting(buffer, config.wait_poll_interval, counters)
