@@ -1,4 +1,4 @@
-"""The source side of the poller: call ``kv_list()``, diff, encode.
+"""The source side of the poller: read the source (:mod:`poller.changes`), diff, encode.
 
 This runs in a helper thread of the poller process, off the control path:
 ``kv_list()`` may block forever (TransferQueue's client has no timeout), and
@@ -27,8 +27,12 @@ logger = logging.getLogger(__name__)
 Tags = dict[str, Any]
 Listing = dict[str, dict[str, Tags]]
 
+#: Seconds between the full listings that check a source's change feed (see
+#: :mod:`poller.changes`); None: never.
+DEFAULT_RECONCILE_INTERVAL = 600.0
 
-def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
+
+def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True) -> "ListingDiff":
     """Check a ``kv_list()`` result and diff it against ``sent``, in one pass over ``raw``.
 
     The diff holds the keys whose tags changed since ``sent`` (as fresh
@@ -36,7 +40,8 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
     vanished. With ``full`` every listed key is an upsert and nothing is a
     delete: the receiver works out what vanished from the snapshot itself,
     because after a restart this side no longer knows what it had sent.
-    ``raw=None`` means nothing is stored.
+    ``raw=None`` means nothing is stored. ``complete=False`` (a change set,
+    not a listing): nothing is a delete, keys absent from ``raw`` are kept.
 
     Only changed tags are copied and checked; an unchanged key costs one
     lookup and one comparison in C, and nothing is built for it unless
@@ -84,9 +89,9 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
             listed.add(partition)
         if changed:
             upserts[partition] = changed
-        if not full and matched < len(previous):
+        if complete and not full and matched < len(previous):
             deletes[partition] = [key for key in previous if key not in items]
-    if not full:
+    if complete and not full:
         for partition, previous in sent.items():
             if partition not in listed and previous:
                 deletes[partition] = list(previous)
@@ -232,9 +237,13 @@ class PollingThread(threading.Thread):
     def __init__(self, source: Source, emit: Callable[[Kind, bytes], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  backoff_base: float = 0.1, backoff_cap: float = 5.0,
-                 stall_timeout: float | None = None, limits: Limits | None = None) -> None:
+                 stall_timeout: float | None = None, limits: Limits | None = None,
+                 reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL) -> None:
         super().__init__(name="poller-source", daemon=True)
+        from .changes import ListingReader  # here: poller.changes builds on this module's diff functions
+
         self._source = source
+        self._reader = ListingReader(source, reconcile_interval=reconcile_interval)
         self._emit = emit
         self.interval = interval
         self.max_failures = max_failures
@@ -346,15 +355,14 @@ class PollingThread(threading.Thread):
             call = self._calls
             self._current = (call, began)
             try:
-                try:
-                    raw = self._source.kv_list()
-                finally:
-                    self._current = None
-                self._answered()
                 if self._resync.is_set():
                     self._resync.clear()
                     full = True
-                diff = diff_raw_listing(sent, raw, full)
+                try:
+                    diff = self._reader.read(sent, full)
+                finally:
+                    self._current = None
+                self._answered()
                 for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
                                              chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
                                              limits=self.limits):
@@ -380,6 +388,7 @@ class PollingThread(threading.Thread):
             failures = 0
             # The diff holds copies: nothing the source owns is kept.
             commit_listing(sent, diff, full)
+            self._reader.commit()
             full = False
             self.polls += 1
             # A fixed schedule, start to start: a change waits interval/2 on
@@ -387,3 +396,4 @@ class PollingThread(threading.Thread):
             # still leaves the store a tenth of it to breathe.
             elapsed = time.monotonic() - began
             self._sleep(max(self.interval - elapsed, self.interval * 0.1))
+

@@ -23,28 +23,17 @@ import logging
 import os
 import sqlite3
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-from .sqlite_tags import Tags, check_keys, check_str, check_tags, dump_tags, load_tags
+from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot
+from .sqlite_tags import Tags, check_keys, check_str, check_tags, dump_tags, load_tags, open_connection
 
 __all__ = ["SqliteSource"]
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
-
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS kv ("
-    " partition_id TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " tags TEXT NOT NULL,"
-    " PRIMARY KEY (partition_id, key)"
-    ") WITHOUT ROWID"
-)
 
 _UPSERT = (
     "INSERT INTO kv (partition_id, key, tags) VALUES (?, ?, ?)"
@@ -214,6 +203,29 @@ class SqliteSource:
             listing.setdefault(partition, {})[key] = load_tags(partition, key, text)
         return listing
 
+    def kv_snapshot(self) -> tuple[Cursor, dict[str, dict[str, Tags]]]:
+        """Everything stored and the change cursor it corresponds to (see :class:`~poller.sources.ChangeFeed`).
+
+        Raises:
+            ValueError: a stored row is not a JSON object.
+        """
+        with self._connection() as conn:
+            return read_snapshot(conn)
+
+    def kv_changes(self, cursor: Any) -> tuple[Cursor, dict[str, dict[str, Tags]], dict[str, list[str]]] | None:
+        """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
+
+        ``None`` means the cursor is from another file (the store was
+        deleted or replaced) or older than the pruned deletion log: take
+        :meth:`kv_snapshot` instead. See :mod:`poller.sources.sqlite_changes`.
+
+        Raises:
+            TypeError: ``cursor`` did not come from this store.
+            ValueError: a stored row is not a JSON object.
+        """
+        with self._connection() as conn:
+            return read_changes(conn, cursor)
+
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
         """Delete ``keys`` from ``partition_id``; missing keys are fine.
 
@@ -274,7 +286,7 @@ class SqliteSource:
             if self._conn is not None:
                 self._check_file()
             if self._conn is None:
-                self._conn = self._open()
+                self._conn = open_connection(self._path, self._timeout, migrate=ensure_change_log)
                 self._conn_pid = pid
                 self._conn_file = self._file_id()
             yield self._conn
@@ -331,55 +343,6 @@ class SqliteSource:
                 except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
                     pass
                 raise
-
-    def _open(self) -> sqlite3.Connection:
-        directory = os.path.dirname(os.path.abspath(self._path))
-        if self._path != ":memory:" and not self._path.startswith("file:"):
-            os.makedirs(directory, exist_ok=True)
-        # isolation_level=None: the sqlite3 module must not open transactions
-        # behind our back; _transaction() issues BEGIN/COMMIT itself.
-        # check_same_thread=False: the poller calls kv_list() from a helper
-        # thread; self._lock serializes all use.
-        conn = sqlite3.connect(self._path, timeout=self._timeout, isolation_level=None,
-                               check_same_thread=False, uri=self._path.startswith("file:"))
-        try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
-            # WAL lets kv_list() read while a writer holds the lock; the mode
-            # is stored in the file, so only the first opener changes it.
-            mode = self._retry_busy(lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
-            if mode != "wal":
-                logger.debug("%s: journal_mode is %s, not wal", self._path, mode)
-            # NORMAL is durable against process crashes in WAL mode; only a
-            # power loss can drop the last transactions, which a replay
-            # buffer's metadata can afford.
-            conn.execute("PRAGMA synchronous = NORMAL")
-            self._retry_busy(lambda: conn.execute(_SCHEMA))
-        except BaseException:
-            conn.close()
-            raise
-        logger.debug("opened %s (pid %d)", self._path, os.getpid())
-        return conn
-
-    def _retry_busy(self, call: Callable[[], _T]) -> _T:
-        """Run ``call``, retrying "database is locked" until ``timeout`` passes.
-
-        Switching a fresh file to WAL needs an exclusive lock and SQLite does
-        not run the busy handler for it: with several processes opening a new
-        file at once, some got SQLITE_BUSY at once (7 of 200 trials with 6
-        processes) instead of waiting.
-        """
-        deadline = time.monotonic() + self._timeout
-        delay = 0.001
-        while True:
-            try:
-                return call()
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                if time.monotonic() + delay > deadline:
-                    raise
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
 
     @staticmethod
     def _select_tags(conn: sqlite3.Connection, partition_id: str, keys: Mapping[str, None]) -> dict[str, Tags]:
