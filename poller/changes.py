@@ -22,12 +22,15 @@ import logging
 import time
 from typing import Any, Mapping
 
-from .polling import DEFAULT_RECONCILE_INTERVAL, Listing, ListingDiff, diff_raw_listing
+from .listing_diff import Listing, ListingDiff, diff_raw_listing
 from .sources import Source, has_change_feed
 
-__all__ = ["ListingReader", "diff_changes"]
+__all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
 
 logger = logging.getLogger(__name__)
+
+#: Seconds between the full listings that check a source's change feed; None: never.
+DEFAULT_RECONCILE_INTERVAL = 600.0
 
 def diff_changes(sent: Listing, upserts: Any, deletes: Any) -> ListingDiff:
     """Check a ``kv_changes()`` result and turn it into the diff against ``sent``.
