@@ -312,3 +312,27 @@ def test_an_old_schema_file_and_a_replaced_file_through_a_replay_buffer(db: Path
         with SqliteSource(db) as store:
             store.kv_put("later", "p", tag={})
         assert wait_until(lambda: rb.snapshot() == {"p": {"restored": {}, "later": {}}}, timeout=CONVERGE_TIMEOUT)
+
+
+def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) -> None:
+    with SqliteSource(db) as store:
+        store.kv_put("a", "p", tag={"v": 1})
+        readers = {interval: ListingReader(store, reconcile_interval=interval) for interval in (3600.0, 0.0)}
+        sent = {interval: {} for interval in readers}  # type: dict[float, Listing]
+        for interval, reader in readers.items():
+            commit_listing(sent[interval], reader.read(sent[interval], True), True)
+            reader.commit()
+        conn = sqlite3.connect(db)  # an edit the triggers do not see
+        try:
+            with conn:
+                conn.execute("DROP TRIGGER kv_version_update")
+                conn.execute("UPDATE kv SET tags = '{\"v\": 2}' WHERE key = 'a'")
+        finally:
+            conn.close()
+        assert readers[3600.0].read(sent[3600.0], False).upserts == {}
+        assert readers[0.0].read(sent[0.0], False).upserts == {"p": {"a": {"v": 2}}}
+        assert readers[0.0].full_listings == 2 and readers[3600.0].change_reads == 1
+    with SqliteSource(db) as store:  # the next opener puts the missing trigger back
+        cursor, _ = store.kv_snapshot()
+        store.kv_put("a", "p", tag={"v": 3})
+        assert store.kv_changes(cursor) == ((cursor[0], cursor[1] + 1), {"p": {"a": {"v": 3}}}, {})
