@@ -6,7 +6,8 @@ import time
 from typing import Callable
 
 from buffer import ReplayBuffer
-from buffer.store import ReplayStore
+from buffer.partitions import PartitionStore
+from buffer.steps import StepSampler
 from poller.polling import diff_raw_listing, iter_encode_diff
 from poller.protocol import Kind, decode, encode_header
 
@@ -86,7 +87,8 @@ def _trainer_share(keys: int) -> float:
     bodies = list(iter_encode_diff(diff_raw_listing({}, listing, True), poll=1, started=0.0, full=True,
                                    chunk_items=4096, max_frame_bytes=64 * 1024 * 1024))
     frames = [[encode_header(Kind.DELTA, 1, i), body] for i, body in enumerate(bodies)]
-    store = ReplayStore()
+    store = PartitionStore()
+    StepSampler(store)  # the policy ReplayBuffer attaches: its indexing is part of the cost
     for partition, items in listing.items():
         store.merge_listed("bench", partition, items)
     del listing

@@ -19,7 +19,7 @@ from poller.process import ShutdownReport
 from .access import EndpointInUseError, InsecureBindError
 from .errors import BufferClosed
 from .replay import ReplayBuffer
-from .store import BatchMeta
+from .steps import BatchMeta
 
 __all__ = [
     "ReplayBuffer",

@@ -1,7 +1,7 @@
 """The receiver's peer state machine: epochs, sequence numbers, resync, liveness.
 
 No sockets here. :class:`PeerTable` takes what arrived (an identity and its
-frames) and the time, applies the stream to the :class:`~buffer.store.ReplayStore`,
+frames) and the time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
 and returns the control messages to send back as :class:`Send` actions; the
 thread that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
 
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence, cast
 
 from poller.errors import ProtocolError
-from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop
+from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Sync
 from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
 
+from .partitions import PartitionStore
 from .ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
-from .store import ReplayStore
 
 __all__ = ["Peer", "PeerTable", "Send", "RESYNC_RETRY_S"]
 
@@ -84,7 +84,7 @@ class PeerTable:
     complete poll was applied, for threads waiting on those.
     """
 
-    def __init__(self, store: ReplayStore, *, limits: Limits = DEFAULT_LIMITS, stale_after: float = 5.0,
+    def __init__(self, store: PartitionStore, *, limits: Limits = DEFAULT_LIMITS, stale_after: float = 5.0,
                  pinned: frozenset[bytes] = frozenset(), on_change: Callable[[], None] = lambda: None,
                  log: LogLimiter | None = None) -> None:
         self._store = store
@@ -130,6 +130,11 @@ class PeerTable:
         peer = self.peers.get(identity)
         body = Stop(reason) if kind is Kind.STOP else Resync(reason)
         return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, body)
+
+    def sync(self, identity: bytes, token: int) -> Send:
+        """A SYNC for ``identity``: poll at once, and tag that listing with ``token``."""
+        peer = self.peers.get(identity)
+        return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0, Sync(token))
 
     # -- time -------------------------------------------------------------------
 
@@ -179,7 +184,7 @@ class PeerTable:
         if came_back:
             peer.stale = False
             logger.info("poller %s is back", peer.name)
-        if message.kind in (Kind.STOP, Kind.RESYNC, Kind.ACK):
+        if message.kind in (Kind.STOP, Kind.RESYNC, Kind.SYNC, Kind.ACK):
             self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return []
         actions: list[Send] = []
@@ -277,6 +282,7 @@ class PeerTable:
 
     def _on_delta(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
         body = cast(Delta, message.body)
+        self._store.poll_seen(peer.name, message.epoch, body.poll)
         if peer.awaiting_resync:
             if not _snapshot_start(message):
                 return  # superseded by the snapshot asked for; tick() asks again if it is lost
@@ -296,7 +302,7 @@ class PeerTable:
             if body.full:
                 self._store.end_snapshot(peer.name)
                 peer.snapshots_applied += 1
-            self._store.poll_completed(peer.name, body.t)
+            self._store.poll_completed(peer.name, message.epoch, body.poll, body.sync)
             peer.polls_applied += 1
             if peer.polls_applied == 1:
                 self._on_change()

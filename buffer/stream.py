@@ -28,8 +28,8 @@ from poller.protocol import DEFAULT_LIMITS, Kind, Limits, encode_body, encode_he
 from poller.wakeup import WakePipe
 
 from .access import Gatekeeper, claim_ipc_path, restrict_ipc_socket
+from .partitions import PartitionStore
 from .peers import Peer, PeerTable, Send
-from .store import ReplayStore
 
 __all__ = ["StreamReceiver"]
 
@@ -43,7 +43,7 @@ class StreamReceiver:
     buffer's own poller).
     """
 
-    def __init__(self, store: ReplayStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
+    def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
                  curve: CurveServer | None = None, stale_after: float = 5.0,
                  pinned: frozenset[str] = frozenset()) -> None:
         self._requested_endpoint = endpoint
@@ -89,6 +89,10 @@ class StreamReceiver:
     def send_control(self, peer: str, kind: Kind, reason: str) -> None:
         """Queue a STOP or RESYNC for ``peer``."""
         self._command("send", peer.encode(), kind, reason)
+
+    def send_sync(self, peer: str, token: int) -> None:
+        """Queue a SYNC ``token`` for ``peer``: it polls at once and tags that listing with the token."""
+        self._command("sync", peer.encode(), token)
 
     def expect(self, peer: str, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``peer``; earlier epochs are dropped quietly.
@@ -261,6 +265,9 @@ class StreamReceiver:
                 if self._bye_applied(identity, epoch):
                     return True
                 self._last_bye = (identity, epoch)
+            elif command[0] == "sync":
+                _, identity, token = command
+                self._send_all(sock, [self.table.sync(identity, token)])
             else:
                 _, identity, kind, reason = command
                 self._send_all(sock, [self.table.control(identity, kind, reason)])

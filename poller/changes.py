@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any, Mapping
 
-from .listing_diff import Listing, ListingDiff, diff_raw_listing
+from .listing import Listing, ListingDiff, diff_raw_listing
 from .sources import Source, has_change_feed
 
 __all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]

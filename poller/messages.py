@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 
 from .errors import ProtocolError
 
-__all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Ack", "Body", "RECORDS",
+__all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Body",
+           "RECORDS",
            "check_body", "to_record", "as_map"]
 
 
@@ -31,13 +32,16 @@ class Kind(enum.IntEnum):
     LOG = 6
     STOP = 16
     RESYNC = 17
+    # Poll now, and tag that listing with this token (ReplayBuffer.sync()).
+    SYNC = 18
     # The receiver heard a HEARTBEAT that carried ``last_seq``: how a poller
     # on a new connection learns that the buffer admitted it (poller.link).
-    ACK = 18
+    ACK = 19
 
 
 # Field types beyond the plain ones, named so their checks can be found by name.
 Count = int          # a non-negative integer
+Token = int          # a positive integer
 LastSeq = int        # a sequence number, or -1 before the first message
 Upserts = dict       # {partition: {key: tags}}
 Deletes = dict       # {partition: [key, ...]}
@@ -62,6 +66,9 @@ class Delta(NamedTuple):
     end: bool
     upserts: Upserts
     deletes: Deletes
+    # The highest SYNC token the poller had received when this poll's
+    # listing began (0: none), so the buffer knows which sync() it answers.
+    sync: Count | None = None
 
 
 class Heartbeat(NamedTuple):
@@ -102,14 +109,19 @@ class Resync(NamedTuple):
     reason: str
 
 
+class Sync(NamedTuple):
+    token: Token
+
+
 class Ack(NamedTuple):
     seq: int
 
 
-Body = Union[Ready, Delta, Heartbeat, Error, Bye, Log, Stop, Resync, Ack]
+Body = Union[Ready, Delta, Heartbeat, Error, Bye, Log, Stop, Resync, Sync, Ack]
 
 RECORDS: dict[Kind, Any] = {Kind.READY: Ready, Kind.DELTA: Delta, Kind.HEARTBEAT: Heartbeat, Kind.ERROR: Error,
-                            Kind.BYE: Bye, Kind.LOG: Log, Kind.STOP: Stop, Kind.RESYNC: Resync, Kind.ACK: Ack}
+                            Kind.BYE: Bye, Kind.LOG: Log, Kind.STOP: Stop, Kind.RESYNC: Resync, Kind.SYNC: Sync,
+                            Kind.ACK: Ack}
 
 
 def _is_int(value: Any) -> bool:
@@ -136,6 +148,7 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
     "Count": lambda v: _is_int(v) and v >= 0,
+    "Token": lambda v: _is_int(v) and v > 0,
     "LastSeq": lambda v: _is_int(v) and v >= -1,
     "Upserts": _partitions_ok,
     "Deletes": _deletes_ok,
@@ -156,7 +169,7 @@ _SCHEMAS = {kind: _fields(record) for kind, record in RECORDS.items()}
 # Fields whose type is a bounded int (Count, LastSeq): an int there can still be a wrong value.
 _BOUNDED = {kind: {name for name in record._fields
                    if str(getattr(record.__annotations__[name], "__forward_arg__", "")).split(" | ")[0]
-                   in ("Count", "LastSeq")}
+                   in ("Count", "LastSeq", "Token")}
             for kind, record in RECORDS.items()}
 
 

@@ -13,101 +13,18 @@ import logging
 import threading
 import time
 import traceback
-from typing import Callable, Iterator
+from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
-from .errors import ProtocolError
-from .listing_diff import Listing, ListingDiff, Tags, commit_listing, diff_raw_listing
+from .listing import Listing, ListingDiff, commit_listing, diff_raw_listing, iter_encode_diff
 from .messages import Error
-from .protocol import Kind, Limits, check_decodable, encode_body, encode_delta, fit_text, pack_delta_payload
+from .protocol import Kind, Limits, encode_body, fit_text
 from .sources import Source, SourceStall
 
+# The listing functions are re-exported: this module was their home.
 __all__ = ["PollingThread", "ListingDiff", "diff_raw_listing", "commit_listing", "iter_encode_diff"]
 
 logger = logging.getLogger(__name__)
-
-
-def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
-    """Split a diff into pieces of at most ``size`` entries each.
-
-    A partition's entries are contiguous, so each piece holds at most one
-    slice of each partition: slicing copies in C instead of key by key.
-    """
-    upserts: dict[str, dict[str, Tags]] = {}
-    deletes: dict[str, list[str]] = {}
-    n = 0
-    yielded = False
-    for partition, items in diff.upserts.items():
-        pairs = list(items.items())
-        i = 0
-        while i < len(pairs):
-            take = pairs[i:i + size - n]
-            upserts[partition] = dict(take)
-            n += len(take)
-            i += len(take)
-            if n >= size:
-                yield ListingDiff(upserts, deletes)
-                upserts, deletes, n, yielded = {}, {}, 0, True
-    for partition, keys in diff.deletes.items():
-        i = 0
-        while i < len(keys):
-            part = keys[i:i + size - n]
-            deletes[partition] = part
-            n += len(part)
-            i += len(part)
-            if n >= size:
-                yield ListingDiff(upserts, deletes)
-                upserts, deletes, n, yielded = {}, {}, 0, True
-    if n or not yielded:  # an empty poll is still one (empty) message
-        yield ListingDiff(upserts, deletes)
-
-
-def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
-                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None) -> Iterator[bytes]:
-    """Encode a diff as one or more DELTA bodies, each under the frame limit, one at a time.
-
-    The first body of a full snapshot carries ``reset``; the last body of
-    every poll carries ``end``, which tells the receiver the poll is complete.
-    Each body can be sent while the next is packed, so the trainer decodes
-    a snapshot while the poller still encodes it. A ProtocolError can come
-    after some bodies were sent: the poll then has no ``end`` and is sent
-    again, which the receiver tolerates (merges are idempotent, a new
-    snapshot starts over). ``limits`` are the receiver's (default: the
-    defaults, with ``max_frame_bytes``).
-
-    Raises:
-        ProtocolError: a value msgpack cannot encode or the receiver would
-            refuse, or one key whose tags alone exceed ``max_frame_bytes``.
-    """
-    # Before the first body: what the receiver would refuse must not half-send a poll.
-    check_decodable(diff.upserts, limits or Limits(max_frame_bytes=max_frame_bytes))
-    previous: bytes | None = None
-    first = True
-    for payload in _payloads(diff, chunk_items, max_frame_bytes):
-        if previous is not None:
-            yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=False,
-                               payload=previous)
-            first = False
-        previous = payload
-    assert previous is not None  # _chunks yields at least one piece
-    yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=True, payload=previous)
-
-
-def _payloads(diff: ListingDiff, size: int, max_frame_bytes: int) -> Iterator[bytes]:
-    for piece in _chunks(diff, size):
-        payload = pack_delta_payload(piece.upserts, piece.deletes)
-        if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
-            yield payload
-            continue
-        n = piece.item_count()
-        if n <= 1:
-            raise ProtocolError(
-                f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
-        yield from _payloads(piece, (n + 1) // 2, max_frame_bytes)
-
-
-# Upper bound of the fixed fields encode_delta puts before the payload.
-_DELTA_HEAD_BYTES = 64
 
 
 def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits | None = None) -> bytes:
@@ -170,6 +87,9 @@ class PollingThread(threading.Thread):
         self._stalled_call = 0  # number of the last call counted as stalled
         self._episode: tuple[float, int] | None = None  # (started, stalled calls) while stalled
         self.failed: BaseException | None = None
+        # The highest SYNC token received; written by the control loop before
+        # it wakes this thread, read here when a listing begins.
+        self.sync_received = 0
 
     @property
     def call_started(self) -> float | None:
@@ -180,6 +100,16 @@ class PollingThread(threading.Thread):
     def request_resync(self) -> None:
         """Send a full snapshot on the next poll, and poll now."""
         self._resync.set()
+        self._wake.set()
+
+    def request_sync(self, token: int) -> None:
+        """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
+
+        Called by the control loop only. Several requests that arrive while a
+        listing is under way are all answered by the next one.
+        """
+        if token > self.sync_received:
+            self.sync_received = token
         self._wake.set()
 
     def stop(self) -> None:
@@ -251,6 +181,7 @@ class PollingThread(threading.Thread):
         while not self.stopping.is_set():
             started = time.time()
             began = time.monotonic()
+            covered = self.sync_received  # before the listing: it answers only requests received by now
             self._calls += 1
             call = self._calls
             self._current = (call, began)
@@ -265,7 +196,7 @@ class PollingThread(threading.Thread):
                 self._answered()
                 for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
                                              chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
-                                             limits=self.limits):
+                                             limits=self.limits, sync=covered):
                     if not self._emit(Kind.DELTA, body):
                         return
             except SourceStall as exc:
@@ -296,4 +227,3 @@ class PollingThread(threading.Thread):
             # still leaves the store a tenth of it to breathe.
             elapsed = time.monotonic() - began
             self._sleep(max(self.interval - elapsed, self.interval * 0.1))
-

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["state", "parent_of", "children_of", "is_running", "set_process_name", "start_time"]
+__all__ = ["state", "parent_of", "children_of", "is_running", "set_process_name", "start_time", "own_rss_bytes"]
 
 _PR_SET_NAME = 15
 _COMM_LENGTH = 15  # the kernel keeps 16 bytes with the terminating NUL
@@ -76,3 +76,12 @@ def children_of(pid: int) -> set[int]:
             if fields and fields[0] != "Z" and int(fields[1]) == pid:
                 found.add(int(entry))
     return found
+
+
+def own_rss_bytes() -> int:
+    """This process's resident memory in bytes (0 if /proc cannot tell)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

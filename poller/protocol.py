@@ -250,12 +250,18 @@ def fit_text(text: str, limits: Limits | None) -> str:
     return raw[:limits.max_str_len].decode(errors="ignore")
 
 
-def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes) -> bytes:
-    """A DELTA body from its flags and a payload from :func:`pack_delta_payload`."""
+def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes,
+                 sync: int = 0) -> bytes:
+    """A DELTA body from its flags and a payload from :func:`pack_delta_payload`.
+
+    ``sync`` is the highest SYNC token the poller had received when this
+    poll's listing began (0: none), so the buffer knows which of its
+    ``sync()`` calls the listing answers.
+    """
     packer = msgpack.Packer(use_bin_type=True)
-    head = packer.pack_map_header(7) + b"".join(
+    head = packer.pack_map_header(8) + b"".join(
         packer.pack(x)
-        for x in ("poll", poll, "t", float(started), "full", full, "reset", reset, "end", end)
+        for x in ("poll", poll, "t", float(started), "full", full, "reset", reset, "end", end, "sync", sync)
     )
     return head + payload
 

@@ -4,7 +4,7 @@
 
     kv_list() ──▶ PollingThread ──queue──▶ control loop ──DEALER──▶ buffer
                   (may block forever)       │   ▲
-                                            │   └── STOP / RESYNC (zmq), stop / EOF (lifeline),
+                                            │   └── STOP / RESYNC / SYNC (zmq), stop / EOF (lifeline),
                                             │       SIGTERM (wakeup fd), parent pid check
                                             └── READY, HEARTBEAT, LOG, BYE; seq numbers
 
@@ -34,7 +34,7 @@ from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .link import Link
 from .messages import Bye, Heartbeat, Log, Ready
 from .polling import PollingThread
-from .procfs import set_process_name
+from .procfs import own_rss_bytes, set_process_name
 from .protocol import Kind, decode, encode_body, encode_header, fit_text
 from .sources import describe_spec, load_source
 from .wakeup import WakePipe
@@ -110,14 +110,6 @@ class _ForwardingHandler(logging.Handler):
             self._wake.poke()
         except Exception:  # a log call must never break the poller
             self.handleError(record)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class _ControlLoop:
@@ -226,7 +218,7 @@ class _ControlLoop:
         self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
             polls=thread.polls if thread else 0,
             source_errors=thread.source_errors if thread else 0,
-            rss=_rss_bytes(),
+            rss=own_rss_bytes(),
             stalled_s=thread.stalled_for() if thread else 0.0,
             source_stalls=self.stalls_reported,
             # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
@@ -252,6 +244,8 @@ class _ControlLoop:
             elif message.kind is Kind.RESYNC and self.thread is not None:
                 logger.debug("resync requested: %s", message.body.reason)
                 self.thread.request_resync()
+            elif message.kind is Kind.SYNC and self.thread is not None:
+                self.thread.request_sync(message.body.token)
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 

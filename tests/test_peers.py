@@ -12,7 +12,7 @@ import pytest
 
 from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
-from buffer.store import ReplayStore
+from buffer.partitions import PartitionStore
 from poller.messages import Ack, Delta, Heartbeat, Log, Ready
 from poller.protocol import Kind, Limits, Message, encode
 
@@ -39,7 +39,7 @@ def kinds(actions: list[Send]) -> list[Kind]:
 
 @pytest.fixture
 def table() -> PeerTable:
-    store = ReplayStore()
+    store = PartitionStore()
     yield PeerTable(store, stale_after=5.0)
     store.close()
 
@@ -146,7 +146,7 @@ def test_frames_are_decoded_within_the_limits(table: PeerTable) -> None:
 
 
 def test_past_max_peers_the_one_silent_longest_is_forgotten() -> None:
-    store = ReplayStore()
+    store = PartitionStore()
     try:
         table = PeerTable(store, limits=Limits(max_peers=2), pinned=frozenset({b"own"}))
         table.on_message(b"own", ready(), 0.0)
@@ -158,7 +158,7 @@ def test_past_max_peers_the_one_silent_longest_is_forgotten() -> None:
 
 
 def test_peer_logs_are_rate_limited_and_their_levels_clamped(caplog: pytest.LogCaptureFixture) -> None:
-    store = ReplayStore()
+    store = PartitionStore()
     now = [0.0]
     try:
         table = PeerTable(store, log=LogLimiter(logging.getLogger("test"), burst=3, per=60.0, clock=lambda: now[0]))

@@ -50,6 +50,7 @@ BODIES: dict[Kind, dict[str, Any]] = {
     Kind.LOG: {"level": 30, "name": "poller.worker", "message": "careful"},
     Kind.STOP: {"reason": "close"},
     Kind.RESYNC: {"reason": "sequence gap"},
+    Kind.SYNC: {"token": 12},
     Kind.ACK: {"seq": 9},
 }
 
@@ -84,10 +85,17 @@ def test_round_trip_of_a_delta_built_from_its_parts() -> None:
     upserts = {"train": {"k": {"status": "success", "global_steps": 4}}}
     deletes = {"train": ["gone"]}
     raw = encode_delta(poll=9, started=12.5, full=False, reset=False, end=True,
-                       payload=pack_delta_payload(upserts, deletes))
+                       payload=pack_delta_payload(upserts, deletes), sync=4)
     message = decode([encode_header(Kind.DELTA, 1, 3), raw])
     assert message.body == Delta(poll=9, t=12.5, full=False, reset=False, end=True, upserts=upserts,
-                                 deletes=deletes)
+                                 deletes=deletes, sync=4)
+
+
+@pytest.mark.parametrize("kind, field, value", [(Kind.SYNC, "token", 0), (Kind.SYNC, "token", "1"),
+                                                (Kind.DELTA, "sync", -1), (Kind.DELTA, "sync", 1.5)])
+def test_sync_tokens_are_positive_ints(kind: Kind, field: str, value: Any) -> None:
+    with pytest.raises(ProtocolError, match=field):
+        decode(encode(Message(kind, 5, 1, {**BODIES[kind], field: value})))
 
 
 # -- decode rejects, with ProtocolError only ------------------------------------------------------
@@ -140,7 +148,7 @@ def test_wrong_version_is_named() -> None:
         decode([header(version="1"), body({"reason": "x"})])
 
 
-@pytest.mark.parametrize("kind", [0, 7, 15, 19, 99, -1, 2**40])
+@pytest.mark.parametrize("kind", [0, 7, 15, 20, 99, -1, 2**40])
 def test_unknown_kind(kind: int) -> None:
     with pytest.raises(ProtocolError, match="kind"):
         decode([header(kind=kind), body({"reason": "x"})])

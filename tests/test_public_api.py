@@ -227,3 +227,49 @@ def test_stats_has_the_documented_typed_shape(tmp_path: Path) -> None:
         options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
         allowed = tuple(get_origin(t) or t for t in options)
         assert isinstance(value, allowed), (name, value, hint)
+
+
+def test_replay_buffer_sync_signature() -> None:
+    params = inspect.signature(ReplayBuffer.sync).parameters
+    assert list(params) == ["self", "timeout"]
+    assert params["timeout"].default is None
+
+
+def test_buffer_verl_surface() -> None:
+    import buffer.verl as verl
+
+    assert set(verl.__all__) == {"ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "DAPO_FILTERED_REWARD_COUNTS_KEY"}
+    assert verl.DAPO_FILTERED_REWARD_COUNTS_KEY == "_dapo_filtered_reward_counts"
+    assert issubclass(verl.ReplayBufferAsync, verl.ReplayBuffer)
+    assert "verl" not in buffer.__all__  # a module of its own: pkg://buffer.verl
+    # verl's built-in constructor, in its order (poll_interval defaults to sampler_kwargs, then 0.2 s).
+    params = inspect.signature(verl.ReplayBuffer.__init__).parameters
+    assert list(params) == ["self", "trainer_mode", "trainer_config", "max_off_policy_threshold",
+                            "max_off_policy_strategy", "sampler_kwargs", "poll_interval", "refill_fn",
+                            "filter_groups_metric", "train_batch_size", "gen_batch_size", "max_inflight_gen_batches",
+                            "sync_refill_failed_groups"]
+    defaults = {"poll_interval": None, "refill_fn": None, "filter_groups_metric": None, "train_batch_size": None,
+                "gen_batch_size": None, "max_inflight_gen_batches": 1, "sync_refill_failed_groups": False}
+    for name, default in defaults.items():
+        assert params[name].default == default and type(params[name].default) is type(default), name
+    for name in ("sample", "get_sampleable_count", "close", "stats", "__enter__", "__exit__"):
+        assert callable(getattr(verl.ReplayBuffer, name)), name
+    assert callable(verl.ReplayBufferAsync.wait_for_sampleable)
+    assert list(inspect.signature(verl.ReplayBuffer.sample).parameters) == \
+        ["self", "global_steps", "partition_id", "batch_size"]
+    assert list(inspect.signature(verl.ReplayBufferAsync.wait_for_sampleable).parameters) == \
+        ["self", "global_steps", "partition_id", "target_count"]
+    assert [f for f in verl.VerlBatch.__dataclass_fields__] == ["keys", "tags", "partition_id", "fields",
+                                                                "extra_info"]
+    from buffer.verl_config import SAMPLER_KWARGS
+
+    assert SAMPLER_KWARGS == {"poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
+                              "max_inflight_gen_batches", "sync_refill_failed_groups", "sample_timeout",
+                              "log_interval", "source", "source_kwargs", "start_timeout", "close_timeout",
+                              "max_restarts"}
+
+
+def test_sqlite_source_reads_fields_back() -> None:
+    params = inspect.signature(SqliteSource.kv_batch_get).parameters
+    assert list(params) == ["self", "keys", "partition_id", "select_fields"]
+    assert params["select_fields"].default is None

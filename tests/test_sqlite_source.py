@@ -53,7 +53,7 @@ def test_wal_mode_and_schema(store: SqliteSource, db: Path) -> None:
 
 def test_put_then_list(store: SqliteSource) -> None:
     store.kv_put("k1", "train", tag={"global_steps": 1, "status": "running"})
-    store.kv_put("k2", "train", fields={"ignored": True}, tag={"global_steps": 1, "nested": {"a": [1, 2.5, None]}})
+    store.kv_put("k2", "train", fields={"not_a_tag": True}, tag={"global_steps": 1, "nested": {"a": [1, 2.5, None]}})
     store.kv_put("k3", "val")
     assert store.kv_list() == {
         "train": {
@@ -115,6 +115,36 @@ def test_clear(store: SqliteSource) -> None:
     store.kv_clear([], "p")
     store.kv_clear(["a"], "nowhere")
     assert store.kv_list("q") == {"q": {"a": {"n": 4}}}
+
+
+def test_fields_are_kept_apart_from_tags_and_read_back(store: SqliteSource) -> None:
+    info = {"reward_extra_info": {"acc": 1.0}}
+    store.kv_put("u_0_0", "train", fields={"extra_fields": info, "score": 2}, tag={"status": "success"})
+    # Columns, as TransferQueue's TensorDict: one value per key.
+    store.kv_batch_put(["u_1_0", "u_2_0"], "train", fields={"extra_fields": [{"reward_extra_info": {"acc": 0.0}}, {}]},
+                       tags=[{"status": "success"}, {"status": "success"}])
+    store.kv_put("u_2_0", "train", fields={"score": 7})  # merged per field name, tags untouched
+    assert store.kv_list() == {"train": {k: {"status": "success"} for k in ("u_0_0", "u_1_0", "u_2_0")}}
+    got = store.kv_batch_get(["u_2_0", "u_0_0", "u_1_0"], "train", select_fields=["extra_fields"])
+    assert got == {"extra_fields": [{}, info, {"reward_extra_info": {"acc": 0.0}}]}
+    assert store.kv_batch_get(["u_0_0", "u_1_0"], "train") == {
+        "extra_fields": [info, {"reward_extra_info": {"acc": 0.0}}], "score": [2, None]}
+    assert store.kv_batch_get(["u_2_0"], "train", select_fields="score") == {"score": [7]}
+    store.kv_clear(["u_0_0"], "train")
+    with pytest.raises(KeyError, match="u_0_0"):
+        store.kv_batch_get(["u_0_0", "u_1_0"], "train")
+    store.kv_put("u_0_0", "train", tag={"status": "running"})  # written again: its old fields are gone
+    assert store.kv_batch_get(["u_0_0"], "train") == {}
+
+
+def test_bad_fields_are_refused_and_nothing_is_written(store: SqliteSource) -> None:
+    with pytest.raises(TypeError, match="not JSON-encodable"):
+        store.kv_put("k", "train", fields={"t": object()}, tag={"status": "running"})
+    with pytest.raises(ValueError, match="1 values for 2 keys"):
+        store.kv_batch_put(["a", "b"], "train", fields={"x": [1]})
+    with pytest.raises(TypeError, match="fields must be"):
+        store.kv_put("k", "train", fields=[1, 2])
+    assert store.kv_list() == {}
 
 
 def test_list_one_partition(store: SqliteSource) -> None:

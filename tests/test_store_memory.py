@@ -5,12 +5,24 @@ from __future__ import annotations
 import gc
 from fractions import Fraction
 
-from buffer.store import ReplayStore
+from buffer.partitions import PartitionStore
+from buffer.steps import StepSampler
 from poller.polling import commit_listing, diff_raw_listing
 
 
+class _Store(PartitionStore):
+    """The store as ReplayBuffer composes it: partitions plus the step policy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = StepSampler(self)
+
+    def sample(self, partition_id: str, **kwargs: object) -> object:
+        return self.steps.sample(partition_id, **kwargs)  # type: ignore[arg-type]
+
+
 def test_tags_round_trip_with_their_exact_types():
-    store = ReplayStore()
+    store = _Store()
     tags = {"global_steps": 3, "status": "success", "ok": True, "r": 0.5, "none": None, "t": (1, "a"),
             "l": [1, 2], "b": b"\x00", "frac": Fraction(1, 3)}  # the last one marshal cannot hold
     store.add("train", {"k": tags})
@@ -22,7 +34,7 @@ def test_tags_round_trip_with_their_exact_types():
 
 
 def test_merging_an_object_marshal_cannot_hold_keeps_merge_semantics():
-    store = ReplayStore()
+    store = _Store()
     store.add("train", {"k": {"status": "running", "global_steps": 1}})
     store.add("train", {"k": {"status": "success", "frac": Fraction(2, 3)}})
     store.add("train", {"k": {"extra": 1}})
@@ -32,7 +44,7 @@ def test_merging_an_object_marshal_cannot_hold_keeps_merge_semantics():
 
 
 def test_a_resync_of_the_same_tags_changes_nothing():
-    store = ReplayStore()
+    store = _Store()
     store.merge_listed("src", "train", {"k": {"global_steps": 1, "status": "running"}})
     store.merge_listed("src", "train", {"k": {"global_steps": 1, "status": "running"}})
     store.merge_listed("src", "train", {"k": {"status": "success"}})
@@ -40,15 +52,16 @@ def test_a_resync_of_the_same_tags_changes_nothing():
 
 
 def test_after_one_full_collection_the_big_containers_are_not_tracked():
-    store = ReplayStore()
+    store = _Store()
     items = {f"k{i}": {"global_steps": i % 3, "status": "success", "r": i / 7} for i in range(20_000)}
     store.merge_listed("src", "train", items)
     gc.collect()
-    part = store._parts["train"]
-    untracked = [part.items, part.arrival, part.success, store._listed["src"]["train"]]
+    items = store._parts["train"]
+    index = store.steps.index.parts["train"]
+    untracked = [items, index.arrival, index.success, store._listed["src"]["train"]]
     assert not any(gc.is_tracked(c) for c in untracked)
     store.merge_listed("src", "train", {"k1": {"status": "running"}, "new": {"status": "success"}})
-    assert not gc.is_tracked(part.items)  # marshalled values never make it tracked again
+    assert not gc.is_tracked(items)  # marshalled values never make it tracked again
 
 
 def test_diff_raw_listing_copies_only_what_changed_and_commits_after():

@@ -13,8 +13,10 @@ with ``{"path": ...}``, so the constructor only records its arguments: the
 connection is opened on first use, in the process (and after a fork, anew in
 the child) that uses it.
 
-Only tags are kept: ``fields`` (TransferQueue's tensor payload) is accepted
-for signature compatibility and ignored.
+Tags live in one table, ``fields`` (TransferQueue's per-key payload) in a
+second one, as JSON: only JSON values can be stored there (not tensors),
+which is what verl's DAPO metric, ``extra_fields.reward_extra_info``, is.
+``kv_batch_get`` reads them back.
 """
 
 from __future__ import annotations
@@ -23,25 +25,35 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
 from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot
-from .sqlite_tags import Tags, check_keys, check_str, check_tags, dump_tags, load_tags, open_connection
+from .sqlite_io import check_keys as _check_keys
+from .sqlite_io import check_str as _check_str
+from .sqlite_io import dumps as _dumps
+from .sqlite_io import field_rows as _field_rows
+from .sqlite_io import loads as _loads
+from .sqlite_io import open_connection
+from .sqlite_io import select_json as _select_json
+from .sqlite_io import tag_rows as _tag_rows
 
 __all__ = ["SqliteSource"]
 
 logger = logging.getLogger(__name__)
 
+Tags = dict[str, Any]
+_FIELDS_UPSERT = (
+    "INSERT INTO kv_fields (partition_id, key, fields) VALUES (?, ?, ?)"
+    " ON CONFLICT (partition_id, key) DO UPDATE SET fields = excluded.fields"
+)
+
 _UPSERT = (
     "INSERT INTO kv (partition_id, key, tags) VALUES (?, ?, ?)"
     " ON CONFLICT (partition_id, key) DO UPDATE SET tags = excluded.tags"
 )
-
-# Stay well below SQLITE_MAX_VARIABLE_NUMBER (999 on old builds) in IN (...).
-_SELECT_CHUNK = 500
 
 # Connections inherited through fork() are parked here and never touched
 # again: SQLite forbids using a connection across fork, and closing one in the
@@ -120,7 +132,8 @@ class SqliteSource:
         Args:
             key: the key.
             partition_id: its partition.
-            fields: ignored; this store keeps tags only.
+            fields: ``{name: value}`` merged into the key's stored fields
+                (values must be JSON); ``None`` leaves them alone.
             tag: tags to merge in; ``None`` leaves existing tags unchanged.
 
         Raises:
@@ -129,8 +142,11 @@ class SqliteSource:
             ValueError: ``tag`` holds a value JSON cannot carry (e.g. NaN).
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        check_str("key", key)
-        self.kv_batch_put([key], partition_id, fields, None if tag is None else [tag])
+        _check_str("key", key)
+        if fields is not None and not isinstance(fields, Mapping):
+            raise TypeError(f"fields must be a dict of field name -> value, got {type(fields).__name__}")
+        self.kv_batch_put([key], partition_id, None if fields is None else [dict(fields)],
+                          None if tag is None else [tag])
 
     def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
                      tags: list[dict[str, Any]] | None = None) -> None:
@@ -142,7 +158,9 @@ class SqliteSource:
         Args:
             keys: the keys.
             partition_id: their partition.
-            fields: ignored; this store keeps tags only.
+            fields: one ``{name: value}`` dict per key, or columns
+                ``{name: [value per key]}`` (the shape of TransferQueue's
+                TensorDict); merged as in :meth:`kv_put`.
             tags: one dict per key, merged as in :meth:`kv_put`; ``None``
                 means ``{}`` for each.
 
@@ -152,26 +170,24 @@ class SqliteSource:
                 cannot carry.
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        check_str("partition_id", partition_id)
-        key_list = check_keys(keys)
-        if tags is None:
-            tag_list: list[Tags] = [{} for _ in key_list]
-        else:
-            if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable):
-                raise TypeError(f"tags must be a list of dicts, got {type(tags).__name__}")
-            tag_list = list(tags)
-            if len(tag_list) != len(key_list):
-                raise ValueError(f"got {len(tag_list)} tags for {len(key_list)} keys")
-            for key, tag in zip(key_list, tag_list):
-                check_tags(key, tag)
+        _check_str("partition_id", partition_id)
+        key_list = _check_keys(keys)
+        tag_list = _tag_rows(key_list, tags)
+        field_list = None if fields is None else _field_rows(key_list, fields)
         if not key_list:
             return
         with self._transaction() as conn:
-            merged = self._select_tags(conn, partition_id, dict.fromkeys(key_list))
+            merged = _select_json(conn, partition_id, key_list)
             for key, tag in zip(key_list, tag_list):
                 merged.setdefault(key, {}).update(tag)
             # Values were checked above; dumping cannot fail half-way through.
-            conn.executemany(_UPSERT, [(partition_id, key, dump_tags(merged[key])) for key in dict.fromkeys(key_list)])
+            conn.executemany(_UPSERT, [(partition_id, key, _dumps(merged[key])) for key in dict.fromkeys(key_list)])
+            if field_list is not None:
+                stored = _select_json(conn, partition_id, key_list, table="kv_fields")
+                for key, row in zip(key_list, field_list):
+                    stored.setdefault(key, {}).update(row)
+                conn.executemany(_FIELDS_UPSERT, [(partition_id, key, _dumps(stored[key]))
+                                                  for key in dict.fromkeys(key_list)])
 
     def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
         """Everything stored, as ``{partition_id: {key: tags}}``.
@@ -191,7 +207,7 @@ class SqliteSource:
                 something other than this class).
         """
         if partition_id is not None:
-            check_str("partition_id", partition_id)
+            _check_str("partition_id", partition_id)
         with self._connection() as conn:
             if partition_id is None:
                 rows = conn.execute("SELECT partition_id, key, tags FROM kv").fetchall()
@@ -200,7 +216,7 @@ class SqliteSource:
                                     (partition_id,)).fetchall()
         listing: dict[str, dict[str, Tags]] = {}
         for partition, key, text in rows:
-            listing.setdefault(partition, {})[key] = load_tags(partition, key, text)
+            listing.setdefault(partition, {})[key] = _loads(partition, key, text)
         return listing
 
     def kv_snapshot(self) -> tuple[Cursor, dict[str, dict[str, Tags]]]:
@@ -233,13 +249,43 @@ class SqliteSource:
             TypeError: a key or the partition id is not a str.
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        check_str("partition_id", partition_id)
-        key_list = check_keys(keys)
+        _check_str("partition_id", partition_id)
+        key_list = _check_keys(keys)
         if not key_list:
             return
         with self._transaction() as conn:
-            conn.executemany("DELETE FROM kv WHERE partition_id = ? AND key = ?",
-                             [(partition_id, key) for key in key_list])
+            rows = [(partition_id, key) for key in key_list]
+            conn.executemany("DELETE FROM kv WHERE partition_id = ? AND key = ?", rows)
+            conn.executemany("DELETE FROM kv_fields WHERE partition_id = ? AND key = ?", rows)
+
+    def kv_batch_get(self, keys: list[str], partition_id: str,
+                     select_fields: list[str] | str | None = None) -> dict[str, list[Any]]:
+        """The stored fields of ``keys``, as columns ``{name: [value per key]}`` in the order of ``keys``.
+
+        Args:
+            keys: keys that must exist in ``partition_id``.
+            partition_id: their partition.
+            select_fields: the fields to read (a name or a list); ``None``:
+                every field any of the keys has. A key without a field
+                gets ``None`` in that column.
+
+        Raises:
+            TypeError: a key, the partition id or a field name is not a str.
+            KeyError: some keys are not stored (the first few are named).
+        """
+        _check_str("partition_id", partition_id)
+        key_list = _check_keys(keys)
+        names = None if select_fields is None else _check_keys([select_fields] if isinstance(select_fields, str)
+                                                               else select_fields)
+        with self._connection() as conn:
+            present = _select_json(conn, partition_id, key_list)
+            stored = _select_json(conn, partition_id, key_list, table="kv_fields")
+        missing = [key for key in key_list if key not in present]
+        if missing:
+            raise KeyError(f"{len(missing)} key(s) not stored in partition {partition_id!r}: {missing[:5]}")
+        if names is None:
+            names = list(dict.fromkeys(name for key in key_list for name in stored.get(key, {})))
+        return {name: [stored.get(key, {}).get(name) for key in key_list] for name in names}
 
     def close(self) -> None:
         """Close this instance's connection. Idempotent.
@@ -343,17 +389,3 @@ class SqliteSource:
                 except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
                     pass
                 raise
-
-    @staticmethod
-    def _select_tags(conn: sqlite3.Connection, partition_id: str, keys: Mapping[str, None]) -> dict[str, Tags]:
-        """Stored tags of those ``keys`` that exist."""
-        found: dict[str, Tags] = {}
-        key_list = list(keys)
-        for start in range(0, len(key_list), _SELECT_CHUNK):
-            chunk = key_list[start:start + _SELECT_CHUNK]
-            marks = ",".join("?" * len(chunk))
-            rows = conn.execute(f"SELECT key, tags FROM kv WHERE partition_id = ? AND key IN ({marks})",
-                                (partition_id, *chunk))
-            for key, text in rows:
-                found[key] = load_tags(partition_id, key, text)
-        return found

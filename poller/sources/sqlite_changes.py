@@ -27,7 +27,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from .sqlite_tags import Tags, load_tags
+from .sqlite_io import Tags
+from .sqlite_io import loads as load_tags
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "ensure_change_log", "read_changes", "read_snapshot"]
 

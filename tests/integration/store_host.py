@@ -96,6 +96,13 @@ class _Store:
             return {"responses": torch.arange(8)}
         return TensorDict({"responses": torch.arange(8 * n).reshape(n, 8)}, batch_size=[n])
 
+    def run(self, target: str, **kwargs: Any) -> Any:
+        """``module:function(conf, **kwargs)`` here, where TransferQueue is live (as in a verl trainer)."""
+        import importlib
+
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(self.conf, **kwargs)
+
     def clear(self, keys: list[str], partition_id: str) -> None:
         import transfer_queue as tq
 

@@ -1,7 +1,7 @@
-"""Opening :class:`~poller.sources.sqlite.SqliteSource`'s file, and checking and encoding what it stores.
+"""The SQLite store's connections, and the checks and JSON encoding of its keys, tags and fields.
 
-Tags are stored as JSON text; only what comes back from JSON unchanged is
-accepted, so a stored tag never differs from the one put.
+Only values that come back from JSON unchanged are accepted, so what a
+reader gets equals what was put.
 """
 
 from __future__ import annotations
@@ -15,13 +15,42 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-__all__ = ["Tags", "check_str", "check_keys", "check_tags", "dump_tags", "load_tags", "open_connection"]
-
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 Tags = dict[str, Any]
 
+# Stay well below SQLITE_MAX_VARIABLE_NUMBER (999 on old builds) in IN (...).
+_SELECT_CHUNK = 500
+
+
+def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], table: str = "kv") -> dict[str, Tags]:
+    """Stored tags (or, from ``kv_fields``, fields) of those ``keys`` that exist."""
+    column = "tags" if table == "kv" else "fields"
+    found: dict[str, Tags] = {}
+    key_list = list(dict.fromkeys(keys))
+    for start in range(0, len(key_list), _SELECT_CHUNK):
+        chunk = key_list[start:start + _SELECT_CHUNK]
+        marks = ",".join("?" * len(chunk))
+        rows = conn.execute(f"SELECT key, {column} FROM {table} WHERE partition_id = ? AND key IN ({marks})",
+                            (partition_id, *chunk))
+        for key, text in rows:
+            found[key] = loads(partition_id, key, text)
+    return found
+
+
+def tag_rows(keys: list[str], tags: Any) -> list[Tags]:
+    """``tags`` of kv_batch_put as one checked dict per key (``None``: ``{}`` each)."""
+    if tags is None:
+        return [{} for _ in keys]
+    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable):
+        raise TypeError(f"tags must be a list of dicts, got {type(tags).__name__}")
+    rows = list(tags)
+    if len(rows) != len(keys):
+        raise ValueError(f"got {len(rows)} tags for {len(keys)} keys")
+    for key, tag in zip(keys, rows):
+        check_tags(key, tag)
+    return rows
 
 def check_str(name: str, value: Any) -> None:
     if not isinstance(value, str):
@@ -39,13 +68,40 @@ def check_keys(keys: Any) -> list[str]:
     return key_list
 
 
+def field_rows(keys: list[str], fields: Any) -> list[Tags]:
+    """``fields`` of kv_batch_put as one checked dict per key."""
+    if isinstance(fields, Mapping):
+        columns = dict(fields)
+        rows: list[Tags] = [{} for _ in keys]
+        for name, column in columns.items():
+            check_str("field name", name)
+            if isinstance(column, (str, bytes, Mapping)) or not isinstance(column, Iterable):
+                raise TypeError(f"field {name!r} must be a list with one value per key, got {type(column).__name__}")
+            values = list(column)
+            if len(values) != len(keys):
+                raise ValueError(f"field {name!r} has {len(values)} values for {len(keys)} keys")
+            for row, value in zip(rows, values):
+                row[name] = value
+    elif isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
+        raise TypeError(f"fields must be a list of dicts or a dict of columns, got {type(fields).__name__}")
+    else:
+        rows = list(fields)
+        if len(rows) != len(keys):
+            raise ValueError(f"got {len(rows)} field rows for {len(keys)} keys")
+    for key, row in zip(keys, rows):
+        if not isinstance(row, dict):
+            raise TypeError(f"fields of key {key!r} must be a dict, got {type(row).__name__}")
+        check_json(row, f"fields of key {key!r}")
+    return rows
+
+
 def check_tags(key: str, tags: Any) -> None:
     if not isinstance(tags, dict):
         raise TypeError(f"tags of key {key!r} must be a dict, got {type(tags).__name__}")
-    _check_json(tags, f"tags of key {key!r}")
+    check_json(tags, f"tags of key {key!r}")
 
 
-def _check_json(value: Any, where: str) -> None:
+def check_json(value: Any, where: str) -> None:
     """Refuse what would not come back from JSON unchanged.
 
     ``json.dumps`` silently turns tuples into lists and int dict keys into
@@ -60,22 +116,22 @@ def _check_json(value: Any, where: str) -> None:
         return
     if isinstance(value, list):
         for index, item in enumerate(value):
-            _check_json(item, f"{where}[{index}]")
+            check_json(item, f"{where}[{index}]")
         return
     if isinstance(value, dict):
         for name, item in value.items():
             if not isinstance(name, str):
                 raise TypeError(f"{where}: dict key {name!r} is {type(name).__name__}, not str")
-            _check_json(item, f"{where}[{name!r}]")
+            check_json(item, f"{where}[{name!r}]")
         return
     raise TypeError(f"{where}: {type(value).__name__} {value!r} is not JSON-encodable")
 
 
-def dump_tags(tags: Tags) -> str:
+def dumps(tags: Tags) -> str:
     return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-def load_tags(partition_id: str, key: str, text: str) -> Tags:
+def loads(partition_id: str, key: str, text: str) -> Tags:
     try:
         tags = json.loads(text)
     except ValueError as exc:
@@ -94,10 +150,21 @@ _SCHEMA = (
     ") WITHOUT ROWID"
 )
 
+# A table of its own, so files written before fields were kept need no migration.
+_FIELDS_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS kv_fields ("
+    " partition_id TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " fields TEXT NOT NULL,"
+    " PRIMARY KEY (partition_id, key)"
+    ") WITHOUT ROWID"
+)
+
+
 
 def open_connection(path: str, timeout: float,
                     migrate: Callable[[sqlite3.Connection], None] | None = None) -> sqlite3.Connection:
-    """A connection to ``path`` in WAL mode with the schema, then ``migrate(conn)``, retrying a busy file."""
+    """A connection to ``path`` in WAL mode with both tables, then ``migrate(conn)``, retrying a busy file."""
     directory = os.path.dirname(os.path.abspath(path))
     if path != ":memory:" and not path.startswith("file:"):
         os.makedirs(directory, exist_ok=True)
@@ -119,6 +186,7 @@ def open_connection(path: str, timeout: float,
         # buffer's metadata can afford.
         conn.execute("PRAGMA synchronous = NORMAL")
         _retry_busy(timeout, lambda: conn.execute(_SCHEMA))
+        _retry_busy(timeout, lambda: conn.execute(_FIELDS_SCHEMA))
         if migrate is not None:
             _retry_busy(timeout, lambda: migrate(conn))
     except BaseException:

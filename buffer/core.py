@@ -1,0 +1,204 @@
+"""``_Core``: everything a :class:`~buffer.ReplayBuffer` owns, and its close.
+
+The facade (:mod:`buffer.replay`) holds only a core, so a finalizer can
+close it when the facade is dropped; open cores are also closed at
+interpreter exit, before non-daemon threads are joined. The poller child has
+one owner, :class:`~buffer.supervisor.Supervisor`: the core's ``close()``
+asks it and waits for its answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+import uuid
+from typing import Any, Callable, Mapping
+
+from poller.curve import CurveClient, CurveServer, generate_pair
+from poller.process import PollerProcess, ShutdownReport
+from poller.protocol import DEFAULT_LIMITS, Limits
+from poller.sources import SourceSpec
+
+from .ipcdir import PrivateIpcDir
+from .options import poller_limits
+from .partitions import PartitionStore
+from .restarts import RestartBudget
+from .steps import StepSampler
+from .stream import StreamReceiver
+from .supervisor import Supervisor
+from .sync import ListingSync
+
+__all__ = ["_Core"]
+
+logger = logging.getLogger(__name__)
+
+_FIRST_POLL_WAIT = 5.0
+# Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
+_CLOSE_MARGIN_S = 10.0
+
+
+# Buffers not closed yet. Closed at interpreter exit *before* non-daemon
+# threads are joined (the hook concurrent.futures uses): a non-daemon thread
+# waiting in sample(timeout=None) would otherwise keep the interpreter from
+# ever reaching atexit handlers and finalizers, which run after that join.
+_OPEN_CORES: "set[_Core]" = set()
+
+
+def _close_open_buffers() -> None:
+    for core in list(_OPEN_CORES):
+        try:
+            core.close()
+        except Exception:  # one buffer's failure must not keep the others open
+            logger.exception("closing a replay buffer at exit failed")
+
+
+threading._register_atexit(_close_open_buffers)  # type: ignore[attr-defined]
+
+
+class _Core:
+    """Everything a buffer owns. Never refers back to the facade."""
+
+    def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
+                 bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
+                 curve: CurveServer | None = None, limits: Limits | None = None, stale_after: float = 5.0,
+                 poller_options: Mapping[str, Any] | None = None, restart_window: float = 600.0) -> None:
+        self.source = source
+        self.poller_options = dict(poller_options or {})  # further WorkerConfig fields
+        self.source_kwargs = dict(source_kwargs or {})
+        self.poll_interval = poll_interval
+        self.start_timeout = start_timeout
+        self.close_timeout = close_timeout
+        self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
+        self.store = PartitionStore()
+        self.steps = StepSampler(self.store)
+        # Only this process may stop the poller or remove the ipc directory:
+        # a forked child inherits this object and its finalizer.
+        self.owner_pid = os.getpid()
+        self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Reentrant: a signal handler may call close() in the thread that is closing.
+        self._close_lock = threading.RLock()
+        self._closer: int | None = None
+        self._report: ShutdownReport | None = None
+        self._supervisor: Supervisor | None = None
+        self._ipc_dir: PrivateIpcDir | None = None
+        if bind is None:
+            # Private by default: a 0700 directory only this user can enter.
+            self._ipc_dir = PrivateIpcDir.create()
+            bind = self._ipc_dir.endpoint
+        self.child_curve: CurveClient | None = None
+        self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
+        self.endpoint: str | None = None
+        self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
+        _OPEN_CORES.add(self)
+
+    def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
+                         stale_after: float) -> StreamReceiver:
+        """The receiver; with CURVE, the buffer's own poller gets an ephemeral key.
+
+        The ephemeral key pair never touches a file: the secret half reaches
+        the child inside its spawn arguments (a private pipe), and the public
+        half is allowed for this buffer's lifetime only.
+        """
+        if curve is not None and self.source is not None:
+            public, secret = generate_pair()
+            self.child_curve = CurveClient(public, secret, curve.public_key)
+            curve = curve.allowing(public)
+        return StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
+                              stale_after=stale_after, pinned=frozenset({self.name}))
+
+    @property
+    def process(self) -> PollerProcess | None:
+        """The poller child now (owned by the supervisor; read-only here)."""
+        return self._supervisor.process if self._supervisor is not None else None
+
+    @property
+    def start_retries(self) -> int:
+        """Restarts refused by an unreachable store (they use no budget)."""
+        return self._supervisor.start_retries if self._supervisor is not None else 0
+
+    def start(self) -> None:
+        self.endpoint = self.receiver.start()
+        if self.source is None:
+            return
+        started = time.monotonic()
+        self._supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
+                                      budget=self.budget, drained=self._drained, give_up=self.store.fail)
+        self._supervisor.start()
+        # The child's start is bounded by start_timeout; the margin covers launching it.
+        self._supervisor.started.result(self.start_timeout + 30.0)
+        # Return with the store's current contents visible, so a sample()
+        # right after construction sees what is already stored. A source
+        # whose first kv_list() is slow is not an error: it is reported by
+        # the stream, and waiting here stays short.
+        first_poll_wait = min(_FIRST_POLL_WAIT, max(0.0, self.start_timeout - (time.monotonic() - started)))
+        if not self.receiver.wait_first_poll(self.name, first_poll_wait):
+            logger.warning("poller %s: no complete listing within %.3gs of READY", self.name, first_poll_wait)
+
+    def _drained(self, process: PollerProcess) -> Callable[[float], bool]:
+        """Whether everything ``process`` sent before BYE was applied (asked after it exited)."""
+        name, epoch = process.name, process.epoch
+        # Let the receiver end once that BYE is applied: closing its socket then
+        # overlaps the poller's exit instead of following it.
+        self.receiver.stop_after_bye(name, epoch)
+        return lambda seconds: self.receiver.wait_bye(name, epoch, seconds)
+
+    def _new_process(self) -> PollerProcess:
+        assert self.source is not None and self.endpoint is not None
+        # The epoch is chosen here, not by the child, so the receiver knows it
+        # before the child's first message: anyone else using the name is refused.
+        epoch = secrets.randbits(62) + 1
+        self.receiver.expect(self.name, epoch)
+        return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
+                             name=self.name, interval=self.poll_interval,
+                             orphan_cleanup=self._ipc_dir.path if self._ipc_dir else None,
+                             epoch=epoch, curve=self.child_curve, **poller_limits(self.receiver.limits),
+                             **self.poller_options)
+
+    # -- close ------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        if os.getpid() != self.owner_pid:
+            # A forked child's copy (its finalizer at exit, or a `with` block
+            # unwinding in it): the poller, its lifeline, the sockets and the
+            # ipc directory are the parent's. Touch nothing, take no lock (a
+            # thread that held it at the fork does not exist here).
+            return ShutdownReport("no-poller", 0.0, None, False)
+        with self._close_lock:
+            if self._report is not None:
+                return self._report
+            me = threading.get_ident()
+            if self._closer == me:
+                # A signal handler interrupted this thread's own close(): waiting
+                # for that close would wait for ourselves forever (it did, with a
+                # plain lock). It goes on once the handler returns.
+                logger.warning("close() called again while this thread is closing the buffer; not waiting")
+                return ShutdownReport("closing", 0.0, None, False)
+            self._closer = me
+            try:
+                self._report = self._close(self.close_timeout if timeout is None else timeout)
+            finally:
+                self._closer = None
+            return self._report
+
+    def _close(self, timeout: float) -> ShutdownReport:
+        started = time.monotonic()
+        supervisor = self._supervisor
+        if supervisor is None:
+            report = ShutdownReport("no-poller", 0.0, None, False)
+        else:
+            # A request to the child's one owner: STOP, terminate, kill, each
+            # bounded, so this wait is too (the margin covers the reap and a
+            # start it cuts short).
+            report = supervisor.close(timeout).result(2 * timeout + _CLOSE_MARGIN_S)
+            supervisor.join(1.0)
+        self.store.close()
+        self.receiver.stop()
+        _OPEN_CORES.discard(self)
+        if self._ipc_dir is not None:
+            self._ipc_dir.remove()
+        report = report._replace(seconds=time.monotonic() - started)
+        logger.debug("replay buffer closed: %s", report)
+        return report

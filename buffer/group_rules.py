@@ -1,0 +1,275 @@
+"""verl's sampling rules over a :class:`~buffer.groups.GroupPartition`: one decision per view.
+
+Every function here runs with the store lock held and does no I/O: it looks
+at one consistent view of a partition's groups and returns a :class:`Plan`
+(what to clear, how many prompts to refill, which groups to hand out) or
+``None`` (nothing to do until something changes). The adapter
+(:mod:`buffer.verl`) carries a plan out with the lock released — clearing
+keys in the store, calling ``refill_fn``, reading DAPO metrics — and then
+decides again on a fresh view. That is verl's loop, with its
+``sleep(poll_interval)`` replaced by a wait that wakes on the change.
+
+Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
+
+=========  ====================  ==================================  =================================
+mode       stale (strategy drop)  DAPO (filter_groups_metric)         failure
+=========  ====================  ==================================  =================================
+sync       no-op                  evict k, refill credit 2k           kept (padded), or with
+                                                                      sync_refill_failed_groups: empty
+                                                                      failure groups evicted, refill k
+async      evict k, refill k      evict k, refill k                   evict k, refill k
+=========  ====================  ==================================  =================================
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .groups import FAILURE, FINISHED, PENDING, RUNNING, GroupPartition
+
+__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "Rules", "Plan", "DrainState", "accumulate_metrics",
+           "metrics_prefix", "classify"]
+
+#: The dict-valued metric verl logs as a table: ``{shared metric value: groups filtered}``.
+DAPO_FILTERED_REWARD_COUNTS_KEY = "_dapo_filtered_reward_counts"
+
+TERMINAL = (FINISHED, FAILURE)
+INFLIGHT = (PENDING, RUNNING)
+
+
+def metrics_prefix(partition_id: str) -> str:
+    return "training" if partition_id == "train" else "validation"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The sampler's configuration, as the rules need it."""
+
+    asynchronous: bool
+    threshold: int
+    strategy: str
+    dapo_metric: str | None
+    refill_failed: bool
+    has_refill: bool
+    train_batch_size: int | None
+    gen_batch_size: int | None
+    max_inflight_gen_batches: int
+
+    def dapo_on(self, partition_id: str) -> bool:
+        return partition_id != "val" and self.dapo_metric is not None
+
+
+@dataclass
+class DrainState:
+    """Sync DAPO's state across the decisions of one ``sample()``."""
+
+    credit: int = 0
+    draining: bool = False
+
+
+@dataclass
+class Plan:
+    """One decision. Carried out in this order: fetch, error, evict, refill, select."""
+
+    #: uid -> trajectory keys whose DAPO metric must be read before deciding.
+    fetch: dict[str, list[str]] = field(default_factory=dict)
+    error: Exception | None = None
+    #: evicted groups and every key to clear for them (prompts and trajectories).
+    evict: set[str] = field(default_factory=set)
+    evict_keys: list[str] = field(default_factory=list)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    stale_count: int = 0
+    refill: int = 0
+    #: sampleable groups reached the target (wait_for_sampleable).
+    ready: bool = False
+    sampleable: set[str] = field(default_factory=set)
+    #: groups handed out (oldest first) and their trajectory keys.
+    select: list[str] | None = None
+    select_keys: list[str] = field(default_factory=list)
+    #: sync DAPO: terminal groups beyond the batch, cleared.
+    surplus: set[str] = field(default_factory=set)
+    surplus_keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Reasons:
+    stale: set[str] = field(default_factory=set)
+    dapo: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    dapo_counts: Counter[float] = field(default_factory=Counter)
+
+    @property
+    def evicted(self) -> set[str]:
+        return self.stale | self.dapo | self.failed
+
+
+def _check(part: GroupPartition, rules: Rules, partition_id: str) -> Plan | None:
+    """A plan that must come first: a malformed prompt, or DAPO metrics to read."""
+    if part.invalid:
+        return Plan(error=ValueError(f"Unknown status or malformed prompt in partition {partition_id!r}: "
+                                     + "; ".join(list(part.invalid.values())[:5])))
+    if rules.dapo_on(partition_id) and part.unclassified:
+        return Plan(fetch={uid: list(part.trajectories.get(uid, ())) for uid in part.unclassified})
+    return None
+
+
+def _reasons(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int) -> _Reasons:
+    reasons = _Reasons()
+    if partition_id == "val":
+        return reasons
+    if rules.dapo_on(partition_id):
+        reasons.dapo = set(part.filtered)
+        reasons.dapo_counts = Counter(part.filtered.values())
+    if rules.asynchronous:
+        if rules.strategy == "drop":
+            # Span global_steps - step + 1 above the threshold: step < global_steps + 1 - threshold.
+            reasons.stale = set(part.older_than(FINISHED, global_steps + 1 - rules.threshold))
+        reasons.failed = set(part.uids(FAILURE))
+    elif rules.refill_failed:
+        reasons.failed = {uid for uid in part.uids(FAILURE) if uid not in part.trajectories}
+    return reasons
+
+
+def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, reasons: _Reasons) -> Plan:
+    evicted = reasons.evicted
+    plan = Plan(evict=evicted, stale_count=len(reasons.stale))
+    if not evicted:
+        return plan
+    plan.evict_keys = [*evicted, *part.trajectory_keys(evicted)]
+    prefix = metrics_prefix(partition_id)
+    if reasons.stale:
+        spans = [float(global_steps - part.step[uid] + 1) for uid in reasons.stale]
+        plan.metrics.update({
+            f"{prefix}/off_policy/evicted_samples": len(spans),
+            f"{prefix}/off_policy/evicted_samples_staleness/mean": sum(spans) / len(spans),
+            f"{prefix}/off_policy/evicted_samples_staleness/max": max(spans),
+            f"{prefix}/off_policy/evicted_samples_staleness/min": min(spans),
+        })
+    if reasons.dapo:
+        plan.metrics[f"{prefix}/filter_groups/evicted_samples"] = len(reasons.dapo)
+        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(reasons.dapo_counts)
+    if reasons.failed:
+        plan.metrics[f"{prefix}/rollout_failure/evicted_samples"] = len(reasons.failed)
+    return plan
+
+
+def _terminal_count(part: GroupPartition) -> int:
+    return part.count(FINISHED) + part.count(FAILURE)
+
+
+def _select(part: GroupPartition, plan: Plan, n: int) -> None:
+    plan.select = part.oldest(TERMINAL, n, exclude=plan.evict)
+    plan.select_keys = part.trajectory_keys(plan.select)
+
+
+def sampleable_count(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int) -> Plan | int:
+    """Terminal groups the rules would not evict (or a plan to read DAPO metrics first)."""
+    first = _check(part, rules, partition_id)
+    if first is not None:
+        return first
+    reasons = _reasons(part, rules, partition_id, global_steps)
+    return _terminal_count(part) - len(reasons.evicted)
+
+
+def plan_sync(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int, batch_size: int,
+              state: DrainState) -> Plan | None:
+    """One step of verl's synchronous ``sample()``; ``state`` carries DAPO's refill credit."""
+    first = _check(part, rules, partition_id)
+    if first is not None:
+        return first
+    reasons = _reasons(part, rules, partition_id, global_steps)
+    plan = _eviction_plan(part, partition_id, global_steps, reasons)
+    has_enough = _terminal_count(part) - len(plan.evict) >= batch_size
+    inflight = part.count(PENDING) + part.count(RUNNING)
+    failed = len(reasons.failed)
+    dapo = rules.dapo_on(partition_id)
+    if not dapo and failed and not has_enough:
+        plan.refill = failed
+        return plan
+    if dapo:
+        if has_enough:
+            # Enough: stop dispatching and drain what is in flight under this policy version.
+            state.draining, state.credit = True, 0
+        elif not state.draining:
+            state.credit += 2 * len(reasons.dapo) + failed
+        if not state.draining and state.credit > 0:
+            assert rules.train_batch_size is not None and rules.gen_batch_size is not None
+            slots = max(0, rules.max_inflight_gen_batches * rules.train_batch_size - inflight)
+            dispatch = min(state.credit, slots)
+            dispatch -= dispatch % rules.gen_batch_size
+            if dispatch > 0:
+                state.credit -= dispatch
+                plan.refill = dispatch
+                return plan
+    if has_enough and (not dapo or inflight == 0):
+        _select(part, plan, batch_size)
+        if dapo:
+            # Sync stays bufferless: what is terminal beyond the batch is discarded.
+            chosen = set(plan.select or ())
+            plan.surplus = {uid for status in TERMINAL for uid in part.uids(status)
+                            if uid not in chosen and uid not in plan.evict}
+            plan.surplus_keys = [*plan.surplus, *part.trajectory_keys(plan.surplus)]
+        return plan
+    return plan if plan.evict else None
+
+
+def plan_async(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int, target: int,
+               select: bool) -> Plan | None:
+    """One step of verl's ``wait_for_sampleable()`` (and, with ``select``, of ``sample()``)."""
+    first = _check(part, rules, partition_id)
+    if first is not None:
+        return first
+    reasons = _reasons(part, rules, partition_id, global_steps)
+    plan = _eviction_plan(part, partition_id, global_steps, reasons)
+    if plan.evict:
+        plan.refill = len(plan.evict) if rules.has_refill else 0
+        return plan
+    if partition_id != "val" and rules.strategy == "wait":
+        # Dropless: not ready while an in-flight prompt has reached the threshold (span >= threshold).
+        oldest = part.min_step(INFLIGHT)
+        if oldest is not None and global_steps - oldest + 1 >= rules.threshold:
+            return None
+    if _terminal_count(part) < target:
+        return None
+    plan.ready = True
+    if select:
+        _select(part, plan, target)
+    else:
+        plan.sampleable = {uid for status in TERMINAL for uid in part.uids(status)}
+    return plan
+
+
+def classify(values: list[float]) -> float | None:
+    """The value a group's trajectories all share (DAPO filters it), or None when they differ.
+
+    A group of one trajectory always has signal (verl: ``len > 1 and std == 0``).
+    """
+    if len(values) > 1 and all(value == values[0] for value in values):
+        return float(values[0])
+    return None
+
+
+def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any], stale_count: int) -> None:
+    """Fold one decision's eviction metrics into ``acc`` the way verl does.
+
+    Counts add up; the staleness mean stays a per-sample mean (weighted by
+    ``stale_count``), max/min stay extremes, and the DAPO value table merges.
+    """
+    stale_key = next((key for key in new if key.endswith("/off_policy/evicted_samples")), None)
+    before = acc.get(stale_key, 0) if stale_key else 0
+    for key, value in new.items():
+        if key.endswith("/evicted_samples_staleness/mean"):
+            total = before + stale_count
+            acc[key] = (acc.get(key, 0.0) * before + value * stale_count) / total if total else value
+        elif key.endswith("/evicted_samples_staleness/max"):
+            acc[key] = max(acc.get(key, value), value)
+        elif key.endswith("/evicted_samples_staleness/min"):
+            acc[key] = min(acc.get(key, value), value)
+        elif key == DAPO_FILTERED_REWARD_COUNTS_KEY:
+            merged = Counter(acc.get(key, {}))
+            merged.update(value)
+            acc[key] = dict(merged)
+        else:
+            acc[key] = acc.get(key, 0) + value

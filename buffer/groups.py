@@ -1,0 +1,249 @@
+"""verl's prompt groups, indexed from the store's changes.
+
+verl writes two kinds of keys into one partition::
+
+    {uid}                  the prompt: {"is_prompt": True, "status": ..., "global_steps": g}
+    {uid}_{session}_{i}    its trajectories (any tags; "status": "success")
+
+A prompt's ``status`` moves pending -> running -> finished | failure; a
+group (the prompt and its trajectories) is *terminal* once its prompt is
+finished or failure. :class:`GroupIndex` is a policy of the partition store
+(:class:`buffer.partitions.Policy`): the store calls :meth:`GroupIndex.on_change`
+with the lock held for every key that changed, and the index updates only
+what that key touches, so keeping it costs work in proportion to change, never
+a rebuild of the partition. The group rules (:mod:`buffer.group_rules`) read
+it, under the same lock, to decide.
+
+Prompts are bucketed per status by their ``global_steps``, so "the oldest n
+terminal groups", "any in-flight prompt at least this old" and "finished
+groups older than the threshold" touch only the buckets they need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+__all__ = ["GroupIndex", "GroupPartition", "uid_of", "PENDING", "RUNNING", "FINISHED", "FAILURE", "STATUSES"]
+
+PENDING = "pending"
+RUNNING = "running"
+FINISHED = "finished"
+FAILURE = "failure"
+STATUSES = (PENDING, RUNNING, FINISHED, FAILURE)
+_STATUS_SET = frozenset(STATUSES)
+
+Tags = Mapping[str, Any]
+
+
+def uid_of(key: str) -> str:
+    """The group a key belongs to: the part before the first ``_`` (verl's rule)."""
+    return key.partition("_")[0]
+
+
+class GroupPartition:
+    """The groups of one partition. Read it with the store lock held."""
+
+    __slots__ = ("status", "step", "buckets", "trajectories", "invalid", "unclassified", "metric", "filtered")
+
+    def __init__(self) -> None:
+        #: uid -> status of every valid prompt.
+        self.status: dict[str, str] = {}
+        #: uid -> the prompt's ``global_steps``.
+        self.step: dict[str, int] = {}
+        #: status -> step -> uids (in arrival order).
+        self.buckets: dict[str, dict[int, dict[str, None]]] = {status: {} for status in STATUSES}
+        #: uid -> its trajectory keys (in arrival order); a uid may have no prompt (yet).
+        self.trajectories: dict[str, dict[str, None]] = {}
+        #: prompt key -> why it cannot be used (unknown status, no integer global_steps).
+        self.invalid: dict[str, str] = {}
+        #: finished uids whose DAPO metric has not been read yet.
+        self.unclassified: dict[str, None] = {}
+        #: finished uid -> the metric value every trajectory shares, or None (the group has signal).
+        self.metric: dict[str, float | None] = {}
+        #: the DAPO-filtered subset of ``metric``: uid -> the shared value.
+        self.filtered: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{status}={self.count(status)}" for status in STATUSES)
+        return f"<GroupPartition {counts} groups_with_trajectories={len(self.trajectories)}>"
+
+    def counts(self) -> dict[str, int]:
+        return {status: self.count(status) for status in STATUSES}
+
+    def describe(self, partition_id: str) -> str:
+        """Counts by status and the oldest prompts in flight (for timeouts and progress logs)."""
+        inflight = [*self.uids(RUNNING), *self.uids(PENDING)][:5]
+        return (f"partition {partition_id!r} holds {self.count(PENDING)} pending, {self.count(RUNNING)} running, "
+                f"{self.count(FINISHED)} finished and {self.count(FAILURE)} failure prompt(s)"
+                + (f"; in flight: {', '.join(inflight)}" if inflight else ""))
+
+    def count(self, status: str) -> int:
+        return sum(len(uids) for uids in self.buckets[status].values())
+
+    def uids(self, status: str) -> Iterator[str]:
+        """uids of ``status``, oldest ``global_steps`` first."""
+        bucket = self.buckets[status]
+        for step in sorted(bucket):
+            yield from bucket[step]
+
+    def oldest(self, statuses: Iterable[str], n: int, exclude: Iterable[str] = ()) -> list[str]:
+        """Up to ``n`` uids of ``statuses``, oldest prompt ``global_steps`` first, skipping ``exclude``."""
+        skipped = set(exclude)
+        buckets = [self.buckets[status] for status in statuses]
+        chosen: list[str] = []
+        if n <= 0:
+            return chosen
+        for step in sorted({step for bucket in buckets for step in bucket}):
+            for bucket in buckets:
+                for uid in bucket.get(step, ()):
+                    if uid not in skipped:
+                        chosen.append(uid)
+                        if len(chosen) == n:
+                            return chosen
+        return chosen
+
+    def older_than(self, status: str, step: int) -> list[str]:
+        """uids of ``status`` whose prompt ``global_steps`` is below ``step``."""
+        bucket = self.buckets[status]
+        return [uid for s in sorted(bucket) if s < step for uid in bucket[s]]
+
+    def min_step(self, statuses: Iterable[str]) -> int | None:
+        steps = [min(self.buckets[status]) for status in statuses if self.buckets[status]]
+        return min(steps) if steps else None
+
+    def trajectory_keys(self, uids: Iterable[str]) -> list[str]:
+        return [key for uid in uids for key in self.trajectories.get(uid, ())]
+
+    def record_metric(self, uid: str, keys: list[str], value: float | None) -> bool:
+        """Keep the DAPO classification of a finished group read from ``keys``.
+
+        Refused (False) when the group is no longer finished or its
+        trajectories changed since they were read: it is read again.
+        """
+        if uid not in self.unclassified or list(self.trajectories.get(uid, ())) != keys:
+            return False
+        del self.unclassified[uid]
+        self.metric[uid] = value
+        if value is not None:
+            self.filtered[uid] = value
+        return True
+
+    def is_empty(self) -> bool:
+        return not (self.status or self.trajectories or self.invalid)
+
+    # -- maintenance (GroupIndex.on_change) -------------------------------------
+
+    def _forget_metric(self, uid: str) -> None:
+        # A finished group's trajectories changed: what was read of them is stale.
+        self.metric.pop(uid, None)
+        self.filtered.pop(uid, None)
+        if self.status.get(uid) == FINISHED:
+            self.unclassified[uid] = None
+
+    def _index(self, key: str, tags: Tags) -> None:
+        if tags.get("is_prompt"):
+            status: Any = tags.get("status")
+            step: Any = tags.get("global_steps")
+            problem = _prompt_problem(status, step)
+            if problem is not None:
+                self.invalid[key] = f"prompt {key!r} {problem}"
+                return
+            self.status[key] = status
+            self.step[key] = step
+            self.buckets[status].setdefault(step, {})[key] = None
+            if status == FINISHED:
+                self.unclassified[key] = None
+            return
+        uid = uid_of(key)
+        self.trajectories.setdefault(uid, {})[key] = None
+        self._forget_metric(uid)
+
+    def _unindex(self, key: str, tags: Tags) -> None:
+        if tags.get("is_prompt"):
+            if self.invalid.pop(key, None) is not None:
+                return
+            status = self.status.pop(key, None)
+            if status is None:
+                return
+            step = self.step.pop(key)
+            bucket = self.buckets[status]
+            uids = bucket[step]
+            del uids[key]
+            if not uids:
+                del bucket[step]
+            self.unclassified.pop(key, None)
+            self.metric.pop(key, None)
+            self.filtered.pop(key, None)
+            return
+        uid = uid_of(key)
+        keys = self.trajectories.get(uid)
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self.trajectories[uid]
+        self._forget_metric(uid)
+
+
+def _prompt_problem(status: Any, step: Any) -> str | None:
+    if not isinstance(status, str) or status not in _STATUS_SET:
+        return f"has unknown status {status!r} (expected one of {', '.join(STATUSES)})"
+    if not isinstance(step, int) or isinstance(step, bool):
+        return f"has no integer global_steps (got {step!r})"
+    return None
+
+
+def _prompt_class(tags: Tags) -> tuple[Any, Any, Any] | None:
+    """What of a key's tags the index depends on (None: a trajectory)."""
+    if not tags.get("is_prompt"):
+        return None
+    return True, tags.get("status"), tags.get("global_steps")
+
+
+_EMPTY = GroupPartition()
+
+
+class GroupIndex:
+    """A store policy keeping every partition's groups (see the module docstring).
+
+    ``on_change`` never raises and never calls back into the store.
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, GroupPartition] = {}
+        #: changes seen, for stats and tests.
+        self.changes = 0
+
+    def __repr__(self) -> str:
+        return f"<GroupIndex partitions={sorted(self._parts)} changes={self.changes}>"
+
+    def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
+        self.changes += 1
+        if old is not None and new is not None:
+            old_class = _prompt_class(old)
+            if old_class is None and _prompt_class(new) is None:
+                return  # a trajectory's tags changed: its group did not
+            if old_class is not None and old_class == _prompt_class(new):
+                return  # a prompt's other tags changed
+        part = self._parts.get(partition_id)
+        if part is None:
+            if new is None:
+                return
+            part = self._parts[partition_id] = GroupPartition()
+        if old is not None:
+            part._unindex(key, old)
+        if new is not None:
+            part._index(key, new)
+        if part.is_empty():
+            del self._parts[partition_id]
+
+    def partition(self, partition_id: str) -> GroupPartition:
+        """The groups of ``partition_id`` (an empty, shared view if it has none); read it under the lock."""
+        return self._parts.get(partition_id, _EMPTY)
+
+    def edit(self, partition_id: str) -> GroupPartition | None:
+        """The partition to record DAPO metrics in, or None if it has no groups."""
+        return self._parts.get(partition_id)
+
+    def partition_ids(self) -> list[str]:
+        return list(self._parts)

@@ -1,0 +1,165 @@
+"""Step sampling: ``ReplayBuffer.sample(global_steps=/batch_size=)`` as a policy.
+
+:class:`StepIndex` follows every change of a :class:`~buffer.partitions.PartitionStore`
+and keeps, per partition, the keys ``"running"`` per step and the keys
+``"success"`` (per step and overall) with their arrival numbers, so that a
+check of ``sample()`` costs what its answer holds, not the partition's size.
+:class:`StepSampler` waits on the store for a batch those indexes allow.
+
+Every index maps to atomic values (ints, or sets of strs), so the garbage
+collector has nothing of the store's to walk.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
+
+from .partitions import PartitionStore, Tags
+
+__all__ = ["BatchMeta", "StepIndex", "StepSampler"]
+
+RUNNING = "running"
+SUCCESS = "success"
+
+
+class BatchMeta(NamedTuple):
+    """A sampled batch: keys in arrival order and a copy of their tags."""
+
+    partition_id: str
+    keys: list[str]
+    tags: list[Tags]
+
+
+def _classify(tags: Mapping[str, Any] | None) -> tuple[Any, Any]:
+    if tags is None:
+        return None, None
+    step = tags.get("global_steps")
+    # Unhashable steps cannot be indexed and can never equal a requested int.
+    try:
+        hash(step)
+    except TypeError:
+        step = None
+    return step, tags.get("status")
+
+
+@dataclass
+class _Partition:
+    arrival: dict[str, int]
+    running_by_step: dict[Any, set[str]]
+    success_by_step: dict[Any, dict[str, int]]
+    success: dict[str, int]
+
+    @classmethod
+    def empty(cls) -> "_Partition":
+        return cls({}, {}, {}, {})
+
+
+class StepIndex:
+    """The step/status indexes of every partition, kept from store changes."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, _Partition] = {}
+        self._arrivals = 0
+
+    def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
+        part = self.parts.get(partition_id)
+        if part is None:
+            part = self.parts[partition_id] = _Partition.empty()
+        if old is None:
+            self._arrivals += 1
+            part.arrival[key] = self._arrivals
+        self._reindex(part, key, _classify(old), _classify(new))
+        if new is None:
+            part.arrival.pop(key, None)
+
+    def _reindex(self, part: _Partition, key: str, old: tuple[Any, Any], new: tuple[Any, Any]) -> None:
+        if old == new:
+            return
+        old_step, old_status = old
+        if old_status == RUNNING and old_step is not None:
+            running = part.running_by_step.get(old_step)
+            if running is not None:
+                running.discard(key)
+                if not running:
+                    del part.running_by_step[old_step]
+        elif old_status == SUCCESS:
+            part.success.pop(key, None)
+            if old_step is not None:
+                succeeded = part.success_by_step.get(old_step)
+                if succeeded is not None:
+                    succeeded.pop(key, None)
+                    if not succeeded:
+                        del part.success_by_step[old_step]
+        new_step, new_status = new
+        if new_status == RUNNING and new_step is not None:
+            part.running_by_step.setdefault(new_step, set()).add(key)
+        elif new_status == SUCCESS:
+            order = part.arrival[key]
+            part.success[key] = order
+            if new_step is not None:
+                part.success_by_step.setdefault(new_step, {})[key] = order
+
+
+class StepSampler:
+    """``sample()`` over ``store`` by step or by batch size; attaches its index."""
+
+    def __init__(self, store: PartitionStore) -> None:
+        self._store = store
+        self.index = StepIndex()
+        store.attach(self.index)
+
+    def sample(self, partition_id: str, *, global_steps: Any = None, batch_size: int | None = None,
+               timeout: float | None = None) -> BatchMeta:
+        """Wait for a batch; see :meth:`buffer.ReplayBuffer.sample`."""
+        if (global_steps is None) == (batch_size is None):
+            raise ValueError("pass exactly one of global_steps= or batch_size=")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if timeout is not None and not timeout >= 0:  # also refuses NaN
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+        if global_steps is not None:
+            def attempt() -> BatchMeta | None:
+                return self._try_step(partition_id, global_steps)
+        else:
+            assert batch_size is not None
+
+            def attempt() -> BatchMeta | None:
+                return self._try_size(partition_id, batch_size)
+        return self._store.wait_until(
+            attempt, timeout=timeout,
+            describe=lambda: self._waiting_for(partition_id, global_steps, batch_size, timeout))
+
+    # -- attempts (store lock held) ----------------------------------------------
+
+    def _batch(self, partition_id: str, keys: list[str]) -> BatchMeta:
+        tags = self._store.get(partition_id, keys)
+        return BatchMeta(partition_id, keys, [tags[k] for k in keys])
+
+    def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:
+        part = self.index.parts.get(partition_id)
+        if part is None:
+            return BatchMeta(partition_id, [], [])
+        if part.running_by_step.get(step):
+            return None
+        succeeded = part.success_by_step.get(step, {})
+        keys = sorted(succeeded, key=succeeded.__getitem__)
+        return self._batch(partition_id, keys)
+
+    def _try_size(self, partition_id: str, n: int) -> BatchMeta | None:
+        part = self.index.parts.get(partition_id)
+        if part is None or len(part.success) < n:
+            return None
+        keys = heapq.nsmallest(n, part.success, key=part.success.__getitem__)
+        return self._batch(partition_id, keys)
+
+    def _waiting_for(self, partition_id: str, step: Any, n: int | None, timeout: float | None) -> str:
+        call = f"sample({partition_id!r}, " + (f"global_steps={step!r}" if n is None else f"batch_size={n}") + ")"
+        part = self.index.parts.get(partition_id) or _Partition.empty()
+        if n is None:
+            running = sorted(part.running_by_step.get(step, ()), key=part.arrival.__getitem__)
+            names = ", ".join(running[:5]) + (", ..." if len(running) > 5 else "")
+            return (f"{call} timed out after {timeout:g}s: {len(running)} key(s) of step {step!r} "
+                    f"still 'running' ({names})")
+        return f"{call} timed out after {timeout:g}s: only {len(part.success)} of {n} 'success' key(s) present"

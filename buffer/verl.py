@@ -1,0 +1,397 @@
+"""A drop-in sampler for verl's v1 trainers, fed by the isolated poller.
+
+::
+
+    trainer.v1.sampler.custom_sampler.path: pkg://buffer.verl
+    trainer.v1.sampler.custom_sampler.name: ReplayBuffer
+    trainer.v1.sampler.sampler_kwargs: {poll_interval: 0.05}   # optional
+
+verl's own sampler lists the whole store with ``kv_list()`` in the trainer's
+thread, rebuilds its state from it and sleeps ``poll_interval`` between
+tries. Here the poller lists the store in its own process and streams what
+changed; a :class:`~buffer.groups.GroupIndex` attached to the buffer's store
+keeps the groups from those changes; each decision of the rules
+(:mod:`buffer.group_rules`) looks at one consistent view under the store's
+lock, and a wait wakes on the change that completes it::
+
+    sample() ── decide (store lock) ─▶ Plan ── clear / refill_fn / read DAPO metrics (no lock)
+       ▲                                │        then sync(): the next view reflects them
+       └──── wake on change ◀── store ◀─┘◀── poller process (kv_list, diff) ◀── TransferQueue
+
+The poller starts on the first ``sample`` / ``wait_for_sampleable`` /
+``get_sampleable_count``: constructing the sampler does no I/O, so a trainer
+whose constructor fails after building it leaks nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+from poller.process import ShutdownReport
+
+from . import verl_io
+from .errors import BufferClosed
+from .group_rules import (
+    DAPO_FILTERED_REWARD_COUNTS_KEY,
+    DrainState,
+    Plan,
+    Rules,
+    accumulate_metrics,
+    metrics_prefix,
+    plan_async,
+    plan_sync,
+    sampleable_count,
+)
+from .groups import GroupIndex, GroupPartition
+from .replay import ReplayBuffer as _Buffer
+from .verl_config import SamplerConfig
+from .verl_io import VerlBatch
+
+__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
+
+logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
+
+# A sync started ahead gives up after this long; the next call then syncs itself (with its own deadline).
+_SYNC_AHEAD_TIMEOUT = 60.0
+
+
+class ReplayBuffer:
+    """verl's sampler, synchronous rules; ``trainer_mode != "sync"`` gives a :class:`ReplayBufferAsync`.
+
+    Takes verl's constructor (keywords, or positions as verl's built-in
+    class). ``poll_interval``, ``filter_groups_metric``, ``train_batch_size``,
+    ``gen_batch_size``, ``max_inflight_gen_batches`` and
+    ``sync_refill_failed_groups`` may also be given in ``sampler_kwargs``
+    (verl passes them only to its built-in class), together with this
+    sampler's own options: ``sample_timeout`` (seconds a ``sample`` /
+    ``wait_for_sampleable`` may wait, default none), ``log_interval``
+    (seconds between progress logs while waiting, default 60), ``source`` and
+    ``source_kwargs`` (default: the running TransferQueue), ``start_timeout``,
+    ``close_timeout`` and ``max_restarts`` (of the buffer).
+
+    Raises:
+        ValueError: an option is out of range (verl's checks and more), unknown, or given twice.
+        TypeError: ``sampler_kwargs`` is not a mapping, or ``refill_fn`` is not callable.
+    """
+
+    _ASYNCHRONOUS = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
+        if cls is ReplayBuffer:
+            mode = kwargs["trainer_mode"] if "trainer_mode" in kwargs else (args[0] if args else "sync")
+            if mode != "sync":
+                cls = ReplayBufferAsync
+        return super().__new__(cls)
+
+    def __init__(self, trainer_mode: str, trainer_config: Any, max_off_policy_threshold: int,
+                 max_off_policy_strategy: str, sampler_kwargs: Any, poll_interval: float | None = None,
+                 refill_fn: Callable[[int], Any] | None = None, filter_groups_metric: str | None = None,
+                 train_batch_size: int | None = None, gen_batch_size: int | None = None,
+                 max_inflight_gen_batches: int = 1, sync_refill_failed_groups: bool = False) -> None:
+        given = {"poll_interval": poll_interval, "filter_groups_metric": filter_groups_metric,
+                 "train_batch_size": train_batch_size, "gen_batch_size": gen_batch_size,
+                 "max_inflight_gen_batches": max_inflight_gen_batches,
+                 "sync_refill_failed_groups": sync_refill_failed_groups}
+        config = SamplerConfig.resolve(asynchronous=self._ASYNCHRONOUS, trainer_mode=trainer_mode,
+                                       max_off_policy_threshold=max_off_policy_threshold,
+                                       max_off_policy_strategy=max_off_policy_strategy,
+                                       sampler_kwargs=sampler_kwargs, refill_fn=refill_fn, given=given)
+        self._config = config
+        # verl's attributes, resolved (trainer_separate_async reads poll_interval).
+        self.trainer_mode = trainer_mode
+        self.trainer_config = trainer_config
+        self.max_off_policy_threshold = max_off_policy_threshold
+        self.max_off_policy_strategy = max_off_policy_strategy
+        self.sampler_kwargs = sampler_kwargs
+        self.poll_interval = config.poll_interval
+        self.refill_fn = refill_fn
+        self.filter_groups_metric = config.filter_groups_metric
+        self.train_batch_size = config.train_batch_size
+        self.gen_batch_size = config.gen_batch_size
+        self.max_inflight_gen_batches = config.max_inflight_gen_batches
+        self.sync_refill_failed_groups = config.sync_refill_failed_groups
+        self._rules = Rules(asynchronous=self._ASYNCHRONOUS, threshold=max_off_policy_threshold,
+                            strategy=max_off_policy_strategy, dapo_metric=config.filter_groups_metric,
+                            refill_failed=config.sync_refill_failed_groups, has_refill=refill_fn is not None,
+                            train_batch_size=config.train_batch_size, gen_batch_size=config.gen_batch_size,
+                            max_inflight_gen_batches=config.max_inflight_gen_batches)
+        self._index = GroupIndex()
+        self._lock = threading.Lock()
+        self._buffer: _Buffer | None = None
+        self._client: Any = None
+        self._finalizer: weakref.finalize | None = None
+        self._closed = False
+        self._needs_sync = False
+        self._sync_ahead: verl_io.SyncAhead | None = None
+        # DAPO metrics read outside the lock, recorded in the index by the next decision.
+        self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
+        self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0}
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._buffer is not None else "not started")
+        return (f"<{type(self).__name__} mode={self.trainer_mode!r} {state} "
+                f"poll_interval={self.poll_interval:g}s buffer={self._buffer!r}>")
+
+    # -- verl's methods -------------------------------------------------------------------
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
+        """Hand out ``batch_size`` whole groups, oldest ``global_steps`` first, after the mode's evictions.
+
+        Returns every trajectory of the chosen groups with its tags (a
+        ``KVBatchMeta``) and the eviction metrics accrued while waiting. The
+        chosen prompt keys are cleared in the store; the trajectories are left
+        for the trainer to clear after its step.
+
+        Raises:
+            TimeoutError: ``sample_timeout`` passed (the message names the prompts in flight).
+            RuntimeError: no chosen group has a trajectory (enable sync_refill_failed_groups),
+                or finished DAPO groups lack the metric.
+            ValueError: a prompt in the partition has an unknown status.
+            PollerCrashed, BufferClosed: the poller is dead for good / the sampler was closed.
+        """
+        what = self._call("sample", global_steps, partition_id, batch_size)
+        deadline = self._deadline()
+        metrics: dict[str, Any] = {}
+        state = DrainState()
+        while True:
+            plan = self._decide(what, partition_id, deadline,
+                                lambda part: plan_sync(part, self._rules, partition_id, global_steps,
+                                                       batch_size, state))
+            if not self._carry_out(plan, partition_id, metrics, deadline):
+                break
+        assert plan.select is not None
+        if plan.surplus:
+            self._clear(partition_id, plan.surplus_keys)
+            key = f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"
+            metrics[key] = metrics.get(key, 0) + len(plan.surplus)
+        if partition_id != "val" and not plan.select_keys:
+            message = "Sync replay buffer selected terminal groups with no materializable trajectories."
+            if not self.sync_refill_failed_groups:
+                message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
+            raise RuntimeError(message)
+        return self._materialize(partition_id, plan.select, plan.select_keys), metrics
+
+    def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
+        """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
+        what = self._call("get_sampleable_count", global_steps, partition_id)
+        deadline = self._deadline()
+        def count(part: GroupPartition) -> Plan | int:
+            return sampleable_count(part, self._rules, partition_id, global_steps)
+
+        while True:
+            result = cast("Plan | int", self._decide(what, partition_id, deadline, count))
+            if isinstance(result, int):
+                return result
+            self._carry_out(result, partition_id, {}, deadline)
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        """Stop the poller and release everything; idempotent. verl never calls it: the finalizer does."""
+        with self._lock:
+            self._closed = True
+            buffer, finalizer = self._buffer, self._finalizer
+        if buffer is None:
+            return ShutdownReport("no-poller", 0.0, None, False)
+        report = buffer.close(timeout)
+        if finalizer is not None:
+            finalizer()
+        if self._sync_ahead is not None:
+            self._sync_ahead.done(1.0)  # ends with BufferClosed
+        return report
+
+    def stats(self) -> dict[str, Any]:
+        """The buffer's ``stats()`` (once started) plus this sampler's counters and groups by status."""
+        with self._lock:
+            if self._closed:
+                raise BufferClosed("the sampler is closed")
+            buffer = self._buffer
+        out: dict[str, Any] = {"started": buffer is not None, **self._counters,
+                               "index_changes": self._index.changes}
+        if buffer is not None:
+            out.update(buffer.stats())
+            out["groups"] = buffer._wait_until(self._group_counts, timeout=0, describe=lambda: "stats")
+        return out
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- deciding and carrying out ------------------------------------------------------------
+
+    def _call(self, name: str, global_steps: Any, partition_id: Any, count: Any = None,
+              count_name: str = "batch_size") -> str:
+        if not isinstance(global_steps, int) or isinstance(global_steps, bool):
+            raise TypeError(f"global_steps must be an int, got {global_steps!r}")
+        if not isinstance(partition_id, str) or not partition_id:
+            raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+            raise ValueError(f"the batch size / target count must be an int >= 0, got {count!r}")
+        tail = "" if count is None else f", {count_name}={count}"
+        return f"{name}(global_steps={global_steps}, partition_id={partition_id!r}{tail})"
+
+    def _deadline(self) -> float | None:
+        timeout = self._config.sample_timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _started(self) -> _Buffer:
+        with self._lock:
+            if self._closed:
+                raise BufferClosed("the sampler is closed")
+            if self._buffer is not None:
+                return self._buffer
+            config = self._config
+            spec, kwargs = verl_io.poller_source(config.source, config.source_kwargs)
+            client, owned = verl_io.open_client(config.source, config.source_kwargs,
+                                        need_fields=config.filter_groups_metric is not None)
+            try:
+                buffer = _Buffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
+                                 **config.buffer_kwargs)
+            except BaseException:
+                verl_io.shut_down(None, client, owned)
+                raise
+            self._finalizer = weakref.finalize(self, verl_io.shut_down, buffer, client, owned)
+            try:
+                buffer._attach_policy(self._index)
+            except BaseException:
+                self._finalizer()
+                raise
+            self._buffer, self._client = buffer, client
+            logger.debug("verl sampler started: %r", buffer)
+            return buffer
+
+    def _decide(self, what: str, partition_id: str, deadline: float | None,
+                rule: Callable[[GroupPartition], _R | None]) -> _R:
+        """The first non-None ``rule(view)``, waking on every change; logs progress while it waits."""
+        buffer = self._started()
+        ahead, self._sync_ahead = self._sync_ahead, None
+        if ahead is not None and self._needs_sync:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._needs_sync = not ahead.done(remaining)
+        if self._needs_sync:
+            self._sync(what, deadline)
+
+        def attempt() -> _R | None:
+            self._record_fetched(partition_id)
+            self._counters["decisions"] += 1
+            return rule(self._index.partition(partition_id))
+
+        started = last_log = time.monotonic()
+        while True:
+            now = time.monotonic()
+            wait = self._config.log_interval - (now - last_log)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            try:
+                return buffer._wait_until(attempt, timeout=max(0.0, wait),
+                                          describe=lambda: self._index.partition(partition_id).describe(partition_id))
+            except TimeoutError as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what} timed out after {self._config.sample_timeout:g}s: {exc}") from None
+                last_log = time.monotonic()
+                logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
+
+    def _carry_out(self, plan: Plan, partition_id: str, metrics: dict[str, Any], deadline: float | None) -> bool:
+        """Do the plan's I/O; True when the caller must decide again."""
+        if plan.fetch:
+            self._fetch(partition_id, plan.fetch)
+            return True
+        if plan.error is not None:
+            raise plan.error
+        if plan.evict:
+            self._clear(partition_id, plan.evict_keys)
+            accumulate_metrics(metrics, plan.metrics, plan.stale_count)
+        if plan.refill:
+            assert self.refill_fn is not None
+            self._counters["refills"] += 1
+            self.refill_fn(plan.refill)
+            # What refill_fn wrote (synchronously) is in the next view.
+            self._sync("refill_fn", deadline)
+        return plan.select is None and not plan.ready
+
+    def _sync(self, what: str, deadline: float | None) -> None:
+        buffer = self._started()
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._counters["syncs"] += 1
+        try:
+            buffer.sync(remaining)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{what}: no fresh listing of the store before the deadline: {exc}") from None
+        self._needs_sync = False
+
+    def _clear(self, partition_id: str, keys: list[str]) -> None:
+        """Clear keys in the store and forget them here at once; the next decision syncs first."""
+        buffer = self._started()
+        self._client.kv_clear(keys=keys, partition_id=partition_id)
+        buffer.remove(partition_id, keys)
+        self._counters["cleared_keys"] += len(keys)
+        self._needs_sync = True
+
+    def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
+        """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
+        assert self._config.filter_groups_metric is not None
+        classes = verl_io.classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
+        self._fetched.setdefault(partition_id, {}).update(classes)
+
+    def _record_fetched(self, partition_id: str) -> None:
+        fetched = self._fetched.pop(partition_id, None)
+        part = self._index.edit(partition_id)
+        if fetched and part is not None:
+            for uid, (keys, value) in fetched.items():
+                part.record_metric(uid, keys, value)
+
+    def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
+        buffer = self._started()
+        held = buffer._store.get(partition_id, keys)
+        keys = [key for key in keys if key in held]
+        self._clear(partition_id, uids)
+        self._counters["batches"] += 1
+        # The next call must see a listing that began after this clear: have it run during the training step.
+        self._sync_ahead = verl_io.SyncAhead(buffer, _SYNC_AHEAD_TIMEOUT)
+        on_tq = verl_io.is_transferqueue(self._config.source)
+        return verl_io.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)
+
+    def _group_counts(self) -> dict[str, dict[str, int]]:
+        return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}
+
+
+class ReplayBufferAsync(ReplayBuffer):
+    """verl's sampler with the asynchronous rules (staleness drop/wait, failure eviction, refill k)."""
+
+    _ASYNCHRONOUS = True
+
+    def wait_for_sampleable(self, global_steps: int, partition_id: str,
+                            target_count: int) -> tuple[set[str], dict[str, Any]]:
+        """Wait until ``target_count`` groups are sampleable, evicting and refilling meanwhile.
+
+        Returns their uids and the eviction metrics; nothing is consumed.
+        """
+        what = self._call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
+        plan, metrics = self._wait(what, global_steps, partition_id, target_count, select=False)
+        return plan.sampleable, metrics
+
+    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
+        what = self._call("sample", global_steps, partition_id, batch_size)
+        plan, metrics = self._wait(what, global_steps, partition_id, batch_size, select=True)
+        assert plan.select is not None
+        return self._materialize(partition_id, plan.select, plan.select_keys), metrics
+
+    sample.__doc__ = ReplayBuffer.sample.__doc__
+
+    def _wait(self, what: str, global_steps: int, partition_id: str, target: int,
+              select: bool) -> tuple[Plan, dict[str, Any]]:
+        deadline = self._deadline()
+        metrics: dict[str, Any] = {}
+        while True:
+            plan = self._decide(what, partition_id, deadline,
+                                lambda part: plan_async(part, self._rules, partition_id, global_steps, target,
+                                                        select))
+            if not self._carry_out(plan, partition_id, metrics, deadline):
+                return plan, metrics

@@ -1,0 +1,170 @@
+"""The verl sampler's configuration: constructor arguments and ``sampler_kwargs``, checked.
+
+verl builds a custom sampler with six keywords only (``trainer_mode``,
+``trainer_config``, ``max_off_policy_threshold``, ``max_off_policy_strategy``,
+``sampler_kwargs``, ``refill_fn``), so every other option may also come from
+``sampler_kwargs``. An option given both ways must agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from poller.sources import SourceSpec
+
+__all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS"]
+
+#: Seconds between the poller's listings when neither the constructor nor sampler_kwargs say.
+DEFAULT_POLL_INTERVAL = 0.2
+
+#: The constructor's options that sampler_kwargs may carry too, with their defaults.
+_SHARED = {"poll_interval": None, "filter_groups_metric": None, "train_batch_size": None, "gen_batch_size": None,
+           "max_inflight_gen_batches": 1, "sync_refill_failed_groups": False}
+#: Options only sampler_kwargs carries, with their defaults.
+_OWN = {"sample_timeout": None, "log_interval": 60.0, "source": None, "source_kwargs": None,
+        "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3}
+#: Every key sampler_kwargs may hold.
+SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
+
+
+def plain(value: Any) -> Any:
+    """``value`` with every mapping and list made a plain dict / list (verl passes OmegaConf containers)."""
+    if isinstance(value, Mapping):
+        return {str(key): plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [plain(item) for item in value]
+    return value
+
+
+def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _seconds(name: str, value: Any, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive number of seconds{' or None' if allow_none else ''}, "
+                         f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Everything the sampler was configured with, checked."""
+
+    trainer_mode: str
+    asynchronous: bool
+    max_off_policy_threshold: int
+    max_off_policy_strategy: str
+    refill_fn: Callable[[int], Any] | None
+    poll_interval: float
+    filter_groups_metric: str | None
+    train_batch_size: int | None
+    gen_batch_size: int | None
+    max_inflight_gen_batches: int
+    sync_refill_failed_groups: bool
+    sample_timeout: float | None
+    log_interval: float
+    source: SourceSpec | None
+    source_kwargs: dict[str, Any] | None
+    buffer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(cls, *, asynchronous: bool, trainer_mode: Any, max_off_policy_threshold: Any,
+                max_off_policy_strategy: Any, sampler_kwargs: Any, refill_fn: Any,
+                given: Mapping[str, Any]) -> SamplerConfig:
+        """Check and merge. ``given`` holds the shared options as the constructor received them.
+
+        Raises:
+            ValueError: any option is out of range, unknown, or given twice with different values.
+            TypeError: ``sampler_kwargs`` is not a mapping, ``refill_fn`` not callable.
+        """
+        if not isinstance(trainer_mode, str) or not trainer_mode:
+            raise ValueError(f"trainer_mode must be a non-empty string such as 'sync', got {trainer_mode!r}")
+        if (not isinstance(max_off_policy_threshold, int) or isinstance(max_off_policy_threshold, bool)
+                or max_off_policy_threshold <= 0):
+            raise ValueError(f"Invalid max off policy threshold: {max_off_policy_threshold!r}, "
+                             "must be an integer greater than 0")
+        if max_off_policy_strategy not in ("drop", "wait"):
+            raise ValueError(f"Invalid max off policy strategy: {max_off_policy_strategy!r}, "
+                             "must be one of ['drop', 'wait']")
+        if sampler_kwargs is None:
+            sampler_kwargs = {}
+        if not isinstance(sampler_kwargs, Mapping):
+            raise TypeError(f"sampler_kwargs must be a mapping, got {type(sampler_kwargs).__name__}")
+        kwargs = plain(sampler_kwargs)
+        unknown = sorted(set(kwargs) - SAMPLER_KWARGS)
+        if unknown:
+            raise ValueError(f"unknown sampler_kwargs {unknown}; known: {sorted(SAMPLER_KWARGS)}")
+        if refill_fn is not None and not callable(refill_fn):
+            raise TypeError(f"refill_fn must be callable, got {type(refill_fn).__name__}")
+        options = {name: _pick(name, default, given.get(name, default), kwargs) for name, default in _SHARED.items()}
+        own = {name: kwargs.get(name, default) for name, default in _OWN.items()}
+        config = cls(
+            trainer_mode=trainer_mode, asynchronous=asynchronous,
+            max_off_policy_threshold=max_off_policy_threshold, max_off_policy_strategy=max_off_policy_strategy,
+            refill_fn=refill_fn,
+            poll_interval=DEFAULT_POLL_INTERVAL if options["poll_interval"] is None else options["poll_interval"],
+            filter_groups_metric=options["filter_groups_metric"], train_batch_size=options["train_batch_size"],
+            gen_batch_size=options["gen_batch_size"], max_inflight_gen_batches=options["max_inflight_gen_batches"],
+            sync_refill_failed_groups=options["sync_refill_failed_groups"],
+            sample_timeout=own["sample_timeout"], log_interval=own["log_interval"], source=own["source"],
+            source_kwargs=own["source_kwargs"],
+            buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts")})
+        config._check()
+        return config
+
+    def _check(self) -> None:
+        _seconds("poll_interval", self.poll_interval, allow_none=False)
+        _seconds("sample_timeout", self.sample_timeout, allow_none=True)
+        _seconds("log_interval", self.log_interval, allow_none=False)
+        _seconds("start_timeout", self.buffer_kwargs["start_timeout"], allow_none=False)
+        _seconds("close_timeout", self.buffer_kwargs["close_timeout"], allow_none=False)
+        restarts = self.buffer_kwargs["max_restarts"]
+        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {restarts!r}")
+        metric = self.filter_groups_metric
+        if metric is not None and (not isinstance(metric, str) or not metric):
+            raise ValueError(f"filter_groups_metric must be a non-empty string or None, got {metric!r}")
+        if not isinstance(self.sync_refill_failed_groups, bool):
+            raise ValueError(f"sync_refill_failed_groups must be a bool, got {self.sync_refill_failed_groups!r}")
+        _positive_int("train_batch_size", self.train_batch_size, allow_none=True)
+        _positive_int("gen_batch_size", self.gen_batch_size, allow_none=True)
+        if metric is not None and self.refill_fn is None:
+            raise ValueError("Group filtering (filter_groups_metric) requires refill_fn to replace evicted groups")
+        if self.sync_refill_failed_groups and self.refill_fn is None:
+            raise ValueError("sync_refill_failed_groups requires refill_fn to replace failed groups")
+        if self.source is not None and not (isinstance(self.source, str) or callable(self.source)):
+            raise ValueError(f"source must be a 'package.module:attr' spec or a callable, got {self.source!r}")
+        if self.source_kwargs is not None and not isinstance(self.source_kwargs, dict):
+            raise ValueError(f"source_kwargs must be a mapping, got {self.source_kwargs!r}")
+        if self.asynchronous:
+            return
+        # Sync mode only (verl's _validate_mode_config).
+        if metric is not None:
+            try:
+                _positive_int("max_inflight_gen_batches", self.max_inflight_gen_batches)
+            except ValueError:
+                raise ValueError("max_inflight_gen_batches must be a positive integer, "
+                                 f"got {self.max_inflight_gen_batches!r}") from None
+            if self.train_batch_size is None or self.gen_batch_size is None:
+                raise ValueError("sync group filtering (filter_groups_metric) needs train_batch_size and "
+                                 "gen_batch_size (in sampler_kwargs when verl builds a custom sampler)")
+        if self.sync_refill_failed_groups and self.gen_batch_size != 1:
+            raise ValueError(f"sync_refill_failed_groups requires gen_batch_size=1, got {self.gen_batch_size!r}")
+
+
+def _pick(name: str, default: Any, argument: Any, kwargs: Mapping[str, Any]) -> Any:
+    """The constructor's value unless it is the default; sampler_kwargs otherwise. Both set: must agree."""
+    if name not in kwargs:
+        return argument
+    if argument is not default and argument != default and kwargs[name] != argument:
+        raise ValueError(f"{name} is given twice with different values: {argument!r} as an argument and "
+                         f"{kwargs[name]!r} in sampler_kwargs")
+    return kwargs[name]

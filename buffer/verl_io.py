@@ -1,0 +1,186 @@
+"""The verl sampler's own store calls: where it clears keys and reads DAPO metrics, and its batch record.
+
+The poller lists the store in its own process; the few writes and reads the
+sampler makes itself run in the trainer:
+
+* on TransferQueue (the default source), through ``transfer_queue``'s
+  module functions, in the trainer process that initialised it;
+* on any other source (the embedded SQLite store in tests and the example),
+  through an instance the trainer builds from the same spec and kwargs; it
+  must have ``kv_clear`` (and ``kv_batch_get`` for DAPO).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from poller.sources import SourceSpec, describe_spec, load_source
+from poller.sources import _resolve as resolve_spec
+from poller.sources.transferqueue import SPEC as TRANSFERQUEUE_SPEC
+from poller.sources.transferqueue import source_kwargs as transferqueue_source_kwargs
+
+from .group_rules import classify
+
+__all__ = ["StoreClient", "SyncAhead", "VerlBatch", "classify_groups", "close_client", "is_transferqueue",
+           "make_batch", "open_client", "poller_source", "read_metric", "shut_down"]
+
+
+class StoreClient(Protocol):
+    def kv_clear(self, keys: list[str], partition_id: str) -> None: ...
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: list[str] | None = None) -> Any: ...
+
+
+@dataclass
+class VerlBatch:
+    """A batch shaped like ``transfer_queue.KVBatchMeta``, used when TransferQueue is not loaded."""
+
+    keys: list[str] = field(default_factory=list)
+    tags: list[dict[str, Any]] = field(default_factory=list)
+    partition_id: str | None = None
+    fields: list[str] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+def is_transferqueue(source: SourceSpec | None) -> bool:
+    return source is None or source == TRANSFERQUEUE_SPEC
+
+
+def poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None) -> tuple[SourceSpec, dict[str, Any]]:
+    """The spec and kwargs the poller lists. TransferQueue's address is looked up here, in the trainer."""
+    if not is_transferqueue(source):
+        assert source is not None
+        return source, dict(kwargs or {})
+    given = dict(kwargs or {})
+    if "address" in given:
+        return TRANSFERQUEUE_SPEC, given
+    # Options only (call_timeout, partition_ids, ...): the address comes from the live controller.
+    return TRANSFERQUEUE_SPEC, transferqueue_source_kwargs(None, **given)
+
+
+def open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:
+    """The trainer-side client and whether the sampler owns it (and must close it).
+
+    Raises:
+        TypeError: the client lacks ``kv_clear`` (or ``kv_batch_get`` when DAPO needs it).
+    """
+    if is_transferqueue(source):
+        # Imported here, in the trainer that initialised it: import_module keeps type checkers out of it.
+        return importlib.import_module("transfer_queue"), False
+    assert source is not None
+    client = load_source(source, kwargs)
+    # load_source hands back a ready-made source object as it is: that one is not ours to close.
+    target = resolve_spec(source) if isinstance(source, str) else source
+    owned = client is not target
+    wanted = ["kv_clear"] + (["kv_batch_get"] if need_fields else [])
+    missing = [name for name in wanted if not callable(getattr(client, name, None))]
+    if missing:
+        if owned:
+            _close(client)
+        raise TypeError(f"source {describe_spec(source)} built {type(client).__name__}, which has no "
+                        f"{' or '.join(missing)}: the sampler clears keys"
+                        + (" and reads DAPO metrics" if need_fields else "") + " through it")
+    return client, owned
+
+
+def _close(client: Any) -> None:
+    close = getattr(client, "close", None)
+    if callable(close):
+        close()
+
+
+def close_client(client: Any, owned: bool) -> None:
+    if owned:
+        _close(client)
+
+
+class SyncAhead:
+    """``buffer.sync()`` in a thread, started right after a call's last write.
+
+    The listing it waits for runs while the trainer trains on the batch, so
+    the next call usually finds it applied instead of waiting one listing.
+    """
+
+    def __init__(self, buffer: Any, timeout: float) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(buffer, timeout), name="verl-sync-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, buffer: Any, timeout: float) -> None:
+        try:
+            buffer.sync(timeout)
+        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
+            self.error = exc
+
+    def done(self, timeout: float | None) -> bool:
+        """True once the sync succeeded (waiting up to ``timeout``)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive() and self.error is None
+
+
+def shut_down(buffer: Any, client: Any, owned: bool) -> None:
+    """The sampler's finalizer: close its buffer, then the client it built (no reference to the sampler)."""
+    try:
+        if buffer is not None:
+            buffer.close()
+    finally:
+        close_client(client, owned)
+
+
+def read_metric(client: Any, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
+    """Each key's ``extra_fields["reward_extra_info"][metric]`` (None where it is missing)."""
+    if not keys:
+        return []
+    data = client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
+    column = list(data["extra_fields"])
+    if len(column) != len(keys):
+        raise RuntimeError(f"kv_batch_get returned {len(column)} extra_fields for {len(keys)} keys")
+    values: list[float | None] = []
+    for extra in column:
+        extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
+        info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
+        values.append(float(info[metric]) if isinstance(info, dict) and metric in info else None)
+    return values
+
+
+def classify_groups(client: Any, partition_id: str, groups: dict[str, list[str]],
+                    metric: str) -> dict[str, tuple[list[str], float | None]]:
+    """uid -> (the trajectory keys read, the value DAPO filters on or None), for finished groups.
+
+    Raises:
+        RuntimeError: a group has no trajectory, or one without the metric (verl's error).
+    """
+    keys = [key for group_keys in groups.values() for key in group_keys]
+    values = iter(read_metric(client, partition_id, keys, metric))
+    classes: dict[str, tuple[list[str], float | None]] = {}
+    missing = []
+    for uid, group_keys in groups.items():
+        group_values = [next(values) for _ in group_keys]
+        present = [value for value in group_values if value is not None]
+        if not group_values or len(present) != len(group_values):
+            missing.append(uid)
+        else:
+            classes[uid] = (group_keys, classify(present))
+    if missing:
+        raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
+    return classes
+
+
+def make_batch(partition_id: str, keys: list[str], tags: list[dict[str, Any]], transferqueue: bool) -> Any:
+    """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
+    if transferqueue or "transfer_queue" in sys.modules:
+        meta = importlib.import_module("transfer_queue").KVBatchMeta
+        return meta(partition_id=partition_id, keys=keys, tags=tags)
+    return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)

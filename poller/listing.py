@@ -1,0 +1,195 @@
+"""What the poller sends for a listing: check and diff it, then encode the diff as DELTA bodies.
+
+Pure functions, no threads and no sockets: :class:`~poller.polling.PollingThread`
+calls them on every poll, and tests call them directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, NamedTuple
+
+from .errors import ProtocolError
+from .protocol import Limits, check_decodable, encode_delta, pack_delta_payload
+
+__all__ = ["Listing", "ListingDiff", "diff_raw_listing", "commit_listing", "iter_encode_diff"]
+
+Tags = dict[str, Any]
+Listing = dict[str, dict[str, Tags]]
+
+
+def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True) -> "ListingDiff":
+    """Check a ``kv_list()`` result and diff it against ``sent``, in one pass over ``raw``.
+
+    The diff holds the keys whose tags changed since ``sent`` (as fresh
+    dicts; ``None`` tags are ``{}``) and, unless ``full``, the keys that
+    vanished. With ``full`` every listed key is an upsert and nothing is a
+    delete: the receiver works out what vanished from the snapshot itself,
+    because after a restart this side no longer knows what it had sent.
+    ``raw=None`` means nothing is stored. ``complete=False`` (a change set,
+    not a listing): nothing is a delete, keys absent from ``raw`` are kept.
+
+    Only changed tags are copied and checked; an unchanged key costs one
+    lookup and one comparison in C, and nothing is built for it unless
+    ``full`` (K=100k, 1% changed: 87 ms -> 39 ms per poll). ``sent`` is not
+    modified; :func:`commit_listing` applies the diff once it was encoded.
+
+    Raises:
+        TypeError: ``raw`` is not ``{str: {str: mapping-with-str-keys}}``, with
+            a message naming the first offending entry (a source error: it
+            keeps garbage out of the stream instead of breaking it).
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"kv_list() returned {type(raw).__name__}, expected a mapping of partitions")
+    upserts: dict[str, dict[str, Tags]] = {}
+    deletes: dict[str, list[str]] = {}
+    listed: set[str] = set()
+    for partition, items in raw.items():
+        if not isinstance(partition, str):
+            raise TypeError(f"kv_list() partition id {partition!r} is not a str")
+        if items is None:
+            continue
+        if not isinstance(items, Mapping):
+            raise TypeError(f"kv_list()[{partition!r}] is {type(items).__name__}, expected a mapping of keys")
+        previous = sent.get(partition, {})
+        changed: dict[str, Tags] = {}
+        matched = 0
+        for key, tags in items.items():
+            held = previous.get(key)
+            if held is not None:
+                matched += 1
+                if held == tags:  # checked when it was first held
+                    if full:
+                        changed[key] = held
+                    continue
+            if not isinstance(key, str):
+                raise TypeError(f"kv_list()[{partition!r}] key {key!r} is not a str")
+            if tags is None:
+                tags = {}
+            if type(tags) is not dict and not isinstance(tags, Mapping):
+                raise TypeError(f"kv_list()[{partition!r}][{key!r}] tags are {type(tags).__name__}, expected a mapping")
+            changed[key] = dict(tags)
+        if items:
+            listed.add(partition)
+        if changed:
+            upserts[partition] = changed
+        if complete and not full and matched < len(previous):
+            deletes[partition] = [key for key in previous if key not in items]
+    if complete and not full:
+        for partition, previous in sent.items():
+            if partition not in listed and previous:
+                deletes[partition] = list(previous)
+    return ListingDiff(upserts, deletes)
+
+
+def commit_listing(sent: Listing, diff: "ListingDiff", full: bool) -> None:
+    """Make ``sent`` what the receiver holds once ``diff`` is applied."""
+    if full:
+        sent.clear()
+        sent.update({partition: dict(items) for partition, items in diff.upserts.items()})
+        return
+    for partition, items in diff.upserts.items():
+        sent.setdefault(partition, {}).update(items)
+    for partition, keys in diff.deletes.items():
+        held = sent.get(partition)
+        if held is not None:
+            for key in keys:
+                held.pop(key, None)
+            if not held:
+                del sent[partition]
+
+
+class ListingDiff(NamedTuple):
+    """What changed between the last listing sent and the current one."""
+
+    upserts: dict[str, dict[str, Tags]]
+    deletes: dict[str, list[str]]
+
+    def item_count(self) -> int:
+        return sum(map(len, self.upserts.values())) + sum(map(len, self.deletes.values()))
+
+
+def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
+    """Split a diff into pieces of at most ``size`` entries each.
+
+    A partition's entries are contiguous, so each piece holds at most one
+    slice of each partition: slicing copies in C instead of key by key.
+    """
+    upserts: dict[str, dict[str, Tags]] = {}
+    deletes: dict[str, list[str]] = {}
+    n = 0
+    yielded = False
+    for partition, items in diff.upserts.items():
+        pairs = list(items.items())
+        i = 0
+        while i < len(pairs):
+            take = pairs[i:i + size - n]
+            upserts[partition] = dict(take)
+            n += len(take)
+            i += len(take)
+            if n >= size:
+                yield ListingDiff(upserts, deletes)
+                upserts, deletes, n, yielded = {}, {}, 0, True
+    for partition, keys in diff.deletes.items():
+        i = 0
+        while i < len(keys):
+            part = keys[i:i + size - n]
+            deletes[partition] = part
+            n += len(part)
+            i += len(part)
+            if n >= size:
+                yield ListingDiff(upserts, deletes)
+                upserts, deletes, n, yielded = {}, {}, 0, True
+    if n or not yielded:  # an empty poll is still one (empty) message
+        yield ListingDiff(upserts, deletes)
+
+
+def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
+                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None,
+                     sync: int = 0) -> Iterator[bytes]:
+    """Encode a diff as one or more DELTA bodies, each under the frame limit, one at a time.
+
+    The first body of a full snapshot carries ``reset``; the last body of
+    every poll carries ``end``, which tells the receiver the poll is complete.
+    Each body can be sent while the next is packed, so the trainer decodes
+    a snapshot while the poller still encodes it. A ProtocolError can come
+    after some bodies were sent: the poll then has no ``end`` and is sent
+    again, which the receiver tolerates (merges are idempotent, a new
+    snapshot starts over). ``limits`` are the receiver's (default: the
+    defaults, with ``max_frame_bytes``).
+
+    Raises:
+        ProtocolError: a value msgpack cannot encode or the receiver would
+            refuse, or one key whose tags alone exceed ``max_frame_bytes``.
+    """
+    # Before the first body: what the receiver would refuse must not half-send a poll.
+    check_decodable(diff.upserts, limits or Limits(max_frame_bytes=max_frame_bytes))
+    previous: bytes | None = None
+    first = True
+    for payload in _payloads(diff, chunk_items, max_frame_bytes):
+        if previous is not None:
+            yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=False,
+                               payload=previous, sync=sync)
+            first = False
+        previous = payload
+    assert previous is not None  # _chunks yields at least one piece
+    yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=True, payload=previous,
+                       sync=sync)
+
+
+def _payloads(diff: ListingDiff, size: int, max_frame_bytes: int) -> Iterator[bytes]:
+    for piece in _chunks(diff, size):
+        payload = pack_delta_payload(piece.upserts, piece.deletes)
+        if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
+            yield payload
+            continue
+        n = piece.item_count()
+        if n <= 1:
+            raise ProtocolError(
+                f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
+        yield from _payloads(piece, (n + 1) // 2, max_frame_bytes)
+
+
+# Upper bound of the fixed fields encode_delta puts before the payload.
+_DELTA_HEAD_BYTES = 64

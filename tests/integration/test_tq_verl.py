@@ -1,0 +1,101 @@
+"""buffer.verl on a real TransferQueue: verl's rules as its trainer and agent loop write them, built both ways,
+tq.close() before the sampler is dropped, a SIGKILLed trainer, and the verl v1 example.
+
+The scenarios run inside the store host (tests/integration/verl_scenarios.py), where TransferQueue is live as in
+a verl trainer; the pollers they start are children of the host and are checked there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import alive, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIOS = "tests.integration.verl_scenarios"
+
+
+def run(store: Any, name: str) -> dict[str, Any]:
+    return store.call("run", f"{SCENARIOS}:{name}", timeout=240)
+
+
+def test_sync_rules_built_the_custom_path_way(store):
+    out = run(store, "sync_rules")
+    # The waiting sample returned on the change (the poller lists every 50 ms), not after seconds of sleeps.
+    assert out["latency_s"] < 5.0
+
+
+def test_async_drop_failure_refill_and_wait_built_with_verls_full_signature(store):
+    out = run(store, "async_rules")
+    assert sum(out["refill_calls"]) == 3
+
+
+def test_sync_dapo_reads_extra_fields_from_transferqueue_and_failed_groups_are_refilled(store):
+    out = run(store, "dapo_rules")
+    assert out["metrics"]["training/filter_groups/evicted_samples"] == 1
+
+
+def test_tq_close_before_the_sampler_is_dropped_neither_hangs_nor_kills(store):
+    held = run(store, "hold_sampler")
+    assert held["keys"] == 1
+    store.call("close_tq")  # verl's finally: the store goes first; the sampler is never closed
+    out = run(store, "drop_sampler")
+    assert out["outcome"].startswith("TimeoutError") and out["waited_s"] < 30, out
+    assert out["poller_alive_after_tq_close"] and out["poller_gone"], out
+
+
+_TRAINER = textwrap.dedent("""
+    import json, sys, time
+    from buffer.verl import ReplayBuffer
+    rb = ReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=1,
+                      max_off_policy_strategy="drop", sampler_kwargs={"source_kwargs": json.loads(sys.argv[1])})
+    rb.get_sampleable_count(0, "train")  # starts the poller
+    print(json.dumps({"poller_pid": rb.stats()["poller_pid"]}), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_sigkilled_trainer_leaves_no_poller(store):
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, json.dumps(store.call("kwargs"))], cwd=REPO,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        line = trainer.stdout.readline()
+        assert line, "the trainer died before its sampler started"
+        poller_pid = json.loads(line)["poller_pid"]
+        trainer.send_signal(signal.SIGKILL)
+        assert trainer.wait(30) == -signal.SIGKILL
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(30)
+        trainer.stdout.close()
+    assert wait_until(lambda: not alive(poller_pid), timeout=10)
+    assert store.call("list", "train") is not None  # the controller serves on
+
+
+def test_the_verl_v1_example_on_transferqueue():
+    tmp = tempfile.mkdtemp(prefix="tq-verl-", dir="/tmp")
+    try:
+        result = subprocess.run([sys.executable, "examples/verl_v1_trainer.py", "--store", "transferqueue",
+                                 "--mode", "colocate_async", "--steps", "2"], cwd=REPO,
+                                env=dict(os.environ, TMPDIR=tmp), capture_output=True, text=True, timeout=280)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events] == ["trainer-built", "step", "step", "fit-done", "store-closed"]
+    # tq.close() ran with the sampler still alive; its poller is gone with the trainer.
+    assert not alive(events[1]["poller_pid"])

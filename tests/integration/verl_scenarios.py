@@ -1,0 +1,271 @@
+"""buffer.verl scenarios, run inside the store host (where TransferQueue is live, as in verl's trainer).
+
+Each function takes ``tq.init()``'s config, drives the store the way verl's
+trainer and agent loop write, asserts, closes what it opened and returns
+observations for the test. Nothing here runs in the test process.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, ReplayBuffer
+from poller.procfs import is_running
+from poller.sources.transferqueue import source_kwargs
+
+POLL = 0.05
+_held: dict[str, Any] = {}
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex
+
+
+def submit(pid: str, uids: list[str], step: int) -> None:
+    """verl's _submit_batch_to_rollout: prompts registered as pending, tags only."""
+    import transfer_queue as tq
+
+    tq.kv_batch_put(keys=uids, partition_id=pid,
+                    tags=[{"is_prompt": True, "status": "pending", "global_steps": step} for _ in uids])
+
+
+def agent_loop(pid: str, uid: str, step: int, *, status: str = "finished", sessions: int = 1,
+               rewards: list[float] | None = None) -> list[str]:
+    """verl's agent loop: running, each session's trajectory (data and tags), then the terminal status."""
+    import torch
+    import transfer_queue as tq
+
+    tq.kv_put(key=uid, partition_id=pid, tag={"status": "running"})
+    keys = []
+    for session in range(sessions):
+        fields: dict[str, Any] = {"input_ids": torch.tensor([1, 2, 3])}
+        if rewards is not None:
+            fields["extra_fields"] = {"reward_extra_info": {"acc": float(rewards[session])}}
+        key = f"{uid}_{session}_0"
+        tq.kv_put(key=key, partition_id=pid, fields=fields,
+                  tag={"status": "success", "global_steps": step, "seq_len": 3})
+        keys.append(key)
+    if status != "running":
+        tq.kv_put(key=uid, partition_id=pid, tag={"status": status})
+    return keys
+
+
+def group(pid: str, status: str, step: int = 0, **kwargs: Any) -> str:
+    uid = _uid()
+    submit(pid, [uid], step)
+    agent_loop(pid, uid, step, status=status, **kwargs)
+    return uid
+
+
+def group_prompt_last(pid: str, status: str, step: int = 0, sessions: int = 1) -> str:
+    """The order of verl's CPU tests: trajectories first, the prompt key (all its tags) after them."""
+    import torch
+    import transfer_queue as tq
+
+    uid = _uid()
+    for session in range(sessions):
+        tq.kv_put(key=f"{uid}_{session}_0", partition_id=pid, fields={"input_ids": torch.tensor([1])},
+                  tag={"status": "success", "global_steps": step})
+    tq.kv_put(key=uid, partition_id=pid, tag={"is_prompt": True, "status": status, "global_steps": step})
+    return uid
+
+
+def listed(pid: str) -> dict[str, Any]:
+    import transfer_queue as tq
+
+    return tq.kv_list(pid).get(pid, {})
+
+
+def uids_of(keys: list[str]) -> set[str]:
+    return {key.split("_")[0] for key in keys}
+
+
+def custom_path(mode: str, refill_fn: Any = None, threshold: int = 2, strategy: str = "drop",
+                **sampler_kwargs: Any) -> ReplayBuffer:
+    """verl's custom-sampler construction: six keywords; the source is found through Ray."""
+    return ReplayBuffer(trainer_mode=mode, trainer_config={}, max_off_policy_threshold=threshold,
+                        max_off_policy_strategy=strategy, refill_fn=refill_fn,
+                        sampler_kwargs={"poll_interval": POLL, "sample_timeout": 60, **sampler_kwargs})
+
+
+class Refill:
+    """refill_fn writing synchronously: pending prompts whose rollouts finish before it returns."""
+
+    def __init__(self, pid: str, step: int, sessions: int = 1, rewards: list[float] | None = None,
+                 before: Callable[[int], None] | None = None) -> None:
+        self.pid, self.step, self.sessions, self.rewards, self.before = pid, step, sessions, rewards, before
+        self.calls: list[int] = []
+        self.produced: list[str] = []
+
+    def __call__(self, n: int) -> int:
+        if self.before is not None:
+            self.before(len(self.calls))
+        self.calls.append(n)
+        uids = [_uid() for _ in range(n)]
+        submit(self.pid, uids, self.step)
+        for uid in uids:
+            agent_loop(self.pid, uid, self.step, sessions=self.sessions, rewards=self.rewards)
+        self.produced.extend(uids)
+        return n
+
+
+def _closed(rb: ReplayBuffer) -> int:
+    pid = rb.stats()["poller_pid"]
+    assert rb.close().stage == "graceful"
+    assert not is_running(pid)
+    return pid
+
+
+def sync_rules(conf: Any) -> dict[str, Any]:
+    newest = group("train", "finished", step=5, sessions=2)
+    oldest = group_prompt_last("train", "failure", step=1)
+    middle = group("train", "finished", step=2, sessions=3)
+    running = group("train", "running", step=0)
+    rb = custom_path("sync")
+    assert type(rb) is ReplayBuffer
+    batch, metrics = rb.sample(global_steps=5, partition_id="train", batch_size=2)
+    assert type(batch).__name__ == "KVBatchMeta" and batch.partition_id == "train" and metrics == {}
+    assert uids_of(batch.keys) == {oldest, middle} and len(batch.keys) == 4
+    assert all(tag["status"] == "success" for tag in batch.tags)
+    now = listed("train")
+    assert oldest not in now and middle not in now and newest in now and running in now
+    assert set(batch.keys) <= set(now)  # trajectories are the trainer's to clear
+    # Read-your-writes: the groups just handed out are not handed out again, even at once.
+    again, _ = rb.sample(global_steps=5, partition_id="train", batch_size=1)
+    assert uids_of(again.keys) == {newest}
+    # Event-driven: a waiting sample returns when the agent loop finishes the last group.
+    out: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: out.update(batch=rb.sample(global_steps=5, partition_id="train",
+                                                                          batch_size=1)[0]))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive()
+    import transfer_queue as tq
+
+    finished_at = time.monotonic()
+    tq.kv_put(key=running, partition_id="train", tag={"status": "finished"})
+    waiter.join(60)
+    latency = time.monotonic() - finished_at
+    assert uids_of(out["batch"].keys) == {running}
+    tq.kv_clear(keys=[*batch.keys, *again.keys, *out["batch"].keys], partition_id="train")
+    # A stuck group: a bounded wait naming it.
+    stuck = group("train", "running", step=6)
+    timed = custom_path("sync", sample_timeout=1.0)
+    message = "no TimeoutError"
+    try:
+        timed.sample(global_steps=6, partition_id="train", batch_size=1)
+    except TimeoutError as exc:
+        message = str(exc)
+    assert stuck in message and "1 running" in message, message
+    _closed(timed)
+    # Validation never evicts: a stale failure group is handed out as it is.
+    val_failure = group("val", "failure", step=0)
+    val_batch, val_metrics = rb.sample(global_steps=9, partition_id="val", batch_size=1)
+    assert uids_of(val_batch.keys) == {val_failure} and val_metrics == {}
+    return {"latency_s": latency, "decisions": rb.stats()["decisions"], "poller_pid": _closed(rb)}
+
+
+def async_rules(conf: Any) -> dict[str, Any]:
+    stale = group("train", "finished", step=0)
+    boundary = group("train", "finished", step=4)
+    failure = group("train", "failure", step=5)
+    stale_running = group("train", "running", step=0)
+
+    def finish_during_first_refill(call: int) -> None:
+        if call == 0:  # the prompt turns terminal (and stale) while refill_fn runs
+            import transfer_queue as tq
+
+            tq.kv_put(key=stale_running, partition_id="train", tag={"status": "finished"})
+
+    refill = Refill("train", step=5, before=finish_during_first_refill)
+    # verl's built-in construction: every argument by position.
+    rb = ReplayBuffer("colocate_async", {}, 2, "drop", {"source_kwargs": source_kwargs(conf), "poll_interval": POLL,
+                                                         "sample_timeout": 60}, None, refill)
+    assert type(rb).__name__ == "ReplayBufferAsync"
+    assert rb.get_sampleable_count(global_steps=5, partition_id="train") == 1  # boundary only; nothing consumed
+    assert {stale, failure} <= set(listed("train"))
+    batch, metrics = rb.sample(global_steps=5, partition_id="train", batch_size=2)
+    sampled = uids_of(batch.keys)
+    assert boundary in sampled and len(sampled) == 2 and sampled - {boundary} <= set(refill.produced)
+    assert {stale, failure, stale_running}.isdisjoint(listed("train"))
+    assert metrics["training/off_policy/evicted_samples"] == 2
+    assert metrics["training/rollout_failure/evicted_samples"] == 1
+    assert sum(refill.calls) == 3
+    # wait: dropless, holds while an in-flight prompt reached the threshold.
+    import transfer_queue as tq
+
+    tq.kv_clear(keys=list(listed("train")), partition_id="train")
+    fresh = group("train", "finished", step=5)
+    late = group("train", "running", step=3)  # span 3 >= 2
+    waiting = custom_path("colocate_async", strategy="wait")
+    out: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: out.update(r=waiting.wait_for_sampleable(5, "train", 1)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive()
+    tq.kv_put(key=late, partition_id="train", tag={"status": "finished"})
+    waiter.join(60)
+    assert out["r"] == ({fresh, late}, {})
+    _closed(waiting)
+    return {"refill_calls": refill.calls, "metrics": metrics, "poller_pid": _closed(rb)}
+
+
+def dapo_rules(conf: Any) -> dict[str, Any]:
+    same = group("train", "finished", step=1, sessions=2, rewards=[0.0, 0.0])
+    mixed = group("train", "finished", step=1, sessions=2, rewards=[0.0, 1.0])
+    refill = Refill("train", step=1, sessions=2, rewards=[0.0, 1.0])
+    rb = custom_path("sync", refill, filter_groups_metric="acc", train_batch_size=2, gen_batch_size=1)
+    batch, metrics = rb.sample(global_steps=1, partition_id="train", batch_size=2)
+    sampled = uids_of(batch.keys)
+    assert same not in sampled and mixed in sampled and refill.calls == [2], (sampled, refill.calls)
+    assert metrics == {"training/filter_groups/evicted_samples": 1, DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1},
+                       "training/filter_groups/discarded_surplus_samples": 1}, metrics
+    surplus = (set(refill.produced) - sampled).pop()
+    assert {same, f"{same}_0_0", surplus, f"{surplus}_1_0"}.isdisjoint(listed("train"))
+    _closed(rb)
+    # sync_refill_failed_groups: a failure group without trajectories is evicted and refilled.
+    import transfer_queue as tq
+
+    tq.kv_clear(keys=list(listed("train")), partition_id="train")
+    finished = group("train", "finished", step=1)
+    empty = group("train", "failure", step=1, sessions=0)
+    refill = Refill("train", step=1)
+    rb = custom_path("sync", refill, sync_refill_failed_groups=True, gen_batch_size=1)
+    batch, failure_metrics = rb.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert uids_of(batch.keys) == {finished, *refill.produced} and refill.calls == [1]
+    assert failure_metrics == {"training/rollout_failure/evicted_samples": 1} and empty not in listed("train")
+    return {"metrics": {k: v for k, v in metrics.items() if not k.startswith("_")}, "poller_pid": _closed(rb)}
+
+
+def hold_sampler(conf: Any) -> dict[str, Any]:
+    """A sampler the way verl holds one: started, never closed (see drop_sampler)."""
+    group("train", "finished", step=1)
+    rb = custom_path("sync", sample_timeout=2.0)
+    batch, _ = rb.sample(global_steps=1, partition_id="train", batch_size=1)
+    _held["rb"] = rb
+    return {"poller_pid": rb.stats()["poller_pid"], "keys": len(batch.keys)}
+
+
+def drop_sampler(conf: Any) -> dict[str, Any]:
+    """After tq.close(): waits are bounded, nothing hangs, and dropping the sampler stops its poller."""
+    rb = _held.pop("rb")
+    pid = rb.stats()["poller_pid"]
+    started = time.monotonic()
+    try:
+        rb.sample(global_steps=1, partition_id="train", batch_size=1)
+        outcome = "returned"
+    except TimeoutError as exc:
+        outcome = f"TimeoutError: {exc}"
+    waited = time.monotonic() - started
+    alive_after_close = is_running(pid)
+    del rb
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while is_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"outcome": outcome, "waited_s": waited, "poller_alive_after_tq_close": alive_after_close,
+            "poller_gone": not is_running(pid)}

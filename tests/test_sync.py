@@ -1,0 +1,151 @@
+"""``ReplayBuffer.sync()``: read-your-writes over a real poller process and a real SQLite store.
+
+Every buffer here polls once a minute, so anything seen within a test was
+brought by the poll ``sync()`` asked for, not by the schedule.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from buffer import BufferClosed, ReplayBuffer
+from poller import PollerCrashed
+from tests.conftest import wait_until
+
+SQLITE = "poller.sources.sqlite:SqliteSource"
+SLOW_SCHEDULE = 60.0
+
+
+def _faulty(fault: str, db: str, **kwargs: object) -> dict[str, object]:
+    return {"source": f"poller.faults:{fault}",
+            "source_kwargs": {"inner": SQLITE, "inner_kwargs": {"path": db}, **kwargs}}
+
+
+@pytest.fixture
+def rb(db, store):
+    store.kv_list()  # the file and its schema exist before the poller opens it
+    buffer = ReplayBuffer(SQLITE, source_kwargs={"path": db}, poll_interval=SLOW_SCHEDULE)
+    yield buffer
+    buffer.close()
+
+
+def test_a_write_is_visible_right_after_sync(rb, store):
+    store.kv_put("k1", "train", tag={"global_steps": 1, "status": "success"})
+    rb.sync(timeout=30)
+    assert rb.snapshot("train") == {"k1": {"global_steps": 1, "status": "success"}}
+    assert rb.sample("train", global_steps=1, timeout=0).keys == ["k1"]
+    store.kv_clear(["k1"], "train")
+    store.kv_put("k2", "train", tag={"status": "running"})
+    rb.sync(timeout=30)
+    assert rb.snapshot("train") == {"k2": {"status": "running"}}
+    assert rb.stats()["polls"] == 3  # the first listing, then one per sync
+
+
+def test_without_a_source_sync_returns_at_once():
+    with ReplayBuffer() as rb:
+        rb.add("p", {"k": {}})
+        rb.sync()
+        rb.sync(timeout=0)
+        with pytest.raises(ValueError, match="timeout"):
+            rb.sync(timeout=-1)
+    with pytest.raises(BufferClosed):
+        rb.sync()
+
+
+def test_bad_timeouts_are_refused(rb):
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="timeout"):
+            rb.sync(timeout=bad)
+
+
+def test_concurrent_callers_each_see_their_own_write(rb, store):
+    errors: list[BaseException] = []
+    seen: dict[int, bool] = {}
+
+    def writer(i: int) -> None:
+        try:
+            store_i = type(store)(store.path)
+            try:
+                store_i.kv_put(f"w{i}", "train", tag={"i": i})
+            finally:
+                store_i.close()
+            rb.sync(timeout=60)
+            seen[i] = f"w{i}" in rb.snapshot("train")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors
+    assert seen == {i: True for i in range(8)}
+    # One listing may answer several callers; never more polls than calls.
+    assert 2 <= rb.stats()["polls"] <= 1 + 8
+
+
+def test_a_stalled_source_times_out_with_a_clear_message(db, store, tmp_path: Path):
+    store.kv_list()
+    trigger = tmp_path / "hang-now"
+    with ReplayBuffer(**_faulty("hang", db, when_exists=str(trigger)), poll_interval=SLOW_SCHEDULE) as rb:
+        trigger.touch()
+        store.kv_put("k", "train", tag={})
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"sync\(\) timed out .* no complete listing of poller"):
+            rb.sync(timeout=1.0)
+        assert time.monotonic() - started >= 1.0
+        assert "k" not in rb.snapshot("train")
+        report = rb.close(timeout=5)
+    assert report.stage == "graceful"
+
+
+def test_sync_survives_a_poller_restart_during_the_wait(db, store, tmp_path: Path):
+    store.kv_list()
+    trigger, marker = tmp_path / "crash-now", tmp_path / "crashed"
+    # The poll that sync() asks for crashes the poller (once): the restarted
+    # one never received the request and must be asked again.
+    with ReplayBuffer(**_faulty("crash", db, when_exists=str(trigger), marker=str(marker), once=True),
+                      poll_interval=SLOW_SCHEDULE) as rb:
+        store.kv_put("k", "train", tag={"status": "success"})
+        trigger.touch()
+        rb.sync(timeout=60)
+        assert marker.exists()
+        assert rb.stats()["restarts"] == 1
+        assert rb.snapshot("train") == {"k": {"status": "success"}}
+
+
+def test_a_poller_dead_for_good_raises_poller_crashed(db, store, tmp_path: Path):
+    store.kv_list()
+    trigger = tmp_path / "crash-now"
+    with ReplayBuffer(**_faulty("crash", db, when_exists=str(trigger)), poll_interval=SLOW_SCHEDULE,
+                      max_restarts=0) as rb:
+        trigger.touch()
+        with pytest.raises(PollerCrashed):
+            rb.sync(timeout=60)
+
+
+def test_closing_wakes_a_waiting_sync(db, store, tmp_path: Path):
+    store.kv_list()
+    trigger = tmp_path / "hang-now"
+    rb = ReplayBuffer(**_faulty("hang", db, when_exists=str(trigger)), poll_interval=SLOW_SCHEDULE)
+    trigger.touch()
+    outcome: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            rb.sync(timeout=60)
+        except BaseException as exc:  # checked below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.3)
+    rb.close(timeout=5)
+    thread.join(10)
+    assert wait_until(lambda: bool(outcome))
+    assert isinstance(outcome[0], BufferClosed)

@@ -1,0 +1,73 @@
+"""Removed-key tombstones under clock skew between the trainer and a poller's host.
+
+A scripted peer plays a poller on another host whose clock differs from the
+trainer's by ``skew`` seconds: it stamps each DELTA's ``t`` (the poll's start
+on its own clock) as that host would. Polls are numbered as a real poller
+numbers them. The buffer is real, over a real socket.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from buffer import ReplayBuffer
+from poller.faults.peer import RoguePeer
+from poller.protocol import Kind
+from tests.conftest import wait_until
+
+
+@pytest.fixture
+def rb():
+    buffer = ReplayBuffer()
+    yield buffer
+    buffer.close()
+
+
+@pytest.fixture
+def peer(rb):
+    p = RoguePeer(rb.endpoint, name="skewed-host", epoch=5)
+    p.ready()
+    yield p
+    p.close()
+
+
+def _poll(rb: ReplayBuffer, peer: RoguePeer, number: int, started: float, upserts: dict[str, Any]) -> None:
+    """Send poll ``number`` (begun at ``started`` on the peer's clock) whole; wait until it is applied."""
+    marker = f"poll-{number}"
+    peer.send(Kind.DELTA, {"poll": number, "t": started, "full": False, "reset": False, "end": True,
+                           "upserts": {**upserts, "marks": {marker: {}}}, "deletes": {}})
+    assert wait_until(lambda: marker in rb.snapshot("marks"))
+
+
+@pytest.mark.parametrize("skew", [0.0, 60.0], ids=["same-clock", "trainer-60s-behind"])
+def test_a_removed_key_still_listed_does_not_come_back(rb, peer, skew):
+    _poll(rb, peer, 1, time.time() + skew, {})
+    rb.add("train", {"k": {"global_steps": 1, "status": "success"}})  # the trainer's own tags, not yet listed
+    under_way = time.time() + skew  # poll 2 began before the removal
+    rb.remove("train", ["k"])
+    _poll(rb, peer, 2, under_way, {})  # its listing predates the key
+    # Poll 3 began after the removal and the store still lists the key (not
+    # cleared there): it stays removed.
+    _poll(rb, peer, 3, time.time() + skew, {"train": {"k": {"global_steps": 1, "status": "success"}}})
+    _poll(rb, peer, 4, time.time() + skew, {})
+    assert "k" not in rb.snapshot("train")
+    assert rb.sample("train", global_steps=1, timeout=0).keys == []
+
+
+@pytest.mark.parametrize("skew", [0.0, -2.0], ids=["same-clock", "trainer-2s-ahead"])
+def test_a_new_key_of_a_removed_name_is_not_hidden(rb, peer, skew):
+    _poll(rb, peer, 1, time.time() + skew, {})
+    rb.add("train", {"k": {"global_steps": 1, "status": "success"}})
+    under_way = time.time() + skew
+    rb.remove("train", ["k"])
+    _poll(rb, peer, 2, under_way, {})
+    time.sleep(0.01)  # a real poller's next poll starts later than the removal on one clock
+    _poll(rb, peer, 3, time.time() + skew, {})  # began after the removal, does not list it: the removal is settled
+    # Then a new key of that name is written to the store.
+    _poll(rb, peer, 4, time.time() + skew, {"train": {"k": {"global_steps": 2, "status": "success"}}})
+    _poll(rb, peer, 5, time.time() + skew, {})
+    assert rb.snapshot("train") == {"k": {"global_steps": 2, "status": "success"}}
+    assert rb.sample("train", global_steps=2, timeout=5).keys == ["k"]
