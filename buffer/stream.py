@@ -15,6 +15,7 @@ allowed key never gets a frame to the decoder (:mod:`buffer.access`).
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -27,7 +28,7 @@ from poller.curve import CurveServer
 from poller.protocol import DEFAULT_LIMITS, Kind, Limits, encode_body, encode_header
 from poller.wakeup import WakePipe
 
-from .access import Gatekeeper, claim_ipc_path, restrict_ipc_socket
+from .access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
 from .partitions import PartitionStore
 from .peers import Peer, PeerTable, Send
 
@@ -194,7 +195,14 @@ class StreamReceiver:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(3000, int(self.stale_after * 1000)))
             gate.arm(sock)
             claim_ipc_path(self._requested_endpoint)
-            sock.bind(self._requested_endpoint)
+            try:
+                sock.bind(self._requested_endpoint)
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                # The same meaning as a held ipc path, for every transport.
+                raise EndpointInUseError(f"cannot bind {self._requested_endpoint}: the address is in use "
+                                         f"(another buffer or program listens there)") from exc
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
             restrict_ipc_socket(self.endpoint)
         except BaseException as exc:

@@ -60,3 +60,13 @@ def test_a_path_that_is_not_a_socket_is_never_removed(short_dir: Path) -> None:
         ReplayBuffer(bind=f"ipc://{path}")
     assert path.read_text() == "keep me"
     assert os.path.exists(path)
+
+
+def test_a_second_buffer_on_a_tcp_address_in_use_is_refused() -> None:
+    first = ReplayBuffer(bind="tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(EndpointInUseError, match=r"address is in use"):
+            ReplayBuffer(bind=first.endpoint)
+        assert first.stats()["endpoint"] == first.endpoint  # the first one is untouched
+    finally:
+        first.close()
