@@ -72,7 +72,9 @@ class ReplayBuffer:
     (verl passes them only to its built-in class), together with this
     sampler's own options: ``sample_timeout`` (seconds a ``sample`` /
     ``wait_for_sampleable`` may wait, default none), ``log_interval``
-    (seconds between progress logs while waiting, default 60), ``source`` and
+    (seconds between progress logs while waiting, default 60),
+    ``wait_poll_interval`` (seconds between the listings asked for while a
+    call waits, default ``poll_interval / 10``), ``source`` and
     ``source_kwargs`` (default: the running TransferQueue), ``start_timeout``,
     ``close_timeout`` and ``max_restarts`` (of the buffer).
 
@@ -132,7 +134,8 @@ class ReplayBuffer:
         self._sync_ahead: verl_io.SyncAhead | None = None
         # DAPO metrics read outside the lock, recorded in the index by the next decision.
         self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
-        self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0}
+        self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0,
+                          "wait_polls": 0}
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._buffer is not None else "not started")
@@ -283,20 +286,11 @@ class ReplayBuffer:
             self._counters["decisions"] += 1
             return rule(self._index.partition(partition_id))
 
-        started = last_log = time.monotonic()
-        while True:
-            now = time.monotonic()
-            wait = self._config.log_interval - (now - last_log)
-            if deadline is not None:
-                wait = min(wait, deadline - now)
-            try:
-                return buffer._wait_until(attempt, timeout=max(0.0, wait),
-                                          describe=lambda: self._index.partition(partition_id).describe(partition_id))
-            except TimeoutError as exc:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{what} timed out after {self._config.sample_timeout:g}s: {exc}") from None
-                last_log = time.monotonic()
-                logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
+        def describe() -> str:
+            return self._index.partition(partition_id).describe(partition_id)
+
+        return verl_io.wait_for_decision(buffer, attempt, describe, what=what, deadline=deadline,
+                                         config=self._config, counters=self._counters)
 
     def _carry_out(self, plan: Plan, partition_id: str, metrics: dict[str, Any], deadline: float | None) -> bool:
         """Do the plan's I/O; True when the caller must decide again."""

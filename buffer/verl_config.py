@@ -24,8 +24,8 @@ DEFAULT_POLL_INTERVAL = 0.2
 _SHARED = {"poll_interval": None, "filter_groups_metric": None, "train_batch_size": None, "gen_batch_size": None,
            "max_inflight_gen_batches": 1, "sync_refill_failed_groups": False}
 #: Options only sampler_kwargs carries, with their defaults.
-_OWN = {"sample_timeout": None, "log_interval": 60.0, "source": None, "source_kwargs": None,
-        "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3}
+_OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None, "source": None,
+        "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
 
@@ -37,6 +37,18 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
         return [plain(item) for item in value]
     return value
+
+
+def _wait_poll_interval(value: Any, poll_interval: Any) -> Any:
+    """The gap between listings asked for while a decision waits; default a tenth of ``poll_interval``.
+
+    A waiting trainer thread is idle, and what it waits for is the listing
+    that shows its last group: polling faster only while it waits brings
+    the batch sooner without costing the trainer anything between waits.
+    """
+    if value is not None or isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)):
+        return value
+    return poll_interval / 10
 
 
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
@@ -71,6 +83,7 @@ class SamplerConfig:
     sync_refill_failed_groups: bool
     sample_timeout: float | None
     log_interval: float
+    wait_poll_interval: float
     source: SourceSpec | None
     source_kwargs: dict[str, Any] | None
     buffer_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -106,15 +119,17 @@ class SamplerConfig:
             raise TypeError(f"refill_fn must be callable, got {type(refill_fn).__name__}")
         options = {name: _pick(name, default, given.get(name, default), kwargs) for name, default in _SHARED.items()}
         own = {name: kwargs.get(name, default) for name, default in _OWN.items()}
+        poll_interval = DEFAULT_POLL_INTERVAL if options["poll_interval"] is None else options["poll_interval"]
         config = cls(
             trainer_mode=trainer_mode, asynchronous=asynchronous,
             max_off_policy_threshold=max_off_policy_threshold, max_off_policy_strategy=max_off_policy_strategy,
             refill_fn=refill_fn,
-            poll_interval=DEFAULT_POLL_INTERVAL if options["poll_interval"] is None else options["poll_interval"],
+            poll_interval=poll_interval,
             filter_groups_metric=options["filter_groups_metric"], train_batch_size=options["train_batch_size"],
             gen_batch_size=options["gen_batch_size"], max_inflight_gen_batches=options["max_inflight_gen_batches"],
             sync_refill_failed_groups=options["sync_refill_failed_groups"],
-            sample_timeout=own["sample_timeout"], log_interval=own["log_interval"], source=own["source"],
+            sample_timeout=own["sample_timeout"], log_interval=own["log_interval"],
+            wait_poll_interval=_wait_poll_interval(own["wait_poll_interval"], poll_interval), source=own["source"],
             source_kwargs=own["source_kwargs"],
             buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts")})
         config._check()
@@ -124,6 +139,7 @@ class SamplerConfig:
         _seconds("poll_interval", self.poll_interval, allow_none=False)
         _seconds("sample_timeout", self.sample_timeout, allow_none=True)
         _seconds("log_interval", self.log_interval, allow_none=False)
+        _seconds("wait_poll_interval", self.wait_poll_interval, allow_none=False)
         _seconds("start_timeout", self.buffer_kwargs["start_timeout"], allow_none=False)
         _seconds("close_timeout", self.buffer_kwargs["close_timeout"], allow_none=False)
         restarts = self.buffer_kwargs["max_restarts"]

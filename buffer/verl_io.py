@@ -13,10 +13,12 @@ sampler makes itself run in the trainer:
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from poller.sources import SourceSpec, describe_spec, load_source
 from poller.sources import _resolve as resolve_spec
@@ -25,8 +27,13 @@ from poller.sources.transferqueue import source_kwargs as transferqueue_source_k
 
 from .group_rules import classify
 
-__all__ = ["StoreClient", "SyncAhead", "VerlBatch", "classify_groups", "close_client", "is_transferqueue",
-           "make_batch", "open_client", "poller_source", "read_metric", "shut_down"]
+__all__ = ["PollWhileWaiting", "StoreClient", "SyncAhead", "VerlBatch", "classify_groups", "close_client",
+           "is_transferqueue", "make_batch", "open_client", "poller_source", "read_metric", "shut_down",
+           "wait_for_decision"]
+
+logger = logging.getLogger(__name__)
+
+_R = TypeVar("_R")
 
 
 class StoreClient(Protocol):
@@ -128,6 +135,72 @@ class SyncAhead:
         """True once the sync succeeded (waiting up to ``timeout``)."""
         self._thread.join(timeout)
         return not self._thread.is_alive() and self.error is None
+
+
+class PollWhileWaiting:
+    """Asks the poller for a listing every ``gap`` seconds while a decision waits.
+
+    Between decisions the poller lists on its own schedule; a decision that
+    has to wait would otherwise see its last group up to one ``poll_interval``
+    late. Stopped as soon as the decision returns or raises.
+    """
+
+    def __init__(self, buffer: Any, gap: float, counters: dict[str, int]) -> None:
+        self._counters = counters  # its "wait_polls" counts the listings asked for and applied
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(buffer, gap), name="verl-wait-poll", daemon=True)
+        self._thread.start()
+
+    def _run(self, buffer: Any, gap: float) -> None:
+        # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
+        bound = 2.0
+        while not self._stopped.is_set():
+            started = time.monotonic()
+            try:
+                buffer.sync(bound)
+            except TimeoutError:
+                continue  # a stall or a restart: the waiter's own deadline and log cover it
+            except BaseException:  # closed or crashed: the waiting decision raises it itself
+                return
+            self._counters["wait_polls"] += 1
+            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
+        self._stopped.set()
+
+
+def wait_for_decision(buffer: Any, attempt: Callable[[], _R | None], describe: Callable[[], str], *, what: str,
+                      deadline: float | None, config: Any, counters: dict[str, int]) -> _R:
+    """``attempt()``'s first non-None result, waking on every change.
+
+    While it waits, the poller lists every ``config.wait_poll_interval``
+    seconds, and the counts in flight are logged every ``config.log_interval``.
+
+    Raises:
+        TimeoutError: past ``deadline`` (``config.sample_timeout``), naming what is in flight.
+    """
+    try:
+        return buffer._wait_until(attempt, timeout=0, describe=describe)
+    except TimeoutError:
+        pass  # not ready now
+    hurry = PollWhileWaiting(buffer, config.wait_poll_interval, counters)
+    started = last_log = time.monotonic()
+    try:
+        while True:
+            now = time.monotonic()
+            wait = config.log_interval - (now - last_log)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            try:
+                return buffer._wait_until(attempt, timeout=max(0.0, wait), describe=describe)
+            except TimeoutError as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
+                last_log = time.monotonic()
+                logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
+    finally:
+        hurry.stop()
 
 
 def shut_down(buffer: Any, client: Any, owned: bool) -> None:

@@ -206,6 +206,25 @@ def test_sample_waits_on_the_change_that_completes_it(make, store) -> None:
     assert late in uids_of(batch.keys) and len(batch.keys) == 2
 
 
+def test_a_waiting_sample_has_the_poller_list_every_wait_poll_interval(make, store) -> None:
+    # The poller's own schedule (30 s) would hand this batch out far past the sample's deadline (20 s);
+    # while sample() waits, the sampler asks for a listing every wait_poll_interval instead.
+    produce(store, "train", "finished")
+    late = produce(store, "train", "running")
+    rb = make(poll_interval=30.0, wait_poll_interval=0.05, sample_timeout=20)
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
+    consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=2))
+    consumer.start()
+    assert wait_until(lambda: rb.stats()["wait_polls"] >= 2, timeout=10)  # polling while it waits
+    store.kv_put(late, "train", tag={"status": "finished"})
+    batch, _ = consumer.outcome(timeout=20)
+    assert late in uids_of(batch.keys)
+    time.sleep(0.3)  # a listing asked for just before it returned may still land
+    polls = rb.stats()["wait_polls"]
+    time.sleep(0.5)
+    assert rb.stats()["wait_polls"] == polls  # and stops once it returned
+
+
 def test_empty_failure_groups_pass_through_by_default_and_all_empty_raises(make, store) -> None:
     finished = produce(store, "train", "finished")
     produce(store, "train", "failure", sessions=0)
