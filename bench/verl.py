@@ -251,11 +251,10 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                      "process = time.process_time() of the trainer process (all its threads) over the same call; "
                      "a sample() includes its wait for the groups, as in verl, where the trainer's thread lists "
                      "and rebuilds the whole store every poll while it waits")
-    lat.notes.append("a change waits for the next poll to start (uniform over the poll period) and for that poll's "
-                     "read, diff and transfer. verl-v1's period is the larger of the interval and one listing; the "
-                     "product reads the SQLite store by change (a poll costs milliseconds whatever K), so its period "
-                     "is the interval: mean about interval/2, p99 about the interval, above the p99 goal "
-                     "(5 ms + interval/2) for any fixed-schedule poller")
+    lat.notes.append("a change waits for the next poll to start and for that poll's read, diff and transfer. "
+                     "verl-v1's period is the larger of the interval and one listing. The product reads the SQLite "
+                     "store by change (a poll costs milliseconds whatever K), and while sample() waits its poller "
+                     "polls every wait_poll_interval (interval/10), so a change waits about interval/20 on average")
     lat.notes.append("from the rollout process's commit that made the last of the batch's groups terminal to "
                      "sample() returning; groups turn terminal after the sampler's first look, at a random time "
                      "spread over three of verl's poll periods (so at a random phase of either schedule); "
