@@ -251,21 +251,21 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                      "process = time.process_time() of the trainer process (all its threads) over the same call; "
                      "a sample() includes its wait for the groups, as in verl, where the trainer's thread lists "
                      "and rebuilds the whole store every poll while it waits")
-    lat.notes.append("a change waits for the next poll to start (uniform over the poll period, the larger of the "
-                     "interval and one listing) and for that poll's listing, diff and transfer: any fixed-schedule "
-                     "poller's mean is about period/2 + one listing, its p99 about period + one listing, so the p99 "
-                     "goal (5 ms + interval/2) is out of reach for polling once a listing costs more than a few ms")
+    lat.notes.append("a change waits for the next poll to start and for that poll's read, diff and transfer. "
+                     "verl-v1's period is the larger of the interval and one listing. The product reads the SQLite "
+                     "store by change (a poll costs milliseconds whatever K), and while sample() waits its poller "
+                     "polls every wait_poll_interval (interval/10), so a change waits about interval/20 on average")
     lat.notes.append("from the rollout process's commit that made the last of the batch's groups terminal to "
                      "sample() returning; groups turn terminal after the sampler's first look, at a random time "
                      "spread over three of verl's poll periods (so at a random phase of either schedule); "
                      "kv_list() ms is one listing of the whole store in the trainer, the floor of any poller's "
                      "period at that K")
     slow.notes.append("median of per-pair ratios: the loop beside the sampler (constructed and, for the product, its "
-                      "poller listing the store every interval), then the loop without it; the rollout process "
+                      "poller reading the store every interval), then the loop without it; the rollout process "
                       "changes one trajectory every 5 ms in both halves. verl's sampler does nothing between "
-                      "sample() calls, so its ratio only shows the noise. On 2 cores the product's poller competes "
-                      "with the loop for a core: at K=100,000 one SQLite listing costs more than the 0.2 s interval, "
-                      "so the poller lists without pause; the trainer's own threads use next to nothing")
+                      "sample() calls, so its ratio only shows the noise. The product's poller reads only the "
+                      "store's changes (its change feed), so it leaves the loop's core alone; the trainer's own "
+                      "threads use next to nothing")
     cpu.plot = lambda path: line_plot(path, "trainer-thread CPU per sample()", "keys in the store (K)",
                                       "ms of CPU per sample()", series)
     return [cpu, lat, slow]

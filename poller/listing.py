@@ -17,7 +17,7 @@ Tags = dict[str, Any]
 Listing = dict[str, dict[str, Tags]]
 
 
-def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
+def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True) -> "ListingDiff":
     """Check a ``kv_list()`` result and diff it against ``sent``, in one pass over ``raw``.
 
     The diff holds the keys whose tags changed since ``sent`` (as fresh
@@ -25,7 +25,8 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
     vanished. With ``full`` every listed key is an upsert and nothing is a
     delete: the receiver works out what vanished from the snapshot itself,
     because after a restart this side no longer knows what it had sent.
-    ``raw=None`` means nothing is stored.
+    ``raw=None`` means nothing is stored. ``complete=False`` (a change set,
+    not a listing): nothing is a delete, keys absent from ``raw`` are kept.
 
     Only changed tags are copied and checked; an unchanged key costs one
     lookup and one comparison in C, and nothing is built for it unless
@@ -73,9 +74,9 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool) -> "ListingDiff":
             listed.add(partition)
         if changed:
             upserts[partition] = changed
-        if not full and matched < len(previous):
+        if complete and not full and matched < len(previous):
             deletes[partition] = [key for key in previous if key not in items]
-    if not full:
+    if complete and not full:
         for partition, previous in sent.items():
             if partition not in listed and previous:
                 deletes[partition] = list(previous)

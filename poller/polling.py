@@ -1,4 +1,4 @@
-"""The source side of the poller: call ``kv_list()``, diff, encode.
+"""The source side of the poller: read the source (:mod:`poller.changes`), diff, encode.
 
 This runs in a helper thread of the poller process, off the control path:
 ``kv_list()`` may block forever (TransferQueue's client has no timeout), and
@@ -15,6 +15,7 @@ import time
 import traceback
 from typing import Callable
 
+from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .listing import Listing, ListingDiff, commit_listing, diff_raw_listing, iter_encode_diff
 from .messages import Error
 from .protocol import Kind, Limits, encode_body, fit_text
@@ -55,9 +56,11 @@ class PollingThread(threading.Thread):
     def __init__(self, source: Source, emit: Callable[[Kind, bytes], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  backoff_base: float = 0.1, backoff_cap: float = 5.0,
-                 stall_timeout: float | None = None, limits: Limits | None = None) -> None:
+                 stall_timeout: float | None = None, limits: Limits | None = None,
+                 reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
+        self._reader = ListingReader(source, reconcile_interval=reconcile_interval)
         self._emit = emit
         self.interval = interval
         self.max_failures = max_failures
@@ -183,15 +186,14 @@ class PollingThread(threading.Thread):
             call = self._calls
             self._current = (call, began)
             try:
-                try:
-                    raw = self._source.kv_list()
-                finally:
-                    self._current = None
-                self._answered()
                 if self._resync.is_set():
                     self._resync.clear()
                     full = True
-                diff = diff_raw_listing(sent, raw, full)
+                try:
+                    diff = self._reader.read(sent, full)
+                finally:
+                    self._current = None
+                self._answered()
                 for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
                                              chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
                                              limits=self.limits, sync=covered):
@@ -217,6 +219,7 @@ class PollingThread(threading.Thread):
             failures = 0
             # The diff holds copies: nothing the source owns is kept.
             commit_listing(sent, diff, full)
+            self._reader.commit()
             full = False
             self.polls += 1
             # A fixed schedule, start to start: a change waits interval/2 on

@@ -8,6 +8,12 @@ trainer never has to pickle a live store client into the child.
 A source whose ``kv_list()`` has a deadline of its own raises
 :class:`SourceStall` when the deadline passes: the poller counts a stall and
 polls again, instead of treating it as a failure.
+
+A source that can say what changed also implements :class:`ChangeFeed`
+(``kv_snapshot()`` and ``kv_changes(cursor)``); the poller then reads only
+the changes on each poll, so its work follows the rate of change instead of
+the size of the store. The embedded SQLite store does; TransferQueue and the
+fault wrappers do not, and are listed in full on every poll.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
 
-__all__ = ["Source", "SourceSpec", "SourceStall", "load_source", "describe_spec"]
+__all__ = ["ChangeFeed", "Source", "SourceSpec", "SourceStall", "describe_spec", "has_change_feed", "load_source"]
 
 
 class SourceStall(TimeoutError):
@@ -29,6 +35,44 @@ class Source(Protocol):
     def kv_list(self) -> Mapping[str, Mapping[str, Mapping[str, Any]]] | None:
         """Everything currently stored, as ``{partition_id: {key: tags}}``."""
         ...
+
+
+Listing = dict[str, dict[str, dict[str, Any]]]
+
+
+@runtime_checkable
+class ChangeFeed(Protocol):
+    """The optional capability of a :class:`Source` that knows what changed since a cursor.
+
+    A cursor is an opaque value the source hands out and takes back. Both
+    methods may raise :class:`SourceStall` like ``kv_list()``.
+    """
+
+    def kv_snapshot(self) -> tuple[Any, Listing]:
+        """``(cursor, listing)``: a consistent full listing (as ``kv_list()``) and the cursor right after it.
+
+        Every change committed after the listing was read must come back from
+        ``kv_changes(cursor)``.
+        """
+        ...
+
+    def kv_changes(self, cursor: Any) -> tuple[Any, Listing, dict[str, list[str]]] | None:
+        """``(cursor, upserts, deletes)`` since ``cursor``, or ``None`` to ask for a full listing.
+
+        ``upserts`` is ``{partition_id: {key: tags}}`` with the current tags
+        of every key written since ``cursor`` (it may hold keys whose tags
+        did not change); ``deletes`` is ``{partition_id: [key, ...]}`` of keys
+        removed since then and not stored now (a key deleted and put again
+        is an upsert). The returned cursor follows exactly these changes.
+        ``None``: the cursor can no longer be served (too old, or from a store
+        that was replaced); the caller takes :meth:`kv_snapshot`.
+        """
+        ...
+
+
+def has_change_feed(source: object) -> bool:
+    """Whether ``source`` offers :class:`ChangeFeed` (both methods callable)."""
+    return callable(getattr(source, "kv_snapshot", None)) and callable(getattr(source, "kv_changes", None))
 
 
 #: ``"package.module:attr"``, or a picklable callable returning a Source.

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot
 from .sqlite_io import check_keys as _check_keys
 from .sqlite_io import check_str as _check_str
 from .sqlite_io import dumps as _dumps
@@ -218,6 +219,29 @@ class SqliteSource:
             listing.setdefault(partition, {})[key] = _loads(partition, key, text)
         return listing
 
+    def kv_snapshot(self) -> tuple[Cursor, dict[str, dict[str, Tags]]]:
+        """Everything stored and the change cursor it corresponds to (see :class:`~poller.sources.ChangeFeed`).
+
+        Raises:
+            ValueError: a stored row is not a JSON object.
+        """
+        with self._connection() as conn:
+            return read_snapshot(conn)
+
+    def kv_changes(self, cursor: Any) -> tuple[Cursor, dict[str, dict[str, Tags]], dict[str, list[str]]] | None:
+        """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
+
+        ``None`` means the cursor is from another file (the store was
+        deleted or replaced) or older than the pruned deletion log: take
+        :meth:`kv_snapshot` instead. See :mod:`poller.sources.sqlite_changes`.
+
+        Raises:
+            TypeError: ``cursor`` did not come from this store.
+            ValueError: a stored row is not a JSON object.
+        """
+        with self._connection() as conn:
+            return read_changes(conn, cursor)
+
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
         """Delete ``keys`` from ``partition_id``; missing keys are fine.
 
@@ -308,7 +332,7 @@ class SqliteSource:
             if self._conn is not None:
                 self._check_file()
             if self._conn is None:
-                self._conn = open_connection(self._path, self._timeout)
+                self._conn = open_connection(self._path, self._timeout, migrate=ensure_change_log)
                 self._conn_pid = pid
                 self._conn_file = self._file_id()
             yield self._conn

@@ -162,8 +162,9 @@ _FIELDS_SCHEMA = (
 
 
 
-def open_connection(path: str, timeout: float) -> sqlite3.Connection:
-    """A connection to ``path`` in WAL mode with both tables, retrying a busy file up to ``timeout``."""
+def open_connection(path: str, timeout: float,
+                    migrate: Callable[[sqlite3.Connection], None] | None = None) -> sqlite3.Connection:
+    """A connection to ``path`` in WAL mode with both tables, then ``migrate(conn)``, retrying a busy file."""
     directory = os.path.dirname(os.path.abspath(path))
     if path != ":memory:" and not path.startswith("file:"):
         os.makedirs(directory, exist_ok=True)
@@ -186,6 +187,8 @@ def open_connection(path: str, timeout: float) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous = NORMAL")
         _retry_busy(timeout, lambda: conn.execute(_SCHEMA))
         _retry_busy(timeout, lambda: conn.execute(_FIELDS_SCHEMA))
+        if migrate is not None:
+            _retry_busy(timeout, lambda: migrate(conn))
     except BaseException:
         conn.close()
         raise

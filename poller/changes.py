@@ -1,0 +1,125 @@
+"""Reading a source as a diff: by its change feed when it has one, else by ``kv_list()``.
+
+A source with :class:`~poller.sources.ChangeFeed` (the embedded SQLite store)
+is listed in full only for a snapshot (start, RESYNC), when it cannot serve
+the cursor, and once every ``reconcile_interval``; every other poll reads
+what changed since the last committed cursor, so a poll costs in proportion
+to the change, not to the store (K=100k SQLite keys: one listing ~390 ms,
+one change read of a few hundred keys ~1 ms).
+
+The reconciliation is a safety net, not part of correctness: it diffs a
+full listing against what was sent, like a poll without a change feed, and
+only what differs goes on the wire. It catches what the feed could miss
+through no fault of the poller (rows edited with the store's triggers
+dropped, a deletion log trimmed by hand) within a bounded time, at the cost
+of one listing per interval (at 1M keys ~4 s of the poller's CPU every
+10 min, under 1% of a core).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping
+
+from .listing import Listing, ListingDiff, diff_raw_listing
+from .sources import Source, has_change_feed
+
+__all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds between the full listings that check a source's change feed; None: never.
+DEFAULT_RECONCILE_INTERVAL = 600.0
+
+def diff_changes(sent: Listing, upserts: Any, deletes: Any) -> ListingDiff:
+    """Check a ``kv_changes()`` result and turn it into the diff against ``sent``.
+
+    Upserts whose tags equal what was sent are dropped, as are deletes of
+    keys that were never sent (or are upserted in the same change set).
+    Only what goes into the diff is copied.
+
+    Raises:
+        TypeError: the change set is not ``{str: {str: mapping}}`` /
+            ``{str: [str, ...]}``, naming the first offending entry.
+    """
+    diff = diff_raw_listing(sent, upserts, full=False, complete=False)
+    if deletes is None:
+        deletes = {}
+    if not isinstance(deletes, Mapping):
+        raise TypeError(f"kv_changes() deletes are {type(deletes).__name__}, expected a mapping of partitions")
+    for partition, keys in deletes.items():
+        if not isinstance(partition, str):
+            raise TypeError(f"kv_changes() deletes: partition id {partition!r} is not a str")
+        if isinstance(keys, (str, bytes, Mapping)) or not hasattr(keys, "__iter__"):
+            raise TypeError(f"kv_changes() deletes[{partition!r}] is {type(keys).__name__}, expected a list of keys")
+        held = sent.get(partition)
+        upserted = diff.upserts.get(partition, {})
+        gone: list[str] = []
+        for key in keys:
+            if not isinstance(key, str):
+                raise TypeError(f"kv_changes() deletes[{partition!r}] key {key!r} is not a str")
+            if held is not None and key in held and key not in upserted:
+                gone.append(key)
+        if gone:
+            diff.deletes.setdefault(partition, []).extend(gone)
+    return diff
+
+
+class ListingReader:
+    """Reads the source for one poll and holds the change cursor between polls.
+
+    :meth:`read` returns the diff against ``sent``; the cursor it reached
+    takes effect only with :meth:`commit`, called once the diff was sent and
+    committed to ``sent``. A poll that failed half-way is read again from
+    the old cursor, so no change is lost.
+    """
+
+    def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL) -> None:
+        self._source: Any = source
+        self.feed = has_change_feed(source)
+        self.reconcile_interval = reconcile_interval
+        self._cursor: Any = None
+        self._pending: Any = None
+        self._listed_at = time.monotonic()
+        # Counters, for logs and tests: how each poll was read.
+        self.full_listings = 0
+        self.change_reads = 0
+        self.fallbacks = 0
+
+    def read(self, sent: Listing, full: bool) -> ListingDiff:
+        """The diff of this poll against ``sent`` (a full snapshot if ``full``).
+
+        Raises:
+            Exception: whatever the source raised, or TypeError for a
+                malformed answer (see :func:`diff_raw_listing`).
+        """
+        self._pending = None
+        if not self.feed:
+            return diff_raw_listing(sent, self._source.kv_list(), full)
+        due = (self.reconcile_interval is not None
+               and time.monotonic() - self._listed_at >= self.reconcile_interval)
+        if not full and not due and self._cursor is not None:
+            changes = self._source.kv_changes(self._cursor)
+            if changes is not None:
+                cursor, upserts, deletes = changes
+                self.change_reads += 1
+                self._pending = (cursor, False)
+                return diff_changes(sent, upserts, deletes)
+            self.fallbacks += 1
+            logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
+        cursor, listing = self._source.kv_snapshot()
+        self.full_listings += 1
+        self._pending = (cursor, True)
+        return diff_raw_listing(sent, listing, full)
+
+    def commit(self) -> None:
+        """The diff :meth:`read` returned was sent: continue from its cursor."""
+        if self._pending is None:
+            return
+        cursor, listed = self._pending
+        self._pending = None
+        self._cursor = cursor
+        if listed:
+            self._listed_at = time.monotonic()
+
