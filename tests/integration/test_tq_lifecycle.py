@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import pytest
 from buffer import ReplayBuffer
 from poller.sources.transferqueue import SPEC
 from tests.conftest import alive, wait_until
+from tests.integration.trainers import sigkill_after_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -67,19 +66,7 @@ _TRAINER = textwrap.dedent("""
 
 
 def test_a_sigkilled_trainer_leaves_no_poller_and_the_controller_unaffected(store, partition):
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, json.dumps(store.call("kwargs"))], cwd=REPO,
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        line = trainer.stdout.readline()
-        assert line, "the trainer died before its buffer started"
-        started = json.loads(line)
-        trainer.send_signal(signal.SIGKILL)
-        assert trainer.wait(30) == -signal.SIGKILL
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait(30)
-        trainer.stdout.close()
+    started = sigkill_after_start(_TRAINER, store.call("kwargs"))
     assert wait_until(lambda: not alive(started["poller_pid"]), timeout=10)
     ipc_dir = os.path.dirname(started["endpoint"].removeprefix("ipc://"))
     assert wait_until(lambda: not os.path.exists(ipc_dir), timeout=10)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import alive, wait_until
+from tests.integration.trainers import sigkill_after_start
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -69,19 +69,7 @@ _TRAINER = textwrap.dedent("""
 
 
 def test_a_sigkilled_trainer_leaves_no_poller(store):
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, json.dumps(store.call("kwargs"))], cwd=REPO,
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        line = trainer.stdout.readline()
-        assert line, "the trainer died before its sampler started"
-        poller_pid = json.loads(line)["poller_pid"]
-        trainer.send_signal(signal.SIGKILL)
-        assert trainer.wait(30) == -signal.SIGKILL
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-            trainer.wait(30)
-        trainer.stdout.close()
+    poller_pid = sigkill_after_start(_TRAINER, store.call("kwargs"))["poller_pid"]
     assert wait_until(lambda: not alive(poller_pid), timeout=10)
     assert store.call("list", "train") is not None  # the controller serves on
 
