@@ -18,6 +18,7 @@ from buffer import ReplayBuffer
 from poller import PollerCrashed
 from poller.errors import RemoteTraceback
 from tests.conftest import wait_until
+from tests.helpers.lines import first_line
 
 ROOT = Path(__file__).resolve().parents[2]
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -94,8 +95,7 @@ def _killed_trainer_dir() -> str:
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_NO_SOURCE)], cwd=ROOT, stdout=subprocess.PIPE,
                             text=True)
     try:
-        assert proc.stdout is not None
-        directory = proc.stdout.readline().strip()
+        directory = first_line(proc).strip()
     finally:
         proc.kill()
         proc.wait(30)
@@ -124,8 +124,7 @@ def test_ipc_dirs_of_live_owners_and_unknown_dirs_are_left_alone(tmp_path):
     with open(os.path.join(foreign, OWNER_FILE), "w") as f:
         json.dump({"pid": 2 ** 22 + 1, "start": 1, "pidns": "pid:[1]"}, f)
     try:
-        assert live.stdout is not None
-        live_dir = live.stdout.readline().strip()
+        live_dir = first_line(live).strip()
         with ReplayBuffer():
             assert os.path.isdir(live_dir) and os.path.isdir(foreign) and os.path.isdir(unknown)
     finally:

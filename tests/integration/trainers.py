@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import select
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.lines import first_line
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,10 +24,7 @@ def sigkill_after_start(script: str, argument: Any, timeout: float = 120.0) -> d
                                stdout=subprocess.PIPE, text=True)
     assert trainer.stdout is not None
     try:
-        ready, _, _ = select.select([trainer.stdout], [], [], timeout)
-        assert ready, f"the trainer printed nothing within {timeout}s"
-        line = trainer.stdout.readline()
-        assert line, "the trainer died before it started"
+        line = first_line(trainer, timeout)
         trainer.send_signal(signal.SIGKILL)
         assert trainer.wait(30) == -signal.SIGKILL
         started: dict[str, Any] = json.loads(line)
