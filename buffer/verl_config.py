@@ -8,11 +8,11 @@ verl builds a custom sampler with six keywords only (``trainer_mode``,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from poller.arguments import check_count, check_optional_seconds, check_seconds
 from poller.sources import SourceSpec
 
 __all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS"]
@@ -54,16 +54,14 @@ def _wait_poll_interval(value: Any, poll_interval: Any) -> Any:
 def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_count(name, value, minimum=1)
 
 
 def _seconds(name: str, value: Any, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a positive number of seconds{' or None' if allow_none else ''}, "
-                         f"got {value!r}")
+    if allow_none:
+        check_optional_seconds(name, value)
+    else:
+        check_seconds(name, value)
 
 
 @dataclass(frozen=True)
@@ -142,9 +140,7 @@ class SamplerConfig:
         _seconds("wait_poll_interval", self.wait_poll_interval, allow_none=False)
         _seconds("start_timeout", self.buffer_kwargs["start_timeout"], allow_none=False)
         _seconds("close_timeout", self.buffer_kwargs["close_timeout"], allow_none=False)
-        restarts = self.buffer_kwargs["max_restarts"]
-        if not isinstance(restarts, int) or isinstance(restarts, bool) or restarts < 0:
-            raise ValueError(f"max_restarts must be an integer >= 0, got {restarts!r}")
+        check_count("max_restarts", self.buffer_kwargs["max_restarts"])
         metric = self.filter_groups_metric
         if metric is not None and (not isinstance(metric, str) or not metric):
             raise ValueError(f"filter_groups_metric must be a non-empty string or None, got {metric!r}")
@@ -164,11 +160,7 @@ class SamplerConfig:
             return
         # Sync mode only (verl's _validate_mode_config).
         if metric is not None:
-            try:
-                _positive_int("max_inflight_gen_batches", self.max_inflight_gen_batches)
-            except ValueError:
-                raise ValueError("max_inflight_gen_batches must be a positive integer, "
-                                 f"got {self.max_inflight_gen_batches!r}") from None
+            _positive_int("max_inflight_gen_batches", self.max_inflight_gen_batches)
             if self.train_batch_size is None or self.gen_batch_size is None:
                 raise ValueError("sync group filtering (filter_groups_metric) needs train_batch_size and "
                                  "gen_batch_size (in sampler_kwargs when verl builds a custom sampler)")
