@@ -186,19 +186,22 @@ class _Core:
     def _close(self, timeout: float) -> ShutdownReport:
         started = time.monotonic()
         supervisor = self._supervisor
-        if supervisor is None:
-            report = ShutdownReport("no-poller", 0.0, None, False)
-        else:
-            # A request to the child's one owner: STOP, terminate, kill, each
-            # bounded, so this wait is too (the margin covers the reap and a
-            # start it cuts short).
-            report = supervisor.close(timeout).result(2 * timeout + _CLOSE_MARGIN_S)
-            supervisor.join(1.0)
-        self.store.close()
-        self.receiver.stop()
-        _OPEN_CORES.discard(self)
-        if self._ipc_dir is not None:
-            self._ipc_dir.remove()
+        report = ShutdownReport("no-poller", 0.0, None, False)
+        try:
+            if supervisor is not None:
+                # A request to the child's one owner: STOP, terminate, kill, each
+                # bounded, so this wait is too (the margin covers the reap and a
+                # start it cuts short).
+                report = supervisor.close(timeout).result(2 * timeout + _CLOSE_MARGIN_S)
+                supervisor.join(1.0)
+        finally:
+            # Also when the supervisor did not answer (a bug, raised to the
+            # caller): the socket, the waiters and the ipc directory go.
+            self.store.close()
+            self.receiver.stop()
+            _OPEN_CORES.discard(self)
+            if self._ipc_dir is not None:
+                self._ipc_dir.remove()
         report = report._replace(seconds=time.monotonic() - started)
         logger.debug("replay buffer closed: %s", report)
         return report
