@@ -253,7 +253,7 @@ class ReplayBuffer:
             config = self._config
             spec, kwargs = verl_io.poller_source(config.source, config.source_kwargs)
             client, owned = verl_io.open_client(config.source, config.source_kwargs,
-                                        need_fields=config.filter_groups_metric is not None)
+                                                need_fields=config.filter_groups_metric is not None)
             try:
                 buffer = _Buffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
                                  **config.buffer_kwargs)
