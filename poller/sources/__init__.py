@@ -21,11 +21,34 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
 
-__all__ = ["ChangeFeed", "Source", "SourceSpec", "SourceStall", "describe_spec", "has_change_feed", "load_source"]
+__all__ = ["ChangeFeed", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec", "has_change_feed",
+           "load_source"]
 
 
 class SourceStall(TimeoutError):
     """``kv_list()`` gave up waiting for its store: counted as a stall, not a failure."""
+
+
+class UnreadableValue:
+    """A tag value a source could not turn into a plain one; it stands in the listing in its place.
+
+    The poller quarantines every key whose tags hold one (the key is left out
+    of the stream and named with ``reason``), so one such record never fails
+    the listing that carries it.
+    """
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<unreadable value: {self.reason}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UnreadableValue) and other.reason == self.reason
+
+    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
 
 
 @runtime_checkable
