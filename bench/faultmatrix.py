@@ -69,6 +69,7 @@ class Row:
     max_restarts: int = 1
     close_timeout: float = 0.5
     once: bool = False                  # the fault fires in one poller process only
+    quarantined: bool = False           # a record the wire cannot carry: left out and named, the rest flows
 
 
 def close_bound(row: Row) -> float:
@@ -83,8 +84,10 @@ def close_bound(row: Row) -> float:
 # its sender before the decoder sees anything: nothing to count.
 REFUSED_BY_THE_SOCKET = frozenset({"oversized-body"})
 
-_GARBAGE_KINDS = ("not-a-mapping", "partition-not-a-mapping", "non-str-key", "tags-not-a-mapping", "unencodable",
-                  "non-str-tag-key", "overlong-string")
+# A listing that is not a mapping at all is the source's failure; every other kind is one bad record,
+# quarantined by the poller while the rest of the store keeps flowing.
+_GARBAGE_KINDS = ("partition-not-a-mapping", "non-str-key", "tags-not-a-mapping", "unencodable",
+                  "non-str-tag-key", "overlong-string", "deep", "big-int", "non-str-partition")
 
 ROWS: tuple[Row, ...] = (
     Row("healthy"),
@@ -101,11 +104,13 @@ ROWS: tuple[Row, ...] = (
       for how in ("exit", "segfault", "abort", "sigkill")),
     Row("crash:segfault:always", "crash", {"how": "segfault"}, saw="PollerCrashed", stage="already-exited",
         restarts=1, converges=False),
-    *(Row(f"garbage:{kind}", "garbage", {"kind": kind}, saw="PollerCrashed", cause="RemoteTraceback",
-          stage="already-exited", converges=False, max_restarts=0) for kind in _GARBAGE_KINDS),
-    Row("huge:16MiB", "huge", {"megabytes": 16}),
-    Row("huge:one-2MiB-value", "huge", {"megabytes": 2, "value_bytes": 2 * 1024 * 1024}, saw="PollerCrashed",
+    Row("garbage:not-a-mapping", "garbage", {"kind": "not-a-mapping"}, saw="PollerCrashed",
         cause="RemoteTraceback", stage="already-exited", converges=False, max_restarts=0),
+    *(Row(f"garbage:{kind}", "garbage", {"kind": kind}, max_restarts=0, quarantined=True)
+      for kind in _GARBAGE_KINDS),
+    Row("huge:16MiB", "huge", {"megabytes": 16}),
+    Row("huge:one-2MiB-value", "huge", {"megabytes": 2, "value_bytes": 2 * 1024 * 1024}, max_restarts=0,
+        quarantined=True),
     Row("leak", "leak", {"megabytes": 1}),
     *(Row(f"wire:{name}", action=name, saw="nothing" if name in REFUSED_BY_THE_SOCKET else "ProtocolError")
       for name in WIRE_FAULTS),
@@ -303,8 +308,10 @@ def run_trial(row: Row, workdir: str) -> Outcome:
             out.problems.append(f"{stats['protocol_errors']} protocol errors counted, want {want_protocol_errors}")
         if row.fault == "leak" and not _wait(lambda: (rb.stats()["poller_rss"] or 0) > rss_before + 32 * 2**20, 10.0):
             out.problems.append(f"poller_rss did not grow: {rss_before} -> {rb.stats()['poller_rss']}")
-        if row.fault == "huge" and out.saw == "nothing":
+        if row.fault == "huge" and not row.quarantined and out.saw == "nothing":
             _check_huge(rb, out)
+        if row.quarantined:
+            _check_quarantined(rb, out)
         _compare(row, rb, writer, good, removed, out)
         stats = rb.stats()
         out.restarts, out.protocol_errors, out.source_errors = (stats["restarts"], stats["protocol_errors"],
@@ -349,6 +356,18 @@ def _check_huge(rb: ReplayBuffer, out: Outcome) -> None:
     later = rb.stats()["poller_rss"] or 0
     if later > first + 16 * 2**20:
         out.problems.append(f"poller_rss grew from {first} to {later} while listing the same data")
+
+
+def _check_quarantined(rb: ReplayBuffer, out: Outcome) -> None:
+    """The bad record is named and counted, and it cost no source error and no restart."""
+    if not _wait(lambda: rb.stats()["quarantined"] >= 1, 10.0):
+        out.problems.append(f"the bad record was not quarantined: {rb.stats()}")
+        return
+    stats = rb.stats()
+    if not stats["quarantined_keys"]:
+        out.problems.append("stats()['quarantined_keys'] names no key")
+    if stats["source_errors"]:
+        out.problems.append(f"the bad record cost {stats['source_errors']} source error(s)")
 
 
 def _wait_rss(rb: ReplayBuffer) -> int:

@@ -56,6 +56,9 @@ class PauseOutcome:
     stage: str = "?"
     drained: bool = False
     problems: list[str] = field(default_factory=list)
+    # With sync_after: seconds the sync() called right after SIGCONT took (None: it failed).
+    sync_s: float | None = None
+    sync_error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -78,6 +81,8 @@ def _trainer(argv: Sequence[str]) -> int:
             command, *rest = line.split()
             if command == "converge":
                 print(json.dumps(_converge(rb, store, float(rest[0]))), flush=True)
+            elif command == "sync":
+                print(json.dumps(_sync(rb, float(rest[0]))), flush=True)
             elif command == "close":
                 break
     finally:
@@ -85,6 +90,15 @@ def _trainer(argv: Sequence[str]) -> int:
         store.close()
     print(json.dumps({"stage": report.stage, "drained": report.drained, "seconds": report.seconds}), flush=True)
     return 0
+
+
+def _sync(rb: Any, timeout: float) -> dict[str, Any]:
+    started = time.monotonic()
+    try:
+        rb.sync(timeout=timeout)
+    except Exception as exc:  # reported, not raised: the trainer must answer the driver
+        return {"sync_s": None, "sync_error": f"{type(exc).__name__}: {exc}"}
+    return {"sync_s": time.monotonic() - started, "sync_error": None}
 
 
 def _converge(rb: Any, store: SqliteSource, deadline_s: float) -> dict[str, Any]:
@@ -150,8 +164,12 @@ def _read_json(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
 
 
 def run_pause(target: str, stopped_s: float, workdir: str, *, interval: float = POLL_INTERVAL,
-              converge_deadline: float = CONVERGE_DEADLINE) -> PauseOutcome:
-    """Stop ``target`` (``"trainer"`` or ``"poller"``) for ``stopped_s`` while the store changes."""
+              converge_deadline: float = CONVERGE_DEADLINE, sync_after: float | None = None) -> PauseOutcome:
+    """Stop ``target`` (``"trainer"`` or ``"poller"``) for ``stopped_s`` while the store changes.
+
+    With ``sync_after``, the trainer calls ``sync(timeout=sync_after)`` as
+    soon as it is resumed (while its stream reconnects), before converging.
+    """
     if target not in ("trainer", "poller"):
         raise ValueError(f"target must be 'trainer' or 'poller', got {target!r}")
     out = PauseOutcome(target, stopped_s)
@@ -174,6 +192,13 @@ def run_pause(target: str, stopped_s: float, workdir: str, *, interval: float = 
         os.kill(pid, signal.SIGCONT)
         stopped = False
         assert proc.stdin is not None
+        if sync_after is not None:
+            proc.stdin.write(f"sync {sync_after}\n")
+            proc.stdin.flush()
+            synced = _read_json(proc, sync_after + _GENEROUS)
+            out.sync_s, out.sync_error = synced["sync_s"], synced["sync_error"]
+            if out.sync_error is not None:
+                out.problems.append(f"sync after SIGCONT: {out.sync_error}")
         proc.stdin.write(f"converge {converge_deadline}\n")
         proc.stdin.flush()
         result = _read_json(proc, converge_deadline + _GENEROUS)

@@ -8,7 +8,7 @@ from typing import Callable
 from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
 from buffer.steps import StepSampler
-from poller.polling import diff_raw_listing, iter_encode_diff
+from poller.listing import diff_raw_listing, iter_encode_diff
 from poller.protocol import Kind, decode, encode_header
 
 from .baselines import ceiling

@@ -92,6 +92,10 @@ class _Core:
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
         self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
+        if source is not None:
+            # No decision on a view that was never whole: sample() and the
+            # verl sampler wait for the poller's first complete listing.
+            self.store.require(self.name)
         _OPEN_CORES.add(self)
 
     def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
@@ -129,13 +133,15 @@ class _Core:
         self._supervisor.start()
         # The child's start is bounded by start_timeout; the margin covers launching it.
         self._supervisor.started.result(self.start_timeout + 30.0)
-        # Return with the store's current contents visible, so a sample()
-        # right after construction sees what is already stored. A source
-        # whose first kv_list() is slow is not an error: it is reported by
-        # the stream, and waiting here stays short.
+        # Return with the store's current contents visible when that is quick.
+        # A store whose first listing is slow (a million keys) is not an
+        # error, and the wait here stays capped: every decision waits for
+        # the first complete listing itself (PartitionStore.view_gap), so
+        # no answer comes from a view applied half-way.
         first_poll_wait = min(_FIRST_POLL_WAIT, max(0.0, self.start_timeout - (time.monotonic() - started)))
         if not self.receiver.wait_first_poll(self.name, first_poll_wait):
-            logger.warning("poller %s: no complete listing within %.3gs of READY", self.name, first_poll_wait)
+            logger.warning("poller %s: no complete listing within %.3gs of READY; sample() waits for it",
+                           self.name, first_poll_wait)
 
     def _drained(self, process: PollerProcess) -> Callable[[float], bool]:
         """Whether everything ``process`` sent before BYE was applied (asked after it exited)."""

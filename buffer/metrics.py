@@ -45,6 +45,10 @@ class BufferStats(TypedDict):
     stale_peers: list[str]
     polls: int
     snapshots: int
+    quarantined: int
+    quarantined_keys: list[tuple[str, str, str]]
+    view_whole: bool
+    view_gap: str | None
 
 
 def collect_stats(core: _Core) -> BufferStats:
@@ -54,6 +58,8 @@ def collect_stats(core: _Core) -> BufferStats:
     process = core.process
     peer = receiver.peer_info(core.name)
     last = table.last_message_at
+    quarantined, quarantined_keys = table.quarantined()
+    gap = core.store.view_gap()
     return {
         "poller_pid": process.pid if process else None,
         "poller_alive": bool(process and process.is_alive()),
@@ -79,6 +85,10 @@ def collect_stats(core: _Core) -> BufferStats:
         "stale_peers": receiver.stale_peers(),
         "polls": peer.polls_applied if peer else 0,
         "snapshots": peer.snapshots_applied if peer else 0,
+        "quarantined": quarantined,
+        "quarantined_keys": quarantined_keys,
+        "view_whole": gap is None,
+        "view_gap": gap,
     }
 
 
@@ -125,6 +135,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("replay.poller.start_retries", "counter",
            "restarts of the buffer's own poller refused because its store could not be reached",
            lambda s: s["start_retries"]),
+    Metric("replay.stream.quarantined", "gauge",
+           "keys left out of the stream because the wire cannot carry their tags (stats()['quarantined_keys'])",
+           lambda s: s["quarantined"]),
+    Metric("replay.view.whole", "gauge",
+           "1 while every partition's view reflects complete listings (decisions are made only then)",
+           lambda s: int(s["view_whole"])),
 )
 
 

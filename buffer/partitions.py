@@ -105,6 +105,11 @@ class PartitionStore:
         # the epoch of its last complete poll.
         self._synced: dict[str, int] = {}
         self._completed_epoch: dict[str, int] = {}
+        # Whole views: the sources whose first complete poll every decision
+        # needs (the buffer's own poller), and the sources whose stream lost
+        # something and awaits a resync (their view is not whole until it ends).
+        self._required: set[str] = set()
+        self._broken: set[str] = set()
         self._closed = False
         self._failure: BaseException | None = None
 
@@ -127,8 +132,12 @@ class PartitionStore:
                 self._policies.remove(policy)
 
     def wait_until(self, attempt: Callable[[], T | None], *, timeout: float | None,
-                   describe: Callable[[], str]) -> T:
+                   describe: Callable[[], str], view: str | None = None) -> T:
         """Under the lock: call ``attempt()`` now and after every change until it returns non-None.
+
+        With ``view``, ``attempt`` decides on that partition, and is called
+        only while the partition's view is whole (:meth:`view_gap`): no
+        answer ever comes from a listing applied half-way.
 
         Raises:
             ValueError: ``timeout`` is negative or NaN.
@@ -144,11 +153,16 @@ class PartitionStore:
                 self._check_open()
                 if self._failure is not None:
                     raise self._failure
-                result = attempt()
-                if result is not None:
-                    return result
+                gap = None if view is None else self._view_gap(view)
+                if gap is None:
+                    result = attempt()
+                    if result is not None:
+                        return result
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    if gap is not None:
+                        raise TimeoutError(f"{describe()}; and no answer was given because the view of partition "
+                                           f"{view!r} is not whole: {gap}")
                     raise TimeoutError(describe())
                 self._cond.wait(remaining)
 
@@ -261,6 +275,7 @@ class PartitionStore:
             seen = self._snapshots.pop(source_id, None)
             if seen is None or self._closed:
                 return
+            self._broken.discard(source_id)
             for partition_id, listed in list(self._listed.get(source_id, {}).items()):
                 kept = seen.get(partition_id, set())
                 vanished = [key for key in listed if key not in kept]
@@ -292,6 +307,53 @@ class PartitionStore:
                        if _after(horizon, source_id, epoch, poll) and not self._is_listed(*pk)]
             for pk in expired:
                 del self._tomb_pending[pk]
+
+    def require(self, source_id: str) -> None:
+        """No view is whole until a first complete poll of ``source_id`` was applied (the buffer's own poller)."""
+        with self._cond:
+            self._required.add(source_id)
+
+    def mark_broken(self, source_id: str) -> None:
+        """``source_id``'s stream lost messages; what it lists is not whole until its next snapshot ends."""
+        with self._cond:
+            self._broken.add(source_id)
+
+    def release(self, source_id: str) -> None:
+        """Stop waiting for ``source_id`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
+        with self._cond:
+            self._snapshots.pop(source_id, None)
+            self._broken.discard(source_id)
+            self._cond.notify_all()
+
+    def view_gap(self, partition_id: str | None = None) -> str | None:
+        """Why the view of ``partition_id`` (``None``: of every partition) is not whole now; ``None`` if it is.
+
+        Whole means every key reflects complete listings: the buffer's own
+        poller has had a first complete poll applied, and no source that
+        lists the partition is half-way through a snapshot or awaiting a
+        resync after a loss.
+        """
+        with self._cond:
+            return self._view_gap(partition_id)
+
+    def _view_gap(self, partition_id: str | None) -> str | None:
+        for source in self._required:
+            if source not in self._completed_epoch:
+                received = sum(map(len, self._listed.get(source, {}).values()))
+                return (f"the first complete listing of poller {source} has not been applied yet "
+                        f"({received} key(s) of it received so far)")
+            if source in self._snapshots:
+                return f"a full listing (resync) of poller {source} is being applied"
+            if source in self._broken:
+                return f"the stream of poller {source} lost messages and a resync is awaited"
+        for source in list(self._snapshots) + list(self._broken):
+            if source in self._required:
+                continue
+            if partition_id is None or partition_id in self._snapshots.get(source, ()) \
+                    or partition_id in self._listed.get(source, ()):
+                what = "being applied" if source in self._snapshots else "awaited after a loss"
+                return f"a full listing of poller {source}, which lists this partition, is {what}"
+        return None
 
     def synced(self, source_id: str) -> int:
         """The highest sync token a complete poll of ``source_id`` answered (0: none)."""

@@ -34,12 +34,15 @@ from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
 from .partitions import PartitionStore
 from .ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
 
-__all__ = ["Peer", "PeerTable", "Send", "RESYNC_RETRY_S"]
+__all__ = ["Peer", "PeerTable", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
 
 logger = logging.getLogger(__name__)
 
 #: How long a RESYNC may stay unanswered before it is asked for again.
 RESYNC_RETRY_S = 1.0
+#: How long a SYNC may stay unanswered before it is sent again: one sent
+#: while the route to the poller was down (a reconnect) is lost.
+SYNC_RETRY_S = 1.0
 
 
 class Send(NamedTuple):
@@ -70,6 +73,9 @@ class Peer:
     # (the count restarts with every poller process).
     stalls: int = 0
     stalls_epoch: int | None = None
+    # Keys this peer leaves out of the stream (poller.quarantine), as its last heartbeat said.
+    quarantined: int = 0
+    quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 def _snapshot_start(message: Message) -> bool:
@@ -109,6 +115,8 @@ class PeerTable:
         # buffer that spawned it), and the epochs of its earlier processes.
         self._expected: dict[bytes, int] = {}
         self._retired: dict[bytes, set[int]] = {}
+        # identity -> (highest SYNC token asked of it and not yet answered, when it was last sent).
+        self._syncs: dict[bytes, tuple[int, float]] = {}
 
     def expect(self, identity: bytes, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``identity``; earlier epochs are dropped quietly."""
@@ -119,6 +127,11 @@ class PeerTable:
             if len(retired) > 64:  # restarts are few; keep the set bounded anyway
                 retired.discard(min(retired))
         self._expected[identity] = epoch
+
+    def quarantined(self) -> tuple[int, list[tuple[str, str, str]]]:
+        """Keys left out of the stream by the peers still streaming: the count, and the ones named."""
+        live = [p for p in list(self.peers.values()) if p.bye_seq is None]
+        return sum(p.quarantined for p in live), [named for p in live for named in p.quarantined_keys]
 
     def stale_peers(self, now: float) -> list[str]:
         """Peers silent for more than ``stale_after`` seconds that never said BYE."""
@@ -131,8 +144,16 @@ class PeerTable:
         body = Stop(reason) if kind is Kind.STOP else Resync(reason)
         return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, body)
 
-    def sync(self, identity: bytes, token: int) -> Send:
-        """A SYNC for ``identity``: poll at once, and tag that listing with ``token``."""
+    def sync(self, identity: bytes, token: int, now: float) -> Send:
+        """A SYNC for ``identity``: poll at once, and tag that listing with ``token``.
+
+        Sent again by :meth:`tick` every :data:`SYNC_RETRY_S` until a
+        complete poll answers it, so a request lost on a reconnect is not
+        waited on for ever.
+        """
+        wanted = self._syncs.get(identity)
+        token = max(token, wanted[0]) if wanted else token
+        self._syncs[identity] = (token, now)
         peer = self.peers.get(identity)
         return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0, Sync(token))
 
@@ -147,11 +168,19 @@ class PeerTable:
             silent = now - peer.last_seen
             if not peer.stale and silent > self.stale_after:
                 peer.stale = True
+                if identity not in self._pinned:
+                    # Nothing it sends can be waited for; decisions go on without it until it is back.
+                    self._store.release(peer.name)
                 self._log.log("stale", logging.WARNING,
                               "no message from poller %s for %.1fs (stale_after=%gs): its link is down or it is "
                               "dead; the buffer keeps what it has", peer.name, silent, self.stale_after)
             if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
                 actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
+        for identity, (token, sent_at) in list(self._syncs.items()):
+            if self._store.synced(identity.decode(errors="replace")) >= token:
+                del self._syncs[identity]
+            elif now - sent_at > SYNC_RETRY_S:
+                actions.append(self.sync(identity, token, now))
         return actions
 
     # -- messages -----------------------------------------------------------------
@@ -224,7 +253,7 @@ class PeerTable:
             return
         _, identity = min(candidates)
         peer = self.peers.pop(identity)
-        self._store.abandon_snapshot(peer.name)
+        self._store.release(peer.name)
         self.peers_forgotten += 1
         self._log.log("forget", logging.WARNING, "more than %d peers: forgot the state of %s (silent longest)",
                       self.limits.max_peers, peer.name)
@@ -269,6 +298,7 @@ class PeerTable:
 
     def _request_resync(self, identity: bytes, peer: Peer, why: str, now: float, retry: bool = False) -> Send:
         peer.awaiting_resync = True
+        self._store.mark_broken(peer.name)
         peer.resync_asked_at = now
         if not retry:  # counts the resyncs needed, not the requests repeated while one is awaited
             self.resyncs_requested += 1
@@ -310,6 +340,9 @@ class PeerTable:
     def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
         beat = cast(Heartbeat, message.body)
         peer.rss = beat.rss
+        if beat.quarantined is not None:  # None from older pollers
+            peer.quarantined = beat.quarantined
+            peer.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
         stalls = beat.source_stalls  # None from older pollers
         if stalls is not None:
             if peer.stalls_epoch != message.epoch:

@@ -197,9 +197,9 @@ class ReplayBuffer:
         self._core.store.detach(policy)
 
     def _wait_until(self, attempt: Callable[[], _T | None], *, timeout: float | None,
-                    describe: Callable[[], str]) -> _T:
+                    describe: Callable[[], str], view: str | None = None) -> _T:
         """:meth:`~buffer.partitions.PartitionStore.wait_until` on this buffer's store."""
-        return self._core.store.wait_until(attempt, timeout=timeout, describe=describe)
+        return self._core.store.wait_until(attempt, timeout=timeout, describe=describe, view=view)
 
     @property
     def _store(self) -> PartitionStore:

@@ -128,7 +128,7 @@ class StepSampler:
             def attempt() -> BatchMeta | None:
                 return self._try_size(partition_id, batch_size)
         return self._store.wait_until(
-            attempt, timeout=timeout,
+            attempt, timeout=timeout, view=partition_id,
             describe=lambda: self._waiting_for(partition_id, global_steps, batch_size, timeout))
 
     # -- attempts (store lock held) ----------------------------------------------

@@ -275,7 +275,7 @@ class StreamReceiver:
                 self._last_bye = (identity, epoch)
             elif command[0] == "sync":
                 _, identity, token = command
-                self._send_all(sock, [self.table.sync(identity, token)])
+                self._send_all(sock, [self.table.sync(identity, token, time.monotonic())])
             else:
                 _, identity, kind, reason = command
                 self._send_all(sock, [self.table.control(identity, kind, reason)])

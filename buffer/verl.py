@@ -289,8 +289,8 @@ class ReplayBuffer:
         def describe() -> str:
             return self._index.partition(partition_id).describe(partition_id)
 
-        return verl_io.wait_for_decision(buffer, attempt, describe, what=what, deadline=deadline,
-                                         config=self._config, counters=self._counters)
+        return verl_io.wait_for_decision(buffer, attempt, describe, what=what, partition_id=partition_id,
+                                         deadline=deadline, config=self._config, counters=self._counters)
 
     def _carry_out(self, plan: Plan, partition_id: str, metrics: dict[str, Any], deadline: float | None) -> bool:
         """Do the plan's I/O; True when the caller must decide again."""

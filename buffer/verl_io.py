@@ -171,18 +171,19 @@ class PollWhileWaiting:
 
 
 def wait_for_decision(buffer: Any, attempt: Callable[[], _R | None], describe: Callable[[], str], *, what: str,
-                      deadline: float | None, config: Any, counters: dict[str, int]) -> _R:
-    """``attempt()``'s first non-None result, waking on every change.
+                      partition_id: str, deadline: float | None, config: Any, counters: dict[str, int]) -> _R:
+    """``attempt()``'s first non-None result on a whole view of ``partition_id``, waking on every change.
 
     While it waits, the poller lists every ``config.wait_poll_interval``
-    seconds, and the counts in flight are logged every ``config.log_interval``.
+    seconds, and the counts in flight (and the partition's quarantined keys,
+    which never arrive) are logged every ``config.log_interval``.
 
     Raises:
         TimeoutError: past ``deadline`` (``config.sample_timeout``), naming what is in flight.
     """
     try:
         # The message of this first look is never shown: do not build it.
-        return buffer._wait_until(attempt, timeout=0, describe=str)
+        return buffer._wait_until(attempt, timeout=0, describe=str, view=partition_id)
     except TimeoutError:
         pass  # not ready now
     hurry = PollWhileWaiting(buffer, config.wait_poll_interval, counters)
@@ -194,7 +195,8 @@ def wait_for_decision(buffer: Any, attempt: Callable[[], _R | None], describe: C
             if deadline is not None:
                 wait = min(wait, deadline - now)
             try:
-                return buffer._wait_until(attempt, timeout=max(0.0, wait), describe=describe)
+                return buffer._wait_until(attempt, timeout=max(0.0, wait), view=partition_id,
+                                          describe=lambda: describe() + quarantined_note(buffer, partition_id))
             except TimeoutError as exc:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
@@ -202,6 +204,17 @@ def wait_for_decision(buffer: Any, attempt: Callable[[], _R | None], describe: C
                 logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
     finally:
         hurry.stop()
+
+
+def quarantined_note(buffer: Any, partition_id: str) -> str:
+    """What the poller leaves out of ``partition_id`` (keys whose tags the wire cannot carry), or ``""``."""
+    named = [(key, why) for partition, key, why in buffer.stats()["quarantined_keys"] if partition == partition_id]
+    if not named:
+        return ""
+    shown = "; ".join(f"{key!r}: {why}" for key, why in named[:5])
+    more = f" and {len(named) - 5} more" if len(named) > 5 else ""
+    return (f"; {len(named)} key(s) of this partition are quarantined (never streamed, their tags cannot go "
+            f"on the wire): {shown}{more}")
 
 
 def shut_down(buffer: Any, client: Any, owned: bool) -> None:

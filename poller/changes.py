@@ -82,6 +82,10 @@ class ListingReader:
         self._cursor: Any = None
         self._pending: Any = None
         self._listed_at = time.monotonic()
+        # What the last read was: a complete listing (every key the store
+        # holds), or a change set and the deletions it reported.
+        self.last_complete = True
+        self.last_deletes: Mapping[str, Any] = {}
         # Counters, for logs and tests: how each poll was read.
         self.full_listings = 0
         self.change_reads = 0
@@ -95,6 +99,7 @@ class ListingReader:
                 malformed answer (see :func:`diff_raw_listing`).
         """
         self._pending = None
+        self.last_complete, self.last_deletes = True, {}
         if not self.feed:
             return diff_raw_listing(sent, self._source.kv_list(), full)
         due = (self.reconcile_interval is not None
@@ -105,7 +110,9 @@ class ListingReader:
                 cursor, upserts, deletes = changes
                 self.change_reads += 1
                 self._pending = (cursor, False)
-                return diff_changes(sent, upserts, deletes)
+                diff = diff_changes(sent, upserts, deletes)
+                self.last_complete, self.last_deletes = False, deletes or {}
+                return diff
             self.fallbacks += 1
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
         cursor, listing = self._source.kv_snapshot()

@@ -6,12 +6,13 @@ calls them on every poll, and tests call them directly.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 from .errors import ProtocolError
-from .protocol import Limits, check_decodable, encode_delta, pack_delta_payload
+from .protocol import Limits, encode_delta, pack_delta_payload
+from .quarantine import Refused, screen
 
-__all__ = ["Listing", "ListingDiff", "diff_raw_listing", "commit_listing", "iter_encode_diff"]
+__all__ = ["Listing", "ListingDiff", "diff_raw_listing", "screen_diff", "commit_listing", "iter_encode_diff"]
 
 Tags = dict[str, Any]
 Listing = dict[str, dict[str, Tags]]
@@ -28,15 +29,19 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
     ``raw=None`` means nothing is stored. ``complete=False`` (a change set,
     not a listing): nothing is a delete, keys absent from ``raw`` are kept.
 
-    Only changed tags are copied and checked; an unchanged key costs one
-    lookup and one comparison in C, and nothing is built for it unless
-    ``full`` (K=100k, 1% changed: 87 ms -> 39 ms per poll). ``sent`` is not
-    modified; :func:`commit_listing` applies the diff once it was encoded.
+    A key that is not a ``str``, in a partition whose id is not a ``str``
+    or whose entry is not a mapping, or whose tags are not a mapping is
+    *refused* (``diff.refused``), not an error: one bad record must not
+    fail the listing (:mod:`poller.quarantine`).
+    A refused key that ``sent`` holds is deleted unless ``full``.
+
+    Only changed tags are copied; an unchanged key costs one lookup and one
+    comparison in C, and nothing is built for it unless ``full`` (K=100k,
+    1% changed: 87 ms -> 39 ms per poll). ``sent`` is not modified;
+    :func:`commit_listing` applies the diff once it was encoded.
 
     Raises:
-        TypeError: ``raw`` is not ``{str: {str: mapping-with-str-keys}}``, with
-            a message naming the first offending entry (a source error: it
-            keeps garbage out of the stream instead of breaking it).
+        TypeError: ``raw`` is not a mapping: a garbage answer, a source error.
     """
     if raw is None:
         raw = {}
@@ -44,43 +49,81 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
         raise TypeError(f"kv_list() returned {type(raw).__name__}, expected a mapping of partitions")
     upserts: dict[str, dict[str, Tags]] = {}
     deletes: dict[str, list[str]] = {}
+    refused: list[Refused] = []
     listed: set[str] = set()
     for partition, items in raw.items():
-        if not isinstance(partition, str):
-            raise TypeError(f"kv_list() partition id {partition!r} is not a str")
         if items is None:
             continue
         if not isinstance(items, Mapping):
-            raise TypeError(f"kv_list()[{partition!r}] is {type(items).__name__}, expected a mapping of keys")
+            refused.append(Refused(partition, "*", f"the partition's entry is {type(items).__name__}, "
+                                                   f"not a mapping of keys"))
+            continue
+        if not isinstance(partition, str):
+            why = f"partition id {partition!r} is {type(partition).__name__}, not str"
+            refused.extend(Refused(partition, key, why) for key in items)
+            continue
         previous = sent.get(partition, {})
         changed: dict[str, Tags] = {}
+        dropped: list[str] = []
         matched = 0
         for key, tags in items.items():
             held = previous.get(key)
             if held is not None:
                 matched += 1
-                if held == tags:  # checked when it was first held
+                try:
+                    same = held == tags  # held was screened when it was sent
+                except Exception:  # a value whose == is not a bool (an array): changed
+                    same = False
+                if same:
                     if full:
                         changed[key] = held
                     continue
             if not isinstance(key, str):
-                raise TypeError(f"kv_list()[{partition!r}] key {key!r} is not a str")
+                refused.append(Refused(partition, key, f"key is {type(key).__name__}, not str"))
+                continue
             if tags is None:
                 tags = {}
             if type(tags) is not dict and not isinstance(tags, Mapping):
-                raise TypeError(f"kv_list()[{partition!r}][{key!r}] tags are {type(tags).__name__}, expected a mapping")
+                refused.append(Refused(partition, key, f"tags are {type(tags).__name__}, not a mapping"))
+                if held is not None:
+                    dropped.append(key)
+                continue
             changed[key] = dict(tags)
         if items:
             listed.add(partition)
         if changed:
             upserts[partition] = changed
-        if complete and not full and matched < len(previous):
-            deletes[partition] = [key for key in previous if key not in items]
+        gone = [key for key in previous if key not in items] if complete and not full and matched < len(previous) \
+            else []
+        if not full and (gone or dropped):
+            deletes[partition] = gone + dropped
     if complete and not full:
         for partition, previous in sent.items():
             if partition not in listed and previous:
                 deletes[partition] = list(previous)
-    return ListingDiff(upserts, deletes)
+    return ListingDiff(upserts, deletes, refused)
+
+
+def screen_diff(diff: "ListingDiff", sent: Listing, full: bool, limits: Limits) -> "ListingDiff":
+    """``diff`` screened for what the receiver would refuse (:func:`poller.quarantine.screen`).
+
+    Its upserts are converted or refused in place; refused keys join
+    ``refused``, and unless ``full`` those ``sent`` holds are deleted, so
+    the receiver does not keep tags the store no longer has.
+    """
+    refused = list(diff.refused)
+    before = len(refused)
+    screen(diff.upserts, refused, limits)
+    diff = diff._replace(refused=refused)
+    if full:
+        return diff
+    for refusal in refused[before:]:
+        held = sent.get(refusal.partition)
+        if held is not None and refusal.key in held:
+            keys = diff.deletes.setdefault(refusal.partition, [])
+            if refusal.key not in keys:
+                keys.append(refusal.key)
+    return diff
 
 
 def commit_listing(sent: Listing, diff: "ListingDiff", full: bool) -> None:
@@ -101,10 +144,11 @@ def commit_listing(sent: Listing, diff: "ListingDiff", full: bool) -> None:
 
 
 class ListingDiff(NamedTuple):
-    """What changed between the last listing sent and the current one."""
+    """What changed between the last listing sent and the current one, and the keys refused."""
 
     upserts: dict[str, dict[str, Tags]]
     deletes: dict[str, list[str]]
+    refused: Sequence[Refused] = ()
 
     def item_count(self) -> int:
         return sum(map(len, self.upserts.values())) + sum(map(len, self.deletes.values()))
@@ -146,8 +190,7 @@ def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
 
 
 def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
-                     chunk_items: int, max_frame_bytes: int, limits: Limits | None = None,
-                     sync: int = 0) -> Iterator[bytes]:
+                     chunk_items: int, max_frame_bytes: int, sync: int = 0) -> Iterator[bytes]:
     """Encode a diff as one or more DELTA bodies, each under the frame limit, one at a time.
 
     The first body of a full snapshot carries ``reset``; the last body of
@@ -156,15 +199,15 @@ def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool
     a snapshot while the poller still encodes it. A ProtocolError can come
     after some bodies were sent: the poll then has no ``end`` and is sent
     again, which the receiver tolerates (merges are idempotent, a new
-    snapshot starts over). ``limits`` are the receiver's (default: the
-    defaults, with ``max_frame_bytes``).
+    snapshot starts over).
+
+    The diff must have been screened (:func:`screen_diff`): what is left
+    here packs and fits the receiver's limits.
 
     Raises:
-        ProtocolError: a value msgpack cannot encode or the receiver would
-            refuse, or one key whose tags alone exceed ``max_frame_bytes``.
+        ProtocolError: a value msgpack cannot encode, or one key whose tags
+            alone exceed ``max_frame_bytes`` (neither passes the screen).
     """
-    # Before the first body: what the receiver would refuse must not half-send a poll.
-    check_decodable(diff.upserts, limits or Limits(max_frame_bytes=max_frame_bytes))
     previous: bytes | None = None
     first = True
     for payload in _payloads(diff, chunk_items, max_frame_bytes):

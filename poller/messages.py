@@ -44,6 +44,7 @@ Count = int          # a non-negative integer
 Token = int          # a positive integer
 LastSeq = int        # a sequence number, or -1 before the first message
 Upserts = dict       # {partition: {key: tags}}
+Named = list         # [[partition, key, reason], ...]: keys a poller names
 Deletes = dict       # {partition: [key, ...]}
 
 # NamedTuples rather than dataclasses in every module the poller process
@@ -80,6 +81,10 @@ class Heartbeat(NamedTuple):
     # The seq of the last message sent before this heartbeat; a poller that
     # sends it asks for an ACK of every heartbeat.
     last_seq: LastSeq | None = None
+    # Keys the poller leaves out of the stream because the wire cannot carry
+    # their tags (poller.quarantine): how many, and the first few by name.
+    quarantined: Count | None = None
+    quarantined_keys: Named | None = None
 
 
 class Error(NamedTuple):
@@ -136,6 +141,13 @@ def _partitions_ok(value: Any) -> bool:
         for partition, items in value.items())
 
 
+def _named_ok(value: Any) -> bool:
+    """At most 64 ``[partition, key, reason]`` of str."""
+    return isinstance(value, list) and len(value) <= 64 and all(
+        isinstance(entry, list) and len(entry) == 3 and all(isinstance(part, str) for part in entry)
+        for entry in value)
+
+
 def _deletes_ok(value: Any) -> bool:
     return isinstance(value, dict) and all(
         isinstance(partition, str) and isinstance(keys, list) and all(isinstance(key, str) for key in keys)
@@ -152,6 +164,7 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "LastSeq": lambda v: _is_int(v) and v >= -1,
     "Upserts": _partitions_ok,
     "Deletes": _deletes_ok,
+    "Named": _named_ok,
 }
 
 

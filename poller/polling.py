@@ -16,13 +16,13 @@ import traceback
 from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
-from .listing import Listing, ListingDiff, commit_listing, diff_raw_listing, iter_encode_diff
+from .listing import Listing, commit_listing, iter_encode_diff, screen_diff
 from .messages import Error
 from .protocol import Kind, Limits, encode_body, fit_text
+from .quarantine import Quarantine
 from .sources import Source, SourceStall
 
-# The listing functions are re-exported: this module was their home.
-__all__ = ["PollingThread", "ListingDiff", "diff_raw_listing", "commit_listing", "iter_encode_diff"]
+__all__ = ["PollingThread"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class PollingThread(threading.Thread):
         # The highest SYNC token received; written by the control loop before
         # it wakes this thread, read here when a listing begins.
         self.sync_received = 0
+        # The keys left out of the stream; read by the control loop for heartbeats.
+        self.quarantine = Quarantine()
+        self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
 
     @property
     def call_started(self) -> float | None:
@@ -108,9 +111,12 @@ class PollingThread(threading.Thread):
         Called by the control loop only. Several requests that arrive while a
         listing is under way are all answered by the next one.
         """
+        # A token already received is the buffer asking again (its request
+        # may have been lost on a reconnect): the poll it asked for is
+        # already due, and waking again would only add a listing.
         if token > self.sync_received:
             self.sync_received = token
-        self._wake.set()
+            self._wake.set()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -194,9 +200,12 @@ class PollingThread(threading.Thread):
                 finally:
                     self._current = None
                 self._answered()
+                # Before the first body: a key the receiver would refuse is
+                # left out (quarantined) instead of failing the poll.
+                diff = screen_diff(diff, sent, full, self._screen_limits)
                 for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
                                              chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
-                                             limits=self.limits, sync=covered):
+                                             sync=covered):
                     if not self._emit(Kind.DELTA, body):
                         return
             except SourceStall as exc:
@@ -219,6 +228,10 @@ class PollingThread(threading.Thread):
             failures = 0
             # The diff holds copies: nothing the source owns is kept.
             commit_listing(sent, diff, full)
+            if self._reader.last_complete:
+                self.quarantine.replace(diff.refused)
+            else:
+                self.quarantine.update(diff.refused, diff.upserts, self._reader.last_deletes)
             self._reader.commit()
             full = False
             self.polls += 1

@@ -1,7 +1,9 @@
 """The wire format: pure functions between messages and ZeroMQ frames.
 
 Nothing here touches a socket. Both sides of the stream import this module,
-and nothing else in the project imports msgpack.
+the one place that knows the stream's format (:mod:`poller.quarantine` packs
+tags only to measure them; :mod:`poller.sources.tq_protocol` speaks
+TransferQueue's own format).
 
 A message is two frames::
 
@@ -21,7 +23,7 @@ type-checked, unknown kinds and versions are refused. Every failure is a
 
 from __future__ import annotations
 
-from itertools import chain, compress
+from itertools import chain
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgpack
@@ -40,7 +42,6 @@ __all__ = [
     "decode",
     "pack_delta_payload",
     "encode_delta",
-    "check_decodable",
     "fit_text",
 ]
 
@@ -151,89 +152,6 @@ def pack_delta_payload(upserts: Mapping[str, Any], deletes: Mapping[str, Any]) -
         return packer.pack("upserts") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
-
-
-def check_decodable(upserts: Mapping[str, Mapping[str, Any]], limits: Limits = DEFAULT_LIMITS) -> None:
-    """Refuse tags that would pack but that :func:`decode` would then refuse.
-
-    msgpack packs int map keys and strings of any length; the receiver's
-    strict, bounded decoder does not accept them. Sent anyway, such an item
-    fails its whole message on the far side, and every resync sends it again:
-    the stream breaks for good. Checked here, it is one clear source error
-    that names the key. Cost follows the items sent, not the store.
-
-    Raises:
-        ProtocolError: naming the partition and key, and what is wrong.
-    """
-    for partition, items in upserts.items():
-        if _plainly_decodable(items, limits):
-            continue
-        for key, tags in items.items():
-            problem = _undecodable(tags, limits, _TAGS_DEPTH)
-            if problem is not None:
-                raise ProtocolError(f"tags of {partition!r}/{key!r} cannot go on the wire: {problem}")
-
-
-# body -> upserts -> partition -> tags: a DELTA's tags sit at depth 4 (see _check_delta_bounds).
-_TAGS_DEPTH = 4
-_TEXT_TYPES = frozenset({str, bytes})
-
-
-def _plainly_decodable(items: Mapping[str, Any], limits: Limits) -> bool:
-    """The common case, decided in C-level passes: flat tags of scalars, str keys, short strings.
-
-    The per-value walk costs ~10x more and dominated a snapshot's poller
-    time; it now runs only for partitions that fail this test (and names
-    the offending key). ``False`` means "look closer", not "refused".
-    """
-    if limits.max_depth <= _TAGS_DEPTH:
-        return False
-    try:
-        values = list(chain.from_iterable(map(dict.values, items.values())))
-        names = list(chain.from_iterable(items.values()))
-    except TypeError:  # tags that are Mappings but not dicts
-        return False
-    value_types = set(map(type, values))
-    if not value_types <= _SCALAR_TYPES or not set(map(type, names)) <= {str}:
-        return False
-    if max(map(len, items.values()), default=0) > limits.max_items:
-        return False
-    # UTF-8 takes at most 4 bytes a character; longer candidates take the exact walk.
-    texts = compress(values, map(_TEXT_TYPES.__contains__, map(type, values)))
-    longest = max(max(map(len, names), default=0), max(map(len, texts), default=0))
-    return longest * 4 <= limits.max_str_len
-
-
-def _undecodable(value: Any, limits: Limits, depth: int) -> str | None:
-    if value is None or isinstance(value, (int, float)):
-        return None
-    if isinstance(value, (str, bytes, bytearray, memoryview)):
-        # UTF-8 takes at most 4 bytes a character: encode only strings that could be too long.
-        if isinstance(value, str) and len(value) * 4 > limits.max_str_len:
-            size = len(value.encode(errors="surrogatepass"))
-        else:
-            size = len(value)
-        return None if size <= limits.max_str_len else f"a value of {size} bytes exceeds {limits.max_str_len}"
-    if depth > limits.max_depth:
-        return f"nested deeper than {limits.max_depth}"
-    if isinstance(value, Mapping):
-        if len(value) > limits.max_items:
-            return f"a map of {len(value)} entries exceeds {limits.max_items}"
-        for name, item in value.items():
-            if not isinstance(name, (str, bytes)):
-                return f"map key {name!r} is {type(name).__name__}, not str"
-            problem = _undecodable(name, limits, depth + 1) or _undecodable(item, limits, depth + 1)
-            if problem is not None:
-                return problem
-        return None
-    if isinstance(value, (list, tuple)):
-        if len(value) > limits.max_items:
-            return f"a list of {len(value)} items exceeds {limits.max_items}"
-        for item in value:
-            problem = _undecodable(item, limits, depth + 1)
-            if problem is not None:
-                return problem
-    return None  # anything else is left to msgpack, which refuses what it cannot pack
 
 
 def fit_text(text: str, limits: Limits | None) -> str:

@@ -140,6 +140,7 @@ class _ControlLoop:
         self.startup_error: BaseException | None = None
         self.link: Link | None = None
         self.stalls_reported = 0
+        self.quarantine_reported = 0  # Quarantine.changes last reported
         # Set when the link came back on a new connection: heartbeat at once.
         self.heartbeat_now = True
 
@@ -215,6 +216,8 @@ class _ControlLoop:
     def _heartbeat(self) -> None:
         thread = self.thread
         self.stalls_reported = thread.source_stalls if thread else 0
+        quarantine = thread.quarantine if thread else None
+        self.quarantine_reported = quarantine.changes if quarantine else 0
         self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
             polls=thread.polls if thread else 0,
             source_errors=thread.source_errors if thread else 0,
@@ -223,6 +226,8 @@ class _ControlLoop:
             source_stalls=self.stalls_reported,
             # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
             last_seq=self.seq,
+            quarantined=len(quarantine.keys) if quarantine else 0,
+            quarantined_keys=quarantine.names() if quarantine else [],
         )))
 
     def _on_control(self, sock: zmq.Socket) -> None:
@@ -362,9 +367,10 @@ class _ControlLoop:
                 self.stop_reason = "source failed"
                 self.exit_code = ExitCode.SOURCE_FAILED
             self.thread.check_stall()
-            # A new stall is reported at once, not at the next heartbeat.
+            # A new stall or quarantine is reported at once, not at the next heartbeat.
             if (self.heartbeat_now or time.monotonic() >= next_heartbeat
-                    or self.thread.source_stalls != self.stalls_reported):
+                    or self.thread.source_stalls != self.stalls_reported
+                    or self.thread.quarantine.changes != self.quarantine_reported):
                 self.heartbeat_now = False
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval

@@ -27,7 +27,8 @@ STABLE_NAMES = [
     "replay.poller.rss_bytes", "replay.source.errors", "replay.source.stalls", "replay.stream.messages",
     "replay.stream.items", "replay.stream.bytes", "replay.stream.protocol_errors", "replay.stream.resyncs",
     "replay.stream.auth_rejected", "replay.stream.peers", "replay.stream.stale_peers",
-    "replay.stream.last_message_age_seconds", "replay.poller.start_retries",
+    "replay.stream.last_message_age_seconds", "replay.poller.start_retries", "replay.stream.quarantined",
+    "replay.view.whole",
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from poller.errors import PollerError, ProtocolError
 from poller.messages import RECORDS, Delta, to_record
-from poller.polling import ListingDiff, diff_raw_listing, iter_encode_diff
+from poller.listing import ListingDiff, diff_raw_listing, iter_encode_diff
 from poller.protocol import (
     PROTOCOL_VERSION,
     Kind,
@@ -417,15 +417,24 @@ def test_encode_diff_refuses_unencodable_tags() -> None:
 @pytest.mark.parametrize("raw", [
     [("train", {})],
     "train",
-    {1: {"k": {}}},
-    {"train": ["k1", "k2"]},
-    {"train": {2: {}}},
-    {"train": {"k": ["not", "a", "mapping"]}},
-    {"train": {"k": "running"}},
+    42,
 ], ids=repr)
 def test_a_listing_of_garbage_is_refused(raw: Any) -> None:
     with pytest.raises(TypeError):
         _listed(raw)
+
+
+@pytest.mark.parametrize("raw, refused", [
+    ({1: {"k": {}}, "ok": {"a": {}}}, [(1, "k", "partition id 1 is int, not str")]),
+    ({"train": {2: {}, "a": {}}}, [("train", 2, "key is int, not str")]),
+    ({"train": {"k": ["not", "a", "mapping"], "a": {}}}, [("train", "k", "tags are list, not a mapping")]),
+    ({"train": {"k": "running", "a": {}}}, [("train", "k", "tags are str, not a mapping")]),
+    ({"bad": ["k1", "k2"], "train": {"a": {}}}, [("bad", "*", "the partition's entry is list, not a mapping of keys")]),
+], ids=repr)
+def test_a_bad_record_is_refused_alone_and_the_rest_is_listed(raw: Any, refused: list[Any]) -> None:
+    diff = diff_raw_listing({}, raw, full=True)
+    assert [tuple(r) for r in diff.refused] == refused
+    assert [key for items in diff.upserts.values() for key in items] == ["a"]
 
 
 def test_a_listing_maps_none_and_is_copied() -> None:

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 from buffer.partitions import PartitionStore
 from buffer.steps import StepSampler
-from poller.polling import commit_listing, diff_raw_listing
+from poller.listing import commit_listing, diff_raw_listing
 
 
 class _Store(PartitionStore):

@@ -94,6 +94,27 @@ class Fault:
     def misbehave(self) -> Any:
         raise NotImplementedError
 
+    # What a trainer-side client does besides listing goes to the inner store
+    # untouched (the verl sampler clears keys and reads fields through it).
+    # Never kv_snapshot / kv_changes: the poller must see this wrapper's kv_list().
+
+    def kv_clear(self, keys: list[str], partition_id: str) -> Any:
+        return self._inner("kv_clear")(keys, partition_id)
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: list[str] | None = None) -> Any:
+        return self._inner("kv_batch_get")(keys, partition_id, select_fields=select_fields)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
+    def _inner(self, name: str) -> Any:
+        method = getattr(self.inner, name, None)
+        if not callable(method):
+            raise AttributeError(f"the inner source {self.inner!r} has no {name}()")
+        return method
+
     def _armed(self) -> bool:
         if self._disarmed or self.calls <= self.after or time.monotonic() - self._born < self.after_s:
             return False
@@ -267,7 +288,17 @@ GARBAGE = {
     "unencodable": lambda: {"garbage": {"k": {"status": "success", "when": object()}}},
     "non-str-tag-key": lambda: {"garbage": {"k": {"status": "success", 7: "seven"}}},
     "overlong-string": lambda: {"garbage": {"k": {"status": "success", "text": "x" * (2 * 1024 * 1024)}}},
+    "deep": lambda: {"garbage": {"k": {"status": "success", "deep": _nested(40)}}},
+    "big-int": lambda: {"garbage": {"k": {"status": "success", "global_steps": 2**70}}},
+    "non-str-partition": lambda: {1: {"k": {"status": "success"}}},
 }
+
+
+def _nested(levels: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(levels):
+        value = [value]
+    return value
 
 
 class _Garbage(Fault):

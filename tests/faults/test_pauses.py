@@ -47,3 +47,12 @@ def test_a_process_stopped_for_30s_gets_its_stream_back(tmp_path) -> None:
         os.mkdir(tmp_path / target)
     for outcome in _both(30, str(tmp_path)):
         assert outcome.ok, outcome
+
+
+@pytest.mark.parametrize("stopped_s", [1, 5, 10])
+@pytest.mark.timeout(120)
+def test_a_sync_called_as_a_stopped_trainer_resumes_is_answered(stopped_s: float, tmp_path) -> None:
+    """A SYNC sent while the stream reconnects was lost and never sent again: sync() timed out."""
+    outcome = run_pause("trainer", stopped_s, str(tmp_path), converge_deadline=_DEADLINE, sync_after=15.0)
+    assert outcome.sync_error is None and outcome.sync_s is not None, outcome
+    assert outcome.ok, outcome

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,8 +20,8 @@ from poller.errors import ProtocolError
 from poller.faults import parse_fault, raise_
 from poller.faults.peer import RoguePeer
 from poller.faults.store import delete
-from poller.polling import diff_raw_listing, iter_encode_diff
-from poller.protocol import Kind, check_decodable
+from poller.listing import commit_listing, diff_raw_listing, iter_encode_diff, screen_diff
+from poller.protocol import Kind, Limits, decode, encode_header
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
 
@@ -37,22 +38,62 @@ def _nested(levels: int) -> list:
     return value
 
 
+class _Scalar:
+    """Stands for a numpy/torch scalar in tests that import neither: a 0-d value with item()."""
+
+    shape = ()
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def item(self) -> Any:
+        return self.value
+
+
+_Scalar.__module__ = "numpy"
+
+
 @pytest.mark.parametrize("tags, problem", [
-    ({7: "seven"}, "map key 7 is int"),
-    ({"nested": [{"ok": 1}, {b"fine": {1.5: "x"}}]}, "map key 1.5 is float"),
-    ({"text": "x" * (1024 * 1024 + 1)}, "exceeds 1048576"),
-    ({"text": "é" * (600 * 1024)}, "exceeds 1048576"),  # 1.2 MB of UTF-8 in 600k characters
-    ({"blob": b"\0" * (1024 * 1024 + 1)}, "exceeds 1048576"),
-    ({"deep": _nested(40)}, "nested deeper than 32"),
+    ({7: "seven"}, "tag name 7 is int, not str"),
+    ({"nested": [{"ok": 1}, {b"fine": {1.5: "x"}}]}, "tag name b'fine' is bytes"),
+    ({"text": "x" * (1024 * 1024 + 1)}, "exceeds max_str_len=1048576"),
+    ({"text": "é" * (600 * 1024)}, "exceeds max_str_len=1048576"),  # 1.2 MB of UTF-8 in 600k characters
+    ({"blob": b"\0" * (1024 * 1024 + 1)}, "exceeds max_str_len=1048576"),
+    ({"deep": _nested(40)}, "nested deeper than max_depth=32"),
+    ({"big": 2**64}, "fits no msgpack integer"),
+    ({"small": -(2**63) - 1}, "fits no msgpack integer"),
+    ({"text": "\ud800"}, "not valid UTF-8"),
+    ({"obj": object()}, "is not plain data"),
 ])
-def test_tags_the_receiver_would_refuse_are_a_clear_error_naming_the_key(tags, problem):
-    diff = diff_raw_listing({}, {"p": {"k": tags}}, full=True)
-    with pytest.raises(ProtocolError, match=rf"tags of 'p'/'k' cannot go on the wire: .*{problem}"):
-        list(iter_encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=10, max_frame_bytes=64 * 2**20))
+def test_tags_the_receiver_would_refuse_are_quarantined_and_the_rest_flows(tags, problem):
+    diff = diff_raw_listing({}, {"p": {"k": tags, "good": {"global_steps": 1}}}, full=True)
+    diff = screen_diff(diff, {}, True, Limits())
+    assert [(r.partition, r.key) for r in diff.refused] == [("p", "k")]
+    assert problem in diff.refused[0].reason
+    bodies = list(iter_encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=10, max_frame_bytes=64 * 2**20))
+    sent = decode([encode_header(Kind.DELTA, 1, 0), bodies[0]]).body
+    assert sent.upserts == {"p": {"good": {"global_steps": 1}}}
 
 
-def test_tags_the_receiver_accepts_pass_the_check():
-    check_decodable({"p": {"k": {"s": "x" * 1024 * 1024, "b": b"y", "l": [1, 2.5, None, True], "d": {"a": {}}}}})
+def test_tags_the_receiver_accepts_pass_the_screen_and_plain_scalars_convert():
+    tags = {"s": "x" * 1024 * 1024, "b": b"y", "l": [1, 2.5, None, True], "d": {"a": {}}, "t": (1, "two"),
+            "np": _Scalar(3), "big": 2**64 - 1, "neg": -(2**63)}
+    diff = screen_diff(diff_raw_listing({}, {"p": {"k": tags}}, full=True), {}, True, Limits())
+    assert diff.refused == []
+    assert diff.upserts["p"]["k"] == {**tags, "t": [1, "two"], "np": 3}
+    assert type(diff.upserts["p"]["k"]["np"]) is int
+
+
+def test_a_key_that_turns_bad_is_deleted_from_the_receiver_and_comes_back_when_valid():
+    sent = {"p": {"k": {"v": 1}, "other": {"v": 1}}}
+    diff = screen_diff(diff_raw_listing(sent, {"p": {"k": {"v": 2**70}, "other": {"v": 1}}}, full=False), sent,
+                       False, Limits())
+    assert diff.upserts == {"p": {}} and diff.deletes == {"p": ["k"]} and len(diff.refused) == 1
+    commit_listing(sent, diff, False)
+    assert sent == {"p": {"other": {"v": 1}}}
+    diff = screen_diff(diff_raw_listing(sent, {"p": {"k": {"v": 3}, "other": {"v": 1}}}, full=False), sent,
+                       False, Limits())
+    assert diff.upserts == {"p": {"k": {"v": 3}}} and diff.refused == []
 
 
 # -- the SQLite store deleted or replaced under an open connection --------------------------------------

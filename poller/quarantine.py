@@ -1,0 +1,280 @@
+"""Keys the wire cannot carry: screened out of each diff, named, counted, and let back in.
+
+The unit of failure is the record, not the listing. A key whose tags the
+receiver's strict decoder would refuse (a tag name that is not a ``str``, a
+string over ``max_str_len``, nesting deeper than ``max_depth``, an int that
+fits no msgpack int, a value that is not plain data, one key over
+``max_frame_bytes``), or whose key or partition id is not a ``str``, is
+*quarantined*: left out of the stream (and deleted from the receiver if it
+was sent before), named in a rate-limited WARNING and counted, while every
+other key keeps flowing. It comes back as soon as its tags become valid, and
+leaves the quarantine when the store clears it.
+
+Values with one faithful plain form are converted instead of refused: numpy
+and torch scalars (and 0-d tensors) become ``int`` / ``float`` / ``bool``,
+tuples become lists. Neither numpy nor torch is imported for that: such a
+value is recognised by its type's module and read with its own ``item()``.
+
+:func:`screen` is pure (tests call it directly); :class:`Quarantine` is the
+poller's memory of what it refused, reported in its heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from itertools import chain, compress
+from typing import Any, Iterable, Mapping, NamedTuple
+
+import msgpack
+
+from .protocol import Limits
+from .sources import UnreadableValue
+
+__all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
+
+logger = logging.getLogger(__name__)
+
+#: How many quarantined keys a heartbeat names (the count is always whole).
+MAX_REPORTED = 32
+# Each name and reason is cut to this many characters in a report.
+_NAME_CHARS = 200
+
+# msgpack's integer range: uint64 above, int64 below.
+_INT_MAX = 2**64 - 1
+_INT_MIN = -(2**63)
+_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+_STR = frozenset({str})
+_INT = frozenset({int})
+_BYTES = frozenset({bytes})
+# body -> upserts -> partition -> tags: a DELTA's tags sit at depth 4.
+_TAGS_DEPTH = 4
+# What encode_delta puts around one key in the worst case, beyond its tags.
+_FRAME_SLACK = 1024
+
+
+class Refused(NamedTuple):
+    """One key left out of the stream: its partition id and key as listed, and why."""
+
+    partition: Any
+    key: Any
+    reason: str
+
+
+def display_name(name: Any) -> str:
+    """A name as it is reported: a ``str`` as it is, anything else as ``repr (type)``."""
+    return name if isinstance(name, str) else f"{name!r} ({type(name).__name__})"
+
+
+class _Refuse(Exception):
+    """Raised inside the walk; carries the reason."""
+
+
+def _scalar_of(value: Any) -> Any:
+    """The plain scalar of a numpy or torch scalar (or 0-d tensor/array); raises _Refuse otherwise."""
+    module = type(value).__module__.partition(".")[0]
+    if module not in ("numpy", "torch"):
+        raise _Refuse(f"a {type(value).__module__}.{type(value).__qualname__} value is not plain data "
+                      f"(str, int, float, bool, None, bytes, lists and maps)")
+    shape = getattr(value, "shape", ())
+    if tuple(shape) != ():
+        raise _Refuse(f"a {module} {type(value).__name__} of shape {tuple(shape)} is not a scalar; "
+                      f"write it as a list")
+    try:
+        item = value.item()
+    except Exception as exc:  # a dtype with no Python scalar (complex, datetime, ...)
+        raise _Refuse(f"a {module} {type(value).__name__} has no plain value: {exc}") from None
+    if type(item) not in (int, float, bool):
+        raise _Refuse(f"a {module} {type(value).__name__} holds a {type(item).__name__}, not a number")
+    return item
+
+
+def _plain(value: Any, limits: Limits, depth: int) -> Any:
+    """``value`` as plain data the receiver accepts (converted where faithful); raises _Refuse."""
+    kind = type(value)
+    if kind is not str and isinstance(value, str):  # a StrEnum and the like: its plain text
+        value, kind = str.__str__(value), str
+    if kind is str:
+        if len(value) * 4 > limits.max_str_len or not value.isascii():
+            try:
+                size = len(value.encode())
+            except UnicodeEncodeError as exc:
+                raise _Refuse(f"a string that is not valid UTF-8 ({exc.reason} at {exc.start})") from None
+            if size > limits.max_str_len:
+                raise _Refuse(f"a value of {size} bytes exceeds max_str_len={limits.max_str_len}")
+        return value
+    if kind is int:
+        if not _INT_MIN <= value <= _INT_MAX:
+            raise _Refuse(f"the int {_short(value)} fits no msgpack integer (-2**63 .. 2**64-1)")
+        return value
+    if kind in (float, bool) or value is None:
+        return value
+    if kind in (bytes, bytearray, memoryview):
+        if len(value) > limits.max_str_len:
+            raise _Refuse(f"a value of {len(value)} bytes exceeds max_str_len={limits.max_str_len}")
+        return bytes(value) if kind is not bytes else value
+    if isinstance(value, UnreadableValue):
+        raise _Refuse(f"the source could not read a value: {value.reason}")
+    if depth > limits.max_depth:
+        raise _Refuse(f"nested deeper than max_depth={limits.max_depth}")
+    if isinstance(value, Mapping):
+        if len(value) > limits.max_items:
+            raise _Refuse(f"a map of {len(value)} entries exceeds max_items={limits.max_items}")
+        out = {}
+        for name, item in value.items():
+            if type(name) is not str:
+                raise _Refuse(f"tag name {_short(name)} is {type(name).__name__}, not str")
+            out[_plain(name, limits, depth + 1)] = _plain(item, limits, depth + 1)
+        return out
+    if isinstance(value, (list, tuple)):
+        if len(value) > limits.max_items:
+            raise _Refuse(f"a list of {len(value)} items exceeds max_items={limits.max_items}")
+        return [_plain(item, limits, depth + 1) for item in value]
+    if isinstance(value, (int, float)):  # IntEnum, numpy.float64 (a float subclass), ...
+        return _scalar_of(value) if type(value).__module__.startswith(("numpy", "torch")) else (
+            int(value) if isinstance(value, int) and not isinstance(value, bool) else value)
+    return _scalar_of(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _plainly_fine(items: Mapping[str, Any], limits: Limits) -> bool:
+    """The common case, decided in C-level passes: flat tags of scalars, str names, short ASCII text.
+
+    ``False`` means "look closer", not "refused": the per-key walk costs ~10x
+    more and runs only for partitions that fail this test.
+    """
+    if limits.max_depth <= _TAGS_DEPTH:
+        return False
+    try:
+        values = list(chain.from_iterable(map(dict.values, items.values())))
+        names = list(chain.from_iterable(items.values()))
+    except TypeError:  # tags that are Mappings but not dicts
+        return False
+    types = list(map(type, values))
+    if not set(types) <= _SCALAR_TYPES or not set(map(type, names)) <= _STR:
+        return False
+    widest = max(map(len, items.values()), default=0)
+    if widest > limits.max_items:
+        return False
+    ints = list(compress(values, map(_INT.__contains__, types)))
+    if ints and (max(ints) > _INT_MAX or min(ints) < _INT_MIN):
+        return False
+    strings = list(compress(values, map(_STR.__contains__, types)))
+    # Non-ASCII text: its UTF-8 length and validity are checked per key.
+    if not all(map(str.isascii, strings)) or not all(map(str.isascii, names)) or not all(map(str.isascii, items)):
+        return False
+    blobs = compress(values, map(_BYTES.__contains__, types))
+    longest = max(max(map(len, names), default=0), max(map(len, strings), default=0),
+                  max(map(len, blobs), default=0), max(map(len, items), default=0))
+    if longest > limits.max_str_len:
+        return False
+    # The largest a key's tags could encode to: every name and value the longest.
+    return widest * 2 * (longest + 9) + _FRAME_SLACK <= limits.max_frame_bytes
+
+
+def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
+    """The plain tags of one key; raises _Refuse naming what the wire cannot carry."""
+    if len(key) * 4 > limits.max_str_len or not key.isascii():
+        _plain(key, limits, _TAGS_DEPTH)
+    plain = _plain(tags, limits, _TAGS_DEPTH - 1)
+    try:
+        size = len(msgpack.packb(plain, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError) as exc:  # what the walk let through and msgpack did not
+        raise _Refuse(f"msgpack cannot encode it: {exc}") from None
+    if size + len(key) * 4 + _FRAME_SLACK > limits.max_frame_bytes:
+        raise _Refuse(f"its tags encode to {size} bytes, over max_frame_bytes={limits.max_frame_bytes}")
+    return plain
+
+
+def screen(upserts: dict[str, dict[str, Any]], refused: list[Refused], limits: Limits) -> None:
+    """Convert what converts and move what the receiver would refuse from ``upserts`` to ``refused``.
+
+    ``upserts`` (a diff's, holding fresh dicts) is changed in place; a
+    partition left with no key stays, empty. Cost follows the keys sent,
+    not the store, and the common case runs at C speed.
+    """
+    for partition, items in upserts.items():
+        if len(partition) * 4 > limits.max_str_len or not partition.isascii():
+            try:
+                _plain(partition, limits, _TAGS_DEPTH)
+            except _Refuse as exc:
+                refused.extend(Refused(partition, key, f"partition id: {exc}") for key in items)
+                items.clear()
+                continue
+        if _plainly_fine(items, limits):
+            continue
+        for key in list(items):
+            try:
+                items[key] = _screen_tags(key, items[key], limits)
+            except _Refuse as exc:
+                del items[key]
+                refused.append(Refused(partition, key, str(exc)))
+
+
+class Quarantine:
+    """What the poller left out of the stream, for its heartbeats and its log.
+
+    :meth:`replace` after a complete listing (the refused keys are exactly
+    those it refused), :meth:`update` after a change set (refused keys join,
+    keys sent or deleted leave).
+    """
+
+    def __init__(self, *, warnings_per_minute: int = 20) -> None:
+        self.keys: dict[tuple[str, str], str] = {}
+        self._budget = warnings_per_minute
+        self._window: tuple[float, int] = (time.monotonic(), 0)
+        self.changes = 0  # bumped whenever the set changes, so the poller reports at once
+
+    def replace(self, refused: Iterable[Refused]) -> None:
+        now = {(display_name(r.partition), display_name(r.key)): r.reason for r in refused}
+        entered = [(pk, reason) for pk, reason in now.items() if self.keys.get(pk) != reason]
+        left = [pk for pk in self.keys if pk not in now]
+        self.keys = now
+        self._report(entered, left)
+
+    def update(self, refused: Iterable[Refused], sent: Mapping[str, Mapping[str, Any]],
+               deleted: Mapping[str, Iterable[str]]) -> None:
+        entered = []
+        for r in refused:
+            pk = (display_name(r.partition), display_name(r.key))
+            if self.keys.get(pk) != r.reason:
+                self.keys[pk] = r.reason
+                entered.append((pk, r.reason))
+        left = []
+        if self.keys:
+            gone = {(partition, key) for partition, keys in deleted.items() for key in keys}
+            gone.update((partition, key) for partition, items in sent.items() for key in items)
+            left = [pk for pk in self.keys if pk in gone]
+            for pk in left:
+                del self.keys[pk]
+        self._report(entered, left)
+
+    def names(self, limit: int = MAX_REPORTED) -> list[list[str]]:
+        """Up to ``limit`` ``[partition, key, reason]``, each cut to a bounded length."""
+        return [[partition[:_NAME_CHARS], key[:_NAME_CHARS], reason[:_NAME_CHARS]]
+                for (partition, key), reason in list(self.keys.items())[:limit]]
+
+    def _report(self, entered: list[tuple[tuple[str, str], str]], left: list[tuple[str, str]]) -> None:
+        if not entered and not left:
+            return
+        self.changes += 1
+        started, spent = self._window
+        now = time.monotonic()
+        if now - started >= 60.0:
+            started, spent = now, 0
+        shown = entered[:max(0, min(5, self._budget - spent))]
+        for (partition, key), reason in shown:
+            logger.warning("quarantined %s/%s: %s; the key is left out of the stream until its tags are valid "
+                           "(every other key keeps flowing)", partition, key, reason)
+        if len(entered) > len(shown):
+            logger.log(logging.WARNING if spent + len(shown) < self._budget else logging.DEBUG,
+                       "quarantined %d more key(s) (%d in all; see stats()['quarantined_keys'])",
+                       len(entered) - len(shown), len(self.keys))
+        self._window = (started, spent + len(shown) + (len(entered) > len(shown)))
+        if left:
+            logger.info("%d key(s) left the quarantine (valid again or cleared); %d remain", len(left),
+                        len(self.keys))

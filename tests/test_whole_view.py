@@ -1,0 +1,107 @@
+"""No decision on a view that was never whole: a slow first listing, a resync half-applied.
+
+A store larger than the constructor's capped first wait (a million keys take
+~10 s to list) used to give partial answers: ``sample(global_steps=g)``
+returned an empty or partial batch at once, and a trainer trained on part of
+a step and removed it. Here a real poller lists a real SQLite store through
+the ``slow`` fault (each listing takes longer than the constructor waits).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from buffer import ReplayBuffer
+from buffer.partitions import PartitionStore
+from buffer.steps import StepSampler
+from buffer.verl import ReplayBuffer as VerlSampler
+from poller.sources.sqlite import SqliteSource
+
+SQLITE = "poller.sources.sqlite:SqliteSource"
+# Longer than the constructor's capped wait for the first listing (5 s).
+SLOW_LISTING_S = 6.0
+
+
+def _slow(db: str) -> dict[str, Any]:
+    return {"source": "poller.faults:slow",
+            "source_kwargs": {"inner": SQLITE, "inner_kwargs": {"path": db}, "seconds": SLOW_LISTING_S}}
+
+
+def _step(store: SqliteSource, step: int, count: int) -> list[str]:
+    keys = [f"s{step}-{i:03d}" for i in range(count)]
+    store.kv_batch_put(keys, "train", tags=[{"global_steps": step, "status": "success"}] * count)
+    return keys
+
+
+def test_sample_waits_for_the_first_complete_listing(db: str, store: SqliteSource) -> None:
+    keys = _step(store, 3, 40)
+    with ReplayBuffer(**_slow(db), poll_interval=60.0) as rb:
+        # The constructor gave up waiting (capped): nothing whole to decide on yet.
+        with pytest.raises(TimeoutError, match="not whole: the first complete listing of poller"):
+            rb.sample("train", global_steps=3, timeout=0.2)  # before: an empty batch at once
+        stats = rb.stats()
+        assert not stats["view_whole"] and "first complete listing" in (stats["view_gap"] or "")
+        with pytest.raises(TimeoutError, match="not whole"):
+            rb.sample("train", batch_size=1, timeout=0)
+        batch = rb.sample("train", global_steps=3, timeout=60)
+        assert batch.keys == keys
+        assert rb.sample("train", batch_size=40, timeout=0).keys == keys
+        assert rb.stats()["view_whole"] and rb.stats()["view_gap"] is None
+        assert rb.metrics()["replay.view.whole"] == 1.0
+
+
+def test_verl_decisions_wait_for_the_first_complete_listing(db: str, store: SqliteSource) -> None:
+    for i in range(4):
+        uid = f"u{i}"
+        store.kv_put(uid, "train", tag={"is_prompt": True, "status": "pending", "global_steps": 0})
+        store.kv_put(f"{uid}_0_0", "train", tag={"status": "success", "global_steps": 0})
+        store.kv_put(uid, "train", tag={"status": "finished"})
+    sampler = VerlSampler(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=8,
+                          max_off_policy_strategy="drop",
+                          sampler_kwargs={**_slow(db), "poll_interval": 60.0, "sample_timeout": 60})
+    try:
+        started = time.monotonic()
+        # Before: 0 (the constructor's wait ran out and the count came from an empty view).
+        assert sampler.get_sampleable_count(0, "train") == 4
+        assert time.monotonic() - started >= SLOW_LISTING_S - 5.5  # it did wait
+    finally:
+        sampler.close()
+
+
+def test_a_resync_half_applied_is_not_decided_on() -> None:
+    """Store level: the own poller's full listing, begun and not ended, holds every decision."""
+    store = PartitionStore()
+    steps = StepSampler(store)
+    store.require("own")
+    store.begin_snapshot("own")
+    store.merge_listed("own", "train", {"a": {"global_steps": 1, "status": "success"}})
+    store.end_snapshot("own")
+    store.poll_completed("own", 1, 1)
+    assert steps.sample("train", global_steps=1, timeout=0).keys == ["a"]
+    # A resync: the new listing arrives in parts; until its end the view mixes old and new.
+    store.mark_broken("own")
+    with pytest.raises(TimeoutError, match="lost messages and a resync is awaited"):
+        steps.sample("train", global_steps=1, timeout=0)
+    store.begin_snapshot("own")
+    store.merge_listed("own", "train", {"b": {"global_steps": 1, "status": "success"}})
+    with pytest.raises(TimeoutError, match=r"a full listing \(resync\) of poller own is being applied"):
+        steps.sample("train", global_steps=1, timeout=0)
+    store.end_snapshot("own")  # "a" was not listed again: it vanished with the snapshot
+    store.poll_completed("own", 1, 2)
+    assert steps.sample("train", global_steps=1, timeout=0).keys == ["b"]
+
+
+def test_a_standalone_pollers_snapshot_holds_only_its_partitions() -> None:
+    store = PartitionStore()
+    steps = StepSampler(store)
+    store.merge_listed("other", "val", {"v": {"global_steps": 1, "status": "success"}})
+    store.begin_snapshot("standalone")
+    store.merge_listed("standalone", "train", {"a": {"global_steps": 1, "status": "success"}})
+    with pytest.raises(TimeoutError, match="poller standalone, which lists this partition"):
+        steps.sample("train", global_steps=1, timeout=0)
+    assert steps.sample("val", global_steps=1, timeout=0).keys == ["v"]
+    store.release("standalone")  # it went silent: decisions go on without it
+    assert steps.sample("train", global_steps=1, timeout=0).keys == ["a"]
