@@ -8,6 +8,14 @@ takes seconds by design (``tests/faults/test_pauses.py`` plays those once);
   the trainer process (or its poller) SIGSTOPped for 10 s while the store
   changes; the buffer must equal the store again after SIGCONT and close
   gracefully and drained.
+- ``pause:trainer:6s+sync``: the trainer SIGSTOPped for 6 s, then
+  ``sync(timeout=15)`` called the moment it resumes, while its stream
+  reconnects: the sync must be answered (a SYNC lost on the reconnect is
+  sent again), and the buffer converge as above.
+- ``first-view:slow-listing``: every listing of the store takes 6 s, longer
+  than the constructor waits: ``sample()`` must give no answer until the
+  first complete listing is applied (``TimeoutError`` naming it), then the
+  whole step.
 - ``bind:same-ipc-path``: a second buffer given the first one's explicit
   ``ipc://`` path is refused (``EndpointInUseError``), and the first buffer's
   stream is untouched, also across a restart of its poller.
@@ -32,6 +40,8 @@ __all__ = ["STREAM_ROWS", "run_stream_trial"]
 STREAM_ROWS: tuple[Row, ...] = (
     Row("pause:trainer:10s", action="pause:trainer:10", close_timeout=5.0),
     Row("pause:poller:10s", action="pause:poller:10", close_timeout=5.0),
+    Row("pause:trainer:6s+sync", action="pause:trainer:6:sync", close_timeout=5.0),
+    Row("first-view:slow-listing", action="first-view"),
     Row("bind:same-ipc-path", action="bind", saw="EndpointInUseError", restarts=1, once=True),
 )
 
@@ -42,16 +52,20 @@ def run_stream_trial(row: Row, workdir: str) -> Outcome:
         return _pause(row, workdir)
     if row.action == "bind":
         return _bind(row, workdir)
+    if row.action == "first-view":
+        return _first_view(row, workdir)
     raise ValueError(f"not a stream row: {row.name}")
 
 
 def _pause(row: Row, workdir: str) -> Outcome:
     assert row.action is not None
-    _, target, seconds = row.action.split(":")
-    pause = run_pause(target, float(seconds), workdir, converge_deadline=GENEROUS)
+    _, target, seconds, *sync = row.action.split(":")
+    pause = run_pause(target, float(seconds), workdir, converge_deadline=GENEROUS,
+                      sync_after=15.0 if sync else None)
     out = Outcome(row.name, stage=pause.stage, close_s=pause.close_s, bound_s=close_bound(row), saw="nothing",
                   restarts=int(pause.stats.get("restarts", 0)), lost=pause.missing, extra=pause.extra,
-                  detail=f"converged {pause.converged_s}s after SIGCONT, resyncs {pause.stats.get('resyncs')}")
+                  detail=f"converged {pause.converged_s}s after SIGCONT, resyncs {pause.stats.get('resyncs')}"
+                         + (f", sync() answered in {pause.sync_s}s" if sync else ""))
     out.problems += pause.problems
     if pause.converged_s is None:
         out.problems.append(f"the buffer did not converge within {GENEROUS}s of SIGCONT")
@@ -102,4 +116,41 @@ def _bind(row: Row, workdir: str) -> Outcome:
     finally:
         writer.close()
         shutil.rmtree(short, ignore_errors=True)
+    return out
+
+
+# Longer than the constructor's capped wait for the first listing (5 s).
+_SLOW_LISTING_S = 6.0
+
+
+def _first_view(row: Row, workdir: str) -> Outcome:
+    out = Outcome(row.name, bound_s=close_bound(row))
+    db = os.path.join(workdir, "kv.db")
+    writer = SqliteSource(db)
+    keys = [f"s3-{i:04d}" for i in range(1000)]
+    writer.kv_batch_put(keys, PARTITION, tags=[{"global_steps": 3, "status": "success"}] * len(keys))
+    try:
+        rb = ReplayBuffer("poller.faults:slow", source_kwargs={
+            "inner": SQLITE, "inner_kwargs": {"path": db}, "seconds": _SLOW_LISTING_S},
+            poll_interval=60.0, close_timeout=row.close_timeout, start_timeout=GENEROUS)
+        try:
+            try:
+                early = rb.sample(PARTITION, global_steps=3, timeout=0.2)
+            except TimeoutError as exc:
+                if "not whole" not in str(exc):
+                    out.problems.append(f"the TimeoutError does not say the view is not whole: {exc}")
+            else:
+                out.problems.append(f"a partial answer of {len(early.keys)} of {len(keys)} keys before the first "
+                                    f"complete listing")
+            batch = rb.sample(PARTITION, global_steps=3, timeout=GENEROUS)
+            out.saw = "nothing"
+            out.lost = sorted(set(keys) - set(batch.keys))
+            out.extra = sorted(set(batch.keys) - set(keys))
+            out.detail = f"answered {len(batch.keys)} keys once whole"
+            out.restarts = rb.stats()["restarts"]
+        finally:
+            report = rb.close()
+        out.stage, out.close_s = report.stage, report.seconds
+    finally:
+        writer.close()
     return out

@@ -1,9 +1,8 @@
 """The wire format: pure functions between messages and ZeroMQ frames.
 
 Nothing here touches a socket. Both sides of the stream import this module,
-the one place that knows the stream's format (:mod:`poller.quarantine` packs
-tags only to measure them; :mod:`poller.sources.tq_protocol` speaks
-TransferQueue's own format).
+the one place that knows the stream's format (:mod:`poller.sources.tq_protocol`
+speaks TransferQueue's own).
 
 A message is two frames::
 
@@ -42,6 +41,7 @@ __all__ = [
     "decode",
     "pack_delta_payload",
     "encode_delta",
+    "packed_size",
     "fit_text",
 ]
 
@@ -152,6 +152,15 @@ def pack_delta_payload(upserts: Mapping[str, Any], deletes: Mapping[str, Any]) -
         return packer.pack("upserts") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
+
+
+def packed_size(value: Any) -> int:
+    """How many bytes ``value`` takes in a body, as :func:`pack_delta_payload` packs it.
+
+    Raises:
+        TypeError, ValueError, OverflowError: msgpack cannot encode ``value``.
+    """
+    return len(msgpack.packb(value, use_bin_type=True))
 
 
 def fit_text(text: str, limits: Limits | None) -> str:

@@ -26,9 +26,7 @@ import time
 from itertools import chain, compress
 from typing import Any, Iterable, Mapping, NamedTuple
 
-import msgpack
-
-from .protocol import Limits
+from .protocol import Limits, packed_size
 from .sources import UnreadableValue
 
 __all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
@@ -182,7 +180,7 @@ def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
         _plain(key, limits, _TAGS_DEPTH)
     plain = _plain(tags, limits, _TAGS_DEPTH - 1)
     try:
-        size = len(msgpack.packb(plain, use_bin_type=True))
+        size = packed_size(plain)
     except (TypeError, ValueError, OverflowError) as exc:  # what the walk let through and msgpack did not
         raise _Refuse(f"msgpack cannot encode it: {exc}") from None
     if size + len(key) * 4 + _FRAME_SLACK > limits.max_frame_bytes:

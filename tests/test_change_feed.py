@@ -209,11 +209,16 @@ def test_diff_changes_skips_what_was_sent_and_refuses_garbage() -> None:
     sent: Listing = {"p": {"same": {"v": 1}, "gone": {}}}
     diff = diff_changes(sent, {"p": {"same": {"v": 1}, "new": None}}, {"p": ["gone", "never-sent"], "q": ["x"]})
     assert diff.upserts == {"p": {"new": {}}} and diff.deletes == {"p": ["gone"]}
-    for upserts, deletes, match in [({1: {}}, {}, "partition id"), ({"p": {"k": 3}}, {}, "tags are int"),
-                                    ({}, {"p": "k"}, "expected a list"), ({}, {"p": [1]}, "is not a str"),
+    for upserts, deletes, match in [({}, {"p": "k"}, "expected a list"), ({}, {"p": [1]}, "is not a str"),
                                     ({}, [], "expected a mapping")]:
         with pytest.raises(TypeError, match=match):
             diff_changes(sent, upserts, deletes)
+    # One bad record is refused alone (quarantined by the poller), not the change set.
+    for upserts, reason in [({1: {"k": {}}}, "partition id 1 is int"), ({"p": {"k": 3}}, "tags are int")]:
+        diff = diff_changes(sent, {**upserts, "p2": {"fine": {}}}, {})
+        assert [r.reason for r in diff.refused] == [f"{reason}, not str" if "partition" in reason
+                                                   else f"{reason}, not a mapping"]
+        assert diff.upserts["p2"] == {"fine": {}}
 
 
 class _CountingSqliteSource(SqliteSource):

@@ -157,13 +157,14 @@ def test_the_buffers_own_poller_sends_within_the_buffers_limits(store) -> None:
 
 def test_the_buffers_own_poller_checks_tags_against_the_buffers_limits(db: str, store: Any) -> None:
     """Regression: only the frame size reached the poller, so a tag the receiver refuses
-    (here a string over max_str_len) went out, was refused, and every resync sent it again."""
-    from poller import PollerCrashed
-
+    (here a string over max_str_len) went out, was refused, and every resync sent it again.
+    Checked against the buffer's limits, the key is quarantined and the rest flows."""
     store.kv_put("k", "p", tag={"v": "x" * 100})
+    store.kv_put("fine", "p", tag={"status": "success"})
     with ReplayBuffer("poller.sources.sqlite:SqliteSource", source_kwargs={"path": db}, poll_interval=0.05,
                       max_restarts=0, limits=Limits(max_str_len=64)) as rb:
-        with pytest.raises(PollerCrashed) as info:
-            rb.sample("p", batch_size=1, timeout=20)
-        assert "'p'/'k'" in str(info.value.__cause__) and "exceeds 64" in str(info.value.__cause__)
-        assert rb.stats()["protocol_errors"] == 0
+        assert rb.sample("p", batch_size=1, timeout=20).keys == ["fine"]
+        assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+        (partition, key, why), = rb.stats()["quarantined_keys"]
+        assert (partition, key) == ("p", "k") and "exceeds max_str_len=64" in why
+        assert rb.stats()["protocol_errors"] == 0 and rb.stats()["source_errors"] == 0

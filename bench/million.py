@@ -1,0 +1,217 @@
+"""A store of a million keys: start, first answer, memory, and a 6 s stop of the trainer.
+
+    python -m bench.million [--keys 1000000] [--per-step 10000] [--stop 6]
+
+One SQLite store, one partition ``train``, ``--per-step`` keys per
+``global_steps`` (all ``"success"``). A trainer process (``python -m
+bench.million trainer``) builds a :class:`~buffer.ReplayBuffer` on it and
+reports: the constructor's time, the time until ``sample(global_steps=g)``
+first answers and how many keys it answered (it must be the whole step: no
+answer from a partial view), when every key was visible, and its own RSS and
+its poller's. Then this process SIGSTOPs the trainer for ``--stop`` seconds
+while it writes a new step and clears part of an old one, resumes it, and
+the trainer reports how long after SIGCONT its buffer equalled the store.
+One ``kv_list()`` of the store, timed in this process, is the yardstick.
+Prints a table and writes ``bench/results/million.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+_ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results" / "million.md"
+SQLITE = "poller.sources.sqlite:SqliteSource"
+PARTITION = "train"
+_GENEROUS = 600.0
+
+
+def _fill(db: str, keys: int, per_step: int) -> None:
+    from poller.sources.sqlite import SqliteSource
+
+    with SqliteSource(db) as store:
+        for start in range(0, keys, per_step):
+            step = start // per_step
+            names = [f"s{step:05d}-{i:05d}" for i in range(min(per_step, keys - start))]
+            store.kv_batch_put(names, PARTITION, tags=[{"global_steps": step, "status": "success"}] * len(names))
+
+
+def _trainer(argv: Sequence[str]) -> int:
+    """The trainer process: prints one JSON line per stage; waits for ``converge`` on stdin."""
+    from buffer import ReplayBuffer
+
+    from .workload import rss_bytes
+
+    parser = argparse.ArgumentParser(prog="python -m bench.million trainer")
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--keys", type=int, required=True)
+    parser.add_argument("--step", type=int, required=True)
+    parser.add_argument("--per-step", type=int, required=True)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    rb = ReplayBuffer(SQLITE, source_kwargs={"path": args.db}, poll_interval=1.0, start_timeout=_GENEROUS)
+    try:
+        constructed = time.monotonic() - started
+        batch = rb.sample(PARTITION, global_steps=args.step, timeout=_GENEROUS)
+        answered = time.monotonic() - started
+        while rb.stats()["keys"] < args.keys and time.monotonic() - started < _GENEROUS:
+            time.sleep(0.01)
+        visible = time.monotonic() - started
+        stats = rb.stats()
+        print(json.dumps({"constructor_s": constructed, "first_answer_s": answered, "answered": len(batch.keys),
+                          "all_visible_s": visible, "keys": stats["keys"], "trainer_rss": rss_bytes(),
+                          "poller_rss": stats["poller_rss"]}), flush=True)
+        for line in sys.stdin:
+            command, *rest = line.split()
+            if command != "converge":
+                break
+            new_step, want_keys = int(rest[0]), int(rest[1])
+            print(json.dumps(_converge(rb, args.db, new_step, want_keys, args.per_step)), flush=True)
+    finally:
+        report = rb.close()
+    print(json.dumps({"close": report.stage, "close_s": report.seconds}), flush=True)
+    return 0
+
+
+def _converge(rb: Any, db: str, new_step: int, want_keys: int, per_step: int) -> dict[str, Any]:
+    """Seconds until the buffer holds the new step whole and ``want_keys`` keys; then a full comparison."""
+    from poller.sources.sqlite import SqliteSource
+
+    started = time.monotonic()
+    converged = None
+    while time.monotonic() - started < _GENEROUS:
+        try:
+            fresh = rb.sample(PARTITION, global_steps=new_step, timeout=0)
+        except TimeoutError:  # the view is not whole yet (a resync under way)
+            fresh = None
+        # The new step whole and the count right: the cleared keys are gone too.
+        if fresh is not None and len(fresh.keys) == per_step and rb.stats()["keys"] == want_keys:
+            converged = time.monotonic() - started
+            break
+        time.sleep(0.02)
+    with SqliteSource(db) as store:
+        equal = rb.snapshot() == store.kv_list()
+    return {"converged_s": converged, "equal": equal, "resyncs": rb.stats()["resyncs"]}
+
+
+def _read(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    assert proc.stdout is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()),  # type: ignore[union-attr]
+                              daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not lines or not lines[0]:
+        raise RuntimeError(f"the trainer said nothing within {timeout}s (exit code {proc.poll()})")
+    return dict(json.loads(lines[0]))
+
+
+def run(keys: int, per_step: int, stop_s: float, workdir: str) -> dict[str, Any]:
+    from poller.sources.sqlite import SqliteSource
+
+    db = os.path.join(workdir, "kv.db")
+    filled = time.monotonic()
+    _fill(db, keys, per_step)
+    out: dict[str, Any] = {"fill_s": time.monotonic() - filled}
+    with SqliteSource(db) as store:
+        listed = time.monotonic()
+        store.kv_list()
+        out["kv_list_s"] = time.monotonic() - listed
+    step = (keys // per_step) // 2
+    proc = subprocess.Popen([sys.executable, "-m", "bench.million", "trainer", "--db", db, "--keys", str(keys),
+                             "--step", str(step), "--per-step", str(per_step)],
+                            cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stopped = False
+    try:
+        out.update(_read(proc, _GENEROUS))
+        new_step = keys // per_step + 1
+        cleared = "s00000-"
+        os.kill(proc.pid, signal.SIGSTOP)
+        stopped = True
+        paused = time.monotonic()
+        with SqliteSource(db) as store:
+            names = [f"s{new_step:05d}-{i:05d}" for i in range(per_step)]
+            store.kv_batch_put(names, PARTITION, tags=[{"global_steps": new_step, "status": "success"}] * per_step)
+            store.kv_clear([f"{cleared}{i:05d}" for i in range(per_step // 2)], PARTITION)
+            want = sum(map(len, store.kv_list().values()))
+        time.sleep(max(0.0, stop_s - (time.monotonic() - paused)))
+        os.kill(proc.pid, signal.SIGCONT)
+        stopped = False
+        assert proc.stdin is not None
+        proc.stdin.write(f"converge {new_step} {want}\n")
+        proc.stdin.flush()
+        out.update(_read(proc, _GENEROUS))
+        proc.stdin.write("close\n")
+        proc.stdin.flush()
+        out.update(_read(proc, 60))
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return out
+
+
+def _table(r: dict[str, Any], keys: int, per_step: int, stop_s: float, load: str) -> str:
+    mb = 1024 * 1024
+    converged = "never" if r.get("converged_s") is None else f"{r['converged_s']:.2f} s"
+    rows = [
+        ("one `kv_list()` of the store (yardstick)", f"{r['kv_list_s']:.2f} s"),
+        ("constructor returns", f"{r['constructor_s']:.2f} s"),
+        ("`sample(global_steps=g)` first answers, from the constructor's start", f"{r['first_answer_s']:.2f} s"),
+        ("keys in that answer", f"{r['answered']:,} of {per_step:,}"),
+        ("every key visible, from the constructor's start", f"{r['all_visible_s']:.2f} s"),
+        ("trainer RSS / poller RSS", f"{r['trainer_rss'] / mb:.0f} MB / {(r['poller_rss'] or 0) / mb:.0f} MB"),
+        (f"trainer SIGSTOPped {stop_s:g} s (a new step written, half a step cleared) → buffer equals the store, "
+         f"after SIGCONT", f"{converged} ({r.get('resyncs', '?')} resync(s); equal in full: {r.get('equal')})"),
+        ("close", f"{r.get('close', '?')} in {1000 * r.get('close_s', 0):.0f} ms"),
+    ]
+    lines = [f"# A million keys\n\n`python -m bench.million --keys {keys} --per-step {per_step} --stop {stop_s:g}`\n",
+             f"SQLite, one partition, {keys:,} keys, {per_step:,} per `global_steps`; load average {load} on "
+             f"{os.cpu_count()} cores. Filling the store took {r['fill_s']:.0f} s (not a product figure).\n",
+             "| figure | value |", "| --- | --- |"]
+    lines += [f"| {a} | {b} |" for a, b in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["trainer"]:
+        return _trainer(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m bench.million", description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=1_000_000)
+    parser.add_argument("--per-step", type=int, default=10_000)
+    parser.add_argument("--stop", type=float, default=6.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    load = "{:.2f} / {:.2f}".format(*os.getloadavg()[:2])
+    with tempfile.TemporaryDirectory(prefix="million-") as workdir:
+        result = run(args.keys, args.per_step, args.stop, workdir)
+    text = _table(result, args.keys, args.per_step, args.stop, load)
+    print(text)
+    args.out.write_text(text)
+    ok = result["answered"] == args.per_step and result.get("converged_s") is not None and result.get("equal")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

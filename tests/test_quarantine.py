@@ -1,0 +1,91 @@
+"""One record the wire cannot carry is the record's problem, never the stream's.
+
+A real poller lists a real SQLite store (with its change feed) holding a key
+whose tags the receiver's decoder would refuse. Before, the poller failed
+every poll on it and the buffer raised PollerCrashed ~15 s later, for good
+(and again on every restart while the record was stored). Now the key is
+quarantined: named, counted, left out, and every other key flows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from buffer import ReplayBuffer
+from buffer.verl import ReplayBuffer as VerlSampler
+from poller.sources.sqlite import SqliteSource
+from tests.conftest import wait_until
+
+SQLITE = "poller.sources.sqlite:SqliteSource"
+
+
+def _nested(levels: int) -> list:
+    value: list = []
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+BAD_TAGS = {
+    "a 2 MB string": ({"global_steps": 1, "status": "success", "text": "x" * (2 * 1024 * 1024)},
+                      "exceeds max_str_len"),
+    "nested 40 deep": ({"global_steps": 1, "status": "success", "deep": _nested(40)}, "nested deeper than"),
+}
+
+
+@pytest.mark.parametrize("already_stored", [True, False], ids=["stored-before-start", "written-while-running"])
+@pytest.mark.parametrize("what", sorted(BAD_TAGS))
+def test_a_bad_record_is_quarantined_and_everything_else_flows(db: str, store: SqliteSource, what: str,
+                                                               already_stored: bool, caplog) -> None:
+    tags, reason = BAD_TAGS[what]
+    store.kv_batch_put(["a", "b"], "train", tags=[{"global_steps": 1, "status": "success"}] * 2)
+    if already_stored:
+        store.kv_put("bad", "train", tag=tags)
+    with caplog.at_level(logging.WARNING, logger="poller"), \
+            ReplayBuffer(SQLITE, source_kwargs={"path": db}, poll_interval=0.05, max_restarts=0) as rb:
+        if not already_stored:
+            rb.sync(timeout=30)
+            store.kv_put("bad", "train", tag=tags)
+        store.kv_put("c", "train", tag={"global_steps": 1, "status": "success"})
+        rb.sync(timeout=30)
+        assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+        stats = rb.stats()
+        (partition, key, why), = stats["quarantined_keys"]
+        assert (partition, key) == ("train", "bad") and reason in why
+        assert stats["source_errors"] == 0 and stats["restarts"] == 0 and stats["poller_alive"]
+        assert rb.metrics()["replay.stream.quarantined"] == 1.0
+        assert rb.sample("train", global_steps=1, timeout=10).keys == ["a", "b", "c"]
+        assert any("quarantined train/bad" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+        # Its tags become valid: it comes back. Cleared: it leaves.
+        store.kv_clear(["bad"], "train")
+        store.kv_put("bad", "train", tag={"global_steps": 1, "status": "success"})
+        rb.sync(timeout=30)
+        assert wait_until(lambda: rb.stats()["quarantined"] == 0)
+        assert rb.sample("train", global_steps=1, timeout=10).keys == ["a", "b", "c", "bad"]
+        store.kv_put("bad", "train", tag=tags)  # bad again: it leaves the buffer while quarantined
+        rb.sync(timeout=30)
+        assert "bad" not in rb.snapshot("train")
+        assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+        store.kv_clear(["bad"], "train")
+        rb.sync(timeout=30)
+        assert wait_until(lambda: rb.stats()["quarantined"] == 0)
+        assert rb.stats()["source_errors"] == 0 and rb.stats()["restarts"] == 0
+
+
+def test_a_verl_wait_names_the_quarantined_keys_of_its_partition(db: str, store: SqliteSource) -> None:
+    # The prompt's own tags cannot go on the wire: its group can never finish in the buffer's view.
+    store.kv_put("stuck", "train", tag={"is_prompt": True, "status": "finished", "global_steps": 0,
+                                        "note": "x" * (2 * 1024 * 1024)})
+    store.kv_put("stuck_0_0", "train", tag={"status": "success", "global_steps": 0})
+    sampler = VerlSampler(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=8,
+                          max_off_policy_strategy="drop",
+                          sampler_kwargs={"source": SQLITE, "source_kwargs": {"path": db}, "poll_interval": 0.05,
+                                          "sample_timeout": 2.0})
+    try:
+        with pytest.raises(TimeoutError, match=r"1 key\(s\) of this partition are quarantined .*'stuck': "
+                                               r"a value of \d+ bytes exceeds max_str_len"):
+            sampler.sample(global_steps=0, partition_id="train", batch_size=1)
+    finally:
+        sampler.close()
