@@ -8,22 +8,9 @@ with :meth:`PartitionStore.wait_until`.
 
 Two kinds of writers feed the store: the trainer (``add``/``remove``) and
 sources, through the stream receiver (``merge_listed``/``unlist``/snapshots).
-The store keeps, per source, which keys that source currently lists, so it
-can tell
-
-* a key that vanished from the store (drop it), from
-* a key the trainer removed while a poll already under way still lists it
-  (a *tombstone*: ignore that key until the source stops listing it).
-
-A removal of a key no source lists leaves a *pending* tombstone: a poll that
-began before the removal may still list the key. Whether a poll began before
-the removal is told by the source's poll numbers, never by clocks (the
-trainer's and a poller's host may disagree by any amount). At the removal the
-store notes, per source, the highest poll it has received any message of,
-``m``; poll ``m + 1`` may already be listing, and a poll numbered ``m + 2`` or
-later began after poll ``m + 1`` was sent whole, so after the removal unless
-the receiver was a whole poll behind its poller. The first *complete* poll
-past that horizon that does not list the key ends the pending tombstone.
+Which source lists which key, removed-key tombstones, poll horizons and
+whether a view is whole are kept by the :class:`~buffer.ledger.Ledger`, pure
+bookkeeping the store consults under its lock; the store applies its decisions.
 
 Tags are held marshalled (``bytes``), and every per-key container maps to
 atomic values, so the garbage collector finds nothing to traverse in them: a
@@ -43,6 +30,7 @@ import time
 from typing import Any, Callable, Iterable, Mapping, Protocol, TypeVar
 
 from .errors import BufferClosed
+from .ledger import Ledger
 
 __all__ = ["PartitionStore", "Policy", "Tags"]
 
@@ -89,27 +77,7 @@ class PartitionStore:
         self._cond = threading.Condition(threading.RLock())
         self._parts: dict[str, dict[str, _Held]] = {}
         self._policies: list[Policy] = []
-        # source id -> partition -> keys that source listed last (a dict of
-        # None rather than a set: the GC need not traverse it).
-        self._listed: dict[str, dict[str, dict[str, None]]] = {}
-        # source id -> partition -> keys seen in the snapshot being received.
-        self._snapshots: dict[str, dict[str, set[str]]] = {}
-        # Tombstones of keys still listed by some source: cleared by unlist.
-        self._tomb_listed: dict[str, set[str]] = {}
-        # Tombstones of keys no source listed when removed -> the horizon of
-        # the removal: source -> (epoch, last poll that may have begun before it).
-        self._tomb_pending: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
-        # source id -> (epoch, highest poll number received any message of).
-        self._seen: dict[str, tuple[int, int]] = {}
-        # source id -> highest sync token a complete poll of it answered, and
-        # the epoch of its last complete poll.
-        self._synced: dict[str, int] = {}
-        self._completed_epoch: dict[str, int] = {}
-        # Whole views: the sources whose first complete poll every decision
-        # needs (the buffer's own poller), and the sources whose stream lost
-        # something and awaits a resync (their view is not whole until it ends).
-        self._required: set[str] = set()
-        self._broken: set[str] = set()
+        self.ledger = Ledger()  # read under the lock only
         self._closed = False
         self._failure: BaseException | None = None
 
@@ -153,7 +121,7 @@ class PartitionStore:
                 self._check_open()
                 if self._failure is not None:
                     raise self._failure
-                gap = None if view is None else self._view_gap(view)
+                gap = None if view is None else self.ledger.view_gap(view)
                 if gap is None:
                     result = attempt()
                     if result is not None:
@@ -193,15 +161,10 @@ class PartitionStore:
         """Delete keys; a poll still listing them will not bring them back."""
         with self._cond:
             self._check_open()
-            horizon: dict[str, tuple[int, int]] | None = None
+            keys = list(keys)
             for key in keys:
                 self._drop(partition_id, key)
-                if self._is_listed(partition_id, key):
-                    self._tomb_listed.setdefault(partition_id, set()).add(key)
-                else:
-                    if horizon is None:  # one per call, shared by its keys
-                        horizon = {source: (epoch, poll + 1) for source, (epoch, poll) in self._seen.items()}
-                    self._tomb_pending[(partition_id, key)] = horizon
+            self.ledger.removed(partition_id, keys)
             self._cond.notify_all()
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]] | dict[str, Tags]:
@@ -222,38 +185,17 @@ class PartitionStore:
     def poll_seen(self, source_id: str, epoch: int, poll: int) -> None:
         """A message of poll number ``poll`` of ``source_id``'s process ``epoch`` arrived."""
         with self._cond:
-            seen = self._seen.get(source_id)
-            if seen is None or seen[0] != epoch or seen[1] < poll:
-                self._seen[source_id] = (epoch, poll)
+            self.ledger.poll_seen(source_id, epoch, poll)
 
     def merge_listed(self, source_id: str, partition_id: str, items: Mapping[str, Tags]) -> None:
         """Merge what ``source_id`` lists; tombstoned keys are ignored."""
         with self._cond:
             if self._closed:
                 return
-            listed = self._listed.setdefault(source_id, {}).setdefault(partition_id, {})
-            listed.update(dict.fromkeys(items))
-            snapshot = self._snapshots.get(source_id)
-            if snapshot is not None:
-                snapshot.setdefault(partition_id, set()).update(items)
-            tomb = self._tomb_listed.get(partition_id)
-            resync = snapshot is not None
-            if tomb is None and not self._tomb_pending:  # the common case: no removal in flight
-                for key, tags in items.items():
-                    self._merge(partition_id, key, tags, resync)
-                self._cond.notify_all()
-                return
-            for key, tags in items.items():
-                if tomb is not None and key in tomb:
-                    continue
-                if self._tomb_pending and (partition_id, key) in self._tomb_pending:
-                    # Listed while the removal is pending: it stays removed
-                    # while the source lists it.
-                    del self._tomb_pending[(partition_id, key)]
-                    tomb = self._tomb_listed.setdefault(partition_id, set())
-                    tomb.add(key)
-                    continue
-                self._merge(partition_id, key, tags, resync)
+            merge = self.ledger.listed(source_id, partition_id, items)
+            resync = self.ledger.in_snapshot(source_id)
+            for key in (items if merge is None else merge):
+                self._merge(partition_id, key, items[key], resync)
             self._cond.notify_all()
 
     def unlist(self, source_id: str, partition_id: str, keys: Iterable[str]) -> None:
@@ -261,104 +203,62 @@ class PartitionStore:
         with self._cond:
             if self._closed:
                 return
-            self._unlist(source_id, partition_id, keys)
+            for key in self.ledger.unlisted(source_id, partition_id, keys):
+                self._drop(partition_id, key)
             self._cond.notify_all()
 
     def begin_snapshot(self, source_id: str) -> None:
         """A full listing from ``source_id`` starts; what it omits has vanished."""
         with self._cond:
-            self._snapshots[source_id] = {}
+            self.ledger.begin_snapshot(source_id)
 
     def end_snapshot(self, source_id: str) -> None:
-        """The full listing is complete: unlist what it did not contain."""
+        """The full listing is complete: drop what it did not contain."""
         with self._cond:
-            seen = self._snapshots.pop(source_id, None)
-            if seen is None or self._closed:
+            if self._closed:
+                self.ledger.abandon_snapshot(source_id)
                 return
-            self._broken.discard(source_id)
-            for partition_id, listed in list(self._listed.get(source_id, {}).items()):
-                kept = seen.get(partition_id, set())
-                vanished = [key for key in listed if key not in kept]
-                if vanished:
-                    self._unlist(source_id, partition_id, vanished)
+            for partition_id, keys in self.ledger.end_snapshot(source_id):
+                for key in keys:
+                    self._drop(partition_id, key)
             self._cond.notify_all()
 
     def abandon_snapshot(self, source_id: str) -> None:
         """A snapshot was cut short (gap, new epoch): forget what it saw."""
         with self._cond:
-            self._snapshots.pop(source_id, None)
+            self.ledger.abandon_snapshot(source_id)
 
     def poll_completed(self, source_id: str, epoch: int, poll: int, sync: int | None = None) -> None:
-        """Poll ``poll`` of ``source_id``'s process ``epoch`` has been applied whole.
-
-        ``sync`` is the highest sync token the poller had received when the
-        poll's listing began.
-        """
+        """Poll ``poll`` of ``source_id``'s process ``epoch`` has been applied whole (see :class:`Ledger`)."""
         with self._cond:
-            if (sync is not None and sync > self._synced.get(source_id, 0)) \
-                    or self._completed_epoch.get(source_id) != epoch:
-                # Wakes sync() waiters: answered, or a new poller process to ask again.
-                self._synced[source_id] = max(sync or 0, self._synced.get(source_id, 0))
-                self._completed_epoch[source_id] = epoch
-                self._cond.notify_all()
-            if not self._tomb_pending:
-                return
-            expired = [pk for pk, horizon in self._tomb_pending.items()
-                       if _after(horizon, source_id, epoch, poll) and not self._is_listed(*pk)]
-            for pk in expired:
-                del self._tomb_pending[pk]
-
-    def require(self, source_id: str) -> None:
-        """No view is whole until a first complete poll of ``source_id`` was applied (the buffer's own poller)."""
-        with self._cond:
-            self._required.add(source_id)
-
-    def mark_broken(self, source_id: str) -> None:
-        """``source_id``'s stream lost messages; what it lists is not whole until its next snapshot ends."""
-        with self._cond:
-            self._broken.add(source_id)
-
-    def release(self, source_id: str) -> None:
-        """Stop waiting for ``source_id`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
-        with self._cond:
-            self._snapshots.pop(source_id, None)
-            self._broken.discard(source_id)
-            self._cond.notify_all()
-
-    def view_gap(self, partition_id: str | None = None) -> str | None:
-        """Why the view of ``partition_id`` (``None``: of every partition) is not whole now; ``None`` if it is.
-
-        Whole means every key reflects complete listings: the buffer's own
-        poller has had a first complete poll applied, and no source that
-        lists the partition is half-way through a snapshot or awaiting a
-        resync after a loss.
-        """
-        with self._cond:
-            return self._view_gap(partition_id)
-
-    def _view_gap(self, partition_id: str | None) -> str | None:
-        for source in self._required:
-            if source not in self._completed_epoch:
-                received = sum(map(len, self._listed.get(source, {}).values()))
-                return (f"the first complete listing of poller {source} has not been applied yet "
-                        f"({received} key(s) of it received so far)")
-            if source in self._snapshots:
-                return f"a full listing (resync) of poller {source} is being applied"
-            if source in self._broken:
-                return f"the stream of poller {source} lost messages and a resync is awaited"
-        for source in list(self._snapshots) + list(self._broken):
-            if source in self._required:
-                continue
-            if partition_id is None or partition_id in self._snapshots.get(source, ()) \
-                    or partition_id in self._listed.get(source, ()):
-                what = "being applied" if source in self._snapshots else "awaited after a loss"
-                return f"a full listing of poller {source}, which lists this partition, is {what}"
-        return None
+            if self.ledger.poll_completed(source_id, epoch, poll, sync):
+                self._cond.notify_all()  # wakes sync() waiters: answered, or a new poller to ask again
 
     def synced(self, source_id: str) -> int:
         """The highest sync token a complete poll of ``source_id`` answered (0: none)."""
         with self._cond:
-            return self._synced.get(source_id, 0)
+            return self.ledger.synced(source_id)
+
+    def require(self, source_id: str) -> None:
+        """No view is whole until a first complete poll of ``source_id`` was applied (the buffer's own poller)."""
+        with self._cond:
+            self.ledger.require(source_id)
+
+    def mark_broken(self, source_id: str) -> None:
+        """``source_id``'s stream lost messages; what it lists is not whole until its next snapshot ends."""
+        with self._cond:
+            self.ledger.mark_broken(source_id)
+
+    def release(self, source_id: str) -> None:
+        """Stop waiting for ``source_id`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
+        with self._cond:
+            self.ledger.release(source_id)
+            self._cond.notify_all()
+
+    def view_gap(self, partition_id: str | None = None) -> str | None:
+        """Why the view of ``partition_id`` (``None``: of every partition) is not whole now; ``None`` if it is."""
+        with self._cond:
+            return self.ledger.view_gap(partition_id)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -387,22 +287,6 @@ class PartitionStore:
     def _check_open(self) -> None:
         if self._closed:
             raise BufferClosed("the replay buffer is closed")
-
-    def _is_listed(self, partition_id: str, key: str) -> bool:
-        return any(key in parts.get(partition_id, ()) for parts in self._listed.values())
-
-    def _unlist(self, source_id: str, partition_id: str, keys: Iterable[str]) -> None:
-        listed = self._listed.get(source_id, {}).get(partition_id)
-        tomb = self._tomb_listed.get(partition_id)
-        for key in list(keys):
-            if listed is not None:
-                listed.pop(key, None)
-            if self._is_listed(partition_id, key):
-                continue
-            if tomb is not None and key in tomb:
-                tomb.discard(key)  # the source stopped listing it: new again
-            else:
-                self._drop(partition_id, key)
 
     def _merge(self, partition_id: str, key: str, new: Mapping[str, Any], resync: bool = False) -> None:
         items = self._parts.get(partition_id)
@@ -445,15 +329,3 @@ class PartitionStore:
             error = RuntimeError(f"sampling policy {type(policy).__name__} failed: {exc!r}")
             error.__cause__ = exc
             self._failure = self._failure or error
-
-
-def _after(horizon: Mapping[str, tuple[int, int]], source_id: str, epoch: int, poll: int) -> bool:
-    """Whether poll ``poll`` of ``source_id``/``epoch`` began after the removal with ``horizon``.
-
-    A process unseen at the removal (new source, restarted poller) may have
-    had its first poll under way then.
-    """
-    known = horizon.get(source_id)
-    if known is None or known[0] != epoch:
-        return poll > 1
-    return poll > known[1]

@@ -58,7 +58,7 @@ def test_after_one_full_collection_the_big_containers_are_not_tracked():
     gc.collect()
     items = store._parts["train"]
     index = store.steps.index.parts["train"]
-    untracked = [items, index.arrival, index.success, store._listed["src"]["train"]]
+    untracked = [items, index.arrival, index.success, store.ledger._listed["src"]["train"]]
     assert not any(gc.is_tracked(c) for c in untracked)
     store.merge_listed("src", "train", {"k1": {"status": "running"}, "new": {"status": "success"}})
     assert not gc.is_tracked(items)  # marshalled values never make it tracked again
