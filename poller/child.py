@@ -40,7 +40,7 @@ def main(lifeline_fd: int) -> None:
         config = pickle.loads(channel.recv_bytes(_MAX_CONFIG_BYTES))
     except BaseException as exc:
         # e.g. a callable source whose module this interpreter cannot import
-        lifeline.send(channel, "startup_error", **lifeline.exception_fields(exc))
+        lifeline.send(channel, lifeline.failure(exc, lifeline.StartupError))
         os._exit(ExitCode.STARTUP_FAILED)
     run_embedded(config, channel)
 

@@ -5,13 +5,13 @@ has two properties a socket lacks: the child sees EOF the moment the parent
 dies (even by SIGKILL), and the parent can read the child's start-up or fatal
 traceback without depending on the stream being connected.
 
-Messages are small JSON objects (never pickle): ``{"kind": ..., ...}``.
-Child to parent: ``ready``, ``startup_error``, ``fatal``. Parent to child:
-``stop``. (The one exception is the start-up configuration a launched child
-reads first, see :mod:`poller.launch`: its own parent wrote it.)
-
-Either end is a :class:`Channel` or a ``multiprocessing`` ``Connection``:
-both frame a message as a 4-byte big-endian length and the bytes.
+Each message is a typed record (:class:`Ready`, :class:`StartupError`,
+:class:`Fatal` from the child; :class:`StopRequest` from the parent), sent as
+a small JSON object ``{"kind": ..., <its fields>}`` (never pickle) and
+checked field by field when received. (The one exception is the start-up
+configuration a launched child reads first, see :mod:`poller.launch`: its
+own parent wrote it.) Both ends are a :class:`Channel`, framing a message as
+a 4-byte big-endian length and the bytes.
 """
 
 from __future__ import annotations
@@ -21,24 +21,47 @@ import os
 import select
 import struct
 import traceback
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Union
 
-__all__ = ["Channel", "Endpoint", "send", "recv", "exception_fields"]
+__all__ = ["Channel", "Ready", "StartupError", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",
+           "failure"]
 
 _MAX_BYTES = 1024 * 1024
 _HEADER = struct.Struct("!i")
 
 
-class Endpoint(Protocol):
-    """What this module needs of one end of the pipe."""
+class Ready(NamedTuple):
+    """The child built its source and connected: its stream epoch and pid."""
 
-    def send_bytes(self, data: bytes) -> None: ...
-    def recv_bytes(self, maxlength: int = ...) -> bytes: ...
-    def poll(self, timeout: float = ...) -> bool: ...
-    def fileno(self) -> int: ...
-    def close(self) -> None: ...
-    @property
-    def closed(self) -> bool: ...
+    epoch: int
+    pid: int
+
+
+class StartupError(NamedTuple):
+    """The child could not start; ``unavailable``: the store could not be reached (worth retrying)."""
+
+    type: str
+    message: str
+    traceback: str
+    unavailable: bool = False
+
+
+class Fatal(NamedTuple):
+    """The child is ending on an error (its source failed for good, or a bug): what it was."""
+
+    type: str
+    message: str
+    traceback: str
+
+
+class StopRequest(NamedTuple):
+    """The parent asks the child to stop (the close ladder's first rung)."""
+
+
+LifelineMessage = Union[Ready, StartupError, Fatal, StopRequest]
+_KINDS: dict[str, Any] = {"ready": Ready, "startup_error": StartupError, "fatal": Fatal, "stop": StopRequest}
+_NAMES = {record: kind for kind, record in _KINDS.items()}
+_TYPES = {"epoch": int, "pid": int, "type": str, "message": str, "traceback": str, "unavailable": bool}
 
 
 class Channel:
@@ -99,36 +122,48 @@ class Channel:
             os.close(fd)
 
 
-def send(conn: Endpoint, kind: str, **fields: Any) -> bool:
+def send(conn: Channel, message: LifelineMessage) -> bool:
     """Send one message; False if the other end is gone."""
     try:
-        conn.send_bytes(json.dumps({"kind": kind, **fields}).encode())
+        conn.send_bytes(json.dumps({"kind": _NAMES[type(message)], **message._asdict()}).encode())
         return True
     except (OSError, ValueError):
         return False
 
 
-def recv(conn: Endpoint) -> dict[str, Any]:
+def recv(conn: Channel) -> LifelineMessage:
     """Receive one message.
 
     Raises:
         EOFError: the other end closed (or died).
-        ValueError: the bytes are not a lifeline message.
+        ValueError: the bytes are not a lifeline message (unknown kind, a field missing or of the wrong type).
     """
     try:
         data = conn.recv_bytes(_MAX_BYTES)
     except OSError as exc:
         raise EOFError(str(exc)) from exc
-    message = json.loads(data)
-    if not isinstance(message, dict) or not isinstance(message.get("kind"), str):
-        raise ValueError("lifeline message without a kind")
+    fields = json.loads(data)
+    record = _KINDS.get(fields.pop("kind", None)) if isinstance(fields, dict) else None
+    if record is None:
+        raise ValueError("not a lifeline message of a known kind")
+    values = []
+    for name in record._fields:
+        if name not in fields and name in record._field_defaults:
+            values.append(record._field_defaults[name])
+        elif not _valid(fields.get(name), _TYPES[name]):
+            raise ValueError(f"lifeline {record.__name__} without a valid {name!r}")
+        else:
+            values.append(fields[name])
+    message: LifelineMessage = record(*values)
     return message
 
 
-def exception_fields(exc: BaseException) -> dict[str, str]:
-    """The type, message and formatted traceback of ``exc``."""
-    return {
-        "type": type(exc).__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    }
+def _valid(value: Any, kind: type) -> bool:
+    # JSON's true is a Python bool, which is also an int: only a bool field takes one.
+    return isinstance(value, kind) and (isinstance(value, bool) == (kind is bool))
+
+
+def failure(exc: BaseException, record: type[Fatal] | type[StartupError] = Fatal, **extra: Any) -> Any:
+    """A :class:`Fatal` (or :class:`StartupError`) carrying ``exc``'s type, message and traceback."""
+    return record(type(exc).__name__, str(exc),
+                  "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), **extra)

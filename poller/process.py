@@ -193,14 +193,13 @@ class PollerProcess:
                     message = lifeline.recv(self._conn)
                 except (EOFError, ValueError):
                     message = None
-                if message is not None and message["kind"] == "ready":
-                    self.epoch = int(message["epoch"])
-                    return
-                if message is not None and message["kind"] == "startup_error":
-                    raise PollerStartupError(
-                        f"poller for {spec} failed to start: {message['type']}: {message['message']}",
-                        unavailable=bool(message.get("unavailable")),
-                    ) from RemoteTraceback(message["type"], message["message"], message["traceback"])
+                match message:
+                    case lifeline.Ready(epoch=epoch):
+                        self.epoch = epoch
+                        return
+                    case lifeline.StartupError(type=kind, message=text, traceback=trace, unavailable=unavailable):
+                        raise PollerStartupError(f"poller for {spec} failed to start: {kind}: {text}",
+                                                 unavailable=unavailable) from RemoteTraceback(kind, text, trace)
                 if message is None and (self._close_requested or wait([sentinel], 0)):
                     self._died_starting(spec)
             elif sentinel in ready:
@@ -246,8 +245,8 @@ class PollerProcess:
         try:
             while conn is not None and not conn.closed and conn.poll(0):
                 message = lifeline.recv(conn)
-                if message["kind"] == "fatal":
-                    self._fatal = RemoteTraceback(message["type"], message["message"], message["traceback"])
+                if isinstance(message, lifeline.Fatal):
+                    self._fatal = RemoteTraceback(message.type, message.message, message.traceback)
         except (EOFError, ValueError, OSError):
             pass
         return self._fatal
@@ -288,7 +287,7 @@ class PollerProcess:
         else:
             stage = "graceful"
             if self._conn is not None:
-                lifeline.send(self._conn, "stop")
+                lifeline.send(self._conn, lifeline.StopRequest())
             process.join(timeout)
             if process.exitcode is None:
                 logger.warning("poller %s (pid %s) did not stop within %.3gs; terminating", self.name, process.pid,

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 POLLER_PROCESS_NAME = "replay-poller"
 
 
-def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None:
+def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
     """Entry point of a poller spawned by :class:`~poller.PollerProcess`.
 
     Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
@@ -65,7 +65,7 @@ def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Endpoint) -> None
     except BaseException as exc:
         # A bug in the loop itself: os._exit below would swallow it, so the
         # traceback goes to the parent, which raises it as PollerCrashed's cause.
-        lifeline.send(lifeline_conn, "fatal", **lifeline.exception_fields(exc))
+        lifeline.send(lifeline_conn, lifeline.failure(exc))
     finally:
         logging.shutdown()
         os._exit(code)
@@ -119,7 +119,7 @@ class _ControlLoop:
     # this the source thread blocks, which is the back-pressure we want.
     _OUTBOX_LIMIT = 16
 
-    def __init__(self, config: WorkerConfig, lifeline_conn: lifeline.Endpoint | None) -> None:
+    def __init__(self, config: WorkerConfig, lifeline_conn: lifeline.Channel | None) -> None:
         self.config = config
         self.lifeline = lifeline_conn
         self.embedded = lifeline_conn is not None
@@ -261,7 +261,7 @@ class _ControlLoop:
         except (EOFError, ValueError):
             self._orphaned("the lifeline pipe closed")
             return
-        if message["kind"] == "stop":
+        if isinstance(message, lifeline.StopRequest):
             self.stop_reason = self.stop_reason or "STOP"
 
     def _orphaned(self, why: str) -> None:
@@ -290,8 +290,8 @@ class _ControlLoop:
             except BaseException as exc:
                 if self.lifeline is not None:
                     # A store that cannot be reached now is worth retrying; a broken source is not.
-                    lifeline.send(self.lifeline, "startup_error", **lifeline.exception_fields(exc),
-                                  unavailable=isinstance(exc, (ConnectionError, TimeoutError)))
+                    lifeline.send(self.lifeline, lifeline.failure(
+                        exc, lifeline.StartupError, unavailable=isinstance(exc, (ConnectionError, TimeoutError))))
                 # Reported to the caller (lifeline or run_standalone), so not logged twice.
                 logger.debug("poller failed to start: %r", exc)
                 self.startup_error = exc
@@ -307,7 +307,7 @@ class _ControlLoop:
                 limits=self.config.limits)
             self.thread.start()
             if self.lifeline is not None:
-                lifeline.send(self.lifeline, "ready", epoch=self.epoch, pid=os.getpid())
+                lifeline.send(self.lifeline, lifeline.Ready(self.epoch, os.getpid()))
             self._loop(self.link)
             self._finish(self.link.sock)
             return self.exit_code
@@ -384,7 +384,7 @@ class _ControlLoop:
             return
         failed = self.thread.failed
         if failed is not None and self.lifeline is not None:
-            lifeline.send(self.lifeline, "fatal", **lifeline.exception_fields(failed))
+            lifeline.send(self.lifeline, lifeline.failure(failed))
         while True:  # take everything the thread already handed over
             before = len(self.outbox)
             self._pull_items()
