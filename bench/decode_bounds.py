@@ -19,13 +19,14 @@ from typing import Callable, Sequence
 
 from poller import protocol
 from poller.messages import check_body
-from poller.protocol import DEFAULT_LIMITS, Kind, decode, encode_delta, encode_header, pack_delta_payload
+from poller.protocol import DEFAULT_LIMITS, Kind, decode, encode_header, iter_encode_delta
 
 
 def _frames(keys: int) -> list[bytes]:
     items = {"train": {f"key-{i:06d}": {"global_steps": i // 64, "status": "success", "reward": 0.5}
                        for i in range(keys)}}
-    body = encode_delta(poll=1, started=0.0, full=False, reset=False, end=True, payload=pack_delta_payload(items, {}))
+    body, = iter_encode_delta(items, {}, poll=1, started=0.0, full=False, chunk_items=keys + 1,
+                              max_frame_bytes=DEFAULT_LIMITS.max_frame_bytes)
     return [encode_header(Kind.DELTA, 1, 1), body]
 
 

@@ -8,8 +8,8 @@ from typing import Callable
 from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
 from buffer.steps import StepSampler
-from poller.listing import diff_raw_listing, iter_encode_diff
-from poller.protocol import Kind, decode, encode_header
+from poller.listing import diff_raw_listing
+from poller.protocol import Kind, decode, encode_header, iter_encode_delta
 
 from .baselines import ceiling
 from .baselines.mpqueue import MpQueueBuffer
@@ -84,7 +84,8 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
 def _trainer_share(keys: int) -> float:
     """What the trainer must do per snapshot: decode the bodies, apply them to a store holding the keys."""
     listing = make_listing(keys)
-    bodies = list(iter_encode_diff(diff_raw_listing({}, listing, True), poll=1, started=0.0, full=True,
+    diff = diff_raw_listing({}, listing, True)
+    bodies = list(iter_encode_delta(diff.upserts, diff.deletes, poll=1, started=0.0, full=True,
                                    chunk_items=4096, max_frame_bytes=64 * 1024 * 1024))
     frames = [[encode_header(Kind.DELTA, 1, i), body] for i, body in enumerate(bodies)]
     store = PartitionStore()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence, cast
+from typing import Callable, NamedTuple, Sequence
 
 from poller.errors import ProtocolError
 from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Sync
@@ -79,7 +79,7 @@ class Peer:
 
 
 def _snapshot_start(message: Message) -> bool:
-    return message.kind is Kind.DELTA and message.body.full and message.body.reset
+    return isinstance(message.body, Delta) and message.body.full and message.body.reset
 
 
 class PeerTable:
@@ -227,8 +227,19 @@ class PeerTable:
                 actions.append(self._request_resync(identity, peer, "silent peer came back", now))
                 if message.kind is Kind.DELTA:
                     return actions
-        handler = getattr(self, f"_on_{message.kind.name.lower()}")
-        handler(identity, peer, message, now, actions)
+        match message.body:
+            case Ready() as ready:
+                self._on_ready(peer, message, ready)
+            case Delta() as delta:
+                self._on_delta(peer, message, delta)
+            case Heartbeat() as beat:
+                self._on_heartbeat(identity, peer, message, beat, now, actions)
+            case Error() as error:
+                self._on_error(peer, error)
+            case Bye() as bye:
+                self._on_bye(peer, message, bye)
+            case Log() as record:
+                self._on_log(peer, record)
         return actions
 
     def protocol_error(self, identity: bytes, why: str) -> None:
@@ -306,12 +317,11 @@ class PeerTable:
 
     # -- per kind -----------------------------------------------------------------
 
-    def _on_ready(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        peer.pid = cast(Ready, message.body).pid
+    def _on_ready(self, peer: Peer, message: Message, ready: Ready) -> None:
+        peer.pid = ready.pid
         logger.debug("poller %s ready: pid %s epoch %s", peer.name, peer.pid, message.epoch)
 
-    def _on_delta(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        body = cast(Delta, message.body)
+    def _on_delta(self, peer: Peer, message: Message, body: Delta) -> None:
         self._store.poll_seen(peer.name, message.epoch, body.poll)
         if peer.awaiting_resync:
             if not _snapshot_start(message):
@@ -337,8 +347,8 @@ class PeerTable:
             if peer.polls_applied == 1:
                 self._on_change()
 
-    def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        beat = cast(Heartbeat, message.body)
+    def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, beat: Heartbeat, now: float,
+                      actions: list[Send]) -> None:
         peer.rss = beat.rss
         if beat.quarantined is not None:  # None from older pollers
             peer.quarantined = beat.quarantined
@@ -359,22 +369,19 @@ class PeerTable:
             actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
         actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
 
-    def _on_error(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        error = cast(Error, message.body)
+    def _on_error(self, peer: Peer, error: Error) -> None:
         self.source_errors += 1
         self._log.log("error", logging.ERROR if error.fatal else logging.WARNING,
                       "poller %s: kv_list() failed%s: %s: %s", peer.name,
                       " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",
                       error.type[:200], error.message[:MAX_FORWARDED_CHARS])
 
-    def _on_bye(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        bye = cast(Bye, message.body)
+    def _on_bye(self, peer: Peer, message: Message, bye: Bye) -> None:
         peer.bye_seq = bye.last_seq
         peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
         logger.debug("poller %s said BYE: %s", peer.name, bye.reason)
         self._on_change()
 
-    def _on_log(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> None:
-        record = cast(Log, message.body)
+    def _on_log(self, peer: Peer, record: Log) -> None:
         self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.name, record.name[:200],
                       record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))

@@ -1,18 +1,18 @@
-"""What the poller sends for a listing: check and diff it, then encode the diff as DELTA bodies.
+"""What the poller sends for a listing: check it, diff it against what was sent, screen the diff.
 
 Pure functions, no threads and no sockets: :class:`~poller.polling.PollingThread`
-calls them on every poll, and tests call them directly.
+calls them on every poll (then :func:`poller.protocol.iter_encode_delta`
+encodes the diff), and tests call them directly.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
-from .errors import ProtocolError
-from .protocol import Limits, encode_delta, pack_delta_payload
+from .protocol import Limits
 from .quarantine import Refused, screen
 
-__all__ = ["Listing", "ListingDiff", "diff_raw_listing", "screen_diff", "commit_listing", "iter_encode_diff"]
+__all__ = ["Listing", "ListingDiff", "diff_raw_listing", "screen_diff", "commit_listing"]
 
 Tags = dict[str, Any]
 Listing = dict[str, dict[str, Tags]]
@@ -152,87 +152,3 @@ class ListingDiff(NamedTuple):
 
     def item_count(self) -> int:
         return sum(map(len, self.upserts.values())) + sum(map(len, self.deletes.values()))
-
-
-def _chunks(diff: ListingDiff, size: int) -> Iterator[ListingDiff]:
-    """Split a diff into pieces of at most ``size`` entries each.
-
-    A partition's entries are contiguous, so each piece holds at most one
-    slice of each partition: slicing copies in C instead of key by key.
-    """
-    upserts: dict[str, dict[str, Tags]] = {}
-    deletes: dict[str, list[str]] = {}
-    n = 0
-    yielded = False
-    for partition, items in diff.upserts.items():
-        pairs = list(items.items())
-        i = 0
-        while i < len(pairs):
-            take = pairs[i:i + size - n]
-            upserts[partition] = dict(take)
-            n += len(take)
-            i += len(take)
-            if n >= size:
-                yield ListingDiff(upserts, deletes)
-                upserts, deletes, n, yielded = {}, {}, 0, True
-    for partition, keys in diff.deletes.items():
-        i = 0
-        while i < len(keys):
-            part = keys[i:i + size - n]
-            deletes[partition] = part
-            n += len(part)
-            i += len(part)
-            if n >= size:
-                yield ListingDiff(upserts, deletes)
-                upserts, deletes, n, yielded = {}, {}, 0, True
-    if n or not yielded:  # an empty poll is still one (empty) message
-        yield ListingDiff(upserts, deletes)
-
-
-def iter_encode_diff(diff: ListingDiff, *, poll: int, started: float, full: bool,
-                     chunk_items: int, max_frame_bytes: int, sync: int = 0) -> Iterator[bytes]:
-    """Encode a diff as one or more DELTA bodies, each under the frame limit, one at a time.
-
-    The first body of a full snapshot carries ``reset``; the last body of
-    every poll carries ``end``, which tells the receiver the poll is complete.
-    Each body can be sent while the next is packed, so the trainer decodes
-    a snapshot while the poller still encodes it. A ProtocolError can come
-    after some bodies were sent: the poll then has no ``end`` and is sent
-    again, which the receiver tolerates (merges are idempotent, a new
-    snapshot starts over).
-
-    The diff must have been screened (:func:`screen_diff`): what is left
-    here packs and fits the receiver's limits.
-
-    Raises:
-        ProtocolError: a value msgpack cannot encode, or one key whose tags
-            alone exceed ``max_frame_bytes`` (neither passes the screen).
-    """
-    previous: bytes | None = None
-    first = True
-    for payload in _payloads(diff, chunk_items, max_frame_bytes):
-        if previous is not None:
-            yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=False,
-                               payload=previous, sync=sync)
-            first = False
-        previous = payload
-    assert previous is not None  # _chunks yields at least one piece
-    yield encode_delta(poll=poll, started=started, full=full, reset=full and first, end=True, payload=previous,
-                       sync=sync)
-
-
-def _payloads(diff: ListingDiff, size: int, max_frame_bytes: int) -> Iterator[bytes]:
-    for piece in _chunks(diff, size):
-        payload = pack_delta_payload(piece.upserts, piece.deletes)
-        if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
-            yield payload
-            continue
-        n = piece.item_count()
-        if n <= 1:
-            raise ProtocolError(
-                f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
-        yield from _payloads(piece, (n + 1) // 2, max_frame_bytes)
-
-
-# Upper bound of the fixed fields encode_delta puts before the payload.
-_DELTA_HEAD_BYTES = 64

@@ -16,9 +16,9 @@ import traceback
 from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
-from .listing import Listing, commit_listing, iter_encode_diff, screen_diff
+from .listing import Listing, commit_listing, screen_diff
 from .messages import Error
-from .protocol import Kind, Limits, encode_body, fit_text
+from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta
 from .quarantine import Quarantine
 from .sources import Source, SourceStall
 
@@ -203,9 +203,9 @@ class PollingThread(threading.Thread):
                 # Before the first body: a key the receiver would refuse is
                 # left out (quarantined) instead of failing the poll.
                 diff = screen_diff(diff, sent, full, self._screen_limits)
-                for body in iter_encode_diff(diff, poll=self.polls + 1, started=started, full=full,
-                                             chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
-                                             sync=covered):
+                for body in iter_encode_delta(diff.upserts, diff.deletes, poll=self.polls + 1, started=started,
+                                              full=full, chunk_items=self.chunk_items,
+                                              max_frame_bytes=self.max_frame_bytes, sync=covered):
                     if not self._emit(Kind.DELTA, body):
                         return
             except SourceStall as exc:

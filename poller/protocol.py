@@ -23,12 +23,12 @@ type-checked, unknown kinds and versions are refused. Every failure is a
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import msgpack
 
 from .errors import ProtocolError
-from .messages import Body, Kind, as_map, check_body, to_record
+from .messages import Body, Delta, Kind, as_map, check_body, to_record
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -39,8 +39,8 @@ __all__ = [
     "encode_body",
     "encode_header",
     "decode",
-    "pack_delta_payload",
     "encode_delta",
+    "iter_encode_delta",
     "packed_size",
     "fit_text",
 ]
@@ -137,25 +137,8 @@ def encode(message: Message) -> list[bytes]:
     ]
 
 
-def pack_delta_payload(upserts: Mapping[str, Any], deletes: Mapping[str, Any]) -> bytes:
-    """Pack the bulky half of a DELTA body once.
-
-    :func:`encode_delta` prepends the small per-message fields, so a poller
-    can decide how to split and flag messages without packing the items
-    twice. (msgpack maps are a plain concatenation of key/value encodings.)
-
-    Raises:
-        ProtocolError: the items hold values msgpack cannot encode.
-    """
-    try:
-        packer = msgpack.Packer(use_bin_type=True)
-        return packer.pack("upserts") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
-
-
 def packed_size(value: Any) -> int:
-    """How many bytes ``value`` takes in a body, as :func:`pack_delta_payload` packs it.
+    """How many bytes ``value`` takes in a body, as a DELTA packs it.
 
     Raises:
         TypeError, ValueError, OverflowError: msgpack cannot encode ``value``.
@@ -175,22 +158,6 @@ def fit_text(text: str, limits: Limits | None) -> str:
     if len(raw) <= limits.max_str_len:
         return text
     return raw[:limits.max_str_len].decode(errors="ignore")
-
-
-def encode_delta(*, poll: int, started: float, full: bool, reset: bool, end: bool, payload: bytes,
-                 sync: int = 0) -> bytes:
-    """A DELTA body from its flags and a payload from :func:`pack_delta_payload`.
-
-    ``sync`` is the highest SYNC token the poller had received when this
-    poll's listing began (0: none), so the buffer knows which of its
-    ``sync()`` calls the listing answers.
-    """
-    packer = msgpack.Packer(use_bin_type=True)
-    head = packer.pack_map_header(8) + b"".join(
-        packer.pack(x)
-        for x in ("poll", poll, "t", float(started), "full", full, "reset", reset, "end", end, "sync", sync)
-    )
-    return head + payload
 
 
 def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -291,3 +258,117 @@ def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# -- DELTA: a poll's changes in bounded bodies ---------------------------------------------------
+
+# The fields a DELTA's record packs from its own values; the bulky two are packed once, as the payload.
+_BULKY = ("upserts", "deletes")
+# Upper bound of the head encode_delta puts before the payload.
+_DELTA_HEAD_BYTES = 64
+
+
+def encode_delta(head: Delta, payload: bytes) -> bytes:
+    """A DELTA body: ``head``'s own fields (its ``upserts`` / ``deletes`` ignored) before ``payload``.
+
+    ``payload`` is the two bulky fields packed once (:func:`iter_encode_delta`
+    sizes and splits on it); msgpack maps are a plain concatenation of
+    key/value encodings, so the head is packed from the record in front.
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    fields = {name: value for name, value in as_map(Kind.DELTA, head).items() if name not in _BULKY}
+    fields["t"] = float(fields["t"])
+    return packer.pack_map_header(len(fields) + len(_BULKY)) + b"".join(
+        packer.pack(name) + packer.pack(value) for name, value in fields.items()) + payload
+
+
+def _pack_items(upserts: Mapping[str, Any], deletes: Mapping[str, Any]) -> bytes:
+    try:
+        packer = msgpack.Packer(use_bin_type=True)
+        return packer.pack("upserts") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
+
+
+Items = tuple[dict[str, dict[str, Any]], dict[str, list[str]]]  # (upserts, deletes)
+
+
+def iter_encode_delta(upserts: dict[str, dict[str, Any]], deletes: dict[str, list[str]], *, poll: int,
+                      started: float, full: bool, chunk_items: int, max_frame_bytes: int,
+                      sync: int = 0) -> Iterator[bytes]:
+    """A poll's changes as one or more DELTA bodies, each under the frame limit, one at a time.
+
+    The first body of a full snapshot carries ``reset``; the last body of
+    every poll carries ``end``, which tells the receiver the poll is complete.
+    Each body can be sent while the next is packed, so the trainer decodes
+    a snapshot while the poller still encodes it. A ProtocolError can come
+    after some bodies were sent: the poll then has no ``end`` and is sent
+    again, which the receiver tolerates (merges are idempotent, a new
+    snapshot starts over). What is given must have been screened for the
+    receiver's limits (:func:`poller.listing.screen_diff`).
+
+    Raises:
+        ProtocolError: a value msgpack cannot encode, or one key whose tags
+            alone exceed ``max_frame_bytes`` (neither passes the screen).
+    """
+    head = Delta(poll=poll, t=started, full=full, reset=full, end=False, upserts={}, deletes={}, sync=sync)
+    previous: bytes | None = None
+    for payload in _payloads((upserts, deletes), chunk_items, max_frame_bytes):
+        if previous is not None:
+            yield encode_delta(head, previous)
+            head = head._replace(reset=False)
+        previous = payload
+    assert previous is not None  # _chunks yields at least one piece
+    yield encode_delta(head._replace(end=True), previous)
+
+
+def _count(items: Items) -> int:
+    return sum(map(len, items[0].values())) + sum(map(len, items[1].values()))
+
+
+def _chunks(items: Items, size: int) -> Iterator[Items]:
+    """Split changes into pieces of at most ``size`` entries each.
+
+    A partition's entries are contiguous, so each piece holds at most one
+    slice of each partition: slicing copies in C instead of key by key.
+    """
+    upserts: dict[str, dict[str, Any]] = {}
+    deletes: dict[str, list[str]] = {}
+    n = 0
+    yielded = False
+    for partition, tags in items[0].items():
+        pairs = list(tags.items())
+        i = 0
+        while i < len(pairs):
+            take = pairs[i:i + size - n]
+            upserts[partition] = dict(take)
+            n += len(take)
+            i += len(take)
+            if n >= size:
+                yield upserts, deletes
+                upserts, deletes, n, yielded = {}, {}, 0, True
+    for partition, keys in items[1].items():
+        i = 0
+        while i < len(keys):
+            part = keys[i:i + size - n]
+            deletes[partition] = part
+            n += len(part)
+            i += len(part)
+            if n >= size:
+                yield upserts, deletes
+                upserts, deletes, n, yielded = {}, {}, 0, True
+    if n or not yielded:  # an empty poll is still one (empty) message
+        yield upserts, deletes
+
+
+def _payloads(items: Items, size: int, max_frame_bytes: int) -> Iterator[bytes]:
+    for piece in _chunks(items, size):
+        payload = _pack_items(*piece)
+        if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
+            yield payload
+            continue
+        n = _count(piece)
+        if n <= 1:
+            raise ProtocolError(
+                f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
+        yield from _payloads(piece, (n + 1) // 2, max_frame_bytes)

@@ -10,7 +10,7 @@ import pytest
 
 from poller.errors import PollerError, ProtocolError
 from poller.messages import RECORDS, Delta, to_record
-from poller.listing import ListingDiff, diff_raw_listing, iter_encode_diff
+from poller.listing import ListingDiff, diff_raw_listing
 from poller.protocol import (
     PROTOCOL_VERSION,
     Kind,
@@ -19,14 +19,13 @@ from poller.protocol import (
     decode,
     encode,
     encode_body,
-    encode_delta,
     encode_header,
-    pack_delta_payload,
+    iter_encode_delta,
 )
 
 def _encoded(diff: ListingDiff, **options: Any) -> list[bytes]:
     """Every body the poller's encoder yields for ``diff``."""
-    return list(iter_encode_diff(diff, **options))
+    return list(iter_encode_delta(diff.upserts, diff.deletes, **options))
 
 
 def _listed(raw: Any) -> dict[str, Any]:
@@ -84,8 +83,8 @@ def test_round_trip_of_every_kind(kind: Kind) -> None:
 def test_round_trip_of_a_delta_built_from_its_parts() -> None:
     upserts = {"train": {"k": {"status": "success", "global_steps": 4}}}
     deletes = {"train": ["gone"]}
-    raw = encode_delta(poll=9, started=12.5, full=False, reset=False, end=True,
-                       payload=pack_delta_payload(upserts, deletes), sync=4)
+    raw, = iter_encode_delta(upserts, deletes, poll=9, started=12.5, full=False, chunk_items=10,
+                             max_frame_bytes=10**6, sync=4)
     message = decode([encode_header(Kind.DELTA, 1, 3), raw])
     assert message.body == Delta(poll=9, t=12.5, full=False, reset=False, end=True, upserts=upserts,
                                  deletes=deletes, sync=4)
@@ -311,7 +310,8 @@ def test_encode_body_of_an_unencodable_value() -> None:
     with pytest.raises(ProtocolError):
         encode_body(Kind.DELTA, bad_delta)
     with pytest.raises(ProtocolError):
-        pack_delta_payload({"train": {"k": {"s": {1, 2}}}}, {})
+        list(iter_encode_delta({"train": {"k": {"s": {1, 2}}}}, {}, poll=1, started=0.0, full=True, chunk_items=10,
+                               max_frame_bytes=10**6))
     with pytest.raises(ProtocolError):
         encode_body(Kind.HEARTBEAT, dict(BODIES[Kind.HEARTBEAT], rss=2**70))
     assert issubclass(ProtocolError, PollerError)
@@ -322,7 +322,7 @@ def test_encode_body_checks_the_schema() -> None:
         encode_body(Kind.READY, {"name": "x", "interval": 1.0})
 
 
-# -- iter_encode_diff --------------------------------------------------------------------------------
+# -- iter_encode_delta -------------------------------------------------------------------------------
 
 def _decode_bodies(bodies: list[bytes], max_frame_bytes: int) -> list[dict[str, Any]]:
     limits = Limits(max_frame_bytes=max_frame_bytes)

@@ -20,8 +20,8 @@ from poller.errors import ProtocolError
 from poller.faults import parse_fault, raise_
 from poller.faults.peer import RoguePeer
 from poller.faults.store import delete
-from poller.listing import commit_listing, diff_raw_listing, iter_encode_diff, screen_diff
-from poller.protocol import Kind, Limits, decode, encode_header
+from poller.listing import commit_listing, diff_raw_listing, screen_diff
+from poller.protocol import Kind, Limits, decode, encode_header, iter_encode_delta
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
 
@@ -70,7 +70,8 @@ def test_tags_the_receiver_would_refuse_are_quarantined_and_the_rest_flows(tags,
     diff = screen_diff(diff, {}, True, Limits())
     assert [(r.partition, r.key) for r in diff.refused] == [("p", "k")]
     assert problem in diff.refused[0].reason
-    bodies = list(iter_encode_diff(diff, poll=1, started=0.0, full=True, chunk_items=10, max_frame_bytes=64 * 2**20))
+    bodies = list(iter_encode_delta(diff.upserts, diff.deletes, poll=1, started=0.0, full=True, chunk_items=10,
+                                    max_frame_bytes=64 * 2**20))
     sent = decode([encode_header(Kind.DELTA, 1, 0), bodies[0]]).body
     assert sent.upserts == {"p": {"good": {"global_steps": 1}}}
 
