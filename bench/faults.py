@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from poller.faults import leaks
+from tests.helpers import leaks
 
 from .faultmatrix import ROWS, Outcome, Row, close_bound, run_trial
 from .streamrows import STREAM_ROWS, run_stream_trial

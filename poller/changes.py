@@ -86,10 +86,6 @@ class ListingReader:
         # holds), or a change set and the deletions it reported.
         self.last_complete = True
         self.last_deletes: Mapping[str, Any] = {}
-        # Counters, for logs and tests: how each poll was read.
-        self.full_listings = 0
-        self.change_reads = 0
-        self.fallbacks = 0
 
     def read(self, sent: Listing, full: bool) -> ListingDiff:
         """The diff of this poll against ``sent`` (a full snapshot if ``full``).
@@ -108,15 +104,12 @@ class ListingReader:
             changes = self._source.kv_changes(self._cursor)
             if changes is not None:
                 cursor, upserts, deletes = changes
-                self.change_reads += 1
                 self._pending = (cursor, False)
                 diff = diff_changes(sent, upserts, deletes)
                 self.last_complete, self.last_deletes = False, deletes or {}
                 return diff
-            self.fallbacks += 1
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
         cursor, listing = self._source.kv_snapshot()
-        self.full_listings += 1
         self._pending = (cursor, True)
         return diff_raw_listing(sent, listing, full)
 

@@ -15,11 +15,10 @@ what is passed — and skips the rest::
 Pickle crosses only this private pipe, from the parent to its own child
 (as with spawn); the ZeroMQ stream never carries it.
 
-:class:`ExecProcess` offers the part of ``multiprocessing.Process`` that
-:class:`~poller.process.PollerProcess` uses, so both start methods share one
-close ladder. The sentinel is the read end of a pipe whose only write end
-the child holds: it becomes readable the moment the child's fds are
-released at exit, the same signal ``multiprocessing`` gives.
+:class:`ExecProcess` is the child's handle for :class:`~poller.process.PollerProcess`
+(start, signal, join, reap). Its sentinel is the read end of a pipe whose
+only write end the child holds: it becomes readable the moment the child's
+fds are released at exit.
 """
 
 from __future__ import annotations
@@ -107,7 +106,7 @@ class ExecProcess:
     @property
     def sentinel(self) -> int:
         if self._closed or self._sentinel is None:
-            raise ValueError("process object is closed or not started")
+            raise RuntimeError(f"poller child {self.name}: no sentinel (not started, or closed)")
         return self._sentinel
 
     @property
@@ -150,9 +149,13 @@ class ExecProcess:
                 pass  # it just ended
 
     def close(self) -> None:
-        """Release the sentinel. Raises ValueError while the child runs."""
+        """Release the sentinel once the child has exited (idempotent).
+
+        Raises:
+            RuntimeError: the child still runs (the caller must have reaped it first).
+        """
         if self._popen is not None and self._popen.poll() is None:
-            raise ValueError("cannot close a process while it is still running")
+            raise RuntimeError(f"poller child {self.name} still runs: it cannot be closed")
         if not self._closed and self._sentinel is not None:
             os.close(self._sentinel)
         self._closed = True

@@ -113,16 +113,10 @@ class PollerProcess:
     def exitcode(self) -> int | None:
         if self._process is None:
             return None
-        try:
-            return self._process.exitcode
-        except ValueError:  # process object already closed
-            return self._report.exitcode if self._report else None
+        return self._process.exitcode
 
     def is_alive(self) -> bool:
-        try:
-            return self._process is not None and self._process.is_alive()
-        except ValueError:
-            return False
+        return self._process is not None and self._process.is_alive()
 
     def join(self, timeout: float | None = None) -> int | None:
         """Wait up to ``timeout`` for the process to end; return its exit code."""

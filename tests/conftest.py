@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from poller.faults import leaks
+from tests.helpers import leaks
 from poller.procfs import is_running
 
 # Each run gets its own temporary directory (inherited by every child), so
