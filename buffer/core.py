@@ -23,7 +23,6 @@ from poller.protocol import DEFAULT_LIMITS, Limits
 from poller.sources import SourceSpec
 
 from .ipcdir import PrivateIpcDir
-from .options import poller_limits
 from .partitions import PartitionStore
 from .restarts import RestartBudget
 from .steps import StepSampler
@@ -56,6 +55,18 @@ def _close_open_buffers() -> None:
 
 
 threading._register_atexit(_close_open_buffers)  # type: ignore[attr-defined]
+
+
+def poller_limits(limits: Limits) -> dict[str, Any]:
+    """Message sizes and bounds for the buffer's own poller that its receiver accepts.
+
+    A chunk of n keys spans at most n partitions, so 2n stays within the
+    keys-per-message bound. The whole ``limits`` go along too: the poller
+    checks tags against the receiver's string, item and depth bounds, or a
+    tag the receiver refuses would fail every resync, for good.
+    """
+    return {"max_frame_bytes": limits.max_frame_bytes, "limits": limits,
+            "chunk_items": max(1, min(4096, limits.max_keys_per_message // 2))}
 
 
 class _Core:

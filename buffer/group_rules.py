@@ -27,7 +27,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .groups import FAILURE, FINISHED, PENDING, RUNNING, GroupPartition
+from poller.vocabulary import FAILURE, FINISHED, PENDING, RUNNING
+
+from .groups import GroupPartition
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "Rules", "Plan", "DrainState", "accumulate_metrics",
            "metrics_prefix", "classify"]

@@ -22,19 +22,15 @@ groups older than the threshold" touch only the buckets they need.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["GroupIndex", "GroupPartition", "uid_of", "PENDING", "RUNNING", "FINISHED", "FAILURE", "STATUSES"]
+from poller.vocabulary import FAILURE, FINISHED, PENDING, PROMPT_STATUSES, RUNNING, Tags
 
-PENDING = "pending"
-RUNNING = "running"
-FINISHED = "finished"
-FAILURE = "failure"
-STATUSES = (PENDING, RUNNING, FINISHED, FAILURE)
-_STATUS_SET = frozenset(STATUSES)
+__all__ = ["GroupIndex", "GroupPartition", "uid_of"]
 
-Tags = Mapping[str, Any]
+_STATUS_SET = frozenset(PROMPT_STATUSES)
+
 
 
 def uid_of(key: str) -> str:
@@ -53,7 +49,7 @@ class GroupPartition:
         #: uid -> the prompt's ``global_steps``.
         self.step: dict[str, int] = {}
         #: status -> step -> uids (in arrival order).
-        self.buckets: dict[str, dict[int, dict[str, None]]] = {status: {} for status in STATUSES}
+        self.buckets: dict[str, dict[int, dict[str, None]]] = {status: {} for status in PROMPT_STATUSES}
         #: uid -> its trajectory keys (in arrival order); a uid may have no prompt (yet).
         self.trajectories: dict[str, dict[str, None]] = {}
         #: prompt key -> why it cannot be used (unknown status, no integer global_steps).
@@ -66,11 +62,11 @@ class GroupPartition:
         self.filtered: dict[str, float] = {}
 
     def __repr__(self) -> str:
-        counts = ", ".join(f"{status}={self.count(status)}" for status in STATUSES)
+        counts = ", ".join(f"{status}={self.count(status)}" for status in PROMPT_STATUSES)
         return f"<GroupPartition {counts} groups_with_trajectories={len(self.trajectories)}>"
 
     def counts(self) -> dict[str, int]:
-        return {status: self.count(status) for status in STATUSES}
+        return {status: self.count(status) for status in PROMPT_STATUSES}
 
     def describe(self, partition_id: str) -> str:
         """Counts by status and the oldest prompts in flight (for timeouts and progress logs)."""
@@ -188,7 +184,7 @@ class GroupPartition:
 
 def _prompt_problem(status: Any, step: Any) -> str | None:
     if not isinstance(status, str) or status not in _STATUS_SET:
-        return f"has unknown status {status!r} (expected one of {', '.join(STATUSES)})"
+        return f"has unknown status {status!r} (expected one of {', '.join(PROMPT_STATUSES)})"
     if not isinstance(step, int) or isinstance(step, bool):
         return f"has no integer global_steps (got {step!r})"
     return None

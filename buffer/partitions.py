@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Mapping, Protocol, TypeVar
 
+from poller.vocabulary import Tags
+
 from .errors import BufferClosed
 from .ledger import Ledger
 
@@ -36,7 +38,6 @@ __all__ = ["PartitionStore", "Policy", "Tags"]
 
 logger = logging.getLogger(__name__)
 
-Tags = dict[str, Any]
 # What the store holds per key: marshalled tags, or the dict itself.
 _Held = Any
 T = TypeVar("T")
@@ -107,14 +108,13 @@ class PartitionStore:
         only while the partition's view is whole (:meth:`view_gap`): no
         answer ever comes from a listing applied half-way.
 
+        ``timeout`` was checked by the public method that waits (finite, >= 0, or None).
+
         Raises:
-            ValueError: ``timeout`` is negative or NaN.
             TimeoutError: ``describe()`` as the message, at the deadline.
             PollerCrashed: (the stored failure) the poller is dead for good.
             BufferClosed: the store was closed, possibly while waiting.
         """
-        if timeout is not None and not timeout >= 0:  # also refuses NaN
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:

@@ -28,13 +28,21 @@ from poller.protocol import Limits
 from poller.sources import SourceSpec
 
 from .access import check_bind
+from .arguments import (
+    as_limits,
+    check_buffer_args,
+    check_items,
+    check_keys,
+    check_log_level,
+    check_partition,
+    check_sample,
+    check_stall_timeout,
+)
 from .core import _Core
 from .errors import BufferClosed
 from .metrics import BufferStats, collect_stats, metrics_of
-from .options import as_limits, check_log_level, check_stall_timeout
 from .partitions import PartitionStore, Policy, Tags
 from .steps import BatchMeta
-from .validate import check_buffer_args, check_items, check_keys, check_partition, check_sample
 
 __all__ = ["ReplayBuffer"]
 
@@ -162,7 +170,7 @@ class ReplayBuffer:
             TypeError: ``partition_id`` is not a str.
         """
         check_partition(partition_id)
-        timeout = check_sample(batch_size, timeout)
+        timeout = check_sample(global_steps, batch_size, timeout)
         return self._core.steps.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
                                        timeout=timeout)
 

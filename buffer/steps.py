@@ -16,12 +16,12 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
-from .partitions import PartitionStore, Tags
+from poller.vocabulary import RUNNING, SUCCESS, Tags
+
+from .partitions import PartitionStore
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]
 
-RUNNING = "running"
-SUCCESS = "success"
 
 
 class BatchMeta(NamedTuple):
@@ -112,13 +112,7 @@ class StepSampler:
 
     def sample(self, partition_id: str, *, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
-        """Wait for a batch; see :meth:`buffer.ReplayBuffer.sample`."""
-        if (global_steps is None) == (batch_size is None):
-            raise ValueError("pass exactly one of global_steps= or batch_size=")
-        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if timeout is not None and not timeout >= 0:  # also refuses NaN
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
+        """Wait for a batch; see :meth:`buffer.ReplayBuffer.sample` (which checked the arguments)."""
         if global_steps is not None:
             def attempt() -> BatchMeta | None:
                 return self._try_step(partition_id, global_steps)

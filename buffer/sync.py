@@ -35,15 +35,14 @@ class ListingSync:
     def wait(self, timeout: float | None) -> None:
         """Ask for a poll now and wait until one that began after this call is applied.
 
+        ``timeout`` was checked by ``ReplayBuffer.sync()``.
+
         Raises:
-            ValueError: ``timeout`` is negative or NaN.
             TimeoutError: no such listing within ``timeout`` (the source stalls
                 or fails, or the poller cannot restart); the message says which.
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly while waiting.
         """
-        if timeout is not None and not timeout >= 0:  # also refuses NaN
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout!r}")
         token = next(self._tokens)
         started = time.monotonic()
         asked: list[int | None] = []  # the poller epoch last asked; a list so attempt() can rebind it

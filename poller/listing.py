@@ -11,11 +11,10 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from .protocol import Limits
 from .quarantine import Refused, screen
+from .vocabulary import Listing, Tags
 
 __all__ = ["Listing", "ListingDiff", "diff_raw_listing", "screen_diff", "commit_listing"]
 
-Tags = dict[str, Any]
-Listing = dict[str, dict[str, Tags]]
 
 
 def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True) -> "ListingDiff":

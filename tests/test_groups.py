@@ -17,7 +17,8 @@ from buffer.group_rules import (
     plan_sync,
     sampleable_count,
 )
-from buffer.groups import FINISHED, GroupIndex, uid_of
+from buffer.groups import GroupIndex, uid_of
+from poller.vocabulary import FINISHED
 
 
 class Feed:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
 
+from ..vocabulary import Listing
+
 __all__ = ["ChangeFeed", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec", "has_change_feed",
            "load_source"]
 
@@ -60,7 +62,6 @@ class Source(Protocol):
         ...
 
 
-Listing = dict[str, dict[str, dict[str, Any]]]
 
 
 @runtime_checkable

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from ..vocabulary import Tags
 from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot
 from .sqlite_io import check_keys as _check_keys
 from .sqlite_io import check_str as _check_str
@@ -44,7 +45,6 @@ __all__ = ["SqliteSource"]
 
 logger = logging.getLogger(__name__)
 
-Tags = dict[str, Any]
 _FIELDS_UPSERT = (
     "INSERT INTO kv_fields (partition_id, key, fields) VALUES (?, ?, ?)"
     " ON CONFLICT (partition_id, key) DO UPDATE SET fields = excluded.fields"

@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
+from ..vocabulary import Tags
+
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-Tags = dict[str, Any]
 
 # Stay well below SQLITE_MAX_VARIABLE_NUMBER (999 on old builds) in IN (...).
 _SELECT_CHUNK = 500

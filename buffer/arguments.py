@@ -1,27 +1,30 @@
-"""Checks of what a trainer passes to the buffer, before the store is touched.
+"""Checks of what a trainer passes to the buffer, made once, where it enters.
 
 Bad input gets a clear error and changes nothing: ``add`` checks every item
 before it applies any (so it is all or nothing), and ``remove`` refuses a
 bare string, which would otherwise be taken as its characters
 (``remove("train", "uid1")`` removing the keys ``"u"``, ``"i"``, ``"d"``,
 ``"1"``). Wrong types raise ``TypeError``, as the SQLite store's ``kv_*``
-methods do; numbers out of range raise ``ValueError``
-(:mod:`poller.arguments`).
+methods do; numbers out of range raise ``ValueError`` (the number checks are
+:mod:`poller.arguments`'). Options that arrive from config files as plain
+values (a buffer built through Hydra/OmegaConf, ``_target_:
+buffer.ReplayBuffer``, gets mappings, strings and numbers) are turned into
+what the buffer and its poller use. Inner layers trust what passed here.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
 from poller.arguments import check_count, check_optional_seconds, check_seconds
 from poller.curve import CurveServer
 from poller.protocol import Limits
+from poller.vocabulary import Tags
 
-__all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample"]
-
-Tags = dict[str, Any]
-
+__all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample", "as_limits",
+           "check_stall_timeout", "check_log_level"]
 
 def check_partition(partition_id: Any) -> str:
     """Raises ``TypeError`` unless ``partition_id`` is a str."""
@@ -71,13 +74,16 @@ def check_keys(keys: Any) -> list[str]:
     return listed
 
 
-def check_sample(batch_size: Any, timeout: Any) -> float | None:
-    """Check ``sample()``'s numbers; return ``timeout`` as float seconds or None.
+def check_sample(global_steps: Any, batch_size: Any, timeout: Any) -> float | None:
+    """Check ``sample()``'s arguments; return ``timeout`` as float seconds or None.
 
     Raises:
-        ValueError: ``batch_size`` is not an int >= 1 (``True`` is refused) or
-            ``timeout`` is not a finite number >= 0 (or None).
+        ValueError: not exactly one of ``global_steps`` and ``batch_size``,
+            ``batch_size`` not an int >= 1 (``True`` is refused), or
+            ``timeout`` not a finite number >= 0 (or None).
     """
+    if (global_steps is None) == (batch_size is None):
+        raise ValueError("pass exactly one of global_steps= or batch_size=")
     if batch_size is not None:
         check_count("batch_size", batch_size, minimum=1)
     return check_optional_seconds("timeout", timeout, allow_zero=True)
@@ -103,3 +109,25 @@ def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any
         raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
                         f"got {type(limits).__name__}")
 
+
+def as_limits(limits: Any) -> Any:
+    """A :class:`Limits` from a mapping of its fields (Hydra/OmegaConf ``_target_`` configs pass mappings)."""
+    if limits is None or isinstance(limits, Limits) or not isinstance(limits, Mapping):
+        return limits  # the type check follows in check_buffer_args
+    fields = {str(name): value for name, value in limits.items()}
+    unknown = sorted(set(fields) - set(Limits._fields))
+    if unknown:
+        raise ValueError(f"unknown limits {unknown}; the fields of poller.protocol.Limits are {list(Limits._fields)}")
+    return Limits(**fields)
+
+
+def check_stall_timeout(stall_timeout: Any) -> float | None:
+    # Finite too: an infinite stall timeout is None, said plainly.
+    return check_optional_seconds("stall_timeout", stall_timeout)
+
+
+def check_log_level(level: Any) -> int:
+    number = logging.getLevelName(level.upper()) if isinstance(level, str) else level
+    if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+        raise ValueError(f"poller_log_level must be a logging level name or number, got {level!r}")
+    return number
