@@ -1,4 +1,8 @@
-"""The ledger: what each source lists, what the trainer removed, and whether a view is whole.
+"""The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
+
+A *stream* is what one poller sends, named by the poller's stream name (the
+ZeroMQ identity it connects with; ``stats()["poller_name"]`` for the
+buffer's own), the same name across code, stats and docs.
 
 Pure bookkeeping: no tags, no locks, no policies, no sockets. The
 :class:`~buffer.partitions.PartitionStore` owns one, calls it under its lock
@@ -16,7 +20,7 @@ A removal of a key no source lists leaves a *pending* tombstone: a poll that
 began before the removal may still list the key. Whether a poll began before
 the removal is told by the source's poll numbers, never by clocks (the
 trainer's and a poller's host may disagree by any amount). At the removal
-the ledger notes, per source, the highest poll it has received any message
+the ledger notes, per stream, the highest poll it has received any message
 of, ``m``; poll ``m + 1`` may already be listing, and a poll numbered
 ``m + 2`` or later began after poll ``m + 1`` was sent whole, so after the
 removal unless the receiver was a whole poll behind its poller. The first
@@ -35,26 +39,26 @@ from typing import Iterable, Mapping
 
 __all__ = ["Ledger"]
 
-# source -> (epoch, a poll number)
+# stream -> (epoch, a poll number)
 Horizon = Mapping[str, tuple[int, int]]
 
 
 class Ledger:
-    """Listings, snapshots, tombstones, poll horizons and sync answers of every source."""
+    """Listings, snapshots, tombstones, poll horizons and sync answers of every stream."""
 
     def __init__(self) -> None:
-        # source -> partition -> keys that source listed last (a dict of None
+        # stream -> partition -> keys that stream listed last (a dict of None
         # rather than a set: the GC need not traverse it).
         self._listed: dict[str, dict[str, dict[str, None]]] = {}
-        # source -> partition -> keys seen in the full listing being received.
+        # stream -> partition -> keys seen in the full listing being received.
         self._snapshots: dict[str, dict[str, set[str]]] = {}
         # Tombstones of keys some source listed when removed: ended by an unlisting.
         self._tomb_listed: dict[str, set[str]] = {}
         # Tombstones of keys no source listed when removed -> the removal's horizon.
         self._tomb_pending: dict[tuple[str, str], Horizon] = {}
-        # source -> (epoch, highest poll number received any message of).
+        # stream -> (epoch, highest poll number received any message of).
         self._seen: dict[str, tuple[int, int]] = {}
-        # source -> highest sync token a complete poll answered; epoch of its last complete poll.
+        # stream -> highest sync token a complete poll answered; epoch of its last complete poll.
         self._synced: dict[str, int] = {}
         self._completed_epoch: dict[str, int] = {}
         # Sources every view needs a first complete poll of, and sources awaiting a resync.
@@ -63,17 +67,17 @@ class Ledger:
 
     # -- the stream -------------------------------------------------------------------
 
-    def poll_seen(self, source: str, epoch: int, poll: int) -> None:
-        """A message of poll ``poll`` of ``source``'s process ``epoch`` arrived."""
-        seen = self._seen.get(source)
+    def poll_seen(self, stream: str, epoch: int, poll: int) -> None:
+        """A message of poll ``poll`` of ``stream``'s process ``epoch`` arrived."""
+        seen = self._seen.get(stream)
         if seen is None or seen[0] != epoch or seen[1] < poll:
-            self._seen[source] = (epoch, poll)
+            self._seen[stream] = (epoch, poll)
 
-    def listed(self, source: str, partition: str, keys: Iterable[str]) -> list[str] | None:
-        """``source`` lists ``keys``; the ones whose tags to merge (``None``: all of them)."""
+    def listed(self, stream: str, partition: str, keys: Iterable[str]) -> list[str] | None:
+        """``stream`` lists ``keys``; the ones whose tags to merge (``None``: all of them)."""
         keys = list(keys)
-        self._listed.setdefault(source, {}).setdefault(partition, {}).update(dict.fromkeys(keys))
-        snapshot = self._snapshots.get(source)
+        self._listed.setdefault(stream, {}).setdefault(partition, {}).update(dict.fromkeys(keys))
+        snapshot = self._snapshots.get(stream)
         if snapshot is not None:
             snapshot.setdefault(partition, set()).update(keys)
         tomb = self._tomb_listed.get(partition)
@@ -92,9 +96,9 @@ class Ledger:
             merge.append(key)
         return merge
 
-    def unlisted(self, source: str, partition: str, keys: Iterable[str]) -> list[str]:
-        """``source`` no longer lists ``keys``; the ones to drop (no other source lists them, none removed)."""
-        listed = self._listed.get(source, {}).get(partition)
+    def unlisted(self, stream: str, partition: str, keys: Iterable[str]) -> list[str]:
+        """``stream`` no longer lists ``keys``; the ones to drop (no other source lists them, none removed)."""
+        listed = self._listed.get(stream, {}).get(partition)
         tomb = self._tomb_listed.get(partition)
         drop = []
         for key in list(keys):
@@ -108,53 +112,53 @@ class Ledger:
                 drop.append(key)
         return drop
 
-    def begin_snapshot(self, source: str) -> None:
-        """A full listing from ``source`` starts; what it omits has vanished."""
-        self._snapshots[source] = {}
+    def begin_snapshot(self, stream: str) -> None:
+        """A full listing from ``stream`` starts; what it omits has vanished."""
+        self._snapshots[stream] = {}
 
-    def in_snapshot(self, source: str) -> bool:
-        return source in self._snapshots
+    def in_snapshot(self, stream: str) -> bool:
+        return stream in self._snapshots
 
-    def end_snapshot(self, source: str) -> list[tuple[str, list[str]]]:
+    def end_snapshot(self, stream: str) -> list[tuple[str, list[str]]]:
         """The full listing is complete: ``(partition, keys)`` to drop, those it did not list."""
-        seen = self._snapshots.pop(source, None)
+        seen = self._snapshots.pop(stream, None)
         if seen is None:
             return []
-        self._broken.discard(source)
+        self._broken.discard(stream)
         drops = []
-        for partition, listed in list(self._listed.get(source, {}).items()):
+        for partition, listed in list(self._listed.get(stream, {}).items()):
             kept = seen.get(partition, set())
             vanished = [key for key in listed if key not in kept]
             if vanished:
-                drops.append((partition, self.unlisted(source, partition, vanished)))
+                drops.append((partition, self.unlisted(stream, partition, vanished)))
         return drops
 
-    def abandon_snapshot(self, source: str) -> None:
+    def abandon_snapshot(self, stream: str) -> None:
         """A full listing was cut short (a gap, a new epoch): forget what it saw."""
-        self._snapshots.pop(source, None)
+        self._snapshots.pop(stream, None)
 
-    def poll_completed(self, source: str, epoch: int, poll: int, sync: int | None = None) -> bool:
-        """Poll ``poll`` of ``source``/``epoch`` was applied whole; True when sync waiters should look again.
+    def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None) -> bool:
+        """Poll ``poll`` of ``stream``/``epoch`` was applied whole; True when sync waiters should look again.
 
         ``sync`` is the highest sync token the poller had received when the
         poll's listing began.
         """
         wake = False
-        if (sync is not None and sync > self._synced.get(source, 0)) or self._completed_epoch.get(source) != epoch:
+        if (sync is not None and sync > self._synced.get(stream, 0)) or self._completed_epoch.get(stream) != epoch:
             # Answered, or a new poller process to ask again.
-            self._synced[source] = max(sync or 0, self._synced.get(source, 0))
-            self._completed_epoch[source] = epoch
+            self._synced[stream] = max(sync or 0, self._synced.get(stream, 0))
+            self._completed_epoch[stream] = epoch
             wake = True
         if self._tomb_pending:
             expired = [pk for pk, horizon in self._tomb_pending.items()
-                       if _after(horizon, source, epoch, poll) and not self.is_listed(*pk)]
+                       if _after(horizon, stream, epoch, poll) and not self.is_listed(*pk)]
             for pk in expired:
                 del self._tomb_pending[pk]
         return wake
 
-    def synced(self, source: str) -> int:
-        """The highest sync token a complete poll of ``source`` answered (0: none)."""
-        return self._synced.get(source, 0)
+    def synced(self, stream: str) -> int:
+        """The highest sync token a complete poll of ``stream`` answered (0: none)."""
+        return self._synced.get(stream, 0)
 
     # -- the trainer ------------------------------------------------------------------
 
@@ -166,7 +170,7 @@ class Ledger:
                 self._tomb_listed.setdefault(partition, set()).add(key)
             else:
                 if horizon is None:  # one per call, shared by its keys
-                    horizon = {source: (epoch, poll + 1) for source, (epoch, poll) in self._seen.items()}
+                    horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}
                 self._tomb_pending[(partition, key)] = horizon
 
     def is_listed(self, partition: str, key: str) -> bool:
@@ -174,47 +178,47 @@ class Ledger:
 
     # -- whole views ------------------------------------------------------------------
 
-    def require(self, source: str) -> None:
-        """No view is whole until a first complete poll of ``source`` was applied (the buffer's own poller)."""
-        self._required.add(source)
+    def require(self, stream: str) -> None:
+        """No view is whole until a first complete poll of ``stream`` was applied (the buffer's own poller)."""
+        self._required.add(stream)
 
-    def mark_broken(self, source: str) -> None:
-        """``source``'s stream lost messages; what it lists is not whole until its next full listing ends."""
-        self._broken.add(source)
+    def mark_broken(self, stream: str) -> None:
+        """``stream``'s stream lost messages; what it lists is not whole until its next full listing ends."""
+        self._broken.add(stream)
 
-    def release(self, source: str) -> None:
-        """Stop waiting for ``source`` (a standalone poller gone silent or forgotten)."""
-        self._snapshots.pop(source, None)
-        self._broken.discard(source)
+    def release(self, stream: str) -> None:
+        """Stop waiting for ``stream`` (a standalone poller gone silent or forgotten)."""
+        self._snapshots.pop(stream, None)
+        self._broken.discard(stream)
 
     def view_gap(self, partition: str | None = None) -> str | None:
         """Why the view of ``partition`` (``None``: of every partition) is not whole; ``None`` if it is."""
-        for source in self._required:
-            if source not in self._completed_epoch:
-                received = sum(map(len, self._listed.get(source, {}).values()))
-                return (f"the first complete listing of poller {source} has not been applied yet "
+        for stream in self._required:
+            if stream not in self._completed_epoch:
+                received = sum(map(len, self._listed.get(stream, {}).values()))
+                return (f"the first complete listing of poller {stream} has not been applied yet "
                         f"({received} key(s) of it received so far)")
-            if source in self._snapshots:
-                return f"a full listing (resync) of poller {source} is being applied"
-            if source in self._broken:
-                return f"the stream of poller {source} lost messages and a resync is awaited"
-        for source in list(self._snapshots) + list(self._broken):
-            if source in self._required:
+            if stream in self._snapshots:
+                return f"a full listing (resync) of poller {stream} is being applied"
+            if stream in self._broken:
+                return f"the stream of poller {stream} lost messages and a resync is awaited"
+        for stream in list(self._snapshots) + list(self._broken):
+            if stream in self._required:
                 continue
-            if partition is None or partition in self._snapshots.get(source, ()) \
-                    or partition in self._listed.get(source, ()):
-                what = "being applied" if source in self._snapshots else "awaited after a loss"
-                return f"a full listing of poller {source}, which lists this partition, is {what}"
+            if partition is None or partition in self._snapshots.get(stream, ()) \
+                    or partition in self._listed.get(stream, ()):
+                what = "being applied" if stream in self._snapshots else "awaited after a loss"
+                return f"a full listing of poller {stream}, which lists this partition, is {what}"
         return None
 
 
-def _after(horizon: Horizon, source: str, epoch: int, poll: int) -> bool:
-    """Whether poll ``poll`` of ``source``/``epoch`` began after the removal with ``horizon``.
+def _after(horizon: Horizon, stream: str, epoch: int, poll: int) -> bool:
+    """Whether poll ``poll`` of ``stream``/``epoch`` began after the removal with ``horizon``.
 
-    A process unseen at the removal (new source, restarted poller) may have
+    A process unseen at the removal (new stream, restarted poller) may have
     had its first poll under way then.
     """
-    known = horizon.get(source)
+    known = horizon.get(stream)
     if known is None or known[0] != epoch:
         return poll > 1
     return poll > known[1]

@@ -68,7 +68,7 @@ def thaw(held: _Held) -> Tags:
 
 
 class PartitionStore:
-    """Thread-safe ``partition -> {key -> tags}``, source bookkeeping, and waiting.
+    """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting.
 
     The lock is reentrant, so a :meth:`wait_until` attempt may call
     :meth:`get` (or any other reader) while it holds it.
@@ -182,77 +182,77 @@ class PartitionStore:
 
     # -- source side (called by the stream receiver) ----------------------------
 
-    def poll_seen(self, source_id: str, epoch: int, poll: int) -> None:
-        """A message of poll number ``poll`` of ``source_id``'s process ``epoch`` arrived."""
+    def poll_seen(self, stream: str, epoch: int, poll: int) -> None:
+        """A message of poll number ``poll`` of ``stream``'s process ``epoch`` arrived."""
         with self._cond:
-            self.ledger.poll_seen(source_id, epoch, poll)
+            self.ledger.poll_seen(stream, epoch, poll)
 
-    def merge_listed(self, source_id: str, partition_id: str, items: Mapping[str, Tags]) -> None:
-        """Merge what ``source_id`` lists; tombstoned keys are ignored."""
+    def merge_listed(self, stream: str, partition_id: str, items: Mapping[str, Tags]) -> None:
+        """Merge what ``stream`` lists; tombstoned keys are ignored."""
         with self._cond:
             if self._closed:
                 return
-            merge = self.ledger.listed(source_id, partition_id, items)
-            resync = self.ledger.in_snapshot(source_id)
+            merge = self.ledger.listed(stream, partition_id, items)
+            resync = self.ledger.in_snapshot(stream)
             for key in (items if merge is None else merge):
                 self._merge(partition_id, key, items[key], resync)
             self._cond.notify_all()
 
-    def unlist(self, source_id: str, partition_id: str, keys: Iterable[str]) -> None:
-        """``source_id`` no longer lists ``keys``: drop them unless another source does."""
+    def unlist(self, stream: str, partition_id: str, keys: Iterable[str]) -> None:
+        """``stream`` no longer lists ``keys``: drop them unless another source does."""
         with self._cond:
             if self._closed:
                 return
-            for key in self.ledger.unlisted(source_id, partition_id, keys):
+            for key in self.ledger.unlisted(stream, partition_id, keys):
                 self._drop(partition_id, key)
             self._cond.notify_all()
 
-    def begin_snapshot(self, source_id: str) -> None:
-        """A full listing from ``source_id`` starts; what it omits has vanished."""
+    def begin_snapshot(self, stream: str) -> None:
+        """A full listing from ``stream`` starts; what it omits has vanished."""
         with self._cond:
-            self.ledger.begin_snapshot(source_id)
+            self.ledger.begin_snapshot(stream)
 
-    def end_snapshot(self, source_id: str) -> None:
+    def end_snapshot(self, stream: str) -> None:
         """The full listing is complete: drop what it did not contain."""
         with self._cond:
             if self._closed:
-                self.ledger.abandon_snapshot(source_id)
+                self.ledger.abandon_snapshot(stream)
                 return
-            for partition_id, keys in self.ledger.end_snapshot(source_id):
+            for partition_id, keys in self.ledger.end_snapshot(stream):
                 for key in keys:
                     self._drop(partition_id, key)
             self._cond.notify_all()
 
-    def abandon_snapshot(self, source_id: str) -> None:
+    def abandon_snapshot(self, stream: str) -> None:
         """A snapshot was cut short (gap, new epoch): forget what it saw."""
         with self._cond:
-            self.ledger.abandon_snapshot(source_id)
+            self.ledger.abandon_snapshot(stream)
 
-    def poll_completed(self, source_id: str, epoch: int, poll: int, sync: int | None = None) -> None:
-        """Poll ``poll`` of ``source_id``'s process ``epoch`` has been applied whole (see :class:`Ledger`)."""
+    def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None) -> None:
+        """Poll ``poll`` of ``stream``'s process ``epoch`` has been applied whole (see :class:`Ledger`)."""
         with self._cond:
-            if self.ledger.poll_completed(source_id, epoch, poll, sync):
+            if self.ledger.poll_completed(stream, epoch, poll, sync):
                 self._cond.notify_all()  # wakes sync() waiters: answered, or a new poller to ask again
 
-    def synced(self, source_id: str) -> int:
-        """The highest sync token a complete poll of ``source_id`` answered (0: none)."""
+    def synced(self, stream: str) -> int:
+        """The highest sync token a complete poll of ``stream`` answered (0: none)."""
         with self._cond:
-            return self.ledger.synced(source_id)
+            return self.ledger.synced(stream)
 
-    def require(self, source_id: str) -> None:
-        """No view is whole until a first complete poll of ``source_id`` was applied (the buffer's own poller)."""
+    def require(self, stream: str) -> None:
+        """No view is whole until a first complete poll of ``stream`` was applied (the buffer's own poller)."""
         with self._cond:
-            self.ledger.require(source_id)
+            self.ledger.require(stream)
 
-    def mark_broken(self, source_id: str) -> None:
-        """``source_id``'s stream lost messages; what it lists is not whole until its next snapshot ends."""
+    def mark_broken(self, stream: str) -> None:
+        """``stream``'s stream lost messages; what it lists is not whole until its next snapshot ends."""
         with self._cond:
-            self.ledger.mark_broken(source_id)
+            self.ledger.mark_broken(stream)
 
-    def release(self, source_id: str) -> None:
-        """Stop waiting for ``source_id`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
+    def release(self, stream: str) -> None:
+        """Stop waiting for ``stream`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
         with self._cond:
-            self.ledger.release(source_id)
+            self.ledger.release(stream)
             self._cond.notify_all()
 
     def view_gap(self, partition_id: str | None = None) -> str | None:

@@ -26,10 +26,10 @@ __all__ = ["ListingSync"]
 class ListingSync:
     """Issues SYNC tokens to one poller and waits for the listings that answer them."""
 
-    def __init__(self, store: PartitionStore, receiver: StreamReceiver, poller_name: str) -> None:
+    def __init__(self, store: PartitionStore, receiver: StreamReceiver, stream: str) -> None:
         self._store = store
         self._receiver = receiver
-        self._name = poller_name
+        self._stream = stream
         self._tokens = itertools.count(1)  # next() is atomic: concurrent callers get distinct tokens
 
     def wait(self, timeout: float | None) -> None:
@@ -48,23 +48,23 @@ class ListingSync:
         asked: list[int | None] = []  # the poller epoch last asked; a list so attempt() can rebind it
 
         def attempt() -> bool | None:
-            if self._store.synced(self._name) >= token:
+            if self._store.synced(self._stream) >= token:
                 return True
-            peer = self._receiver.peer_info(self._name)
+            peer = self._receiver.peer_info(self._stream)
             epoch = peer.epoch if peer is not None else None
             if not asked or asked[-1] != epoch:
                 # First time, or a new poller process since: it never saw the token.
                 asked.append(epoch)
-                self._receiver.send_sync(self._name, token)
+                self._receiver.send_sync(self._stream, token)
             return None
 
         self._store.wait_until(attempt, timeout=timeout, describe=lambda: self._describe(timeout, started, asked))
 
     def _describe(self, timeout: float | None, started: float, asked: list[int | None]) -> str:
-        peer = self._receiver.peer_info(self._name)
+        peer = self._receiver.peer_info(self._stream)
         waited = time.monotonic() - started
         why = [(f"sync() timed out after {waited:.3g}s (timeout={timeout}s): no complete listing of poller "
-                f"{self._name} that began after the call was applied")]
+                f"{self._stream} that began after the call was applied")]
         if peer is None:
             why.append("the poller has not connected")
         else:
