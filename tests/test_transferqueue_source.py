@@ -7,10 +7,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import threading
+import os
+import pickle
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,8 +23,7 @@ import zmq
 
 from buffer import ReplayBuffer
 from poller import PollerStartupError
-from poller.sources import SourceStall
-from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
+from poller.sources import SourceStall, UnreadableValue
 from poller.sources.tq_protocol import (
     KNOWN_VERSIONS,
     KV_LIST,
@@ -30,6 +32,8 @@ from poller.sources.tq_protocol import (
     decode_reply,
     encode_request,
 )
+from poller.sources.tq_values import MAX_ELEMENTS, UnreadableKey, plain, restricted_loads
+from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,11 +78,9 @@ def test_a_listing_reply_passes_through_unchanged():
 @pytest.mark.parametrize("frames, match", [
     (_reply("REQUEST_ERROR", {"success": False, "message": "boom"}), "refused KV_LIST: boom"),
     (_reply("GET_META_RESPONSE", {}), "expected KV_LIST_RESPONSE"),
-    ([b"\xc1\xfe\xed", b"pickle bytes"], "pickled reply"),
-    (_reply("KV_LIST_RESPONSE", {"partition_info": {}}) + [b"tensor bytes"], "2 frames"),
-    ([msgpack.packb({"request_type": "KV_LIST_RESPONSE",
-                     "body": {"partition_info": {"t": {"k": {"x": msgpack.ExtType(1, b"pickled")}}}}})],
-     "extension type 1"),
+    ([b"\xc1\xfe\xed", b"pickle bytes"], "malformed reply.*UnpicklingError"),
+    ([b"\xc1\xfe\xed"], "pickled reply of 1 frames"),
+    ([b"\xc1\xfe\xed", pickle.dumps(["KV_LIST_RESPONSE"])], "not a message map"),
     ([b"\x93\x01"], "malformed"),
     ([msgpack.packb([1, 2])], "not a message map"),
     ([], "empty reply"),
@@ -242,3 +244,165 @@ def test_the_extra_range_covers_the_pinned_release_and_only_known_ones():
     constraints = (ROOT / "tests/integration/constraints.txt").read_text().splitlines()
     pinned = [line.split("==")[1].strip() for line in constraints if line.startswith("transferqueue==")]
     assert pinned and pinned[0] in KNOWN_VERSIONS
+
+
+# -- tag values TransferQueue carries outside plain msgpack --------------------------------------
+#
+# Real KV_LIST replies of a TransferQueue 0.1.11 controller (numpy 2.4.6, torch 2.13.0+cpu, msgspec
+# 0.23.0; the file says so too), one per case of tests/integration/tq_values.py: each case's record
+# next to a plain record in partition "p". Regenerate with
+#     make .venv/.installed-transferqueue && .venv/bin/python -m tests.integration.capture_tq_replies
+
+REPLIES = msgpack.unpackb((ROOT / "tests/data/tq_kv_list_replies.msgpack").read_bytes(), strict_map_key=False)
+GOOD = {"global_steps": 1, "status": "success"}
+
+
+def _unreadable(reason: str) -> UnreadableValue:
+    return UnreadableValue(reason)
+
+
+#: case -> the tags of its record as the source lists them.
+EXPECTED_TAGS: dict[str, dict] = {
+    "np_int64": {"global_steps": 3, "status": "success"},
+    "np_float32": {"reward": 0.5, "status": "success"},
+    "np_float64": {"reward": 0.25},
+    "np_bool": {"ok": True, "bad": False},
+    "np_uint8": {"small": 255, "neg": -3},
+    "np_arange": {"global_steps": 3, "steps": [0, 1, 2], "half": 0.5},
+    "np_array": {"mask": [0, 1, 2, 3], "grid": [[1.0, 1.0], [1.0, 1.0]], "flags": [True, False]},
+    "np_str_array": {"names": _unreadable("a numpy array of dtype <U2, which has no plain form")},
+    "np_object_array": {"objs": _unreadable("a pickled numpy._core.multiarray._reconstruct object, "
+                                            "which this source does not unpickle")},
+    "np_datetime": {"when": _unreadable("a numpy scalar of dtype <M8, which has no plain form")},
+    "np_complex": {"z": _unreadable("a numpy scalar of dtype <c8, which has no plain form")},
+    "torch_scalar": {"reward": 1.0, "global_steps": 3, "ok": True},
+    "torch_half": {"bf16": 2.5, "f16": 0.5},
+    "torch_tensor": {"ids": [1, 2, 3], "grid": [[0, 1], [2, 3]]},
+    "torch_complex": {"z": _unreadable("a tensor of dtype complex64, which has no plain form")},
+    "big_int": {"big": 2**70, "status": "success"},
+    "big_int_with_numpy": {"big": -(2**64), "global_steps": 4, "span": [1, 2],
+                           "reward": _unreadable("a pickled torch._utils._rebuild_tensor_v2 object, "
+                                                 "which this source does not unpickle")},
+    "tuple": {"span": [1, 2], "nested": [[3, [4, "x"]]]},
+    "set": {"ids": [5]},
+    "int_tag_name": {7: "x", "status": "success"},
+    "int_partition": {"global_steps": 2, "status": "success"},
+}
+
+
+def typed(value: object) -> object:
+    """``value`` with the type of every scalar beside it, so that 1, 1.0 and True differ."""
+    if isinstance(value, dict):
+        return {typed(k): typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed(v) for v in value]
+    return (type(value).__name__, value)
+
+
+def test_the_captured_replies_cover_every_case_and_come_from_a_known_release():
+    assert REPLIES["transferqueue"] in KNOWN_VERSIONS
+    assert set(REPLIES["cases"]) == set(EXPECTED_TAGS)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_TAGS))
+def test_each_value_a_real_controller_sends_is_converted_or_unreadable_in_place(case):
+    listing = decode_reply(KV_LIST, REPLIES["cases"][case])["partition_info"]
+    partition = 1 if case == "int_partition" else "p"
+    expected = {partition: {"case": EXPECTED_TAGS[case], "good": GOOD}}
+    if case == "int_partition":
+        expected["p"] = {}  # written to and cleared by the case before: the controller keeps it, empty
+    assert typed(listing) == typed(expected)  # nothing else in the reply is lost or changed
+
+
+def test_reading_every_captured_reply_imports_neither_numpy_nor_torch():
+    statement = ("import msgpack; from poller.sources.tq_protocol import decode_reply; "
+                 "d = msgpack.unpackb(open('tests/data/tq_kv_list_replies.msgpack', 'rb').read(), "
+                 "strict_map_key=False); [decode_reply('KV_LIST', f) for f in d['cases'].values()]")
+    code = (f"import json, sys; {statement}; "
+            f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch'))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+class RunsACommand:
+    """Pickles as ``os.system(command)``: what a hostile pickle looks like."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple:
+        import os
+
+        return os.system, (self.command,)
+
+
+def _with_tags(tags: dict) -> list[bytes]:
+    return _reply("KV_LIST_RESPONSE", {"partition_info": {"p": {"bad": tags, "good": GOOD}}, "message": "ok"})
+
+
+def test_a_pickle_naming_another_global_is_refused_without_running_it(tmp_path):
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(RunsACommand(f"touch {marker}"), protocol=5)
+    assert b"system" in payload
+    value = restricted_loads(payload)
+    assert not marker.exists()
+    assert plain(value) == UnreadableValue(f"a pickled {os.system.__module__}.system object, "
+                                          "which this source does not unpickle")
+    # In a reply: the value is refused in place, the rest of the reply still reads.
+    listing = decode_reply(KV_LIST, _with_tags({"x": msgpack.ExtType(1, payload), "n": 1}))["partition_info"]
+    assert not marker.exists()
+    assert listing == {"p": {"bad": {"x": plain(value), "n": 1}, "good": GOOD}}
+    # And in a reply pickled whole.
+    message = {"request_type": "KV_LIST_RESPONSE", "body": {"partition_info": {"p": {"bad": {"x": RunsACommand(
+        f"touch {marker}")}, "good": GOOD}}}}
+    listing = decode_reply(KV_LIST, [b"\xc1\xfe\xed", pickle.dumps(message)])["partition_info"]
+    assert not marker.exists()
+    assert listing == {"p": {"bad": {"x": plain(value)}, "good": GOOD}}
+
+
+def test_the_restricted_unpickler_imports_nothing():
+    # A global of a module that does not exist: a plain unpickler raises ModuleNotFoundError.
+    payload = b"\x80\x04\x8c\x0fno_such_module_\x8c\x01f\x93)R."
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(payload)
+    assert plain(restricted_loads(payload)).reason == ("a pickled no_such_module_.f object, "
+                                                       "which this source does not unpickle")
+    # Tensor and array descriptions are read with no global at all.
+    assert plain(restricted_loads(pickle.dumps(("float32", (), 1)), numpy=False)) == ["float32", [], 1]
+    assert isinstance(plain(restricted_loads(pickle.dumps(RunsACommand("true")), numpy=False)), UnreadableValue)
+
+
+def _ext(code: int, meta: object) -> msgpack.ExtType:
+    return msgpack.ExtType(code, pickle.dumps(meta))
+
+
+@pytest.mark.parametrize("value, extra_frames, expected", [
+    (_ext(3, ("int32", (2,), 1)), [struct.pack("=2i", -1, 7)], [-1, 7]),
+    (_ext(5, (">i4", (2, 1), 1)), [struct.pack(">2i", 5, 6)], [[5], [6]]),
+    (_ext(5, ("float64", (0,), 1)), [b""], []),
+    (_ext(3, ("int64", (), 2)), [], UnreadableValue("a tensor whose description is not (dtype, shape, frame "
+                                                    "index): ('int64', (), 2)")),
+    (_ext(3, ("int64", (2,), 1)), [b"\x00" * 8], UnreadableValue("a tensor of shape (2,) and dtype int64 with "
+                                                                 "8 bytes of data")),
+    (_ext(5, ("float32", (MAX_ELEMENTS + 1,), 1)), [b""], UnreadableValue(
+        f"a numpy array of {MAX_ELEMENTS + 1} elements (more than {MAX_ELEMENTS} are not listed)")),
+    (msgpack.ExtType(1, b"not a pickle"), [], UnreadableValue(
+        "a pickled value that does not unpickle (UnpicklingError: invalid load key, 'n'.)")),
+    (msgpack.ExtType(2, b"..."), [], UnreadableValue("a cloudpickled callable")),
+    (msgpack.ExtType(4, b"..."), [], UnreadableValue("a nested tensor")),
+    (msgpack.ExtType(9, b"..."), [], UnreadableValue(
+        "a value in msgpack extension type 9, which TransferQueue does not define")),
+])
+def test_extension_values_in_a_reply_are_read_or_refused_one_by_one(value, extra_frames, expected):
+    listing = decode_reply(KV_LIST, _with_tags({"x": value, "n": 1}) + extra_frames)["partition_info"]
+    assert typed(listing) == typed({"p": {"bad": {"x": expected, "n": 1}, "good": GOOD}})
+
+
+def test_a_map_key_that_cannot_be_read_stands_as_an_unreadable_key_and_the_rest_reads():
+    frames = _with_tags({msgpack.ExtType(4, b"..."): 1, msgpack.ExtType(3, pickle.dumps(("int64", (), 1))): 2})
+    listing = decode_reply(KV_LIST, frames + [struct.pack("=q", 8)])["partition_info"]
+    (key, value), (int_key, int_value) = listing["p"]["bad"].items()
+    assert isinstance(key, UnreadableKey) and key.reason == "a nested tensor" and value == 1
+    assert (int_key, int_value) == (8, 2)  # a scalar reads in place even as a key
+    assert listing["p"]["good"] == GOOD
