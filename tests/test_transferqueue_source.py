@@ -24,6 +24,8 @@ import zmq
 from buffer import ReplayBuffer
 from poller import PollerStartupError
 from poller.sources import SourceStall, UnreadableValue
+from poller.sources.tq_elements import MAX_ELEMENTS
+from poller.sources.tq_pickles import restricted_loads
 from poller.sources.tq_protocol import (
     KNOWN_VERSIONS,
     KV_LIST,
@@ -32,7 +34,7 @@ from poller.sources.tq_protocol import (
     decode_reply,
     encode_request,
 )
-from poller.sources.tq_values import MAX_ELEMENTS, UnreadableKey, plain, restricted_loads
+from poller.sources.tq_values import UnreadableKey, plain
 from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
 from tests.conftest import wait_until
 
@@ -280,9 +282,12 @@ EXPECTED_TAGS: dict[str, dict] = {
     "torch_tensor": {"ids": [1, 2, 3], "grid": [[0, 1], [2, 3]]},
     "torch_complex": {"z": _unreadable("a tensor of dtype complex64, which has no plain form")},
     "big_int": {"big": 2**70, "status": "success"},
-    "big_int_with_numpy": {"big": -(2**64), "global_steps": 4, "span": [1, 2],
-                           "reward": _unreadable("a pickled torch._utils._rebuild_tensor_v2 object, "
-                                                 "which this source does not unpickle")},
+    # A value over 64 bits makes the controller pickle the whole reply: the rest still reads.
+    "big_int_with_numpy": {"big": -(2**64), "global_steps": 4, "reward": 1.0, "span": [1, 2]},
+    "big_int_with_arrays": {"big": 2**70, "mask": [0, 1, 2], "grid": [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]],
+                            "column": [1, 4], "bf16": [1.5, -2.0], "flags": [True, False],
+                            "objs": _unreadable("a pickled numpy._core.multiarray._reconstruct object, "
+                                                "which this source does not unpickle")},
     "tuple": {"span": [1, 2], "nested": [[3, [4, "x"]]]},
     "set": {"ids": [5]},
     "int_tag_name": {7: "x", "status": "success"},
@@ -314,10 +319,21 @@ def test_each_value_a_real_controller_sends_is_converted_or_unreadable_in_place(
     assert typed(listing) == typed(expected)  # nothing else in the reply is lost or changed
 
 
+def test_in_a_reply_pickled_whole_every_value_reads_as_it_does_unpickled():
+    frames = REPLIES["all_at_once"]
+    assert frames[0] == b"\xc1\xfe\xed" and len(frames) == 2  # pickled whole: it holds ints over 64 bits
+    listing = decode_reply(KV_LIST, frames)["partition_info"]
+    expected = {1 if case == "int_partition" else f"p-{case}": {"case": tags, "good": GOOD}
+                for case, tags in EXPECTED_TAGS.items()}
+    expected["p"] = {}  # the single cases' partition, emptied: the controller keeps it
+    assert typed(listing) == typed(expected)
+
+
 def test_reading_every_captured_reply_imports_neither_numpy_nor_torch():
     statement = ("import msgpack; from poller.sources.tq_protocol import decode_reply; "
                  "d = msgpack.unpackb(open('tests/data/tq_kv_list_replies.msgpack', 'rb').read(), "
-                 "strict_map_key=False); [decode_reply('KV_LIST', f) for f in d['cases'].values()]")
+                  "strict_map_key=False); "
+                 "[decode_reply('KV_LIST', f) for f in [*d['cases'].values(), d['all_at_once']]]")
     code = (f"import json, sys; {statement}; "
             f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch'))))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -369,8 +385,8 @@ def test_the_restricted_unpickler_imports_nothing():
     assert plain(restricted_loads(payload)).reason == ("a pickled no_such_module_.f object, "
                                                        "which this source does not unpickle")
     # Tensor and array descriptions are read with no global at all.
-    assert plain(restricted_loads(pickle.dumps(("float32", (), 1)), numpy=False)) == ["float32", [], 1]
-    assert isinstance(plain(restricted_loads(pickle.dumps(RunsACommand("true")), numpy=False)), UnreadableValue)
+    assert plain(restricted_loads(pickle.dumps(("float32", (), 1)), globals_=False)) == ["float32", [], 1]
+    assert isinstance(plain(restricted_loads(pickle.dumps(RunsACommand("true")), globals_=False)), UnreadableValue)
 
 
 def _ext(code: int, meta: object) -> msgpack.ExtType:
@@ -406,3 +422,38 @@ def test_a_map_key_that_cannot_be_read_stands_as_an_unreadable_key_and_the_rest_
     assert isinstance(key, UnreadableKey) and key.reason == "a nested tensor" and value == 1
     assert (int_key, int_value) == (8, 2)  # a scalar reads in place even as a key
     assert listing["p"]["good"] == GOOD
+
+
+def _calling(module: str, name: str, *args: object) -> bytes:
+    """A pickle of ``module.name(*args)``, written without importing ``module`` (protocol 3: no frames)."""
+    return b"\x80\x03c" + f"{module}\n{name}\n".encode() + pickle.dumps(args, protocol=3)[2:-1] + b"R."
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (_calling("torch.storage", "_load_from_bytes", b"not torch's format"),
+     "a pickled torch storage this source does not read"),
+    (_calling("torch.storage", "_load_from_bytes", pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+              + pickle.dumps(1001, protocol=2) + pickle.dumps({"little_endian": True}, protocol=2)
+              + _calling("os", "system", "true")),
+     "a pickled torch storage this source does not read (UnpicklingError: os.system in a torch storage)"),
+    (_calling("torch._utils", "_rebuild_tensor_v2", "storage", 0, (1,), (1,)),
+     "a pickled tensor this source does not read"),
+    (_calling("numpy._core.numeric", "_frombuffer", b"\x00", "i1", (1,), "C"),
+     "a pickled numpy array this source does not read"),
+    (_calling("numpy._core.multiarray", "scalar", "i8", b"\x00" * 8), "a numpy scalar of an unknown dtype"),
+])
+def test_pickled_numpy_and_torch_values_that_do_not_read_are_unreadable_not_errors(payload, reason):
+    assert plain(restricted_loads(payload)).reason.startswith(reason)
+    listing = decode_reply(KV_LIST, _with_tags({"x": _pickled_ext(payload), "n": 1}))["partition_info"]
+    assert listing["p"]["bad"]["x"].reason.startswith(reason) and listing["p"]["bad"]["n"] == 1
+
+
+def _pickled_ext(payload: bytes) -> msgpack.ExtType:
+    return msgpack.ExtType(1, payload)
+
+
+def test_a_reply_pickled_whole_that_is_no_message_is_refused_without_running_anything(tmp_path):
+    marker = tmp_path / "ran"
+    with pytest.raises(TransferQueueReplyError, match="not a message map"):
+        decode_reply(KV_LIST, [b"\xc1\xfe\xed", pickle.dumps(RunsACommand(f"touch {marker}"))])
+    assert not marker.exists()

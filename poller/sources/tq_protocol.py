@@ -61,7 +61,8 @@ from typing import Any, Sequence
 
 import msgpack
 
-from .tq_values import Deferred, decode_ext, plain, restricted_loads
+from .tq_pickles import restricted_loads
+from .tq_values import Deferred, decode_ext, plain
 
 __all__ = [
     "KV_LIST",

@@ -10,7 +10,8 @@ A store host (``store_host.py``: Ray + ``tq.init``) writes each case's record
 and a plain one into partition ``"p"``; this process sends the controller a
 KV_LIST request over a DEALER socket of its own and keeps the reply frames as
 they arrived. The file is one msgpack map: the releases that produced it and
-``{"cases": {case: [frame, ...]}}``.
+``{"cases": {case: [frame, ...]}, "all_at_once": [frame, ...]}`` (the last: every
+case at once, each in partition ``"p-<case>"``).
 """
 
 from __future__ import annotations
@@ -66,10 +67,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             cases[case] = raw_kv_list(address)
             logger.info("%s: %d frame(s), %s bytes", case, len(cases[case]), [len(f) for f in cases[case]])
             host.call("run", "tests.integration.tq_values:clear_case", case=case, partition=PARTITION)
+        # Every case at once, each in partition "p-<case>": the big ints make the controller pickle
+        # this whole reply, so every other kind also shows up in its pickled form.
+        host.call("clear_all")
+        for case in CASES:
+            host.call("run", "tests.integration.tq_values:put_case", case=case, partition=f"{PARTITION}-{case}")
+        all_at_once = raw_kv_list(address)
+        logger.info("all at once: %d frame(s), %s bytes", len(all_at_once), [len(f) for f in all_at_once])
+        host.call("clear_all")
     finally:
         host.stop()
     data = {"transferqueue": version("transferqueue"), "numpy": version("numpy"), "torch": version("torch"),
-            "msgspec": version("msgspec"), "cases": cases}
+            "msgspec": version("msgspec"), "cases": cases, "all_at_once": all_at_once}
     output.write_bytes(msgpack.packb(data, use_bin_type=True))
     logger.info("wrote %s", output)
     return 0

@@ -53,6 +53,10 @@ CASES: dict[str, Callable[[], dict[Any, Any]]] = {
     "big_int": lambda: {"big": 2**70, "status": "success"},
     "big_int_with_numpy": lambda: {"big": -(2**64), "global_steps": _np().int64(4), "reward": _torch().tensor(1.0),
                                    "span": (1, 2)},
+    "big_int_with_arrays": lambda: {
+        "big": 2**70, "mask": _np().arange(3), "grid": _np().arange(6, dtype=_np().float32).reshape(2, 3).T,
+        "column": _torch().arange(6).reshape(2, 3)[:, 1], "bf16": _torch().tensor([1.5, -2.0], dtype=_torch().bfloat16),
+        "flags": _torch().tensor([True, False]), "objs": _np().array(["a", 1], dtype=object)},
     "tuple": lambda: {"span": (1, 2), "nested": [(3, (4, "x"))]},
     "set": lambda: {"ids": {5}},
     "int_tag_name": lambda: {7: "x", "status": "success"},
