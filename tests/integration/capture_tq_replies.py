@@ -61,20 +61,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         address = host.call("kwargs")["address"]
         cases: dict[str, list[bytes]] = {}
+        host.call("clear_all")
         for case in CASES:
-            host.call("clear_all")
             host.call("run", "tests.integration.tq_values:put_case", case=case, partition=PARTITION)
             cases[case] = raw_kv_list(address)
             logger.info("%s: %d frame(s), %s bytes", case, len(cases[case]), [len(f) for f in cases[case]])
             host.call("run", "tests.integration.tq_values:clear_case", case=case, partition=PARTITION)
         # Every case at once, each in partition "p-<case>": the big ints make the controller pickle
         # this whole reply, so every other kind also shows up in its pickled form.
-        host.call("clear_all")
         for case in CASES:
             host.call("run", "tests.integration.tq_values:put_case", case=case, partition=f"{PARTITION}-{case}")
         all_at_once = raw_kv_list(address)
         logger.info("all at once: %d frame(s), %s bytes", len(all_at_once), [len(f) for f in all_at_once])
-        host.call("clear_all")
+        for case in CASES:
+            host.call("run", "tests.integration.tq_values:clear_case", case=case, partition=f"{PARTITION}-{case}")
     finally:
         host.stop()
     data = {"transferqueue": version("transferqueue"), "numpy": version("numpy"), "torch": version("torch"),

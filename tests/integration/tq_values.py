@@ -82,8 +82,12 @@ def put_case(conf: Any, case: str, partition: str, batch: bool = False) -> None:
 
 
 def clear_case(conf: Any, case: str, partition: str) -> None:
-    """Clear what :func:`put_case` wrote (runs in the store host)."""
+    """Remove what :func:`put_case` wrote, partition and all (runs in the store host).
+
+    ``kv_clear`` would leave the partition listed, empty: an int partition id
+    left behind would then reach every later test's poller.
+    """
     import transfer_queue as tq
 
     del conf
-    tq.kv_clear([CASE_KEY, GOOD_KEY], 1 if case == INT_PARTITION_CASE else partition)
+    tq.get_client().clear_partition(1 if case == INT_PARTITION_CASE else partition)
