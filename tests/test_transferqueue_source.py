@@ -454,3 +454,32 @@ def test_a_reply_pickled_whole_that_is_no_message_is_refused_without_running_any
     with pytest.raises(TransferQueueReplyError, match="not a message map"):
         decode_reply(KV_LIST, [b"\xc1\xfe\xed", pickle.dumps(RunsACommand(f"touch {marker}"))])
     assert not marker.exists()
+
+
+def test_a_pickle_that_shares_one_list_exponentially_is_read_in_linear_time():
+    shared: list = [1]
+    for _ in range(100):  # 2**100 leaves if each reference were copied
+        shared = [shared, shared]
+    started = time.monotonic()
+    value = plain(restricted_loads(pickle.dumps(shared)))
+    assert time.monotonic() - started < 5
+    assert value[0] is value[1]
+
+
+def test_a_list_that_holds_itself_is_unreadable_and_the_rest_reads():
+    loop: list = [1]
+    loop.append(loop)
+    message = {"request_type": "KV_LIST_RESPONSE", "body": {"partition_info": {"p": {"bad": {"x": loop, "n": 1},
+                                                                                     "good": GOOD}}}}
+    listing = decode_reply(KV_LIST, [b"\xc1\xfe\xed", pickle.dumps(message)])["partition_info"]
+    assert listing["p"]["good"] == GOOD and listing["p"]["bad"]["n"] == 1
+    assert listing["p"]["bad"]["x"].reason.startswith("nested deeper than")
+
+
+def test_numpy_scalars_read_the_same_with_and_without_the_unpickler(monkeypatch):
+    from poller.sources import tq_pickles
+
+    replies = [*REPLIES["cases"].values(), REPLIES["all_at_once"]]
+    fast = [decode_reply(KV_LIST, frames) for frames in replies]
+    monkeypatch.setattr(tq_pickles, "_fast_numpy_scalar", lambda data: None)
+    assert typed(fast) == typed([decode_reply(KV_LIST, frames) for frames in replies])

@@ -10,6 +10,7 @@ objects) does not and is an :class:`~poller.sources.UnreadableValue`.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import struct
@@ -49,6 +50,7 @@ def element_size(dtype: str) -> int:
     return _NAMED[dtype][1]
 
 
+@functools.lru_cache(maxsize=256)  # a listing repeats a few dtypes many times
 def _kind(dtype: str, numpy_names: bool) -> tuple[str, str, int] | None:
     """``(byte order, struct code, size)`` of a dtype name, or None when not a plain number or bool."""
     if dtype in _NAMED and (not numpy_names or dtype != "bfloat16"):
@@ -92,6 +94,10 @@ def from_buffer(what: str, dtype: str, shape: Sequence[int], data: bytes | bytea
     if kind is None:
         return UnreadableValue(f"a {what} of dtype {dtype}, which has no plain form")
     order, code, size = kind
+    if not shape and strides is None and code != "bf16":  # a scalar: the common case, kept short
+        if len(data) != size:
+            return UnreadableValue(f"a {what} of shape () and dtype {dtype} with {len(data)} bytes of data")
+        return struct.unpack(order + code, data)[0]
     count = math.prod(shape)
     stored = len(data) // size if strides is not None else count
     if max(count, stored) > MAX_ELEMENTS:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import struct
 from typing import Any, Callable
 
@@ -213,6 +214,24 @@ class _Unpickler(pickle.Unpickler):
         return type("Refused", (Refused,), {"global_name": f"{module}.{name}"})
 
 
+# The exact bytes numpy 2 writes for a bool, int, uint or float scalar (pickle protocol 5):
+# read without an unpickler (~1 us instead of ~10 us; a listing may hold one per key).
+# Anything else, numpy 1's pickles included, takes the unpickler.
+_NUMPY_SCALAR_PICKLE = re.compile(
+    rb"\x80\x05\x95.{8}\x8c\x16numpy\._core\.multiarray\x94\x8c\x06scalar\x94\x93\x94"
+    rb"\x8c\x05numpy\x94\x8c\x05dtype\x94\x93\x94\x8c\x02([biuf][1248])\x94\x89\x88\x87\x94R\x94"
+    rb"\(K\x03\x8c\x01([<>|])\x94NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t\x94bC(.)(.*)\x94\x86\x94R\x94\.",
+    re.DOTALL)
+
+
+def _fast_numpy_scalar(data: bytes | memoryview) -> Any:
+    """The value of a numpy scalar pickle in :data:`_NUMPY_SCALAR_PICKLE`'s layout, else None."""
+    match = _NUMPY_SCALAR_PICKLE.fullmatch(data)
+    if match is None or len(match[4]) != match[3][0]:
+        return None
+    return from_buffer("numpy scalar", (match[2] + match[1]).decode(), (), match[4], numpy_names=True)
+
+
 def restricted_loads(data: bytes | memoryview, *, globals_: bool = True) -> Any:
     """Unpickle ``data`` through the restricted unpickler (``globals_=False``: resolving no global at all).
 
@@ -224,4 +243,8 @@ def restricted_loads(data: bytes | memoryview, *, globals_: bool = True) -> Any:
         Exception: ``data`` is not a pickle (``pickle.UnpicklingError`` and
             whatever else a truncated or corrupt stream raises).
     """
+    if globals_:
+        value = _fast_numpy_scalar(data)
+        if value is not None:
+            return value
     return _Unpickler(io.BytesIO(data), _GLOBALS if globals_ else {}).load()

@@ -150,11 +150,19 @@ def _decode_message(frames: Sequence[bytes]) -> Any:
                                           f"expected the marker and one pickle")
         return plain(restricted_loads(frames[1]))
     deferred = False
+    # Pickled numpy scalars repeat (every key of a step holds the same global_steps): each
+    # distinct pickle is read once per reply (a restricted unpickle costs ~10 us).
+    scalars: dict[bytes, Any] = {}
 
     def ext_hook(code: int, data: bytes) -> Any:
         nonlocal deferred
+        if code == 1 and data in scalars:
+            return scalars[data]
         value = decode_ext(code, data, frames)
-        deferred = deferred or isinstance(value, Deferred)
+        if isinstance(value, Deferred):
+            deferred = True
+        elif code == 1:
+            scalars[data] = value
         return value
 
     message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=ext_hook)
