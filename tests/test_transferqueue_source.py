@@ -290,6 +290,8 @@ EXPECTED_TAGS: dict[str, dict] = {
                                                 "which this source does not unpickle")},
     "tuple": {"span": [1, 2], "nested": [[3, [4, "x"]]]},
     "set": {"ids": [5]},
+    "ordered_dict": {"meta": {"a": 1, "b": [2]}},
+    "aware_datetime": {"when": _unreadable("a datetime with a time zone, which has no plain form")},
     "int_tag_name": {7: "x", "status": "success"},
     "int_partition": {"global_steps": 2, "status": "success"},
 }
@@ -323,6 +325,9 @@ def test_in_a_reply_pickled_whole_every_value_reads_as_it_does_unpickled():
     listing = decode_reply(KV_LIST, frames)["partition_info"]
     expected = {1 if case == "int_partition" else f"p-{case}": {"case": tags, "good": GOOD}
                 for case, tags in EXPECTED_TAGS.items()}
+    # The one value whose reason differs: pickled, the datetime class is what is refused.
+    expected["p-aware_datetime"]["case"] = {"when": _unreadable("a pickled datetime.datetime object, "
+                                                                "which this source does not unpickle")}
     assert typed(listing) == typed(expected)
 
 

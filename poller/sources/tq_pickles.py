@@ -7,6 +7,7 @@ for plain data map to functions here that rebuild the plain value:
   numpy scalars;
 - numpy's ``_frombuffer`` (``numpy._core.numeric``): arrays pickled with
   protocol 5;
+- ``collections.OrderedDict``: a ``dict``;
 - ``torch.storage._load_from_bytes``, ``torch.<Type>Storage`` and
   ``torch._utils._rebuild_tensor_v2``: a dense tensor, as ``pickle.dumps``
   writes it (its storage in torch's legacy ``torch.save`` format: a magic
@@ -196,6 +197,8 @@ _GLOBALS: dict[tuple[str, str], Callable[..., Any]] = {
     ("numpy.core.numeric", "_frombuffer"): _numpy_frombuffer,
     ("torch.storage", "_load_from_bytes"): _torch_load_from_bytes,
     ("torch._utils", "_rebuild_tensor_v2"): _torch_rebuild_tensor,
+    # A map, as msgpack sends it when the reply is not pickled whole (and a tensor's empty hooks).
+    ("collections", "OrderedDict"): dict,
 }
 
 

@@ -16,7 +16,9 @@ KV_LIST_RESPONSE frames of 0.1.11 (``tests/data/tq_kv_list_replies.msgpack``,
 made by ``tests/integration/capture_tq_replies.py``):
 
 - str, int, float, bool, None, lists, maps: plain msgpack. Tuples and sets
-  are arrays; an int tag name (``{7: "x"}``) and an int partition id
+  are arrays, an ``OrderedDict`` a map, a naive datetime, a date, a UUID or
+  a Decimal a string, a datetime with a time zone msgpack's timestamp
+  (extension type -1); an int tag name (``{7: "x"}``) and an int partition id
   (``partition_id=1``) are int map keys.
 - numpy scalars (``np.int64``, ``np.float32``, even ``np.float64``,
   ``np.bool_``; what indexing ``np.arange`` gives): extension type 1, a
@@ -29,9 +31,11 @@ made by ``tests/integration/capture_tq_replies.py``):
   are type 4, callables cloudpickled in type 2.
 - an int that fits no msgpack int (``2**70``, ``-2**64``): msgspec fails
   (OverflowError), and the whole reply is pickled instead: the frames are
-  ``[b"\\xc1\\xfe\\xed", pickle]``. In that pickle tuples stay tuples, numpy
-  scalars are the same scalar pickles, and a tensor is
-  ``torch._utils._rebuild_tensor_v2`` of torch's own storage format.
+  ``[b"\\xc1\\xfe\\xed", pickle]``, for every partition listed. In that
+  pickle tuples stay tuples, numpy scalars are the same scalar pickles, a
+  numpy array is ``numpy._core.numeric._frombuffer(bytes, dtype, shape,
+  order)``, and a tensor ``torch._utils._rebuild_tensor_v2`` of a storage in
+  torch's legacy ``torch.save`` format.
 
 :mod:`poller.sources.tq_values` reads them without numpy or torch (what
 converts, and what becomes an :class:`~poller.sources.UnreadableValue`, is
@@ -83,6 +87,8 @@ _REQUEST_ERROR = "REQUEST_ERROR"
 # TransferQueue marks a reply it had to pickle whole with these leading bytes
 # (0xc1 is never valid msgpack).
 _PICKLED_MARKER = b"\xc1\xfe\xed"
+# The heads of msgpack's timestamp extension (type -1): fixext 4, fixext 8, ext 8 of 12 bytes.
+_TIMESTAMP_MARKERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
 
 #: TransferQueue releases whose controller request protocol this module speaks.
 KNOWN_VERSIONS = ("0.1.8", "0.1.9", "0.1.10", "0.1.11")
@@ -165,9 +171,13 @@ def _decode_message(frames: Sequence[bytes]) -> Any:
             scalars[data] = value
         return value
 
-    message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=ext_hook)
-    # Only a reply with a value held back needs the second walk (numpy and torch scalars come back in place).
-    return plain(message) if deferred else message
+    message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
+    # Only a reply with a value held back needs the second walk (numpy and torch scalars come
+    # back in place), or one that may hold a timestamp: msgpack reads those (extension type -1,
+    # msgspec's form of a datetime with a time zone) as datetimes, past the hook.
+    if deferred or any(marker in frames[0] for marker in _TIMESTAMP_MARKERS):
+        return plain(message)
+    return message
 
 
 def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: str | None = None) -> dict[str, Any]:

@@ -19,6 +19,8 @@ or an :class:`~poller.sources.UnreadableValue` in its place:
   read by the restricted unpickler of :mod:`poller.sources.tq_pickles`, so
   that such a record does not make every array elsewhere in the listing
   unreadable;
+- datetimes with a time zone (msgpack timestamps) -> unreadable (a naive one
+  arrives as the string msgspec makes of it);
 - tuples and sets -> lists (msgpack's own form for them, which the
   controller uses whenever it does not pickle the reply);
 - everything else (object arrays, sparse and nested tensors, callables, any
@@ -32,6 +34,7 @@ names and partition ids, tuples); a key that cannot be read becomes an
 
 from __future__ import annotations
 
+import datetime
 import sys
 from typing import Any, Sequence
 
@@ -105,6 +108,8 @@ def _plain(obj: Any, memo: dict[int, Any]) -> Any:
         result = [_plain(item, memo) for item in obj]
     elif isinstance(obj, bytearray):
         result = bytes(obj)
+    elif isinstance(obj, datetime.datetime):  # msgpack's timestamps
+        result = UnreadableValue("a datetime with a time zone, which has no plain form")
     else:
         result = UnreadableValue(refusal(obj) or f"a {type(obj).__name__} value")
     # Keyed by id: ``obj`` stays alive (the input holds it) for as long as ``memo`` does.

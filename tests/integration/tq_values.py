@@ -10,6 +10,8 @@ the controller's raw KV_LIST replies for the unit tests.
 
 from __future__ import annotations
 
+import collections
+import datetime
 from typing import Any, Callable
 
 GOOD_KEY = "good"
@@ -59,6 +61,8 @@ CASES: dict[str, Callable[[], dict[Any, Any]]] = {
         "flags": _torch().tensor([True, False]), "objs": _np().array(["a", 1], dtype=object)},
     "tuple": lambda: {"span": (1, 2), "nested": [(3, (4, "x"))]},
     "set": lambda: {"ids": {5}},
+    "ordered_dict": lambda: {"meta": collections.OrderedDict(a=1, b=[2])},
+    "aware_datetime": lambda: {"when": datetime.datetime(2026, 1, 2, tzinfo=datetime.timezone.utc)},
     "int_tag_name": lambda: {7: "x", "status": "success"},
 }
 
