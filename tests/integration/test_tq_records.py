@@ -78,3 +78,16 @@ def test_verl_async_samples_every_good_group_beside_quarantined_records(store, b
                      timeout=240)
     assert out["sampled"] == 4 and len(out["quarantined"]) == 3
     assert out["left_after_clear"] == []
+
+
+def test_an_in_process_source_handing_over_numpy_and_torch_values_is_converted():
+    with ReplayBuffer("tests.helpers.sources:NumericTags", poll_interval=0.05, max_restarts=0) as rb:
+        batch = rb.sample("train", batch_size=2, timeout=60)
+        assert sorted(batch.keys) == ["np", "torch"]
+        held = rb.snapshot("train")
+        assert held["np"] == {"global_steps": 3, "reward": 0.5, "ok": True, "mask": [0, 1, 2], "status": "success"}
+        assert held["torch"] == {"score": 1.0, "ids": [[1, 2], [3, 4]], "status": "success"}
+        assert type(held["np"]["global_steps"]) is int and type(held["np"]["ok"]) is bool
+        assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+        (_, key, why), = rb.stats()["quarantined_keys"]
+        assert key == "complex" and "holds a complex, not a number" in why
