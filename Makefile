@@ -20,9 +20,12 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-$(TQ_STAMP): $(STAMP) tests/integration/constraints.txt
+$(TQ_STAMP): $(STAMP) tests/integration/constraints.txt tests/integration/verl-requirements.txt
 	$(BIN)/python -m pip install --quiet '$(TORCH_PIN)'
 	$(BIN)/python -m pip install --quiet -c tests/integration/constraints.txt -e '.[dev,transferqueue]' '$(TORCH_PIN)'
+	# verl 0.9.1, the differential test's reference: --no-deps, every package pinned in constraints.txt.
+	$(BIN)/python -m pip install --quiet --no-deps -c tests/integration/constraints.txt \
+		-r tests/integration/verl-requirements.txt
 	touch $(TQ_STAMP)
 
 install: $(STAMP)
@@ -43,8 +46,9 @@ lint: $(STAMP)
 check-dist: $(STAMP)
 	$(BIN)/python .ci/check_dist.py
 
-# The same .venv plus TransferQueue (with Ray and a CPU torch): a real local
-# store, the buffer on the TransferQueue source, the verl-style example.
+# The same .venv plus TransferQueue (with Ray and a CPU torch) and verl 0.9.1: a real
+# local store, the buffer on the TransferQueue source, the verl-style example, and
+# buffer.verl compared decision by decision with verl's own sampler.
 test-integration: $(TQ_STAMP)
 	$(BIN)/python -m pytest -m integration tests/integration
 
