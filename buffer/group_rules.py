@@ -227,8 +227,9 @@ def plan_async(part: GroupPartition, rules: Rules, partition_id: str, global_ste
     if plan.evict:
         plan.refill = len(plan.evict) if rules.has_refill else 0
         return plan
-    if partition_id != "val" and rules.strategy == "wait" and rules.threshold is not None:
+    if rules.strategy == "wait" and rules.threshold is not None:
         # Dropless: not ready while an in-flight prompt has reached the threshold (span >= threshold).
+        # verl 0.9.1 holds validation too (its _has_enough_samples does not look at the partition).
         oldest = part.min_step(INFLIGHT)
         if oldest is not None and global_steps - oldest + 1 >= rules.threshold:
             return None

@@ -9,12 +9,15 @@ TransferQueue is compared in tests/integration/test_verl_differential.py.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
 
 from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, ReplayBuffer, VerlConfigError
-from tests.test_verl import SPEC, Consumer, Refiller, make, produce, uid, uids_of  # noqa: F401 (make: fixture)
+from tests.conftest import wait_until
+from tests.test_verl import Consumer, Refiller, produce, uid, uids_of
+from tests.test_verl import make as make  # noqa: F401 (a fixture, used by name)
 
 BASE: dict[str, Any] = {"trainer_mode": "sync", "trainer_config": {}, "max_off_policy_threshold": 1,
                         "max_off_policy_strategy": "drop", "sampler_kwargs": {}}
@@ -148,3 +151,17 @@ def test_a_clear_naming_a_key_already_gone_still_clears_the_rest_on_0_1_8(db: st
         assert failure not in listed and finished not in listed  # the evicted prompt and the sampled one
     finally:
         rb.close()
+
+
+def test_the_wait_strategy_holds_validation_too_as_verl_does(make, store) -> None:
+    # verl 0.9.1's _has_enough_samples checks the in-flight prompts' staleness whatever the partition.
+    fresh = produce(store, "val", "finished", step=5)
+    stale = produce(store, "val", "running", step=0)
+    rb = make("colocate_async", threshold=2, strategy="wait")
+    consumer = Consumer(lambda: rb.wait_for_sampleable(5, "val", 1))
+    consumer.start()
+    assert wait_until(lambda: rb.stats()["decisions"] >= 1)
+    time.sleep(0.3)
+    assert consumer.is_alive()
+    store.kv_put(stale, "val", tag={"status": "finished"})
+    assert consumer.outcome() == ({fresh, stale}, {})
