@@ -26,6 +26,10 @@ $(TQ_STAMP): $(STAMP) tests/integration/constraints.txt tests/integration/verl-r
 	# verl 0.9.1, the differential test's reference: --no-deps, every package pinned in constraints.txt.
 	$(BIN)/python -m pip install --quiet --no-deps -c tests/integration/constraints.txt \
 		-r tests/integration/verl-requirements.txt
+	# verl's wheel also installs its own top-level `tests` package: with its __init__.py it would
+	# shadow this repository's tests/ (a namespace package); without it, the two merge, ours first.
+	$(BIN)/python -c "import pathlib, sysconfig; \
+		pathlib.Path(sysconfig.get_paths()['purelib'], 'tests', '__init__.py').unlink(missing_ok=True)"
 	touch $(TQ_STAMP)
 
 install: $(STAMP)
