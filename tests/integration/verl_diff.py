@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -209,10 +208,6 @@ def next_call(kwargs: dict[str, Any], rng: random.Random, global_steps: int) -> 
         return Call("sample", pid, global_steps, kwargs["train_batch_size"] if pid == "train" else rng.choice((1, 2)))
     kind = rng.choices(("sample", "get_sampleable_count", "wait_for_sampleable"), (0.7, 0.15, 0.15))[0]
     return Call(kind, pid, global_steps, rng.choice((1, 2, 3)))
-
-
-def timed(started: float) -> float:
-    return round(time.monotonic() - started, 3)
 
 
 def crash_text() -> str:
