@@ -226,9 +226,40 @@ def test_the_probe_refuses_an_unknown_protocol_with_a_clear_error(reply, problem
     assert f"TransferQueue {KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]}" in str(caught.value)
 
 
-def test_an_unknown_release_fails_the_buffers_start_with_the_reason():
-    with pytest.raises(PollerStartupError, match=r"TransferQueue 0\.2\.0 is not a release this poller knows"):
-        ReplayBuffer(SPEC, source_kwargs={"address": _dead_address(), "controller_version": "0.2.0"}, start_timeout=30)
+def test_an_unknown_release_whose_controller_answers_in_the_known_shape_starts_with_one_warning(caplog):
+    # verl installs TransferQueue from its git main: a dev release this source was not tested with.
+    version = "0.1.12.dev0"
+    caplog.set_level(logging.WARNING, logger="poller.sources.transferqueue")
+    for _ in range(2):  # a restarted poller builds its source again: still one warning
+        controller = OneReplyController(_message("LIST_PARTITIONS_RESPONSE", {"partition_ids": ["train"]}))
+        try:
+            TransferQueueSource(controller.address, probe_timeout=10, controller_version=version).close()
+        finally:
+            controller.close()
+        assert controller.request is not None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"TransferQueue {version} is not a release this poller was tested with" in warnings[0]
+    assert f"({KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]})" in warnings[0]
+    assert "answered the start-up probe in the known protocol" in warnings[0]
+
+
+def test_an_unknown_release_whose_controller_answers_in_another_shape_is_refused():
+    controller = OneReplyController(_message("PARTITIONS", {"partition_ids": []}))
+    try:
+        with pytest.raises(TransferQueueProtocolError, match="answered the probe in a protocol this poller does"):
+            TransferQueueSource(controller.address, probe_timeout=10, controller_version="0.2.0")
+    finally:
+        controller.close()
+
+
+def test_an_unknown_release_is_refused_by_the_buffer_only_for_its_reply():
+    # No controller answers: the start fails on the probe's deadline, not on the release number.
+    with pytest.raises(PollerStartupError) as caught:
+        ReplayBuffer(SPEC, source_kwargs={"address": _dead_address(), "controller_version": "0.2.0",
+                                          "probe_timeout": 1}, start_timeout=30)
+    assert "not a release this poller knows" not in str(caught.value)
+    assert "no answer from the TransferQueue controller" in str(caught.value)
 
 
 def test_the_extra_range_covers_the_pinned_release_and_only_known_ones():

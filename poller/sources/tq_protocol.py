@@ -53,8 +53,9 @@ requests with these message and body fields and whose controller actor
 :func:`~poller.sources.transferqueue.source_kwargs` finds through Ray, 0.1.8
 to 0.1.11; ``make test-integration`` runs the one pinned in
 ``tests/integration/constraints.txt``, and passed with 0.1.8 as well), and the shape of the controller's
-reply to the probe (:func:`check_probe_reply`). Either unknown is a
-:class:`TransferQueueProtocolError` that says what this source speaks.
+reply to the probe (:func:`check_probe_reply`). A reply of another shape is a
+:class:`TransferQueueProtocolError` that says what this source speaks; an
+unknown release whose reply has the known shape is used, with one WARNING.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ __all__ = [
     "decode_reply",
     "check_version",
     "check_probe_reply",
+    "unknown_version_warning",
 ]
 
 KV_LIST = "KV_LIST"
@@ -108,12 +110,23 @@ def _speaks() -> str:
     return f"this source speaks the controller protocol of TransferQueue {KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]}"
 
 
-def check_version(version: str | None) -> None:
-    """Refuse a TransferQueue release outside :data:`KNOWN_VERSIONS` (``None``: not known, not checked)."""
-    if version is not None and version not in KNOWN_VERSIONS:
-        raise TransferQueueProtocolError(
-            f"TransferQueue {version} is not a release this poller knows: {_speaks()}. Install one of those "
-            f"(pip install 'zmq-replay-poller[transferqueue]'), or a zmq-replay-poller that knows {version}")
+def check_version(version: str | None) -> bool:
+    """Whether ``version`` is a release of :data:`KNOWN_VERSIONS` (``None``: not known, counted as known).
+
+    An unknown release is not refused here: verl installs TransferQueue from
+    its git main (``0.1.12.dev0`` and the like), whose controller usually
+    still speaks this protocol. The probe's reply decides
+    (:func:`check_probe_reply`); the caller warns with :func:`unknown_version_warning`.
+    """
+    return version is None or version in KNOWN_VERSIONS
+
+
+def unknown_version_warning(version: str, probed: bool) -> str:
+    """The one WARNING line for a release outside :data:`KNOWN_VERSIONS` that is used anyway."""
+    checked = ("its controller answered the start-up probe in the known protocol" if probed
+               else "the start-up probe is off, so its protocol is not checked")
+    return (f"TransferQueue {version} is not a release this poller was tested with "
+            f"({KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]}); {checked}, so it is used")
 
 
 def check_probe_reply(message: Any, address: str) -> None:
