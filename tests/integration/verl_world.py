@@ -14,7 +14,10 @@ runs verl's sampler and ours one after the other on the same state.
 * after a sample the trainer clears the batch's trajectories.
 
 Every value written is a plain Python value (tags) or a float tensor
-(``rm_scores``), drawn from one ``random.Random`` per purpose.
+(``rm_scores``), drawn from one ``random.Random`` per purpose; in every
+third seed the numbers in tags (``global_steps``, ``seq_len``) are numpy
+scalars instead, as rollout workers often write them: verl's sampler reads
+them in-process, ours as the poller converts them on its way.
 """
 
 from __future__ import annotations
@@ -51,6 +54,15 @@ class World:
         self.model: Model = {pid: {} for pid in PARTITIONS}
         self.counter = 0
         self.writes = 0
+        self.numpy_numbers = seed % 3 == 0
+
+    def number(self, value: int) -> Any:
+        """``value`` as this seed writes numbers in tags: an int, or a numpy int64."""
+        if not self.numpy_numbers:
+            return value
+        import numpy
+
+        return numpy.int64(value)
 
     # -- raw writes ----------------------------------------------------------------------------
 
@@ -79,7 +91,7 @@ class World:
         """verl's _submit_batch_to_rollout: pending prompts, tags only, one call."""
         import transfer_queue as tq
 
-        tags = [{"is_prompt": True, "status": "pending", "global_steps": step} for _ in uids]
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": self.number(step)} for _ in uids]
         tq.kv_batch_put(keys=uids, partition_id=pid, tags=[dict(t) for t in tags])
         for uid, tag in zip(uids, tags):
             self.model[pid][uid] = Entry(tag)
@@ -130,7 +142,8 @@ class World:
         step = self.model[pid][uid].tags["global_steps"]
         acc = float(session % 2) if signal else rng.choice(_ACC)
         rm = [float(session)] + [0.0] * (_TOKENS - 1) if signal else [rng.choice(_SCORES) for _ in range(_TOKENS)]
-        self.put(pid, f"{uid}_{session}_0", {"status": "success", "global_steps": step, "seq_len": _TOKENS},
+        self.put(pid, f"{uid}_{session}_0", {"status": "success", "global_steps": self.number(step),
+                                             "seq_len": self.number(_TOKENS)},
                  acc=acc, rm=rm)
 
     def finish(self, pid: str, uid: str, rng: random.Random, status: str, sessions: int,
