@@ -20,9 +20,16 @@ $(STAMP): $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-$(TQ_STAMP): $(STAMP) tests/integration/constraints.txt
+$(TQ_STAMP): $(STAMP) tests/integration/constraints.txt tests/integration/verl-requirements.txt
 	$(BIN)/python -m pip install --quiet '$(TORCH_PIN)'
 	$(BIN)/python -m pip install --quiet -c tests/integration/constraints.txt -e '.[dev,transferqueue]' '$(TORCH_PIN)'
+	# verl 0.9.1, the differential test's reference: --no-deps, every package pinned in constraints.txt.
+	$(BIN)/python -m pip install --quiet --no-deps -c tests/integration/constraints.txt \
+		-r tests/integration/verl-requirements.txt
+	# verl's wheel also installs its own top-level `tests` package: with its __init__.py it would
+	# shadow this repository's tests/ (a namespace package); without it, the two merge, ours first.
+	$(BIN)/python -c "import pathlib, sysconfig; \
+		pathlib.Path(sysconfig.get_paths()['purelib'], 'tests', '__init__.py').unlink(missing_ok=True)"
 	touch $(TQ_STAMP)
 
 install: $(STAMP)
@@ -43,8 +50,9 @@ lint: $(STAMP)
 check-dist: $(STAMP)
 	$(BIN)/python .ci/check_dist.py
 
-# The same .venv plus TransferQueue (with Ray and a CPU torch): a real local
-# store, the buffer on the TransferQueue source, the verl-style example.
+# The same .venv plus TransferQueue (with Ray and a CPU torch) and verl 0.9.1: a real
+# local store, the buffer on the TransferQueue source, the verl-style example, and
+# buffer.verl compared decision by decision with verl's own sampler.
 test-integration: $(TQ_STAMP)
 	$(BIN)/python -m pytest -m integration tests/integration
 

@@ -50,7 +50,8 @@ class Rules:
     """The sampler's configuration, as the rules need it."""
 
     asynchronous: bool
-    threshold: int
+    #: None: no off-policy version control (verl 0.9.1): nothing is dropped or awaited for staleness.
+    threshold: int | None
     strategy: str
     dapo_metric: str | None
     refill_failed: bool
@@ -125,7 +126,7 @@ def _reasons(part: GroupPartition, rules: Rules, partition_id: str, global_steps
         reasons.dapo = set(part.filtered)
         reasons.dapo_counts = Counter(part.filtered.values())
     if rules.asynchronous:
-        if rules.strategy == "drop":
+        if rules.strategy == "drop" and rules.threshold is not None:
             # Span global_steps - step + 1 above the threshold: step < global_steps + 1 - threshold.
             reasons.stale = set(part.older_than(FINISHED, global_steps + 1 - rules.threshold))
         reasons.failed = set(part.uids(FAILURE))
@@ -228,8 +229,9 @@ def plan_async(part: GroupPartition, rules: Rules, partition_id: str, global_ste
     if plan.evict:
         plan.refill = len(plan.evict) if rules.has_refill else 0
         return plan
-    if partition_id != "val" and rules.strategy == "wait":
+    if rules.strategy == "wait" and rules.threshold is not None:
         # Dropless: not ready while an in-flight prompt has reached the threshold (span >= threshold).
+        # verl 0.9.1 holds validation too (its _has_enough_samples does not look at the partition).
         oldest = part.min_step(INFLIGHT)
         if oldest is not None and global_steps - oldest + 1 >= rules.threshold:
             return None

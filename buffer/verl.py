@@ -49,10 +49,10 @@ from .group_rules import (
 )
 from .groups import GroupIndex, GroupPartition
 from .replay import ReplayBuffer as _Buffer
-from .verl_config import SamplerConfig
+from .verl_config import SamplerConfig, VerlConfigError
 from .verl_io import VerlBatch
 
-__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
+__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,15 @@ class ReplayBuffer:
     ``source_kwargs`` (default: the running TransferQueue), ``start_timeout``,
     ``close_timeout`` and ``max_restarts`` (of the buffer).
 
+    ``max_off_policy_threshold=None`` turns off-policy version control off,
+    as in verl 0.9.1: no staleness drop (``drop``), no staleness wait (``wait``).
+    ``filter_groups_metric="reward"`` filters DAPO groups on each trajectory's
+    summed ``rm_scores`` field; any other name reads
+    ``extra_fields["reward_extra_info"][name]``.
+
     Raises:
-        ValueError: an option is out of range (verl's checks and more), unknown, or given twice.
+        VerlConfigError: an option is out of range (verl's checks, in its words, and more), unknown, or
+            given twice; both a ``ValueError`` and an ``AssertionError`` (verl asserts its threshold and strategy).
         TypeError: ``sampler_kwargs`` is not a mapping, or ``refill_fn`` is not callable.
     """
 
@@ -92,7 +99,7 @@ class ReplayBuffer:
                 cls = ReplayBufferAsync
         return super().__new__(cls)
 
-    def __init__(self, trainer_mode: str, trainer_config: Any, max_off_policy_threshold: int,
+    def __init__(self, trainer_mode: str, trainer_config: Any, max_off_policy_threshold: int | None,
                  max_off_policy_strategy: str, sampler_kwargs: Any, poll_interval: float | None = None,
                  refill_fn: Callable[[int], Any] | None = None, filter_groups_metric: str | None = None,
                  train_batch_size: int | None = None, gen_batch_size: int | None = None,
@@ -128,6 +135,7 @@ class ReplayBuffer:
         self._lock = threading.Lock()
         self._buffer: _Buffer | None = None
         self._client: Any = None
+        self._verify_clears = False
         self._finalizer: weakref.finalize | None = None
         self._closed = False
         self._needs_sync = False
@@ -267,6 +275,7 @@ class ReplayBuffer:
                 self._finalizer()
                 raise
             self._buffer, self._client = buffer, client
+            self._verify_clears = verl_io.clear_is_all_or_nothing(client, verl_io.is_transferqueue(config.source))
             logger.debug("verl sampler started: %r", buffer)
             return buffer
 
@@ -323,7 +332,7 @@ class ReplayBuffer:
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
         buffer = self._started()
-        self._client.kv_clear(keys=keys, partition_id=partition_id)
+        verl_io.clear_keys(self._client, partition_id, keys, self._verify_clears)
         buffer.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_sync = True

@@ -8,6 +8,7 @@ verl builds a custom sampler with six keywords only (``trainer_mode``,
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,9 @@ from typing import Any
 from poller.arguments import check_count, check_optional_seconds, check_seconds
 from poller.sources import SourceSpec
 
-__all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS"]
+__all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VerlConfigError"]
+
+logger = logging.getLogger(__name__)
 
 #: Seconds between the poller's listings when neither the constructor nor sampler_kwargs say.
 DEFAULT_POLL_INTERVAL = 0.2
@@ -28,6 +31,16 @@ _OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None
         "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
+
+
+class VerlConfigError(ValueError, AssertionError):
+    """A sampler option verl (or this sampler) refuses, worded as verl 0.9.1 words it.
+
+    verl 0.9.1 ``assert``s its threshold and strategy and raises ``ValueError``
+    for the rest, so its tests expect ``AssertionError`` where callers of this
+    sampler may expect ``ValueError``: this class is both, and every
+    configuration error of the sampler is one.
+    """
 
 
 def plain(value: Any) -> Any:
@@ -70,7 +83,7 @@ class SamplerConfig:
 
     trainer_mode: str
     asynchronous: bool
-    max_off_policy_threshold: int
+    max_off_policy_threshold: int | None
     max_off_policy_strategy: str
     refill_fn: Callable[[int], Any] | None
     poll_interval: float
@@ -93,18 +106,23 @@ class SamplerConfig:
         """Check and merge. ``given`` holds the shared options as the constructor received them.
 
         Raises:
-            ValueError: any option is out of range, unknown, or given twice with different values.
+            VerlConfigError: any option is out of range, unknown, or given twice with different values
+                (a ``ValueError`` and an ``AssertionError``).
             TypeError: ``sampler_kwargs`` is not a mapping, ``refill_fn`` not callable.
         """
         if not isinstance(trainer_mode, str) or not trainer_mode:
-            raise ValueError(f"trainer_mode must be a non-empty string such as 'sync', got {trainer_mode!r}")
-        if (not isinstance(max_off_policy_threshold, int) or isinstance(max_off_policy_threshold, bool)
+            raise VerlConfigError(f"trainer_mode must be a non-empty string such as 'sync', got {trainer_mode!r}")
+        if max_off_policy_threshold is None:
+            # verl 0.9.1 logs this at INFO on every construction, with these words.
+            logger.info("[V1ReplayBuffer] off-policy version control disabled (max_off_policy_threshold is null): "
+                        "no samples will be dropped or awaited for staleness")
+        elif (not isinstance(max_off_policy_threshold, int) or isinstance(max_off_policy_threshold, bool)
                 or max_off_policy_threshold <= 0):
-            raise ValueError(f"Invalid max off policy threshold: {max_off_policy_threshold!r}, "
-                             "must be an integer greater than 0")
+            raise VerlConfigError(f"Invalid max off policy threshold: {max_off_policy_threshold}, must be an integer "
+                                  "greater than 0, or null to disable off-policy version control")
         if max_off_policy_strategy not in ("drop", "wait"):
-            raise ValueError(f"Invalid max off policy strategy: {max_off_policy_strategy!r}, "
-                             "must be one of ['drop', 'wait']")
+            raise VerlConfigError(f"Invalid max off policy strategy: {max_off_policy_strategy}, "
+                                  "must be one of ['drop', 'wait']")
         if sampler_kwargs is None:
             sampler_kwargs = {}
         if not isinstance(sampler_kwargs, Mapping):
@@ -112,7 +130,7 @@ class SamplerConfig:
         kwargs = plain(sampler_kwargs)
         unknown = sorted(set(kwargs) - SAMPLER_KWARGS)
         if unknown:
-            raise ValueError(f"unknown sampler_kwargs {unknown}; known: {sorted(SAMPLER_KWARGS)}")
+            raise VerlConfigError(f"unknown sampler_kwargs {unknown}; known: {sorted(SAMPLER_KWARGS)}")
         if refill_fn is not None and not callable(refill_fn):
             raise TypeError(f"refill_fn must be callable, got {type(refill_fn).__name__}")
         options = {name: _pick(name, default, given.get(name, default), kwargs) for name, default in _SHARED.items()}
@@ -130,7 +148,12 @@ class SamplerConfig:
             wait_poll_interval=_wait_poll_interval(own["wait_poll_interval"], poll_interval), source=own["source"],
             source_kwargs=own["source_kwargs"],
             buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts")})
-        config._check()
+        try:
+            config._check()
+        except VerlConfigError:
+            raise
+        except ValueError as exc:  # poller.arguments' checks: one class for every configuration error
+            raise VerlConfigError(str(exc)) from None
         return config
 
     def _check(self) -> None:
@@ -143,29 +166,31 @@ class SamplerConfig:
         check_count("max_restarts", self.buffer_kwargs["max_restarts"])
         metric = self.filter_groups_metric
         if metric is not None and (not isinstance(metric, str) or not metric):
-            raise ValueError(f"filter_groups_metric must be a non-empty string or None, got {metric!r}")
+            raise VerlConfigError(f"filter_groups_metric must be a non-empty string or None, got {metric!r}")
         if not isinstance(self.sync_refill_failed_groups, bool):
-            raise ValueError(f"sync_refill_failed_groups must be a bool, got {self.sync_refill_failed_groups!r}")
+            raise VerlConfigError(f"sync_refill_failed_groups must be a bool, got {self.sync_refill_failed_groups!r}")
         _positive_int("train_batch_size", self.train_batch_size, allow_none=True)
         _positive_int("gen_batch_size", self.gen_batch_size, allow_none=True)
         if metric is not None and self.refill_fn is None:
-            raise ValueError("Group filtering (filter_groups_metric) requires refill_fn to replace evicted groups")
+            raise VerlConfigError("Group filtering (filter_groups_metric) requires refill_fn to replace evicted groups")
         if self.sync_refill_failed_groups and self.refill_fn is None:
-            raise ValueError("sync_refill_failed_groups requires refill_fn to replace failed groups")
+            raise VerlConfigError("sync_refill_failed_groups requires refill_fn to replace failed groups")
         if self.source is not None and not (isinstance(self.source, str) or callable(self.source)):
-            raise ValueError(f"source must be a 'package.module:attr' spec or a callable, got {self.source!r}")
+            raise VerlConfigError(f"source must be a 'package.module:attr' spec or a callable, got {self.source!r}")
         if self.source_kwargs is not None and not isinstance(self.source_kwargs, dict):
-            raise ValueError(f"source_kwargs must be a mapping, got {self.source_kwargs!r}")
+            raise VerlConfigError(f"source_kwargs must be a mapping, got {self.source_kwargs!r}")
         if self.asynchronous:
             return
         # Sync mode only (verl's _validate_mode_config).
         if metric is not None:
-            _positive_int("max_inflight_gen_batches", self.max_inflight_gen_batches)
+            inflight = self.max_inflight_gen_batches
+            if not isinstance(inflight, int) or isinstance(inflight, bool) or inflight <= 0:
+                raise VerlConfigError("max_inflight_gen_batches must be a positive integer")
             if self.train_batch_size is None or self.gen_batch_size is None:
-                raise ValueError("sync group filtering (filter_groups_metric) needs train_batch_size and "
+                raise VerlConfigError("sync group filtering (filter_groups_metric) needs train_batch_size and "
                                  "gen_batch_size (in sampler_kwargs when verl builds a custom sampler)")
         if self.sync_refill_failed_groups and self.gen_batch_size != 1:
-            raise ValueError(f"sync_refill_failed_groups requires gen_batch_size=1, got {self.gen_batch_size!r}")
+            raise VerlConfigError(f"sync_refill_failed_groups requires gen_batch_size=1, got {self.gen_batch_size!r}")
 
 
 def _pick(name: str, default: Any, argument: Any, kwargs: Mapping[str, Any]) -> Any:
@@ -173,6 +198,6 @@ def _pick(name: str, default: Any, argument: Any, kwargs: Mapping[str, Any]) -> 
     if name not in kwargs:
         return argument
     if argument is not default and argument != default and kwargs[name] != argument:
-        raise ValueError(f"{name} is given twice with different values: {argument!r} as an argument and "
+        raise VerlConfigError(f"{name} is given twice with different values: {argument!r} as an argument and "
                          f"{kwargs[name]!r} in sampler_kwargs")
     return kwargs[name]

@@ -13,6 +13,7 @@ sampler makes itself run in the trainer:
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 import sys
 import threading
@@ -27,9 +28,9 @@ from poller.sources.transferqueue import source_kwargs as transferqueue_source_k
 
 from .group_rules import classify
 
-__all__ = ["PollWhileWaiting", "StoreClient", "SyncAhead", "VerlBatch", "classify_groups", "close_client",
-           "is_transferqueue", "make_batch", "open_client", "poller_source", "read_metric", "shut_down",
-           "wait_for_decision"]
+__all__ = ["PollWhileWaiting", "REWARD_METRIC", "StoreClient", "SyncAhead", "VerlBatch", "classify_groups",
+           "clear_is_all_or_nothing", "clear_keys", "close_client", "is_transferqueue", "make_batch", "open_client",
+           "poller_source", "read_metric", "shut_down", "wait_for_decision"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ _R = TypeVar("_R")
 
 class StoreClient(Protocol):
     def kv_clear(self, keys: list[str], partition_id: str) -> None: ...
+
+    def kv_list(self, partition_id: str | None = None) -> Any: ...
 
     def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: list[str] | None = None) -> Any: ...
 
@@ -90,7 +93,7 @@ def open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_f
     # load_source hands back a ready-made source object as it is: that one is not ours to close.
     target = resolve_spec(source) if isinstance(source, str) else source
     owned = client is not target
-    wanted = ["kv_clear"] + (["kv_batch_get"] if need_fields else [])
+    wanted = ["kv_clear", "kv_list"] + (["kv_batch_get"] if need_fields else [])
     missing = [name for name in wanted if not callable(getattr(client, name, None))]
     if missing:
         if owned:
@@ -217,6 +220,41 @@ def quarantined_note(buffer: Any, partition_id: str) -> str:
             f"on the wire): {shown}{more}")
 
 
+def clear_keys(client: Any, partition_id: str, keys: list[str], verify: bool) -> None:
+    """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
+
+    TransferQueue 0.1.9 made ``kv_clear`` idempotent. On 0.1.8 a clear that
+    names a key already gone (the trainer or another reader may have cleared
+    one this sampler's view still holds) clears nothing at all, and an empty
+    list raises. With ``verify`` (a store that behaves so), and after any
+    failed clear, the partition is listed once and the keys still present
+    are cleared again; a store that cannot clear what it holds still raises.
+    """
+    if not keys:
+        return
+    try:
+        client.kv_clear(keys=keys, partition_id=partition_id)
+        if not verify:
+            return
+    except Exception as exc:
+        logger.debug("kv_clear of %d keys in %r failed (%s): clearing those still there", len(keys),
+                     partition_id, exc)
+    held = (client.kv_list(partition_id) or {}).get(partition_id, {})
+    present = [key for key in keys if key in held]
+    if present:
+        client.kv_clear(keys=present, partition_id=partition_id)
+
+
+def clear_is_all_or_nothing(client: Any, transferqueue: bool) -> bool:
+    """Whether a ``kv_clear`` naming a key already gone may clear nothing (TransferQueue 0.1.8)."""
+    if transferqueue:
+        try:
+            return importlib.metadata.version("transferqueue") == "0.1.8"
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    return bool(getattr(client, "clear_is_all_or_nothing", False))
+
+
 def shut_down(buffer: Any, client: Any, owned: bool) -> None:
     """The sampler's finalizer: close its buffer, then the client it built (no reference to the sampler)."""
     try:
@@ -226,20 +264,43 @@ def shut_down(buffer: Any, client: Any, owned: bool) -> None:
         close_client(client, owned)
 
 
+#: The DAPO metric read from the ``rm_scores`` field (verl 0.9.1's FILTER_GROUPS_REWARD_METRIC).
+REWARD_METRIC = "reward"
+
+
 def read_metric(client: Any, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
-    """Each key's ``extra_fields["reward_extra_info"][metric]`` (None where it is missing)."""
+    """Each key's DAPO value (None where it is missing).
+
+    ``metric == "reward"``: the key's ``rm_scores`` summed (verl 0.9.1's
+    canonical pre-KL reward). ``.sum()`` is called on what the store returns
+    (a tensor on TransferQueue), so the trainer side imports no torch for
+    it; a plain list of numbers (the SQLite store's JSON) is summed as is.
+    Any other name: ``extra_fields["reward_extra_info"][metric]``.
+    """
     if not keys:
         return []
-    data = client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["extra_fields"])
-    column = list(data["extra_fields"])
+    field_name = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
+    data = client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[field_name])
+    column = list(data[field_name])
     if len(column) != len(keys):
-        raise RuntimeError(f"kv_batch_get returned {len(column)} extra_fields for {len(keys)} keys")
+        raise RuntimeError(f"kv_batch_get returned {len(column)} {field_name} for {len(keys)} keys")
+    if field_name == "rm_scores":
+        return [_summed(scores) for scores in column]
     values: list[float | None] = []
     for extra in column:
         extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
         info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
         values.append(float(info[metric]) if isinstance(info, dict) and metric in info else None)
     return values
+
+
+def _summed(scores: Any) -> float | None:
+    """One trajectory's ``rm_scores`` summed: a tensor or array's own ``.sum()``, or a list's ``sum``."""
+    if scores is None:
+        return None
+    total = scores.sum() if callable(getattr(scores, "sum", None)) else sum(scores)
+    # float() of a 0-d tensor or numpy scalar is its value (.item()).
+    return float(total)
 
 
 def classify_groups(client: Any, partition_id: str, groups: dict[str, list[str]],

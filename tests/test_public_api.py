@@ -238,7 +238,9 @@ def test_replay_buffer_sync_signature() -> None:
 def test_buffer_verl_surface() -> None:
     import buffer.verl as verl
 
-    assert set(verl.__all__) == {"ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "DAPO_FILTERED_REWARD_COUNTS_KEY"}
+    assert set(verl.__all__) == {"ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "DAPO_FILTERED_REWARD_COUNTS_KEY",
+                                 "VerlConfigError"}
+    assert issubclass(verl.VerlConfigError, ValueError) and issubclass(verl.VerlConfigError, AssertionError)
     assert verl.DAPO_FILTERED_REWARD_COUNTS_KEY == "_dapo_filtered_reward_counts"
     assert issubclass(verl.ReplayBufferAsync, verl.ReplayBuffer)
     assert "verl" not in buffer.__all__  # a module of its own: pkg://buffer.verl

@@ -41,11 +41,15 @@ from .tq_protocol import (
     check_version,
     decode_reply,
     encode_request,
+    unknown_version_warning,
 )
 
 __all__ = ["SPEC", "TransferQueueSource", "source_kwargs"]
 
 logger = logging.getLogger(__name__)
+
+# Releases outside KNOWN_VERSIONS already warned about in this process.
+_WARNED: set[str] = set()
 
 #: The spec to give :class:`buffer.ReplayBuffer` (``source=SPEC``).
 SPEC = "poller.sources.transferqueue:TransferQueueSource"
@@ -71,14 +75,15 @@ class TransferQueueSource:
             start-up with a clear error, and check the answer's protocol;
             ``None`` skips the probe.
         controller_version: the TransferQueue release the trainer runs (what
-            :func:`source_kwargs` finds installed); one this source does not
-            know fails at once. ``None``: not checked.
+            :func:`source_kwargs` finds installed); one outside
+            :data:`~poller.sources.tq_protocol.KNOWN_VERSIONS` is used with
+            one WARNING per process once the probe's reply has the known
+            shape. ``None``: not checked.
 
     Raises:
         ValueError: bad arguments.
         SourceStall: the probe got no answer within ``probe_timeout``.
-        TransferQueueProtocolError: an unknown ``controller_version``, or a
-            probe answered in an unknown protocol.
+        TransferQueueProtocolError: the probe was answered in an unknown protocol.
     """
 
     def __init__(self, address: str, *, controller_id: str = "", partition_ids: Sequence[str] | None = None,
@@ -98,7 +103,6 @@ class TransferQueueSource:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if call_timeout is None:
             raise ValueError("call_timeout must be a positive number of seconds, got None")
-        check_version(controller_version)
         self.address = address
         self.controller_id = controller_id
         self.partition_ids = partition_ids
@@ -115,6 +119,11 @@ class TransferQueueSource:
             # The probe ran in the thread that builds the source; kv_list()
             # runs in another one, which opens a socket of its own.
             self._drop_socket()
+        if controller_version is not None and not check_version(controller_version) \
+                and controller_version not in _WARNED:
+            # Once per process: a restarted poller builds its source again.
+            _WARNED.add(controller_version)
+            logger.warning("%s", unknown_version_warning(controller_version, probe_timeout is not None))
 
     def __repr__(self) -> str:
         return (f"<TransferQueueSource {self.address} partitions={self.partition_ids or 'all'} "

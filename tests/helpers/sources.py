@@ -63,3 +63,49 @@ class ReportsModules:
 
         watched = ("multiprocessing", "__mp_main__", "dataclasses")
         return {"modules": {name: {"loaded": name in sys.modules} for name in watched}}
+
+
+class NumericTags:
+    """Lists tags holding numpy and torch values, as an in-process store client would hand them over."""
+
+    def kv_list(self) -> Any:
+        import numpy as np
+        import torch
+
+        return {"train": {
+            "np": {"global_steps": np.int64(3), "reward": np.float32(0.5), "ok": np.bool_(True),
+                   "mask": np.arange(3), "status": "success"},
+            "torch": {"score": torch.tensor(1.0), "ids": torch.tensor([[1, 2], [3, 4]]), "status": "success"},
+            "complex": {"z": np.complex64(1 + 2j), "status": "success"},
+        }}
+
+
+class StrictClearSqlite:
+    """The SQLite store with TransferQueue 0.1.8's ``kv_clear`` (0.1.9 made it idempotent).
+
+    On 0.1.8 (tried on the released package) a clear naming any key that is
+    already gone clears nothing at all (the controller logs an error and the
+    client returns), and an empty key list is a ``ValueError``. The attribute
+    ``clear_is_all_or_nothing`` tells the verl sampler so, as
+    ``buffer.verl_io`` reads it. Everything else is the plain SQLite store.
+    """
+
+    clear_is_all_or_nothing = True
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        from poller.sources.sqlite import SqliteSource
+
+        self._store = SqliteSource(path, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def kv_clear(self, keys: list[str], partition_id: str) -> None:
+        if not keys:
+            raise ValueError("Received an empty list as keys.")
+        held = self._store.kv_list(partition_id).get(partition_id, {})
+        if all(key in held for key in keys):
+            self._store.kv_clear(keys, partition_id)
+
+    def close(self) -> None:
+        self._store.close()

@@ -30,7 +30,17 @@ class StoreHost:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=_serve, args=(child_conn,), name="tq-store-host", daemon=True)
-        self.process.start()
+        # One hash seed in the host: verl's sampler picks among groups of one global_steps in set order,
+        # which a replayed differential seed must reproduce.
+        saved = os.environ.get("PYTHONHASHSEED")
+        os.environ["PYTHONHASHSEED"] = "0"
+        try:
+            self.process.start()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONHASHSEED"]
+            else:
+                os.environ["PYTHONHASHSEED"] = saved
         child_conn.close()
         self.call("ping", timeout=_START_TIMEOUT)
 

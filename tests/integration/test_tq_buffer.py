@@ -105,3 +105,14 @@ def test_polling_can_be_restricted_to_some_partitions(store, partition):
         assert wait_until(lambda: rb.stats()["messages"] >= polls + 10)
         assert rb.snapshot() == {partition: {"mine": {"status": "success"}}}
         assert rb.stats()["source_errors"] == 0
+
+
+def test_a_release_outside_the_tested_range_starts_on_the_real_controller_with_one_warning(store, partition, caplog):
+    # What verl users run: TransferQueue from git main. Its controller answers the probe in the known shape.
+    caplog.set_level("WARNING")
+    kwargs = {**store.call("kwargs"), "controller_version": "0.1.12.dev0"}
+    with ReplayBuffer(SPEC, source_kwargs=kwargs, poll_interval=POLL) as rb:
+        store.call("put", "k1", partition, {"status": "success"})
+        assert wait_until(lambda: "k1" in rb.snapshot(partition))
+    warnings = [r.getMessage() for r in caplog.records if "0.1.12.dev0" in r.getMessage()]
+    assert len(warnings) == 1 and "is not a release this poller was tested with (0.1.8 to 0.1.11)" in warnings[0]

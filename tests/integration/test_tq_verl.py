@@ -87,3 +87,9 @@ def test_the_verl_v1_example_on_transferqueue():
     assert [e["event"] for e in events] == ["trainer-built", "step", "step", "fit-done", "store-closed"]
     # tq.close() ran with the sampler still alive; its poller is gone with the trainer.
     assert not alive(events[1]["poller_pid"])
+
+
+def test_verl_0_9_1_loads_and_builds_the_sampler_itself(store):
+    # verl's load_extern_type("pkg://buffer.verl", ...) and PPOTrainer._build_replay_buffer, run as installed.
+    out = run(store, "built_by_verl")
+    assert set(out) == {"sync", "colocate_async"}, out

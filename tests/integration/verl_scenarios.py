@@ -269,3 +269,39 @@ def drop_sampler(conf: Any) -> dict[str, Any]:
         time.sleep(0.05)
     return {"outcome": outcome, "waited_s": waited, "poller_alive_after_tq_close": alive_after_close,
             "poller_gone": not is_running(pid)}
+
+
+def built_by_verl(conf: Any) -> dict[str, Any]:
+    """The sampler as verl 0.9.1 builds a custom one: its own loader and its own _build_replay_buffer."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.utils.import_utils import load_extern_type
+
+    import buffer.verl
+
+    assert load_extern_type("pkg://buffer.verl", "ReplayBuffer") is buffer.verl.ReplayBuffer
+    out: dict[str, Any] = {}
+    for mode in ("sync", "colocate_async"):
+        refill = Refill("train", step=3, sessions=2, rewards=[0.0, 1.0])
+        config = OmegaConf.create({"trainer": {"v1": {mode: {}, "sampler": {
+            "custom_sampler": {"path": "pkg://buffer.verl", "name": "ReplayBuffer"},
+            "max_off_policy_threshold": None, "max_off_policy_strategy": "drop",
+            "sampler_kwargs": {"poll_interval": POLL, "sample_timeout": 60, "filter_groups_metric": "acc",
+                               "train_batch_size": 1, "gen_batch_size": 1}}}}})
+        # verl's own method on a stand-in trainer: exactly the keywords 0.9.1 passes a custom sampler.
+        trainer = SimpleNamespace(config=config, trainer_mode=mode, _add_prompts_to_generate=refill)
+        rb = PPOTrainer._build_replay_buffer(trainer)
+        assert type(rb).__name__ == ("ReplayBuffer" if mode == "sync" else "ReplayBufferAsync")
+        assert rb.refill_fn is refill and rb.max_off_policy_threshold is None and rb.filter_groups_metric == "acc"
+        same = group("train", "finished", step=0, sessions=2, rewards=[1.0, 1.0])  # no signal: DAPO evicts it
+        batch, metrics = rb.sample(global_steps=3, partition_id="train", batch_size=1)
+        assert same not in uids_of(batch.keys) and uids_of(batch.keys) <= set(refill.produced)
+        assert metrics["training/filter_groups/evicted_samples"] == 1 and refill.calls, (metrics, refill.calls)
+        import transfer_queue as tq
+
+        _closed(rb)
+        tq.kv_clear(keys=list(listed("train")), partition_id="train")
+        out[mode] = {"refill_calls": refill.calls, "metrics": {k: v for k, v in metrics.items() if "/" in k}}
+    return out
