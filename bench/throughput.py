@@ -7,6 +7,7 @@ from typing import Callable
 
 from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
+from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from poller.listing import diff_raw_listing
 from poller.protocol import Kind, decode, encode_header, iter_encode_delta
@@ -89,7 +90,7 @@ def _trainer_share(keys: int) -> float:
                                    chunk_items=4096, max_frame_bytes=64 * 1024 * 1024))
     frames = [[encode_header(Kind.DELTA, 1, i), body] for i, body in enumerate(bodies)]
     store = PartitionStore()
-    StepSampler(store)  # the policy ReplayBuffer attaches: its indexing is part of the cost
+    StepSampler(SamplingSeam(store))  # the policy ReplayBuffer attaches: its indexing is part of the cost
     for partition, items in listing.items():
         store.merge_listed("bench", partition, items)
     del listing

@@ -25,6 +25,7 @@ from poller.sources import SourceSpec
 from .ipcdir import PrivateIpcDir
 from .partitions import PartitionStore
 from .restarts import RestartBudget
+from .seam import SamplingSeam
 from .steps import StepSampler
 from .stream import StreamReceiver
 from .supervisor import Supervisor
@@ -84,7 +85,6 @@ class _Core:
         self.close_timeout = close_timeout
         self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
         self.store = PartitionStore()
-        self.steps = StepSampler(self.store)
         # Only this process may stop the poller or remove the ipc directory:
         # a forked child inherits this object and its finalizer.
         self.owner_pid = os.getpid()
@@ -103,6 +103,9 @@ class _Core:
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
         self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
+        # What every sampling policy uses of this buffer, the step sampler behind sample() first.
+        self.seam = SamplingSeam(self.store, self.listing_sync, self.receiver.table)
+        self.steps = StepSampler(self.seam)
         if source is not None:
             # No decision on a view that was never whole: sample() and the
             # verl sampler wait for the poller's first complete listing.

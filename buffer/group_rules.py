@@ -30,8 +30,9 @@ from typing import Any
 from poller.vocabulary import FAILURE, FINISHED, PENDING, RUNNING
 
 from .groups import GroupPartition
+from .verl_config import SamplerConfig
 
-__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "Rules", "Plan", "DrainState", "accumulate_metrics",
+__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "Plan", "DrainState", "accumulate_metrics",
            "metrics_prefix", "classify"]
 
 #: The dict-valued metric verl logs as a table: ``{shared metric value: groups filtered}``.
@@ -43,25 +44,6 @@ INFLIGHT = (PENDING, RUNNING)
 
 def metrics_prefix(partition_id: str) -> str:
     return "training" if partition_id == "train" else "validation"
-
-
-@dataclass(frozen=True)
-class Rules:
-    """The sampler's configuration, as the rules need it."""
-
-    asynchronous: bool
-    #: None: no off-policy version control (verl 0.9.1): nothing is dropped or awaited for staleness.
-    threshold: int | None
-    strategy: str
-    dapo_metric: str | None
-    refill_failed: bool
-    has_refill: bool
-    train_batch_size: int | None
-    gen_batch_size: int | None
-    max_inflight_gen_batches: int
-
-    def dapo_on(self, partition_id: str) -> bool:
-        return partition_id != "val" and self.dapo_metric is not None
 
 
 @dataclass
@@ -108,29 +90,29 @@ class _Reasons:
         return self.stale | self.dapo | self.failed
 
 
-def _check(part: GroupPartition, rules: Rules, partition_id: str) -> Plan | None:
+def _check(part: GroupPartition, config: SamplerConfig, partition_id: str) -> Plan | None:
     """A plan that must come first: a malformed prompt, or DAPO metrics to read."""
     if part.invalid:
         return Plan(error=ValueError(f"Unknown status or malformed prompt in partition {partition_id!r}: "
                                      + "; ".join(list(part.invalid.values())[:5])))
-    if rules.dapo_on(partition_id) and part.unclassified:
+    if config.dapo_on(partition_id) and part.unclassified:
         return Plan(fetch={uid: list(part.trajectories.get(uid, ())) for uid in part.unclassified})
     return None
 
 
-def _reasons(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int) -> _Reasons:
+def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> _Reasons:
     reasons = _Reasons()
     if partition_id == "val":
         return reasons
-    if rules.dapo_on(partition_id):
+    if config.dapo_on(partition_id):
         reasons.dapo = set(part.filtered)
         reasons.dapo_counts = Counter(part.filtered.values())
-    if rules.asynchronous:
-        if rules.strategy == "drop" and rules.threshold is not None:
+    if config.asynchronous:
+        if config.max_off_policy_strategy == "drop" and config.max_off_policy_threshold is not None:
             # Span global_steps - step + 1 above the threshold: step < global_steps + 1 - threshold.
-            reasons.stale = set(part.older_than(FINISHED, global_steps + 1 - rules.threshold))
+            reasons.stale = set(part.older_than(FINISHED, global_steps + 1 - config.max_off_policy_threshold))
         reasons.failed = set(part.uids(FAILURE))
-    elif rules.refill_failed:
+    elif config.sync_refill_failed_groups:
         reasons.failed = {uid for uid in part.uids(FAILURE) if uid not in part.trajectories}
     return reasons
 
@@ -167,27 +149,27 @@ def _select(part: GroupPartition, plan: Plan, n: int) -> None:
     plan.select_keys = part.trajectory_keys(plan.select)
 
 
-def sampleable_count(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int) -> Plan | int:
+def sampleable_count(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | int:
     """Terminal groups the rules would not evict (or a plan to read DAPO metrics first)."""
-    first = _check(part, rules, partition_id)
+    first = _check(part, config, partition_id)
     if first is not None:
         return first
-    reasons = _reasons(part, rules, partition_id, global_steps)
+    reasons = _reasons(part, config, partition_id, global_steps)
     return _terminal_count(part) - len(reasons.evicted)
 
 
-def plan_sync(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int, batch_size: int,
+def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, batch_size: int,
               state: DrainState) -> Plan | None:
     """One step of verl's synchronous ``sample()``; ``state`` carries DAPO's refill credit."""
-    first = _check(part, rules, partition_id)
+    first = _check(part, config, partition_id)
     if first is not None:
         return first
-    reasons = _reasons(part, rules, partition_id, global_steps)
+    reasons = _reasons(part, config, partition_id, global_steps)
     plan = _eviction_plan(part, partition_id, global_steps, reasons)
     has_enough = _terminal_count(part) - len(plan.evict) >= batch_size
     inflight = part.count(PENDING) + part.count(RUNNING)
     failed = len(reasons.failed)
-    dapo = rules.dapo_on(partition_id)
+    dapo = config.dapo_on(partition_id)
     if not dapo and failed and not has_enough:
         plan.refill = failed
         return plan
@@ -198,10 +180,10 @@ def plan_sync(part: GroupPartition, rules: Rules, partition_id: str, global_step
         elif not state.draining:
             state.credit += 2 * len(reasons.dapo) + failed
         if not state.draining and state.credit > 0:
-            assert rules.train_batch_size is not None and rules.gen_batch_size is not None
-            slots = max(0, rules.max_inflight_gen_batches * rules.train_batch_size - inflight)
+            assert config.train_batch_size is not None and config.gen_batch_size is not None
+            slots = max(0, config.max_inflight_gen_batches * config.train_batch_size - inflight)
             dispatch = min(state.credit, slots)
-            dispatch -= dispatch % rules.gen_batch_size
+            dispatch -= dispatch % config.gen_batch_size
             if dispatch > 0:
                 state.credit -= dispatch
                 plan.refill = dispatch
@@ -218,22 +200,22 @@ def plan_sync(part: GroupPartition, rules: Rules, partition_id: str, global_step
     return plan if plan.evict else None
 
 
-def plan_async(part: GroupPartition, rules: Rules, partition_id: str, global_steps: int, target: int,
+def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, target: int,
                select: bool) -> Plan | None:
     """One step of verl's ``wait_for_sampleable()`` (and, with ``select``, of ``sample()``)."""
-    first = _check(part, rules, partition_id)
+    first = _check(part, config, partition_id)
     if first is not None:
         return first
-    reasons = _reasons(part, rules, partition_id, global_steps)
+    reasons = _reasons(part, config, partition_id, global_steps)
     plan = _eviction_plan(part, partition_id, global_steps, reasons)
     if plan.evict:
-        plan.refill = len(plan.evict) if rules.has_refill else 0
+        plan.refill = len(plan.evict) if config.has_refill else 0
         return plan
-    if rules.strategy == "wait" and rules.threshold is not None:
+    if config.max_off_policy_strategy == "wait" and config.max_off_policy_threshold is not None:
         # Dropless: not ready while an in-flight prompt has reached the threshold (span >= threshold).
         # verl 0.9.1 holds validation too (its _has_enough_samples does not look at the partition).
         oldest = part.min_step(INFLIGHT)
-        if oldest is not None and global_steps - oldest + 1 >= rules.threshold:
+        if oldest is not None and global_steps - oldest + 1 >= config.max_off_policy_threshold:
             return None
     if _terminal_count(part) < target:
         return None

@@ -139,6 +139,11 @@ class PartitionStore:
         with self._cond:
             self._cond.notify_all()
 
+    def read(self, read: Callable[[], T]) -> T:
+        """``read()`` under the lock (it must not block)."""
+        with self._cond:
+            return read()
+
     def get(self, partition_id: str, keys: Iterable[str]) -> dict[str, Tags]:
         """Copies of the held tags of ``keys`` (keys not held are left out)."""
         with self._cond:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Mapping, TypeVar
 
 from poller.arguments import check_optional_seconds
 from poller.curve import CurveServer
 from poller.process import ShutdownReport
 from poller.protocol import Limits
 from poller.sources import SourceSpec
+from poller.vocabulary import Tags
 
 from .access import check_bind
 from .arguments import (
@@ -41,7 +42,7 @@ from .arguments import (
 from .core import _Core
 from .errors import BufferClosed
 from .metrics import BufferStats, collect_stats, metrics_of
-from .partitions import PartitionStore, Policy, Tags
+from .seam import SamplingSeam
 from .steps import BatchMeta
 
 __all__ = ["ReplayBuffer"]
@@ -195,23 +196,11 @@ class ReplayBuffer:
         if core.listing_sync is not None:
             core.listing_sync.wait(timeout)
 
-    # -- package-private: for sampling policies of this package (buffer.verl) ----
-
-    def _attach_policy(self, policy: Policy) -> None:
-        """Attach a :class:`~buffer.partitions.Policy`; it first sees every key held as added."""
-        self._core.store.attach(policy)
-
-    def _detach_policy(self, policy: Policy) -> None:
-        self._core.store.detach(policy)
-
-    def _wait_until(self, attempt: Callable[[], _T | None], *, timeout: float | None,
-                    describe: Callable[[], str], view: str | None = None) -> _T:
-        """:meth:`~buffer.partitions.PartitionStore.wait_until` on this buffer's store."""
-        return self._core.store.wait_until(attempt, timeout=timeout, describe=describe, view=view)
-
     @property
-    def _store(self) -> PartitionStore:
-        return self._core.store
+    def seam(self) -> SamplingSeam:
+        """What a sampling policy uses of this buffer (:class:`~buffer.seam.SamplingSeam`): the store's
+        changes under its lock, decisions on whole views with deadlines, read-your-writes, clearing."""
+        return self._core.seam
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, Any]:
         """A deep copy of every partition, or of one."""

@@ -18,7 +18,7 @@ from typing import Any, Mapping, NamedTuple
 
 from poller.vocabulary import RUNNING, SUCCESS, Tags
 
-from .partitions import PartitionStore
+from .seam import SamplingSeam
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]
 
@@ -103,12 +103,12 @@ class StepIndex:
 
 
 class StepSampler:
-    """``sample()`` over ``store`` by step or by batch size; attaches its index."""
+    """``sample()`` by step or by batch size, through a buffer's :class:`~buffer.seam.SamplingSeam`."""
 
-    def __init__(self, store: PartitionStore) -> None:
-        self._store = store
+    def __init__(self, seam: SamplingSeam) -> None:
+        self._seam = seam
         self.index = StepIndex()
-        store.attach(self.index)
+        seam.attach(self.index)
 
     def sample(self, partition_id: str, *, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
@@ -121,14 +121,13 @@ class StepSampler:
 
             def attempt() -> BatchMeta | None:
                 return self._try_size(partition_id, batch_size)
-        return self._store.wait_until(
-            attempt, timeout=timeout, view=partition_id,
-            describe=lambda: self._waiting_for(partition_id, global_steps, batch_size, timeout))
+        return self._seam.decide(attempt, partition_id=partition_id, timeout=timeout,
+                                 describe=lambda: self._waiting_for(partition_id, global_steps, batch_size, timeout))
 
     # -- attempts (store lock held) ----------------------------------------------
 
     def _batch(self, partition_id: str, keys: list[str]) -> BatchMeta:
-        tags = self._store.get(partition_id, keys)
+        tags = self._seam.tags(partition_id, keys)
         return BatchMeta(partition_id, keys, [tags[k] for k in keys])
 
     def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:

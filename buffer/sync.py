@@ -9,18 +9,26 @@ token and the next listing answers all of them.
 
 A poller process that restarts during the wait never got the token (or got
 it and died): the request is sent again to every new process, which is seen
-when its first complete poll arrives.
+when its first complete poll arrives. (The receiver also sends an unanswered
+request again every second: one sent while the stream reconnected is lost.)
+
+Two helper threads build on it for samplers that wait (:mod:`buffer.seam`,
+:mod:`buffer.verl`): :class:`SyncAhead` starts the sync a decision will
+need while the trainer is busy elsewhere, and :class:`PollWhileWaiting` asks
+for listings more often while a decision waits.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from typing import Callable
 
 from .partitions import PartitionStore
 from .stream import StreamReceiver
 
-__all__ = ["ListingSync"]
+__all__ = ["ListingSync", "SyncAhead", "PollWhileWaiting"]
 
 
 class ListingSync:
@@ -79,3 +87,62 @@ class ListingSync:
         if len(asked) > 1:
             why.append(f"asked {len(asked)} poller processes (it restarted)")
         return "; ".join(why)
+
+
+class SyncAhead:
+    """``sync(timeout)`` in a thread, started right after a decision's last write.
+
+    The listing it waits for runs while the trainer trains on the batch, so
+    the next decision usually finds it applied instead of waiting one listing.
+    """
+
+    def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(sync, timeout), name="replay-sync-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, sync: Callable[[float | None], None], timeout: float) -> None:
+        try:
+            sync(timeout)
+        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
+            self.error = exc
+
+    def done(self, timeout: float | None) -> bool:
+        """True once the sync succeeded (waiting up to ``timeout``)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive() and self.error is None
+
+
+class PollWhileWaiting:
+    """Asks for a listing every ``gap`` seconds (``sync``) while a decision waits; ``stop()`` when it ends.
+
+    Between decisions the poller lists on its own schedule; a decision that
+    has to wait would otherwise see its last change up to one poll interval
+    late. ``on_poll`` is called after each listing asked for was applied.
+    """
+
+    # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
+    _BOUND = 2.0
+
+    def __init__(self, sync: Callable[[float | None], None], gap: float, on_poll: Callable[[], None]) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sync, gap, on_poll), name="replay-wait-poll",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, sync: Callable[[float | None], None], gap: float, on_poll: Callable[[], None]) -> None:
+        while not self._stopped.is_set():
+            started = time.monotonic()
+            try:
+                sync(self._BOUND)
+            except TimeoutError:
+                continue  # a stall or a restart: the waiter's own deadline and log cover it
+            except BaseException:  # closed or crashed: the waiting decision raises it itself
+                return
+            on_poll()
+            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
+        self._stopped.set()

@@ -34,13 +34,13 @@ from typing import Any, TypeVar, cast
 
 from poller.process import ShutdownReport
 
-from . import verl_io
+from . import verl_client
+from .arguments import check_verl_call
 from .errors import BufferClosed
 from .group_rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
     DrainState,
     Plan,
-    Rules,
     accumulate_metrics,
     metrics_prefix,
     plan_async,
@@ -49,8 +49,10 @@ from .group_rules import (
 )
 from .groups import GroupIndex, GroupPartition
 from .replay import ReplayBuffer as _Buffer
-from .verl_config import SamplerConfig, VerlConfigError
-from .verl_io import VerlBatch
+from .seam import SamplingSeam
+from .sync import SyncAhead
+from .verl_client import VerlBatch
+from .verl_config import VERL_ATTRIBUTES, SamplerConfig, VerlConfigError
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]
 
@@ -58,25 +60,19 @@ logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 
-# A sync started ahead gives up after this long; the next call then syncs itself (with its own deadline).
-_SYNC_AHEAD_TIMEOUT = 60.0
+# A read-your-writes wait started ahead gives up after this long; the next call then waits itself
+# (with its own deadline).
+_FRESH_VIEW_AHEAD_TIMEOUT = 60.0
 
 
 class ReplayBuffer:
     """verl's sampler, synchronous rules; ``trainer_mode != "sync"`` gives a :class:`ReplayBufferAsync`.
 
     Takes verl's constructor (keywords, or positions as verl's built-in
-    class). ``poll_interval``, ``filter_groups_metric``, ``train_batch_size``,
-    ``gen_batch_size``, ``max_inflight_gen_batches`` and
-    ``sync_refill_failed_groups`` may also be given in ``sampler_kwargs``
-    (verl passes them only to its built-in class), together with this
-    sampler's own options: ``sample_timeout`` (seconds a ``sample`` /
-    ``wait_for_sampleable`` may wait, default none), ``log_interval``
-    (seconds between progress logs while waiting, default 60),
-    ``wait_poll_interval`` (seconds between the listings asked for while a
-    call waits, default ``poll_interval / 10``), ``source`` and
-    ``source_kwargs`` (default: the running TransferQueue), ``start_timeout``,
-    ``close_timeout`` and ``max_restarts`` (of the buffer).
+    class); verl's options may also come in ``sampler_kwargs``, with this
+    sampler's own (:data:`~buffer.verl_config.SAMPLER_KWARGS`: ``sample_timeout``,
+    ``log_interval``, ``wait_poll_interval``, ``source``, ``source_kwargs``,
+    and the buffer's ``start_timeout``, ``close_timeout``, ``max_restarts``).
 
     ``max_off_policy_threshold=None`` turns off-policy version control off,
     as in verl 0.9.1: no staleness drop (``drop``), no staleness wait (``wait``).
@@ -112,43 +108,35 @@ class ReplayBuffer:
                                        max_off_policy_threshold=max_off_policy_threshold,
                                        max_off_policy_strategy=max_off_policy_strategy,
                                        sampler_kwargs=sampler_kwargs, refill_fn=refill_fn, given=given)
+        # The one options record, read where an option is needed (verl's attributes too, __getattr__).
         self._config = config
-        # verl's attributes, resolved (trainer_separate_async reads poll_interval).
-        self.trainer_mode = trainer_mode
         self.trainer_config = trainer_config
-        self.max_off_policy_threshold = max_off_policy_threshold
-        self.max_off_policy_strategy = max_off_policy_strategy
         self.sampler_kwargs = sampler_kwargs
-        self.poll_interval = config.poll_interval
-        self.refill_fn = refill_fn
-        self.filter_groups_metric = config.filter_groups_metric
-        self.train_batch_size = config.train_batch_size
-        self.gen_batch_size = config.gen_batch_size
-        self.max_inflight_gen_batches = config.max_inflight_gen_batches
-        self.sync_refill_failed_groups = config.sync_refill_failed_groups
-        self._rules = Rules(asynchronous=self._ASYNCHRONOUS, threshold=max_off_policy_threshold,
-                            strategy=max_off_policy_strategy, dapo_metric=config.filter_groups_metric,
-                            refill_failed=config.sync_refill_failed_groups, has_refill=refill_fn is not None,
-                            train_batch_size=config.train_batch_size, gen_batch_size=config.gen_batch_size,
-                            max_inflight_gen_batches=config.max_inflight_gen_batches)
         self._index = GroupIndex()
         self._lock = threading.Lock()
         self._buffer: _Buffer | None = None
+        self._seam: SamplingSeam | None = None
         self._client: Any = None
         self._verify_clears = False
         self._finalizer: weakref.finalize | None = None
         self._closed = False
-        self._needs_sync = False
-        self._sync_ahead: verl_io.SyncAhead | None = None
+        self._needs_fresh_view = False
+        self._fresh_view_ahead: SyncAhead | None = None
         # DAPO metrics read outside the lock, recorded in the index by the next decision.
         self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0,
                           "wait_polls": 0}
 
+    def __getattr__(self, name: str) -> Any:
+        # verl's attributes (trainer_separate_async reads poll_interval), read from the options record.
+        if name in VERL_ATTRIBUTES:
+            return getattr(self.__dict__["_config"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._buffer is not None else "not started")
         return (f"<{type(self).__name__} mode={self.trainer_mode!r} {state} "
-                f"poll_interval={self.poll_interval:g}s buffer={self._buffer!r}>")
+                f"poll_interval={self._config.poll_interval:g}s buffer={self._buffer!r}>")
 
     # -- verl's methods -------------------------------------------------------------------
 
@@ -167,13 +155,13 @@ class ReplayBuffer:
             ValueError: a prompt in the partition has an unknown status.
             PollerCrashed, BufferClosed: the poller is dead for good / the sampler was closed.
         """
-        what = self._call("sample", global_steps, partition_id, batch_size)
+        what = check_verl_call("sample", global_steps, partition_id, batch_size)
         deadline = self._deadline()
         metrics: dict[str, Any] = {}
         state = DrainState()
         while True:
             plan = self._decide(what, partition_id, deadline,
-                                lambda part: plan_sync(part, self._rules, partition_id, global_steps,
+                                lambda part: plan_sync(part, self._config, partition_id, global_steps,
                                                        batch_size, state))
             if not self._carry_out(plan, partition_id, metrics, deadline):
                 break
@@ -184,17 +172,17 @@ class ReplayBuffer:
             metrics[key] = metrics.get(key, 0) + len(plan.surplus)
         if partition_id != "val" and not plan.select_keys:
             message = "Sync replay buffer selected terminal groups with no materializable trajectories."
-            if not self.sync_refill_failed_groups:
+            if not self._config.sync_refill_failed_groups:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
             raise RuntimeError(message)
         return self._materialize(partition_id, plan.select, plan.select_keys), metrics
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
-        what = self._call("get_sampleable_count", global_steps, partition_id)
+        what = check_verl_call("get_sampleable_count", global_steps, partition_id)
         deadline = self._deadline()
         def count(part: GroupPartition) -> Plan | int:
-            return sampleable_count(part, self._rules, partition_id, global_steps)
+            return sampleable_count(part, self._config, partition_id, global_steps)
 
         while True:
             result = cast("Plan | int", self._decide(what, partition_id, deadline, count))
@@ -212,8 +200,8 @@ class ReplayBuffer:
         report = buffer.close(timeout)
         if finalizer is not None:
             finalizer()
-        if self._sync_ahead is not None:
-            self._sync_ahead.done(1.0)  # ends with BufferClosed
+        if self._fresh_view_ahead is not None:
+            self._fresh_view_ahead.done(1.0)  # ends with BufferClosed
         return report
 
     def stats(self) -> dict[str, Any]:
@@ -226,7 +214,7 @@ class ReplayBuffer:
                                "index_changes": self._index.changes}
         if buffer is not None:
             out.update(buffer.stats())
-            out["groups"] = buffer._wait_until(self._group_counts, timeout=0, describe=lambda: "stats")
+            out["groups"] = buffer.seam.look(self._group_counts)
         return out
 
     def __enter__(self) -> ReplayBuffer:
@@ -236,17 +224,6 @@ class ReplayBuffer:
         self.close()
 
     # -- deciding and carrying out ------------------------------------------------------------
-
-    def _call(self, name: str, global_steps: Any, partition_id: Any, count: Any = None,
-              count_name: str = "batch_size") -> str:
-        if not isinstance(global_steps, int) or isinstance(global_steps, bool):
-            raise TypeError(f"global_steps must be an int, got {global_steps!r}")
-        if not isinstance(partition_id, str) or not partition_id:
-            raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
-        if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
-            raise ValueError(f"the batch size / target count must be an int >= 0, got {count!r}")
-        tail = "" if count is None else f", {count_name}={count}"
-        return f"{name}(global_steps={global_steps}, partition_id={partition_id!r}{tail})"
 
     def _deadline(self) -> float | None:
         timeout = self._config.sample_timeout
@@ -259,47 +236,61 @@ class ReplayBuffer:
             if self._buffer is not None:
                 return self._buffer
             config = self._config
-            spec, kwargs = verl_io.poller_source(config.source, config.source_kwargs)
-            client, owned = verl_io.open_client(config.source, config.source_kwargs,
-                                                need_fields=config.filter_groups_metric is not None)
+            spec, kwargs = verl_client.poller_source(config.source, config.source_kwargs)
+            client, owned = verl_client.open_client(config.source, config.source_kwargs,
+                                                    need_fields=config.filter_groups_metric is not None)
             try:
                 buffer = _Buffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
                                  **config.buffer_kwargs)
             except BaseException:
-                verl_io.shut_down(None, client, owned)
+                verl_client.shut_down(None, client, owned)
                 raise
-            self._finalizer = weakref.finalize(self, verl_io.shut_down, buffer, client, owned)
+            self._finalizer = weakref.finalize(self, verl_client.shut_down, buffer, client, owned)
             try:
-                buffer._attach_policy(self._index)
+                buffer.seam.attach(self._index)
             except BaseException:
                 self._finalizer()
                 raise
-            self._buffer, self._client = buffer, client
-            self._verify_clears = verl_io.clear_is_all_or_nothing(client, verl_io.is_transferqueue(config.source))
+            self._buffer, self._seam, self._client = buffer, buffer.seam, client
+            self._verify_clears = verl_client.clear_is_all_or_nothing(client,
+                                                                      verl_client.is_transferqueue(config.source))
             logger.debug("verl sampler started: %r", buffer)
             return buffer
 
     def _decide(self, what: str, partition_id: str, deadline: float | None,
                 rule: Callable[[GroupPartition], _R | None]) -> _R:
-        """The first non-None ``rule(view)``, waking on every change; logs progress while it waits."""
-        buffer = self._started()
-        ahead, self._sync_ahead = self._sync_ahead, None
-        if ahead is not None and self._needs_sync:
+        """The first non-None ``rule(view)`` on a whole view, waking on every change; logs progress while it waits.
+
+        While it waits, the poller lists every ``wait_poll_interval``, and the
+        counts in flight are logged every ``log_interval``.
+        """
+        self._started()
+        seam = self._seam
+        assert seam is not None
+        ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
+        if ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._needs_sync = not ahead.done(remaining)
-        if self._needs_sync:
-            self._sync(what, deadline)
+            self._needs_fresh_view = not ahead.done(remaining)
+        if self._needs_fresh_view:
+            self._read_your_writes(what, deadline)
 
         def attempt() -> _R | None:
             self._record_fetched(partition_id)
             self._counters["decisions"] += 1
             return rule(self._index.partition(partition_id))
 
-        def describe() -> str:
-            return self._index.partition(partition_id).describe(partition_id)
+        def counted_poll() -> None:
+            self._counters["wait_polls"] += 1
 
-        return verl_io.wait_for_decision(buffer, attempt, describe, what=what, partition_id=partition_id,
-                                         deadline=deadline, config=self._config, counters=self._counters)
+        config = self._config
+        try:
+            return seam.decide(attempt, partition_id=partition_id,
+                               timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                               describe=lambda: self._index.partition(partition_id).describe(partition_id),
+                               log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
+                               on_poll=counted_poll)
+        except TimeoutError as exc:
+            raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
 
     def _carry_out(self, plan: Plan, partition_id: str, metrics: dict[str, Any], deadline: float | None) -> bool:
         """Do the plan's I/O; True when the caller must decide again."""
@@ -312,35 +303,38 @@ class ReplayBuffer:
             self._clear(partition_id, plan.evict_keys)
             accumulate_metrics(metrics, plan.metrics, plan.stale_count)
         if plan.refill:
-            assert self.refill_fn is not None
+            assert self._config.refill_fn is not None
             self._counters["refills"] += 1
-            self.refill_fn(plan.refill)
+            self._config.refill_fn(plan.refill)
             # What refill_fn wrote (synchronously) is in the next view.
-            self._sync("refill_fn", deadline)
+            self._read_your_writes("refill_fn", deadline)
         return plan.select is None and not plan.ready
 
-    def _sync(self, what: str, deadline: float | None) -> None:
-        buffer = self._started()
+    def _read_your_writes(self, what: str, deadline: float | None) -> None:
+        """Read your writes: wait for a listing that began after this call (the sampler's own clears, refills)."""
+        self._started()
+        assert self._seam is not None
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._counters["syncs"] += 1
         try:
-            buffer.sync(remaining)
+            self._seam.sync(remaining)
         except TimeoutError as exc:
             raise TimeoutError(f"{what}: no fresh listing of the store before the deadline: {exc}") from None
-        self._needs_sync = False
+        self._needs_fresh_view = False
 
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
-        buffer = self._started()
-        verl_io.clear_keys(self._client, partition_id, keys, self._verify_clears)
-        buffer.remove(partition_id, keys)
+        self._started()
+        assert self._seam is not None
+        verl_client.clear_keys(self._client, partition_id, keys, self._verify_clears)
+        self._seam.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
-        self._needs_sync = True
+        self._needs_fresh_view = True
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
         assert self._config.filter_groups_metric is not None
-        classes = verl_io.classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
+        classes = verl_client.classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
         self._fetched.setdefault(partition_id, {}).update(classes)
 
     def _record_fetched(self, partition_id: str) -> None:
@@ -351,15 +345,17 @@ class ReplayBuffer:
                 part.record_metric(uid, keys, value)
 
     def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
-        buffer = self._started()
-        held = buffer._store.get(partition_id, keys)
+        self._started()
+        seam = self._seam
+        assert seam is not None
+        held = seam.tags(partition_id, keys)
         keys = [key for key in keys if key in held]
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
-        self._sync_ahead = verl_io.SyncAhead(buffer, _SYNC_AHEAD_TIMEOUT)
-        on_tq = verl_io.is_transferqueue(self._config.source)
-        return verl_io.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)
+        self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
+        on_tq = verl_client.is_transferqueue(self._config.source)
+        return verl_client.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)
 
     def _group_counts(self) -> dict[str, dict[str, int]]:
         return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}
@@ -376,12 +372,12 @@ class ReplayBufferAsync(ReplayBuffer):
 
         Returns their uids and the eviction metrics; nothing is consumed.
         """
-        what = self._call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
+        what = check_verl_call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
         plan, metrics = self._wait(what, global_steps, partition_id, target_count, select=False)
         return plan.sampleable, metrics
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
-        what = self._call("sample", global_steps, partition_id, batch_size)
+        what = check_verl_call("sample", global_steps, partition_id, batch_size)
         plan, metrics = self._wait(what, global_steps, partition_id, batch_size, select=True)
         assert plan.select is not None
         return self._materialize(partition_id, plan.select, plan.select_keys), metrics
@@ -394,7 +390,7 @@ class ReplayBufferAsync(ReplayBuffer):
         metrics: dict[str, Any] = {}
         while True:
             plan = self._decide(what, partition_id, deadline,
-                                lambda part: plan_async(part, self._rules, partition_id, global_steps, target,
+                                lambda part: plan_async(part, self._config, partition_id, global_steps, target,
                                                         select))
             if not self._carry_out(plan, partition_id, metrics, deadline):
                 return plan, metrics

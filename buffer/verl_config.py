@@ -77,6 +77,12 @@ def _seconds(name: str, value: Any, allow_none: bool) -> None:
         check_seconds(name, value)
 
 
+#: verl's sampler attributes, read from the options record (``ReplayBuffer.__getattr__``).
+VERL_ATTRIBUTES = frozenset({"trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy", "refill_fn",
+                             "poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
+                             "max_inflight_gen_batches", "sync_refill_failed_groups"})
+
+
 @dataclass(frozen=True)
 class SamplerConfig:
     """Everything the sampler was configured with, checked."""
@@ -98,6 +104,14 @@ class SamplerConfig:
     source: SourceSpec | None
     source_kwargs: dict[str, Any] | None
     buffer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def has_refill(self) -> bool:
+        return self.refill_fn is not None
+
+    def dapo_on(self, partition_id: str) -> bool:
+        """Whether DAPO group filtering applies to ``partition_id`` (never to validation)."""
+        return partition_id != "val" and self.filter_groups_metric is not None
 
     @classmethod
     def resolve(cls, *, asynchronous: bool, trainer_mode: Any, max_off_policy_threshold: Any,

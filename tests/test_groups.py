@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -10,7 +11,6 @@ import pytest
 from buffer.group_rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
     DrainState,
-    Rules,
     accumulate_metrics,
     classify,
     plan_async,
@@ -18,6 +18,7 @@ from buffer.group_rules import (
     sampleable_count,
 )
 from buffer.groups import GroupIndex, uid_of
+from buffer.verl_config import SamplerConfig
 from poller.vocabulary import FINISHED
 
 
@@ -50,12 +51,17 @@ class Feed:
         return keys
 
 
-def rules(**overrides: Any) -> Rules:
-    config: dict[str, Any] = {"asynchronous": False, "threshold": 8, "strategy": "drop", "dapo_metric": None,
-                              "refill_failed": False, "has_refill": True, "train_batch_size": 2,
-                              "gen_batch_size": 1, "max_inflight_gen_batches": 1}
-    config.update(overrides)
-    return Rules(**config)
+_NAMES = {"threshold": "max_off_policy_threshold", "strategy": "max_off_policy_strategy",
+          "dapo_metric": "filter_groups_metric", "refill_failed": "sync_refill_failed_groups"}
+
+
+def rules(has_refill: bool = True, **overrides: Any) -> SamplerConfig:
+    """The sampler's options record as the rules read it; combinations the constructor refuses are allowed here."""
+    base = SamplerConfig.resolve(asynchronous=False, trainer_mode="sync", max_off_policy_threshold=8,
+                                 max_off_policy_strategy="drop", sampler_kwargs={}, refill_fn=lambda n: n,
+                                 given={"train_batch_size": 2, "gen_batch_size": 1})
+    fields = {_NAMES.get(name, name): value for name, value in overrides.items()}
+    return dataclasses.replace(base, refill_fn=base.refill_fn if has_refill else None, **fields)
 
 
 def test_uid_is_the_part_before_the_first_underscore() -> None:

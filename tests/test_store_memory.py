@@ -6,6 +6,7 @@ import gc
 from fractions import Fraction
 
 from buffer.partitions import PartitionStore
+from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from poller.listing import commit_listing, diff_raw_listing
 
@@ -15,7 +16,7 @@ class _Store(PartitionStore):
 
     def __init__(self) -> None:
         super().__init__()
-        self.steps = StepSampler(self)
+        self.steps = StepSampler(SamplingSeam(self))
 
     def sample(self, partition_id: str, **kwargs: object) -> object:
         return self.steps.sample(partition_id, **kwargs)  # type: ignore[arg-type]

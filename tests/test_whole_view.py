@@ -16,6 +16,7 @@ import pytest
 
 from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
+from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from buffer.verl import ReplayBuffer as VerlSampler
 from poller.sources.sqlite import SqliteSource
@@ -74,7 +75,7 @@ def test_verl_decisions_wait_for_the_first_complete_listing(db: str, store: Sqli
 def test_a_resync_half_applied_is_not_decided_on() -> None:
     """Store level: the own poller's full listing, begun and not ended, holds every decision."""
     store = PartitionStore()
-    steps = StepSampler(store)
+    steps = StepSampler(SamplingSeam(store))
     store.require("own")
     store.begin_snapshot("own")
     store.merge_listed("own", "train", {"a": {"global_steps": 1, "status": "success"}})
@@ -96,7 +97,7 @@ def test_a_resync_half_applied_is_not_decided_on() -> None:
 
 def test_a_standalone_pollers_snapshot_holds_only_its_partitions() -> None:
     store = PartitionStore()
-    steps = StepSampler(store)
+    steps = StepSampler(SamplingSeam(store))
     store.merge_listed("other", "val", {"v": {"global_steps": 1, "status": "success"}})
     store.begin_snapshot("standalone")
     store.merge_listed("standalone", "train", {"a": {"global_steps": 1, "status": "success"}})

@@ -1,4 +1,4 @@
-"""The verl sampler's own store calls: where it clears keys and reads DAPO metrics, and its batch record.
+"""What talks to the store from the trainer for the verl sampler: clears, DAPO metric reads, its batch record.
 
 The poller lists the store in its own process; the few writes and reads the
 sampler makes itself run in the trainer:
@@ -16,10 +16,8 @@ import importlib
 import importlib.metadata
 import logging
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Protocol
 
 from poller.sources import SourceSpec, describe_spec, load_source
 from poller.sources import _resolve as resolve_spec
@@ -28,13 +26,12 @@ from poller.sources.transferqueue import source_kwargs as transferqueue_source_k
 
 from .group_rules import classify
 
-__all__ = ["PollWhileWaiting", "REWARD_METRIC", "StoreClient", "SyncAhead", "VerlBatch", "classify_groups",
-           "clear_is_all_or_nothing", "clear_keys", "close_client", "is_transferqueue", "make_batch", "open_client",
-           "poller_source", "read_metric", "shut_down", "wait_for_decision"]
+__all__ = ["REWARD_METRIC", "StoreClient", "VerlBatch", "classify_groups", "clear_is_all_or_nothing", "clear_keys",
+           "close_client", "is_transferqueue", "make_batch", "open_client", "poller_source", "read_metric",
+           "shut_down"]
 
 logger = logging.getLogger(__name__)
 
-_R = TypeVar("_R")
 
 
 class StoreClient(Protocol):
@@ -113,111 +110,6 @@ def _close(client: Any) -> None:
 def close_client(client: Any, owned: bool) -> None:
     if owned:
         _close(client)
-
-
-class SyncAhead:
-    """``buffer.sync()`` in a thread, started right after a call's last write.
-
-    The listing it waits for runs while the trainer trains on the batch, so
-    the next call usually finds it applied instead of waiting one listing.
-    """
-
-    def __init__(self, buffer: Any, timeout: float) -> None:
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(buffer, timeout), name="verl-sync-ahead",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, buffer: Any, timeout: float) -> None:
-        try:
-            buffer.sync(timeout)
-        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
-            self.error = exc
-
-    def done(self, timeout: float | None) -> bool:
-        """True once the sync succeeded (waiting up to ``timeout``)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive() and self.error is None
-
-
-class PollWhileWaiting:
-    """Asks the poller for a listing every ``gap`` seconds while a decision waits.
-
-    Between decisions the poller lists on its own schedule; a decision that
-    has to wait would otherwise see its last group up to one ``poll_interval``
-    late. Stopped as soon as the decision returns or raises.
-    """
-
-    def __init__(self, buffer: Any, gap: float, counters: dict[str, int]) -> None:
-        self._counters = counters  # its "wait_polls" counts the listings asked for and applied
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(buffer, gap), name="verl-wait-poll", daemon=True)
-        self._thread.start()
-
-    def _run(self, buffer: Any, gap: float) -> None:
-        # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
-        bound = 2.0
-        while not self._stopped.is_set():
-            started = time.monotonic()
-            try:
-                buffer.sync(bound)
-            except TimeoutError:
-                continue  # a stall or a restart: the waiter's own deadline and log cover it
-            except BaseException:  # closed or crashed: the waiting decision raises it itself
-                return
-            self._counters["wait_polls"] += 1
-            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
-
-    def stop(self) -> None:
-        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
-        self._stopped.set()
-
-
-def wait_for_decision(buffer: Any, attempt: Callable[[], _R | None], describe: Callable[[], str], *, what: str,
-                      partition_id: str, deadline: float | None, config: Any, counters: dict[str, int]) -> _R:
-    """``attempt()``'s first non-None result on a whole view of ``partition_id``, waking on every change.
-
-    While it waits, the poller lists every ``config.wait_poll_interval``
-    seconds, and the counts in flight (and the partition's quarantined keys,
-    which never arrive) are logged every ``config.log_interval``.
-
-    Raises:
-        TimeoutError: past ``deadline`` (``config.sample_timeout``), naming what is in flight.
-    """
-    try:
-        # The message of this first look is never shown: do not build it.
-        return buffer._wait_until(attempt, timeout=0, describe=str, view=partition_id)
-    except TimeoutError:
-        pass  # not ready now
-    hurry = PollWhileWaiting(buffer, config.wait_poll_interval, counters)
-    started = last_log = time.monotonic()
-    try:
-        while True:
-            now = time.monotonic()
-            wait = config.log_interval - (now - last_log)
-            if deadline is not None:
-                wait = min(wait, deadline - now)
-            try:
-                return buffer._wait_until(attempt, timeout=max(0.0, wait), view=partition_id,
-                                          describe=lambda: describe() + quarantined_note(buffer, partition_id))
-            except TimeoutError as exc:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
-                last_log = time.monotonic()
-                logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
-    finally:
-        hurry.stop()
-
-
-def quarantined_note(buffer: Any, partition_id: str) -> str:
-    """What the poller leaves out of ``partition_id`` (keys whose tags the wire cannot carry), or ``""``."""
-    named = [(key, why) for partition, key, why in buffer.stats()["quarantined_keys"] if partition == partition_id]
-    if not named:
-        return ""
-    shown = "; ".join(f"{key!r}: {why}" for key, why in named[:5])
-    more = f" and {len(named) - 5} more" if len(named) > 5 else ""
-    return (f"; {len(named)} key(s) of this partition are quarantined (never streamed, their tags cannot go "
-            f"on the wire): {shown}{more}")
 
 
 def clear_keys(client: Any, partition_id: str, keys: list[str], verify: bool) -> None:
