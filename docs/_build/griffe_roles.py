@@ -16,7 +16,7 @@ from typing import Any
 from griffe import Extension
 
 _ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):`(~?)([^`]+)`")
-_LITERAL_OPENER = re.compile(r"(?m)^(\s*)(.*?)\s*::[ \t]*$")
+_LITERAL_OPENER = re.compile(r"(?m)^([ \t]*)(.*?)[ \t]*::[ \t]*$")
 
 
 def _role(match: re.Match[str]) -> str:
