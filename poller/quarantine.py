@@ -12,8 +12,10 @@ leaves the quarantine when the store clears it.
 
 Values with one faithful plain form are converted instead of refused: numpy
 and torch scalars (and 0-d tensors) become ``int`` / ``float`` / ``bool``,
-tuples become lists. Neither numpy nor torch is imported for that: such a
-value is recognised by its type's module and read with its own ``item()``.
+their arrays and tensors nested lists, tuples lists (as the TransferQueue
+source reads them off its wire, :mod:`poller.sources.tq_values`). Neither
+numpy nor torch is imported for that: such a value is recognised by its
+type's module and read with its own ``item()`` / ``tolist()``.
 
 :func:`screen` is pure (tests call it directly); :class:`Quarantine` is the
 poller's memory of what it refused, reported in its heartbeats.
@@ -68,23 +70,26 @@ class _Refuse(Exception):
     """Raised inside the walk; carries the reason."""
 
 
-def _scalar_of(value: Any) -> Any:
-    """The plain scalar of a numpy or torch scalar (or 0-d tensor/array); raises _Refuse otherwise."""
+def _numeric(value: Any, limits: Limits, depth: int) -> Any:
+    """A numpy or torch value in plain form: a scalar's number, an array's (or tensor's) nested lists.
+
+    Raises _Refuse for anything else, and for dtypes with no plain number (complex, datetime, objects).
+    """
     module = type(value).__module__.partition(".")[0]
     if module not in ("numpy", "torch"):
         raise _Refuse(f"a {type(value).__module__}.{type(value).__qualname__} value is not plain data "
                       f"(str, int, float, bool, None, bytes, lists and maps)")
-    shape = getattr(value, "shape", ())
-    if tuple(shape) != ():
-        raise _Refuse(f"a {module} {type(value).__name__} of shape {tuple(shape)} is not a scalar; "
-                      f"write it as a list")
     try:
-        item = value.item()
-    except Exception as exc:  # a dtype with no Python scalar (complex, datetime, ...)
+        shape = tuple(getattr(value, "shape", ()))
+        plain = value.item() if shape == () else value.tolist()
+    except Exception as exc:  # no Python form at all
         raise _Refuse(f"a {module} {type(value).__name__} has no plain value: {exc}") from None
-    if type(item) not in (int, float, bool):
-        raise _Refuse(f"a {module} {type(value).__name__} holds a {type(item).__name__}, not a number")
-    return item
+    if shape == ():
+        if type(plain) not in (int, float, bool):
+            raise _Refuse(f"a {module} {type(value).__name__} holds a {type(plain).__name__}, not a number")
+        return plain
+    # An array's elements go through the same checks as any list (complex, str or object ones are refused).
+    return _plain(plain, limits, depth)
 
 
 def _plain(value: Any, limits: Limits, depth: int) -> Any:
@@ -128,10 +133,9 @@ def _plain(value: Any, limits: Limits, depth: int) -> Any:
         if len(value) > limits.max_items:
             raise _Refuse(f"a list of {len(value)} items exceeds max_items={limits.max_items}")
         return [_plain(item, limits, depth + 1) for item in value]
-    if isinstance(value, (int, float)):  # IntEnum, numpy.float64 (a float subclass), ...
-        return _scalar_of(value) if type(value).__module__.startswith(("numpy", "torch")) else (
-            int(value) if isinstance(value, int) and not isinstance(value, bool) else value)
-    return _scalar_of(value)
+    if isinstance(value, (int, float)) and not type(value).__module__.startswith(("numpy", "torch")):
+        return int(value) if isinstance(value, int) else float(value)  # an IntEnum, a float subclass
+    return _numeric(value, limits, depth)
 
 
 def _short(value: Any) -> str:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import threading
+import pickle
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,8 +21,7 @@ import zmq
 
 from buffer import ReplayBuffer
 from poller import PollerStartupError
-from poller.sources import SourceStall
-from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
+from poller.sources import SourceStall, UnreadableValue
 from poller.sources.tq_protocol import (
     KNOWN_VERSIONS,
     KV_LIST,
@@ -30,6 +30,7 @@ from poller.sources.tq_protocol import (
     decode_reply,
     encode_request,
 )
+from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,11 +75,9 @@ def test_a_listing_reply_passes_through_unchanged():
 @pytest.mark.parametrize("frames, match", [
     (_reply("REQUEST_ERROR", {"success": False, "message": "boom"}), "refused KV_LIST: boom"),
     (_reply("GET_META_RESPONSE", {}), "expected KV_LIST_RESPONSE"),
-    ([b"\xc1\xfe\xed", b"pickle bytes"], "pickled reply"),
-    (_reply("KV_LIST_RESPONSE", {"partition_info": {}}) + [b"tensor bytes"], "2 frames"),
-    ([msgpack.packb({"request_type": "KV_LIST_RESPONSE",
-                     "body": {"partition_info": {"t": {"k": {"x": msgpack.ExtType(1, b"pickled")}}}}})],
-     "extension type 1"),
+    ([b"\xc1\xfe\xed", b"pickle bytes"], "malformed reply.*UnpicklingError"),
+    ([b"\xc1\xfe\xed"], "pickled reply of 1 frames"),
+    ([b"\xc1\xfe\xed", pickle.dumps(["KV_LIST_RESPONSE"])], "not a message map"),
     ([b"\x93\x01"], "malformed"),
     ([msgpack.packb([1, 2])], "not a message map"),
     ([], "empty reply"),
@@ -242,3 +241,107 @@ def test_the_extra_range_covers_the_pinned_release_and_only_known_ones():
     constraints = (ROOT / "tests/integration/constraints.txt").read_text().splitlines()
     pinned = [line.split("==")[1].strip() for line in constraints if line.startswith("transferqueue==")]
     assert pinned and pinned[0] in KNOWN_VERSIONS
+
+
+# -- tag values TransferQueue carries outside plain msgpack --------------------------------------
+#
+# Real KV_LIST replies of a TransferQueue 0.1.11 controller (numpy 2.4.6, torch 2.13.0+cpu, msgspec
+# 0.23.0; the file says so too), one per case of tests/integration/tq_values.py: each case's record
+# next to a plain record in partition "p". Regenerate with
+#     make .venv/.installed-transferqueue && .venv/bin/python -m tests.integration.capture_tq_replies
+
+REPLIES = msgpack.unpackb((ROOT / "tests/data/tq_kv_list_replies.msgpack").read_bytes(), strict_map_key=False)
+GOOD = {"global_steps": 1, "status": "success"}
+
+
+def _unreadable(reason: str) -> UnreadableValue:
+    return UnreadableValue(reason)
+
+
+#: case -> the tags of its record as the source lists them.
+EXPECTED_TAGS: dict[str, dict] = {
+    "np_int64": {"global_steps": 3, "status": "success"},
+    "np_float32": {"reward": 0.5, "status": "success"},
+    "np_float64": {"reward": 0.25},
+    "np_bool": {"ok": True, "bad": False},
+    "np_uint8": {"small": 255, "neg": -3},
+    "np_arange": {"global_steps": 3, "steps": [0, 1, 2], "half": 0.5},
+    "np_array": {"mask": [0, 1, 2, 3], "grid": [[1.0, 1.0], [1.0, 1.0]], "flags": [True, False]},
+    "np_str_array": {"names": _unreadable("a numpy array of dtype <U2, which has no plain form")},
+    "np_object_array": {"objs": _unreadable("a pickled numpy._core.multiarray._reconstruct object, "
+                                            "which this source does not unpickle")},
+    "np_datetime": {"when": _unreadable("a numpy scalar of dtype <M8, which has no plain form")},
+    "np_complex": {"z": _unreadable("a numpy scalar of dtype <c8, which has no plain form")},
+    "torch_scalar": {"reward": 1.0, "global_steps": 3, "ok": True},
+    "torch_half": {"bf16": 2.5, "f16": 0.5},
+    "torch_tensor": {"ids": [1, 2, 3], "grid": [[0, 1], [2, 3]]},
+    "torch_complex": {"z": _unreadable("a tensor of dtype complex64, which has no plain form")},
+    "big_int": {"big": 2**70, "status": "success"},
+    # A value over 64 bits makes the controller pickle the whole reply: the rest still reads.
+    "big_int_with_numpy": {"big": -(2**64), "global_steps": 4, "reward": 1.0, "span": [1, 2]},
+    "big_int_with_arrays": {"big": 2**70, "mask": [0, 1, 2], "grid": [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]],
+                            "column": [1, 4], "bf16": [1.5, -2.0], "flags": [True, False],
+                            "objs": _unreadable("a pickled numpy._core.multiarray._reconstruct object, "
+                                                "which this source does not unpickle")},
+    "tuple": {"span": [1, 2], "nested": [[3, [4, "x"]]]},
+    "set": {"ids": [5]},
+    "ordered_dict": {"meta": {"a": 1, "b": [2]}},
+    "aware_datetime": {"when": _unreadable("a datetime with a time zone, which has no plain form")},
+    "int_tag_name": {7: "x", "status": "success"},
+    "int_partition": {"global_steps": 2, "status": "success"},
+}
+
+
+def typed(value: object) -> object:
+    """``value`` with the type of every scalar beside it, so that 1, 1.0 and True differ."""
+    if isinstance(value, dict):
+        return {typed(k): typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed(v) for v in value]
+    return (type(value).__name__, value)
+
+
+def test_the_captured_replies_cover_every_case_and_come_from_a_known_release():
+    assert REPLIES["transferqueue"] in KNOWN_VERSIONS
+    assert set(REPLIES["cases"]) == set(EXPECTED_TAGS)
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED_TAGS))
+def test_each_value_a_real_controller_sends_is_converted_or_unreadable_in_place(case):
+    listing = decode_reply(KV_LIST, REPLIES["cases"][case])["partition_info"]
+    partition = 1 if case == "int_partition" else "p"
+    expected = {partition: {"case": EXPECTED_TAGS[case], "good": GOOD}}
+    assert typed(listing) == typed(expected)  # nothing else in the reply is lost or changed
+
+
+def test_in_a_reply_pickled_whole_every_value_reads_as_it_does_unpickled():
+    frames = REPLIES["all_at_once"]
+    assert frames[0] == b"\xc1\xfe\xed" and len(frames) == 2  # pickled whole: it holds ints over 64 bits
+    listing = decode_reply(KV_LIST, frames)["partition_info"]
+    expected = {1 if case == "int_partition" else f"p-{case}": {"case": tags, "good": GOOD}
+                for case, tags in EXPECTED_TAGS.items()}
+    # The one value whose reason differs: pickled, the datetime class is what is refused.
+    expected["p-aware_datetime"]["case"] = {"when": _unreadable("a pickled datetime.datetime object, "
+                                                                "which this source does not unpickle")}
+    assert typed(listing) == typed(expected)
+
+
+def test_reading_every_captured_reply_imports_neither_numpy_nor_torch():
+    statement = ("import msgpack; from poller.sources.tq_protocol import decode_reply; "
+                 "d = msgpack.unpackb(open('tests/data/tq_kv_list_replies.msgpack', 'rb').read(), "
+                  "strict_map_key=False); "
+                 "[decode_reply('KV_LIST', f) for f in [*d['cases'].values(), d['all_at_once']]]")
+    code = (f"import json, sys; {statement}; "
+            f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch'))))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
+def test_numpy_scalars_read_the_same_with_and_without_the_unpickler(monkeypatch):
+    from poller.sources import tq_pickles
+
+    replies = [*REPLIES["cases"].values(), REPLIES["all_at_once"]]
+    fast = [decode_reply(KV_LIST, frames) for frames in replies]
+    monkeypatch.setattr(tq_pickles, "_fast_numpy_scalar", lambda data: None)
+    assert typed(fast) == typed([decode_reply(KV_LIST, frames) for frames in replies])

@@ -8,13 +8,43 @@ connects a DEALER and sends one frame per request, a msgpack map::
 
 and gets back one such map whose ``request_type`` is the matching response
 (``KV_LIST_RESPONSE``, body ``{"partition_info": {...}, "message": ...}``) or
-``REQUEST_ERROR`` (body ``{"message": ...}``). TransferQueue's own codec may
-add frames after the first (tensor buffers), tag values in msgpack
-extension types (pickle, tensors, arrays) or a whole pickled reply; listing
-tags never needs them, and this side never unpickles what arrives over a
-socket, so any of them is refused with an error that says so.
+``REQUEST_ERROR`` (body ``{"message": ...}``).
 
-This module is the one place in the poller that knows that format.
+How the controller's codec (``transfer_queue.utils.serial_utils``, msgspec's
+msgpack with an encoding hook) carries tag values, found on real
+KV_LIST_RESPONSE frames of 0.1.11 (``tests/data/tq_kv_list_replies.msgpack``,
+made by ``tests/integration/capture_tq_replies.py``):
+
+- str, int, float, bool, None, lists, maps: plain msgpack. Tuples and sets
+  are arrays, an ``OrderedDict`` a map, a naive datetime, a date, a UUID or
+  a Decimal a string, a datetime with a time zone msgpack's timestamp
+  (extension type -1); an int tag name (``{7: "x"}``) and an int partition id
+  (``partition_id=1``) are int map keys.
+- numpy scalars (``np.int64``, ``np.float32``, even ``np.float64``,
+  ``np.bool_``; what indexing ``np.arange`` gives): extension type 1, a
+  pickle of ``numpy._core.multiarray.scalar(numpy.dtype("i8"), raw bytes)``.
+  Object arrays, and any other class, are pickled in type 1 as well.
+- numpy arrays (``np.arange(4)``) and tensors of any shape
+  (``torch.tensor(1.0)``): type 5 and type 3, a pickled
+  ``(dtype name, shape, frame index)`` with no global in it, and the raw
+  elements in that extra frame of the reply (one per array). Nested tensors
+  are type 4, callables cloudpickled in type 2.
+- an int that fits no msgpack int (``2**70``, ``-2**64``): msgspec fails
+  (OverflowError), and the whole reply is pickled instead: the frames are
+  ``[b"\\xc1\\xfe\\xed", pickle]``, for every partition listed. In that
+  pickle tuples stay tuples, numpy scalars are the same scalar pickles, a
+  numpy array is ``numpy._core.numeric._frombuffer(bytes, dtype, shape,
+  order)``, and a tensor ``torch._utils._rebuild_tensor_v2`` of a storage in
+  torch's legacy ``torch.save`` format.
+
+:mod:`poller.sources.tq_values` reads them without numpy or torch (what
+converts, and what becomes an :class:`~poller.sources.UnreadableValue`, is
+listed there); a value it cannot read is replaced in place, so the rest of
+the reply is listed. Nothing received is unpickled but through its
+restricted unpickler.
+
+This module and :mod:`poller.sources.tq_values` are the only places in the poller
+that know that format.
 
 The controller announces no protocol version, so the source checks two things
 at its probe: the TransferQueue release the trainer runs (when it is known,
@@ -35,6 +65,9 @@ from typing import Any, Sequence
 
 import msgpack
 
+from .tq_pickles import restricted_loads
+from .tq_values import Deferred, decode_ext, plain
+
 __all__ = [
     "KV_LIST",
     "LIST_PARTITIONS",
@@ -54,6 +87,8 @@ _REQUEST_ERROR = "REQUEST_ERROR"
 # TransferQueue marks a reply it had to pickle whole with these leading bytes
 # (0xc1 is never valid msgpack).
 _PICKLED_MARKER = b"\xc1\xfe\xed"
+# The heads of msgpack's timestamp extension (type -1): fixext 4, fixext 8, ext 8 of 12 bytes.
+_TIMESTAMP_MARKERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
 
 #: TransferQueue releases whose controller request protocol this module speaks.
 KNOWN_VERSIONS = ("0.1.8", "0.1.9", "0.1.10", "0.1.11")
@@ -112,37 +147,60 @@ def encode_request(request_type: str, body: dict[str, Any], *, sender_id: str, r
     }, use_bin_type=True)]
 
 
-def _refuse_extension(code: int, data: bytes) -> Any:
-    raise TransferQueueReplyError(
-        f"the reply holds a value in msgpack extension type {code} (TransferQueue uses them for pickled "
-        f"objects, tensors and arrays); tags listed by this source must be plain msgpack values: "
-        f"str, int, float, bool, None, lists and maps")
+def _decode_message(frames: Sequence[bytes]) -> Any:
+    """The controller's message in ``frames``, its tag values read (:mod:`poller.sources.tq_values`)."""
+    if bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
+        # The whole message pickled (some value broke msgpack): [marker, pickle].
+        if len(frames) != 2 or bytes(frames[0]) != _PICKLED_MARKER:
+            raise TransferQueueReplyError(f"a pickled reply of {len(frames)} frames, "
+                                          f"expected the marker and one pickle")
+        return plain(restricted_loads(frames[1]))
+    deferred = False
+    # Pickled numpy scalars repeat (every key of a step holds the same global_steps): each
+    # distinct pickle is read once per reply (~1 us each in numpy 2's layout, ~10 us unpickled).
+    scalars: dict[bytes, Any] = {}
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        nonlocal deferred
+        if code == 1 and data in scalars:
+            return scalars[data]
+        value = decode_ext(code, data, frames)
+        if isinstance(value, Deferred):
+            deferred = True
+        elif code == 1:
+            scalars[data] = value
+        return value
+
+    message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
+    # Only a reply with a value held back needs the second walk (numpy and torch scalars come
+    # back in place), or one that may hold a timestamp: msgpack reads those (extension type -1,
+    # msgspec's form of a datetime with a time zone) as datetimes, past the hook.
+    if deferred or any(marker in frames[0] for marker in _TIMESTAMP_MARKERS):
+        return plain(message)
+    return message
 
 
 def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: str | None = None) -> dict[str, Any]:
     """The body of the controller's reply to a ``request_type`` request.
 
-    With ``probe_address``, the reply is the start-up probe's and its shape is
-    checked first (:func:`check_probe_reply`).
+    Tag values are read as the module docstring says: a value this side
+    cannot read becomes an :class:`~poller.sources.UnreadableValue` in its
+    place, and the rest of the reply is unaffected. With ``probe_address``,
+    the reply is the start-up probe's and its shape is checked first
+    (:func:`check_probe_reply`).
 
     Raises:
         TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply
-            of another type, or one this side refuses to read (see above).
+            of another type, or one that is not a message at all.
         TransferQueueProtocolError: a probe reply of an unknown protocol.
     """
     if not frames or not frames[0]:
         raise TransferQueueReplyError("empty reply from the TransferQueue controller")
-    if bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
-        raise TransferQueueReplyError("the controller sent a pickled reply, which this source does not unpickle; "
-                                      "tags listed by this source must be plain msgpack values")
-    if len(frames) > 1:
-        raise TransferQueueReplyError(f"the reply has {len(frames)} frames: it carries tensor or array data, "
-                                      f"which tags listed by this source must not hold")
     try:
-        message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=_refuse_extension)
+        message = _decode_message(frames)
     except TransferQueueReplyError:
         raise
-    except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
+    except Exception as exc:  # msgpack and pickle raise a zoo of types; all mean "malformed"
         raise TransferQueueReplyError(f"malformed reply from the TransferQueue controller: "
                                       f"{type(exc).__name__}: {exc}") from exc
     if probe_address is not None and not (isinstance(message, dict) and message.get("request_type") == _REQUEST_ERROR):

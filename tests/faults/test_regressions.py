@@ -53,6 +53,20 @@ class _Scalar:
 _Scalar.__module__ = "numpy"
 
 
+class _Array(_Scalar):
+    """Stands for a numpy array: a shape and tolist()."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
+        self.shape = (len(value),)
+
+    def tolist(self) -> Any:
+        return list(self.value)
+
+
+_Array.__module__ = "numpy"
+
+
 @pytest.mark.parametrize("tags, problem", [
     ({7: "seven"}, "tag name 7 is int, not str"),
     ({"nested": [{"ok": 1}, {b"fine": {1.5: "x"}}]}, "tag name b'fine' is bytes"),
@@ -64,6 +78,8 @@ _Scalar.__module__ = "numpy"
     ({"small": -(2**63) - 1}, "fits no msgpack integer"),
     ({"text": "\ud800"}, "not valid UTF-8"),
     ({"obj": object()}, "is not plain data"),
+    ({"arr": _Array([1, object()])}, "is not plain data"),
+    ({"z": _Scalar(1 + 2j)}, "holds a complex, not a number"),
 ])
 def test_tags_the_receiver_would_refuse_are_quarantined_and_the_rest_flows(tags, problem):
     diff = diff_raw_listing({}, {"p": {"k": tags, "good": {"global_steps": 1}}}, full=True)
@@ -77,10 +93,10 @@ def test_tags_the_receiver_would_refuse_are_quarantined_and_the_rest_flows(tags,
 
 def test_tags_the_receiver_accepts_pass_the_screen_and_plain_scalars_convert():
     tags = {"s": "x" * 1024 * 1024, "b": b"y", "l": [1, 2.5, None, True], "d": {"a": {}}, "t": (1, "two"),
-            "np": _Scalar(3), "big": 2**64 - 1, "neg": -(2**63)}
+            "np": _Scalar(3), "big": 2**64 - 1, "neg": -(2**63), "arr": _Array([1, 2])}
     diff = screen_diff(diff_raw_listing({}, {"p": {"k": tags}}, full=True), {}, True, Limits())
     assert diff.refused == []
-    assert diff.upserts["p"]["k"] == {**tags, "t": [1, "two"], "np": 3}
+    assert diff.upserts["p"]["k"] == {**tags, "t": [1, "two"], "np": 3, "arr": [1, 2]}
     assert type(diff.upserts["p"]["k"]["np"]) is int
 
 

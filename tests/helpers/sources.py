@@ -63,3 +63,18 @@ class ReportsModules:
 
         watched = ("multiprocessing", "__mp_main__", "dataclasses")
         return {"modules": {name: {"loaded": name in sys.modules} for name in watched}}
+
+
+class NumericTags:
+    """Lists tags holding numpy and torch values, as an in-process store client would hand them over."""
+
+    def kv_list(self) -> Any:
+        import numpy as np
+        import torch
+
+        return {"train": {
+            "np": {"global_steps": np.int64(3), "reward": np.float32(0.5), "ok": np.bool_(True),
+                   "mask": np.arange(3), "status": "success"},
+            "torch": {"score": torch.tensor(1.0), "ids": torch.tensor([[1, 2], [3, 4]]), "status": "success"},
+            "complex": {"z": np.complex64(1 + 2j), "status": "success"},
+        }}
