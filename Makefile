@@ -10,7 +10,7 @@ TQ_STAMP := $(VENV)/.installed-transferqueue
 # or a range TransferQueue's dependencies pick) pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint check-dist test-integration install bench clean
+.PHONY: demo test lint check-dist test-integration install bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,7 +56,7 @@ check-dist: $(STAMP)
 test-integration: $(TQ_STAMP)
 	$(BIN)/python -m pytest -m integration tests/integration
 
-# The benchmarks (README, "Performance"); matplotlib draws the plots.
+# The benchmarks (docs/benchmarks.md); matplotlib draws the plots.
 BENCH_STAMP := $(VENV)/.bench-installed
 
 $(BENCH_STAMP): $(STAMP)
@@ -66,5 +66,18 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m bench
 
+# The manual (docs/, mkdocs.yml) into site/: --strict fails on a broken link, a missing page or
+# a missing API reference; then .ci/check_docs.py renders the index, API and verl pages in
+# headless Chromium (Debian's `chromium`; .ci/run installs it) and checks what they show.
+DOCS_STAMP := $(VENV)/.docs-installed
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
+	$(BIN)/python .ci/check_docs.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

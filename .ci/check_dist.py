@@ -35,6 +35,7 @@ SDIST_MUST_HOLD = [
     "tests/conftest.py", "tests/helpers/__init__.py", "tests/helpers/sources.py", "tests/helpers/stalls.py",
     "tests/helpers/netns.py", "tests/faults/__init__.py", "tests/integration/constraints.txt",
     "bench/__init__.py", "bench/faultmatrix.py", "examples/verl_style_trainer.py",
+    "mkdocs.yml", "docs/using.md",
 ]
 
 # Fast (well under a minute together), and between them they import every test support
@@ -45,7 +46,7 @@ FAST_TESTS = ["tests/test_public_api.py", "tests/test_packaging.py", "tests/test
 
 # What a fresh clone does not have.
 _NOT_SOURCE = (".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", ".pytest_cache", ".mypy_cache",
-               ".ruff_cache", "*.png")
+               ".ruff_cache", "*.png", "site")
 
 
 def _version() -> str:

@@ -19,7 +19,7 @@ __all__ = ["BufferStats", "Metric", "METRICS", "collect_stats", "metrics_of"]
 
 
 class BufferStats(TypedDict):
-    """The result of :meth:`buffer.ReplayBuffer.stats` (README, "Use")."""
+    """The result of :meth:`buffer.ReplayBuffer.stats` (the manual: docs/using.md, "Stats")."""
 
     poller_pid: int | None
     poller_alive: bool

@@ -212,7 +212,7 @@ class ReplayBuffer:
         return self._core.store.snapshot()  # type: ignore[return-value]
 
     def stats(self) -> BufferStats:
-        """Counters and state of the stream and the poller (README, "Use")."""
+        """Counters and state of the stream and the poller (the manual: docs/using.md, "Stats")."""
         if self._core.store.closed:
             raise BufferClosed("the replay buffer is closed")
         return collect_stats(self._core)

@@ -98,3 +98,9 @@ def test_peers_stop_counting_a_poller_that_said_bye(tmp_path: Path, db: str) -> 
         assert proc.stderr is not None
         proc.stderr.close()
         rb.close()
+
+
+def test_every_metric_is_in_the_manual() -> None:
+    # docs/using.md lists the metrics by hand: a metric added without a line there fails here.
+    manual = (ROOT / "docs" / "using.md").read_text()
+    assert [m.name for m in METRICS if f"`{m.name}`" not in manual] == []
