@@ -56,7 +56,9 @@ class Send(NamedTuple):
 
 @dataclass
 class Peer:
-    name: str
+    """One stream's state; ``stream`` is its name (the identity the poller connects with)."""
+
+    stream: str
     epoch: int | None = None
     next_seq: int = 0
     awaiting_resync: bool = False
@@ -135,7 +137,7 @@ class PeerTable:
 
     def stale_peers(self, now: float) -> list[str]:
         """Peers silent for more than ``stale_after`` seconds that never said BYE."""
-        return sorted(p.name for p in list(self.peers.values())
+        return sorted(p.stream for p in list(self.peers.values())
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
 
     def control(self, identity: bytes, kind: Kind, reason: str) -> Send:
@@ -170,10 +172,10 @@ class PeerTable:
                 peer.stale = True
                 if identity not in self._pinned:
                     # Nothing it sends can be waited for; decisions go on without it until it is back.
-                    self._store.release(peer.name)
+                    self._store.release(peer.stream)
                 self._log.log("stale", logging.WARNING,
                               "no message from poller %s for %.1fs (stale_after=%gs): its link is down or it is "
-                              "dead; the buffer keeps what it has", peer.name, silent, self.stale_after)
+                              "dead; the buffer keeps what it has", peer.stream, silent, self.stale_after)
             if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
                 actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
         for identity, (token, sent_at) in list(self._syncs.items()):
@@ -212,7 +214,7 @@ class PeerTable:
         peer.last_seen = now
         if came_back:
             peer.stale = False
-            logger.info("poller %s is back", peer.name)
+            logger.info("poller %s is back", peer.stream)
         if message.kind in (Kind.STOP, Kind.RESYNC, Kind.SYNC, Kind.ACK):
             self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return []
@@ -264,16 +266,16 @@ class PeerTable:
             return
         _, identity = min(candidates)
         peer = self.peers.pop(identity)
-        self._store.release(peer.name)
+        self._store.release(peer.stream)
         self.peers_forgotten += 1
         self._log.log("forget", logging.WARNING, "more than %d peers: forgot the state of %s (silent longest)",
-                      self.limits.max_peers, peer.name)
+                      self.limits.max_peers, peer.stream)
 
     def _sequence_ok(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> bool:
         """Check epoch and seq; False drops the message (a RESYNC may have been asked for)."""
         if message.epoch != peer.epoch:
             if peer.epoch is not None:
-                self._store.abandon_snapshot(peer.name)
+                self._store.abandon_snapshot(peer.stream)
             peer.epoch = message.epoch
             peer.bye_seq = None
             peer.next_seq = message.seq + 1
@@ -290,10 +292,10 @@ class PeerTable:
             return False
         if message.seq > peer.next_seq:
             self._log.log("gap", logging.WARNING, "gap in the stream from %s: expected seq %d, got %d; asking for a "
-                          "resync", peer.name, peer.next_seq, message.seq)
+                          "resync", peer.stream, peer.next_seq, message.seq)
             peer.contiguous = False
             peer.next_seq = message.seq + 1
-            self._store.abandon_snapshot(peer.name)
+            self._store.abandon_snapshot(peer.stream)
             return self._resync_unless_snapshot(identity, peer, message, "sequence gap", now, actions)
         peer.next_seq += 1
         return True
@@ -309,7 +311,7 @@ class PeerTable:
 
     def _request_resync(self, identity: bytes, peer: Peer, why: str, now: float, retry: bool = False) -> Send:
         peer.awaiting_resync = True
-        self._store.mark_broken(peer.name)
+        self._store.mark_broken(peer.stream)
         peer.resync_asked_at = now
         if not retry:  # counts the resyncs needed, not the requests repeated while one is awaited
             self.resyncs_requested += 1
@@ -319,30 +321,30 @@ class PeerTable:
 
     def _on_ready(self, peer: Peer, message: Message, ready: Ready) -> None:
         peer.pid = ready.pid
-        logger.debug("poller %s ready: pid %s epoch %s", peer.name, peer.pid, message.epoch)
+        logger.debug("poller %s ready: pid %s epoch %s", peer.stream, peer.pid, message.epoch)
 
     def _on_delta(self, peer: Peer, message: Message, body: Delta) -> None:
-        self._store.poll_seen(peer.name, message.epoch, body.poll)
+        self._store.poll_seen(peer.stream, message.epoch, body.poll)
         if peer.awaiting_resync:
             if not _snapshot_start(message):
                 return  # superseded by the snapshot asked for; tick() asks again if it is lost
             peer.awaiting_resync = False
         if body.full and body.reset:
-            self._store.begin_snapshot(peer.name)
+            self._store.begin_snapshot(peer.stream)
             # Whatever was lost before it, the snapshot replaces: from here
             # the stream is whole again (close() reports drained=True).
             peer.contiguous = True
         for partition_id, items in body.upserts.items():
             self.items_received += len(items)
-            self._store.merge_listed(peer.name, partition_id, items)
+            self._store.merge_listed(peer.stream, partition_id, items)
         for partition_id, keys in body.deletes.items():
             self.items_received += len(keys)
-            self._store.unlist(peer.name, partition_id, keys)
+            self._store.unlist(peer.stream, partition_id, keys)
         if body.end:
             if body.full:
-                self._store.end_snapshot(peer.name)
+                self._store.end_snapshot(peer.stream)
                 peer.snapshots_applied += 1
-            self._store.poll_completed(peer.name, message.epoch, body.poll, body.sync)
+            self._store.poll_completed(peer.stream, message.epoch, body.poll, body.sync)
             peer.polls_applied += 1
             if peer.polls_applied == 1:
                 self._on_change()
@@ -372,16 +374,16 @@ class PeerTable:
     def _on_error(self, peer: Peer, error: Error) -> None:
         self.source_errors += 1
         self._log.log("error", logging.ERROR if error.fatal else logging.WARNING,
-                      "poller %s: kv_list() failed%s: %s: %s", peer.name,
+                      "poller %s: kv_list() failed%s: %s: %s", peer.stream,
                       " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",
                       error.type[:200], error.message[:MAX_FORWARDED_CHARS])
 
     def _on_bye(self, peer: Peer, message: Message, bye: Bye) -> None:
         peer.bye_seq = bye.last_seq
         peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
-        logger.debug("poller %s said BYE: %s", peer.name, bye.reason)
+        logger.debug("poller %s said BYE: %s", peer.stream, bye.reason)
         self._on_change()
 
     def _on_log(self, peer: Peer, record: Log) -> None:
-        self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.name, record.name[:200],
+        self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.stream, record.name[:200],
                       record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))
