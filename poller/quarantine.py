@@ -70,7 +70,7 @@ class _Refuse(Exception):
     """Raised inside the walk; carries the reason."""
 
 
-def _numeric(value: Any, limits: Limits, depth: int) -> Any:
+def _numeric(value: Any, limits: Limits, depth: int, budget: list[int]) -> Any:
     """A numpy or torch value in plain form: a scalar's number, an array's (or tensor's) nested lists.
 
     Raises _Refuse for anything else, and for dtypes with no plain number (complex, datetime, objects).
@@ -89,11 +89,19 @@ def _numeric(value: Any, limits: Limits, depth: int) -> Any:
             raise _Refuse(f"a {module} {type(value).__name__} holds a {type(plain).__name__}, not a number")
         return plain
     # An array's elements go through the same checks as any list (complex, str or object ones are refused).
-    return _plain(plain, limits, depth)
+    return _plain(plain, limits, depth, budget)
 
 
-def _plain(value: Any, limits: Limits, depth: int) -> Any:
-    """``value`` as plain data the receiver accepts (converted where faithful); raises _Refuse."""
+def _plain(value: Any, limits: Limits, depth: int, budget: list[int]) -> Any:
+    """``value`` as plain data the receiver accepts (converted where faithful); raises _Refuse.
+
+    ``budget`` holds how many more values the walk may visit: a structure
+    shared with itself over and over (``a = [x, x]; b = [a, a]; ...``)
+    would otherwise cost 2**depth, and a poller must never hang on a record.
+    """
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _Refuse(f"more than max_items={limits.max_items} values in all")
     kind = type(value)
     if kind is not str and isinstance(value, str):  # a StrEnum and the like: its plain text
         value, kind = str.__str__(value), str
@@ -127,15 +135,15 @@ def _plain(value: Any, limits: Limits, depth: int) -> Any:
         for name, item in value.items():
             if type(name) is not str:
                 raise _Refuse(f"tag name {_short(name)} is {type(name).__name__}, not str")
-            out[_plain(name, limits, depth + 1)] = _plain(item, limits, depth + 1)
+            out[_plain(name, limits, depth + 1, budget)] = _plain(item, limits, depth + 1, budget)
         return out
     if isinstance(value, (list, tuple)):
         if len(value) > limits.max_items:
             raise _Refuse(f"a list of {len(value)} items exceeds max_items={limits.max_items}")
-        return [_plain(item, limits, depth + 1) for item in value]
+        return [_plain(item, limits, depth + 1, budget) for item in value]
     if isinstance(value, (int, float)) and not type(value).__module__.startswith(("numpy", "torch")):
         return int(value) if isinstance(value, int) else float(value)  # an IntEnum, a float subclass
-    return _numeric(value, limits, depth)
+    return _numeric(value, limits, depth, budget)
 
 
 def _short(value: Any) -> str:
@@ -181,8 +189,8 @@ def _plainly_fine(items: Mapping[str, Any], limits: Limits) -> bool:
 def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
     """The plain tags of one key; raises _Refuse naming what the wire cannot carry."""
     if len(key) * 4 > limits.max_str_len or not key.isascii():
-        _plain(key, limits, _TAGS_DEPTH)
-    plain = _plain(tags, limits, _TAGS_DEPTH - 1)
+        _plain(key, limits, _TAGS_DEPTH, [1])
+    plain = _plain(tags, limits, _TAGS_DEPTH - 1, [limits.max_items])
     try:
         size = packed_size(plain)
     except (TypeError, ValueError, OverflowError) as exc:  # what the walk let through and msgpack did not
@@ -202,7 +210,7 @@ def screen(upserts: dict[str, dict[str, Any]], refused: list[Refused], limits: L
     for partition, items in upserts.items():
         if len(partition) * 4 > limits.max_str_len or not partition.isascii():
             try:
-                _plain(partition, limits, _TAGS_DEPTH)
+                _plain(partition, limits, _TAGS_DEPTH, [1])
             except _Refuse as exc:
                 refused.extend(Refused(partition, key, f"partition id: {exc}") for key in items)
                 items.clear()

@@ -92,6 +92,16 @@ def test_tags_the_receiver_would_refuse_are_quarantined_and_the_rest_flows(tags,
     assert sent.upserts == {"p": {"good": {"global_steps": 1}}}
 
 
+def test_a_structure_shared_with_itself_exponentially_is_refused_in_bounded_time():
+    shared: list = [1]
+    for _ in range(22):  # 2**22 leaves if walked naively; within max_depth
+        shared = [shared, shared]
+    diff = screen_diff(diff_raw_listing({}, {"p": {"k": {"v": shared}, "ok": {"v": 1}}}, full=True), {}, True,
+                       Limits())
+    assert [(r.key, r.reason) for r in diff.refused] == [("k", "more than max_items=1000000 values in all")]
+    assert diff.upserts == {"p": {"ok": {"v": 1}}}
+
+
 def test_tags_the_receiver_accepts_pass_the_screen_and_plain_scalars_convert():
     tags = {"s": "x" * 1024 * 1024, "b": b"y", "l": [1, 2.5, None, True], "d": {"a": {}}, "t": (1, "two"),
             "np": _Scalar(3), "big": 2**64 - 1, "neg": -(2**63), "arr": _Array([1, 2])}
