@@ -36,6 +36,7 @@ import time
 from typing import Any, Mapping
 
 from ..sources import SourceSpec, load_source
+from .shapes import GARBAGE
 
 __all__ = [
     "FAULTS",
@@ -277,28 +278,6 @@ class _Crash(Fault):
 def crash(*, how: str = "exit", code: int = 1, **trigger: Any) -> Fault:
     """The poller process dies: ``os._exit(code)``, a segfault, ``abort()`` or SIGKILL."""
     return _Crash(how=how, code=code, **trigger)
-
-
-#: Shapes a broken store client can return, each wrong in another way.
-GARBAGE = {
-    "not-a-mapping": lambda: ["not", "a", "mapping"],
-    "partition-not-a-mapping": lambda: {"garbage": ["k1", "k2"]},
-    "non-str-key": lambda: {"garbage": {1: {"status": "success"}}},
-    "tags-not-a-mapping": lambda: {"garbage": {"k": "success"}},
-    "unencodable": lambda: {"garbage": {"k": {"status": "success", "when": object()}}},
-    "non-str-tag-key": lambda: {"garbage": {"k": {"status": "success", 7: "seven"}}},
-    "overlong-string": lambda: {"garbage": {"k": {"status": "success", "text": "x" * (2 * 1024 * 1024)}}},
-    "deep": lambda: {"garbage": {"k": {"status": "success", "deep": _nested(40)}}},
-    "big-int": lambda: {"garbage": {"k": {"status": "success", "global_steps": 2**70}}},
-    "non-str-partition": lambda: {1: {"k": {"status": "success"}}},
-}
-
-
-def _nested(levels: int) -> list[Any]:
-    value: list[Any] = []
-    for _ in range(levels):
-        value = [value]
-    return value
 
 
 class _Garbage(Fault):
