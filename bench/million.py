@@ -24,10 +24,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from .pauses import read_json_line
 
 __all__ = ["main"]
 
@@ -106,18 +107,6 @@ def _converge(rb: Any, db: str, new_step: int, want_keys: int, per_step: int) ->
     return {"converged_s": converged, "equal": equal, "resyncs": rb.stats()["resyncs"]}
 
 
-def _read(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    assert proc.stdout is not None
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()),  # type: ignore[union-attr]
-                              daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not lines or not lines[0]:
-        raise RuntimeError(f"the trainer said nothing within {timeout}s (exit code {proc.poll()})")
-    return dict(json.loads(lines[0]))
-
-
 def run(keys: int, per_step: int, stop_s: float, workdir: str) -> dict[str, Any]:
     from poller.sources.sqlite import SqliteSource
 
@@ -135,7 +124,7 @@ def run(keys: int, per_step: int, stop_s: float, workdir: str) -> dict[str, Any]
                             cwd=_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     stopped = False
     try:
-        out.update(_read(proc, _GENEROUS))
+        out.update(read_json_line(proc, _GENEROUS))
         new_step = keys // per_step + 1
         cleared = "s00000-"
         os.kill(proc.pid, signal.SIGSTOP)
@@ -152,10 +141,10 @@ def run(keys: int, per_step: int, stop_s: float, workdir: str) -> dict[str, Any]
         assert proc.stdin is not None
         proc.stdin.write(f"converge {new_step} {want}\n")
         proc.stdin.flush()
-        out.update(_read(proc, _GENEROUS))
+        out.update(read_json_line(proc, _GENEROUS))
         proc.stdin.write("close\n")
         proc.stdin.flush()
-        out.update(_read(proc, 60))
+        out.update(read_json_line(proc, 60))
     finally:
         if stopped:
             os.kill(proc.pid, signal.SIGCONT)

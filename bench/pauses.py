@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from poller.sources.sqlite import SqliteSource
 
-__all__ = ["PauseOutcome", "run_pause", "main"]
+__all__ = ["PauseOutcome", "run_pause", "read_json_line", "main"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -151,7 +151,8 @@ class _Writer(threading.Thread):
             self.store.close()
 
 
-def _read_json(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    """The next line of ``proc``'s stdout as a JSON object, read under a deadline."""
     assert proc.stdout is not None
     result: list[str] = []
     reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()),  # type: ignore[union-attr]
@@ -180,7 +181,7 @@ def run_pause(target: str, stopped_s: float, workdir: str, *, interval: float = 
     writer = _Writer(db)
     stopped = False
     try:
-        hello = _read_json(proc, _GENEROUS)
+        hello = read_json_line(proc, _GENEROUS)
         pid = proc.pid if target == "trainer" else int(hello["poller_pid"])
         writer.start()
         time.sleep(0.5)  # the stream is flowing
@@ -195,18 +196,18 @@ def run_pause(target: str, stopped_s: float, workdir: str, *, interval: float = 
         if sync_after is not None:
             proc.stdin.write(f"sync {sync_after}\n")
             proc.stdin.flush()
-            synced = _read_json(proc, sync_after + _GENEROUS)
+            synced = read_json_line(proc, sync_after + _GENEROUS)
             out.sync_s, out.sync_error = synced["sync_s"], synced["sync_error"]
             if out.sync_error is not None:
                 out.problems.append(f"sync after SIGCONT: {out.sync_error}")
         proc.stdin.write(f"converge {converge_deadline}\n")
         proc.stdin.flush()
-        result = _read_json(proc, converge_deadline + _GENEROUS)
+        result = read_json_line(proc, converge_deadline + _GENEROUS)
         for name in ("converged_s", "missing", "extra", "wrong", "store_keys", "stats"):
             setattr(out, name, result[name])
         proc.stdin.write("close\n")
         proc.stdin.flush()
-        report = _read_json(proc, _GENEROUS)
+        report = read_json_line(proc, _GENEROUS)
         out.stage, out.drained, out.close_s = report["stage"], report["drained"], report["seconds"]
         if writer.error is not None:
             out.problems.append(f"writer: {writer.error!r}")

@@ -94,12 +94,6 @@ class PartitionStore:
                     policy.on_change(partition_id, key, None, thaw(held))
             self._cond.notify_all()
 
-    def detach(self, policy: Policy) -> None:
-        """Stop calling ``policy`` (no-op if it is not attached)."""
-        with self._cond:
-            if policy in self._policies:
-                self._policies.remove(policy)
-
     def wait_until(self, attempt: Callable[[], T | None], *, timeout: float | None,
                    describe: Callable[[], str], view: str | None = None) -> T:
         """Under the lock: call ``attempt()`` now and after every change until it returns non-None.

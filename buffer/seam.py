@@ -49,9 +49,6 @@ class SamplingSeam:
         """Attach ``policy``; it first sees every key held as an addition."""
         self._store.attach(policy)
 
-    def detach(self, policy: Policy) -> None:
-        self._store.detach(policy)
-
     def decide(self, attempt: Callable[[], T | None], *, partition_id: str, timeout: float | None,
                describe: Callable[[], str], log_every: float | None = None, what: str = "a decision",
                poll_every: float | None = None, on_poll: Callable[[], None] | None = None) -> T:

@@ -129,8 +129,9 @@ class ReplayBuffer:
 
     def __getattr__(self, name: str) -> Any:
         # verl's attributes (trainer_separate_async reads poll_interval), read from the options record.
-        if name in VERL_ATTRIBUTES:
-            return getattr(self.__dict__["_config"], name)
+        config = self.__dict__.get("_config")
+        if name in VERL_ATTRIBUTES and config is not None:
+            return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:

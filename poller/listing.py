@@ -118,10 +118,9 @@ def screen_diff(diff: "ListingDiff", sent: Listing, full: bool, limits: Limits) 
         return diff
     for refusal in refused[before:]:
         held = sent.get(refusal.partition)
+        # A refused upsert is never also a vanished key (those were not listed): no duplicate delete.
         if held is not None and refusal.key in held:
-            keys = diff.deletes.setdefault(refusal.partition, [])
-            if refusal.key not in keys:
-                keys.append(refusal.key)
+            diff.deletes.setdefault(refusal.partition, []).append(refusal.key)
     return diff
 
 

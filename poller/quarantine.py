@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import chain, compress
+from itertools import chain
 from typing import Any, Iterable, Mapping, NamedTuple
 
 from .protocol import Limits, packed_size
@@ -45,8 +45,6 @@ _INT_MAX = 2**64 - 1
 _INT_MIN = -(2**63)
 _SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
 _STR = frozenset({str})
-_INT = frozenset({int})
-_BYTES = frozenset({bytes})
 # body -> upserts -> partition -> tags: a DELTA's tags sit at depth 4.
 _TAGS_DEPTH = 4
 # What encode_delta puts around one key in the worst case, beyond its tags.
@@ -161,23 +159,26 @@ def _plainly_fine(items: Mapping[str, Any], limits: Limits) -> bool:
         return False
     try:
         values = list(chain.from_iterable(map(dict.values, items.values())))
-        names = list(chain.from_iterable(items.values()))
+        # Tag names repeat from key to key: their distinct set is small.
+        names = set(chain.from_iterable(items.values()))
     except TypeError:  # tags that are Mappings but not dicts
         return False
-    types = list(map(type, values))
-    if not set(types) <= _SCALAR_TYPES or not set(map(type, names)) <= _STR:
+    types = set(map(type, values))
+    if not types <= _SCALAR_TYPES or not set(map(type, names)) <= _STR:
         return False
     widest = max(map(len, items.values()), default=0)
     if widest > limits.max_items:
         return False
-    ints = list(compress(values, map(_INT.__contains__, types)))
-    if ints and (max(ints) > _INT_MAX or min(ints) < _INT_MIN):
-        return False
-    strings = list(compress(values, map(_STR.__contains__, types)))
+    if int in types:
+        # isinstance, so bools come along: always in range, and a filter in C.
+        ints = list(filter(int.__instancecheck__, values))
+        if max(ints) > _INT_MAX or min(ints) < _INT_MIN:
+            return False
+    strings = set(filter(str.__instancecheck__, values)) if str in types else set()
+    blobs = set(filter(bytes.__instancecheck__, values)) if bytes in types else set()
     # Non-ASCII text: its UTF-8 length and validity are checked per key.
     if not all(map(str.isascii, strings)) or not all(map(str.isascii, names)) or not all(map(str.isascii, items)):
         return False
-    blobs = compress(values, map(_BYTES.__contains__, types))
     longest = max(max(map(len, names), default=0), max(map(len, strings), default=0),
                   max(map(len, blobs), default=0), max(map(len, items), default=0))
     if longest > limits.max_str_len:

@@ -15,23 +15,17 @@ import pytest
 
 from buffer import ReplayBuffer
 from buffer.verl import ReplayBuffer as VerlSampler
+from poller.faults.shapes import nested
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 
 
-def _nested(levels: int) -> list:
-    value: list = []
-    for _ in range(levels):
-        value = [value]
-    return value
-
-
 BAD_TAGS = {
     "a 2 MB string": ({"global_steps": 1, "status": "success", "text": "x" * (2 * 1024 * 1024)},
                       "exceeds max_str_len"),
-    "nested 40 deep": ({"global_steps": 1, "status": "success", "deep": _nested(40)}, "nested deeper than"),
+    "nested 40 deep": ({"global_steps": 1, "status": "success", "deep": nested(40)}, "nested deeper than"),
 }
 
 

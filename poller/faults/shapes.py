@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["GARBAGE"]
+__all__ = ["GARBAGE", "nested"]
 
 
-def _nested(levels: int) -> list[Any]:
+def nested(levels: int) -> list[Any]:
+    """A list nested ``levels`` deep (``[[[...]]]``)."""
     value: list[Any] = []
     for _ in range(levels):
         value = [value]
@@ -28,7 +29,7 @@ GARBAGE: dict[str, Callable[[], Any]] = {
     "unencodable": lambda: {"garbage": {"k": {"status": "success", "when": object()}}},
     "non-str-tag-key": lambda: {"garbage": {"k": {"status": "success", 7: "seven"}}},
     "overlong-string": lambda: {"garbage": {"k": {"status": "success", "text": "x" * (2 * 1024 * 1024)}}},
-    "deep": lambda: {"garbage": {"k": {"status": "success", "deep": _nested(40)}}},
+    "deep": lambda: {"garbage": {"k": {"status": "success", "deep": nested(40)}}},
     "big-int": lambda: {"garbage": {"k": {"status": "success", "global_steps": 2**70}}},
     "non-str-partition": lambda: {1: {"k": {"status": "success"}}},
 }

@@ -22,6 +22,7 @@ from poller.faults.peer import RoguePeer
 from poller.faults.store import delete
 from poller.listing import commit_listing, diff_raw_listing, screen_diff
 from poller.protocol import Kind, Limits, decode, encode_header, iter_encode_delta
+from poller.faults.shapes import nested
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
 
@@ -30,13 +31,6 @@ SQLITE = "poller.sources.sqlite:SqliteSource"
 
 
 # -- the encoder refuses what the decoder would refuse -----------------------------------------------
-
-def _nested(levels: int) -> list:
-    value: list = []
-    for _ in range(levels):
-        value = [value]
-    return value
-
 
 class _Scalar:
     """Stands for a numpy/torch scalar in tests that import neither: a 0-d value with item()."""
@@ -73,7 +67,7 @@ _Array.__module__ = "numpy"
     ({"text": "x" * (1024 * 1024 + 1)}, "exceeds max_str_len=1048576"),
     ({"text": "é" * (600 * 1024)}, "exceeds max_str_len=1048576"),  # 1.2 MB of UTF-8 in 600k characters
     ({"blob": b"\0" * (1024 * 1024 + 1)}, "exceeds max_str_len=1048576"),
-    ({"deep": _nested(40)}, "nested deeper than max_depth=32"),
+    ({"deep": nested(40)}, "nested deeper than max_depth=32"),
     ({"big": 2**64}, "fits no msgpack integer"),
     ({"small": -(2**63) - 1}, "fits no msgpack integer"),
     ({"text": "\ud800"}, "not valid UTF-8"),
