@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from . import latency, lifecycle, memory, overhead, throughput, verl
+from . import latency, lifecycle, memory, million, overhead, throughput, verl
 from .report import LoadMonitor, Table, environment_lines, write_markdown
 
 Benchmark = Callable[[Callable[[str], None], bool], "Table | list[Table]"]
@@ -29,6 +29,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "start": lifecycle.start,
     "snapshot": throughput.snapshot,
     "memory": memory.gc_and_rss,
+    "million": million.benchmark,
     "verl": verl.run,
 }
 

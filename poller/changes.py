@@ -66,6 +66,22 @@ def diff_changes(sent: Listing, upserts: Any, deletes: Any) -> ListingDiff:
     return diff
 
 
+def _whole(sent: Listing, changes: ListingDiff) -> ListingDiff:
+    """A full diff from what was sent and a change set against it: every key the store holds now.
+
+    The keys unchanged are ``sent``'s own dicts (so the screen passes over them).
+    """
+    upserts = {partition: dict(items) for partition, items in sent.items()}
+    for partition, items in changes.upserts.items():
+        upserts.setdefault(partition, {}).update(items)
+    for partition, keys in changes.deletes.items():
+        held = upserts.get(partition)
+        if held is not None:
+            for key in keys:
+                held.pop(key, None)
+    return ListingDiff({p: items for p, items in upserts.items() if items}, {}, changes.refused)
+
+
 class ListingReader:
     """Reads the source for one poll and holds the change cursor between polls.
 
@@ -90,6 +106,13 @@ class ListingReader:
     def read(self, sent: Listing, full: bool) -> ListingDiff:
         """The diff of this poll against ``sent`` (a full snapshot if ``full``).
 
+        With a change feed, a snapshot asked for after the first one (a
+        RESYNC: the *receiver* lost messages) is what was sent plus this
+        poll's changes, not a new listing: ``sent`` is what the store held at
+        the last poll. A trainer stopped for seconds then costs the store
+        nothing and converges in the time to send the keys (1M SQLite keys:
+        a listing ~5 s, the snapshot from ``sent`` ~1 s).
+
         Raises:
             Exception: whatever the source raised, or TypeError for a
                 malformed answer (see :func:`diff_raw_listing`).
@@ -100,14 +123,14 @@ class ListingReader:
             return diff_raw_listing(sent, self._source.kv_list(), full)
         due = (self.reconcile_interval is not None
                and time.monotonic() - self._listed_at >= self.reconcile_interval)
-        if not full and not due and self._cursor is not None:
+        if not due and self._cursor is not None:
             changes = self._source.kv_changes(self._cursor)
             if changes is not None:
                 cursor, upserts, deletes = changes
                 self._pending = (cursor, False)
                 diff = diff_changes(sent, upserts, deletes)
                 self.last_complete, self.last_deletes = False, deletes or {}
-                return diff
+                return _whole(sent, diff) if full else diff
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
         cursor, listing = self._source.kv_snapshot()
         self._pending = (cursor, True)
