@@ -144,7 +144,8 @@ class PeerTable:
     def control(self, identity: bytes, kind: Kind, reason: str) -> Send:
         """A STOP or RESYNC for ``identity``, stamped with its current epoch."""
         peer = self.peers.get(identity)
-        body = Stop(reason) if kind is Kind.STOP else Resync(reason)
+        known = peer is not None and peer.epoch is not None
+        body = Stop(reason) if kind is Kind.STOP else Resync(reason, peer.next_seq - 1 if peer and known else None)
         return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, body)
 
     def sync(self, identity: bytes, token: int, now: float) -> Send:

@@ -119,6 +119,9 @@ class Stop(NamedTuple):
 
 class Resync(NamedTuple):
     reason: str
+    # The last seq of the poller's epoch the buffer had received when it
+    # asked: a snapshot the poller started after it is already the answer.
+    after: LastSeq | None = None
 
 
 class Sync(NamedTuple):

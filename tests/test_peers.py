@@ -66,6 +66,8 @@ def test_a_gap_asks_for_a_resync_and_ignores_deltas_until_the_snapshot(table: Pe
     started(table)
     actions = table.on_message(ID, delta(5, {"p": {"late": {}}}), 0.1)
     assert kinds(actions) == [Kind.RESYNC] and actions[0].epoch == EPOCH
+    # It names the last seq received: a snapshot the poller started after it already answers.
+    assert actions[0].body.after == 5
     assert table.on_message(ID, delta(6, {"p": {"later": {}}}), 0.2) == []
     assert "later" not in snapshot(table)["p"] and not table.peers[ID].contiguous
     assert table.on_message(ID, delta(7, {"p": {"z": {}}}, full=True, reset=True), 0.3) == []
