@@ -33,7 +33,7 @@ from itertools import compress
 from operator import ne
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
-from poller.protocol import pack_exact, unpack_held
+from poller.protocol import pack_tags, unpack_held
 from poller.vocabulary import Tags
 
 from .errors import BufferClosed
@@ -66,8 +66,8 @@ class BulkPolicy(Policy, Protocol):
 
 
 def freeze(tags: Tags) -> _Held:
-    """``tags`` packed (:func:`~poller.protocol.pack_exact`), or the dict itself when packing would change them."""
-    packed = pack_exact(tags)
+    """``tags`` packed (:func:`~poller.protocol.pack_tags`), or the dict itself when packing would change them."""
+    packed = pack_tags(tags, exact=True)
     return tags if packed is None else packed
 
 

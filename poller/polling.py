@@ -18,7 +18,7 @@ from typing import Callable
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .listing import Listing, commit_listing, screen_diff
 from .messages import Error
-from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta
+from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta, pack_upserts
 from .quarantine import Quarantine
 from .sources import Source, SourceStall
 
@@ -204,8 +204,10 @@ class PollingThread(threading.Thread):
                 # Before the first body: a key the receiver would refuse is
                 # left out (quarantined) instead of failing the poll.
                 diff = screen_diff(diff, sent, full, self._screen_limits)
+                # Packed once: for the wire, and (a change feed's poller) to keep as what was sent.
+                packed = pack_upserts(diff.upserts)
                 first = full
-                for body in iter_encode_delta(diff.upserts, diff.deletes, poll=self.polls + 1, started=started,
+                for body in iter_encode_delta(packed, diff.deletes, poll=self.polls + 1, started=started,
                                               full=full, chunk_items=self.chunk_items,
                                               max_frame_bytes=self.max_frame_bytes, sync=covered):
                     if not self._emit(Kind.DELTA, body, first):
@@ -230,7 +232,7 @@ class PollingThread(threading.Thread):
                 continue
             failures = 0
             # The diff holds copies: nothing the source owns is kept.
-            commit_listing(sent, diff, full)
+            commit_listing(sent, diff, full, packed if self._reader.feed else None)
             if self._reader.last_complete:
                 self.quarantine.replace(diff.refused)
             else:

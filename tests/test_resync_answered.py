@@ -10,8 +10,9 @@ Here a real poller process talks to a ROUTER socket driven by hand.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -28,17 +29,21 @@ DEADLINE_S = 20.0
 
 
 @pytest.fixture
-def router(tmp_path: Path) -> Iterator[tuple[zmq.Socket, str]]:
+def router() -> Iterator[tuple[zmq.Socket, str]]:
+    # Not tmp_path: nested under the suite's temporary directory, its path can pass
+    # the 107 bytes an ipc:// endpoint may have.
+    directory = tempfile.mkdtemp(prefix="resync-")
+    endpoint = f"ipc://{directory}/buffer.sock"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    endpoint = f"ipc://{tmp_path}/buffer.sock"
-    sock.bind(endpoint)
     try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(endpoint)
         yield sock, endpoint
     finally:
         sock.close(0)
         ctx.term()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _next(sock: zmq.Socket, kind: Kind, deadline: float) -> tuple[bytes, Message]:
