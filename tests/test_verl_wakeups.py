@@ -7,11 +7,14 @@ counts the rule evaluations. Real poller process, real SQLite store.
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Any
 
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
-from tests.test_verl import Consumer, make, produce, uids_of  # noqa: F401  (make is a fixture)
+from tests.test_verl import Consumer, produce, uids_of
+from tests.test_verl import make as make  # noqa: F401 (a fixture, used by name)
 
 
 def _settled(rb: Any, polls: int) -> int:
@@ -55,3 +58,18 @@ def test_a_relevant_change_that_does_not_complete_the_wait_is_decided_once(make,
     third = produce(store, "train", "finished")
     batch, _ = consumer.outcome()
     assert {second, third} <= uids_of(batch.keys) and len(batch.keys) == 3
+
+
+def test_a_change_landing_at_any_moment_of_the_wait_is_never_missed(make, store: SqliteSource) -> None:
+    # The version is read under the store's lock and the wait releases that lock atomically, so a change
+    # between the check and the wait still wakes it: changes at random moments, each sample must answer.
+    rng = random.Random(3)
+    rb = make("colocate_async", wait_poll_interval=0.01)
+    for _ in range(15):
+        late = produce(store, "train", "running")
+        consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=1))
+        consumer.start()
+        time.sleep(rng.uniform(0, 0.03))
+        store.kv_put(late, "train", tag={"status": "finished"})
+        batch, _ = consumer.outcome(timeout=20)
+        assert uids_of(batch.keys) == {late}
