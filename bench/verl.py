@@ -191,7 +191,7 @@ def _slowdown(make: Callable[[], _Contender], rollouts: Rollouts, run: _Run, n: 
 
 def _sizes(quick: bool) -> list[tuple[int, int, int]]:
     """(K, verl-v1 rounds, product rounds): fewer of verl's at 1M, where one of its listings alone takes seconds."""
-    return [(10_000, 5, 6), (100_000, 3, 6)] if quick else [(10_000, 20, 15), (100_000, 10, 15), (1_000_000, 3, 15)]
+    return [(10_000, 5, 5), (100_000, 3, 5)] if quick else [(10_000, 20, 15), (100_000, 10, 15), (1_000_000, 3, 15)]
 
 
 def _cpu_row(cpu: Table, k: int, base: dict[str, list[float]], mine: dict[str, list[float]] | None) -> None:
