@@ -227,8 +227,8 @@ def _controller_pid() -> int:
     import ray
 
     controller = ray.get_actor("TransferQueueController", namespace="transfer_queue")
-    pid: int = ray.get(controller.__ray_call__.remote(lambda actor: os.getpid()), timeout=_CALL_TIMEOUT)
-    return pid
+    pid: Any = ray.get(controller.__ray_call__.remote(lambda actor: os.getpid()), timeout=_CALL_TIMEOUT)
+    return int(pid)
 
 
 def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phases: str) -> None:
@@ -252,19 +252,20 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
                 import verl.trainer.ppo.v1.replay_buffer  # noqa: F401  (seconds: not a phase's cost)
         # As in the runner: the product's restarts and escalations, and verl's INFO lines, are noise here
         # (after verl's import, which sets its own level).
-        for name, level in (("buffer", logging.CRITICAL), ("poller", logging.CRITICAL), ("verl", logging.WARNING)):
+        for name, level in (("buffer", logging.CRITICAL), ("poller", logging.CRITICAL),
+                            ("verl.trainer.ppo.v1.replay_buffer", logging.WARNING)):
             logging.getLogger(name).setLevel(level)
         import ray
 
         controller = _controller_pid()
-        pool = [f"g{n:07d}" for n in range(WRITER_POOL)]
         actor_class: Any = ray.remote(num_cpus=1)(Writer)
-        writer = actor_class.remote(pool)
-        ray.get(writer.run.remote(0.5), timeout=_CALL_TIMEOUT)  # the actor is up and its client warm
+        writer = actor_class.remote([f"g{n:07d}" for n in range(WRITER_POOL)])
         groups = 0
         for k in sizes:
             conn.send(("progress", f"tq: preloading {k:,} keys"))
             preload(groups, k // GROUP_KEYS)
+            if not groups:
+                ray.get(writer.run.remote(0.5), timeout=_CALL_TIMEOUT)  # the actor is up and its client warm
             groups = k // GROUP_KEYS
             for r in range(rounds):
                 # Rotated each round, so a drift of the machine's load falls on every phase alike.
