@@ -52,6 +52,7 @@ def _missing(module: str) -> str | None:
 
 
 def run(progress: Callable[[str], None], quick: bool) -> Table:
+    """The ``tq`` table: one row per K and phase, the two goals per K; empty, with the reason, without TransferQueue."""
     sizes, rounds, seconds = _plan(quick)
     table = Table("TQ", f"TransferQueue controller: cost of a sampler blocked in sample(), writer putting "
                         f"16-key batches, {seconds:g} s phases, {rounds} rounds",
@@ -76,9 +77,10 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
     records, info = _host(progress, sizes, rounds, seconds, phases)
     _fill(table, records, sizes, phases)
     table.notes.append("a writer Ray actor rewrites one of 64 preloaded groups per batch (16 trajectory keys, "
-                       "tags global_steps/status/reward, a 16×8 tensor field), so K stays fixed while tags change; "
-                       "preloaded groups are a running prompt and 15 trajectories, so nothing is ever sampleable "
-                       "and each sampler waits the whole phase")
+                       "tags global_steps/status/reward, a 16×8 tensor field), so K stays fixed (plus each of "
+                       "those groups' 16th trajectory: 64 keys) while tags change; preloaded groups are a running "
+                       "prompt and 15 trajectories, so nothing is ever sampleable and each sampler waits the whole "
+                       "phase")
     table.notes.append("both samplers as verl builds them: trainer_mode colocate_async, threshold None, no "
                        "sampler_kwargs, so each lists at its defaults (buffer.verl: poll_interval 0.2 s and, while "
                        "sample() waits, every wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s); "
@@ -96,6 +98,7 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
 
 
 def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases: str) -> None:
+    """Rows and goals from the host's phase records (medians over rounds, ratios paired by round)."""
     for k in sizes:
         by_phase = {p: [r for r in records if r["k"] == k and r["phase"] == p] for p in phases}
         rates = {p: {r["round"]: r["batches"] / r["seconds"] for r in rs} for p, rs in by_phase.items()}
