@@ -207,7 +207,7 @@ def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str,
     make = SAMPLERS[name]
     blocked = make() if make is not None else None
     try:
-        time.sleep(0.2)  # the sampler is now in its wait (its first decision found nothing to sample)
+        time.sleep(0.2)  # into its wait loop (verl's first listing may still run: it lists all phase anyway)
         listings = blocked.listings() if blocked else 0
         lister = blocked.lister_cpu() if blocked else 0.0
         cpu, wall = cpu_seconds(f"/proc/{controller}/stat"), time.perf_counter()
