@@ -58,12 +58,14 @@ def test_a_resync_of_the_same_tags_changes_nothing():
 
 def test_after_one_full_collection_the_big_containers_are_not_tracked():
     store = _Store()
-    items = {f"k{i}": {"global_steps": i % 3, "status": "success", "r": i / 7} for i in range(20_000)}
+    items = {f"k{i}": {"global_steps": i % 3, "status": ("success", "running")[i % 2], "r": i / 7}
+             for i in range(20_000)}
     store.merge_listed("src", "train", items)
     gc.collect()
     items = store._parts["train"]
     index = store.steps.index.parts["train"]
-    untracked = [items, index.arrival, index.success, store.ledger._listed["src"]["train"]]
+    untracked = [items, index.arrival, index.success, store.ledger._listed["src"]["train"],
+                 *index.running_by_step.values(), *index.success_by_step.values()]
     assert not any(gc.is_tracked(c) for c in untracked)
     store.merge_listed("src", "train", {"k1": {"status": "running"}, "new": {"status": "success"}})
     assert not gc.is_tracked(items)  # packed values never make it tracked again
