@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from itertools import compress
+from operator import methodcaller
 from typing import Any, Mapping, NamedTuple
 
 from poller.vocabulary import RUNNING, SUCCESS, Tags
@@ -30,6 +32,10 @@ class BatchMeta(NamedTuple):
     partition_id: str
     keys: list[str]
     tags: list[Tags]
+
+
+_STATUS = methodcaller("get", "status")
+_STEP = methodcaller("get", "global_steps")
 
 
 def _classify(tags: Mapping[str, Any] | None) -> tuple[Any, Any]:
@@ -90,14 +96,20 @@ class StepIndex:
         first = self._arrivals + 1
         self._arrivals += len(keys)
         part.arrival.update(zip(keys, range(first, first + len(keys))))
-        groups: dict[tuple[Any, Any], list[str]] = {}
+        pairs = list(zip(map(_STATUS, tags), map(_STEP, tags)))
         try:
-            for key, one in zip(keys, tags):
-                groups.setdefault((one.get("status"), one.get("global_steps")), []).append(key)
+            distinct = set(pairs)
         except TypeError:  # an unhashable status or step: key by key, as on_change does
             for key, one in zip(keys, tags):
                 self._reindex(part, key, (None, None), _classify(one))
             return
+        groups: dict[tuple[Any, Any], list[str]] = {}
+        if len(distinct) <= 8:  # a snapshot's chunk holds few (status, step) pairs: one C-level pass each
+            for pair in distinct:
+                groups[pair] = list(compress(keys, map(pair.__eq__, pairs)))
+        else:
+            for key, pair in zip(keys, pairs):
+                groups.setdefault(pair, []).append(key)
         for (status, step), members in groups.items():
             if status == RUNNING and step is not None:
                 part.running_by_step.setdefault(step, {}).update(dict.fromkeys(members))

@@ -238,6 +238,9 @@ class PollingThread(threading.Thread):
             else:
                 self.quarantine.update(diff.refused, diff.upserts, self._reader.last_deletes)
             self._reader.commit()
+            # Not kept until the next poll: after a snapshot of a million keys the
+            # diff holds every listed tag dict (~300 MB).
+            del diff, packed
             full = False
             self.polls += 1
             # A fixed schedule, start to start: a change waits interval/2 on
