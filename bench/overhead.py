@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from buffer import ReplayBuffer
 
@@ -30,20 +31,62 @@ def ours(keys: int, changes: int, interval: float) -> ReplayBuffer:
     return rb
 
 
-def _spin(n: int, others: list[float] | None = None) -> float:
+def _spin(n: int, others: list[float] | None = None, queued: list[float] | None = None) -> float:
     """A CPU-bound loop in the main thread; returns its wall time.
 
     ``others`` gets the CPU share of the process's other threads meanwhile
-    (a figure the machine's load does not move, unlike the wall time).
+    (a figure the machine's load does not move, unlike the wall time);
+    ``queued`` the seconds the loop was runnable but waiting for a core.
     """
-    started, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
+    started, cpu, own, waited = time.perf_counter(), time.process_time(), time.thread_time(), _run_queue_wait()
     total = 0
     for i in range(n):
         total += i * i % 7
     wall = time.perf_counter() - started
     if others is not None:
         others.append(((time.process_time() - cpu) - (time.thread_time() - own)) / wall)
+    if queued is not None:
+        queued.append(_run_queue_wait() - waited)
     return wall
+
+
+def _run_queue_wait() -> float:
+    """Seconds this thread has waited for a core, runnable (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class _Loop(NamedTuple):
+    """One loop's wall time, and the part of it spent queued for a core."""
+
+    wall: float
+    queued: float
+
+    @classmethod
+    def collected(cls, n: int, others: list[float] | None = None) -> _Loop:
+        """:func:`_spin` from a collected heap.
+
+        A contender's start leaves garbage-collector debt behind (a full
+        snapshot's 100k tag dicts) that its steady state does not have; the
+        loop alone gets the same collection, so neither half of a pair pays
+        for it.
+        """
+        gc.collect()
+        queued: list[float] = []
+        return cls(_spin(n, others, queued), queued[0])
+
+
+def _bracketed(beside: _Loop, before: _Loop, after: _Loop) -> tuple[float, float]:
+    """The loop beside a poller against the mean of the loops alone just before and after it.
+
+    A drift of the machine's load within the pair cancels. Second: the same
+    without the time queued for a core.
+    """
+    return (beside.wall / ((before.wall + after.wall) / 2),
+            (beside.wall - beside.queued) / ((before.wall - before.queued + after.wall - after.queued) / 2))
 
 
 def _calibrate(seconds: float) -> int:
@@ -64,28 +107,34 @@ def slowdown(progress: Callable[[str], None], quick: bool) -> Table:
     }
     table = Table("1", f"main-thread slowdown, K={keys:,}, {changes} changes per poll, {1 / interval:g} polls/s",
                   ["contender", "loop alone ms", "loop beside poller ms", "slowdown ×",
-                   "trainer's other threads, % of a core"])
+                   "× without waits for a core", "trainer's other threads, % of a core"])
     results = {}
     for name, make in contenders.items():
-        alone, beside, ratios, others = [], [], [], []
+        alone, beside = [_Loop.collected(n)], []
+        ratios: list[tuple[float, float]] = []
+        others: list[float] = []
         for r in range(reps):
             progress(f"slowdown: {name} {r + 1}/{reps}")
             subject = make()
             try:
-                beside.append(_spin(n, others))
+                beside.append(_Loop.collected(n, others))
             finally:
                 subject.close()
-            # The loop alone right after, so a change in the machine's load
-            # hits both halves of the pair alike.
-            alone.append(_spin(n))
-            ratios.append(beside[-1] / alone[-1])
-        results[name] = median(ratios)
-        table.add(name, median(alone) * 1e3, median(beside) * 1e3, results[name], median(others) * 100)
+            alone.append(_Loop.collected(n))
+            ratios.append(_bracketed(beside[-1], alone[-2], alone[-1]))
+        results[name] = median([wall for wall, _ in ratios])
+        table.add(name, median([a.wall for a in alone]) * 1e3, median([b.wall for b in beside]) * 1e3, results[name],
+                  median([in_process for _, in_process in ratios]), median(others) * 100)
     table.goals.append(Goal("product slowdown", results["product"], 1.05))
-    table.notes.append("median of per-pair ratios (loop beside a running poller, then alone); the loop is pure "
+    table.notes.append("median of per-pair ratios (loop beside a running poller, against the mean of the loops "
+                       "alone just before and just after it, each from a collected heap); the loop is pure "
                        "Python in the trainer's main thread; the poller process (about 40% of a core here, "
                        "for its O(K) check and diff per poll) shares the machine's cores, so on a loaded machine "
                        "the wall-time slowdown also counts the competition for a core")
+    table.notes.append("without waits for a core: the same ratio of wall times less the time the loop was runnable "
+                       "but queued for a core (/proc/thread-self/schedstat): the GIL and cache cost in the trainer "
+                       "process, without the competition for the machine's cores (its other load, and a poller "
+                       "process, which a trainer's many-core host has room for)")
     table.notes.append("the last column is the CPU the trainer process spends beside the loop (receiver, "
                        "supervisor; for thread and mpqueue their merge): what the loop loses to the GIL at most")
     return table

@@ -42,6 +42,19 @@ def make_listing(k: int) -> Listing:
     return listing
 
 
+class StuckAfterFirstPoll:
+    """A source whose second ``kv_list()`` never returns (a store gone away)."""
+
+    def __init__(self) -> None:
+        self._calls = 0
+
+    def kv_list(self) -> dict:
+        self._calls += 1
+        if self._calls > 1:
+            threading.Event().wait()
+        return {}
+
+
 class SyntheticSource:
     """``kv_list()`` over an in-memory listing of ``keys`` keys.
 

@@ -63,6 +63,7 @@ class PrivateIpcDir:
         self.path = path
         self.owner_pid = os.getpid()
         self._disarmed = False
+        self._removed = False
         _live.add(self)
 
     @classmethod
@@ -96,9 +97,10 @@ class PrivateIpcDir:
         self._disarmed = True
 
     def remove(self) -> None:
-        """Remove the directory, in its owner process only; idempotent."""
-        if self.owned:
+        """Remove the directory, in its owner process only; idempotent (and thread-safe)."""
+        if self.owned and not self._removed:
             shutil.rmtree(self.path, ignore_errors=True)
+            self._removed = True
 
 
 # Every directory this process holds; a forked child disarms its copies.

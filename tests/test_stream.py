@@ -9,6 +9,8 @@ import logging
 import pytest
 
 from buffer import ReplayBuffer
+from buffer.partitions import PartitionStore
+from buffer.stream import StreamReceiver
 from poller.faults.peer import RoguePeer as Peer
 from poller.protocol import Kind, encode_body, encode_header
 from tests.conftest import alive as _alive, wait_until
@@ -98,3 +100,39 @@ def test_a_dropped_buffer_is_closed_by_its_finalizer(db):
     del rb
     gc.collect()
     assert wait_until(lambda: not _alive(pid), timeout=5)
+
+def _receiver() -> tuple[StreamReceiver, PartitionStore, str]:
+    store = PartitionStore()
+    receiver = StreamReceiver(store, "tcp://127.0.0.1:0")
+    return receiver, store, receiver.start()
+
+def test_the_receiver_ends_on_the_awaited_bye_and_runs_its_clean_up():
+    receiver, store, endpoint = _receiver()
+    peer = Peer(endpoint)
+    ran: list[str] = []
+    try:
+        peer.ready()
+        receiver.stop_after_bye("rogue", peer.epoch, then=lambda: ran.append("clean-up"))
+        peer.send(Kind.BYE, {"last_seq": peer.seq - 1, "reason": "STOP"})
+        assert receiver.wait_bye("rogue", peer.epoch, 5.0)  # applied, and no gap before it
+        assert wait_until(lambda: ran == ["clean-up"])
+    finally:
+        peer.close()
+        receiver.stop()
+        store.close()
+    assert ran == ["clean-up"]  # once
+
+def test_a_receiver_stopped_before_the_bye_does_not_run_the_clean_up():
+    receiver, store, endpoint = _receiver()
+    peer = Peer(endpoint)
+    ran: list[str] = []
+    try:
+        peer.ready()
+        receiver.stop_after_bye("rogue", peer.epoch, then=lambda: ran.append("clean-up"))
+        peer.delta({"p": {"a": {"v": 1}}}, full=True, reset=True)
+        assert wait_until(lambda: "a" in store.snapshot("p"))
+    finally:
+        peer.close()
+        receiver.stop()
+        store.close()
+    assert ran == []

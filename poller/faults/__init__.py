@@ -231,10 +231,20 @@ class _Wedge(Fault):
             raise RuntimeError("this fault must be built in the main thread (it installs a signal handler)")
         super().__init__(**trigger)
         self._sigterm = sigterm
+        # The marker says the control loop is wedged, so it is written by the
+        # wedge itself: written when the source fired, it let a test's close()
+        # send STOP before the signal arrived, and the poller said BYE (a
+        # drained close that the test took for a wedged one).
+        self._wedged_marker: str | None = None
+        if not self.once:  # a once-only fault keeps the marker that picks the one process
+            self._wedged_marker, self.marker = self.marker, None
         signal.signal(_WEDGE_SIGNAL, self._stuck)
 
     def _stuck(self, signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, self._sigterm)
+        if self._wedged_marker:
+            with open(self._wedged_marker, "w") as f:
+                f.write(str(os.getpid()))
         while True:
             time.sleep(3600)
 
