@@ -7,6 +7,8 @@ encodes the diff), and tests call them directly.
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import and_, eq, is_not, not_
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from .protocol import Limits, fresh_strs, pack_tags
@@ -35,8 +37,8 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
     A refused key that ``sent`` holds is deleted unless ``full``.
 
     Only changed tags are copied; an unchanged key costs one lookup and one
-    comparison in C, and nothing is built for it unless ``full`` (K=100k,
-    1% changed: 87 ms -> 39 ms per poll). ``sent`` is not modified;
+    comparison, both in C-level passes over the partition, and nothing is
+    built for it unless ``full``. ``sent`` is not modified;
     :func:`commit_listing` applies the diff once it was encoded.
 
     Raises:
@@ -62,22 +64,16 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
             refused.extend(Refused(partition, key, why) for key in items)
             continue
         previous = sent.get(partition, {})
-        changed: dict[str, Tags] = {}
+        keys = list(items)
+        values = list(items.values())
+        helds: list[Any] = list(map(previous.get, keys)) if previous else [None] * len(keys)
+        same = _same(helds, values)
+        matched = len(helds) - helds.count(None)
+        # Unchanged keys keep the very objects sent (the screen skips those).
+        changed: dict[str, Tags] = dict(compress(zip(keys, helds), same)) if full else {}
         dropped: list[str] = []
-        matched = 0
-        for key, tags in items.items():
-            held = previous.get(key)
-            if held is not None:
-                matched += 1
-                try:
-                    # held was screened when it was sent; kept packed, it is compared packed.
-                    same = held == tags if type(held) is not bytes else held == _packed(tags)
-                except Exception:  # a value whose == is not a bool (an array): changed
-                    same = False
-                if same:
-                    if full:
-                        changed[key] = held
-                    continue
+        for i in compress(range(len(keys)), map(not_, same)):
+            key, tags, held = keys[i], values[i], helds[i]
             if not isinstance(key, str):
                 refused.append(Refused(partition, key, f"key is {type(key).__name__}, not str"))
                 continue
@@ -176,6 +172,35 @@ def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
                 held.pop(key, None)
             if not held:
                 del sent[partition]
+
+
+def _same(helds: list[Any], values: list[Any]) -> list[bool]:
+    """Whether each listed tags equal what was sent (``None``: never sent), compared in C where it can be.
+
+    Tag dicts compare in one C-level pass (K=100k: ~30 ms of a ~90 ms diff
+    was the Python loop around the comparison). Kept packed, or holding a
+    value whose ``==`` is not a plain bool (an array), they are compared one
+    by one, and such a value counts as changed.
+    """
+    if helds.count(None) == len(helds):
+        return [False] * len(helds)
+    if bytes not in set(map(type, helds)):
+        try:
+            # A key never sent is changed, even listed as None (None == None).
+            return list(map(and_, map(is_not, helds, repeat(None)), map(bool, map(eq, helds, values))))
+        except Exception:  # an array's ==, somewhere: one by one below
+            pass
+    return [_same_one(held, tags) for held, tags in zip(helds, values)]
+
+
+def _same_one(held: Any, tags: Any) -> bool:
+    if held is None:
+        return False
+    try:
+        # held was screened when it was sent; kept packed, it is compared packed.
+        return bool(held == tags) if type(held) is not bytes else held == _packed(tags)
+    except Exception:  # a value whose == is not a bool (an array): changed
+        return False
 
 
 def _packed(tags: Any) -> bytes | None:
