@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 #: Seconds between the full listings that check a source's change feed; None: never.
 DEFAULT_RECONCILE_INTERVAL = 600.0
 
-def diff_changes(sent: Listing, upserts: Any, deletes: Any) -> ListingDiff:
+def diff_changes(sent: Listing, upserts: Any, deletes: Any, copy: bool = True) -> ListingDiff:
     """Check a ``kv_changes()`` result and turn it into the diff against ``sent``.
 
     Upserts whose tags equal what was sent are dropped, as are deletes of
@@ -43,7 +43,7 @@ def diff_changes(sent: Listing, upserts: Any, deletes: Any) -> ListingDiff:
         TypeError: the change set is not ``{str: {str: mapping}}`` /
             ``{str: [str, ...]}``, naming the first offending entry.
     """
-    diff = diff_raw_listing(sent, upserts, full=False, complete=False)
+    diff = diff_raw_listing(sent, upserts, full=False, complete=False, copy=copy)
     if deletes is None:
         deletes = {}
     if not isinstance(deletes, Mapping):
@@ -87,8 +87,11 @@ class ListingReader:
 
     :meth:`read` returns the diff against ``sent``; the cursor it reached
     takes effect only with :meth:`commit`, called once the diff was sent and
-    committed to ``sent``. A poll that failed half-way is read again from
-    the old cursor, so no change is lost.
+    committed to ``sent``. With a change feed the diff may hold the source's
+    own tag dicts: its caller keeps what was sent packed
+    (:func:`~poller.listing.commit_listing` with ``packed``), not those dicts.
+    A poll that failed half-way is read again from the old cursor, so no
+    change is lost.
     """
 
     def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL) -> None:
@@ -128,13 +131,14 @@ class ListingReader:
             if changes is not None:
                 cursor, upserts, deletes = changes
                 self._pending = (cursor, False)
-                diff = diff_changes(sent, upserts, deletes)
+                diff = diff_changes(sent, upserts, deletes, copy=False)
                 self.last_complete, self.last_deletes = False, deletes or {}
                 return _whole(sent, diff) if full else diff
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
         cursor, listing = self._source.kv_snapshot()
         self._pending = (cursor, True)
-        return diff_raw_listing(sent, listing, full)
+        # What was sent is kept packed (PollingThread): no tag dict needs copying.
+        return diff_raw_listing(sent, listing, full, copy=False)
 
     def commit(self) -> None:
         """The diff :meth:`read` returned was sent: continue from its cursor."""

@@ -19,7 +19,7 @@ __all__ = ["Listing", "ListingDiff", "diff_raw_listing", "screen_diff", "commit_
 
 
 
-def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True) -> "ListingDiff":
+def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True, copy: bool = True) -> "ListingDiff":
     """Check a ``kv_list()`` result and diff it against ``sent``, in one pass over ``raw``.
 
     The diff holds the keys whose tags changed since ``sent`` (as fresh
@@ -29,6 +29,8 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
     because after a restart this side no longer knows what it had sent.
     ``raw=None`` means nothing is stored. ``complete=False`` (a change set,
     not a listing): nothing is a delete, keys absent from ``raw`` are kept.
+    ``copy=False``: the diff may hold the source's own tag dicts, for a
+    caller that keeps none of them (a change feed's poller keeps bytes).
 
     A key that is not a ``str``, in a partition whose id is not a ``str``
     or whose entry is not a mapping, or whose tags are not a mapping is
@@ -72,7 +74,14 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
         # Unchanged keys keep the very objects sent (the screen skips those).
         changed: dict[str, Tags] = dict(compress(zip(keys, helds), same)) if full else {}
         dropped: list[str] = []
-        for i in compress(range(len(keys)), map(not_, same)):
+        todo = list(compress(range(len(keys)), map(not_, same)))
+        new_keys = [keys[i] for i in todo]
+        new_tags = [values[i] for i in todo]
+        if set(map(type, new_keys)) <= _STR and set(map(type, new_tags)) <= _DICT:
+            # The usual case (a first listing: every key): copied in one C-level pass.
+            changed.update(zip(new_keys, map(dict, new_tags) if copy else new_tags))
+            todo = []
+        for i in todo:
             key, tags, held = keys[i], values[i], helds[i]
             if not isinstance(key, str):
                 refused.append(Refused(partition, key, f"key is {type(key).__name__}, not str"))
@@ -84,7 +93,7 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
                 if held is not None:
                     dropped.append(key)
                 continue
-            changed[key] = dict(tags)
+            changed[key] = dict(tags) if copy or type(tags) is not dict else tags
         if items:
             listed.add(partition)
         if changed:
@@ -172,6 +181,10 @@ def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
                 held.pop(key, None)
             if not held:
                 del sent[partition]
+
+
+_STR = frozenset({str})
+_DICT = frozenset({dict})
 
 
 def _same(helds: list[Any], values: list[Any]) -> list[bool]:
