@@ -14,20 +14,29 @@ through no fault of the poller (rows edited with the store's triggers
 dropped, a deletion log trimmed by hand) within a bounded time, at the cost
 of one listing per interval (at 1M keys ~4 s of the poller's CPU every
 10 min, under 1% of a core).
+
+Every full listing (``kv_list()``, ``kv_snapshot()``) is timed and kept
+within the listing share (:class:`~poller.duty.ListingDuty`): the polling
+thread waits :meth:`ListingReader.wait_for` before a poll that lists, and a
+reconciliation due before the share allows it reads the change feed once
+more instead. Change reads are not bounded: one costs milliseconds.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
+from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, ListingDiff, diff_raw_listing
 from .sources import Source, has_change_feed
 
 __all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Seconds between the full listings that check a source's change feed; None: never.
 DEFAULT_RECONCILE_INTERVAL = 600.0
@@ -75,10 +84,12 @@ class ListingReader:
     the old cursor, so no change is lost.
     """
 
-    def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL) -> None:
+    def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
+                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
         self._source: Any = source
         self.feed = has_change_feed(source)
         self.reconcile_interval = reconcile_interval
+        self.duty = ListingDuty(listing_share)
         self._cursor: Any = None
         self._pending: Any = None
         self._listed_at = time.monotonic()
@@ -86,6 +97,17 @@ class ListingReader:
         # holds), or a change set and the deletions it reported.
         self.last_complete = True
         self.last_deletes: Mapping[str, Any] = {}
+
+    def wait_for(self, full: bool) -> float:
+        """Seconds to wait before this poll's read (0: read now), to keep listings within the share.
+
+        Only a read that lists waits: every read of a source without a
+        change feed, and a snapshot (``full``, or no cursor yet) of one with
+        it. A due reconciliation never waits: :meth:`read` defers it instead.
+        """
+        if self.feed and not full and self._cursor is not None:
+            return 0.0
+        return self.duty.wait_for()
 
     def read(self, sent: Listing, full: bool) -> ListingDiff:
         """The diff of this poll against ``sent`` (a full snapshot if ``full``).
@@ -97,9 +119,10 @@ class ListingReader:
         self._pending = None
         self.last_complete, self.last_deletes = True, {}
         if not self.feed:
-            return diff_raw_listing(sent, self._source.kv_list(), full)
+            return diff_raw_listing(sent, self._listing(self._source.kv_list), full)
         due = (self.reconcile_interval is not None
-               and time.monotonic() - self._listed_at >= self.reconcile_interval)
+               and time.monotonic() - self._listed_at >= self.reconcile_interval
+               and self.duty.wait_for() == 0)
         if not full and not due and self._cursor is not None:
             changes = self._source.kv_changes(self._cursor)
             if changes is not None:
@@ -108,10 +131,30 @@ class ListingReader:
                 diff = diff_changes(sent, upserts, deletes)
                 self.last_complete, self.last_deletes = False, deletes or {}
                 return diff
+            # Listed at once, within the share or not: a feed that lost its
+            # cursor has nothing else to offer, and this is rare.
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
-        cursor, listing = self._source.kv_snapshot()
+        cursor, listing = self._listing(self._source.kv_snapshot)
         self._pending = (cursor, True)
         return diff_raw_listing(sent, listing, full)
+
+    def _listing(self, call: Callable[[], _T]) -> _T:
+        """``call()``, a full listing, timed into the duty cycle (also when it raises)."""
+        began = time.monotonic()
+        try:
+            return call()
+        finally:
+            self.duty.record(began, time.monotonic() - began)
+
+    def include(self, partition_ids: frozenset[str]) -> None:
+        """List these partitions too from now on, when the source lists a chosen set of them.
+
+        Calls the source's optional ``include_partitions(ids)``; a source
+        without it lists every partition already, these included.
+        """
+        include = getattr(self._source, "include_partitions", None)
+        if callable(include):
+            include(sorted(partition_ids))
 
     def commit(self) -> None:
         """The diff :meth:`read` returned was sent: continue from its cursor."""
