@@ -15,20 +15,13 @@ Why :data:`DEFAULT_LISTING_SHARE` is 0.014: verl 0.9.1's own sampler
 ``time.sleep(self.poll_interval)`` before the next listing; its trainer never
 passes ``poll_interval``, so the constructor's default of 2.0 s holds. One
 cycle is ``d + 2.0`` seconds of which ``d`` is listing, a share of
-``d / (d + 2.0)``:
-
-======== ========== =================
-keys     ``d``      verl's share
-======== ========== =================
-10k      ~0.03 s    0.03/2.03 = 0.0148
-100k     ~0.36 s    0.36/2.36 = 0.153
-======== ========== =================
-
-A fixed share no higher than verl's across that range is at most 0.0148;
-0.014 is the largest value of two significant digits below it. The price is freshness on a
-large store: at 100k keys the listings come every ~26 s (verl: every 2.4 s);
-``listing_share`` raises it (0.15 matches verl at 100k keys, 1.0 turns the
-bound off).
+``d / (d + 2.0)``: at 10k TransferQueue keys (``d`` ~0.03 s) 0.03/2.03 =
+0.0148, at 100k keys (``d`` ~0.36 s) 0.36/2.36 = 0.153. A fixed share no
+higher than verl's across that range is at most 0.0148; 0.014 is the
+largest value of two significant digits below it. The price is freshness
+on a large store: at 100k keys the listings come every ~26 s (verl: every
+2.4 s); ``listing_share`` raises it (0.15 matches verl at 100k keys, 1.0
+turns the bound off).
 """
 
 from __future__ import annotations
