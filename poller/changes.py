@@ -15,11 +15,11 @@ dropped, a deletion log trimmed by hand) within a bounded time, at the cost
 of one listing per interval (at 1M keys ~4 s of the poller's CPU every
 10 min, under 1% of a core).
 
-Every full listing (``kv_list()``, ``kv_snapshot()``) is timed and kept
-within the listing share (:class:`~poller.duty.ListingDuty`): the polling
-thread waits :meth:`ListingReader.wait_for` before a poll that lists, and a
-reconciliation due before the share allows it reads the change feed once
-more instead. Change reads are not bounded: one costs milliseconds.
+Every full listing (``kv_list()``, ``kv_snapshot()``) is timed into the
+listing share (:class:`~poller.duty.ListingDuty`). Without a change feed the
+polling thread waits :meth:`ListingReader.wait_for` before each poll; with
+one, a reconciliation due before the share allows it reads the change feed
+once more instead. Change reads and snapshots (start, RESYNC) are not held.
 """
 
 from __future__ import annotations
@@ -101,13 +101,12 @@ class ListingReader:
     def wait_for(self, full: bool) -> float:
         """Seconds to wait before this poll's read (0: read now), to keep listings within the share.
 
-        Only a read that lists waits: every read of a source without a
-        change feed, and a snapshot (``full``, or no cursor yet) of one with
-        it. A due reconciliation never waits: :meth:`read` defers it instead.
+        Only a source without a change feed waits: each of its reads is a
+        full listing. A source with one is read now: a change read costs
+        milliseconds, a snapshot (start, RESYNC) is what the buffer needs to
+        go on, and a due reconciliation is deferred by :meth:`read` instead.
         """
-        if self.feed and not full and self._cursor is not None:
-            return 0.0
-        return self.duty.wait_for()
+        return 0.0 if self.feed else self.duty.wait_for()
 
     def read(self, sent: Listing, full: bool) -> ListingDiff:
         """The diff of this poll against ``sent`` (a full snapshot if ``full``).

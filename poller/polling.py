@@ -53,10 +53,11 @@ class PollingThread(threading.Thread):
     it never makes the poller give up). One WARNING is logged per *episode*,
     from the first stalled call until ``kv_list()`` answers again.
 
-    Full listings keep within ``listing_share`` of the wall clock
-    (:mod:`poller.duty`): a SYNC or RESYNC that arrives sooner is answered
-    by the next listing the share allows, never dropped; STOP ends the wait
-    at once.
+    Listings of a source without a change feed keep within
+    ``listing_share`` of the wall clock (:mod:`poller.duty`): a SYNC or
+    RESYNC that arrives sooner is answered by the next listing the share
+    allows, never dropped; STOP ends the wait at once. (With a change feed
+    only the periodic reconciliation keeps to it: :mod:`poller.changes`.)
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes], bool], *, interval: float,

@@ -19,8 +19,10 @@ import pytest
 
 from buffer import BufferClosed, ReplayBuffer
 from buffer.verl_config import SamplerConfig, VerlConfigError
+from poller.changes import ListingReader
 from poller.cli import main as poller_main
 from poller.errors import ProtocolError
+from poller.listing import commit_listing
 from poller.messages import Heartbeat, Sync
 from poller.protocol import Kind, Message, decode, encode, encode_header
 from tests.conftest import wait_until
@@ -209,3 +211,19 @@ def test_sync_partitions_and_heartbeat_listing_figures_cross_the_wire() -> None:
 def test_the_decoder_refuses_bad_listing_fields(kind: Kind, body: dict[str, object], match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         decode([encode_header(kind, 5, 1), msgpack.packb(body, use_bin_type=True)])
+
+
+@pytest.mark.parametrize("share, reconciled", [(1.0, True), (1e-6, False)])
+def test_a_reconciliation_of_a_change_feed_waits_for_the_share(store, share: float, reconciled: bool) -> None:
+    store.kv_put("k0", "train", tag={"status": "running"})
+    reader = ListingReader(store, reconcile_interval=0.0, listing_share=share)  # a reconciliation always due
+    sent: dict = {}
+    commit_listing(sent, reader.read(sent, full=True), full=True)
+    reader.commit()
+    assert reader.wait_for(full=False) == 0 and reader.wait_for(full=True) == 0  # a feed is never held
+    store.kv_put("k1", "train", tag={"status": "running"})
+    diff = reader.read(sent, full=False)
+    # At share 1e-6 the next full listing may start only ~10^6 listings' time later: the feed is read instead.
+    assert reader.last_complete is reconciled
+    assert diff.upserts == {"train": {"k1": {"status": "running"}}}
+    assert reader.duty.listings == (2 if reconciled else 1)
