@@ -72,6 +72,17 @@ def test_listings_keep_to_the_share_while_syncs_ask_every_20ms(tmp_path: Path) -
     assert len(answered) >= 5
 
 
+def test_a_stalled_call_counts_for_the_time_it_ran(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    # The store may still be working on a call we gave up on: the next one waits as after a listing.
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.05, "stall": True}, poll_interval=0.02,
+                      listing_share=0.25, start_timeout=30) as rb:
+        assert wait_until(lambda: len(listing_starts(log)) >= 4, timeout=60)
+        assert wait_until(lambda: rb.stats()["source_stalls"] >= 3, timeout=30)
+    starts = [when for when, _ in listing_starts(log)]
+    assert all(later - earlier >= 0.05 / 0.25 for earlier, later in zip(starts, starts[1:]))
+
+
 def test_a_sync_asked_during_the_hold_is_answered_by_the_next_listing(tmp_path: Path) -> None:
     log = str(tmp_path / "listings.log")
     with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.1}, poll_interval=60.0,

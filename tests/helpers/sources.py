@@ -119,12 +119,14 @@ class TimedListing:
     count listings and measure the gaps between their starts. It holds one
     key in each of ``stored`` partitions and, like the TransferQueue source,
     lists only ``partition_ids`` when given (growing with ``include_partitions``).
+    With ``stall`` every call raises :class:`~poller.sources.SourceStall` after ``seconds``.
     """
 
     def __init__(self, log: str, seconds: float = 0.0, stored: tuple[str, ...] = ("train",),
-                 partition_ids: list[str] | None = None) -> None:
+                 partition_ids: list[str] | None = None, stall: bool = False) -> None:
         self.log = log
         self.seconds = seconds
+        self.stall = stall  # give up after ``seconds``, as a source with a deadline does
         self.stored = stored
         self.partition_ids = partition_ids
 
@@ -139,6 +141,10 @@ class TimedListing:
         with open(self.log, "a") as f:
             f.write(f"{time.monotonic()!r} {','.join(listed)}\n")
         time.sleep(self.seconds)
+        if self.stall:
+            from poller.sources import SourceStall
+
+            raise SourceStall(f"no answer within {self.seconds}s")
         return {p: {f"{p}-key": {"global_steps": 1, "status": "success"}} for p in listed}
 
 
