@@ -11,8 +11,18 @@ import signal
 import time
 from typing import Any
 
-from tests.conftest import wait_until
 from tests.integration.verl_scenarios import _closed, custom_path, group
+
+
+def wait_until(predicate: Any, timeout: float) -> bool:
+    """Poll ``predicate`` until true or ``timeout``. (Not tests.conftest's: importing that module here,
+    in the store host, would make the host a temporary directory of its own.)"""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return bool(predicate())
+        time.sleep(0.02)
+    return True
 
 
 def _held_partitions(rb: Any) -> set[str]:
