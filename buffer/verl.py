@@ -233,17 +233,19 @@ class ReplayBuffer:
         return None if timeout is None else time.monotonic() + timeout
 
     def _started(self, partition_id: str | None = None) -> _Buffer:
-        """The buffer, started on first use; the poller lists ``partition_id`` (see :meth:`_listing`)."""
+        """The buffer, started on first use; the poller lists ``partition_id`` (see :meth:`_listing`).
+
+        verl's calls start it through :meth:`_decide`, which names the
+        partition; started without one, the poller lists every partition.
+        """
         with self._lock:
             if self._closed:
                 raise BufferClosed("the sampler is closed")
             if self._buffer is not None:
                 return self._buffer
-            # Every call starts through _decide, which names its partition.
-            assert partition_id is not None
             config = self._config
             spec, kwargs, chosen = verl_client.poller_source(config.source, config.source_kwargs, partition_id)
-            self._listed = {partition_id} if chosen else None
+            self._listed = {partition_id} if chosen and partition_id is not None else None
             client, owned = verl_client.open_client(config.source, config.source_kwargs,
                                                     need_fields=config.filter_groups_metric is not None)
             try:
