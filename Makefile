@@ -56,11 +56,13 @@ check-dist: $(STAMP)
 test-integration: $(TQ_STAMP)
 	$(BIN)/python -m pytest -m integration tests/integration
 
-# The benchmarks (docs/benchmarks.md); matplotlib draws the plots.
+# The benchmarks (docs/benchmarks.md); matplotlib draws the plots. `--only tq` runs on a real
+# TransferQueue beside verl 0.9.1's sampler: the integration install first (several minutes, once),
+# then matplotlib under the same constraints, so it cannot move numpy or torch.
 BENCH_STAMP := $(VENV)/.bench-installed
 
-$(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+$(BENCH_STAMP): $(TQ_STAMP)
+	$(BIN)/python -m pip install --quiet -c tests/integration/constraints.txt -e '.[dev,transferqueue,bench]' '$(TORCH_PIN)'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

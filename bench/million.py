@@ -26,9 +26,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .pauses import read_json_line
+from .report import Goal, Table
 
 __all__ = ["main"]
 
@@ -180,6 +181,39 @@ def _table(r: dict[str, Any], keys: int, per_step: int, stop_s: float, load: str
              "| figure | value |", "| --- | --- |"]
     lines += [f"| {a} | {b} |" for a, b in rows]
     return "\n".join(lines) + "\n"
+
+
+def benchmark(progress: Callable[[str], None], quick: bool) -> Table:
+    """The runner's ``million``: the figures above as a table with the goals, at 1M keys (100k with --quick)."""
+    keys = 100_000 if quick else 1_000_000
+    per_step = 10_000
+    stop_s = 6.0
+    progress(f"million: {keys:,} SQLite keys, start, then the trainer SIGSTOPped {stop_s:g} s")
+    with tempfile.TemporaryDirectory(prefix="million-") as workdir:
+        r = run(keys, per_step, stop_s, workdir)
+    mb = 1024 * 1024
+    table = Table("10", f"a store of {keys:,} keys (SQLite): start, a {stop_s:g} s stop of the trainer, memory",
+                  ["figure", "value", "÷ one kv_list()"])
+    listing = r["kv_list_s"]
+    table.add("one kv_list() of the store (yardstick), s", listing, 1.0)
+    table.add("constructor returns, s", r["constructor_s"], r["constructor_s"] / listing)
+    table.add("every key visible, from the constructor's start, s", r["all_visible_s"], r["all_visible_s"] / listing)
+    table.add("sample(global_steps=g) first answers, s", r["first_answer_s"], r["first_answer_s"] / listing)
+    converged = r.get("converged_s")
+    table.add(f"SIGSTOP {stop_s:g} s -> buffer equals the store, s after SIGCONT",
+              "never" if converged is None else converged, "-" if converged is None else converged / listing)
+    table.add("trainer RSS / poller RSS, MB", f"{r['trainer_rss'] / mb:.0f} / {(r['poller_rss'] or 0) / mb:.0f}", "-")
+    table.goals.append(Goal("every key visible / one kv_list()", r["all_visible_s"] / listing, 2.0))
+    table.goals.append(Goal("after SIGCONT, seconds to equal the store beyond one kv_list()",
+                            float("inf") if converged is None else converged - listing, 3.0))
+    table.goals.append(Goal("poller RSS / trainer RSS", (r["poller_rss"] or 0) / r["trainer_rss"], 1.0))
+    table.notes.append(f"{per_step:,} keys per global_steps, all 'success'; the first answer held "
+                       f"{r['answered']:,} of {per_step:,} keys; {r.get('resyncs', '?')} resync(s) after the stop, "
+                       f"equal in full: {r.get('equal')}; close {r.get('close', '?')} in "
+                       f"{1000 * r.get('close_s', 0):.0f} ms")
+    table.notes.append("RSS after the first answer: the trainer holds every key packed plus its step index; "
+                       "the poller what it sent, as tag dicts, to diff the next listing against")
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

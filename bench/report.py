@@ -116,12 +116,13 @@ def write_markdown(path: str, tables: list[Table], header: list[str]) -> None:
         f.write("\n".join(parts))
 
 
-def environment_lines(quick: bool, elapsed: float, load: LoadMonitor) -> list[str]:
+def environment_lines(quick: bool, elapsed: float, load: LoadMonitor, only: str | None = None) -> list[str]:
     import msgpack
     import zmq
 
     return [
-        f"- command: `python -m bench{' --quick' if quick else ''}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"- command: `python -m bench{' --quick' if quick else ''}{f' --only {only}' if only else ''}`, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{elapsed:.0f} s",
         f"- Python {platform.python_version()}, pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), "
         f"msgpack {'.'.join(map(str, msgpack.version))}, {platform.machine()}",

@@ -6,9 +6,10 @@ Keys as verl's agent loop writes them: a prompt key ``{uid}`` with tags
 keys holds K / 5 groups of 4 trajectories, all in flight (``running``).
 
 The rollout side is a :class:`Rollouts` process with its own connection to
-the store: told to, it finishes groups (trajectories first, then the prompt's
-status, as verl's agent loop does) and reports the monotonic time of the
-commit that made the last group terminal; it clears consumed keys and writes
+the store: told to, it finishes groups on a schedule (a few equal chunks at
+fixed gaps; per chunk the trajectories first, then the prompts' status, as
+verl's agent loop does) and reports the monotonic time of the commit that
+made the last group terminal; it clears consumed keys and writes
 new groups in their place, so K stays the same; and it can keep changing
 trajectories in the background (rollouts making progress) for the slowdown
 measurement.
@@ -65,12 +66,16 @@ def _serve(path: str, conn: Any, seed: int) -> None:
             if command == "quit":
                 return
             if command == "finish":
-                uids, delay = args
-                time.sleep(delay)
-                trajectories = [key for uid in uids for key in trajectory_keys(uid)]
-                store.kv_batch_put(trajectories, PARTITION,
-                                   tags=[{"status": "finished", "reward": rng.random()} for _ in trajectories])
-                store.kv_batch_put(list(uids), PARTITION, tags=[{"status": "finished"} for _ in uids])
+                uids, delay, chunks, gap = args
+                start = time.monotonic() + delay
+                size = -(-len(uids) // chunks)
+                for n, first in enumerate(range(0, len(uids), size)):
+                    time.sleep(max(0.0, start + n * gap - time.monotonic()))
+                    chunk = uids[first:first + size]
+                    trajectories = [key for uid in chunk for key in trajectory_keys(uid)]
+                    store.kv_batch_put(trajectories, PARTITION,
+                                       tags=[{"status": "finished", "reward": rng.random()} for _ in trajectories])
+                    store.kv_batch_put(list(chunk), PARTITION, tags=[{"status": "finished"} for _ in chunk])
                 conn.send(time.monotonic())
             elif command == "replace":
                 consumed, new_uids, step = args
@@ -102,9 +107,12 @@ class Rollouts:
             raise TimeoutError("the rollout process did not start")
         self._conn.recv()
 
-    def finish(self, uids: list[str], delay: float) -> None:
-        """Start finishing ``uids`` after ``delay`` s; :meth:`terminal_at` gives the time."""
-        self._conn.send(("finish", (uids, delay)))
+    def finish(self, uids: list[str], delay: float, chunks: int = 1, gap: float = 0.0) -> None:
+        """Finish ``uids`` in ``chunks`` equal commits, the first ``delay`` s from now, then one every ``gap`` s.
+
+        :meth:`terminal_at` gives the time of the last commit.
+        """
+        self._conn.send(("finish", (uids, delay, chunks, gap)))
 
     def terminal_at(self, timeout: float) -> float:
         """The monotonic time at which the last group of the last :meth:`finish` turned terminal."""

@@ -17,6 +17,12 @@ it, under the same lock, to decide.
 Prompts are bucketed per status by their ``global_steps``, so "the oldest n
 terminal groups", "any in-flight prompt at least this old" and "finished
 groups older than the threshold" touch only the buckets they need.
+
+Each partition also has a *version* (:meth:`GroupIndex.version`) that moves
+with every change of what the rules read in it, and only then: a waiting
+decision whose partition kept its version would decide the same again, so it
+is not re-run (a trajectory's tags, a prompt's other tags and every other
+partition leave it alone).
 """
 
 from __future__ import annotations
@@ -210,6 +216,10 @@ class GroupIndex:
         self._parts: dict[str, GroupPartition] = {}
         #: changes seen, for stats and tests.
         self.changes = 0
+        #: partition -> the stamp of the last change of its groups (kept when the partition empties, so a
+        #: partition that comes back never shows an old version).
+        self._versions: dict[str, int] = {}
+        self._stamp = 0
 
     def __repr__(self) -> str:
         return f"<GroupIndex partitions={sorted(self._parts)} changes={self.changes}>"
@@ -227,6 +237,7 @@ class GroupIndex:
             if new is None:
                 return
             part = self._parts[partition_id] = GroupPartition()
+        self._touch(partition_id)
         if old is not None:
             part._unindex(key, old)
         if new is not None:
@@ -238,9 +249,24 @@ class GroupIndex:
         """The groups of ``partition_id`` (an empty, shared view if it has none); read it under the lock."""
         return self._parts.get(partition_id, _EMPTY)
 
-    def edit(self, partition_id: str) -> GroupPartition | None:
-        """The partition to record DAPO metrics in, or None if it has no groups."""
-        return self._parts.get(partition_id)
+    def version(self, partition_id: str) -> int:
+        """A number that changes whenever the groups of ``partition_id`` change (0: never had any); under the lock.
+
+        Equal versions mean an equal view for every rule of :mod:`buffer.group_rules`.
+        """
+        return self._versions.get(partition_id, 0)
+
+    def record_metric(self, partition_id: str, uid: str, keys: list[str], value: float | None) -> bool:
+        """:meth:`GroupPartition.record_metric` in ``partition_id`` (False: it has no groups); under the lock."""
+        part = self._parts.get(partition_id)
+        if part is None or not part.record_metric(uid, keys, value):
+            return False
+        self._touch(partition_id)  # the rules read the classification
+        return True
+
+    def _touch(self, partition_id: str) -> None:
+        self._stamp += 1
+        self._versions[partition_id] = self._stamp
 
     def partition_ids(self) -> list[str]:
         return list(self._parts)

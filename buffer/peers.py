@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from poller.errors import ProtocolError
 from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Sync
-from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
+from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode, unpack_many_tags
 
 from .listings import ListingFigures
 from .partitions import PartitionStore
@@ -102,6 +102,7 @@ class PeerTable:
                  log: LogLimiter | None = None) -> None:
         self._store = store
         self.limits = limits
+        self._unpack_tags: Callable[[list[bytes]], list[dict]] = lambda blobs: unpack_many_tags(blobs, limits)
         self.stale_after = stale_after
         self._pinned = pinned
         self._on_change = on_change
@@ -150,7 +151,8 @@ class PeerTable:
     def control(self, identity: bytes, kind: Kind, reason: str) -> Send:
         """A STOP or RESYNC for ``identity``, stamped with its current epoch."""
         peer = self.peers.get(identity)
-        body = Stop(reason) if kind is Kind.STOP else Resync(reason)
+        known = peer is not None and peer.epoch is not None
+        body = Stop(reason) if kind is Kind.STOP else Resync(reason, peer.next_seq - 1 if peer and known else None)
         return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, body)
 
     def sync(self, identity: bytes, token: int, now: float) -> Send:
@@ -252,7 +254,7 @@ class PeerTable:
             case Ready() as ready:
                 self._on_ready(peer, message, ready)
             case Delta() as delta:
-                self._on_delta(peer, message, delta)
+                self._on_delta(identity, peer, message, delta, now, actions)
             case Heartbeat() as beat:
                 self._on_heartbeat(identity, peer, message, beat, now, actions)
             case Error() as error:
@@ -342,7 +344,8 @@ class PeerTable:
         peer.pid = ready.pid
         logger.debug("poller %s ready: pid %s epoch %s", peer.stream, peer.pid, message.epoch)
 
-    def _on_delta(self, peer: Peer, message: Message, body: Delta) -> None:
+    def _on_delta(self, identity: bytes, peer: Peer, message: Message, body: Delta, now: float,
+                  actions: list[Send]) -> None:
         self._store.poll_seen(peer.stream, message.epoch, body.poll)
         if peer.awaiting_resync:
             if not _snapshot_start(message):
@@ -356,6 +359,20 @@ class PeerTable:
         for partition_id, items in body.upserts.items():
             self.items_received += len(items)
             self._store.merge_listed(peer.stream, partition_id, items)
+        for partition_id, (keys, blobs) in (body.packed or {}).items():
+            self.items_received += len(keys)
+            try:
+                self._store.merge_packed(peer.stream, partition_id, keys, blobs, self._unpack_tags)
+            except ProtocolError as exc:
+                # Tags the decoder refuses, found as they are unpacked: what the
+                # message carried before them is applied, so the stream is
+                # treated as broken (no whole view) until a resync replaces it.
+                self.protocol_error(identity, f"{exc} (key of partition {partition_id!r}); asking for a resync")
+                self._store.abandon_snapshot(peer.stream)
+                self._store.mark_broken(peer.stream)
+                peer.contiguous = False
+                actions.append(self._request_resync(identity, peer, "undecodable tags", now))
+                return
         for partition_id, keys in body.deletes.items():
             self.items_received += len(keys)
             self._store.unlist(peer.stream, partition_id, keys)

@@ -47,7 +47,10 @@ def _classify(tags: Mapping[str, Any] | None) -> tuple[Any, Any]:
 @dataclass
 class _Partition:
     arrival: dict[str, int]
-    running_by_step: dict[Any, set[str]]
+    # Keys by step as dicts of None, not sets: a dict of atomic values is not
+    # tracked by the garbage collector, a set always is (1M running keys: ~64 ms
+    # added to every full collection).
+    running_by_step: dict[Any, dict[str, None]]
     success_by_step: dict[Any, dict[str, int]]
     success: dict[str, int]
 
@@ -74,6 +77,36 @@ class StepIndex:
         if new is None:
             part.arrival.pop(key, None)
 
+    def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
+        """:meth:`on_change` of each key new to the store, in one call.
+
+        Keys are grouped by (status, step) and each group's indexes are
+        updated in C (``dict.update``), where a call per key cost ~4 us of
+        dict growth and calls (a 1M-key snapshot: seconds of the receiver's time).
+        """
+        part = self.parts.get(partition_id)
+        if part is None:
+            part = self.parts[partition_id] = _Partition.empty()
+        first = self._arrivals + 1
+        self._arrivals += len(keys)
+        part.arrival.update(zip(keys, range(first, first + len(keys))))
+        groups: dict[tuple[Any, Any], list[str]] = {}
+        try:
+            for key, one in zip(keys, tags):
+                groups.setdefault((one.get("status"), one.get("global_steps")), []).append(key)
+        except TypeError:  # an unhashable status or step: key by key, as on_change does
+            for key, one in zip(keys, tags):
+                self._reindex(part, key, (None, None), _classify(one))
+            return
+        for (status, step), members in groups.items():
+            if status == RUNNING and step is not None:
+                part.running_by_step.setdefault(step, {}).update(dict.fromkeys(members))
+            elif status == SUCCESS:
+                orders = dict(zip(members, map(part.arrival.__getitem__, members)))
+                part.success.update(orders)
+                if step is not None:
+                    part.success_by_step.setdefault(step, {}).update(orders)
+
     def _reindex(self, part: _Partition, key: str, old: tuple[Any, Any], new: tuple[Any, Any]) -> None:
         if old == new:
             return
@@ -81,7 +114,7 @@ class StepIndex:
         if old_status == RUNNING and old_step is not None:
             running = part.running_by_step.get(old_step)
             if running is not None:
-                running.discard(key)
+                running.pop(key, None)
                 if not running:
                     del part.running_by_step[old_step]
         elif old_status == SUCCESS:
@@ -94,7 +127,7 @@ class StepIndex:
                         del part.success_by_step[old_step]
         new_step, new_status = new
         if new_status == RUNNING and new_step is not None:
-            part.running_by_step.setdefault(new_step, set()).add(key)
+            part.running_by_step.setdefault(new_step, {})[key] = None
         elif new_status == SUCCESS:
             order = part.arrival[key]
             part.success[key] = order

@@ -268,7 +268,7 @@ class ReplayBuffer:
 
     def _decide(self, what: str, partition_id: str, deadline: float | None,
                 rule: Callable[[GroupPartition], _R | None]) -> _R:
-        """The first non-None ``rule(view)`` on a whole view, waking on every change; logs progress while it waits.
+        """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed.
 
         While it waits, the poller lists every ``wait_poll_interval``, and the
         counts in flight are logged every ``log_interval``.
@@ -299,7 +299,7 @@ class ReplayBuffer:
                                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                                describe=lambda: self._index.partition(partition_id).describe(partition_id),
                                log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
-                               on_poll=counted_poll)
+                               on_poll=counted_poll, version=lambda: self._index.version(partition_id))
         except TimeoutError as exc:
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
 
@@ -364,10 +364,8 @@ class ReplayBuffer:
 
     def _record_fetched(self, partition_id: str) -> None:
         fetched = self._fetched.pop(partition_id, None)
-        part = self._index.edit(partition_id)
-        if fetched and part is not None:
-            for uid, (keys, value) in fetched.items():
-                part.record_metric(uid, keys, value)
+        for uid, (keys, value) in (fetched or {}).items():
+            self._index.record_metric(partition_id, uid, keys, value)
 
     def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
         self._started()

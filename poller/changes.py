@@ -19,7 +19,7 @@ Every full listing (``kv_list()``, ``kv_snapshot()``) is timed into the
 listing share (:class:`~poller.duty.ListingDuty`). Without a change feed the
 polling thread waits :meth:`ListingReader.wait_for` before each poll; with
 one, a reconciliation due before the share allows it reads the change feed
-once more instead. Change reads and snapshots (start, RESYNC) are not held.
+once more instead. Change reads (and RESYNCs, answered from them) are not held.
 """
 
 from __future__ import annotations
@@ -75,6 +75,22 @@ def diff_changes(sent: Listing, upserts: Any, deletes: Any) -> ListingDiff:
     return diff
 
 
+def _whole(sent: Listing, changes: ListingDiff) -> ListingDiff:
+    """A full diff from what was sent and a change set against it: every key the store holds now.
+
+    The keys unchanged are ``sent``'s own dicts (so the screen passes over them).
+    """
+    upserts = {partition: dict(items) for partition, items in sent.items()}
+    for partition, items in changes.upserts.items():
+        upserts.setdefault(partition, {}).update(items)
+    for partition, keys in changes.deletes.items():
+        held = upserts.get(partition)
+        if held is not None:
+            for key in keys:
+                held.pop(key, None)
+    return ListingDiff({p: items for p, items in upserts.items() if items}, {}, changes.refused)
+
+
 class ListingReader:
     """Reads the source for one poll and holds the change cursor between polls.
 
@@ -103,13 +119,20 @@ class ListingReader:
 
         Only a source without a change feed waits: each of its reads is a
         full listing. A source with one is read now: a change read costs
-        milliseconds, a snapshot (start, RESYNC) is what the buffer needs to
-        go on, and a due reconciliation is deferred by :meth:`read` instead.
+        milliseconds, a RESYNC is answered from what was sent, and a due
+        reconciliation is deferred by :meth:`read` instead.
         """
         return 0.0 if self.feed else self.duty.wait_for()
 
     def read(self, sent: Listing, full: bool) -> ListingDiff:
         """The diff of this poll against ``sent`` (a full snapshot if ``full``).
+
+        With a change feed, a snapshot asked for after the first one (a
+        RESYNC: the *receiver* lost messages) is what was sent plus this
+        poll's changes, not a new listing: ``sent`` is what the store held at
+        the last poll. A trainer stopped for seconds then costs the store
+        nothing and converges in the time to send the keys (1M SQLite keys:
+        a listing ~5 s, the snapshot from ``sent`` ~1 s).
 
         Raises:
             Exception: whatever the source raised, or TypeError for a
@@ -122,14 +145,14 @@ class ListingReader:
         due = (self.reconcile_interval is not None
                and time.monotonic() - self._listed_at >= self.reconcile_interval
                and self.duty.wait_for() == 0)
-        if not full and not due and self._cursor is not None:
+        if not due and self._cursor is not None:
             changes = self._source.kv_changes(self._cursor)
             if changes is not None:
                 cursor, upserts, deletes = changes
                 self._pending = (cursor, False)
                 diff = diff_changes(sent, upserts, deletes)
                 self.last_complete, self.last_deletes = False, deletes or {}
-                return diff
+                return _whole(sent, diff) if full else diff
             # Listed at once, within the share or not: a feed that lost its
             # cursor has nothing else to offer, and this is rare.
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)

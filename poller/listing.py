@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from .protocol import Limits
+from .protocol import Limits, fresh_strs, pack_tags
 from .quarantine import Refused, screen
 from .vocabulary import Listing, Tags
 
@@ -70,7 +70,8 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True)
             if held is not None:
                 matched += 1
                 try:
-                    same = held == tags  # held was screened when it was sent
+                    # held was screened when it was sent; kept packed, it is compared packed.
+                    same = held == tags if type(held) is not bytes else held == _packed(tags)
                 except Exception:  # a value whose == is not a bool (an array): changed
                     same = False
                 if same:
@@ -112,7 +113,10 @@ def screen_diff(diff: "ListingDiff", sent: Listing, full: bool, limits: Limits) 
     """
     refused = list(diff.refused)
     before = len(refused)
-    screen(diff.upserts, refused, limits)
+    if full and sent:
+        _screen_new(diff.upserts, sent, refused, limits)
+    else:
+        screen(diff.upserts, refused, limits)
     diff = diff._replace(refused=refused)
     if full:
         return diff
@@ -124,13 +128,46 @@ def screen_diff(diff: "ListingDiff", sent: Listing, full: bool, limits: Limits) 
     return diff
 
 
-def commit_listing(sent: Listing, diff: "ListingDiff", full: bool) -> None:
-    """Make ``sent`` what the receiver holds once ``diff`` is applied."""
+def _screen_new(upserts: dict[str, dict[str, Tags]], sent: Listing, refused: list[Refused], limits: Limits) -> None:
+    """:func:`screen` for a full diff: only the tags that are not the very dicts ``sent`` holds.
+
+    A full diff lists every key, and those unchanged since they were sent are
+    ``sent``'s own dicts, screened when first sent: a resync screens only what
+    changed (K=100k unchanged: ~10 ms instead of ~90 ms).
+    """
+    for partition, items in upserts.items():
+        held = sent.get(partition, {})
+        fresh = {key: tags for key, tags in items.items() if tags is not held.get(key)}
+        if not fresh:
+            continue
+        before = len(refused)
+        screen({partition: fresh}, refused, limits)
+        for refusal in refused[before:]:
+            del items[refusal.key]
+        items.update(fresh)
+
+
+def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
+                   packed: Mapping[str, Mapping[str, bytes]] | None = None) -> None:
+    """Make ``sent`` what the receiver holds once ``diff`` is applied.
+
+    With ``packed`` (the diff's upserts as :func:`~poller.protocol.pack_upserts`
+    made them for the wire), ``sent`` keeps each key's packed tags instead of
+    its tags: a poller reading a change feed, which compares only the keys a
+    change set names (and a listing every 10 minutes), so the bytes cost it
+    nothing per poll and a million keys take ~200 MB instead of ~670 MB.
+    A full listing's keys are then stored as fresh objects (:func:`~poller.protocol.fresh_strs`).
+    """
+    upserts: Mapping[str, Mapping[str, Any]] = diff.upserts if packed is None else packed
     if full:
         sent.clear()
-        sent.update({partition: dict(items) for partition, items in diff.upserts.items()})
+        if packed is None:
+            sent.update({partition: dict(items) for partition, items in upserts.items()})
+        else:
+            sent.update({partition: dict(zip(fresh_strs(list(items)), items.values()))
+                         for partition, items in upserts.items()})
         return
-    for partition, items in diff.upserts.items():
+    for partition, items in upserts.items():
         sent.setdefault(partition, {}).update(items)
     for partition, keys in diff.deletes.items():
         held = sent.get(partition)
@@ -139,6 +176,11 @@ def commit_listing(sent: Listing, diff: "ListingDiff", full: bool) -> None:
                 held.pop(key, None)
             if not held:
                 del sent[partition]
+
+
+def _packed(tags: Any) -> bytes | None:
+    """``tags`` as :func:`~poller.protocol.pack_upserts` packs them; None if they need the screen first."""
+    return pack_tags(tags) if type(tags) is dict else None
 
 
 class ListingDiff(NamedTuple):

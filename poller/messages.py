@@ -45,6 +45,7 @@ Count = int          # a non-negative integer
 Token = int          # a positive integer
 LastSeq = int        # a sequence number, or -1 before the first message
 Upserts = dict       # {partition: {key: tags}}
+Packed = dict        # {partition: [[key, ...], [packed tags, ...]]}
 Named = list         # [[partition, key, reason], ...]: keys a poller names
 Deletes = dict       # {partition: [key, ...]}
 Seconds = float      # a finite duration >= 0
@@ -74,6 +75,12 @@ class Delta(NamedTuple):
     # The highest SYNC token the poller had received when this poll's
     # listing began (0: none), so the buffer knows which sync() it answers.
     sync: Count | None = None
+    # Upserts as a poller sends them: per partition, its keys and each key's
+    # tags packed alone (msgpack). The receiver keeps those bytes as they
+    # arrived, so a key whose bytes it already holds costs a comparison, not a
+    # decode (a resync at C speed). ``upserts`` carries plain tags (a hand-made
+    # peer's); a body may hold both.
+    packed: Packed | None = None
 
 
 class Heartbeat(NamedTuple):
@@ -122,6 +129,9 @@ class Stop(NamedTuple):
 
 class Resync(NamedTuple):
     reason: str
+    # The last seq of the poller's epoch the buffer had received when it
+    # asked: a snapshot the poller started after it is already the answer.
+    after: LastSeq | None = None
 
 
 class Sync(NamedTuple):
@@ -153,6 +163,30 @@ def _partitions_ok(value: Any) -> bool:
         isinstance(partition, str) and isinstance(items, dict)
         and all(isinstance(key, str) and isinstance(tags, dict) for key, tags in items.items())
         for partition, items in value.items())
+
+
+_STR_ONLY = frozenset({str})
+_BYTES_ONLY = frozenset({bytes})
+
+
+def _packed_ok(value: Any) -> bool:
+    """``{partition: [keys, blobs]}``: str partitions and keys, bytes blobs, one blob per key.
+
+    Checked in C-level passes (a resync carries every key). What each blob
+    holds is checked where it is unpacked, when the receiver does not already
+    hold the same bytes (:func:`poller.protocol.unpack_tags`).
+    """
+    if type(value) is not dict:
+        return False
+    for partition, entry in value.items():
+        if type(partition) is not str or type(entry) is not list or len(entry) != 2:
+            return False
+        keys, blobs = entry
+        if type(keys) is not list or type(blobs) is not list or len(keys) != len(blobs):
+            return False
+        if not set(map(type, keys)) <= _STR_ONLY or not set(map(type, blobs)) <= _BYTES_ONLY:
+            return False
+    return True
 
 
 def _named_ok(value: Any) -> bool:
@@ -194,6 +228,7 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "Token": lambda v: _is_int(v) and v > 0,
     "LastSeq": lambda v: _is_int(v) and v >= -1,
     "Upserts": _partitions_ok,
+    "Packed": _packed_ok,
     "Deletes": _deletes_ok,
     "Named": _named_ok,
     "Seconds": _seconds_ok,

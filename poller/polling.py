@@ -19,7 +19,7 @@ from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, commit_listing, screen_diff
 from .messages import Error
-from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta
+from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta, pack_upserts
 from .quarantine import Quarantine
 from .sources import Source, SourceStall
 
@@ -41,8 +41,9 @@ def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits |
 class PollingThread(threading.Thread):
     """Polls the source every ``interval`` and emits encoded messages.
 
-    ``emit(kind, body)`` hands a message to the control loop and returns
-    False once the poller is stopping. The thread is a daemon: if
+    ``emit(kind, body, starts_snapshot)`` hands a message to the control
+    loop and returns False once the poller is stopping; ``starts_snapshot``
+    marks the first body of a full snapshot. The thread is a daemon: if
     ``kv_list()`` never returns, the process exits without it.
 
     A *source stall* is a ``kv_list()`` call that passed its deadline: either
@@ -60,7 +61,7 @@ class PollingThread(threading.Thread):
     only the periodic reconciliation keeps to it: :mod:`poller.changes`.)
     """
 
-    def __init__(self, source: Source, emit: Callable[[Kind, bytes], bool], *, interval: float,
+    def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  backoff_base: float = 0.1, backoff_cap: float = 5.0,
                  stall_timeout: float | None = None, limits: Limits | None = None,
@@ -221,7 +222,7 @@ class PollingThread(threading.Thread):
             self.failed = exc
             self.source_errors += 1
             logger.error("the polling thread died: %r", exc)
-            self._emit(Kind.ERROR, _error_body(exc, fatal=True, count=1))
+            self._emit(Kind.ERROR, _error_body(exc, fatal=True, count=1), False)
 
     def _poll_until_stopped(self) -> None:
         sent: Listing = {}
@@ -251,11 +252,15 @@ class PollingThread(threading.Thread):
                 # Before the first body: a key the receiver would refuse is
                 # left out (quarantined) instead of failing the poll.
                 diff = screen_diff(diff, sent, full, self._screen_limits)
-                for body in iter_encode_delta(diff.upserts, diff.deletes, poll=self.polls + 1, started=started,
+                # Packed once: for the wire, and (a change feed's poller) to keep as what was sent.
+                packed = pack_upserts(diff.upserts)
+                first = full
+                for body in iter_encode_delta(packed, diff.deletes, poll=self.polls + 1, started=started,
                                               full=full, chunk_items=self.chunk_items,
                                               max_frame_bytes=self.max_frame_bytes, sync=covered):
-                    if not self._emit(Kind.DELTA, body):
+                    if not self._emit(Kind.DELTA, body, first):
                         return
+                    first = False
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
                 self._sleep(self.interval)
@@ -269,13 +274,13 @@ class PollingThread(threading.Thread):
                 if fatal:
                     self.failed = exc
                 body = _error_body(exc, fatal=fatal, count=failures, limits=self.limits)
-                if not self._emit(Kind.ERROR, body) or fatal:
+                if not self._emit(Kind.ERROR, body, False) or fatal:
                     return
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue
             failures = 0
             # The diff holds copies: nothing the source owns is kept.
-            commit_listing(sent, diff, full)
+            commit_listing(sent, diff, full, packed if self._reader.feed else None)
             if self._reader.last_complete:
                 self.quarantine.replace(diff.refused)
             else:

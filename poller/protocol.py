@@ -22,6 +22,7 @@ type-checked, unknown kinds and versions are refused. Every failure is a
 
 from __future__ import annotations
 
+from functools import partial
 from itertools import chain
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
@@ -43,9 +44,17 @@ __all__ = [
     "iter_encode_delta",
     "packed_size",
     "fit_text",
+    "unpack_tags",
+    "unpack_many_tags",
+    "pack_tags",
+    "unpack_held",
+    "pack_upserts",
+    "fresh_strs",
+    "delta_upserts",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: DELTA upserts travel packed per key (``Delta.packed``).
+PROTOCOL_VERSION = 2
 
 
 # NamedTuples rather than dataclasses in every module the poller process
@@ -174,7 +183,7 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
         raise ProtocolError(f"header frame of {len(header_frame)} bytes exceeds {limits.max_header_bytes}")
     if len(body_frame) > limits.max_frame_bytes:
         raise ProtocolError(f"body frame of {len(body_frame)} bytes exceeds {limits.max_frame_bytes}")
-    header = _unpack(header_frame, limits, "header")
+    header = _unpack(header_frame, limits, "header frame")
     if not isinstance(header, list) or len(header) != 4:
         raise ProtocolError("header is not [version, kind, epoch, seq]")
     version, kind_value, epoch, seq = header
@@ -190,7 +199,7 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
         raise ProtocolError(f"unknown message kind {kind_value}") from None
     if not _is_int(epoch) or not _is_int(seq) or seq < 0 or epoch < 0:
         raise ProtocolError("header epoch/seq are not non-negative integers")
-    body = _unpack(body_frame, limits, "body")
+    body = _unpack(body_frame, limits, "body frame")
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name} body is not a map")
     check_body(kind, body)
@@ -219,8 +228,9 @@ def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
 
 def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
     """Keys per message and nesting of a DELTA already checked by :func:`~poller.messages.check_body`."""
-    upserts, deletes = body["upserts"], body["deletes"]
+    upserts, deletes, packed = body["upserts"], body["deletes"], body.get("packed") or {}
     count = len(upserts) + len(deletes) + sum(len(v) for v in upserts.values()) + sum(len(v) for v in deletes.values())
+    count += len(packed) + sum(len(keys) for keys, _ in packed.values())
     if count > limits.max_keys_per_message:
         raise ProtocolError(f"DELTA holds {count} partitions and keys, more than {limits.max_keys_per_message}")
     # The structure is body -> upserts -> partition -> tags (depth 4); only
@@ -234,9 +244,122 @@ def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
         for tags in items.values():
             if _deeper_than(tags, limit, 4):
                 raise ProtocolError(f"DELTA tags nest deeper than {limit}")
-    others = {k: v for k, v in body.items() if k not in ("upserts", "deletes")}
+    others = {k: v for k, v in body.items() if k not in _BULKY}
     if _deeper_than(others, limits.max_depth):
         raise ProtocolError(f"DELTA body nests deeper than {limits.max_depth}")
+
+
+def unpack_tags(blob: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """One key's tags from its packed form in a DELTA's ``packed``, held to the decoder's bounds.
+
+    The tags sit where plain upserts put them (depth 4 of the body), so
+    ``max_depth`` means the same for both forms.
+
+    Raises:
+        ProtocolError: the bytes are not one msgpack map with ``str`` names
+            within ``limits``.
+    """
+    tags = _unpack(blob, limits, "packed tags")
+    if type(tags) is not dict or not set(map(type, tags)) <= _STR_NAMES:
+        raise ProtocolError("packed tags are not a map with str names")
+    if not _SCALAR_TYPES.issuperset(map(type, tags.values())) and _deeper_than(tags, limits.max_depth, 4):
+        raise ProtocolError(f"DELTA tags nest deeper than {limits.max_depth}")
+    return tags
+
+
+def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> list[dict[str, Any]]:
+    """:func:`unpack_tags` of each blob, checked in C-level passes over all of them.
+
+    A snapshot unpacks every key once: one ``map`` over the blobs and set
+    checks over all names and value types cost ~1 us a key where a call of
+    :func:`unpack_tags` per key costs ~4. Only tags holding containers are
+    walked for their depth; any failure is located by unpacking one by one.
+
+    Raises:
+        ProtocolError: as :func:`unpack_tags`, for the first blob refused.
+    """
+    unpack = partial(msgpack.unpackb, raw=False, use_list=True, strict_map_key=True,
+                     max_str_len=limits.max_str_len, max_bin_len=limits.max_str_len,
+                     max_array_len=limits.max_items, max_map_len=limits.max_items, max_ext_len=0)
+    try:
+        tags = list(map(unpack, blobs))
+    except Exception:  # one of them is malformed: name it
+        return [unpack_tags(blob, limits) for blob in blobs]
+    if not set(map(type, tags)) <= _DICT or not set(map(type, chain.from_iterable(tags))) <= _STR_NAMES:
+        return [unpack_tags(blob, limits) for blob in blobs]
+    if not _SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, tags)))):
+        limit = limits.max_depth
+        for one in tags:
+            if not _SCALAR_TYPES.issuperset(map(type, one.values())) and _deeper_than(one, limit, 4):
+                raise ProtocolError(f"DELTA tags nest deeper than {limit}")
+    return tags
+
+
+_STR_NAMES = frozenset({str})
+_DICT = frozenset({dict})
+
+
+def pack_tags(tags: Mapping[str, Any], *, exact: bool = False) -> bytes | None:
+    """``tags`` packed as a poller packs them for the wire, or ``None`` if msgpack cannot.
+
+    With ``exact``, only when unpacking gives the same values back
+    (``strict_types``: a tuple would come back a list, a subclass as its
+    base). The buffer's store holds tags in this form, so tags it was given
+    and tags that arrived packed compare as bytes.
+    """
+    try:
+        return msgpack.packb(tags, use_bin_type=True, strict_types=exact)  # type: ignore[no-any-return]
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def pack_upserts(upserts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, bytes]]:
+    """Each key's tags packed alone, as a DELTA's ``packed`` carries them; ``bytes`` are tags packed already.
+
+    Raises:
+        ProtocolError: tags msgpack cannot encode (screened tags never are).
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    pack = packer.pack
+
+    def one(tags: Any) -> bytes:
+        return tags if type(tags) is bytes else pack(tags)  # type: ignore[no-any-return]
+
+    try:
+        return {partition: dict(zip(items, map(one, items.values()))) for partition, items in upserts.items()}
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
+
+
+def fresh_strs(strs: Sequence[str]) -> list[str]:
+    """New objects equal to ``strs`` (through one msgpack round trip, in C).
+
+    What a poller keeps from a listing of a million keys must not be the
+    listing's own key objects: scattered among the freed tag dicts, they
+    would keep the listing's memory resident (measured: ~550 MB held for
+    ~200 MB of live data).
+    """
+    return msgpack.unpackb(msgpack.packb(list(strs)), raw=False)  # type: ignore[no-any-return]
+
+
+def unpack_held(blob: bytes) -> dict[str, Any]:
+    """Tags from bytes that were checked when they arrived (:func:`unpack_tags`) or :func:`pack_tags` made."""
+    return msgpack.unpackb(blob, raw=False, strict_map_key=False)  # type: ignore[no-any-return]
+
+
+def delta_upserts(delta: Delta, limits: Limits = DEFAULT_LIMITS) -> dict[str, dict[str, Any]]:
+    """Every upsert of a decoded DELTA as plain tags: ``upserts`` and ``packed`` unpacked, in one map.
+
+    For readers that want the tags themselves (tools, tests); the buffer
+    applies ``packed`` without unpacking what it already holds.
+
+    Raises:
+        ProtocolError: packed tags the decoder refuses (:func:`unpack_tags`).
+    """
+    out = {partition: dict(items) for partition, items in delta.upserts.items()}
+    for partition, (keys, blobs) in (delta.packed or {}).items():
+        out.setdefault(partition, {}).update(zip(keys, (unpack_tags(blob, limits) for blob in blobs)))
+    return out
 
 
 def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
@@ -253,7 +376,7 @@ def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
-        raise ProtocolError(f"malformed {what} frame: {type(exc).__name__}: {exc}") from exc
+        raise ProtocolError(f"malformed {what}: {type(exc).__name__}: {exc}") from exc
 
 
 def _is_int(value: Any) -> bool:
@@ -262,16 +385,16 @@ def _is_int(value: Any) -> bool:
 
 # -- DELTA: a poll's changes in bounded bodies ---------------------------------------------------
 
-# The fields a DELTA's record packs from its own values; the bulky two are packed once, as the payload.
-_BULKY = ("upserts", "deletes")
+# The fields a DELTA's record packs from its own values; the bulky ones are packed once, as the payload.
+_BULKY = ("upserts", "deletes", "packed")
 # Upper bound of the head encode_delta puts before the payload.
 _DELTA_HEAD_BYTES = 64
 
 
 def encode_delta(head: Delta, payload: bytes) -> bytes:
-    """A DELTA body: ``head``'s own fields (its ``upserts`` / ``deletes`` ignored) before ``payload``.
+    """A DELTA body: ``head``'s own fields (its bulky ones ignored) before ``payload``.
 
-    ``payload`` is the two bulky fields packed once (:func:`iter_encode_delta`
+    ``payload`` is the bulky fields packed once (:func:`iter_encode_delta`
     sizes and splits on it); msgpack maps are a plain concatenation of
     key/value encodings, so the head is packed from the record in front.
     """
@@ -282,10 +405,18 @@ def encode_delta(head: Delta, payload: bytes) -> bytes:
         packer.pack(name) + packer.pack(value) for name, value in fields.items()) + payload
 
 
-def _pack_items(upserts: Mapping[str, Any], deletes: Mapping[str, Any]) -> bytes:
+def _pack_items(upserts: Mapping[str, Mapping[str, Any]], deletes: Mapping[str, Any]) -> bytes:
+    """The bulky fields of one DELTA body: every key's tags packed alone, in ``packed``.
+
+    ``bytes`` tags were packed before (:func:`pack_upserts`) and go as they are.
+    """
     try:
         packer = msgpack.Packer(use_bin_type=True)
-        return packer.pack("upserts") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
+        pack = packer.pack
+        packed = {partition: [list(items), [t if type(t) is bytes else pack(t) for t in items.values()]]
+                  for partition, items in upserts.items()}
+        return (packer.pack("upserts") + packer.pack({}) + packer.pack("packed") + packer.pack(packed)
+                + packer.pack("deletes") + packer.pack(deletes))
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
 

@@ -128,11 +128,13 @@ class _ControlLoop:
         # A buffer that spawned this poller chose the epoch itself (config.epoch).
         self.epoch = config.epoch or (int.from_bytes(os.urandom(8), "big") >> 2) + 1
         self.seq = -1
+        # The seq of the first body of the latest full snapshot sent (-1: none yet).
+        self.snapshot_seq = -1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK
         self.parent_pid = os.getppid()
         self.outbox: Deque[list[bytes]] = collections.deque()
-        self.items: "queue.Queue[tuple[Kind, bytes]]" = queue.Queue(maxsize=64)
+        self.items: "queue.Queue[tuple[Kind, bytes, bool]]" = queue.Queue(maxsize=64)
         self.data_wake = WakePipe()
         self.signal_wake = WakePipe()
         self.log_handler = _ForwardingHandler(self.data_wake, config.log_level)
@@ -176,12 +178,12 @@ class _ControlLoop:
         self.seq += 1
         self.outbox.append([encode_header(kind, self.epoch, self.seq), body])
 
-    def _emit_from_thread(self, kind: Kind, body: bytes) -> bool:
+    def _emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
         """Called by the source thread; blocks while the outbox is full."""
         assert self.thread is not None
         while not self.thread.stopping.is_set():
             try:
-                self.items.put((kind, body), timeout=0.1)
+                self.items.put((kind, body, starts_snapshot), timeout=0.1)
             except queue.Full:
                 continue
             self.data_wake.poke()
@@ -191,10 +193,12 @@ class _ControlLoop:
     def _pull_items(self) -> None:
         while len(self.outbox) < self._OUTBOX_LIMIT:
             try:
-                kind, body = self.items.get_nowait()
+                kind, body, starts_snapshot = self.items.get_nowait()
             except queue.Empty:
                 break
             self._queue_message(kind, body)
+            if starts_snapshot:
+                self.snapshot_seq = self.seq
         while self.log_handler.records:
             level, name, text = self.log_handler.records.popleft()
             limits = self.config.limits
@@ -252,8 +256,17 @@ class _ControlLoop:
             elif message.kind is Kind.STOP:
                 self.stop_reason = self.stop_reason or f"STOP: {message.body.reason}"
             elif message.kind is Kind.RESYNC and self.thread is not None:
-                logger.debug("resync requested: %s", message.body.reason)
-                self.thread.request_resync()
+                after = message.body.after
+                if after is not None and message.epoch == self.epoch and self.snapshot_seq > after:
+                    # A snapshot started after what the buffer had received: it is the
+                    # answer, on its way (a trainer resumed from SIGSTOP asks while the
+                    # new connection's snapshot is already being sent; at 1M keys a
+                    # second one costs seconds).
+                    logger.debug("resync requested (%s) after seq %d: the snapshot from seq %d answers it",
+                                 message.body.reason, after, self.snapshot_seq)
+                else:
+                    logger.debug("resync requested: %s", message.body.reason)
+                    self.thread.request_resync()
             elif message.kind is Kind.SYNC and self.thread is not None:
                 self.thread.request_sync(message.body.token, message.body.partitions)
             else:

@@ -190,7 +190,7 @@ def test_a_polling_thread_that_dies_records_why_and_sends_a_fatal_error():
     # interval=inf passed PollerProcess before it was checked; the thread then died in Event.wait(inf)
     # after the first listing, and the poller went on heartbeating as if all were well.
     sent: list[tuple[Kind, bytes]] = []
-    thread = PollingThread(_OneListing(), lambda kind, body: sent.append((kind, body)) is None, interval=INF)
+    thread = PollingThread(_OneListing(), lambda kind, body, *_: sent.append((kind, body)) is None, interval=INF)
     thread.start()
     thread.join(10)
     assert not thread.is_alive()

@@ -248,7 +248,7 @@ def test_the_poller_lists_the_store_once_then_reads_only_changes(db: Path) -> No
     source = _CountingSqliteSource(str(db))
     source.kv_batch_put([f"k{i}" for i in range(100)], "p")
     emitted: list[Kind] = []
-    thread = PollingThread(source, lambda kind, body: emitted.append(kind) is None, interval=0.01)
+    thread = PollingThread(source, lambda kind, body, *_: emitted.append(kind) is None, interval=0.01)
     thread.start()
     try:
         assert wait_until(lambda: thread.polls >= 20, timeout=JOIN_TIMEOUT)
@@ -350,3 +350,29 @@ def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) 
         cursor, _ = store.kv_snapshot()
         store.kv_put("a", "p", tag={"v": 3})
         assert store.kv_changes(cursor) == ((cursor[0], cursor[1] + 1), {"p": {"a": {"v": 3}}}, {})
+
+
+def test_a_resync_with_a_change_feed_sends_what_was_sent_plus_the_changes_without_a_listing(db: Path) -> None:
+    # A RESYNC means the receiver lost messages, not that the store changed behind the feed: what was
+    # sent plus this poll's changes is the whole store, and a paused trainer costs the store no listing.
+    source = _CountingSqliteSource(str(db))
+    try:
+        source.kv_batch_put([f"k{i}" for i in range(50)], "p", tags=[{"v": i} for i in range(50)])
+        source.kv_put("x", "q", tag={"v": 0})
+        reader = ListingReader(source)
+        sent: Listing = {}
+        commit_listing(sent, reader.read(sent, True), True)
+        reader.commit()
+        source.kv_put("k1", "p", tag={"v": 100})
+        source.kv_clear(["k2"], "p")
+        source.kv_clear(["x"], "q")
+        source.kv_put("new", "r", tag={})
+        diff = reader.read(sent, True)
+        assert diff.upserts == source.kv_list() and diff.deletes == {}
+        assert diff.upserts["p"]["k3"] is sent["p"]["k3"]  # unchanged keys are the dicts sent (not screened again)
+        commit_listing(sent, diff, True)
+        reader.commit()
+        assert sent == source.kv_list()
+        assert source.calls["kv_snapshot"] == 1 and source.calls["kv_changes"] == 1
+    finally:
+        source.close()

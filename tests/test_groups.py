@@ -256,3 +256,35 @@ def test_classify_and_accumulate_follow_verl() -> None:
                    "training/off_policy/evicted_samples_staleness/max": 6.0,
                    "training/off_policy/evicted_samples_staleness/min": 1.0,
                    DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 4, 1.0: 2}}
+
+
+def test_a_partitions_version_moves_with_what_the_rules_read_and_only_then() -> None:
+    feed = Feed()
+    index = feed.index
+    assert index.version("train") == 0  # never had groups
+    seen = {index.version("train")}
+
+    def moved() -> bool:
+        version = index.version("train")
+        fresh = version not in seen
+        seen.add(version)
+        return fresh
+
+    feed.put("train", "u1", is_prompt=True, status="running", global_steps=0)
+    assert moved()
+    feed.put("train", "u1_0_0", status="running", global_steps=0)  # a new trajectory key
+    assert moved()
+    feed.put("train", "u1_0_0", tokens=7)  # a trajectory's tags: no rule reads them
+    feed.put("train", "u1", note="x")  # a prompt's other tags
+    feed.put("val", "v1", is_prompt=True, status="running", global_steps=0)  # another partition
+    assert not moved()
+    feed.put("train", "u1", status="finished")
+    assert moved()
+    assert index.record_metric("train", "u1", ["u1_0_0"], None)  # the DAPO classification is read by the rules
+    assert moved()
+    assert not index.record_metric("train", "u1", ["u1_0_0"], None)  # refused: nothing changed
+    assert not moved()
+    feed.clear("train", ["u1", "u1_0_0"])
+    assert moved() and index.partition_ids() == ["val"]
+    feed.put("train", "u2", is_prompt=True, status="running", global_steps=1)  # the partition comes back
+    assert moved()

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgpack
 import pytest
 
 from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
 from buffer.partitions import PartitionStore
 from poller.messages import Ack, Delta, Heartbeat, Log, Ready
-from poller.protocol import Kind, Limits, Message, encode
+from poller.protocol import Kind, Limits, Message, encode, unpack_many_tags
 
 ID = b"p1"
 EPOCH = 41
@@ -65,6 +66,8 @@ def test_a_gap_asks_for_a_resync_and_ignores_deltas_until_the_snapshot(table: Pe
     started(table)
     actions = table.on_message(ID, delta(5, {"p": {"late": {}}}), 0.1)
     assert kinds(actions) == [Kind.RESYNC] and actions[0].epoch == EPOCH
+    # It names the last seq received: a snapshot the poller started after it already answers.
+    assert actions[0].body.after == 5
     assert table.on_message(ID, delta(6, {"p": {"later": {}}}), 0.2) == []
     assert "later" not in snapshot(table)["p"] and not table.peers[ID].contiguous
     assert table.on_message(ID, delta(7, {"p": {"z": {}}}, full=True, reset=True), 0.3) == []
@@ -181,3 +184,33 @@ def test_peer_logs_are_rate_limited_and_their_levels_clamped(caplog: pytest.LogC
                                             (50, logging.ERROR), (10**9, logging.ERROR), (-5, logging.DEBUG)])
 def test_clamp_level(level: int, clamped: int) -> None:
     assert clamp_level(level) == clamped
+
+
+def packed_delta(seq: int, packed: dict[str, Any], *, full: bool = False, reset: bool = False,
+                 end: bool = True) -> Message:
+    return Message(Kind.DELTA, EPOCH, seq, Delta(seq, 1.0, full, reset, end, {}, {}, packed=packed))
+
+
+def test_packed_upserts_are_applied_as_plain_ones(table: PeerTable) -> None:
+    started(table)
+    blob = msgpack.packb({"v": 2, "s": "ok"})
+    assert table.on_message(ID, packed_delta(2, {"p": [["b"], [blob]], "q": [["c"], [msgpack.packb({})]]}),
+                            0.1) == []
+    assert snapshot(table) == {"p": {"a": {"v": 1}, "b": {"v": 2, "s": "ok"}}, "q": {"c": {}}}
+    assert table._store._parts["p"]["b"] is blob  # held as it arrived: a resync compares these bytes
+
+
+def test_undecodable_packed_tags_break_the_view_and_ask_for_a_resync(table: PeerTable) -> None:
+    started(table)
+    good, bad = msgpack.packb({"v": 3}), msgpack.packb({"deep": [[[[[[[[[[1]]]]]]]]]]})
+    table.limits = Limits(max_depth=8)
+    table._unpack_tags = lambda blobs: unpack_many_tags(blobs, table.limits)
+    actions = table.on_message(ID, packed_delta(2, {"p": [["ok", "deep"], [good, bad]]}), 0.1)
+    assert kinds(actions) == [Kind.RESYNC] and table.protocol_errors == 1
+    assert "a" in snapshot(table)["p"] and "ok" not in snapshot(table)["p"]  # nothing of that partition changed
+    assert table._store.view_gap("p") is not None  # no decision on this stream until the resync
+    # Deltas are ignored until the snapshot asked for; the snapshot makes the view whole again.
+    assert table.on_message(ID, packed_delta(3, {"p": [["x"], [good]]}), 0.2) == []
+    assert "x" not in snapshot(table)["p"]
+    assert table.on_message(ID, packed_delta(4, {"p": [["ok"], [good]]}, full=True, reset=True), 0.3) == []
+    assert snapshot(table) == {"p": {"ok": {"v": 3}}} and table._store.view_gap("p") is None

@@ -17,10 +17,13 @@ from poller.protocol import (
     Limits,
     Message,
     decode,
+    delta_upserts,
     encode,
     encode_body,
     encode_header,
     iter_encode_delta,
+    unpack_many_tags,
+    unpack_tags,
 )
 
 def _encoded(diff: ListingDiff, **options: Any) -> list[bytes]:
@@ -86,8 +89,12 @@ def test_round_trip_of_a_delta_built_from_its_parts() -> None:
     raw, = iter_encode_delta(upserts, deletes, poll=9, started=12.5, full=False, chunk_items=10,
                              max_frame_bytes=10**6, sync=4)
     message = decode([encode_header(Kind.DELTA, 1, 3), raw])
-    assert message.body == Delta(poll=9, t=12.5, full=False, reset=False, end=True, upserts=upserts,
-                                 deletes=deletes, sync=4)
+    # A poller's upserts travel packed, each key's tags alone.
+    assert message.body.upserts == {} and message.body.packed == {
+        "train": [["k"], [msgpack.packb({"status": "success", "global_steps": 4})]]}
+    assert delta_upserts(message.body) == upserts
+    assert message.body._replace(packed=None) == Delta(poll=9, t=12.5, full=False, reset=False, end=True,
+                                                       upserts={}, deletes=deletes, sync=4)
 
 
 @pytest.mark.parametrize("kind, field, value", [(Kind.SYNC, "token", 0), (Kind.SYNC, "token", "1"),
@@ -228,6 +235,52 @@ def test_delta_items_are_checked(upserts: Any, deletes: Any) -> None:
         encode_body(Kind.DELTA, broken)
 
 
+@pytest.mark.parametrize("packed", [
+    {"train": [["k"], [b"\x80", b"\x80"]]},  # one blob per key
+    {"train": [["k"], ["not bytes"]]},
+    {"train": [[1], [b"\x80"]]},
+    {"train": [["k"]]},
+    {"train": {"k": b"\x80"}},
+    {"train": [["k"], [b"\x80"], []]},
+    ["train"],
+], ids=lambda v: repr(v))
+def test_packed_upserts_are_checked(packed: Any) -> None:
+    broken = dict(BODIES[Kind.DELTA], packed=packed)
+    with pytest.raises(ProtocolError, match="DELTA field 'packed'"):
+        decode([header(kind=int(Kind.DELTA)), body(broken)])
+
+
+def test_packed_keys_count_against_the_keys_per_message() -> None:
+    many = dict(BODIES[Kind.DELTA], upserts={}, deletes={},
+                packed={"train": [[f"k{i}" for i in range(20)], [b"\x80"] * 20]})
+    with pytest.raises(ProtocolError, match="partitions and keys"):
+        decode([header(kind=int(Kind.DELTA)), body(many)], Limits(max_keys_per_message=10))
+
+
+@pytest.mark.parametrize("blob, why", [
+    (msgpack.packb([1, 2]), "not a map"),
+    (msgpack.packb({1: "int name"}), "map key"),
+    (msgpack.packb({b"bytes name": 1}), "not a map with str names"),
+    (b"\xc1", "malformed packed tags"),
+    (msgpack.packb({"s": "x" * 100}), "malformed packed tags"),  # over max_str_len below
+    (msgpack.packb({"deep": [[[[[[1]]]]]]}), "deeper"),
+    (msgpack.packb({"ok": 1}) + b"\x00", "malformed packed tags"),  # trailing bytes
+])
+def test_packed_tags_are_checked_when_unpacked(blob: bytes, why: str) -> None:
+    limits = Limits(max_str_len=64, max_depth=8)
+    with pytest.raises(ProtocolError, match=why):
+        unpack_tags(blob, limits)
+    good = msgpack.packb({"ok": [1, [2]]})
+    with pytest.raises(ProtocolError, match=why):  # the same check for a whole chunk at once
+        unpack_many_tags([good, blob, good], limits)
+    assert unpack_many_tags([good, good], limits) == [{"ok": [1, [2]]}] * 2
+
+
+def test_unpacked_tags_are_the_tags() -> None:
+    tags = {"global_steps": 3, "status": "success", "l": [1, {"a": None}], "b": b"\x00", "f": 0.5}
+    assert unpack_tags(msgpack.packb(tags, use_bin_type=True)) == tags
+
+
 def test_non_str_map_keys_are_refused() -> None:
     broken = dict(BODIES[Kind.DELTA], upserts={"train": {"k": {1: "int key"}}})
     with pytest.raises(ProtocolError):
@@ -326,7 +379,8 @@ def test_encode_body_checks_the_schema() -> None:
 
 def _decode_bodies(bodies: list[bytes], max_frame_bytes: int) -> list[dict[str, Any]]:
     limits = Limits(max_frame_bytes=max_frame_bytes)
-    return [decode([encode_header(Kind.DELTA, 1, i), b], limits).body._asdict() for i, b in enumerate(bodies)]
+    decoded = [decode([encode_header(Kind.DELTA, 1, i), b], limits).body for i, b in enumerate(bodies)]
+    return [{**body._asdict(), "upserts": delta_upserts(body, limits)} for body in decoded]
 
 
 def _big_diff() -> ListingDiff:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import gc
 from fractions import Fraction
 
+import msgpack
+import pytest
+
 from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from poller.listing import commit_listing, diff_raw_listing
+from poller.protocol import unpack_many_tags
 
 
 class _Store(PartitionStore):
@@ -25,7 +29,7 @@ class _Store(PartitionStore):
 def test_tags_round_trip_with_their_exact_types():
     store = _Store()
     tags = {"global_steps": 3, "status": "success", "ok": True, "r": 0.5, "none": None, "t": (1, "a"),
-            "l": [1, 2], "b": b"\x00", "frac": Fraction(1, 3)}  # the last one marshal cannot hold
+            "l": [1, 2], "b": b"\x00", "frac": Fraction(1, 3)}  # the last one msgpack cannot hold
     store.add("train", {"k": tags})
     assert store.snapshot("train") == {"k": tags}
     got = store.sample("train", global_steps=3).tags[0]
@@ -34,7 +38,7 @@ def test_tags_round_trip_with_their_exact_types():
     assert store.snapshot("train")["k"]["l"] == [1, 2]
 
 
-def test_merging_an_object_marshal_cannot_hold_keeps_merge_semantics():
+def test_merging_an_object_msgpack_cannot_hold_keeps_merge_semantics():
     store = _Store()
     store.add("train", {"k": {"status": "running", "global_steps": 1}})
     store.add("train", {"k": {"status": "success", "frac": Fraction(2, 3)}})
@@ -54,15 +58,17 @@ def test_a_resync_of_the_same_tags_changes_nothing():
 
 def test_after_one_full_collection_the_big_containers_are_not_tracked():
     store = _Store()
-    items = {f"k{i}": {"global_steps": i % 3, "status": "success", "r": i / 7} for i in range(20_000)}
+    items = {f"k{i}": {"global_steps": i % 3, "status": ("success", "running")[i % 2], "r": i / 7}
+             for i in range(20_000)}
     store.merge_listed("src", "train", items)
     gc.collect()
     items = store._parts["train"]
     index = store.steps.index.parts["train"]
-    untracked = [items, index.arrival, index.success, store.ledger._listed["src"]["train"]]
+    untracked = [items, index.arrival, index.success, store.ledger._listed["src"]["train"],
+                 *index.running_by_step.values(), *index.success_by_step.values()]
     assert not any(gc.is_tracked(c) for c in untracked)
     store.merge_listed("src", "train", {"k1": {"status": "running"}, "new": {"status": "success"}})
-    assert not gc.is_tracked(items)  # marshalled values never make it tracked again
+    assert not gc.is_tracked(items)  # packed values never make it tracked again
 
 
 def test_diff_raw_listing_copies_only_what_changed_and_commits_after():
@@ -79,3 +85,76 @@ def test_diff_raw_listing_copies_only_what_changed_and_commits_after():
     assert sent["train"]["a"] is held_a and sent["train"]["a"] is not source_tags
     full = diff_raw_listing(sent, raw, full=True)
     assert full.upserts == sent and full.deletes == {}
+
+
+class _Counting:
+    """A policy that counts the changes it is told of."""
+
+    def __init__(self) -> None:
+        self.changes: list[tuple[str, object, object]] = []
+
+    def on_change(self, partition_id: str, key: str, old: object, new: object) -> None:
+        self.changes.append((key, old, new))
+
+
+def _packed(items: dict[str, dict[str, object]]) -> tuple[list[str], list[bytes]]:
+    return list(items), [msgpack.packb(tags, use_bin_type=True) for tags in items.values()]
+
+
+def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy():
+    store = PartitionStore()
+    policy = _Counting()
+    store.attach(policy)
+    items = {f"k{i}": {"global_steps": i, "status": "success"} for i in range(100)}
+    store.merge_packed("src", "train", *_packed(items), unpack_many_tags)
+    assert len(policy.changes) == 100 and store.snapshot("train") == items
+    unpacked: list[bytes] = []
+
+    def counting_unpack(blobs: list[bytes]) -> list[dict]:
+        unpacked.extend(blobs)
+        return unpack_many_tags(blobs)
+
+    items["k7"] = {"global_steps": 7, "status": "failure"}
+    store.begin_snapshot("src")
+    store.merge_packed("src", "train", *_packed(items), counting_unpack)
+    store.end_snapshot("src")
+    assert unpacked == [msgpack.packb(items["k7"])]  # only the changed key was unpacked
+    assert policy.changes[100:] == [("k7", {"global_steps": 7, "status": "success"}, items["k7"])]
+    assert store.snapshot("train") == items
+
+
+def test_packed_tags_merge_into_the_trainers_own():
+    store = PartitionStore()
+    store.add("train", {"k": {"global_steps": 2, "status": "running"}, "t": {"pair": (1, 2)}})
+    store.merge_packed("src", "train", *_packed({"k": {"status": "success"}, "t": {"r": 1.5}}), unpack_many_tags)
+    assert store.snapshot("train") == {"k": {"global_steps": 2, "status": "success"}, "t": {"pair": (1, 2), "r": 1.5}}
+    assert type(store.snapshot("train")["t"]["pair"]) is tuple  # msgpack would make it a list: kept as a dict
+    # The same listing again changes nothing: the held bytes are the merge, not what arrived.
+    policy = _Counting()
+    store.attach(policy)
+    store.merge_packed("src", "train", *_packed({"k": {"status": "success"}, "t": {"r": 1.5}}), unpack_many_tags)
+    assert store.snapshot("train")["k"] == {"global_steps": 2, "status": "success"}
+    assert all(old == new for _, old, new in policy.changes[2:])
+
+
+def test_a_removed_key_is_not_brought_back_by_packed_tags():
+    store = PartitionStore()
+    store.merge_packed("src", "train", *_packed({"a": {"v": 1}, "b": {"v": 2}}), unpack_many_tags)
+    store.remove("train", ["a"])
+    store.merge_packed("src", "train", *_packed({"a": {"v": 1}, "b": {"v": 3}}), unpack_many_tags)
+    assert store.snapshot("train") == {"b": {"v": 3}}
+
+
+@pytest.mark.parametrize("unhashable_steps", [False, True])
+def test_a_snapshot_told_at_once_indexes_as_key_by_key(unhashable_steps: bool):
+    items = {f"k{i}": {"global_steps": [i % 3] if unhashable_steps and i % 11 == 0 else i % 3,
+                       "status": ("running", "success", "failure", None)[i % 4]} for i in range(200)}
+    items["no-step"] = {"status": "success"}
+    items["running-no-step"] = {"status": "running"}
+    items["bare"] = {}
+    bulk, one_by_one = _Store(), _Store()
+    bulk.merge_packed("src", "train", *_packed(items), unpack_many_tags)  # the index's on_added
+    one_by_one.merge_listed("src", "train", items)  # on_change per key
+    assert bulk.steps.index.parts == one_by_one.steps.index.parts
+    assert bulk.steps.index._arrivals == one_by_one.steps.index._arrivals == len(items)
+    assert bulk.sample("train", batch_size=40, timeout=0).keys == one_by_one.sample("train", batch_size=40, timeout=0).keys

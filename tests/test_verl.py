@@ -414,7 +414,7 @@ def test_close_is_idempotent_and_wakes_a_waiter(make, store) -> None:
     pid = rb.stats()["poller_pid"]
     consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=1))
     consumer.start()
-    assert wait_until(lambda: rb.stats()["decisions"] >= 2)
+    assert wait_until(lambda: rb.stats()["wait_polls"] >= 2)  # waiting (polls change nothing: no new decision)
     report = rb.close()
     assert report.stage == "graceful" and rb.close() == report
     with pytest.raises(BufferClosed):

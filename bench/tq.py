@@ -1,0 +1,198 @@
+"""``python -m bench --only tq``: what a blocked sampler costs the shared TransferQueue controller.
+
+On a real TransferQueue (Ray, one storage unit) holding K keys, a rollout
+writer (a Ray actor) puts 16-key batches with ``kv_batch_put`` for a fixed
+time, in three phases of the same length:
+
+* a: no sampler;
+* b: ``buffer.verl`` (this product), built as verl builds a custom sampler,
+  blocked in ``sample()`` (asked for more groups than will ever complete),
+  its poller process listing the store while it waits;
+* c: verl 0.9.1's own ``ReplayBufferAsync`` blocked the same way in a thread
+  of the trainer process.
+
+Per phase: the writer's batches/s and put latency, the CPU of the controller's
+process (``/proc/<pid>/stat``) over the writer's run, and the CPU of what lists
+for the sampler. The phases alternate over several rounds, each round in a
+rotated order; ratios are medians of per-round ratios. The store, Ray and the
+samplers live in a host process (:mod:`bench.tq_host`), so none of it stays
+in this process.
+
+Needs the ``transferqueue`` extra, and verl 0.9.1 for phase c
+(``make bench`` or ``make test-integration`` installs both); without
+TransferQueue the table says so and is empty.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing
+import os
+import signal
+from typing import Any, Callable
+
+from .report import Goal, Table, median, percentile
+
+PHASES = {"a": "no sampler", "b": "buffer.verl (product)", "c": "verl 0.9.1 sampler"}
+_SILENCE = 300.0  # the host's longest quiet spell: Ray's start-up on a loaded machine, one phase
+
+
+def _plan(quick: bool) -> tuple[list[int], int, float]:
+    """(sizes K, rounds, seconds per phase)."""
+    return ([10_000], 2, 2.0) if quick else ([10_000, 100_000], 3, 6.0)
+
+
+def _missing(module: str) -> str | None:
+    """Why ``module`` cannot be imported here (None when it can), without importing it."""
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        return f"{module}: {exc}"
+    return None if found is not None else f"{module} is not installed"
+
+
+def run(progress: Callable[[str], None], quick: bool) -> Table:
+    """The ``tq`` table: one row per K and phase, the two goals per K; empty, with the reason, without TransferQueue."""
+    sizes, rounds, seconds = _plan(quick)
+    table = Table("TQ", f"TransferQueue controller: cost of a sampler blocked in sample(), writer putting "
+                        f"16-key batches, {seconds:g} s phases, {rounds} rounds",
+                  ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller % of a core",
+                   "controller % beyond the puts (est.)", "lister % of a core", "listings/s",
+                   "slowdown a ÷ phase ×"])
+    missing = [why for why in (_missing("transfer_queue"), _missing("ray")) if why]
+    if missing:
+        reason = (f"skipped: {'; '.join(missing)}. Install the transferqueue extra with a CPU torch "
+                  "(`make bench` does, or `make .venv/.installed-transferqueue`)")
+        progress(f"tq: {reason}")
+        table.title += " (skipped)"
+        table.notes.append(reason)
+        return table
+    phases = "abc"
+    # Only the top-level package: finding a submodule would import verl (and torch) into this process.
+    no_verl = _missing("verl")
+    if no_verl:
+        phases = "ab"
+        table.notes.append(f"phase c skipped ({no_verl}): verl 0.9.1 is installed by `make bench`")
+        progress(f"tq: phase c skipped: {no_verl}")
+    records, info = _host(progress, sizes, rounds, seconds, phases)
+    _fill(table, records, sizes, phases)
+    table.notes.append("a writer Ray actor rewrites one of 64 preloaded groups per batch (16 trajectory keys, "
+                       "tags global_steps/status/reward, a 16×8 tensor field), so K stays fixed (plus each of "
+                       "those groups' 16th trajectory: 64 keys) while tags change; preloaded groups are a running "
+                       "prompt and 15 trajectories, so nothing is ever sampleable and each sampler waits the whole "
+                       "phase")
+    table.notes.append("both samplers as verl builds them: trainer_mode colocate_async, threshold None, no "
+                       "sampler_kwargs, so each lists at its defaults (buffer.verl: poll_interval 0.2 s and, while "
+                       "sample() waits, every wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s); "
+                       "listings/s is what each did")
+    share = info.get("listing_share")
+    table.notes.append("the product's ReplayBuffer has no listing_share option in this build" if share is None
+                       else f"the product's ReplayBuffer listing_share default: {share}")
+    table.notes.append("a slower writer also spares the controller its puts, so b − a can be small or negative "
+                       "(and its goal met) while the sampler's listings cost a lot: the estimate column charges "
+                       "each phase's batches at the controller's CPU per batch of phase a in the same round and "
+                       "shows the rest, compared by the last goal of each K")
+    table.notes.append("controller = CPU of the TransferQueueController actor's process over the writer's run; "
+                       "lister = buffer.verl's poller process (b) or the trainer thread running verl's sample() "
+                       "(c); medians over rounds; the slowdown column is the median of per-round ratios")
+    return table
+
+
+def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases: str) -> None:
+    """Rows and goals from the host's phase records (medians over rounds, ratios paired by round)."""
+    for k in sizes:
+        by_phase = {p: [r for r in records if r["k"] == k and r["phase"] == p] for p in phases}
+        rates = {p: {r["round"]: r["batches"] / r["seconds"] for r in rs} for p, rs in by_phase.items()}
+        cpu = {p: {r["round"]: r["controller_cpu"] for r in rs} for p, rs in by_phase.items()}
+        # The controller's CPU per put batch in phase a, the same round, charged at the phase's own rate.
+        beyond = {p: [cpu[p][n] - rates[p][n] * cpu["a"][n] / rates["a"][n] for n in cpu[p]] for p in phases}
+        for p, rs in by_phase.items():
+            latencies = [x for r in rs for x in r["latencies"]]
+            slowdown = median([rates["a"][n] / rates[p][n] for n in rates[p]]) if p != "a" else "—"
+            lister = [r["lister_cpu"] for r in rs if r["lister_cpu"] is not None]
+            listings = [r["listings_per_s"] for r in rs if r["listings_per_s"] is not None]
+            table.add(f"{k:,}", f"{p}: {PHASES[p]}", median(list(rates[p].values())),
+                      percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3,
+                      median(list(cpu[p].values())) * 100, median(beyond[p]) * 100 if p != "a" else "—",
+                      median(lister) * 100 if lister else "—",
+                      median(listings) if listings else "—", slowdown)
+        table.goals.append(Goal(f"writer slowdown beside buffer.verl (batches/s a ÷ b), K={k:,}",
+                                median([rates["a"][n] / rates["b"][n] for n in rates["b"]]), 1.02))
+        added = median([cpu["b"][n] - cpu["a"][n] for n in cpu["b"]]) * 100
+        if "c" in phases:
+            verl_added = median([cpu["c"][n] - cpu["a"][n] for n in cpu["c"]]) * 100
+            table.goals.append(Goal(f"controller CPU added by buffer.verl (b − a) ≤ added by verl's sampler "
+                                    f"(c − a, the limit), % of a core, K={k:,}", added, verl_added))
+            # The same comparison without the confound of the writer's rate (see the notes).
+            table.goals.append(Goal(f"controller CPU beyond the puts (est.): buffer.verl ≤ verl's sampler "
+                                    f"(the limit), % of a core, K={k:,}", median(beyond["b"]) * 100,
+                                    median(beyond["c"]) * 100))
+        else:
+            table.notes.append(f"controller CPU added by buffer.verl (b − a), K={k:,}: {added:.3g}% of a core "
+                               "(no verl phase to compare with)")
+
+
+def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, seconds: float,
+          phases: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run :func:`bench.tq_host.serve` in a spawned process; its phase records and final info.
+
+    The host leads a session of its own: whatever happens here, it and the
+    processes it started (Ray's, the poller) are signalled by that group.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe(duplex=False)
+    host = ctx.Process(target=_session, args=(child, sizes, rounds, seconds, phases), name="bench-tq-host")
+    host.start()
+    child.close()
+    records: list[dict[str, Any]] = []
+    try:
+        while True:
+            if not conn.poll(_SILENCE):
+                raise TimeoutError(f"the TransferQueue host sent nothing for {_SILENCE:g} s")
+            try:
+                kind, value = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the TransferQueue host ended without a result (exit code {host.exitcode})") \
+                    from None
+            if kind == "progress":
+                progress(value)
+            elif kind == "phase":
+                records.append(value)
+                progress(f"tq: K={value['k']:,} round {value['round'] + 1}/{rounds} phase {value['phase']}: "
+                         f"{value['batches'] / value['seconds']:.0f} batches/s, controller "
+                         f"{value['controller_cpu'] * 100:.0f}% of a core")
+            elif kind == "error":
+                raise RuntimeError(f"the TransferQueue host failed:\n{value}")
+            else:
+                return records, value
+    finally:
+        conn.close()
+        _reap(host)
+
+
+def _session(conn: Any, sizes: list[int], rounds: int, seconds: float, phases: str) -> None:
+    from . import tq_host
+
+    os.setsid()
+    tq_host.serve(conn, sizes, rounds, seconds, phases)
+
+
+def _reap(host: Any, timeout: float = 60.0) -> None:
+    """Wait for the host (it stops Ray itself); past the deadline, SIGKILL its process group."""
+    host.join(timeout)
+    if host.is_alive() or _group_alive(host.pid):
+        try:
+            os.killpg(host.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        host.join(10)
+    if host.is_alive():
+        raise RuntimeError(f"the TransferQueue host (pid {host.pid}) survived SIGKILL")
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
