@@ -166,8 +166,9 @@ class _Core:
         without a ``partition_ids`` list lists every partition already.
         """
         held = self.source_kwargs.get("partition_ids")
-        if not isinstance(held, list):
+        if not isinstance(held, (list, tuple)):
             return
+        held = list(held)
         added = [p for p in dict.fromkeys(partition_ids) if p not in held]
         if not added:
             return
