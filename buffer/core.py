@@ -157,6 +157,26 @@ class _Core:
             logger.warning("poller %s: no complete listing within %.3gs of READY; sample() waits for it",
                            self.name, first_poll_wait)
 
+    def include_partitions(self, partition_ids: list[str]) -> None:
+        """Have the poller list these partitions too, when its source lists a chosen set (``partition_ids``).
+
+        The next SYNC names them (and every later one: a poller that
+        restarted before answering is asked again), and a poller process
+        started from now on lists them from its first listing. A source
+        without a ``partition_ids`` list lists every partition already.
+        """
+        held = self.source_kwargs.get("partition_ids")
+        if not isinstance(held, (list, tuple)):
+            return
+        held = list(held)
+        added = [p for p in dict.fromkeys(partition_ids) if p not in held]
+        if not added:
+            return
+        # Replaced whole, never edited: the supervisor reads it for each new process.
+        self.source_kwargs = {**self.source_kwargs, "partition_ids": held + added}
+        self.receiver.table.include_partitions(self.name.encode(), held + added)
+        logger.debug("poller %s lists partitions %s too", self.name, added)
+
     def _drained(self, process: PollerProcess) -> Callable[[float], bool]:
         """Whether everything ``process`` sent before BYE was applied (asked after it exited)."""
         name, epoch = process.name, process.epoch

@@ -49,6 +49,10 @@ class BufferStats(TypedDict):
     quarantined_keys: list[tuple[str, str, str]]
     view_whole: bool
     view_gap: str | None
+    listings: int
+    listing_seconds: float
+    listing_seconds_total: float
+    listing_share: float
 
 
 def collect_stats(core: _Core) -> BufferStats:
@@ -89,6 +93,11 @@ def collect_stats(core: _Core) -> BufferStats:
         "quarantined_keys": quarantined_keys,
         "view_whole": gap is None,
         "view_gap": gap,
+        # The buffer's own poller's full listings of its source (poller.duty), as its last heartbeat said.
+        "listings": peer.listing.listings if peer else 0,
+        "listing_seconds": peer.listing.last_s if peer else 0.0,
+        "listing_seconds_total": peer.listing.total_s if peer else 0.0,
+        "listing_share": peer.listing.share if peer else 0.0,
     }
 
 
@@ -141,6 +150,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("replay.view.whole", "gauge",
            "1 while every partition's view reflects complete listings (decisions are made only then)",
            lambda s: int(s["view_whole"])),
+    Metric("replay.source.listings", "counter", "full listings of the source by the buffer's own poller",
+           lambda s: s["listings"]),
+    Metric("replay.source.last_listing_seconds", "gauge", "seconds the last full listing of the source took",
+           lambda s: s["listing_seconds"]),
+    # A counter of seconds: Prometheus shows it as replay_source_listing_seconds_total.
+    Metric("replay.source.listing_seconds", "counter", "seconds spent in full listings of the source",
+           lambda s: s["listing_seconds_total"]),
+    Metric("replay.source.listing_share", "gauge",
+           "share of the wall clock spent in full listings of the source lately (bounded by listing_share)",
+           lambda s: s["listing_share"]),
 )
 
 

@@ -31,6 +31,7 @@ from poller.errors import ProtocolError
 from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Sync
 from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode, unpack_many_tags
 
+from .listings import ListingFigures
 from .partitions import PartitionStore
 from .ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
 
@@ -78,6 +79,10 @@ class Peer:
     # Keys this peer leaves out of the stream (poller.quarantine), as its last heartbeat said.
     quarantined: int = 0
     quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
+    # Full listings of its source (poller.duty), as its heartbeats said: the
+    # totals of its earlier processes, and those of the process now (epoch).
+    listing: ListingFigures = field(default_factory=ListingFigures)
+
 
 
 def _snapshot_start(message: Message) -> bool:
@@ -120,6 +125,8 @@ class PeerTable:
         self._retired: dict[bytes, set[int]] = {}
         # identity -> (highest SYNC token asked of it and not yet answered, when it was last sent).
         self._syncs: dict[bytes, tuple[int, float]] = {}
+        # identity -> the partitions every SYNC to it names (see include_partitions).
+        self._partitions: dict[bytes, list[str]] = {}
 
     def expect(self, identity: bytes, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``identity``; earlier epochs are dropped quietly."""
@@ -159,7 +166,19 @@ class PeerTable:
         token = max(token, wanted[0]) if wanted else token
         self._syncs[identity] = (token, now)
         peer = self.peers.get(identity)
-        return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0, Sync(token))
+        return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0,
+                    Sync(token, self._partitions.get(identity)))
+
+    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
+        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
+
+        The poller then lists them before it answers the token, whichever of
+        its processes gets it: a request asked again after a restart names
+        them again. Called directly, not through the receiver's command
+        queue: the dict entry is replaced in one GIL-atomic step.
+        """
+        held = self._partitions.get(identity, [])
+        self._partitions[identity] = held + sorted(set(partition_ids) - set(held))
 
     # -- time -------------------------------------------------------------------
 
@@ -372,6 +391,9 @@ class PeerTable:
         if beat.quarantined is not None:  # None from older pollers
             peer.quarantined = beat.quarantined
             peer.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
+        if beat.listings is not None:  # None from older pollers
+            peer.listing.report(message.epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
+                                beat.listing_share or 0.0)
         stalls = beat.source_stalls  # None from older pollers
         if stalls is not None:
             if peer.stalls_epoch != message.epoch:

@@ -23,6 +23,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 from poller.arguments import check_optional_seconds
 from poller.curve import CurveServer
+from poller.duty import DEFAULT_LISTING_SHARE, check_share
 from poller.process import ShutdownReport
 from poller.protocol import Limits
 from poller.sources import SourceSpec
@@ -86,6 +87,14 @@ class ReplayBuffer:
             as a source stall (``None``: only stalls the source reports itself).
         poller_log_level: the level (name or number) from which the poller's
             log records are re-emitted in this process under the ``poller`` logger.
+        listing_share: the most of the wall clock the poller spends in full
+            listings of a source without a change feed (TransferQueue): a
+            listing that took ``d`` seconds is followed by the next no sooner
+            than ``d / listing_share`` after it started, whatever ``sync()``
+            or the schedule asks (they are answered by that next listing).
+            In (0, 1]; 1 sets no bound. The default,
+            :data:`~poller.duty.DEFAULT_LISTING_SHARE` (0.014), is below what
+            verl's own sampler spends (docs/transferqueue.md).
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
@@ -100,12 +109,14 @@ class ReplayBuffer:
                  close_timeout: float = 5.0, max_restarts: int = 3, restart_window: float = 600.0,
                  curve: CurveServer | None = None, insecure: bool = False,
                  limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
-                 stall_timeout: float | None = 30.0, poller_log_level: int | str = "WARNING") -> None:
+                 stall_timeout: float | None = 30.0, poller_log_level: int | str = "WARNING",
+                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
         resolved_limits = as_limits(limits)
         check_buffer_args(poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after,
                           curve, resolved_limits)
         poller_options = {"stall_timeout": check_stall_timeout(stall_timeout),
-                          "log_level": check_log_level(poller_log_level)}
+                          "log_level": check_log_level(poller_log_level),
+                          "listing_share": check_share("listing_share", listing_share)}
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
@@ -195,6 +206,23 @@ class ReplayBuffer:
         timeout = check_optional_seconds("timeout", timeout, allow_zero=True)
         if core.listing_sync is not None:
             core.listing_sync.wait(timeout)
+
+    def include_partitions(self, partition_ids: Iterable[str]) -> None:
+        """Have the poller list these partitions too, when its source lists a chosen set of them.
+
+        For a source built with a ``partition_ids`` list (the TransferQueue
+        source): the listing that answers the next :meth:`sync` includes
+        them, and so does every later one, also after a poller restart.
+        A source that lists every partition is left as it is.
+
+        Raises:
+            TypeError: ``partition_ids`` is one string, or holds a non-str.
+            BufferClosed: the buffer was closed.
+        """
+        self._core.store.check_open()
+        if isinstance(partition_ids, (str, bytes)):
+            raise TypeError(f"partition_ids must be a list of partition ids, not one string {partition_ids!r}")
+        self._core.include_partitions([check_partition(p) for p in partition_ids])
 
     @property
     def seam(self) -> SamplingSeam:

@@ -121,6 +121,8 @@ class ReplayBuffer:
         self._finalizer: weakref.finalize | None = None
         self._closed = False
         self._needs_fresh_view = False
+        # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
+        self._listed: set[str] | None = None
         self._fresh_view_ahead: SyncAhead | None = None
         # DAPO metrics read outside the lock, recorded in the index by the next decision.
         self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
@@ -230,14 +232,20 @@ class ReplayBuffer:
         timeout = self._config.sample_timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    def _started(self) -> _Buffer:
+    def _started(self, partition_id: str | None = None) -> _Buffer:
+        """The buffer, started on first use; the poller lists ``partition_id`` (see :meth:`_listing`).
+
+        verl's calls start it through :meth:`_decide`, which names the
+        partition; started without one, the poller lists every partition.
+        """
         with self._lock:
             if self._closed:
                 raise BufferClosed("the sampler is closed")
             if self._buffer is not None:
                 return self._buffer
             config = self._config
-            spec, kwargs = verl_client.poller_source(config.source, config.source_kwargs)
+            spec, kwargs, chosen = verl_client.poller_source(config.source, config.source_kwargs, partition_id)
+            self._listed = {partition_id} if chosen and partition_id is not None else None
             client, owned = verl_client.open_client(config.source, config.source_kwargs,
                                                     need_fields=config.filter_groups_metric is not None)
             try:
@@ -265,13 +273,15 @@ class ReplayBuffer:
         While it waits, the poller lists every ``wait_poll_interval``, and the
         counts in flight are logged every ``log_interval``.
         """
-        self._started()
+        buffer = self._started(partition_id)
         seam = self._seam
         assert seam is not None
         ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
         if ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._needs_fresh_view = not ahead.done(remaining)
+        # After the sync ahead: its listing may predate a partition new to the poller.
+        self._listing(buffer, partition_id)
         if self._needs_fresh_view:
             self._read_your_writes(what, deadline)
 
@@ -292,6 +302,20 @@ class ReplayBuffer:
                                on_poll=counted_poll, version=lambda: self._index.version(partition_id))
         except TimeoutError as exc:
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
+
+    def _listing(self, buffer: _Buffer, partition_id: str) -> None:
+        """Have the poller list ``partition_id`` too, when the sampler chose the partitions it lists.
+
+        verl 0.9.1 names its partitions only in its calls (``"train"``, and
+        ``"val"`` while it validates), so the poller starts with the first
+        call's partition and each new one joins the set here: the decision
+        then waits for a listing that includes it (read your writes).
+        """
+        if self._listed is None or partition_id in self._listed:
+            return
+        buffer.include_partitions([partition_id])
+        self._listed.add(partition_id)
+        self._needs_fresh_view = True
 
     def _carry_out(self, plan: Plan, partition_id: str, metrics: dict[str, Any], deadline: float | None) -> bool:
         """Do the plan's I/O; True when the caller must decide again."""

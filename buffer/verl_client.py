@@ -64,16 +64,27 @@ def is_transferqueue(source: SourceSpec | None) -> bool:
     return source is None or source == TRANSFERQUEUE_SPEC
 
 
-def poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None) -> tuple[SourceSpec, dict[str, Any]]:
-    """The spec and kwargs the poller lists. TransferQueue's address is looked up here, in the trainer."""
+def poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
+                  partition_id: str | None) -> tuple[SourceSpec, dict[str, Any], bool]:
+    """The spec and kwargs the poller lists, and whether the sampler chose the partitions it lists.
+
+    On TransferQueue the poller lists only ``partition_id`` (the partition
+    of the first call; ``None``: every partition) unless ``kwargs`` name
+    their own ``partition_ids``; the sampler adds each partition it is asked
+    about later (:meth:`buffer.ReplayBuffer.include_partitions`).
+    TransferQueue's address is looked up here, in the trainer.
+    """
     if not is_transferqueue(source):
         assert source is not None
-        return source, dict(kwargs or {})
+        return source, dict(kwargs or {}), False
     given = dict(kwargs or {})
+    chosen = given.get("partition_ids") is None and partition_id is not None
+    if chosen:
+        given["partition_ids"] = [partition_id]
     if "address" in given:
-        return TRANSFERQUEUE_SPEC, given
-    # Options only (call_timeout, partition_ids, ...): the address comes from the live controller.
-    return TRANSFERQUEUE_SPEC, transferqueue_source_kwargs(None, **given)
+        return TRANSFERQUEUE_SPEC, given, chosen
+    # Options only (call_timeout, ...): the address comes from the live controller.
+    return TRANSFERQUEUE_SPEC, transferqueue_source_kwargs(None, **given), chosen
 
 
 def open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poller.arguments import check_count, check_optional_seconds, check_seconds
+from poller.duty import DEFAULT_LISTING_SHARE, check_share
 from poller.sources import SourceSpec
 
 __all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VerlConfigError"]
@@ -28,7 +29,8 @@ _SHARED = {"poll_interval": None, "filter_groups_metric": None, "train_batch_siz
            "max_inflight_gen_batches": 1, "sync_refill_failed_groups": False}
 #: Options only sampler_kwargs carries, with their defaults.
 _OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None, "source": None,
-        "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3}
+        "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
+        "listing_share": DEFAULT_LISTING_SHARE}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
 
@@ -161,7 +163,8 @@ class SamplerConfig:
             sample_timeout=own["sample_timeout"], log_interval=own["log_interval"],
             wait_poll_interval=_wait_poll_interval(own["wait_poll_interval"], poll_interval), source=own["source"],
             source_kwargs=own["source_kwargs"],
-            buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts")})
+            buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts",
+                                                        "listing_share")})
         try:
             config._check()
         except VerlConfigError:
@@ -178,6 +181,7 @@ class SamplerConfig:
         _seconds("start_timeout", self.buffer_kwargs["start_timeout"], allow_none=False)
         _seconds("close_timeout", self.buffer_kwargs["close_timeout"], allow_none=False)
         check_count("max_restarts", self.buffer_kwargs["max_restarts"])
+        check_share("listing_share", self.buffer_kwargs["listing_share"])
         metric = self.filter_groups_metric
         if metric is not None and (not isinstance(metric, str) or not metric):
             raise VerlConfigError(f"filter_groups_metric must be a non-empty string or None, got {metric!r}")

@@ -14,7 +14,9 @@ import math
 import threading
 from typing import Any
 
-__all__ = ["check_count", "check_optional_seconds", "check_seconds", "check_worker_config"]
+from .duty import check_share
+
+__all__ = ["check_count", "check_optional_seconds", "check_seconds", "check_share", "check_worker_config"]
 
 # The longest wait the threading primitives accept (OverflowError beyond it).
 MAX_SECONDS = float(threading.TIMEOUT_MAX)
@@ -76,3 +78,4 @@ def check_worker_config(config: Any) -> None:
     check_seconds("linger", config.linger, allow_zero=True)
     check_seconds("tick", config.tick)
     check_optional_seconds("stall_timeout", config.stall_timeout)
+    check_share("listing_share", config.listing_share)

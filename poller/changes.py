@@ -14,20 +14,29 @@ through no fault of the poller (rows edited with the store's triggers
 dropped, a deletion log trimmed by hand) within a bounded time, at the cost
 of one listing per interval (at 1M keys ~4 s of the poller's CPU every
 10 min, under 1% of a core).
+
+Every full listing (``kv_list()``, ``kv_snapshot()``) is timed into the
+listing share (:class:`~poller.duty.ListingDuty`). Without a change feed the
+polling thread waits :meth:`ListingReader.wait_for` before each poll; with
+one, a reconciliation due before the share allows it reads the change feed
+once more instead. Change reads (and RESYNCs, answered from them) are not held.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
+from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, ListingDiff, diff_raw_listing
 from .sources import Source, has_change_feed
 
 __all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Seconds between the full listings that check a source's change feed; None: never.
 DEFAULT_RECONCILE_INTERVAL = 600.0
@@ -94,10 +103,12 @@ class ListingReader:
     change is lost.
     """
 
-    def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL) -> None:
+    def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
+                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
         self._source: Any = source
         self.feed = has_change_feed(source)
         self.reconcile_interval = reconcile_interval
+        self.duty = ListingDuty(listing_share)
         self._cursor: Any = None
         self._pending: Any = None
         self._listed_at = time.monotonic()
@@ -105,6 +116,16 @@ class ListingReader:
         # holds), or a change set and the deletions it reported.
         self.last_complete = True
         self.last_deletes: Mapping[str, Any] = {}
+
+    def wait_for(self, full: bool) -> float:
+        """Seconds to wait before this poll's read (0: read now), to keep listings within the share.
+
+        Only a source without a change feed waits: each of its reads is a
+        full listing. A source with one is read now: a change read costs
+        milliseconds, a RESYNC is answered from what was sent, and a due
+        reconciliation is deferred by :meth:`read` instead.
+        """
+        return 0.0 if self.feed else self.duty.wait_for()
 
     def read(self, sent: Listing, full: bool) -> ListingDiff:
         """The diff of this poll against ``sent`` (a full snapshot if ``full``).
@@ -123,9 +144,10 @@ class ListingReader:
         self._pending = None
         self.last_complete, self.last_deletes = True, {}
         if not self.feed:
-            return diff_raw_listing(sent, self._source.kv_list(), full)
+            return diff_raw_listing(sent, self._listing(self._source.kv_list), full)
         due = (self.reconcile_interval is not None
-               and time.monotonic() - self._listed_at >= self.reconcile_interval)
+               and time.monotonic() - self._listed_at >= self.reconcile_interval
+               and self.duty.wait_for() == 0)
         if not due and self._cursor is not None:
             changes = self._source.kv_changes(self._cursor)
             if changes is not None:
@@ -134,11 +156,31 @@ class ListingReader:
                 diff = diff_changes(sent, upserts, deletes, copy=False)
                 self.last_complete, self.last_deletes = False, deletes or {}
                 return _whole(sent, diff) if full else diff
+            # Listed at once, within the share or not: a feed that lost its
+            # cursor has nothing else to offer, and this is rare.
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
-        cursor, listing = self._source.kv_snapshot()
+        cursor, listing = self._listing(self._source.kv_snapshot)
         self._pending = (cursor, True)
         # What was sent is kept packed (PollingThread): no tag dict needs copying.
         return diff_raw_listing(sent, listing, full, copy=False)
+
+    def _listing(self, call: Callable[[], _T]) -> _T:
+        """``call()``, a full listing, timed into the duty cycle (also when it raises)."""
+        began = time.monotonic()
+        try:
+            return call()
+        finally:
+            self.duty.record(began, time.monotonic() - began)
+
+    def include(self, partition_ids: frozenset[str]) -> None:
+        """List these partitions too from now on, when the source lists a chosen set of them.
+
+        Calls the source's optional ``include_partitions(ids)``; a source
+        without it lists every partition already, these included.
+        """
+        include = getattr(self._source, "include_partitions", None)
+        if callable(include):
+            include(sorted(partition_ids))
 
     def commit(self) -> None:
         """The diff :meth:`read` returned was sent: continue from its cursor."""

@@ -21,6 +21,7 @@ from typing import Any, NoReturn, Sequence
 from ._version import __version__
 from .arguments import check_seconds
 from .curve import CurveClient, make_keys
+from .duty import DEFAULT_LISTING_SHARE, check_share
 from .errors import PollerCrashed, PollerStartupError
 from .worker import WorkerConfig, run_standalone
 
@@ -43,6 +44,10 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
+    run.add_argument("--listing-share", type=float, default=DEFAULT_LISTING_SHARE,
+                     help="the most of the wall clock spent listing a store without a change feed: a listing "
+                          "that took d seconds is followed by the next no sooner than d/share after it started "
+                          f"(0 < share <= 1, 1 = no bound; default {DEFAULT_LISTING_SHARE:g})")
     run.add_argument("--name", default=None,
                      help="stream name; a restarted poller with the same name continues the same stream "
                           "(default: derived from host, source and kwargs)")
@@ -78,7 +83,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         check_seconds("--interval", args.interval)
-    except ValueError as exc:  # nan, inf, <= 0
+        check_share("--listing-share", args.listing_share)
+    except ValueError as exc:  # nan, inf, <= 0; a share outside (0, 1]
         print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
     level = logging.getLevelName(args.log_level.upper())
@@ -93,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
     config = WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
-                          interval=args.interval, curve=curve)
+                          interval=args.interval, curve=curve, listing_share=args.listing_share)
     try:
         return run_standalone(config)
     except PollerStartupError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
+from .duty import DEFAULT_LISTING_SHARE
 from .protocol import DEFAULT_LIMITS, Limits
 from .sources import SourceSpec
 
@@ -63,3 +64,7 @@ class WorkerConfig(NamedTuple):
     limits: Limits | None = None
     # Records from this level on are sent to the buffer (LOG), which re-emits them.
     log_level: int = logging.WARNING
+    # The most of the wall clock spent in full listings of the source
+    # (poller.duty: a listing that took d seconds is followed by the next no
+    # sooner than d / listing_share after it started); 1.0: no bound.
+    listing_share: float = DEFAULT_LISTING_SHARE

@@ -12,6 +12,7 @@ such a field while it is ``None``, so an older receiver is not shown a
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, Callable, Mapping, NamedTuple, Union
 
 from .errors import ProtocolError
@@ -47,6 +48,9 @@ Upserts = dict       # {partition: {key: tags}}
 Packed = dict        # {partition: [[key, ...], [packed tags, ...]]}
 Named = list         # [[partition, key, reason], ...]: keys a poller names
 Deletes = dict       # {partition: [key, ...]}
+Seconds = float      # a finite duration >= 0
+Share = float        # a share of the wall clock, in [0, 1]
+PartitionIds = list  # [partition, ...]: at most MAX_PARTITION_IDS non-empty str
 
 # NamedTuples rather than dataclasses in every module the poller process
 # imports: dataclasses pulls in inspect, ~8 ms of its start-up.
@@ -92,6 +96,12 @@ class Heartbeat(NamedTuple):
     # their tags (poller.quarantine): how many, and the first few by name.
     quarantined: Count | None = None
     quarantined_keys: Named | None = None
+    # Full listings of the source (poller.duty): how many, the last one's
+    # duration, their total, and the share of the wall clock they took lately.
+    listings: Count | None = None
+    listing_s: Seconds | None = None
+    listing_total_s: Seconds | None = None
+    listing_share: Share | None = None
 
 
 class Error(NamedTuple):
@@ -126,6 +136,10 @@ class Resync(NamedTuple):
 
 class Sync(NamedTuple):
     token: Token
+    # Partitions the listing that answers ``token`` must include, on a source
+    # that lists a chosen set of them (poller.sources.transferqueue); the
+    # poller adds them to that set for good. Absent: the set stays as it is.
+    partitions: PartitionIds | None = None
 
 
 class Ack(NamedTuple):
@@ -182,6 +196,23 @@ def _named_ok(value: Any) -> bool:
         for entry in value)
 
 
+#: The most partition ids one SYNC may name.
+MAX_PARTITION_IDS = 1024
+
+
+def _partition_ids_ok(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_PARTITION_IDS and all(
+        isinstance(partition, str) and partition for partition in value)
+
+
+def _seconds_ok(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+
+def _share_ok(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
 def _deletes_ok(value: Any) -> bool:
     return isinstance(value, dict) and all(
         isinstance(partition, str) and isinstance(keys, list) and all(isinstance(key, str) for key in keys)
@@ -200,6 +231,9 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "Packed": _packed_ok,
     "Deletes": _deletes_ok,
     "Named": _named_ok,
+    "Seconds": _seconds_ok,
+    "Share": _share_ok,
+    "PartitionIds": _partition_ids_ok,
 }
 
 
@@ -214,11 +248,17 @@ def _fields(record: Any) -> list[tuple[str, Callable[[Any], bool], bool]]:
 
 
 _SCHEMAS = {kind: _fields(record) for kind, record in RECORDS.items()}
+
+
+def _typed(record: Any, names: tuple[str, ...]) -> set[str]:
+    return {name for name in record._fields
+            if str(getattr(record.__annotations__[name], "__forward_arg__", "")).split(" | ")[0] in names}
+
+
 # Fields whose type is a bounded int (Count, LastSeq): an int there can still be a wrong value.
-_BOUNDED = {kind: {name for name in record._fields
-                   if str(getattr(record.__annotations__[name], "__forward_arg__", "")).split(" | ")[0]
-                   in ("Count", "LastSeq", "Token")}
-            for kind, record in RECORDS.items()}
+_BOUNDED = {kind: _typed(record, ("Count", "LastSeq", "Token")) for kind, record in RECORDS.items()}
+# Fields whose type is a bounded real (Seconds, Share): so can any number there.
+_BOUNDED_REAL = {kind: _typed(record, ("Seconds", "Share")) for kind, record in RECORDS.items()}
 
 
 def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
@@ -234,7 +274,8 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
             continue
         if not check(body[name]):
             value = body[name]
-            if _is_int(value) and name in _BOUNDED[kind]:  # an int out of its bounds
+            if (_is_int(value) and name in _BOUNDED[kind]) or (  # a number out of its bounds
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and name in _BOUNDED_REAL[kind]):
                 raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
 

@@ -16,6 +16,7 @@ import traceback
 from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
+from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, commit_listing, screen_diff
 from .messages import Error
 from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta, pack_upserts
@@ -52,16 +53,23 @@ class PollingThread(threading.Thread):
     once in ``source_stalls``; a stall is not a failure (polling goes on and
     it never makes the poller give up). One WARNING is logged per *episode*,
     from the first stalled call until ``kv_list()`` answers again.
+
+    Listings of a source without a change feed keep within
+    ``listing_share`` of the wall clock (:mod:`poller.duty`): a SYNC or
+    RESYNC that arrives sooner is answered by the next listing the share
+    allows, never dropped; STOP ends the wait at once. (With a change feed
+    only the periodic reconciliation keeps to it: :mod:`poller.changes`.)
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  backoff_base: float = 0.1, backoff_cap: float = 5.0,
                  stall_timeout: float | None = None, limits: Limits | None = None,
-                 reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL) -> None:
+                 reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
+                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
-        self._reader = ListingReader(source, reconcile_interval=reconcile_interval)
+        self._reader = ListingReader(source, reconcile_interval=reconcile_interval, listing_share=listing_share)
         self._emit = emit
         self.interval = interval
         self.max_failures = max_failures
@@ -91,6 +99,10 @@ class PollingThread(threading.Thread):
         # The highest SYNC token received; written by the control loop before
         # it wakes this thread, read here when a listing begins.
         self.sync_received = 0
+        # Partitions SYNCs asked to be listed (a set that only grows, replaced
+        # whole by the control loop), and those the source was told of.
+        self._partitions_wanted: frozenset[str] = frozenset()
+        self._partitions_included: frozenset[str] = frozenset()
         # The keys left out of the stream; read by the control loop for heartbeats.
         self.quarantine = Quarantine()
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
@@ -106,12 +118,23 @@ class PollingThread(threading.Thread):
         self._resync.set()
         self._wake.set()
 
-    def request_sync(self, token: int) -> None:
+    @property
+    def duty(self) -> ListingDuty:
+        """The listing duty cycle: what the listings cost, and when the next may start."""
+        return self._reader.duty
+
+    def request_sync(self, token: int, partitions: list[str] | None = None) -> None:
         """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
 
-        Called by the control loop only. Several requests that arrive while a
-        listing is under way are all answered by the next one.
+        That listing (and every later one) includes ``partitions``, when the
+        source lists a chosen set of them. Called by the control loop only.
+        Several requests that arrive while a listing is under way, or while
+        the listing share holds the next one back, are all answered by the
+        next one.
         """
+        if partitions and not self._partitions_wanted.issuperset(partitions):
+            # Before the token: a listing that reads the token sees these too.
+            self._partitions_wanted = self._partitions_wanted.union(partitions)
         # A token already received is the buffer asking again (its request
         # may have been lost on a reconnect): the poll it asked for is
         # already due, and waking again would only add a listing.
@@ -168,6 +191,26 @@ class PollingThread(threading.Thread):
         self._wake.wait(seconds)
         self._wake.clear()
 
+    def _hold(self, full: bool) -> bool | None:
+        """Wait until the listing share allows this poll's read; return ``full`` as it then is.
+
+        Only STOP ends the wait (``None``): SYNC and RESYNC requests are
+        recorded meanwhile and served by the read that follows. A RESYNC that
+        arrives during the wait makes that read a snapshot.
+        """
+        while True:
+            # Every request seen from here on is answered by the coming read;
+            # one that arrives later wakes the thread again.
+            self._wake.clear()
+            if self._resync.is_set():
+                self._resync.clear()
+                full = True
+            wait = self._reader.wait_for(full)
+            if wait <= 0:
+                return None if self.stopping.is_set() else full
+            if self.stopping.wait(wait):
+                return None
+
     def run(self) -> None:
         try:
             self._poll_until_stopped()
@@ -186,16 +229,21 @@ class PollingThread(threading.Thread):
         full = True
         failures = 0
         while not self.stopping.is_set():
+            held = self._hold(full)
+            if held is None:
+                return
+            full = held
             started = time.time()
             began = time.monotonic()
             covered = self.sync_received  # before the listing: it answers only requests received by now
+            wanted = self._partitions_wanted  # read after the token (see request_sync)
             self._calls += 1
             call = self._calls
-            self._current = (call, began)
             try:
-                if self._resync.is_set():
-                    self._resync.clear()
-                    full = True
+                if wanted != self._partitions_included:
+                    self._reader.include(wanted)
+                    self._partitions_included = wanted
+                self._current = (call, began)
                 try:
                     diff = self._reader.read(sent, full)
                 finally:

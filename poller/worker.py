@@ -221,6 +221,7 @@ class _ControlLoop:
         thread = self.thread
         self.stalls_reported = thread.source_stalls if thread else 0
         quarantine = thread.quarantine if thread else None
+        duty = thread.duty if thread else None
         self.quarantine_reported = quarantine.changes if quarantine else 0
         self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
             polls=thread.polls if thread else 0,
@@ -232,6 +233,10 @@ class _ControlLoop:
             last_seq=self.seq,
             quarantined=len(quarantine.keys) if quarantine else 0,
             quarantined_keys=quarantine.names() if quarantine else [],
+            listings=duty.listings if duty else 0,
+            listing_s=duty.last_seconds if duty else 0.0,
+            listing_total_s=duty.total_seconds if duty else 0.0,
+            listing_share=duty.measured_share() if duty else 0.0,
         )))
 
     def _on_control(self, sock: zmq.Socket) -> None:
@@ -263,7 +268,7 @@ class _ControlLoop:
                     logger.debug("resync requested: %s", message.body.reason)
                     self.thread.request_resync()
             elif message.kind is Kind.SYNC and self.thread is not None:
-                self.thread.request_sync(message.body.token)
+                self.thread.request_sync(message.body.token, message.body.partitions)
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 
@@ -317,7 +322,7 @@ class _ControlLoop:
                 source, self._emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
                 max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout,
-                limits=self.config.limits)
+                limits=self.config.limits, listing_share=self.config.listing_share)
             self.thread.start()
             if self.lifeline is not None:
                 lifeline.send(self.lifeline, lifeline.Ready(self.epoch, os.getpid()))

@@ -326,7 +326,9 @@ def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) 
         store.kv_put("a", "p", tag={"v": 1})
     stores = {interval: _CountingSqliteSource(db) for interval in (3600.0, 0.0)}
     try:
-        readers = {interval: ListingReader(stores[interval], reconcile_interval=interval) for interval in stores}
+        # No listing share: a reconciliation due is taken at once (the share's deferral: test_listing_share.py).
+        readers = {interval: ListingReader(stores[interval], reconcile_interval=interval, listing_share=1.0)
+                   for interval in stores}
         sent = {interval: {} for interval in readers}  # type: dict[float, Listing]
         for interval, reader in readers.items():
             commit_listing(sent[interval], reader.read(sent[interval], True), True)

@@ -89,11 +89,11 @@ def test_replay_buffer_signature() -> None:
     params = inspect.signature(ReplayBuffer.__init__).parameters
     assert list(params) == ["self", "source", "source_kwargs", "poll_interval", "bind", "start_timeout",
                             "close_timeout", "max_restarts", "restart_window", "curve", "insecure", "limits",
-                            "stale_after", "stall_timeout", "poller_log_level"]
+                            "stale_after", "stall_timeout", "poller_log_level", "listing_share"]
     expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
                          "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3, "restart_window": 600.0,
                          "curve": None, "insecure": False, "limits": None, "stale_after": 5.0,
-                         "stall_timeout": 30.0, "poller_log_level": "WARNING"}
+                         "stall_timeout": 30.0, "poller_log_level": "WARNING", "listing_share": 0.014}
     for name, default in expected_defaults.items():
         param = params[name]
         assert param.default == default and type(param.default) is type(default), name
@@ -268,7 +268,7 @@ def test_buffer_verl_surface() -> None:
     assert SAMPLER_KWARGS == {"poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
                               "max_inflight_gen_batches", "sync_refill_failed_groups", "sample_timeout",
                               "log_interval", "wait_poll_interval", "source", "source_kwargs", "start_timeout",
-                              "close_timeout", "max_restarts"}
+                              "close_timeout", "max_restarts", "listing_share"}
 
 
 def test_sqlite_source_reads_fields_back() -> None:

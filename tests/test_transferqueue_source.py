@@ -152,8 +152,10 @@ def test_a_wrong_address_fails_the_start_up_with_a_clear_error():
 
 def test_a_silent_controller_is_counted_as_stalls_and_the_buffer_still_closes_at_once(caplog):
     caplog.set_level(logging.WARNING, logger="poller")
+    # A stalled call counts in the listing share for the time it ran (the controller may still be at
+    # it): at the default share the next call would come ~14 s later. This test is about the stalls.
     rb = ReplayBuffer(SPEC, source_kwargs={"address": _dead_address(), "call_timeout": 0.2,
-                                           "probe_timeout": None}, poll_interval=0.02)
+                                           "probe_timeout": None}, poll_interval=0.02, listing_share=1.0)
     try:
         assert wait_until(lambda: rb.stats()["source_stalls"] >= 3, timeout=20)
         stats = rb.stats()

@@ -145,6 +145,20 @@ class TransferQueueSource:
             listing.update(self._list(partition_id, deadline))
         return listing
 
+    def include_partitions(self, partition_ids: Sequence[str]) -> None:
+        """List these partitions too from the next :meth:`kv_list` on (the poller calls it, between listings).
+
+        With ``partition_ids=None`` every partition is listed already.
+
+        Raises:
+            ValueError: a partition id is not a non-empty string.
+        """
+        bad = [p for p in partition_ids if not isinstance(p, str) or not p]
+        if bad or isinstance(partition_ids, str):
+            raise ValueError(f"partition_ids must be non-empty strings, got {partition_ids!r}")
+        if self.partition_ids is not None:
+            self.partition_ids += [p for p in dict.fromkeys(partition_ids) if p not in self.partition_ids]
+
     def close(self) -> None:
         """Close this source's socket. TransferQueue itself is left alone."""
         self._drop_socket()

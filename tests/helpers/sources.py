@@ -109,3 +109,54 @@ class StrictClearSqlite:
 
     def close(self) -> None:
         self._store.close()
+
+
+class TimedListing:
+    """A store without a change feed whose ``kv_list()`` takes ``seconds`` and logs when each call began.
+
+    Each call appends ``"<time.monotonic()> <partitions listed>"`` to ``log``
+    (CLOCK_MONOTONIC: the test process reads the same clock), so a test can
+    count listings and measure the gaps between their starts. It holds one
+    key in each of ``stored`` partitions and, like the TransferQueue source,
+    lists only ``partition_ids`` when given (growing with ``include_partitions``).
+    With ``stall`` every call raises :class:`~poller.sources.SourceStall` after ``seconds``.
+    """
+
+    def __init__(self, log: str, seconds: float = 0.0, stored: tuple[str, ...] = ("train",),
+                 partition_ids: list[str] | None = None, stall: bool = False) -> None:
+        self.log = log
+        self.seconds = seconds
+        self.stall = stall  # give up after ``seconds``, as a source with a deadline does
+        self.stored = stored
+        self.partition_ids = partition_ids
+
+    def include_partitions(self, partition_ids: list[str]) -> None:
+        if self.partition_ids is not None:
+            self.partition_ids += [p for p in partition_ids if p not in self.partition_ids]
+
+    def kv_list(self) -> Any:
+        import time
+
+        listed = [p for p in self.stored if self.partition_ids is None or p in self.partition_ids]
+        with open(self.log, "a") as f:
+            f.write(f"{time.monotonic()!r} {','.join(listed)}\n")
+        time.sleep(self.seconds)
+        if self.stall:
+            from poller.sources import SourceStall
+
+            raise SourceStall(f"no answer within {self.seconds}s")
+        return {p: {f"{p}-key": {"global_steps": 1, "status": "success"}} for p in listed}
+
+
+def listing_starts(log: str) -> list[tuple[float, list[str]]]:
+    """The calls a :class:`TimedListing` logged: (monotonic start, partitions listed)."""
+    try:
+        with open(log) as f:
+            lines = f.read().split("\n")[:-1]  # a line still being written is left out
+    except FileNotFoundError:
+        return []
+    starts = []
+    for line in lines:
+        when, _, listed = line.partition(" ")
+        starts.append((float(when), listed.split(",") if listed else []))
+    return starts

@@ -86,8 +86,11 @@ def verl_sampler(kwargs: dict[str, Any], refill: Callable[[int], Any], on_wait: 
 def our_sampler(kwargs: dict[str, Any], refill: Callable[[int], Any]) -> Any:
     from buffer.verl import ReplayBuffer
 
+    # No listing share: it only delays decisions (every decision here syncs first), and thousands of them
+    # at ~70 listings' time apart would not fit the test's time; the share has its own tests.
     return ReplayBuffer(**kwargs, refill_fn=refill,
-                        sampler_kwargs={"poll_interval": 0.02, "sample_timeout": _OUR_TIMEOUT})
+                        sampler_kwargs={"poll_interval": 0.02, "sample_timeout": _OUR_TIMEOUT,
+                                        "listing_share": 1.0})
 
 
 class Forward:
@@ -169,7 +172,7 @@ def decide_ours(world: World, sampler: Any, forward: Forward, call: Call, tag: t
     forward.target = refill
     before = {pid: set(world.model[pid]) for pid in PARTITIONS}
     # The state was just written: the decision must look at a listing that began after it.
-    sampler._started().sync(10.0)
+    sampler._started(call.pid).sync(10.0)
     box: dict[str, Any] = {}
 
     def run() -> None:

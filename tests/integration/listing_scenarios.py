@@ -1,0 +1,71 @@
+"""buffer.verl listing only its partitions, run inside the store host (where TransferQueue is live).
+
+Each function takes ``tq.init()``'s config, writes the store as verl's agent loop does, asserts,
+closes what it opened and returns observations for the test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from tests.integration.verl_scenarios import _closed, custom_path, group
+
+
+def wait_until(predicate: Any, timeout: float) -> bool:
+    """Poll ``predicate`` until true or ``timeout``. (Not tests.conftest's: importing that module here,
+    in the store host, would make the host a temporary directory of its own.)"""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return bool(predicate())
+        time.sleep(0.02)
+    return True
+
+
+def _held_partitions(rb: Any) -> set[str]:
+    """The partitions whose keys the sampler's buffer holds (every key listed comes in)."""
+    return {partition for partition, counts in rb.stats()["groups"].items() if any(counts.values())}
+
+
+def only_its_partitions(conf: Any) -> dict[str, Any]:
+    train = group("train", "finished", step=1)
+    val = group("val", "finished", step=0)
+    for _ in range(3):  # another user's partition on the shared controller
+        group("other", "finished", step=1)
+    rb = custom_path("sync")
+    batch, _ = rb.sample(global_steps=1, partition_id="train", batch_size=1)
+    assert {key.split("_")[0] for key in batch.keys} == {train}
+    assert _held_partitions(rb) == set(), rb.stats()["groups"]  # "train" handed out; nothing else came in
+    group("train", "finished", step=2)
+    assert rb.get_sampleable_count(2, "train") == 1
+    assert _held_partitions(rb) == {"train"}, rb.stats()["groups"]
+    # Validation: "val" joins the listing at its first call, and that call sees it at once.
+    val_batch, _ = rb.sample(global_steps=9, partition_id="val", batch_size=1)
+    assert {key.split("_")[0] for key in val_batch.keys} == {val}
+    # A restarted poller lists "train" and "val" from its first listing, still not "other".
+    group("val", "finished", step=0)
+    stats = rb.stats()
+    os.kill(stats["poller_pid"], signal.SIGKILL)
+    assert wait_until(lambda: rb.stats()["snapshots"] > stats["snapshots"], timeout=60)
+    assert _held_partitions(rb) == {"train", "val"}, rb.stats()["groups"]
+    assert wait_until(lambda: rb.stats()["listings"] >= 1, timeout=10)  # heartbeats carry the listing figures
+    figures = {name: rb.stats()[name] for name in ("listings", "listing_seconds", "listing_seconds_total",
+                                                   "listing_share")}
+    _closed(rb)
+    return {"figures": figures}
+
+
+def partitions_given_are_kept(conf: Any) -> dict[str, Any]:
+    from poller.sources.transferqueue import source_kwargs
+
+    group("train", "finished", step=1)
+    group("other", "finished", step=1)
+    rb = custom_path("sync", source_kwargs=source_kwargs(conf, partition_ids=["train", "other"]))
+    assert rb.get_sampleable_count(1, "train") == 1
+    started = time.monotonic()
+    assert wait_until(lambda: _held_partitions(rb) == {"train", "other"}, timeout=30), rb.stats()["groups"]
+    _closed(rb)
+    return {"waited_s": time.monotonic() - started}

@@ -1,0 +1,240 @@
+"""The listing share: full listings of a store without a change feed take a bounded share of the wall clock.
+
+Real poller processes, real ZeroMQ. The source (:class:`tests.helpers.sources.TimedListing`)
+takes a known time per ``kv_list()`` and logs when each call began, so the tests count
+listings and check the gap between their starts; the poller times the same call from outside,
+so its ``d`` is at least the source's and the bound checked here (the source's ``d / share``)
+is the safe side of the one it keeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from buffer import BufferClosed, ReplayBuffer
+from buffer.verl_config import SamplerConfig, VerlConfigError
+from poller.changes import ListingReader
+from poller.cli import main as poller_main
+from poller.errors import ProtocolError
+from poller.listing import commit_listing
+from poller.messages import Heartbeat, Sync
+from poller.protocol import Kind, Message, decode, encode, encode_header
+from tests.conftest import wait_until
+from tests.helpers.sources import listing_starts
+
+TIMED = "tests.helpers.sources:TimedListing"
+SQLITE = "poller.sources.sqlite:SqliteSource"
+
+
+def _sync_every(rb: ReplayBuffer, gap: float, stop: threading.Event, answered: list[int],
+                errors: list[BaseException]) -> threading.Thread:
+    """A thread that asks ``rb.sync()`` every ``gap`` seconds, as a waiting verl sampler does."""
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                rb.sync(timeout=30)
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+                return
+            answered.append(1)
+            stop.wait(gap)
+
+    thread = threading.Thread(target=run, name="test-sync-every", daemon=True)
+    thread.start()
+    return thread
+
+
+def test_listings_keep_to_the_share_while_syncs_ask_every_20ms(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    seconds, share = 0.05, 0.25  # each listing is followed by the next no sooner than 0.2 s after it began
+    stop, answered, errors = threading.Event(), [], []
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": seconds}, poll_interval=0.02,
+                      listing_share=share) as rb:
+        asker = _sync_every(rb, 0.02, stop, answered, errors)
+        try:
+            # A window of listings: enough starts to see the gaps the share allows.
+            assert wait_until(lambda: len(listing_starts(log)) >= 8, timeout=60)
+            assert wait_until(lambda: len(answered) >= 5, timeout=30), errors
+        finally:
+            stop.set()
+            asker.join(35)
+        assert not errors
+    starts = [when for when, _ in listing_starts(log)]
+    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
+    assert min(gaps) >= seconds / share, gaps
+    # Every sync asked was answered by a listing: none was dropped while the share held it back.
+    assert len(answered) >= 5
+
+
+def test_a_stalled_call_counts_for_the_time_it_ran(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    # The store may still be working on a call we gave up on: the next one waits as after a listing.
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.05, "stall": True}, poll_interval=0.02,
+                      listing_share=0.25, start_timeout=30) as rb:
+        assert wait_until(lambda: len(listing_starts(log)) >= 4, timeout=60)
+        assert wait_until(lambda: rb.stats()["source_stalls"] >= 3, timeout=30)
+    starts = [when for when, _ in listing_starts(log)]
+    assert all(later - earlier >= 0.05 / 0.25 for earlier, later in zip(starts, starts[1:]))
+
+
+def test_a_sync_asked_during_the_hold_is_answered_by_the_next_listing(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.1}, poll_interval=60.0,
+                      listing_share=0.1) as rb:
+        for _ in range(3):  # each one lands in the hold of the listing before (1 s)
+            rb.sync(timeout=30)
+        assert rb.stats()["polls"] == 4  # the first listing, then exactly one per sync
+    starts = [when for when, _ in listing_starts(log)]
+    assert len(starts) == 4
+    assert all(later - earlier >= 0.1 / 0.1 for earlier, later in zip(starts, starts[1:]))
+
+
+def test_stop_is_answered_at_once_while_the_share_holds_the_next_listing(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    # One 0.2 s listing at a share of 0.001: the next may start only 200 s later.
+    rb = ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.2}, poll_interval=0.02,
+                      listing_share=0.001, close_timeout=5.0)
+    stop, answered, errors = threading.Event(), [], []
+    asker = _sync_every(rb, 0.02, stop, answered, errors)
+    try:
+        assert wait_until(lambda: rb.stats()["listings"] >= 1, timeout=10)
+    finally:
+        report = rb.close()
+        stop.set()
+        asker.join(10)
+    # STOP was answered by the poller itself (BYE), well within close_timeout, not by terminate().
+    assert report.stage == "graceful" and report.exitcode == 0
+    assert not asker.is_alive() and len(errors) == 1 and isinstance(errors[0], BufferClosed)
+    assert answered == [] and len(listing_starts(log)) == 1
+
+
+def test_stats_and_metrics_carry_the_listings(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    seconds = 0.05
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": seconds}, poll_interval=0.05,
+                      listing_share=0.5) as rb:
+        assert wait_until(lambda: rb.stats()["listings"] >= 3, timeout=30)  # heartbeats carry them
+        stats = rb.stats()
+        assert stats["listing_seconds"] >= seconds
+        assert stats["listing_seconds_total"] >= stats["listings"] * seconds
+        assert 0 < stats["listing_share"] <= 0.5 + 0.05  # measured up to now: a listing may be under way
+        metrics = rb.metrics()
+        assert metrics["replay.source.listings"] == float(stats["listings"])
+        assert metrics["replay.source.last_listing_seconds"] == stats["listing_seconds"]
+        assert metrics["replay.source.listing_seconds"] == stats["listing_seconds_total"]
+        assert metrics["replay.source.listing_share"] == stats["listing_share"]
+        # A poller restart starts its own figures from 0; the buffer's counters never go back.
+        before = rb.stats()
+        os.kill(before["poller_pid"], signal.SIGKILL)
+        assert wait_until(lambda: rb.stats()["restarts"] == 1 and rb.stats()["epoch"] != before["epoch"],
+                          timeout=30)
+        assert wait_until(lambda: rb.stats()["listings"] > before["listings"], timeout=30)
+        after = rb.stats()
+        assert after["listing_seconds_total"] > before["listing_seconds_total"]
+
+
+def test_a_change_feed_is_read_without_the_share(store, db: str) -> None:
+    store.kv_list()  # the file and its schema exist before the poller opens it
+    # A share so small that a second full listing would wait for minutes: syncs are read from the feed.
+    with ReplayBuffer(SQLITE, source_kwargs={"path": db}, poll_interval=60.0, listing_share=0.0001) as rb:
+        for step in range(5):
+            store.kv_put(f"k{step}", "train", tag={"global_steps": step, "status": "success"})
+            rb.sync(timeout=30)
+            assert f"k{step}" in rb.snapshot("train")
+        assert wait_until(lambda: rb.stats()["listings"] == 1, timeout=10)  # the first snapshot only
+        assert rb.stats()["polls"] == 6
+
+
+def test_the_source_lists_the_partitions_a_sync_names_also_after_a_restart(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    kwargs = {"log": log, "stored": ["train", "val", "other"], "partition_ids": ["train"]}
+    with ReplayBuffer(TIMED, source_kwargs=kwargs, poll_interval=60.0, listing_share=1.0) as rb:
+        assert set(rb.snapshot()) == {"train"}
+        rb.include_partitions(["val"])
+        rb.sync(timeout=30)
+        assert set(rb.snapshot()) == {"train", "val"}
+        rb.include_partitions(["train", "val"])  # nothing new: nothing changes
+        with pytest.raises(TypeError):
+            rb.include_partitions("val")
+        # A restarted poller lists both from its first listing: its snapshot keeps "val".
+        first = rb.stats()
+        os.kill(first["poller_pid"], signal.SIGKILL)
+        assert wait_until(lambda: rb.stats()["snapshots"] > first["snapshots"], timeout=30)
+        assert set(rb.snapshot()) == {"train", "val"}
+    assert all(listed in (["train"], ["train", "val"]) for _, listed in listing_starts(log))
+    assert listing_starts(log)[-1][1] == ["train", "val"]
+
+
+def test_a_source_without_partition_ids_is_left_as_it_is(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "stored": ["train", "val"]}, poll_interval=60.0,
+                      listing_share=1.0) as rb:
+        rb.include_partitions(["val", "other"])
+        rb.sync(timeout=30)
+        assert set(rb.snapshot()) == {"train", "val"}
+
+
+# -- the option where it enters, and the wire ---------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), float("inf"), True, "0.1", None])
+def test_a_share_outside_0_to_1_is_refused_where_it_enters(bad: object) -> None:
+    with pytest.raises(ValueError, match="listing_share"):
+        ReplayBuffer(TIMED, source_kwargs={"log": "/nonexistent"}, listing_share=bad)  # type: ignore[arg-type]
+    with pytest.raises(VerlConfigError, match="listing_share"):
+        SamplerConfig.resolve(asynchronous=False, trainer_mode="sync", max_off_policy_threshold=None,
+                              max_off_policy_strategy="drop", sampler_kwargs={"listing_share": bad},
+                              refill_fn=None, given={})
+
+
+def test_the_cli_takes_and_checks_listing_share(capsys: pytest.CaptureFixture[str]) -> None:
+    assert poller_main(["run", "--source", TIMED, "--connect", "tcp://127.0.0.1:1", "--listing-share", "0"]) == 2
+    assert "--listing-share" in capsys.readouterr().err
+    poller_main(["run", "--help"])
+    assert "--listing-share" in capsys.readouterr().out
+
+
+def test_sync_partitions_and_heartbeat_listing_figures_cross_the_wire() -> None:
+    sync = Message(Kind.SYNC, 5, 1, Sync(3, ["train", "val"]))
+    assert decode(encode(sync)).body == Sync(3, ["train", "val"])
+    beat = Heartbeat(polls=1, source_errors=0, rss=1, stalled_s=0.0, listings=2, listing_s=0.25,
+                     listing_total_s=0.5, listing_share=0.01)
+    assert decode(encode(Message(Kind.HEARTBEAT, 5, 2, beat))).body == beat
+
+
+@pytest.mark.parametrize("kind, body, match", [
+    (Kind.SYNC, {"token": 1, "partitions": "train"}, "partitions"),
+    (Kind.SYNC, {"token": 1, "partitions": [""]}, "partitions"),
+    (Kind.SYNC, {"token": 1, "partitions": [1]}, "partitions"),
+    (Kind.SYNC, {"token": 1, "partitions": ["p"] * 1025}, "partitions"),
+    (Kind.HEARTBEAT, {"polls": 1, "source_errors": 0, "rss": 1, "stalled_s": 0.0, "listing_share": 1.5},
+     "wrong value"),
+    (Kind.HEARTBEAT, {"polls": 1, "source_errors": 0, "rss": 1, "stalled_s": 0.0, "listing_s": -1.0},
+     "wrong value"),
+    (Kind.HEARTBEAT, {"polls": 1, "source_errors": 0, "rss": 1, "stalled_s": 0.0, "listings": 1.0},
+     "wrong type"),
+])
+def test_the_decoder_refuses_bad_listing_fields(kind: Kind, body: dict[str, object], match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode([encode_header(kind, 5, 1), msgpack.packb(body, use_bin_type=True)])
+
+
+@pytest.mark.parametrize("share, reconciled", [(1.0, True), (1e-6, False)])
+def test_a_reconciliation_of_a_change_feed_waits_for_the_share(store, share: float, reconciled: bool) -> None:
+    store.kv_put("k0", "train", tag={"status": "running"})
+    reader = ListingReader(store, reconcile_interval=0.0, listing_share=share)  # a reconciliation always due
+    sent: dict = {}
+    commit_listing(sent, reader.read(sent, full=True), full=True)
+    reader.commit()
+    assert reader.wait_for(full=False) == 0 and reader.wait_for(full=True) == 0  # a feed is never held
+    store.kv_put("k1", "train", tag={"status": "running"})
+    diff = reader.read(sent, full=False)
+    # At share 1e-6 the next full listing may start only ~10^6 listings' time later: the feed is read instead.
+    assert reader.last_complete is reconciled
+    assert diff.upserts == {"train": {"k1": {"status": "running"}}}
+    assert reader.duty.listings == (2 if reconciled else 1)
