@@ -85,9 +85,8 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "sampler_kwargs, so each lists at its defaults (buffer.verl: poll_interval 0.2 s and, while "
                        "sample() waits, every wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s); "
                        "listings/s is what each did")
-    share = info.get("listing_share")
-    table.notes.append("the product's ReplayBuffer has no listing_share option in this build" if share is None
-                       else f"the product's ReplayBuffer listing_share default: {share}")
+    table.notes.append("the product runs with its default listing_share: verl's own share at each listing's "
+                       "duration d, d / (d + 2 s), so its next listing starts no sooner than 2 s after one ended")
     table.notes.append("a slower writer also spares the controller its puts, so b − a can be small or negative "
                        "(and its goal met) while the sampler's listings cost a lot: the estimate column charges "
                        "each phase's batches at the controller's CPU per batch of phase a in the same round and "

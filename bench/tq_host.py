@@ -274,7 +274,7 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
                     record = _phase(name, writer, controller, seconds)
                     record.update(k=k, round=r)
                     conn.send(("phase", record))
-        conn.send(("done", {"controller_pid": controller, "listing_share": _listing_share()}))
+        conn.send(("done", {"controller_pid": controller}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -290,13 +290,3 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
                 stop_store()
             shutil.rmtree(temp_dir, ignore_errors=True)
             conn.close()
-
-
-def _listing_share() -> Any:
-    """The product's ``listing_share`` default, when its ReplayBuffer has that option (None otherwise)."""
-    import inspect
-
-    from buffer import ReplayBuffer
-
-    parameter = inspect.signature(ReplayBuffer).parameters.get("listing_share")
-    return None if parameter is None else parameter.default

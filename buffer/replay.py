@@ -92,9 +92,10 @@ class ReplayBuffer:
             listing that took ``d`` seconds is followed by the next no sooner
             than ``d / listing_share`` after it started, whatever ``sync()``
             or the schedule asks (they are answered by that next listing).
-            In (0, 1]; 1 sets no bound. The default,
-            :data:`~poller.duty.DEFAULT_LISTING_SHARE` (0.014), is below what
-            verl's own sampler spends (docs/transferqueue.md).
+            In (0, 1]; 1 sets no bound. The default, ``None``, is what verl's
+            own sampler spends at its defaults, whatever the store's size:
+            the share ``d / (d + 2 s)``, so the next listing starts no sooner
+            than 2 s after one ended (docs/transferqueue.md).
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
@@ -110,7 +111,7 @@ class ReplayBuffer:
                  curve: CurveServer | None = None, insecure: bool = False,
                  limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
                  stall_timeout: float | None = 30.0, poller_log_level: int | str = "WARNING",
-                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
         resolved_limits = as_limits(limits)
         check_buffer_args(poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after,
                           curve, resolved_limits)

@@ -104,7 +104,7 @@ class ListingReader:
     """
 
     def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
-                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
         self._source: Any = source
         self.feed = has_change_feed(source)
         self.reconcile_interval = reconcile_interval

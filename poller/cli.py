@@ -47,7 +47,8 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     run.add_argument("--listing-share", type=float, default=DEFAULT_LISTING_SHARE,
                      help="the most of the wall clock spent listing a store without a change feed: a listing "
                           "that took d seconds is followed by the next no sooner than d/share after it started "
-                          f"(0 < share <= 1, 1 = no bound; default {DEFAULT_LISTING_SHARE:g})")
+                          "(0 < share <= 1, 1 = no bound; default: verl's sampler's own share, d/(d+2s), so the "
+                          "next listing starts no sooner than 2 s after one ended)")
     run.add_argument("--name", default=None,
                      help="stream name; a restarted poller with the same name continues the same stream "
                           "(default: derived from host, source and kwargs)")

@@ -66,5 +66,6 @@ class WorkerConfig(NamedTuple):
     log_level: int = logging.WARNING
     # The most of the wall clock spent in full listings of the source
     # (poller.duty: a listing that took d seconds is followed by the next no
-    # sooner than d / listing_share after it started); 1.0: no bound.
-    listing_share: float = DEFAULT_LISTING_SHARE
+    # sooner than d / listing_share after it started); 1.0: no bound; None:
+    # verl's own share at each d, d / (d + 2 s).
+    listing_share: float | None = DEFAULT_LISTING_SHARE

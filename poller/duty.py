@@ -9,19 +9,21 @@ unbounded, would keep the controller listing for us nearly all the time.
 by the next one no sooner than ``d / share`` after it started, so listings take
 at most ``share`` of the wall clock, whatever is asked in between.
 
-Why :data:`DEFAULT_LISTING_SHARE` is 0.014: verl 0.9.1's own sampler
-(``verl/trainer/ppo/v1/replay_buffer.py``) lists the store inside
+The default (``share=None``) is verl's own rule, so the poller never spends
+more of the store than the sampler it replaces, at any store size. verl 0.9.1's
+sampler (``verl/trainer/ppo/v1/replay_buffer.py``) lists the store inside
 ``sample()`` with ``tq.kv_list()`` (every partition), decides, and
 ``time.sleep(self.poll_interval)`` before the next listing; its trainer never
 passes ``poll_interval``, so the constructor's default of 2.0 s holds. One
-cycle is ``d + 2.0`` seconds of which ``d`` is listing, a share of
-``d / (d + 2.0)``: at 10k TransferQueue keys (``d`` ~0.03 s) 0.03/2.03 =
-0.0148, at 100k keys (``d`` ~0.36 s) 0.36/2.36 = 0.153. A fixed share no
-higher than verl's across that range is at most 0.0148; 0.014 is the
-largest value of two significant digits below it. The price is freshness
-on a large store: at 100k keys the listings come every ~26 s (verl: every
-2.4 s); ``listing_share`` raises it (0.15 matches verl at 100k keys, 1.0
-turns the bound off).
+cycle is ``d + 2.0`` seconds of which ``d`` is listing: a share of
+``d / (d + 2.0)``, 0.0148 at 10k TransferQueue keys (``d`` ~0.03 s) and 0.153
+at 100k keys (``d`` ~0.36 s). The default share *is* that share at each
+listing's ``d``: the next listing starts no sooner than ``d / (d / (d + 2.0))
+= d + 2.0`` seconds after one started. A fixed share cannot match it across
+sizes: one low enough for 10k keys (0.014) lists 100k keys every ~26 s, ten
+times less often than verl, and one right for 100k keys (0.15) lists 10k keys
+ten times as often. A number in (0, 1] sets a fixed share instead (1.0: no
+bound).
 """
 
 from __future__ import annotations
@@ -31,25 +33,30 @@ import math
 import time
 from typing import Any, Deque
 
-__all__ = ["DEFAULT_LISTING_SHARE", "ListingDuty", "check_share"]
+__all__ = ["DEFAULT_LISTING_SHARE", "VERL_POLL_INTERVAL", "ListingDuty", "check_share"]
 
-#: The most of the wall clock a poller spends listing a store without a change feed (see the module docstring).
-DEFAULT_LISTING_SHARE = 0.014
+#: ``None``: verl's own share at each listing's duration, ``d / (d + VERL_POLL_INTERVAL)`` (the module docstring).
+DEFAULT_LISTING_SHARE: float | None = None
+#: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
+VERL_POLL_INTERVAL = 2.0
 
 # Listings the measured share is taken over: enough to smooth one odd call,
 # few enough that the figure follows a store that grew.
 _WINDOW = 16
 
 
-def check_share(name: str, value: Any) -> float:
-    """``value`` as a share of the wall clock: a number in (0, 1] (a bool is refused).
+def check_share(name: str, value: Any) -> float | None:
+    """``value`` as a share of the wall clock: a number in (0, 1] (a bool is refused), or None (verl's rule).
 
     Raises:
         ValueError: naming ``name`` and ``value``.
     """
+    if value is None:
+        return None
     if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
             or not 0 < value <= 1):
-        raise ValueError(f"{name} must be a share of the wall clock in (0, 1], got {value!r}")
+        raise ValueError(f"{name} must be a share of the wall clock in (0, 1], or None for verl's own, "
+                         f"got {value!r}")
     return float(value)
 
 
@@ -60,8 +67,8 @@ class ListingDuty:
     floats and ints that the control loop reads for heartbeats.
     """
 
-    def __init__(self, share: float) -> None:
-        self.share = share
+    def __init__(self, share: float | None) -> None:
+        self.share = share  # None: verl's own, d / (d + VERL_POLL_INTERVAL) at each listing
         self.listings = 0
         self.last_seconds = 0.0
         self.total_seconds = 0.0
@@ -81,7 +88,8 @@ class ListingDuty:
         self.last_seconds = seconds
         self.total_seconds += seconds
         self._recent.append((started, seconds))
-        self._allowed_at = started + seconds / self.share
+        gap = seconds + VERL_POLL_INTERVAL if self.share is None else seconds / self.share
+        self._allowed_at = started + gap
 
     def measured_share(self, now: float | None = None) -> float:
         """The share of the wall clock spent listing over the last listings, up to now (0 before any)."""

@@ -66,7 +66,7 @@ class PollingThread(threading.Thread):
                  backoff_base: float = 0.1, backoff_cap: float = 5.0,
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
-                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
         self._reader = ListingReader(source, reconcile_interval=reconcile_interval, listing_share=listing_share)

@@ -21,6 +21,7 @@ from buffer import BufferClosed, ReplayBuffer
 from buffer.verl_config import SamplerConfig, VerlConfigError
 from poller.changes import ListingReader
 from poller.cli import main as poller_main
+from poller.duty import VERL_POLL_INTERVAL
 from poller.errors import ProtocolError
 from poller.listing import commit_listing
 from poller.messages import Heartbeat, Sync
@@ -70,6 +71,26 @@ def test_listings_keep_to_the_share_while_syncs_ask_every_20ms(tmp_path: Path) -
     assert min(gaps) >= seconds / share, gaps
     # Every sync asked was answered by a listing: none was dropped while the share held it back.
     assert len(answered) >= 5
+
+
+def test_by_default_listings_keep_to_verls_own_share_at_any_duration(tmp_path: Path) -> None:
+    # verl's sampler lists, then sleeps 2 s: a share of d / (d + 2) whatever d is. By default the
+    # next listing starts no sooner than that share allows: d + 2 s after the one before started.
+    log = str(tmp_path / "listings.log")
+    seconds = 0.3
+    stop, answered, errors = threading.Event(), [], []
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": seconds}, poll_interval=0.02) as rb:
+        asker = _sync_every(rb, 0.02, stop, answered, errors)
+        try:
+            assert wait_until(lambda: len(listing_starts(log)) >= 4, timeout=60)
+            assert wait_until(lambda: len(answered) >= 2, timeout=30), errors
+        finally:
+            stop.set()
+            asker.join(35)
+        assert not errors
+    starts = [when for when, _ in listing_starts(log)]
+    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
+    assert min(gaps) >= seconds + VERL_POLL_INTERVAL, gaps
 
 
 def test_a_stalled_call_counts_for_the_time_it_ran(tmp_path: Path) -> None:
@@ -182,7 +203,7 @@ def test_a_source_without_partition_ids_is_left_as_it_is(tmp_path: Path) -> None
 
 # -- the option where it enters, and the wire ---------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), float("inf"), True, "0.1", None])
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), float("inf"), True, "0.1"])
 def test_a_share_outside_0_to_1_is_refused_where_it_enters(bad: object) -> None:
     with pytest.raises(ValueError, match="listing_share"):
         ReplayBuffer(TIMED, source_kwargs={"log": "/nonexistent"}, listing_share=bad)  # type: ignore[arg-type]
