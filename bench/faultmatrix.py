@@ -258,8 +258,10 @@ def run_trial(row: Row, workdir: str) -> Outcome:
     writer = SqliteSource(db)
     writer.kv_batch_put([f"k{i}" for i in range(1, 4)], PARTITION, tags=[{"global_steps": 1, "status": "success"}] * 3)
     source, kwargs = _source(row, db, workdir)
+    # The faults wrap the store as one without a change feed, and each fires on a count of listings:
+    # no listing share, so they come every POLL_INTERVAL (by default they would be 2 s apart).
     rb = ReplayBuffer(source=source, source_kwargs=kwargs, poll_interval=POLL_INTERVAL, max_restarts=row.max_restarts,
-                      close_timeout=row.close_timeout, start_timeout=GENEROUS)
+                      close_timeout=row.close_timeout, start_timeout=GENEROUS, listing_share=1.0)
     removed: set[str] = set()
     sampled: list[str] = []
     try:
