@@ -20,7 +20,9 @@ POLL = 0.05
 
 
 def buffer_on(store: Any, **kwargs: Any) -> ReplayBuffer:
-    return ReplayBuffer(SPEC, source_kwargs=store.call("kwargs", **kwargs), poll_interval=POLL)
+    # No listing share: these tests are about what the buffer holds and samples, and their short
+    # timeouts assume a listing every POLL (by default the next comes 2 s after one ends).
+    return ReplayBuffer(SPEC, source_kwargs=store.call("kwargs", **kwargs), poll_interval=POLL, listing_share=1.0)
 
 
 def test_the_poller_process_holds_no_transferqueue_ray_or_torch(store):
