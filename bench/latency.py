@@ -13,7 +13,7 @@ from buffer import ReplayBuffer
 from poller.sources.sqlite import SqliteSource
 
 from .baselines.thread import ThreadBuffer
-from .overhead import SOURCE, ours, wait_for
+from .overhead import SOURCE, UNBOUNDED, ours, wait_for
 from .report import Goal, Table, median, percentile
 from .workload import SyntheticSource, fill_sqlite
 
@@ -29,7 +29,7 @@ def change_to_visible(progress: Callable[[str], None], quick: bool) -> Table:
     for keys in (1_000, 10_000):
         progress(f"change -> visible: synthetic source, K={keys:,}, {n} changes")
         rb = ReplayBuffer(source=SOURCE, source_kwargs={"keys": keys, "stamp_every": interval / 5},
-                          poll_interval=interval, start_timeout=60)
+                          poll_interval=interval, start_timeout=60, listing_share=UNBOUNDED)
         try:
             lat = _stamped(rb, n)
         finally:

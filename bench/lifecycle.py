@@ -15,7 +15,7 @@ from typing import Callable
 from buffer import ReplayBuffer
 
 from .baselines.floors import bare_spawn, kill_floor, poller_kill
-from .overhead import SOURCE
+from .overhead import SOURCE, UNBOUNDED
 from .report import Goal, Table, median
 from .workload import fill_sqlite
 
@@ -53,7 +53,7 @@ def close(progress: Callable[[str], None], quick: bool) -> Table:
             source=SOURCE, source_kwargs={"keys": 1000}, poll_interval=1.0)),
         "close(), mid-stream (K=100k, 10k changes every 10 ms)": lambda: _close(lambda: ReplayBuffer(
             source=SOURCE, source_kwargs={"keys": 100_000, "changes": 10_000}, poll_interval=0.01,
-            start_timeout=60), settle=0.3),
+            start_timeout=60, listing_share=UNBOUNDED), settle=0.3),
         "close(), source stuck in kv_list()": lambda: _close(lambda: ReplayBuffer(
             source=STUCK_SOURCE, poll_interval=0.01)),
     }

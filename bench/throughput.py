@@ -14,7 +14,7 @@ from poller.protocol import Kind, decode, encode_header, iter_encode_delta, unpa
 
 from .baselines import ceiling
 from .baselines.mpqueue import MpQueueBuffer
-from .overhead import SOURCE, wait_for
+from .overhead import SOURCE, UNBOUNDED, wait_for
 from .report import Goal, Table, median
 from .workload import SyntheticSource, make_listing
 
@@ -28,7 +28,7 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
                   ["contender", "median s", "items/s", "MB/s", "product / contender"])
     progress(f"snapshot: product, {reps} resyncs of {keys:,} keys")
     rb = ReplayBuffer(source=SOURCE, source_kwargs={"keys": keys}, poll_interval=30.0,
-                      start_timeout=300)
+                      start_timeout=300, listing_share=UNBOUNDED)
     wait_for(lambda: rb.stats()["polls"] >= 1, 600, "the first snapshot never arrived")
     try:
         times, sizes = [], []
