@@ -51,45 +51,41 @@ def _sync_every(rb: ReplayBuffer, gap: float, stop: threading.Event, answered: l
     return thread
 
 
-def test_listings_keep_to_the_share_while_syncs_ask_every_20ms(tmp_path: Path) -> None:
+def _gaps_while_syncs_ask_every_20ms(tmp_path: Path, seconds: float, listings: int, syncs: int,
+                                     **options: object) -> list[float]:
+    """Gaps between listing starts of a source taking ``seconds`` a listing while ``sync()`` asks every 20 ms.
+
+    Waits for ``listings`` listings and ``syncs`` answered syncs; every sync asked is answered.
+    """
     log = str(tmp_path / "listings.log")
-    seconds, share = 0.05, 0.25  # each listing is followed by the next no sooner than 0.2 s after it began
     stop, answered, errors = threading.Event(), [], []
     with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": seconds}, poll_interval=0.02,
-                      listing_share=share) as rb:
+                      **options) as rb:  # type: ignore[arg-type]
         asker = _sync_every(rb, 0.02, stop, answered, errors)
         try:
             # A window of listings: enough starts to see the gaps the share allows.
-            assert wait_until(lambda: len(listing_starts(log)) >= 8, timeout=60)
-            assert wait_until(lambda: len(answered) >= 5, timeout=30), errors
+            assert wait_until(lambda: len(listing_starts(log)) >= listings, timeout=60)
+            assert wait_until(lambda: len(answered) >= syncs, timeout=30), errors
         finally:
             stop.set()
             asker.join(35)
         assert not errors
     starts = [when for when, _ in listing_starts(log)]
-    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
+    return [later - earlier for earlier, later in zip(starts, starts[1:])]
+
+
+def test_listings_keep_to_the_share_while_syncs_ask_every_20ms(tmp_path: Path) -> None:
+    seconds, share = 0.05, 0.25  # each listing is followed by the next no sooner than 0.2 s after it began
+    # Every sync asked is answered by a listing: none is dropped while the share holds it back.
+    gaps = _gaps_while_syncs_ask_every_20ms(tmp_path, seconds, listings=8, syncs=5, listing_share=share)
     assert min(gaps) >= seconds / share, gaps
-    # Every sync asked was answered by a listing: none was dropped while the share held it back.
-    assert len(answered) >= 5
 
 
 def test_by_default_listings_keep_to_verls_own_share_at_any_duration(tmp_path: Path) -> None:
     # verl's sampler lists, then sleeps 2 s: a share of d / (d + 2) whatever d is. By default the
     # next listing starts no sooner than that share allows: d + 2 s after the one before started.
-    log = str(tmp_path / "listings.log")
     seconds = 0.3
-    stop, answered, errors = threading.Event(), [], []
-    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": seconds}, poll_interval=0.02) as rb:
-        asker = _sync_every(rb, 0.02, stop, answered, errors)
-        try:
-            assert wait_until(lambda: len(listing_starts(log)) >= 4, timeout=60)
-            assert wait_until(lambda: len(answered) >= 2, timeout=30), errors
-        finally:
-            stop.set()
-            asker.join(35)
-        assert not errors
-    starts = [when for when, _ in listing_starts(log)]
-    gaps = [later - earlier for earlier, later in zip(starts, starts[1:])]
+    gaps = _gaps_while_syncs_ask_every_20ms(tmp_path, seconds, listings=4, syncs=2)
     assert min(gaps) >= seconds + VERL_POLL_INTERVAL, gaps
 
 
