@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Mapping, TypeVar
 
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
-from .listing import Listing, ListingDiff, diff_raw_listing
+from .listing import Listing, ListingDiff, RawSnapshot, diff_raw_listing
 from .sources import Source, has_change_feed
 
 __all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
@@ -91,6 +91,19 @@ def _whole(sent: Listing, changes: ListingDiff) -> ListingDiff:
     return ListingDiff({p: items for p, items in upserts.items() if items}, {}, changes.refused)
 
 
+def _diffed(sent: Listing, raw: Any, full: bool, copy: bool) -> ListingDiff | RawSnapshot:
+    """A listing's diff against ``sent``; a full one is left to be diffed as it is sent.
+
+    Raises:
+        TypeError: ``raw`` is not a mapping (see :func:`diff_raw_listing`).
+    """
+    if not full:
+        return diff_raw_listing(sent, raw, full, copy=copy)
+    if raw is not None and not isinstance(raw, Mapping):
+        raise TypeError(f"kv_list() returned {type(raw).__name__}, expected a mapping of partitions")
+    return RawSnapshot(raw or {}, copy)
+
+
 class ListingReader:
     """Reads the source for one poll and holds the change cursor between polls.
 
@@ -128,9 +141,16 @@ class ListingReader:
         return 0.0 if self.feed else self.duty.wait_for()
 
     def read(self, sent: Listing, full: bool) -> ListingDiff:
+        """The diff of this poll against ``sent``, whole (:meth:`read_to_send`, a full listing diffed at once)."""
+        got = self.read_to_send(sent, full)
+        return got.diff(sent) if isinstance(got, RawSnapshot) else got
+
+    def read_to_send(self, sent: Listing, full: bool) -> ListingDiff | RawSnapshot:
         """The diff of this poll against ``sent`` (a full snapshot if ``full``).
 
-        With a change feed, a snapshot asked for after the first one (a
+        A full listing comes back as a :class:`~poller.listing.RawSnapshot`,
+        checked to be a mapping but diffed piece by piece as it is sent
+        (:class:`~poller.listing.ScreenedPieces`). With a change feed, a snapshot asked for after the first one (a
         RESYNC: the *receiver* lost messages) is what was sent plus this
         poll's changes, not a new listing: ``sent`` is what the store held at
         the last poll. A trainer stopped for seconds then costs the store
@@ -144,7 +164,7 @@ class ListingReader:
         self._pending = None
         self.last_complete, self.last_deletes = True, {}
         if not self.feed:
-            return diff_raw_listing(sent, self._listing(self._source.kv_list), full)
+            return _diffed(sent, self._listing(self._source.kv_list), full, copy=True)
         due = (self.reconcile_interval is not None
                and time.monotonic() - self._listed_at >= self.reconcile_interval
                and self.duty.wait_for() == 0)
@@ -162,7 +182,7 @@ class ListingReader:
         cursor, listing = self._listing(self._source.kv_snapshot)
         self._pending = (cursor, True)
         # What was sent is kept packed (PollingThread): no tag dict needs copying.
-        return diff_raw_listing(sent, listing, full, copy=False)
+        return _diffed(sent, listing, full, copy=False)
 
     def _listing(self, call: Callable[[], _T]) -> _T:
         """``call()``, a full listing, timed into the duty cycle (also when it raises)."""

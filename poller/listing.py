@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import and_, eq, is_not, not_
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
-from .protocol import Limits, fresh_strs, pack_tags
+from .protocol import Limits, fresh_strs, pack_tags, pack_upserts, upsert_pieces
 from .quarantine import Refused, screen
 from .vocabulary import Listing, Tags
 
-__all__ = ["Listing", "ListingDiff", "diff_raw_listing", "screen_diff", "commit_listing"]
+__all__ = ["Listing", "ListingDiff", "RawSnapshot", "ScreenedPieces", "diff_raw_listing", "screen_diff",
+           "commit_listing"]
 
 
 
@@ -53,6 +54,7 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True,
     upserts: dict[str, dict[str, Tags]] = {}
     deletes: dict[str, list[str]] = {}
     refused: list[Refused] = []
+    fresh: dict[str, list[str]] = {}
     listed: set[str] = set()
     for partition, items in raw.items():
         if items is None:
@@ -66,34 +68,8 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True,
             refused.extend(Refused(partition, key, why) for key in items)
             continue
         previous = sent.get(partition, {})
-        keys = list(items)
-        values = list(items.values())
-        helds: list[Any] = list(map(previous.get, keys)) if previous else [None] * len(keys)
-        same = _same(helds, values)
-        matched = len(helds) - helds.count(None)
-        # Unchanged keys keep the very objects sent (the screen skips those).
-        changed: dict[str, Tags] = dict(compress(zip(keys, helds), same)) if full else {}
-        dropped: list[str] = []
-        todo = list(compress(range(len(keys)), map(not_, same)))
-        new_keys = [keys[i] for i in todo]
-        new_tags = [values[i] for i in todo]
-        if set(map(type, new_keys)) <= _STR and set(map(type, new_tags)) <= _DICT:
-            # The usual case (a first listing: every key): copied in one C-level pass.
-            changed.update(zip(new_keys, map(dict, new_tags) if copy else new_tags))
-            todo = []
-        for i in todo:
-            key, tags, held = keys[i], values[i], helds[i]
-            if not isinstance(key, str):
-                refused.append(Refused(partition, key, f"key is {type(key).__name__}, not str"))
-                continue
-            if tags is None:
-                tags = {}
-            if type(tags) is not dict and not isinstance(tags, Mapping):
-                refused.append(Refused(partition, key, f"tags are {type(tags).__name__}, not a mapping"))
-                if held is not None:
-                    dropped.append(key)
-                continue
-            changed[key] = dict(tags) if copy or type(tags) is not dict else tags
+        changed, dropped, matched = _diff_items(previous, partition, list(items), list(items.values()), full, copy,
+                                                refused, fresh)
         if items:
             listed.add(partition)
         if changed:
@@ -106,74 +82,249 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True,
         for partition, previous in sent.items():
             if partition not in listed and previous:
                 deletes[partition] = list(previous)
-    return ListingDiff(upserts, deletes, refused)
+    return ListingDiff(upserts, deletes, refused, fresh if full else None)
+
+
+def _diff_items(previous: Mapping[str, Any], partition: str, keys: list[Any], values: list[Any], full: bool,
+                copy: bool, refused: list[Refused],
+                fresh: dict[str, list[str]]) -> tuple[dict[str, Tags], list[str], int]:
+    """One partition's listed ``keys`` and their tags against what was sent of it (``previous``).
+
+    Returns the upserts, the keys held before and now refused (to delete)
+    and how many listed keys were held before. Refusals join ``refused``; in
+    a ``full`` diff, ``fresh[partition]`` gets the upserted keys whose tags
+    are not ``previous``'s own objects.
+    """
+    helds: list[Any] = list(map(previous.get, keys)) if previous else [None] * len(keys)
+    same = _same(helds, values)
+    matched = len(helds) - helds.count(None)
+    # Unchanged keys keep the very objects sent (the screen skips those).
+    changed: dict[str, Tags] = dict(compress(zip(keys, helds), same)) if full else {}
+    dropped: list[str] = []
+    todo = list(compress(range(len(keys)), map(not_, same)))
+    new_keys = [keys[i] for i in todo]
+    new_tags = [values[i] for i in todo]
+    if set(map(type, new_keys)) <= _STR and set(map(type, new_tags)) <= _DICT:
+        # The usual case (a first listing: every key): copied in one C-level pass.
+        changed.update(zip(new_keys, map(dict, new_tags) if copy else new_tags))
+        if full and new_keys:
+            fresh.setdefault(partition, []).extend(new_keys)
+        return changed, dropped, matched
+    for i in todo:
+        key, tags, held = keys[i], values[i], helds[i]
+        if not isinstance(key, str):
+            refused.append(Refused(partition, key, f"key is {type(key).__name__}, not str"))
+            continue
+        if tags is None:
+            tags = {}
+        if type(tags) is not dict and not isinstance(tags, Mapping):
+            refused.append(Refused(partition, key, f"tags are {type(tags).__name__}, not a mapping"))
+            if held is not None:
+                dropped.append(key)
+            continue
+        changed[key] = dict(tags) if copy or type(tags) is not dict else tags
+    if full:
+        fresh.setdefault(partition, []).extend(key for key in new_keys if isinstance(key, str) and key in changed)
+    return changed, dropped, matched
+
+
+class RawSnapshot(NamedTuple):
+    """A full listing not diffed yet: :class:`ScreenedPieces` diffs it piece by piece as it sends it.
+
+    ``raw`` was checked to be a mapping (or ``None``); ``copy`` as for
+    :func:`diff_raw_listing`.
+    """
+
+    raw: Mapping[Any, Any]
+    copy: bool = True
+
+    def diff(self, sent: Listing) -> "ListingDiff":
+        """The whole diff against ``sent`` at once (:func:`diff_raw_listing` with ``full``)."""
+        return diff_raw_listing(sent, self.raw, True, copy=self.copy)
+
+    def pieces(self, sent: Listing, size: int) -> Iterator["ListingDiff"]:
+        """The diff against ``sent`` of each piece of at most ``size`` listed keys of one partition, in turn."""
+        for partition, items in self.raw.items():
+            if not isinstance(partition, str) or not isinstance(items, Mapping):
+                yield diff_raw_listing(sent, {partition: items}, True, copy=self.copy)  # refused, and why
+                continue
+            previous = sent.get(partition, {})
+            keys = list(items)
+            values = list(items.values())
+            for start in range(0, len(keys), size):
+                refused: list[Refused] = []
+                fresh: dict[str, list[str]] = {}
+                changed, _, _ = _diff_items(previous, partition, keys[start:start + size],
+                                            values[start:start + size], True, self.copy, refused, fresh)
+                yield ListingDiff({partition: changed}, {}, refused, fresh)
 
 
 def screen_diff(diff: "ListingDiff", sent: Listing, full: bool, limits: Limits) -> "ListingDiff":
-    """``diff`` screened for what the receiver would refuse (:func:`poller.quarantine.screen`).
+    """``diff`` screened for what the receiver would refuse (:func:`poller.quarantine.screen`), whole.
 
     Its upserts are converted or refused in place; refused keys join
     ``refused``, and unless ``full`` those ``sent`` holds are deleted, so
-    the receiver does not keep tags the store no longer has.
+    the receiver does not keep tags the store no longer has. A poll screens
+    its diff piece by piece instead (:class:`ScreenedPieces`), by the same rules.
     """
     refused = list(diff.refused)
+    _screen_piece(diff.upserts, diff.deletes, sent, full, refused, limits)
+    return diff._replace(refused=refused)
+
+
+class ScreenedPieces:
+    """What one poll sends, screened and packed piece by piece, each piece sent before the next is made.
+
+    Iterating yields pieces of at most ``size`` keys, ``{partition: {key:
+    packed tags}}``, each screened (:func:`screen_diff`'s rules) just
+    before it is yielded: the receiver applies one piece while the next is
+    screened and packed, instead of waiting for the whole poll (1M keys:
+    ~1.5 s of the poller's work before the first body). Given a
+    :class:`RawSnapshot`, each piece is also diffed only when it is needed.
+    Refusals join :attr:`refused`, and their deletes :attr:`deletes`, as the
+    pieces go, so the deletes are complete once the pieces are.
+
+    Once iterated to the end, :attr:`diff` is the whole diff screened and,
+    with ``keep_packed``, :attr:`packed` its upserts packed, ``{partition:
+    (keys, packed tags)}``: both ready for :func:`commit_listing`.
+    """
+
+    def __init__(self, given: "ListingDiff | RawSnapshot", sent: Listing, full: bool, limits: Limits, size: int,
+                 *, keep_packed: bool = False) -> None:
+        self._given = given
+        self._sent = sent
+        self._full = full
+        self._limits = limits
+        self._size = size
+        self.refused: list[Refused] = list(given.refused) if isinstance(given, ListingDiff) else []
+        self.deletes: dict[str, list[str]] = given.deletes if isinstance(given, ListingDiff) else {}
+        self.packed: dict[str, tuple[list[str], list[bytes]]] | None = {} if keep_packed else None
+        self._screened: list[dict[str, dict[str, Tags]]] = []
+
+    @property
+    def diff(self) -> "ListingDiff":
+        """The diff sent, its upserts as screened (none with ``keep_packed``: :attr:`packed` holds them)."""
+        upserts: dict[str, dict[str, Any]] = {}
+        for piece in self._screened:
+            for partition, items in piece.items():
+                if partition in upserts:
+                    upserts[partition].update(items)
+                else:
+                    upserts[partition] = items
+        return ListingDiff(upserts, self.deletes, self.refused)
+
+    def keys_sent(self) -> dict[str, Iterable[str]]:
+        """The keys upserted, per partition."""
+        if self.packed is not None:
+            return {partition: keys for partition, (keys, _) in self.packed.items()}
+        return {partition: list(items) for partition, items in self.diff.upserts.items()}
+
+    def _diffs(self) -> Iterator["ListingDiff"]:
+        given = self._given
+        if isinstance(given, RawSnapshot):
+            yield from given.pieces(self._sent, self._size)
+            return
+        for piece in upsert_pieces(given.upserts, self._size):
+            yield ListingDiff(piece, {}, ())  # the screen tells the fresh tags by identity
+
+    def __iter__(self) -> Iterator[dict[str, dict[str, bytes]]]:
+        for diff in self._diffs():
+            piece = diff.upserts
+            self.refused.extend(diff.refused)
+            _screen_piece(piece, self.deletes, self._sent, self._full, self.refused, self._limits, diff.fresh)
+            piece = {partition: items for partition, items in piece.items() if items}
+            if not piece:
+                continue  # every key of it refused
+            packed = pack_upserts(piece)
+            if self.packed is None:
+                self._screened.append(piece)
+            else:
+                for partition, items in packed.items():
+                    keys, blobs = self.packed.setdefault(partition, ([], []))
+                    keys.extend(items)
+                    blobs.extend(items.values())
+            yield packed
+
+
+def _screen_piece(upserts: dict[str, dict[str, Tags]], deletes: dict[str, list[str]], sent: Listing, full: bool,
+                  refused: list[Refused], limits: Limits, fresh: Mapping[str, list[str]] | None = None) -> None:
+    """Screen ``upserts`` in place; refusals join ``refused`` and, unless ``full``, the deletes of keys sent.
+
+    ``fresh`` (a full diff's :attr:`ListingDiff.fresh`) names the keys whose
+    tags are not ``sent``'s own objects, the only ones a full diff screens.
+    """
     before = len(refused)
     if full and sent:
-        _screen_new(diff.upserts, sent, refused, limits)
+        _screen_new(upserts, sent, refused, limits, fresh)
     else:
-        screen(diff.upserts, refused, limits)
-    diff = diff._replace(refused=refused)
+        screen(upserts, refused, limits)
     if full:
-        return diff
+        return
     for refusal in refused[before:]:
         held = sent.get(refusal.partition)
         # A refused upsert is never also a vanished key (those were not listed): no duplicate delete.
         if held is not None and refusal.key in held:
-            diff.deletes.setdefault(refusal.partition, []).append(refusal.key)
-    return diff
+            deletes.setdefault(refusal.partition, []).append(refusal.key)
 
 
-def _screen_new(upserts: dict[str, dict[str, Tags]], sent: Listing, refused: list[Refused], limits: Limits) -> None:
-    """:func:`screen` for a full diff: only the tags that are not the very dicts ``sent`` holds.
+def _screen_new(upserts: dict[str, dict[str, Tags]], sent: Listing, refused: list[Refused], limits: Limits,
+                fresh_keys: Mapping[str, list[str]] | None) -> None:
+    """:func:`screen` for a full diff: only the tags that are not the very objects ``sent`` holds.
 
     A full diff lists every key, and those unchanged since they were sent are
-    ``sent``'s own dicts, screened when first sent: a resync screens only what
-    changed (K=100k unchanged: ~10 ms instead of ~90 ms).
+    ``sent``'s own dicts (or bytes), screened when first sent: a resync
+    screens only what changed, named by the diff or found in C-level passes.
     """
     for partition, items in upserts.items():
-        held = sent.get(partition, {})
-        fresh = {key: tags for key, tags in items.items() if tags is not held.get(key)}
+        held = sent.get(partition)
+        if held is None:
+            screen({partition: items}, refused, limits)
+            continue
+        if fresh_keys is not None:
+            fresh = {key: items[key] for key in fresh_keys.get(partition, ())}
+        else:
+            keys = list(items)
+            values = list(items.values())
+            fresh = {keys[i]: values[i]
+                     for i in compress(range(len(keys)), map(is_not, map(held.get, keys), values))}
         if not fresh:
             continue
         before = len(refused)
-        screen({partition: fresh}, refused, limits)
-        for refusal in refused[before:]:
-            del items[refusal.key]
-        items.update(fresh)
+        if screen({partition: fresh}, refused, limits):
+            for refusal in refused[before:]:
+                del items[refusal.key]
+            items.update(fresh)
 
 
 def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
-                   packed: Mapping[str, Mapping[str, bytes]] | None = None) -> None:
+                   packed: Mapping[str, tuple[Sequence[str], Sequence[bytes]]] | None = None) -> None:
     """Make ``sent`` what the receiver holds once ``diff`` is applied.
 
-    With ``packed`` (the diff's upserts as :func:`~poller.protocol.pack_upserts`
-    made them for the wire), ``sent`` keeps each key's packed tags instead of
-    its tags: a poller reading a change feed, which compares only the keys a
-    change set names (and a listing every 10 minutes), so the bytes cost it
-    nothing per poll and a million keys take ~200 MB instead of ~670 MB.
-    A full listing's keys are then stored as fresh objects (:func:`~poller.protocol.fresh_strs`).
+    With ``packed`` (the diff's upserts as :class:`ScreenedPieces` packed them
+    for the wire: ``{partition: (keys, packed tags)}``), ``sent`` keeps each
+    key's packed tags instead of its tags: a poller reading a change feed,
+    which compares only the keys a change set names (and a listing every 10
+    minutes), so the bytes cost it nothing per poll and a million keys take
+    ~200 MB instead of ~670 MB. A full listing's keys are then stored as
+    fresh objects (:func:`~poller.protocol.fresh_strs`). Without it, a full
+    diff's own partition dicts become ``sent``'s.
     """
-    upserts: Mapping[str, Mapping[str, Any]] = diff.upserts if packed is None else packed
+    held_by: dict[str, dict[str, Any]] = sent  # tags, or (a change feed's poller) packed tags
     if full:
         sent.clear()
         if packed is None:
-            sent.update({partition: dict(items) for partition, items in upserts.items()})
+            sent.update({partition: items for partition, items in diff.upserts.items() if items})
         else:
-            sent.update({partition: dict(zip(fresh_strs(list(items)), items.values()))
-                         for partition, items in upserts.items()})
+            held_by.update({partition: dict(zip(fresh_strs(keys), blobs))
+                            for partition, (keys, blobs) in packed.items()})
         return
-    for partition, items in upserts.items():
-        sent.setdefault(partition, {}).update(items)
+    if packed is None:
+        for partition, items in diff.upserts.items():
+            if items:
+                sent.setdefault(partition, {}).update(items)
+    else:
+        for partition, (keys, blobs) in packed.items():
+            held_by.setdefault(partition, {}).update(zip(keys, blobs))
     for partition, keys in diff.deletes.items():
         held = sent.get(partition)
         if held is not None:
@@ -222,11 +373,16 @@ def _packed(tags: Any) -> bytes | None:
 
 
 class ListingDiff(NamedTuple):
-    """What changed between the last listing sent and the current one, and the keys refused."""
+    """What changed between the last listing sent and the current one, and the keys refused.
+
+    ``fresh``, in a full diff: per partition, the upserted keys whose tags
+    are not the objects ``sent`` holds (``None``: not known).
+    """
 
     upserts: dict[str, dict[str, Tags]]
     deletes: dict[str, list[str]]
     refused: Sequence[Refused] = ()
+    fresh: Mapping[str, list[str]] | None = None
 
     def item_count(self) -> int:
         return sum(map(len, self.upserts.values())) + sum(map(len, self.deletes.values()))

@@ -17,9 +17,9 @@ from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
-from .listing import Listing, commit_listing, screen_diff
+from .listing import Listing, ScreenedPieces, commit_listing
 from .messages import Error
-from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta, pack_upserts
+from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_pieces
 from .quarantine import Quarantine
 from .sources import Source, SourceStall
 
@@ -245,19 +245,21 @@ class PollingThread(threading.Thread):
                     self._partitions_included = wanted
                 self._current = (call, began)
                 try:
-                    diff = self._reader.read(sent, full)
+                    diff = self._reader.read_to_send(sent, full)
                 finally:
                     self._current = None
                 self._answered()
-                # Before the first body: a key the receiver would refuse is
-                # left out (quarantined) instead of failing the poll.
-                diff = screen_diff(diff, sent, full, self._screen_limits)
-                # Packed once: for the wire, and (a change feed's poller) to keep as what was sent.
-                packed = pack_upserts(diff.upserts)
+                # Screened, packed and encoded one piece at a time, each sent before
+                # the next is made: the trainer applies a snapshot while it is packed.
+                # A key the receiver would refuse is left out (quarantined)
+                # instead of failing the poll. Packed once: for the wire, and (a
+                # change feed's poller) to keep as what was sent.
+                pieces = ScreenedPieces(diff, sent, full, self._screen_limits, self.chunk_items,
+                                        keep_packed=self._reader.feed)
                 first = full
-                for body in iter_encode_delta(packed, diff.deletes, poll=self.polls + 1, started=started,
-                                              full=full, chunk_items=self.chunk_items,
-                                              max_frame_bytes=self.max_frame_bytes, sync=covered):
+                for body in iter_encode_pieces(pieces, pieces.deletes, poll=self.polls + 1, started=started,
+                                               full=full, chunk_items=self.chunk_items,
+                                               max_frame_bytes=self.max_frame_bytes, sync=covered):
                     if not self._emit(Kind.DELTA, body, first):
                         return
                     first = False
@@ -279,16 +281,16 @@ class PollingThread(threading.Thread):
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue
             failures = 0
-            # The diff holds copies: nothing the source owns is kept.
-            commit_listing(sent, diff, full, packed if self._reader.feed else None)
+            # What was sent holds copies or bytes: nothing the source owns is kept.
+            commit_listing(sent, pieces.diff, full, pieces.packed)
             if self._reader.last_complete:
-                self.quarantine.replace(diff.refused)
+                self.quarantine.replace(pieces.refused)
             else:
-                self.quarantine.update(diff.refused, diff.upserts, self._reader.last_deletes)
+                self.quarantine.update(pieces.refused, pieces.keys_sent(), self._reader.last_deletes)
             self._reader.commit()
             # Not kept until the next poll: after a snapshot of a million keys the
             # diff holds every listed tag dict (~300 MB).
-            del diff, packed
+            del diff, pieces
             full = False
             self.polls += 1
             # A fixed schedule, start to start: a change waits interval/2 on

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from functools import partial
 from itertools import chain
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import msgpack
 
@@ -42,6 +42,8 @@ __all__ = [
     "decode",
     "encode_delta",
     "iter_encode_delta",
+    "iter_encode_pieces",
+    "upsert_pieces",
     "packed_size",
     "fit_text",
     "unpack_tags",
@@ -419,13 +421,19 @@ def _pack_items(upserts: Mapping[str, Mapping[str, Any]], deletes: Mapping[str, 
     try:
         packer = msgpack.Packer(use_bin_type=True)
         pack = packer.pack
-        packed = {partition: [list(items), [t if type(t) is bytes else pack(t) for t in items.values()]]
-                  for partition, items in upserts.items()}
+        packed = {}
+        for partition, items in upserts.items():
+            blobs = list(items.values())
+            if not set(map(type, blobs)) <= _BYTES:  # packed already, the usual case: no call per key
+                blobs = [t if type(t) is bytes else pack(t) for t in blobs]
+            packed[partition] = [list(items), blobs]
         return (packer.pack("upserts") + packer.pack({}) + packer.pack("packed") + packer.pack(packed)
                 + packer.pack("deletes") + packer.pack(deletes))
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
 
+
+_BYTES = frozenset({bytes})
 
 Items = tuple[dict[str, dict[str, Any]], dict[str, list[str]]]  # (upserts, deletes)
 
@@ -448,14 +456,28 @@ def iter_encode_delta(upserts: dict[str, dict[str, Any]], deletes: dict[str, lis
         ProtocolError: a value msgpack cannot encode, or one key whose tags
             alone exceed ``max_frame_bytes`` (neither passes the screen).
     """
+    return iter_encode_pieces(upsert_pieces(upserts, chunk_items), deletes, poll=poll, started=started, full=full,
+                              chunk_items=chunk_items, max_frame_bytes=max_frame_bytes, sync=sync)
+
+
+def iter_encode_pieces(pieces: Iterable[dict[str, dict[str, Any]]], deletes: dict[str, list[str]], *, poll: int,
+                       started: float, full: bool, chunk_items: int, max_frame_bytes: int,
+                       sync: int = 0) -> Iterator[bytes]:
+    """:func:`iter_encode_delta` of upserts given in pieces of at most ``chunk_items`` keys.
+
+    Each piece is taken only when the body before it was handed on, so a
+    caller can screen and pack a piece as it is needed
+    (:class:`poller.listing.ScreenedPieces`). ``deletes`` is read once the
+    pieces are exhausted, and fills the last piece's body first.
+    """
     head = Delta(poll=poll, t=started, full=full, reset=full, end=False, upserts={}, deletes={}, sync=sync)
     previous: bytes | None = None
-    for payload in _payloads((upserts, deletes), chunk_items, max_frame_bytes):
+    for payload in _payloads(_with_deletes(pieces, deletes, chunk_items), max_frame_bytes):
         if previous is not None:
             yield encode_delta(head, previous)
             head = head._replace(reset=False)
         previous = payload
-    assert previous is not None  # _chunks yields at least one piece
+    assert previous is not None  # _with_deletes yields at least one piece
     yield encode_delta(head._replace(end=True), previous)
 
 
@@ -463,43 +485,59 @@ def _count(items: Items) -> int:
     return sum(map(len, items[0].values())) + sum(map(len, items[1].values()))
 
 
-def _chunks(items: Items, size: int) -> Iterator[Items]:
-    """Split changes into pieces of at most ``size`` entries each.
+def upsert_pieces(upserts: Mapping[str, Mapping[str, Any]], size: int) -> Iterator[dict[str, dict[str, Any]]]:
+    """``upserts`` in pieces of at most ``size`` keys, each a new ``{partition: {key: tags}}``.
 
     A partition's entries are contiguous, so each piece holds at most one
     slice of each partition: slicing copies in C instead of key by key.
     """
-    upserts: dict[str, dict[str, Any]] = {}
-    deletes: dict[str, list[str]] = {}
+    piece: dict[str, dict[str, Any]] = {}
     n = 0
-    yielded = False
-    for partition, tags in items[0].items():
-        pairs = list(tags.items())
-        i = 0
-        while i < len(pairs):
-            take = pairs[i:i + size - n]
-            upserts[partition] = dict(take)
-            n += len(take)
-            i += len(take)
-            if n >= size:
-                yield upserts, deletes
-                upserts, deletes, n, yielded = {}, {}, 0, True
-    for partition, keys in items[1].items():
+    for partition, tags in upserts.items():
+        # Keys and values apart, not a list of (key, tags) pairs: a million
+        # pairs alive at once set off the garbage collector's full passes.
+        keys = list(tags)
+        values = list(tags.values())
         i = 0
         while i < len(keys):
+            j = i + size - n
+            piece[partition] = dict(zip(keys[i:j], values[i:j]))
+            n += len(piece[partition])
+            i = j
+            if n >= size:
+                yield piece
+                piece, n = {}, 0
+    if n:
+        yield piece
+
+
+def _with_deletes(pieces: Iterable[dict[str, dict[str, Any]]], deletes: dict[str, list[str]],
+                  size: int) -> Iterator[Items]:
+    """Each piece with no deletes, then the deletes in pieces of at most ``size``, the last upserts' first."""
+    upserts: dict[str, dict[str, Any]] = {}
+    for piece in pieces:
+        if upserts:
+            yield upserts, {}
+        upserts = piece
+    removals: dict[str, list[str]] = {}
+    n = sum(map(len, upserts.values()))
+    yielded = False
+    for partition, keys in deletes.items():
+        i = 0
+        while i < len(keys):
+            if n >= size:
+                yield upserts, removals
+                upserts, removals, n, yielded = {}, {}, 0, True
             part = keys[i:i + size - n]
-            deletes[partition] = part
+            removals[partition] = part
             n += len(part)
             i += len(part)
-            if n >= size:
-                yield upserts, deletes
-                upserts, deletes, n, yielded = {}, {}, 0, True
     if n or not yielded:  # an empty poll is still one (empty) message
-        yield upserts, deletes
+        yield upserts, removals
 
 
-def _payloads(items: Items, size: int, max_frame_bytes: int) -> Iterator[bytes]:
-    for piece in _chunks(items, size):
+def _payloads(items: Iterable[Items], max_frame_bytes: int) -> Iterator[bytes]:
+    for piece in items:
         payload = _pack_items(*piece)
         if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
             yield payload
@@ -508,4 +546,10 @@ def _payloads(items: Items, size: int, max_frame_bytes: int) -> Iterator[bytes]:
         if n <= 1:
             raise ProtocolError(
                 f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
-        yield from _payloads(piece, (n + 1) // 2, max_frame_bytes)
+        yield from _payloads(_halves(piece, (n + 1) // 2), max_frame_bytes)
+
+
+def _halves(piece: Items, size: int) -> Iterator[Items]:
+    """``piece`` split in pieces of at most ``size`` entries (one over the frame limit)."""
+    upserts, deletes = piece
+    return _with_deletes(upsert_pieces(upserts, size), {p: list(keys) for p, keys in deletes.items()}, size)

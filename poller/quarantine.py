@@ -201,13 +201,15 @@ def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
     return plain
 
 
-def screen(upserts: dict[str, dict[str, Any]], refused: list[Refused], limits: Limits) -> None:
+def screen(upserts: dict[str, dict[str, Any]], refused: list[Refused], limits: Limits) -> list[str]:
     """Convert what converts and move what the receiver would refuse from ``upserts`` to ``refused``.
 
     ``upserts`` (a diff's, holding fresh dicts) is changed in place; a
     partition left with no key stays, empty. Cost follows the keys sent,
-    not the store, and the common case runs at C speed.
+    not the store, and the common case runs at C speed. Returns the
+    partitions whose entries may have changed (none, in the common case).
     """
+    touched: list[str] = []
     for partition, items in upserts.items():
         if len(partition) * 4 > limits.max_str_len or not partition.isascii():
             try:
@@ -215,15 +217,18 @@ def screen(upserts: dict[str, dict[str, Any]], refused: list[Refused], limits: L
             except _Refuse as exc:
                 refused.extend(Refused(partition, key, f"partition id: {exc}") for key in items)
                 items.clear()
+                touched.append(partition)
                 continue
         if _plainly_fine(items, limits):
             continue
+        touched.append(partition)
         for key in list(items):
             try:
                 items[key] = _screen_tags(key, items[key], limits)
             except _Refuse as exc:
                 del items[key]
                 refused.append(Refused(partition, key, str(exc)))
+    return touched
 
 
 class Quarantine:
@@ -247,7 +252,7 @@ class Quarantine:
         self.keys = now
         self._report(entered, left)
 
-    def update(self, refused: Iterable[Refused], sent: Mapping[str, Mapping[str, Any]],
+    def update(self, refused: Iterable[Refused], sent: Mapping[str, Iterable[str]],
                deleted: Mapping[str, Iterable[str]]) -> None:
         entered = []
         for r in refused:
