@@ -148,13 +148,13 @@ def test_a_snapshot_is_diffed_and_screened_only_as_far_as_its_pieces_were_taken(
 
 def test_a_resync_screens_only_the_tags_that_changed_since_they_were_sent() -> None:
     sent: Listing = {}
-    listing = {"p": {f"k{i}": {"v": i} for i in range(10)}}
+    listing: dict[str, dict[str, Any]] = {"p": {f"k{i}": {"v": i} for i in range(10)}}
     pieces, _ = _send(RawSnapshot(listing), sent, True, 4, False)
     commit_listing(sent, pieces.diff, True)
     # The same objects listed again are not screened again (a tag changed in
     # place behind the diff's back shows it: it passes); new bad tags are refused.
     sent["p"]["k0"]["s"] = "x" * 100
-    listing: dict[str, dict[str, Any]] = {"p": {**sent["p"], "new": {"s": "y" * 100}}}
+    listing = {"p": {**sent["p"], "new": {"s": "y" * 100}}}
     assert RawSnapshot(listing).diff(sent).fresh == {"p": ["new"]}
     pieces = ScreenedPieces(RawSnapshot(listing), sent, True, LIMITS, 4)
     packed = [key for piece in pieces for key in piece["p"]]
