@@ -109,9 +109,9 @@ class ListingReader:
 
     :meth:`read` returns the diff against ``sent``; the cursor it reached
     takes effect only with :meth:`commit`, called once the diff was sent and
-    committed to ``sent``. With a change feed the diff may hold the source's
-    own tag dicts: its caller keeps what was sent packed
-    (:func:`~poller.listing.commit_listing` with ``packed``), not those dicts.
+    committed to ``sent``. The diff may hold the source's own tag dicts: its
+    caller keeps what was sent packed (:func:`~poller.listing.commit_listing`
+    with ``packed``), not those dicts.
     A poll that failed half-way is read again from the old cursor, so no
     change is lost.
     """
@@ -164,7 +164,7 @@ class ListingReader:
         self._pending = None
         self.last_complete, self.last_deletes = True, {}
         if not self.feed:
-            return _diffed(sent, self._listing(self._source.kv_list), full, copy=True)
+            return _diffed(sent, self._listing(self._source.kv_list), full, copy=False)
         due = (self.reconcile_interval is not None
                and time.monotonic() - self._listed_at >= self.reconcile_interval
                and self.duty.wait_for() == 0)
@@ -181,7 +181,6 @@ class ListingReader:
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
         cursor, listing = self._listing(self._source.kv_snapshot)
         self._pending = (cursor, True)
-        # What was sent is kept packed (PollingThread): no tag dict needs copying.
         return _diffed(sent, listing, full, copy=False)
 
     def _listing(self, call: Callable[[], _T]) -> _T:

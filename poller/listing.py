@@ -8,10 +8,10 @@ encodes the diff), and tests call them directly.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import and_, eq, is_not, not_
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from operator import and_, eq, is_not, ne, not_
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
-from .protocol import Limits, fresh_strs, pack_tags, pack_upserts, upsert_pieces
+from .protocol import Limits, fresh_strs, pack_many_tags, pack_tags, pack_upserts, upsert_pieces
 from .quarantine import Refused, screen
 from .vocabulary import Listing, Tags
 
@@ -182,15 +182,17 @@ class ScreenedPieces:
     ~1.5 s of the poller's work before the first body). Given a
     :class:`RawSnapshot`, each piece is also diffed only when it is needed.
     Refusals join :attr:`refused`, and their deletes :attr:`deletes`, as the
-    pieces go, so the deletes are complete once the pieces are.
+    pieces go, so the deletes are complete once the pieces are. A key whose
+    tags pack to the bytes ``sent`` holds is not sent again (tags the screen
+    converted, listed unchanged).
 
-    Once iterated to the end, :attr:`diff` is the whole diff screened and,
-    with ``keep_packed``, :attr:`packed` its upserts packed, ``{partition:
-    (keys, packed tags)}``: both ready for :func:`commit_listing`.
+    Once iterated to the end, :attr:`packed` holds the upserts sent,
+    ``{partition: (keys, packed tags)}``, and :attr:`diff` the deletes and
+    refusals: both for :func:`commit_listing`.
     """
 
-    def __init__(self, given: "ListingDiff | RawSnapshot", sent: Listing, full: bool, limits: Limits, size: int,
-                 *, keep_packed: bool = False) -> None:
+    def __init__(self, given: "ListingDiff | RawSnapshot", sent: Listing, full: bool, limits: Limits,
+                 size: int) -> None:
         self._given = given
         self._sent = sent
         self._full = full
@@ -198,26 +200,16 @@ class ScreenedPieces:
         self._size = size
         self.refused: list[Refused] = list(given.refused) if isinstance(given, ListingDiff) else []
         self.deletes: dict[str, list[str]] = given.deletes if isinstance(given, ListingDiff) else {}
-        self.packed: dict[str, tuple[list[str], list[bytes]]] | None = {} if keep_packed else None
-        self._screened: list[dict[str, dict[str, Tags]]] = []
+        self.packed: dict[str, tuple[list[str], list[bytes]]] = {}
 
     @property
     def diff(self) -> "ListingDiff":
-        """The diff sent, its upserts as screened (none with ``keep_packed``: :attr:`packed` holds them)."""
-        upserts: dict[str, dict[str, Any]] = {}
-        for piece in self._screened:
-            for partition, items in piece.items():
-                if partition in upserts:
-                    upserts[partition].update(items)
-                else:
-                    upserts[partition] = items
-        return ListingDiff(upserts, self.deletes, self.refused)
+        """The deletes and refusals sent (the upserts are :attr:`packed`)."""
+        return ListingDiff({}, self.deletes, self.refused)
 
-    def keys_sent(self) -> dict[str, Iterable[str]]:
+    def keys_sent(self) -> dict[str, list[str]]:
         """The keys upserted, per partition."""
-        if self.packed is not None:
-            return {partition: keys for partition, (keys, _) in self.packed.items()}
-        return {partition: list(items) for partition, items in self.diff.upserts.items()}
+        return {partition: keys for partition, (keys, _) in self.packed.items()}
 
     def _diffs(self) -> Iterator["ListingDiff"]:
         given = self._given
@@ -232,18 +224,27 @@ class ScreenedPieces:
             piece = diff.upserts
             self.refused.extend(diff.refused)
             _screen_piece(piece, self.deletes, self._sent, self._full, self.refused, self._limits, diff.fresh)
-            piece = {partition: items for partition, items in piece.items() if items}
-            if not piece:
-                continue  # every key of it refused
-            packed = pack_upserts(piece)
-            if self.packed is None:
-                self._screened.append(piece)
-            else:
-                for partition, items in packed.items():
-                    keys, blobs = self.packed.setdefault(partition, ([], []))
-                    keys.extend(items)
-                    blobs.extend(items.values())
+            packed = {partition: items for partition, items in pack_upserts(piece).items() if items}
+            if not self._full:
+                packed = {partition: fresh for partition, items in packed.items()
+                          if (fresh := _not_held(items, self._sent.get(partition)))}
+            if not packed:
+                continue  # every key of it refused, or held already
+            for partition, items in packed.items():
+                keys, blobs = self.packed.setdefault(partition, ([], []))
+                keys.extend(items)
+                blobs.extend(items.values())
             yield packed
+
+
+def _not_held(items: dict[str, bytes], held: Mapping[str, Any] | None) -> dict[str, bytes]:
+    """``items`` less those whose packed tags are the bytes ``held`` has for them already."""
+    if not held:
+        return items
+    keys = list(items)
+    blobs = list(items.values())
+    fresh = list(map(ne, map(held.get, keys), blobs))
+    return items if all(fresh) else dict(compress(zip(keys, blobs), fresh))
 
 
 def _screen_piece(upserts: dict[str, dict[str, Tags]], deletes: dict[str, list[str]], sent: Listing, full: bool,
@@ -336,6 +337,7 @@ def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
 
 _STR = frozenset({str})
 _DICT = frozenset({dict})
+_BYTES_OR_NONE = frozenset({bytes, type(None)})
 
 
 def _same(helds: list[Any], values: list[Any]) -> list[bool]:
@@ -348,11 +350,19 @@ def _same(helds: list[Any], values: list[Any]) -> list[bool]:
     """
     if helds.count(None) == len(helds):
         return [False] * len(helds)
-    if bytes not in set(map(type, helds)):
+    kinds = set(map(type, helds))
+    if bytes not in kinds:
         try:
             # A key never sent is changed, even listed as None (None == None).
             return list(map(and_, map(is_not, helds, repeat(None)), map(bool, map(eq, helds, values))))
         except Exception:  # an array's ==, somewhere: one by one below
+            pass
+    elif kinds <= _BYTES_OR_NONE and set(map(type, values)) <= _DICT:
+        try:
+            # Kept packed: each listing packed in one C-level pass, compared as bytes
+            # (K=100k: ~45 ms a poll, where comparing dicts took ~35 ms).
+            return list(map(eq, helds, pack_many_tags(values)))
+        except Exception:  # a value msgpack cannot pack (it needs the screen): one by one below
             pass
     return [_same_one(held, tags) for held, tags in zip(helds, values)]
 

@@ -51,6 +51,7 @@ __all__ = [
     "pack_tags",
     "unpack_held",
     "pack_upserts",
+    "pack_many_tags",
     "fresh_strs",
     "delta_upserts",
 ]
@@ -337,6 +338,15 @@ def pack_upserts(upserts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
     return out
+
+
+def pack_many_tags(many: Iterable[Any]) -> list[bytes]:
+    """Each tags packed as :func:`pack_upserts` packs them, in one C-level pass.
+
+    Raises:
+        TypeError, ValueError, OverflowError: one of them msgpack cannot encode.
+    """
+    return list(map(msgpack.Packer(use_bin_type=True).pack, many))
 
 
 def fresh_strs(strs: Sequence[str]) -> list[str]:
