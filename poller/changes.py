@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, ListingDiff, RawSnapshot, diff_raw_listing
@@ -150,7 +150,9 @@ class ListingReader:
 
         A full listing comes back as a :class:`~poller.listing.RawSnapshot`,
         checked to be a mapping but diffed piece by piece as it is sent
-        (:class:`~poller.listing.ScreenedPieces`). With a change feed, a snapshot asked for after the first one (a
+        (:class:`~poller.pieces.ScreenedPieces`); a store with
+        ``kv_snapshot_pieces()`` is even read piece by piece. With a change
+        feed, a snapshot asked for after the first one (a
         RESYNC: the *receiver* lost messages) is what was sent plus this
         poll's changes, not a new listing: ``sent`` is what the store held at
         the last poll. A trainer stopped for seconds then costs the store
@@ -179,9 +181,26 @@ class ListingReader:
             # Listed at once, within the share or not: a feed that lost its
             # cursor has nothing else to offer, and this is rare.
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
+        in_pieces = getattr(self._source, "kv_snapshot_pieces", None)
+        if full and callable(in_pieces):
+            # Read while it is sent: the store's parsing overlaps the trainer's apply.
+            began = time.monotonic()
+            cursor, pieces = in_pieces()
+            self._pending = (cursor, True)
+            return RawSnapshot(self._timed(pieces, began), copy=False)
         cursor, listing = self._listing(self._source.kv_snapshot)
         self._pending = (cursor, True)
         return _diffed(sent, listing, full, copy=False)
+
+    def _timed(self, pieces: Iterator[Any], began: float) -> Iterator[Any]:
+        """``pieces``, the listing read in pieces, timed into the duty cycle once read (or given up)."""
+        try:
+            yield from pieces
+        finally:
+            close = getattr(pieces, "close", None)
+            if callable(close):
+                close()
+            self.duty.record(began, time.monotonic() - began)
 
     def _listing(self, call: Callable[[], _T]) -> _T:
         """``call()``, a full listing, timed into the duty cycle (also when it raises)."""

@@ -8,15 +8,14 @@ encodes the diff), and tests call them directly.
 from __future__ import annotations
 
 from itertools import compress, repeat
-from operator import and_, eq, is_not, ne, not_
+from operator import and_, eq, is_not, not_
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
-from .protocol import Limits, fresh_strs, pack_many_tags, pack_tags, pack_upserts, upsert_pieces
-from .quarantine import Refused, screen
+from .protocol import fresh_strs, pack_many_tags, pack_tags
+from .quarantine import Refused
 from .vocabulary import Listing, Tags
 
-__all__ = ["Listing", "ListingDiff", "RawSnapshot", "ScreenedPieces", "diff_raw_listing", "screen_diff",
-           "commit_listing"]
+__all__ = ["Listing", "ListingDiff", "RawSnapshot", "diff_raw_listing", "commit_listing"]
 
 
 
@@ -129,179 +128,71 @@ def _diff_items(previous: Mapping[str, Any], partition: str, keys: list[Any], va
 
 
 class RawSnapshot(NamedTuple):
-    """A full listing not diffed yet: :class:`ScreenedPieces` diffs it piece by piece as it sends it.
+    """A full listing not diffed yet: :class:`~poller.pieces.ScreenedPieces` diffs it piece by piece as it sends it.
 
-    ``raw`` was checked to be a mapping (or ``None``); ``copy`` as for
+    ``raw`` is the listing, checked to be a mapping, or an iterator of
+    listings to take one after the other (a store read in pieces:
+    ``kv_snapshot_pieces()``), which :meth:`close` closes. ``copy`` as for
     :func:`diff_raw_listing`.
     """
 
-    raw: Mapping[Any, Any]
+    raw: Mapping[Any, Any] | Iterator[Any]
     copy: bool = True
 
     def diff(self, sent: Listing) -> "ListingDiff":
         """The whole diff against ``sent`` at once (:func:`diff_raw_listing` with ``full``)."""
-        return diff_raw_listing(sent, self.raw, True, copy=self.copy)
+        if isinstance(self.raw, Mapping):
+            return diff_raw_listing(sent, self.raw, True, copy=self.copy)
+        listing: dict[Any, Any] = {}
+        try:
+            for piece in self._listings():
+                for partition, items in piece.items():
+                    if isinstance(items, Mapping) and isinstance(listing.get(partition), dict):
+                        listing[partition].update(items)
+                    else:
+                        listing[partition] = dict(items) if isinstance(items, Mapping) else items
+        finally:
+            self.close()
+        return diff_raw_listing(sent, listing, True, copy=self.copy)
+
+    def close(self) -> None:
+        """Close the store's iterator (its read transaction) if it was not read to the end."""
+        close = getattr(self.raw, "close", None)
+        if not isinstance(self.raw, Mapping) and callable(close):
+            close()
+
+    def _listings(self) -> Iterator[Mapping[Any, Any]]:
+        if isinstance(self.raw, Mapping):
+            yield self.raw
+            return
+        for piece in self.raw:
+            if not isinstance(piece, Mapping):
+                raise TypeError(f"a snapshot piece is {type(piece).__name__}, expected a mapping of partitions")
+            yield piece
 
     def pieces(self, sent: Listing, size: int) -> Iterator["ListingDiff"]:
         """The diff against ``sent`` of each piece of at most ``size`` listed keys of one partition, in turn."""
-        for partition, items in self.raw.items():
-            if not isinstance(partition, str) or not isinstance(items, Mapping):
-                yield diff_raw_listing(sent, {partition: items}, True, copy=self.copy)  # refused, and why
-                continue
-            previous = sent.get(partition, {})
-            keys = list(items)
-            values = list(items.values())
-            for start in range(0, len(keys), size):
-                refused: list[Refused] = []
-                fresh: dict[str, list[str]] = {}
-                changed, _, _ = _diff_items(previous, partition, keys[start:start + size],
-                                            values[start:start + size], True, self.copy, refused, fresh)
-                yield ListingDiff({partition: changed}, {}, refused, fresh)
-
-
-def screen_diff(diff: "ListingDiff", sent: Listing, full: bool, limits: Limits) -> "ListingDiff":
-    """``diff`` screened for what the receiver would refuse (:func:`poller.quarantine.screen`), whole.
-
-    Its upserts are converted or refused in place; refused keys join
-    ``refused``, and unless ``full`` those ``sent`` holds are deleted, so
-    the receiver does not keep tags the store no longer has. A poll screens
-    its diff piece by piece instead (:class:`ScreenedPieces`), by the same rules.
-    """
-    refused = list(diff.refused)
-    _screen_piece(diff.upserts, diff.deletes, sent, full, refused, limits)
-    return diff._replace(refused=refused)
-
-
-class ScreenedPieces:
-    """What one poll sends, screened and packed piece by piece, each piece sent before the next is made.
-
-    Iterating yields pieces of at most ``size`` keys, ``{partition: {key:
-    packed tags}}``, each screened (:func:`screen_diff`'s rules) just
-    before it is yielded: the receiver applies one piece while the next is
-    screened and packed, instead of waiting for the whole poll (1M keys:
-    ~1.5 s of the poller's work before the first body). Given a
-    :class:`RawSnapshot`, each piece is also diffed only when it is needed.
-    Refusals join :attr:`refused`, and their deletes :attr:`deletes`, as the
-    pieces go, so the deletes are complete once the pieces are. A key whose
-    tags pack to the bytes ``sent`` holds is not sent again (tags the screen
-    converted, listed unchanged).
-
-    Once iterated to the end, :attr:`packed` holds the upserts sent,
-    ``{partition: (keys, packed tags)}``, and :attr:`diff` the deletes and
-    refusals: both for :func:`commit_listing`.
-    """
-
-    def __init__(self, given: "ListingDiff | RawSnapshot", sent: Listing, full: bool, limits: Limits,
-                 size: int) -> None:
-        self._given = given
-        self._sent = sent
-        self._full = full
-        self._limits = limits
-        self._size = size
-        self.refused: list[Refused] = list(given.refused) if isinstance(given, ListingDiff) else []
-        self.deletes: dict[str, list[str]] = given.deletes if isinstance(given, ListingDiff) else {}
-        self.packed: dict[str, tuple[list[str], list[bytes]]] = {}
-
-    @property
-    def diff(self) -> "ListingDiff":
-        """The deletes and refusals sent (the upserts are :attr:`packed`)."""
-        return ListingDiff({}, self.deletes, self.refused)
-
-    def keys_sent(self) -> dict[str, list[str]]:
-        """The keys upserted, per partition."""
-        return {partition: keys for partition, (keys, _) in self.packed.items()}
-
-    def _diffs(self) -> Iterator["ListingDiff"]:
-        given = self._given
-        if isinstance(given, RawSnapshot):
-            yield from given.pieces(self._sent, self._size)
-            return
-        for piece in upsert_pieces(given.upserts, self._size):
-            yield ListingDiff(piece, {}, ())  # the screen tells the fresh tags by identity
-
-    def __iter__(self) -> Iterator[dict[str, dict[str, bytes]]]:
-        for diff in self._diffs():
-            piece = diff.upserts
-            self.refused.extend(diff.refused)
-            _screen_piece(piece, self.deletes, self._sent, self._full, self.refused, self._limits, diff.fresh)
-            packed = {partition: items for partition, items in pack_upserts(piece).items() if items}
-            if not self._full:
-                packed = {partition: fresh for partition, items in packed.items()
-                          if (fresh := _not_held(items, self._sent.get(partition)))}
-            if not packed:
-                continue  # every key of it refused, or held already
-            for partition, items in packed.items():
-                keys, blobs = self.packed.setdefault(partition, ([], []))
-                keys.extend(items)
-                blobs.extend(items.values())
-            yield packed
-
-
-def _not_held(items: dict[str, bytes], held: Mapping[str, Any] | None) -> dict[str, bytes]:
-    """``items`` less those whose packed tags are the bytes ``held`` has for them already."""
-    if not held:
-        return items
-    keys = list(items)
-    blobs = list(items.values())
-    fresh = list(map(ne, map(held.get, keys), blobs))
-    return items if all(fresh) else dict(compress(zip(keys, blobs), fresh))
-
-
-def _screen_piece(upserts: dict[str, dict[str, Tags]], deletes: dict[str, list[str]], sent: Listing, full: bool,
-                  refused: list[Refused], limits: Limits, fresh: Mapping[str, list[str]] | None = None) -> None:
-    """Screen ``upserts`` in place; refusals join ``refused`` and, unless ``full``, the deletes of keys sent.
-
-    ``fresh`` (a full diff's :attr:`ListingDiff.fresh`) names the keys whose
-    tags are not ``sent``'s own objects, the only ones a full diff screens.
-    """
-    before = len(refused)
-    if full and sent:
-        _screen_new(upserts, sent, refused, limits, fresh)
-    else:
-        screen(upserts, refused, limits)
-    if full:
-        return
-    for refusal in refused[before:]:
-        held = sent.get(refusal.partition)
-        # A refused upsert is never also a vanished key (those were not listed): no duplicate delete.
-        if held is not None and refusal.key in held:
-            deletes.setdefault(refusal.partition, []).append(refusal.key)
-
-
-def _screen_new(upserts: dict[str, dict[str, Tags]], sent: Listing, refused: list[Refused], limits: Limits,
-                fresh_keys: Mapping[str, list[str]] | None) -> None:
-    """:func:`screen` for a full diff: only the tags that are not the very objects ``sent`` holds.
-
-    A full diff lists every key, and those unchanged since they were sent are
-    ``sent``'s own dicts (or bytes), screened when first sent: a resync
-    screens only what changed, named by the diff or found in C-level passes.
-    """
-    for partition, items in upserts.items():
-        held = sent.get(partition)
-        if held is None:
-            screen({partition: items}, refused, limits)
-            continue
-        if fresh_keys is not None:
-            fresh = {key: items[key] for key in fresh_keys.get(partition, ())}
-        else:
-            keys = list(items)
-            values = list(items.values())
-            fresh = {keys[i]: values[i]
-                     for i in compress(range(len(keys)), map(is_not, map(held.get, keys), values))}
-        if not fresh:
-            continue
-        before = len(refused)
-        if screen({partition: fresh}, refused, limits):
-            for refusal in refused[before:]:
-                del items[refusal.key]
-            items.update(fresh)
+        for listing in self._listings():
+            for partition, items in listing.items():
+                if not isinstance(partition, str) or not isinstance(items, Mapping):
+                    yield diff_raw_listing(sent, {partition: items}, True, copy=self.copy)  # refused, and why
+                    continue
+                previous = sent.get(partition, {})
+                keys = list(items)
+                values = list(items.values())
+                for start in range(0, len(keys), size):
+                    refused: list[Refused] = []
+                    fresh: dict[str, list[str]] = {}
+                    changed, _, _ = _diff_items(previous, partition, keys[start:start + size],
+                                                values[start:start + size], True, self.copy, refused, fresh)
+                    yield ListingDiff({partition: changed}, {}, refused, fresh)
 
 
 def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
                    packed: Mapping[str, tuple[Sequence[str], Sequence[bytes]]] | None = None) -> None:
     """Make ``sent`` what the receiver holds once ``diff`` is applied.
 
-    With ``packed`` (the diff's upserts as :class:`ScreenedPieces` packed them
+    With ``packed`` (the diff's upserts as :class:`~poller.pieces.ScreenedPieces` packed them
     for the wire: ``{partition: (keys, packed tags)}``), ``sent`` keeps each
     key's packed tags instead of its tags: a poller reading a change feed,
     which compares only the keys a change set names (and a listing every 10

@@ -17,8 +17,9 @@ from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
-from .listing import Listing, ScreenedPieces, commit_listing
+from .listing import Listing, RawSnapshot, commit_listing
 from .messages import Error
+from .pieces import ScreenedPieces
 from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_pieces
 from .quarantine import Quarantine
 from .sources import Source, SourceStall
@@ -239,6 +240,7 @@ class PollingThread(threading.Thread):
             wanted = self._partitions_wanted  # read after the token (see request_sync)
             self._calls += 1
             call = self._calls
+            diff = None
             try:
                 if wanted != self._partitions_included:
                     self._reader.include(wanted)
@@ -279,6 +281,11 @@ class PollingThread(threading.Thread):
                     return
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue
+            finally:
+                if isinstance(diff, RawSnapshot):
+                    # A store read in pieces holds a read transaction until its
+                    # iterator ends: a poll cut short must not keep it.
+                    diff.close()
             failures = 0
             # What was sent is kept packed: nothing the source owns is kept, a
             # resync sends it without packing it again, and a million keys take

@@ -460,7 +460,7 @@ def iter_encode_delta(upserts: dict[str, dict[str, Any]], deletes: dict[str, lis
     after some bodies were sent: the poll then has no ``end`` and is sent
     again, which the receiver tolerates (merges are idempotent, a new
     snapshot starts over). What is given must have been screened for the
-    receiver's limits (:func:`poller.listing.screen_diff`).
+    receiver's limits (:func:`poller.pieces.screen_diff`).
 
     Raises:
         ProtocolError: a value msgpack cannot encode, or one key whose tags
@@ -477,7 +477,7 @@ def iter_encode_pieces(pieces: Iterable[dict[str, dict[str, Any]]], deletes: dic
 
     Each piece is taken only when the body before it was handed on, so a
     caller can screen and pack a piece as it is needed
-    (:class:`poller.listing.ScreenedPieces`). ``deletes`` is read once the
+    (:class:`poller.pieces.ScreenedPieces`). ``deletes`` is read once the
     pieces are exhausted, and fills the last piece's body first.
     """
     head = Delta(poll=poll, t=started, full=full, reset=full, end=False, upserts={}, deletes={}, sync=sync)

@@ -236,6 +236,10 @@ class _CountingSqliteSource(SqliteSource):
         self.calls["kv_snapshot"] += 1
         return super().kv_snapshot()
 
+    def kv_snapshot_pieces(self, size: int = 4096) -> Any:
+        self.calls["kv_snapshot"] += 1  # the same full listing, read in pieces
+        return super().kv_snapshot_pieces(size)
+
     def kv_changes(self, cursor: Any) -> Any:
         self.calls["kv_changes"] += 1
         changes = super().kv_changes(cursor)

@@ -1,4 +1,4 @@
-"""A poll sent piece by piece (poller.listing.ScreenedPieces): the same stream as the whole diff, made lazily."""
+"""A poll sent piece by piece (poller.pieces.ScreenedPieces): the same stream as the whole diff, made lazily."""
 
 from __future__ import annotations
 
@@ -7,15 +7,8 @@ from typing import Any
 
 import pytest
 
-from poller.listing import (
-    Listing,
-    ListingDiff,
-    RawSnapshot,
-    ScreenedPieces,
-    commit_listing,
-    diff_raw_listing,
-    screen_diff,
-)
+from poller.listing import Listing, ListingDiff, RawSnapshot, commit_listing, diff_raw_listing
+from poller.pieces import ScreenedPieces, screen_diff
 from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header, iter_encode_pieces, pack_tags
 
 LIMITS = Limits(max_str_len=64, max_depth=8)

@@ -70,6 +70,12 @@ class ChangeFeed(Protocol):
 
     A cursor is an opaque value the source hands out and takes back. Both
     methods may raise :class:`SourceStall` like ``kv_list()``.
+
+    A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``:
+    the same snapshot as an iterator of listings, each read only when it is
+    taken, from one consistent read that lasts until the iterator is
+    exhausted or closed (:meth:`~poller.sources.sqlite.SqliteSource.kv_snapshot_pieces`).
+    The poller then sends each piece while the next is read.
     """
 
     def kv_snapshot(self) -> tuple[Any, Listing]:

@@ -25,13 +25,13 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
 from ..vocabulary import Tags
-from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot
+from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot, snapshot_pieces
 from .sqlite_io import check_keys as _check_keys
 from .sqlite_io import check_str as _check_str
 from .sqlite_io import dumps as _dumps
@@ -59,6 +59,15 @@ _UPSERT = (
 # again: SQLite forbids using a connection across fork, and closing one in the
 # child counts as use (it may checkpoint or delete the parent's WAL file).
 _INHERITED: list[sqlite3.Connection] = []
+
+
+def _started(pieces: Generator[Any, None, None]) -> tuple[Cursor, Iterator[Any]]:
+    """The cursor a snapshot generator yields first, and the generator, positioned at its first listing."""
+    try:
+        return next(pieces), pieces
+    except BaseException:
+        pieces.close()
+        raise
 
 
 class SqliteSource:
@@ -227,6 +236,25 @@ class SqliteSource:
         """
         with self._connection() as conn:
             return read_snapshot(conn)
+
+    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[dict[str, dict[str, Tags]]]]:
+        """:meth:`kv_snapshot` read in listings of at most ``size`` rows, each parsed only when it is taken.
+
+        A poller sends each piece while the next is read, so a store of a
+        million keys is applied by the trainer as it is read instead of after
+        (the JSON parsing is most of a listing's ~5 s). Every piece comes from
+        the one read transaction the cursor belongs to, which stays open, and
+        this store's lock held, until the iterator is exhausted or closed:
+        the caller must ``close()`` it when it stops early.
+
+        Raises:
+            ValueError: (from the iterator) a stored row is not a JSON object.
+        """
+        return _started(self._snapshot_pieces(size))
+
+    def _snapshot_pieces(self, size: int) -> Generator[Any, None, None]:
+        with self._connection() as conn:
+            yield from snapshot_pieces(conn, size)
 
     def kv_changes(self, cursor: Any) -> tuple[Cursor, dict[str, dict[str, Tags]], dict[str, list[str]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.

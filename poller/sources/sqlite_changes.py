@@ -25,7 +25,7 @@ the caller must take a full listing.
 from __future__ import annotations
 
 import sqlite3
-from typing import Any
+from typing import Any, Iterator
 
 from .sqlite_io import Tags
 from .sqlite_io import loads as load_tags
@@ -121,13 +121,31 @@ def _complete(conn: sqlite3.Connection) -> bool:
 
 def read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, dict[str, dict[str, Tags]]]:
     """Every row and the cursor that follows them, from one read transaction."""
+    pieces = snapshot_pieces(conn, 65536)
+    cursor = next(pieces)
+    listing: dict[str, dict[str, Tags]] = {}
+    for piece in pieces:
+        for partition, items in piece.items():
+            listing.setdefault(partition, {}).update(items)
+    return cursor, listing
+
+
+def snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
+    """The cursor, then every row in listings of at most ``size`` rows, from one read transaction.
+
+    The transaction stays open until the generator is exhausted or closed:
+    its caller must close it (a reader that stops early holds the
+    connection until then).
+    """
     with _read(conn):
         store_id, version, _ = _clock(conn)
-        rows = conn.execute("SELECT partition_id, key, tags FROM kv").fetchall()
-    listing: dict[str, dict[str, Tags]] = {}
-    for partition, key, text in rows:
-        listing.setdefault(partition, {})[key] = load_tags(partition, key, text)
-    return (store_id, version), listing
+        yield store_id, version
+        rows = conn.execute("SELECT partition_id, key, tags FROM kv")
+        while batch := rows.fetchmany(size):
+            listing: dict[str, dict[str, Tags]] = {}
+            for partition, key, text in batch:
+                listing.setdefault(partition, {})[key] = load_tags(partition, key, text)
+            yield listing
 
 
 def read_changes(conn: sqlite3.Connection, cursor: Any) -> (

@@ -20,7 +20,8 @@ from poller.errors import ProtocolError
 from poller.faults import parse_fault, raise_
 from poller.faults.peer import RoguePeer
 from poller.faults.store import delete
-from poller.listing import commit_listing, diff_raw_listing, screen_diff
+from poller.listing import commit_listing, diff_raw_listing
+from poller.pieces import screen_diff
 from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header, iter_encode_delta
 from poller.faults.shapes import nested
 from poller.sources.sqlite import SqliteSource

@@ -1,0 +1,124 @@
+"""The SQLite store read in pieces for a snapshot (kv_snapshot_pieces): same content, bounded hold, no leak."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from poller.changes import ListingReader
+from poller.listing import RawSnapshot
+from poller.polling import Listing, PollingThread
+from poller.protocol import Kind
+from poller.sources.sqlite import SqliteSource
+
+JOIN_TIMEOUT = 60.0
+
+
+def _fill(store: SqliteSource, keys: int) -> None:
+    store.kv_batch_put([f"k{i}" for i in range(keys)], "a", tags=[{"i": i} for i in range(keys)])
+    store.kv_batch_put([f"v{i}" for i in range(keys // 3)], "b", tags=[{"i": i} for i in range(keys // 3)])
+
+
+def test_a_snapshot_read_in_pieces_is_the_snapshot_read_whole(db: Path) -> None:
+    with SqliteSource(str(db)) as store:
+        _fill(store, 1000)
+        cursor, whole = store.kv_snapshot()
+        piece_cursor, pieces = store.kv_snapshot_pieces(128)
+        merged: dict[str, dict[str, Any]] = {}
+        sizes = []
+        for piece in pieces:
+            sizes.append(sum(map(len, piece.values())))
+            for partition, items in piece.items():
+                merged.setdefault(partition, {}).update(items)
+        assert piece_cursor == cursor and merged == whole
+        assert max(sizes) <= 128 and sum(sizes) == 1333
+
+
+def test_the_pieces_are_one_read_and_a_write_meanwhile_comes_from_the_change_feed(db: Path) -> None:
+    with SqliteSource(str(db)) as store, SqliteSource(str(db)) as writer:
+        _fill(store, 300)
+        cursor, pieces = store.kv_snapshot_pieces(100)
+        first = next(pieces)
+        # Another connection writes while the read transaction is open (WAL: it does not wait for it).
+        writer.kv_put("late", "a", tag={"new": True})
+        writer.kv_clear(["k299"], "a")
+        rest = list(pieces)
+        seen = {key for piece in [first, *rest] for items in piece.values() for key in items}
+        assert "late" not in seen and "k299" in seen
+        changes = store.kv_changes(cursor)
+        assert changes is not None
+        _, upserts, deletes = changes
+        assert upserts == {"a": {"late": {"new": True}}} and deletes == {"a": ["k299"]}
+
+
+def test_a_snapshot_given_up_half_way_lets_the_store_go(db: Path) -> None:
+    with SqliteSource(str(db)) as store:
+        _fill(store, 300)
+        _, pieces = store.kv_snapshot_pieces(10)
+        next(pieces)
+        pieces.close()  # type: ignore[attr-defined]
+        done = threading.Event()
+
+        def read_and_write() -> None:
+            store.kv_snapshot()
+            store.kv_put("x", "a")
+            done.set()
+
+        worker = threading.Thread(target=read_and_write)
+        worker.start()
+        worker.join(JOIN_TIMEOUT)
+        assert done.is_set()
+
+
+class _BadRowAfter(SqliteSource):
+    """A real store with one row that is not JSON, read after the first pieces of a snapshot."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.snapshots = 0
+
+    def kv_snapshot_pieces(self, size: int = 4096) -> Any:
+        self.snapshots += 1
+        return super().kv_snapshot_pieces(16)
+
+
+def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_hang(db: Path) -> None:
+    store = _BadRowAfter(str(db))
+    _fill(store, 200)
+    with sqlite3.connect(db) as conn:
+        # Sorted after partitions a and b: read once their pieces were sent.
+        conn.execute("INSERT INTO kv (partition_id, key, tags) VALUES ('z', 'broken', 'not json')")
+    conn.close()
+    emitted: list[Kind] = []
+
+    def emit(kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
+        emitted.append(kind)
+        return True
+
+    thread = PollingThread(store, emit, interval=0.01, max_failures=3, backoff_base=0.01)
+    thread.start()
+    try:
+        thread.join(JOIN_TIMEOUT)
+        assert not thread.is_alive()
+    finally:
+        thread.stop()
+        thread.join(JOIN_TIMEOUT)
+        store.close()
+    # Each attempt sent the pieces before the bad row, then failed; the store was free for the next one.
+    assert store.snapshots == 3 and isinstance(thread.failed, ValueError) and "not JSON" in str(thread.failed)
+    assert emitted.count(Kind.ERROR) == 3 and Kind.DELTA in emitted
+
+
+def test_the_reader_times_a_listing_read_in_pieces_once_it_is_read(db: Path) -> None:
+    with SqliteSource(str(db)) as store:
+        _fill(store, 300)
+        reader = ListingReader(store)
+        sent: Listing = {}
+        snapshot = reader.read_to_send(sent, True)
+        assert isinstance(snapshot, RawSnapshot)
+        assert reader.duty.listings == 0  # nothing read yet but the cursor
+        diff = snapshot.diff(sent)
+        assert sum(map(len, diff.upserts.values())) == 400
+        assert reader.duty.listings == 1
