@@ -221,8 +221,9 @@ def benchmark(progress: Callable[[str], None], quick: bool) -> Table:
                        f"{r['answered']:,} of {per_step:,} keys; {r.get('resyncs', '?')} resync(s) after the stop, "
                        f"equal in full: {r.get('equal')}; close {r.get('close', '?')} in "
                        f"{1000 * r.get('close_s', 0):.0f} ms")
-    table.notes.append("the trainer holds every key packed plus its step index; the poller (a change feed's) what "
-                       "it sent, packed; after the first answer the poller may still hold the first listing")
+    table.notes.append("the trainer holds every key packed plus its step index; the poller what it sent, packed; "
+                       "the store is read in pieces for a snapshot (kv_snapshot_pieces), each sent while the next "
+                       "is read, so the trainer applies the keys as they are read")
     return table
 
 
