@@ -9,6 +9,7 @@ from typing import Any, Callable, NamedTuple
 from buffer import ReplayBuffer
 
 from .baselines.mpqueue import MpQueueBuffer
+from .baselines.neighbour import Neighbour, cpu_seconds
 from .baselines.thread import ThreadBuffer
 from .report import Goal, Table, line_plot, median
 from .workload import SyntheticSource
@@ -111,37 +112,59 @@ def slowdown(progress: Callable[[str], None], quick: bool) -> Table:
     }
     table = Table("1", f"main-thread slowdown, K={keys:,}, {changes} changes per poll, {1 / interval:g} polls/s",
                   ["contender", "loop alone ms", "loop beside poller ms", "slowdown ×",
-                   "× without waits for a core", "trainer's other threads, % of a core"])
+                   "× without waits for a core", "trainer's other threads, % of a core",
+                   "process beside, % of a core"])
     results = {}
+    shares: dict[str, list[float]] = {}
+    # Last, at the share the product's poller was measured at: the floor the machine sets.
+    contenders["neighbour (no buffer)"] = lambda: Neighbour(keys, median(shares["product"]))
     for name, make in contenders.items():
         alone, beside = [_Loop.collected(n)], []
         ratios: list[tuple[float, float]] = []
         others: list[float] = []
+        shares[name] = []
         for r in range(reps):
             progress(f"slowdown: {name} {r + 1}/{reps}")
             subject = make()
             try:
+                pid = _busy_pid(subject)
+                cpu, started = (cpu_seconds(pid) if pid else 0.0), time.perf_counter()
                 beside.append(_Loop.collected(n, others))
+                if pid:
+                    shares[name].append((cpu_seconds(pid) - cpu) / (time.perf_counter() - started))
             finally:
                 subject.close()
             alone.append(_Loop.collected(n))
             ratios.append(_bracketed(beside[-1], alone[-2], alone[-1]))
         results[name] = median([wall for wall, _ in ratios])
         table.add(name, median([a.wall for a in alone]) * 1e3, median([b.wall for b in beside]) * 1e3, results[name],
-                  median([in_process for _, in_process in ratios]), median(others) * 100)
+                  median([in_process for _, in_process in ratios]), median(others) * 100,
+                  median(shares[name]) * 100 if shares[name] else "-")
     table.goals.append(Goal("product slowdown", results["product"], 1.05))
     table.notes.append("median of per-pair ratios (loop beside a running poller, against the mean of the loops "
                        "alone just before and just after it, each from a collected heap); the loop is pure "
-                       "Python in the trainer's main thread; the poller process (about 40% of a core here, "
-                       "for its O(K) check and diff per poll) shares the machine's cores, so on a loaded machine "
-                       "the wall-time slowdown also counts the competition for a core")
+                       "Python in the trainer's main thread; the poller process (last column, for its O(K) "
+                       "check and diff per poll) shares the machine's cores, so on a loaded machine the "
+                       "wall-time slowdown also counts the competition for a core")
     table.notes.append("without waits for a core: the same ratio of wall times less the time the loop was runnable "
                        "but queued for a core (/proc/thread-self/schedstat): the GIL and cache cost in the trainer "
                        "process, without the competition for the machine's cores (its other load, and a poller "
                        "process, which a trainer's many-core host has room for)")
-    table.notes.append("the last column is the CPU the trainer process spends beside the loop (receiver, "
+    table.notes.append("trainer's other threads: the CPU the trainer process spends beside the loop (receiver, "
                        "supervisor; for thread and mpqueue their merge): what the loop loses to the GIL at most")
+    table.notes.append("neighbour: no buffer at all, a process that compares two dicts of K tag dicts (a poller's "
+                       "kind of work) at the CPU share the product's poller was measured at (last column): the "
+                       "floor of this design on this machine, where a poller process shares the trainer's cores, "
+                       "caches and memory bandwidth; the product's own cost is its slowdown beyond this row's")
     return table
+
+
+def _busy_pid(subject: Any) -> int | None:
+    """The process working beside the loop: the product's poller, mpqueue's or the neighbour (thread: none)."""
+    if isinstance(subject, ReplayBuffer):
+        return subject.stats()["poller_pid"]  # type: ignore[no-any-return]
+    proc = getattr(subject, "_proc", None) or getattr(subject, "_process", None)  # neighbour, mpqueue
+    return proc.pid if proc is not None else None
 
 
 def _started(subject: Any) -> Any:

@@ -1,0 +1,58 @@
+"""A process that does a poller's kind of work at a poller's CPU share, and nothing else: no buffer, no socket.
+
+The floor of #1: a trainer's main thread beside it pays only for sharing the
+machine (cores, caches, memory bandwidth) with a busy process, never for a
+buffer. Each period it compares two dicts of ``keys`` small tag dicts (what a
+poller's diff does) for ``share`` of the period, then sleeps the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+_CODE = """
+import sys, time
+keys, share, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+# In slices of 5000 keys, so the share is kept to within one slice's compare (~1 ms).
+lefts = [{f"k{i}": {"global_steps": 1, "status": "success", "reward": i / 7, "length": i % 900, "score": i % 7}
+          for i in range(start, min(start + 5000, keys))} for start in range(0, keys, 5000)]
+rights = [{key: dict(tags) for key, tags in left.items()} for left in lefts]
+print("ready", flush=True)
+n = 0
+while True:
+    started = time.perf_counter()
+    busy_until = started + share * period
+    while time.perf_counter() < busy_until:
+        lefts[n % len(lefts)] == rights[n % len(rights)]
+        n += 1
+    time.sleep(max(0.0, started + period - time.perf_counter()))
+"""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Neighbour:
+    """The busy process; ``close()`` ends it."""
+
+    def __init__(self, keys: int, share: float, period: float = 0.1) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-c", _CODE, str(keys), f"{share:.4f}", str(period)],
+                                      stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        if self._proc.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("the neighbour process did not start")
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+        self._proc.wait(timeout=30)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
