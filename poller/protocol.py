@@ -332,8 +332,12 @@ def pack_upserts(upserts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str
     try:
         for partition, items in upserts.items():
             values = list(items.values())
+            kinds = set(map(type, values))
+            if kinds <= _BYTES:  # all packed already (a resync's unchanged keys): taken as they are
+                out[partition] = dict(items)
+                continue
             # All tags (the usual case): packed in one C-level pass, no Python call per key.
-            packed = map(one if bytes in set(map(type, values)) else pack, values)
+            packed = map(one if bytes in kinds else pack, values)
             out[partition] = dict(zip(items, packed))
     except (TypeError, ValueError, OverflowError) as exc:
         raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
