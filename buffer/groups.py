@@ -8,7 +8,7 @@ verl writes two kinds of keys into one partition::
 A prompt's ``status`` moves pending -> running -> finished | failure; a
 group (the prompt and its trajectories) is *terminal* once its prompt is
 finished or failure. :class:`GroupIndex` is a policy of the partition store
-(:class:`buffer.partitions.Policy`): the store calls :meth:`GroupIndex.on_change`
+(:class:`buffer.policies.Policy`): the store calls :meth:`GroupIndex.on_change`
 with the lock held for every key that changed, and the index updates only
 what that key touches, so keeping it costs work in proportion to change, never
 a rebuild of the partition. The group rules (:mod:`buffer.group_rules`) read

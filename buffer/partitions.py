@@ -1,10 +1,10 @@
 """The shared partition store: ``partition -> {key -> tags}`` under one lock.
 
 Pure in-process state, no ZeroMQ, and no sampling rules: those are *policies*
-(:mod:`buffer.steps` for ``ReplayBuffer.sample``, :mod:`buffer.groups` for
-verl's groups) that keep their own indexes from :meth:`Policy.on_change`,
-called under the lock for every key that changed, and wait for what they need
-with :meth:`PartitionStore.wait_until`.
+(:mod:`buffer.policies`: :mod:`buffer.steps` for ``ReplayBuffer.sample``,
+:mod:`buffer.groups` for verl's groups) that keep their own indexes from
+:meth:`~buffer.policies.Policy.on_change`, called under the lock for every key
+that changed, and wait for what they need with :meth:`PartitionStore.wait_until`.
 
 Two kinds of writers feed the store: the trainer (``add``/``remove``) and
 sources, through the stream receiver (``merge_listed``/``unlist``/snapshots).
@@ -26,43 +26,24 @@ back arrives anew).
 from __future__ import annotations
 
 import copy
-import logging
 import threading
 import time
 from itertools import compress
 from operator import ne
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
 from poller.protocol import pack_tags, unpack_held
 from poller.vocabulary import Tags
 
 from .errors import BufferClosed
 from .ledger import Ledger
+from .policies import AttachedPolicies, Policy
 
-__all__ = ["PartitionStore", "Policy", "BulkPolicy", "Tags"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["PartitionStore", "Tags"]
 
 # What the store holds per key: packed tags, or the dict itself.
 _Held = Any
 T = TypeVar("T")
-
-
-class Policy(Protocol):
-    """Sampling semantics over a :class:`PartitionStore`: indexes kept from changes."""
-
-    def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
-        """Called with the store lock held after one key changed (old None: added; new None: dropped).
-
-        Must be cheap and must not call back into the store. Dicts must not be mutated.
-        """
-
-
-class BulkPolicy(Policy, Protocol):
-    """A policy that can also take the keys a snapshot adds all at once (optional)."""
-
-    def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
-        """Like :meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order, in one call."""
 
 
 def freeze(tags: Tags) -> _Held:
@@ -86,7 +67,7 @@ class PartitionStore:
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.RLock())
         self._parts: dict[str, dict[str, _Held]] = {}
-        self._policies: list[Policy] = []
+        self._policies = AttachedPolicies()
         self.ledger = Ledger()  # read under the lock only
         self._closed = False
         self._failure: BaseException | None = None
@@ -122,8 +103,10 @@ class PartitionStore:
         with self._cond:
             while True:
                 self._check_open()
-                if self._failure is not None:
-                    raise self._failure
+                # What fail() was given (the poller is dead for good) outranks a policy's error.
+                failure = self._failure if self._failure is not None else self._policies.failure
+                if failure is not None:
+                    raise failure
                 gap = None if view is None else self.ledger.view_gap(view)
                 if gap is None:
                     result = attempt()
@@ -248,8 +231,7 @@ class PartitionStore:
                     added_tags.append(tags)
                 else:
                     self._merge(partition_id, key, tags, blob=blobs[i])
-            for policy in self._policies:
-                self._tell_added(policy, partition_id, added, added_tags)
+            self._policies.added(partition_id, added, added_tags)
             self._cond.notify_all()
 
     def unlist(self, stream: str, partition_id: str, keys: Iterable[str]) -> None:
@@ -366,8 +348,7 @@ class PartitionStore:
             # Held exactly what arrived (no tag of the trainer's beside it): keep
             # the arriving bytes, which the next resync compares against.
             items[key] = blob if blob is not None and len(current) == len(new) else freeze(current)
-        for policy in self._policies:
-            self._tell(policy, partition_id, key, old if held is not None else None, current)
+        self._policies.changed(partition_id, key, old if held is not None else None, current)
 
     def _drop(self, partition_id: str, key: str) -> None:
         items = self._parts.get(partition_id)
@@ -375,34 +356,4 @@ class PartitionStore:
         if held is None:
             return
         if self._policies:
-            old = thaw(held)
-            for policy in self._policies:
-                self._tell(policy, partition_id, key, old, None)
-
-    def _tell_added(self, policy: Policy, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
-        """Tell ``policy`` of keys new to the store, at once if it can take them so (a snapshot's thousands)."""
-        if not keys:
-            return
-        on_added = getattr(policy, "on_added", None)
-        if on_added is None:
-            for key, new in zip(keys, tags):
-                self._tell(policy, partition_id, key, None, new)
-            return
-        try:
-            on_added(partition_id, keys, tags)
-        except Exception as exc:
-            self._policy_failed(policy, partition_id, keys[0], exc)
-
-    def _tell(self, policy: Policy, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
-        try:
-            policy.on_change(partition_id, key, old, new)
-        except Exception as exc:
-            self._policy_failed(policy, partition_id, key, exc)
-
-    def _policy_failed(self, policy: Policy, partition_id: str, key: str, exc: Exception) -> None:
-        # A policy bug must not kill the receiver thread (which would leave
-        # every wait hanging): it fails the store, and waiters see it.
-        logger.error("policy %r failed on %r/%r", policy, partition_id, key, exc_info=exc)
-        error = RuntimeError(f"sampling policy {type(policy).__name__} failed: {exc!r}")
-        error.__cause__ = exc
-        self._failure = self._failure or error
+            self._policies.changed(partition_id, key, thaw(held), None)

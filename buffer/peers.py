@@ -4,6 +4,9 @@ No sockets here. :class:`PeerTable` takes what arrived (an identity and its
 frames) and the time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
 and returns the control messages to send back as :class:`Send` actions; the
 thread that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
+Each peer's state is a :class:`~buffer.peer_state.Peer`; the SYNCs asked of
+the pollers and not yet answered are kept in a
+:class:`~buffer.sync_requests.SyncRequests`.
 
 Recovery rules (a stream must converge to its source, whatever was lost):
 
@@ -23,27 +26,23 @@ Recovery rules (a stream must converge to its source, whatever was lost):
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 from poller.errors import ProtocolError
-from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Sync
+from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop
 from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode, unpack_many_tags
 
-from .listings import ListingFigures
 from .partitions import PartitionStore
+from .peer_state import Peer
 from .ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
+from .sync_requests import SyncRequests
 
-__all__ = ["Peer", "PeerTable", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
+__all__ = ["PeerTable", "Send", "RESYNC_RETRY_S"]
 
 logger = logging.getLogger(__name__)
 
 #: How long a RESYNC may stay unanswered before it is asked for again.
 RESYNC_RETRY_S = 1.0
-#: How long a SYNC may stay unanswered before it is sent again: one sent
-#: while the route to the poller was down (a reconnect) is lost.
-SYNC_RETRY_S = 1.0
 
 
 class Send(NamedTuple):
@@ -53,36 +52,6 @@ class Send(NamedTuple):
     kind: Kind
     epoch: int
     body: Body
-
-
-@dataclass
-class Peer:
-    """One stream's state; ``stream`` is its name (the identity the poller connects with)."""
-
-    stream: str
-    epoch: int | None = None
-    next_seq: int = 0
-    awaiting_resync: bool = False
-    contiguous: bool = False
-    bye_seq: int | None = None
-    pid: int | None = None
-    rss: int = 0
-    polls_applied: int = 0
-    snapshots_applied: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    resync_asked_at: float = 0.0
-    stale: bool = False
-    # The source-stall count this peer last reported, and in which epoch
-    # (the count restarts with every poller process).
-    stalls: int = 0
-    stalls_epoch: int | None = None
-    # Keys this peer leaves out of the stream (poller.quarantine), as its last heartbeat said.
-    quarantined: int = 0
-    quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
-    # Full listings of its source (poller.duty), as its heartbeats said: the
-    # totals of its earlier processes, and those of the process now (epoch).
-    listing: ListingFigures = field(default_factory=ListingFigures)
-
 
 
 def _snapshot_start(message: Message) -> bool:
@@ -123,10 +92,8 @@ class PeerTable:
         # buffer that spawned it), and the epochs of its earlier processes.
         self._expected: dict[bytes, int] = {}
         self._retired: dict[bytes, set[int]] = {}
-        # identity -> (highest SYNC token asked of it and not yet answered, when it was last sent).
-        self._syncs: dict[bytes, tuple[int, float]] = {}
-        # identity -> the partitions every SYNC to it names (see include_partitions).
-        self._partitions: dict[bytes, list[str]] = {}
+        # The SYNCs asked and not yet answered, and the partitions each names.
+        self.syncs = SyncRequests()
 
     def expect(self, identity: bytes, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``identity``; earlier epochs are dropped quietly."""
@@ -158,32 +125,18 @@ class PeerTable:
     def sync(self, identity: bytes, token: int, now: float) -> Send:
         """A SYNC for ``identity``: poll at once, and tag that listing with ``token``.
 
-        Sent again by :meth:`tick` every :data:`SYNC_RETRY_S` until a
-        complete poll answers it, so a request lost on a reconnect is not
-        waited on for ever.
+        Sent again by :meth:`tick` every :data:`~buffer.sync_requests.SYNC_RETRY_S`
+        until a complete poll answers it, so a request lost on a reconnect is
+        not waited on for ever.
         """
-        wanted = self._syncs.get(identity)
-        token = max(token, wanted[0]) if wanted else token
-        self._syncs[identity] = (token, now)
+        body = self.syncs.ask(identity, token, now)
         peer = self.peers.get(identity)
-        return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0,
-                    Sync(token, self._partitions.get(identity)))
-
-    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
-        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
-
-        The poller then lists them before it answers the token, whichever of
-        its processes gets it: a request asked again after a restart names
-        them again. Called directly, not through the receiver's command
-        queue: the dict entry is replaced in one GIL-atomic step.
-        """
-        held = self._partitions.get(identity, [])
-        self._partitions[identity] = held + sorted(set(partition_ids) - set(held))
+        return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0, body)
 
     # -- time -------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Send]:
-        """Mark silent peers stale; ask again for RESYNCs left unanswered."""
+        """Mark silent peers stale; ask again for RESYNCs and SYNCs left unanswered."""
         actions = []
         for identity, peer in list(self.peers.items()):
             if peer.bye_seq is not None:
@@ -199,11 +152,9 @@ class PeerTable:
                               "dead; the buffer keeps what it has", peer.stream, silent, self.stale_after)
             if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
                 actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
-        for identity, (token, sent_at) in list(self._syncs.items()):
-            if self._store.synced(identity.decode(errors="replace")) >= token:
-                del self._syncs[identity]
-            elif now - sent_at > SYNC_RETRY_S:
-                actions.append(self.sync(identity, token, now))
+        synced = self._store.synced
+        for identity, token in self.syncs.due(now, lambda identity: synced(identity.decode(errors="replace"))):
+            actions.append(self.sync(identity, token, now))
         return actions
 
     # -- messages -----------------------------------------------------------------
@@ -387,20 +338,7 @@ class PeerTable:
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, beat: Heartbeat, now: float,
                       actions: list[Send]) -> None:
-        peer.rss = beat.rss
-        if beat.quarantined is not None:  # None from older pollers
-            peer.quarantined = beat.quarantined
-            peer.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
-        if beat.listings is not None:  # None from older pollers
-            peer.listing.report(message.epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
-                                beat.listing_share or 0.0)
-        stalls = beat.source_stalls  # None from older pollers
-        if stalls is not None:
-            if peer.stalls_epoch != message.epoch:
-                peer.stalls_epoch, peer.stalls = message.epoch, 0
-            if stalls > peer.stalls:
-                self.source_stalls += stalls - peer.stalls
-                peer.stalls = stalls
+        self.source_stalls += peer.report(message.epoch, beat)
         last_seq = beat.last_seq  # None from older pollers, which want no ACK either
         if last_seq is None:
             return

@@ -25,8 +25,9 @@ from typing import Callable, Hashable, Iterable, TypeVar
 
 from poller.vocabulary import Tags
 
-from .partitions import PartitionStore, Policy
+from .partitions import PartitionStore
 from .peers import PeerTable
+from .policies import Policy
 from .sync import ListingSync, PollWhileWaiting
 
 __all__ = ["SamplingSeam"]

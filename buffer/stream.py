@@ -30,7 +30,8 @@ from poller.wakeup import WakePipe
 
 from .access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
 from .partitions import PartitionStore
-from .peers import Peer, PeerTable, Send
+from .peer_state import Peer
+from .peers import PeerTable, Send
 
 __all__ = ["StreamReceiver"]
 

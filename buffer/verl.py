@@ -20,15 +20,13 @@ lock, and a wait wakes on the change that completes it::
 
 The poller starts on the first ``sample`` / ``wait_for_sampleable`` /
 ``get_sampleable_count``: constructing the sampler does no I/O, so a trainer
-whose constructor fails after building it leaks nothing.
+whose constructor fails after building it leaks nothing
+(:mod:`buffer.verl_lifecycle` starts and stops it).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -36,7 +34,6 @@ from poller.process import ShutdownReport
 
 from . import verl_client
 from .arguments import check_verl_call
-from .errors import BufferClosed
 from .group_rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
     DrainState,
@@ -48,15 +45,12 @@ from .group_rules import (
     sampleable_count,
 )
 from .groups import GroupIndex, GroupPartition
-from .replay import ReplayBuffer as _Buffer
-from .seam import SamplingSeam
 from .sync import SyncAhead
 from .verl_client import VerlBatch
 from .verl_config import VERL_ATTRIBUTES, SamplerConfig, VerlConfigError
+from .verl_lifecycle import SamplerLifecycle
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]
-
-logger = logging.getLogger(__name__)
 
 _R = TypeVar("_R")
 
@@ -113,16 +107,9 @@ class ReplayBuffer:
         self.trainer_config = trainer_config
         self.sampler_kwargs = sampler_kwargs
         self._index = GroupIndex()
-        self._lock = threading.Lock()
-        self._buffer: _Buffer | None = None
-        self._seam: SamplingSeam | None = None
-        self._client: Any = None
-        self._verify_clears = False
-        self._finalizer: weakref.finalize | None = None
-        self._closed = False
+        # The buffer and the store client, started by the first call that needs them.
+        self._lifecycle = SamplerLifecycle(config, self._index)
         self._needs_fresh_view = False
-        # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
-        self._listed: set[str] | None = None
         self._fresh_view_ahead: SyncAhead | None = None
         # DAPO metrics read outside the lock, recorded in the index by the next decision.
         self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
@@ -137,9 +124,11 @@ class ReplayBuffer:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("running" if self._buffer is not None else "not started")
+        started = self._lifecycle.started
+        buffer = started.buffer if started is not None else None
+        state = "closed" if self._lifecycle.closed else ("running" if buffer is not None else "not started")
         return (f"<{type(self).__name__} mode={self.trainer_mode!r} {state} "
-                f"poll_interval={self._config.poll_interval:g}s buffer={self._buffer!r}>")
+                f"poll_interval={self._config.poll_interval:g}s buffer={buffer!r}>")
 
     # -- verl's methods -------------------------------------------------------------------
 
@@ -195,29 +184,19 @@ class ReplayBuffer:
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; idempotent. verl never calls it: the finalizer does."""
-        with self._lock:
-            self._closed = True
-            buffer, finalizer = self._buffer, self._finalizer
-        if buffer is None:
-            return ShutdownReport("no-poller", 0.0, None, False)
-        report = buffer.close(timeout)
-        if finalizer is not None:
-            finalizer()
+        report = self._lifecycle.close(timeout)
         if self._fresh_view_ahead is not None:
             self._fresh_view_ahead.done(1.0)  # ends with BufferClosed
         return report
 
     def stats(self) -> dict[str, Any]:
         """The buffer's ``stats()`` (once started) plus this sampler's counters and groups by status."""
-        with self._lock:
-            if self._closed:
-                raise BufferClosed("the sampler is closed")
-            buffer = self._buffer
-        out: dict[str, Any] = {"started": buffer is not None, **self._counters,
+        started = self._lifecycle.running()
+        out: dict[str, Any] = {"started": started is not None, **self._counters,
                                "index_changes": self._index.changes}
-        if buffer is not None:
-            out.update(buffer.stats())
-            out["groups"] = buffer.seam.look(self._group_counts)
+        if started is not None:
+            out.update(started.buffer.stats())
+            out["groups"] = started.buffer.seam.look(self._group_counts)
         return out
 
     def __enter__(self) -> ReplayBuffer:
@@ -232,40 +211,6 @@ class ReplayBuffer:
         timeout = self._config.sample_timeout
         return None if timeout is None else time.monotonic() + timeout
 
-    def _started(self, partition_id: str | None = None) -> _Buffer:
-        """The buffer, started on first use; the poller lists ``partition_id`` (see :meth:`_listing`).
-
-        verl's calls start it through :meth:`_decide`, which names the
-        partition; started without one, the poller lists every partition.
-        """
-        with self._lock:
-            if self._closed:
-                raise BufferClosed("the sampler is closed")
-            if self._buffer is not None:
-                return self._buffer
-            config = self._config
-            spec, kwargs, chosen = verl_client.poller_source(config.source, config.source_kwargs, partition_id)
-            self._listed = {partition_id} if chosen and partition_id is not None else None
-            client, owned = verl_client.open_client(config.source, config.source_kwargs,
-                                                    need_fields=config.filter_groups_metric is not None)
-            try:
-                buffer = _Buffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
-                                 **config.buffer_kwargs)
-            except BaseException:
-                verl_client.shut_down(None, client, owned)
-                raise
-            self._finalizer = weakref.finalize(self, verl_client.shut_down, buffer, client, owned)
-            try:
-                buffer.seam.attach(self._index)
-            except BaseException:
-                self._finalizer()
-                raise
-            self._buffer, self._seam, self._client = buffer, buffer.seam, client
-            self._verify_clears = verl_client.clear_is_all_or_nothing(client,
-                                                                      verl_client.is_transferqueue(config.source))
-            logger.debug("verl sampler started: %r", buffer)
-            return buffer
-
     def _decide(self, what: str, partition_id: str, deadline: float | None,
                 rule: Callable[[GroupPartition], _R | None]) -> _R:
         """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed.
@@ -273,15 +218,14 @@ class ReplayBuffer:
         While it waits, the poller lists every ``wait_poll_interval``, and the
         counts in flight are logged every ``log_interval``.
         """
-        buffer = self._started(partition_id)
-        seam = self._seam
-        assert seam is not None
+        seam = self._lifecycle.start(partition_id).seam
         ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
         if ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._needs_fresh_view = not ahead.done(remaining)
         # After the sync ahead: its listing may predate a partition new to the poller.
-        self._listing(buffer, partition_id)
+        if self._lifecycle.include(partition_id):
+            self._needs_fresh_view = True
         if self._needs_fresh_view:
             self._read_your_writes(what, deadline)
 
@@ -303,20 +247,6 @@ class ReplayBuffer:
         except TimeoutError as exc:
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
 
-    def _listing(self, buffer: _Buffer, partition_id: str) -> None:
-        """Have the poller list ``partition_id`` too, when the sampler chose the partitions it lists.
-
-        verl 0.9.1 names its partitions only in its calls (``"train"``, and
-        ``"val"`` while it validates), so the poller starts with the first
-        call's partition and each new one joins the set here: the decision
-        then waits for a listing that includes it (read your writes).
-        """
-        if self._listed is None or partition_id in self._listed:
-            return
-        buffer.include_partitions([partition_id])
-        self._listed.add(partition_id)
-        self._needs_fresh_view = True
-
     def _carry_out(self, plan: Plan, partition_id: str, metrics: dict[str, Any], deadline: float | None) -> bool:
         """Do the plan's I/O; True when the caller must decide again."""
         if plan.fetch:
@@ -337,29 +267,28 @@ class ReplayBuffer:
 
     def _read_your_writes(self, what: str, deadline: float | None) -> None:
         """Read your writes: wait for a listing that began after this call (the sampler's own clears, refills)."""
-        self._started()
-        assert self._seam is not None
+        seam = self._lifecycle.start().seam
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._counters["syncs"] += 1
         try:
-            self._seam.sync(remaining)
+            seam.sync(remaining)
         except TimeoutError as exc:
             raise TimeoutError(f"{what}: no fresh listing of the store before the deadline: {exc}") from None
         self._needs_fresh_view = False
 
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
-        self._started()
-        assert self._seam is not None
-        verl_client.clear_keys(self._client, partition_id, keys, self._verify_clears)
-        self._seam.remove(partition_id, keys)
+        started = self._lifecycle.start()
+        verl_client.clear_keys(started.client, partition_id, keys, started.verify_clears)
+        started.seam.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
-        assert self._config.filter_groups_metric is not None
-        classes = verl_client.classify_groups(self._client, partition_id, groups, self._config.filter_groups_metric)
+        started = self._lifecycle.started
+        assert self._config.filter_groups_metric is not None and started is not None
+        classes = verl_client.classify_groups(started.client, partition_id, groups, self._config.filter_groups_metric)
         self._fetched.setdefault(partition_id, {}).update(classes)
 
     def _record_fetched(self, partition_id: str) -> None:
@@ -368,9 +297,7 @@ class ReplayBuffer:
             self._index.record_metric(partition_id, uid, keys, value)
 
     def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
-        self._started()
-        seam = self._seam
-        assert seam is not None
+        seam = self._lifecycle.start().seam
         held = seam.tags(partition_id, keys)
         keys = [key for key in keys if key in held]
         self._clear(partition_id, uids)
