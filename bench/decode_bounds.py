@@ -19,7 +19,8 @@ from typing import Callable, Sequence
 
 from poller import protocol
 from poller.messages import check_body
-from poller.protocol import DEFAULT_LIMITS, Kind, decode, encode_header, iter_encode_delta
+from poller.deltas import iter_encode_delta
+from poller.protocol import DEFAULT_LIMITS, Kind, decode, encode_header
 
 
 def _frames(keys: int) -> list[bytes]:

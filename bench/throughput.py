@@ -10,7 +10,8 @@ from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from poller.listing import diff_raw_listing
-from poller.protocol import Kind, decode, encode_header, iter_encode_delta, unpack_many_tags
+from poller.deltas import iter_encode_delta
+from poller.protocol import Kind, decode, encode_header, unpack_many_tags
 
 from .baselines import ceiling
 from .baselines.mpqueue import MpQueueBuffer

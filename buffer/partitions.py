@@ -32,7 +32,8 @@ from itertools import compress
 from operator import ne
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from poller.protocol import pack_tags, unpack_held
+from poller.deltas import pack_tags
+from poller.protocol import unpack_held
 from poller.vocabulary import Tags
 
 from .errors import BufferClosed
@@ -47,7 +48,7 @@ T = TypeVar("T")
 
 
 def freeze(tags: Tags) -> _Held:
-    """``tags`` packed (:func:`~poller.protocol.pack_tags`), or the dict itself when packing would change them."""
+    """``tags`` packed (:func:`~poller.deltas.pack_tags`), or the dict itself when packing would change them."""
     packed = pack_tags(tags, exact=True)
     return tags if packed is None else packed
 

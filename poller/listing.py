@@ -1,7 +1,7 @@
 """What the poller sends for a listing: check it, diff it against what was sent, screen the diff.
 
 Pure functions, no threads and no sockets: :class:`~poller.polling.PollingThread`
-calls them on every poll (then :func:`poller.protocol.iter_encode_delta`
+calls them on every poll (then :func:`poller.deltas.iter_encode_pieces`
 encodes the diff), and tests call them directly.
 """
 
@@ -11,7 +11,7 @@ from itertools import compress, repeat
 from operator import and_, eq, is_not, not_
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
-from .protocol import fresh_strs, pack_many_tags, pack_tags
+from .deltas import fresh_strs, pack_many_tags, pack_tags
 from .quarantine import Refused
 from .vocabulary import Listing, Tags
 
@@ -198,7 +198,7 @@ def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
     which compares only the keys a change set names (and a listing every 10
     minutes), so the bytes cost it nothing per poll and a million keys take
     ~200 MB instead of ~670 MB. A full listing's keys are then stored as
-    fresh objects (:func:`~poller.protocol.fresh_strs`). Without it, a full
+    fresh objects (:func:`~poller.deltas.fresh_strs`). Without it, a full
     diff's own partition dicts become ``sent``'s.
     """
     held_by: dict[str, dict[str, Any]] = sent  # tags, or (a change feed's poller) packed tags
@@ -269,7 +269,7 @@ def _same_one(held: Any, tags: Any) -> bool:
 
 
 def _packed(tags: Any) -> bytes | None:
-    """``tags`` as :func:`~poller.protocol.pack_upserts` packs them; None if they need the screen first."""
+    """``tags`` as :func:`~poller.deltas.pack_upserts` packs them; None if they need the screen first."""
     return pack_tags(tags) if type(tags) is dict else None
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 from .errors import ProtocolError
 
 __all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Body",
-           "RECORDS",
+           "RECORDS", "DELTA_BULKY_FIELDS",
            "check_body", "to_record", "as_map"]
 
 
@@ -81,6 +81,10 @@ class Delta(NamedTuple):
     # decode (a resync at C speed). ``upserts`` carries plain tags (a hand-made
     # peer's); a body may hold both.
     packed: Packed | None = None
+
+
+#: The fields a DELTA body packs once per piece as its payload (the rest are packed from the record).
+DELTA_BULKY_FIELDS = ("upserts", "deletes", "packed")
 
 
 class Heartbeat(NamedTuple):

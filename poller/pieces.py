@@ -3,7 +3,7 @@
 :class:`~poller.polling.PollingThread` hands each poll's diff (or a full
 listing not diffed yet, :class:`~poller.listing.RawSnapshot`) to
 :class:`ScreenedPieces` and encodes what it yields with
-:func:`poller.protocol.iter_encode_pieces`, sending each body before the
+:func:`poller.deltas.iter_encode_pieces`, sending each body before the
 next piece is made. The screen is :mod:`poller.quarantine`'s: a key the
 receiver would refuse is left out (quarantined), never sent.
 """
@@ -14,8 +14,9 @@ from itertools import compress
 from operator import is_not, ne
 from typing import Any, Iterator, Mapping
 
+from .deltas import pack_upserts, upsert_pieces
 from .listing import Listing, ListingDiff, RawSnapshot
-from .protocol import Limits, pack_upserts, upsert_pieces
+from .protocol import Limits
 from .quarantine import Refused, screen
 from .vocabulary import Tags
 

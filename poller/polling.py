@@ -16,11 +16,12 @@ import traceback
 from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
+from .deltas import iter_encode_pieces
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, RawSnapshot, commit_listing
 from .messages import Error
 from .pieces import ScreenedPieces
-from .protocol import Kind, Limits, encode_body, fit_text, iter_encode_pieces
+from .protocol import Kind, Limits, encode_body, fit_text
 from .quarantine import Quarantine
 from .sources import Source, SourceStall
 

@@ -9,7 +9,8 @@ import pytest
 
 from poller.listing import Listing, ListingDiff, RawSnapshot, commit_listing, diff_raw_listing
 from poller.pieces import ScreenedPieces, screen_diff
-from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header, iter_encode_pieces, pack_tags
+from poller.deltas import iter_encode_pieces, pack_tags
+from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header
 
 LIMITS = Limits(max_str_len=64, max_depth=8)
 

@@ -10,6 +10,7 @@ import pytest
 
 from poller.errors import PollerError, ProtocolError
 from poller.messages import RECORDS, Delta, to_record
+from poller.deltas import iter_encode_delta
 from poller.listing import ListingDiff, diff_raw_listing
 from poller.protocol import (
     PROTOCOL_VERSION,
@@ -21,7 +22,6 @@ from poller.protocol import (
     encode,
     encode_body,
     encode_header,
-    iter_encode_delta,
     unpack_many_tags,
     unpack_tags,
 )

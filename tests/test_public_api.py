@@ -133,10 +133,11 @@ def _source_files() -> list[Path]:
 
 
 def test_only_the_protocol_modules_import_msgpack() -> None:
-    # Our wire format, and TransferQueue's controller requests (another format).
+    # Our wire format (protocol.py frames and decodes, deltas.py encodes DELTA bodies), and
+    # TransferQueue's controller requests (another format).
     pattern = re.compile(r"^\s*(import\s+msgpack\b|from\s+msgpack\b)|import_module\(\s*['\"]msgpack", re.M)
     importers = [str(path.relative_to(PACKAGES_ROOT)) for path in _source_files() if pattern.search(path.read_text())]
-    assert importers == ["poller/protocol.py", "poller/sources/tq_protocol.py"]
+    assert importers == ["poller/deltas.py", "poller/protocol.py", "poller/sources/tq_protocol.py"]
 
 
 def test_poller_package_never_imports_buffer() -> None:

@@ -22,7 +22,8 @@ from poller.faults.peer import RoguePeer
 from poller.faults.store import delete
 from poller.listing import commit_listing, diff_raw_listing
 from poller.pieces import screen_diff
-from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header, iter_encode_delta
+from poller.deltas import iter_encode_delta
+from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header
 from poller.faults.shapes import nested
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
