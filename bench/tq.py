@@ -123,6 +123,7 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
     """Rows and goals from the host's phase records (medians over rounds, ratios paired by round)."""
     for k in sizes:
         by_phase = {p: [r for r in records if r["k"] == k and r["phase"] == p] for p in phases}
+        pooled: dict[str, float] = {}
         rates = {p: {r["round"]: r["batches"] / r["seconds"] for r in rs} for p, rs in by_phase.items()}
         cpu = {p: {r["round"]: r["controller_cpu"] for r in rs} for p, rs in by_phase.items()}
         # The controller's CPU per put batch in phase a, the same round, charged at the phase's own rate.
@@ -135,6 +136,8 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
             listings = sum(r["listings"] for r in counted)
             per_s: Any = listings / sum(r["seconds"] for r in counted) if counted else "—"
             per_listing: Any = sum(_listing_cpu(r) for r in counted) / listings * 1e3 if listings else "—"
+            if listings:
+                pooled[p] = per_s * per_listing / 10  # % of a core: listings/s × ms per listing
             table.add(f"{k:,}", f"{p}: {PHASES[p]}", median(list(rates[p].values())),
                       percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3,
                       median(list(cpu[p].values())) * 100, median(list(beyond[p].values())) * 100 if p != "a" else "—",
@@ -148,6 +151,9 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
             if unaligned:
                 table.notes.append(f"K={k:,} phase {p}, round(s) {unaligned}: fewer than two listings ended in the "
                                    "writer's run, so the whole run was the window")
+        if pooled:
+            table.notes.append(f"K={k:,}: the listings' controller CPU, listings/s × ms per listing: "
+                               + ", ".join(f"{PHASES[p]} {pooled[p]:.3g}% of a core" for p in pooled))
         table.goals.append(Goal(f"writer slowdown beside buffer.verl (batches/s a ÷ b), K={k:,}",
                                 median([rates["a"][n] / rates["b"][n] for n in rates["b"]]), 1.02))
         added = median([cpu["b"][n] - cpu["a"][n] for n in cpu["b"]]) * 100
