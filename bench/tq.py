@@ -12,11 +12,17 @@ time, in three phases of the same length:
   of the trainer process.
 
 Per phase: the writer's batches/s and put latency, the CPU of the controller's
-process (``/proc/<pid>/stat``) over the writer's run, and the CPU of what lists
-for the sampler. The phases alternate over several rounds, each round in a
-rotated order; ratios are medians of per-round ratios. The store, Ray and the
-samplers live in a host process (:mod:`bench.tq_host`), so none of it stays
-in this process.
+process (``/proc/<pid>/stat``), the CPU of what lists for the sampler, and the
+sampler's listings, counted exactly: verl's ``tq.kv_list()`` calls at their
+call site, the product's from its ``stats()["listings"]``. With a sampler the
+rates are taken over a window of whole listing cycles inside the writer's run
+(:func:`bench.tq_host.window`): from the end of one listing to the end of a
+later one, so a phase is not favoured by where its edges fell between two
+listings (6 s phases held 2 or 3 listings of a ~2.4 s cycle: 0.33 or 0.5
+listings/s). The phases alternate over several rounds, each round in a
+rotated order; ratios are medians of per-round ratios, listings/s and the CPU
+per listing are pooled over the rounds. The store, Ray and the samplers live
+in a host process (:mod:`bench.tq_host`), so none of it stays in this process.
 
 Needs the ``transferqueue`` extra, and verl 0.9.1 for phase c
 (``make bench`` or ``make test-integration`` installs both); without
@@ -39,7 +45,8 @@ _SILENCE = 300.0  # the host's longest quiet spell: Ray's start-up on a loaded m
 
 def _plan(quick: bool) -> tuple[list[int], int, float]:
     """(sizes K, rounds, seconds per phase)."""
-    return ([10_000], 2, 2.0) if quick else ([10_000, 100_000], 3, 6.0)
+    # Full: ~7.5 min on 2 cores; a 15 s phase holds ~5 whole listing cycles of either sampler.
+    return ([10_000], 2, 5.0) if quick else ([10_000, 100_000], 4, 15.0)
 
 
 def _missing(module: str) -> str | None:
@@ -58,7 +65,7 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                         f"16-key batches, {seconds:g} s phases, {rounds} rounds",
                   ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller % of a core",
                    "controller % beyond the puts (est.)", "lister % of a core", "listings/s",
-                   "slowdown a ÷ phase ×"])
+                   "controller ms per listing (est.)", "slowdown a ÷ phase ×"])
     missing = [why for why in (_missing("transfer_queue"), _missing("ray")) if why]
     if missing:
         reason = (f"skipped: {'; '.join(missing)}. Install the transferqueue extra with a CPU torch "
@@ -83,17 +90,32 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "phase")
     table.notes.append("both samplers as verl builds them: trainer_mode colocate_async, threshold None, no "
                        "sampler_kwargs, so each lists at its defaults (buffer.verl: poll_interval 0.2 s and, while "
-                       "sample() waits, every wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s); "
-                       "listings/s is what each did")
-    table.notes.append("the product runs with its default listing_share: verl's own share at each listing's "
-                       "duration d, d / (d + 2 s), so its next listing starts no sooner than 2 s after one ended")
+                       "sample() waits, every wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s)")
+    table.notes.append("the product runs with its default listing_share: verl's own cycle, its next listing no "
+                       "sooner than 2 s after the poll that took the previous one is done (listing, diff, screen, "
+                       "send), as verl's sampler sleeps 2 s after it has listed and processed the store")
+    table.notes.append("listings counted exactly: verl's tq.kv_list() calls at the call site (the sampler module's "
+                       "tq wrapped, counted as each returns), the product's stats()['listings']; with a sampler "
+                       "every rate is taken over whole listing cycles, from the first listing done with in the "
+                       "writer's run to the last (verl: its kv_list() returned; the product: its poll applied, "
+                       "stats()['polls'], since its listings count comes with the next heartbeat, up to 1 s "
+                       "later, and is read once it has caught up), with the puts that began in it and the CPU "
+                       "read then (the host reads the counters every 50 ms); listings/s is the listings in those "
+                       "windows over their length, pooled over rounds")
+    table.notes.append("controller ms per listing (est.): what one listing costs the controller beyond the puts, "
+                       "measured inside each phase, so a drift of the machine's load between phases does not "
+                       "count: the controller's CPU in the 1 s before each listing was done with (it holds the "
+                       "listing), less the puts begun in those spans charged at the CPU per put of the rest of "
+                       "the window; summed over rounds and divided by the listings")
     table.notes.append("a slower writer also spares the controller its puts, so b − a can be small or negative "
                        "(and its goal met) while the sampler's listings cost a lot: the estimate column charges "
                        "each phase's batches at the controller's CPU per batch of phase a in the same round and "
                        "shows the rest, compared by the last goal of each K")
-    table.notes.append("controller = CPU of the TransferQueueController actor's process over the writer's run; "
-                       "lister = buffer.verl's poller process (b) or the trainer thread running verl's sample() "
-                       "(c); medians over rounds; the slowdown column is the median of per-round ratios")
+    table.notes.append("controller = CPU of the TransferQueueController actor's process over the window (phase "
+                       "a: the writer's run); lister = buffer.verl's poller process (b) or the trainer threads "
+                       "running verl's sample() and TransferQueue's client event loop, which sends kv_list() and "
+                       "decodes its reply (c); medians over rounds; the slowdown column is the median of "
+                       "per-round ratios")
     return table
 
 
@@ -101,20 +123,37 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
     """Rows and goals from the host's phase records (medians over rounds, ratios paired by round)."""
     for k in sizes:
         by_phase = {p: [r for r in records if r["k"] == k and r["phase"] == p] for p in phases}
+        pooled: dict[str, float] = {}
         rates = {p: {r["round"]: r["batches"] / r["seconds"] for r in rs} for p, rs in by_phase.items()}
         cpu = {p: {r["round"]: r["controller_cpu"] for r in rs} for p, rs in by_phase.items()}
         # The controller's CPU per put batch in phase a, the same round, charged at the phase's own rate.
-        beyond = {p: [cpu[p][n] - rates[p][n] * cpu["a"][n] / rates["a"][n] for n in cpu[p]] for p in phases}
+        beyond = {p: {n: cpu[p][n] - rates[p][n] * cpu["a"][n] / rates["a"][n] for n in cpu[p]} for p in phases}
         for p, rs in by_phase.items():
             latencies = [x for r in rs for x in r["latencies"]]
             slowdown = median([rates["a"][n] / rates[p][n] for n in rates[p]]) if p != "a" else "—"
             lister = [r["lister_cpu"] for r in rs if r["lister_cpu"] is not None]
-            listings = [r["listings_per_s"] for r in rs if r["listings_per_s"] is not None]
+            counted = [r for r in rs if r["listings"] is not None]
+            listings = sum(r["listings"] for r in counted)
+            per_s: Any = listings / sum(r["seconds"] for r in counted) if counted else "—"
+            per_listing: Any = sum(_listing_cpu(r) for r in counted) / listings * 1e3 if listings else "—"
+            if listings:
+                pooled[p] = per_s * per_listing / 10  # % of a core: listings/s × ms per listing
             table.add(f"{k:,}", f"{p}: {PHASES[p]}", median(list(rates[p].values())),
                       percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3,
-                      median(list(cpu[p].values())) * 100, median(beyond[p]) * 100 if p != "a" else "—",
-                      median(lister) * 100 if lister else "—",
-                      median(listings) if listings else "—", slowdown)
+                      median(list(cpu[p].values())) * 100, median(list(beyond[p].values())) * 100 if p != "a" else "—",
+                      median(lister) * 100 if lister else "—", per_s, per_listing, slowdown)
+            miscounted = [(r["round"] + 1, r["listings"], r["counted"]) for r in counted
+                          if r["counted"] != r["listings"]]
+            if miscounted:
+                table.notes.append(f"K={k:,} phase {p}: the sampler's own count of listings differs from the "
+                                   f"window's (round, window, own count): {miscounted}")
+            unaligned = [r["round"] + 1 for r in counted if not r["aligned"]]
+            if unaligned:
+                table.notes.append(f"K={k:,} phase {p}, round(s) {unaligned}: fewer than two listings ended in the "
+                                   "writer's run, so the whole run was the window")
+        if pooled:
+            table.notes.append(f"K={k:,}: the listings' controller CPU, listings/s × ms per listing: "
+                               + ", ".join(f"{PHASES[p]} {pooled[p]:.3g}% of a core" for p in pooled))
         table.goals.append(Goal(f"writer slowdown beside buffer.verl (batches/s a ÷ b), K={k:,}",
                                 median([rates["a"][n] / rates["b"][n] for n in rates["b"]]), 1.02))
         added = median([cpu["b"][n] - cpu["a"][n] for n in cpu["b"]]) * 100
@@ -124,11 +163,22 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
                                     f"(c − a, the limit), % of a core, K={k:,}", added, verl_added))
             # The same comparison without the confound of the writer's rate (see the notes).
             table.goals.append(Goal(f"controller CPU beyond the puts (est.): buffer.verl ≤ verl's sampler "
-                                    f"(the limit), % of a core, K={k:,}", median(beyond["b"]) * 100,
-                                    median(beyond["c"]) * 100))
+                                    f"(the limit), % of a core, K={k:,}", median(list(beyond["b"].values())) * 100,
+                                    median(list(beyond["c"].values())) * 100))
         else:
             table.notes.append(f"controller CPU added by buffer.verl (b − a), K={k:,}: {added:.3g}% of a core "
                                "(no verl phase to compare with)")
+
+
+def _listing_cpu(record: dict[str, Any]) -> float:
+    """The controller's CPU seconds of a phase's listings beyond the puts, from inside the phase.
+
+    The spans around the listings against the rest of the window: the puts
+    begun around the listings are charged at the rest's CPU per put.
+    """
+    rest_cpu = record["controller_cpu"] * record["seconds"] - record["around_cpu"]
+    rest_batches = record["batches"] - record["around_batches"]
+    return float(record["around_cpu"] - record["around_batches"] * rest_cpu / max(rest_batches, 1))
 
 
 def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, seconds: float,
@@ -157,9 +207,11 @@ def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, second
                 progress(value)
             elif kind == "phase":
                 records.append(value)
+                listed = "" if value["listings"] is None else \
+                    f", {value['listings']} listings in {value['seconds']:.1f} s"
                 progress(f"tq: K={value['k']:,} round {value['round'] + 1}/{rounds} phase {value['phase']}: "
                          f"{value['batches'] / value['seconds']:.0f} batches/s, controller "
-                         f"{value['controller_cpu'] * 100:.0f}% of a core")
+                         f"{value['controller_cpu'] * 100:.1f}% of a core{listed}")
             elif kind == "error":
                 raise RuntimeError(f"the TransferQueue host failed:\n{value}")
             else:

@@ -10,9 +10,10 @@
          └────────────────────────┘── phase c: verl 0.9.1's sampler blocked in sample() in a thread
 
 Each phase measures the writer (batches/s, put latency) and the CPU of the
-TransferQueue controller's process over the writer's run, plus the CPU of
-whatever lists the store for the sampler (buffer.verl's poller process, or
-the thread that runs verl's ``sample()``). Nothing here is imported by the
+TransferQueue controller's process, plus the CPU of whatever lists the store
+for the sampler (buffer.verl's poller process, or the thread that runs verl's
+``sample()``) and its listings, over a window of whole listing cycles inside
+the writer's run (:func:`window`; phase a: the whole run). Nothing here is imported by the
 runner process: Ray's threads and processes stay out of the other benchmarks.
 """
 
@@ -35,6 +36,13 @@ GROUP_KEYS = 16  # a preloaded group: its prompt key and 15 trajectories
 WRITER_POOL = 64  # groups the writer cycles through, so K stays what was preloaded
 NEVER = 1_000_000  # groups asked of sample(): more than will ever be terminal, so it waits the whole phase
 _CALL_TIMEOUT = 120.0  # any single Ray or store call of the host
+_SAMPLE_EVERY = 0.05  # seconds between the host's readings of the CPU and listing counters during a phase
+# How late buffer.verl's stats()["listings"] may be: a heartbeat a second, the poller's 0.2 s tick, and a margin;
+# below the 2 s pause between two listings, so the count read that long after a listing is done is its own.
+_HEARTBEAT_LAG = 1.5
+# Seconds before a listing's mark that hold its controller work: the listing (d) and what follows it up to the
+# mark (the product's diff and send, p) and one sample; ~0.3 s at K=100k, short of the 2 s pause.
+_AROUND = 1.0
 
 
 class PhaseStopped(Exception):
@@ -68,23 +76,32 @@ class Writer:
         self._written = 0
 
     def run(self, seconds: float) -> dict[str, Any]:
-        """Put batches for ``seconds``; returns the count, the loop's wall time and each put's latency."""
+        """Put batches for ``seconds``; returns the count, the loop's span and each put's start and latency.
+
+        Times are ``time.monotonic()`` (CLOCK_MONOTONIC, one clock for every
+        process of the machine), so the host can count the puts that fall in
+        a window of its own.
+        """
         import transfer_queue as tq
 
         latencies: list[float] = []
-        started = time.perf_counter()
+        starts: list[float] = []
+        started = time.monotonic()
         end = started + seconds
-        while time.perf_counter() < end:
+        while time.monotonic() < end:
             uid = self._uids[self._written % len(self._uids)]
             step = 1 + self._written // len(self._uids)
             keys = [f"{uid}_{i}_0" for i in range(BATCH_KEYS)]
             tags = [{"global_steps": step, "status": "success", "reward": float((self._written + i) % 2)}
                     for i in range(BATCH_KEYS)]
-            put = time.perf_counter()
+            put = time.monotonic()
             tq.kv_batch_put(keys=keys, partition_id=PARTITION, fields=self._fields, tags=tags)
-            latencies.append(time.perf_counter() - put)
+            latencies.append(time.monotonic() - put)
+            starts.append(put)
             self._written += 1
-        return {"batches": len(latencies), "seconds": time.perf_counter() - started, "latencies": latencies}
+        ended = time.monotonic()
+        return {"began": started, "ended": ended, "batches": len(latencies), "seconds": ended - started,
+                "latencies": latencies, "starts": starts}
 
 
 def preload(start: int, stop: int) -> None:
@@ -107,21 +124,32 @@ def preload(start: int, stop: int) -> None:
 class _Blocked:
     """A sampler's ``sample()`` blocked in a thread for one phase.
 
+    ``listings()`` counts the sampler's full listings of the store so far,
+    exactly but up to ``lag`` seconds late; ``marks()`` moves by one as each
+    listing is done with, at once (the window's edges, :func:`window`);
     ``lister_stat`` names the ``/proc`` stat file of what lists the store for
-    the sampler (None: the blocked thread itself); ``stop`` ends the phase,
-    after which ``sample()`` must raise ``expected``.
+    the sampler (None: the blocked thread itself), ``also`` those of threads
+    that work for it (TransferQueue's client decodes replies in a thread of
+    its own); ``stop`` ends the phase,
+    after which ``sample()`` must raise ``expected``; ``cleanup`` runs once
+    the thread has ended.
     """
 
     def __init__(self, sample: Callable[[], Any], stop: Callable[[], Any], listings: Callable[[], int],
-                 lister_stat: str | None, expected: type[BaseException]) -> None:
+                 lister_stat: str | None, expected: type[BaseException], *,
+                 marks: Callable[[], int] | None = None, lag: float = 0.0, also: tuple[str, ...] = (),
+                 cleanup: Callable[[], Any] | None = None) -> None:
         self._stop = stop
         self.listings = listings
+        self.marks = marks or listings
+        self.lag = lag
         self._expected = expected
+        self._cleanup = cleanup
         self._outcome: list[BaseException | None] = []
         self._thread = threading.Thread(target=self._run, args=(sample,), name="bench-tq-sample", daemon=True)
         self._thread.start()
         # native_id is set by the time start() returns.
-        self._lister_stat = lister_stat or f"/proc/self/task/{self._thread.native_id}/stat"
+        self._lister_stats = (lister_stat or f"/proc/self/task/{self._thread.native_id}/stat",) + also
 
     def _run(self, sample: Callable[[], Any]) -> None:
         try:
@@ -131,7 +159,7 @@ class _Blocked:
             self._outcome.append(exc)
 
     def lister_cpu(self) -> float:
-        return cpu_seconds(self._lister_stat)
+        return sum(cpu_seconds(stat) for stat in self._lister_stats)
 
     def end(self) -> None:
         """Stop the sampler; its ``sample()`` must end with the expected exception within the deadline."""
@@ -139,6 +167,8 @@ class _Blocked:
         self._thread.join(_CALL_TIMEOUT)
         if self._thread.is_alive():
             raise TimeoutError("sample() did not return after its phase ended")
+        if self._cleanup is not None:
+            self._cleanup()
         outcome = self._outcome[0]
         if not isinstance(outcome, self._expected):
             raise RuntimeError(f"sample() ended with {outcome!r}, not {self._expected.__name__}: "
@@ -153,7 +183,13 @@ def _empty() -> Any:
 
 
 def _product() -> _Blocked:
-    """buffer.verl as a verl trainer builds it (six keywords, no sampler_kwargs), blocked in ``sample()``."""
+    """buffer.verl as a verl trainer builds it (six keywords, no sampler_kwargs), blocked in ``sample()``.
+
+    Its listings are its poller's own count, ``stats()["listings"]``, as its
+    last heartbeat said (one a second). The window's edges are its polls
+    applied, ``stats()["polls"]``: a poll of TransferQueue (no change feed)
+    is one listing, applied a few ms after its listing's diff is sent.
+    """
     from buffer.errors import BufferClosed
     from buffer.verl import ReplayBuffer
 
@@ -163,64 +199,185 @@ def _product() -> _Blocked:
         sampler.get_sampleable_count(1, PARTITION)  # starts the poller and waits for its first listing
         poller = sampler.stats()["poller_pid"]
         return _Blocked(lambda: sampler.sample(global_steps=1, partition_id=PARTITION, batch_size=NEVER),
-                        sampler.close, lambda: int(sampler.stats()["polls"]), f"/proc/{poller}/stat", BufferClosed)
+                        sampler.close, lambda: int(sampler.stats()["listings"]), f"/proc/{poller}/stat",
+                        BufferClosed, marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG)
     except BaseException:
         sampler.close()
         raise
+
+
+class _CountingTQ:
+    """``transfer_queue`` as verl's sampler module sees it, counting each ``kv_list()`` call when it returns."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self.listings = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def kv_list(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._module.kv_list(*args, **kwargs)
+        finally:
+            self.listings += 1
 
 
 def _verl() -> _Blocked:
     """verl 0.9.1's own ``ReplayBufferAsync`` as its trainer builds it, blocked in ``sample()`` in a thread.
 
     verl's sampler never gives up; the subclass waits its ``poll_interval``
-    on an event instead of ``time.sleep`` so the phase's end can stop it, and
-    counts its listings. Nothing else of verl's code changes.
+    on an event instead of ``time.sleep`` so the phase's end can stop it.
+    Its listings are counted at the call site: the sampler module's ``tq``
+    is wrapped for the phase, and each ``tq.kv_list()`` counts as it returns.
+    Nothing else of verl's code changes. Its lister is the thread running
+    ``sample()`` and the event-loop thread of TransferQueue's client, where
+    ``kv_list()``'s request runs and its reply is decoded.
     """
+    import transfer_queue as tq
+    import verl.trainer.ppo.v1.replay_buffer as module
     from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
     stop = threading.Event()
-    listings = [0]
+    original = module.tq
+    counting = _CountingTQ(original)
 
     class Stoppable(ReplayBufferAsync):  # type: ignore[misc]
-        def _sync_metadata_from_transfer_queue(self) -> None:
-            listings[0] += 1
-            super()._sync_metadata_from_transfer_queue()
-
         def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
             if stop.wait(self.poll_interval):
                 raise PhaseStopped()
             return last_debug_time
 
-    sampler = Stoppable(trainer_mode="colocate_async", trainer_config=_empty(), max_off_policy_threshold=None,
-                        max_off_policy_strategy="drop", sampler_kwargs=_empty(), refill_fn=None)
-    return _Blocked(lambda: sampler.sample(global_steps=1, partition_id=PARTITION, batch_size=NEVER),
-                    stop.set, lambda: listings[0], None, PhaseStopped)
+    def restore() -> None:
+        module.tq = original
+
+    module.tq = counting
+    try:
+        sampler = Stoppable(trainer_mode="colocate_async", trainer_config=_empty(), max_off_policy_threshold=None,
+                            max_off_policy_strategy="drop", sampler_kwargs=_empty(), refill_fn=None)
+        loop = getattr(tq.get_client(), "_thread", None)
+        also = (f"/proc/self/task/{loop.native_id}/stat",) if loop is not None else ()
+        return _Blocked(lambda: sampler.sample(global_steps=1, partition_id=PARTITION, batch_size=NEVER),
+                        stop.set, lambda: counting.listings, None, PhaseStopped, also=also, cleanup=restore)
+    except BaseException:
+        restore()
+        raise
 
 
 SAMPLERS: dict[str, Callable[[], _Blocked] | None] = {"a": None, "b": _product, "c": _verl}
 
 
+#: The sample tuple: (monotonic, controller CPU s, lister CPU s, marks, listings).
+Sample = tuple[float, float, float, int, int]
+
+
+def window(samples: list[Sample], began: float, ended: float) -> tuple[int, int, bool]:
+    """The measured window of a phase: indices ``(i, j)`` into ``samples`` and whether it is aligned.
+
+    ``samples`` are taken every :data:`_SAMPLE_EVERY` s; only those within
+    the writer's run ``[began, ended]`` count. With two or more listings done
+    with in it (their marks), the window runs from the first sample that saw
+    one to the last: it holds whole listing cycles, ``marks[j] - marks[i]``
+    of them, each with its listing's controller work (a mark follows its
+    listing's end by the sampler's processing, well within the 2 s pause
+    before the next begins), so neither the count nor the CPU depends on
+    where the run's edges fell. Otherwise (no sampler, or too few listings)
+    it is the whole run.
+    """
+    inside = [n for n, sample in enumerate(samples) if began <= sample[0] <= ended]
+    if len(inside) < 2:
+        raise RuntimeError(f"{len(inside)} sample(s) within the writer's run: the host could not keep up")
+    ends = [n for n in inside[1:] if samples[n][3] > samples[n - 1][3]]
+    if len(ends) >= 2:
+        return ends[0], ends[-1], True
+    return inside[0], inside[-1], False
+
+
+def _sample(blocked: _Blocked | None, controller: int) -> Sample:
+    if blocked is None:
+        return time.monotonic(), cpu_seconds(f"/proc/{controller}/stat"), 0.0, 0, 0
+    marks, listings = blocked.marks(), blocked.listings()
+    return time.monotonic(), cpu_seconds(f"/proc/{controller}/stat"), blocked.lister_cpu(), marks, listings
+
+
+def around_listings(samples: list[Sample], i: int, j: int, starts: list[float]) -> tuple[float, int]:
+    """The controller's CPU seconds and the puts begun in the spans that hold the window's listings.
+
+    Each listing done with in the window ``(i, j]`` (its mark moved at
+    sample ``m``) has its controller work within the :data:`_AROUND` seconds
+    before that sample. Against the rest of the window, a second or so
+    away in the same phase, these spans show what a listing costs the
+    controller beyond the puts, whatever the machine's load did between phases.
+    """
+    cpu, batches = 0.0, 0
+    for m in range(i + 1, j + 1):
+        if samples[m][3] > samples[m - 1][3]:
+            first = next(n for n in range(i, m + 1) if samples[n][0] >= samples[m][0] - _AROUND)
+            cpu += samples[m][1] - samples[first][1]
+            batches += sum(1 for t in starts if samples[first][0] < t <= samples[m][0])
+    return cpu, batches
+
+
+def _counted(samples: list[Sample], when: float) -> int:
+    """The listings count of the first sample taken at or after ``when``."""
+    return next(sample[4] for sample in samples if sample[0] >= when)
+
+
 def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str, Any]:
-    """One phase: the sampler of ``name`` (if any) blocked, the writer running ``seconds``; the figures."""
+    """One phase: the sampler of ``name`` (if any) blocked, the writer running ``seconds``; the figures.
+
+    Rates are over the phase's :func:`window`: the writer's puts that began
+    in it, the controller's and the lister's CPU, the listings done with in
+    it. Those listings are also counted by the sampler's own count (read once
+    it has caught up with the window's edges): ``counted``.
+    """
     import ray
 
     make = SAMPLERS[name]
     blocked = make() if make is not None else None
     try:
         time.sleep(0.2)  # into its wait loop (verl's first listing may still run: it lists all phase anyway)
-        listings = blocked.listings() if blocked else 0
-        lister = blocked.lister_cpu() if blocked else 0.0
-        cpu, wall = cpu_seconds(f"/proc/{controller}/stat"), time.perf_counter()
-        out = ray.get(writer.run.remote(seconds), timeout=seconds + _CALL_TIMEOUT)
-        wall = time.perf_counter() - wall
-        out["controller_cpu"] = (cpu_seconds(f"/proc/{controller}/stat") - cpu) / wall
-        out["lister_cpu"] = (blocked.lister_cpu() - lister) / wall if blocked else None
-        out["listings_per_s"] = (blocked.listings() - listings) / wall if blocked else None
+        samples = [_sample(blocked, controller)]
+        run = writer.run.remote(seconds)
+        deadline = time.monotonic() + seconds + _CALL_TIMEOUT
+        while not ray.wait([run], timeout=_SAMPLE_EVERY)[0]:
+            samples.append(_sample(blocked, controller))
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the writer did not end within {seconds + _CALL_TIMEOUT:g} s")
+        samples.append(_sample(blocked, controller))
+        out = ray.get(run, timeout=_CALL_TIMEOUT)
+        i, j, aligned = window(samples, out["began"], out["ended"])
+        if blocked is not None:
+            while samples[-1][0] < samples[j][0] + blocked.lag:  # until the count has caught up with the end
+                time.sleep(_SAMPLE_EVERY)
+                samples.append(_sample(blocked, controller))
     finally:
         if blocked is not None:
             blocked.end()
-    out["phase"] = name
-    return out
+    (t0, cpu0, lister0, marks0, _), (t1, cpu1, lister1, marks1, _) = samples[i], samples[j]
+    wall = t1 - t0
+    starts = out.pop("starts")
+    record = {
+        "phase": name,
+        "seconds": wall,
+        "batches": sum(1 for t in starts if t0 < t <= t1),
+        "latencies": out["latencies"],
+        "run_seconds": out["seconds"],
+        "controller_cpu": (cpu1 - cpu0) / wall,
+        "lister_cpu": None,
+        "listings": None,
+        "counted": None,
+        "aligned": aligned,
+        "around_cpu": None,
+        "around_batches": None,
+    }
+    if blocked is not None:
+        lag = blocked.lag
+        around_cpu, around_batches = around_listings(samples, i, j, starts)
+        record.update(lister_cpu=(lister1 - lister0) / wall, listings=marks1 - marks0,
+                      counted=_counted(samples, t1 + lag) - _counted(samples, t0 + lag),
+                      around_cpu=around_cpu, around_batches=around_batches)
+    return record
 
 
 def _controller_pid() -> int:

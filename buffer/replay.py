@@ -92,10 +92,12 @@ class ReplayBuffer:
             listing that took ``d`` seconds is followed by the next no sooner
             than ``d / listing_share`` after it started, whatever ``sync()``
             or the schedule asks (they are answered by that next listing).
-            In (0, 1]; 1 sets no bound. The default, ``None``, is what verl's
-            own sampler spends at its defaults, whatever the store's size:
-            the share ``d / (d + 2 s)``, so the next listing starts no sooner
-            than 2 s after one ended (docs/transferqueue.md).
+            In (0, 1]; 1 sets no bound. The default, ``None``, is verl's own
+            sampler's cycle at its defaults, whatever the store's size: the
+            next listing starts no sooner than 2 s after the poll that took
+            the previous one is done (its listing, diff and sending, ``p``
+            seconds after the listing), a share of ``d / (d + p + 2 s)``
+            (docs/transferqueue.md).
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.

@@ -2,28 +2,44 @@
 
 A store without a change feed (TransferQueue) is listed in full on every
 poll, and its controller is shared by every rollout worker: at K=100k keys one
-TransferQueue ``kv_list()`` takes ~0.36 s of the controller. A waiting
+TransferQueue ``kv_list()`` takes ~0.2-0.4 s (~55 ms of the controller's CPU). A waiting
 sampler asks for a listing every ``wait_poll_interval`` (0.02 s), which,
 unbounded, would keep the controller listing for us nearly all the time.
-:class:`ListingDuty` bounds that: a listing that took ``d`` seconds is followed
-by the next one no sooner than ``d / share`` after it started, so listings take
-at most ``share`` of the wall clock, whatever is asked in between.
+:class:`ListingDuty` bounds that.
 
-The default (``share=None``) is verl's own rule, so the poller never spends
-more of the store than the sampler it replaces, at any store size. verl 0.9.1's
-sampler (``verl/trainer/ppo/v1/replay_buffer.py``) lists the store inside
-``sample()`` with ``tq.kv_list()`` (every partition), decides, and
-``time.sleep(self.poll_interval)`` before the next listing; its trainer never
-passes ``poll_interval``, so the constructor's default of 2.0 s holds. One
-cycle is ``d + 2.0`` seconds of which ``d`` is listing: a share of
-``d / (d + 2.0)``, 0.0148 at 10k TransferQueue keys (``d`` ~0.03 s) and 0.153
-at 100k keys (``d`` ~0.36 s). The default share *is* that share at each
-listing's ``d``: the next listing starts no sooner than ``d / (d / (d + 2.0))
-= d + 2.0`` seconds after one started. A fixed share cannot match it across
-sizes: one low enough for 10k keys (0.014) lists 100k keys every ~26 s, ten
-times less often than verl, and one right for 100k keys (0.15) lists 10k keys
-ten times as often. A number in (0, 1] sets a fixed share instead (1.0: no
-bound).
+The default (``share=None``) is verl's own rule, so the poller never spends a
+larger share of the wall clock inside ``kv_list()`` than the sampler it
+replaces, at any store size. verl 0.9.1's
+sampler (``verl/trainer/ppo/v1/replay_buffer.py``) loops in ``sample()``:
+``_sync_metadata_from_transfer_queue()`` lists the store with ``tq.kv_list()``
+(every partition, ``d`` seconds) and files every key's tags, the loop decides
+(evictions, sampleable groups: together ``p`` seconds), then
+``_wait_for_next_poll()`` calls ``time.sleep(self.poll_interval)``; its trainer
+never passes ``poll_interval``, so the constructor's default of 2.0 s holds.
+One cycle is ``d + p + 2.0`` seconds of which ``d`` is inside ``kv_list()``: a
+share of ``d / (d + p + 2.0)`` (K=100k TransferQueue keys: ``d`` ~0.38 s,
+``p`` ~0.08 s, 0.15; 10k keys: ~0.03 s and ~0.006 s, 0.013).
+
+The default is the same cycle: the next listing starts no sooner than
+:data:`VERL_POLL_INTERVAL` (2.0 s) after the poll that took the previous one
+is *done*, its listing, diff, screen and sending all over (the polling thread
+says so with :meth:`ListingDuty.poll_done`). A poll's cycle is then ``d + p +
+2.0`` with the poller's own ``d`` and ``p``: the share inside ``kv_list()`` is
+``d / (d + p + 2.0)``, verl's form at every store size, and never more than
+``d / (d + 2.0)``. A poll asked for sooner (a SYNC from a waiting sampler, the
+schedule) waits for it. The poller's own ``kv_list()`` is the quicker of the
+two (100k keys: ``d`` ~0.21 s, ``p`` ~0.07 s; it decodes the controller's
+reply itself), so its share is the smaller (0.092) and its cycle a little
+shorter (~2.3 s against ~2.5 s: ~7% more listings, each costing the controller
+the same). A fixed share cannot match verl across
+sizes: the one the default comes to at 10k keys (0.011) lists 100k keys every
+~19 s, eight times less often than verl, and the one at 100k keys (0.092)
+lists 10k keys every 0.25 s, eight times as often.
+
+A number in (0, 1] sets a fixed share instead: a listing that took ``d``
+seconds is followed by the next no sooner than ``d / share`` after it
+started, so listings take at most ``share`` of the wall clock, whatever is
+asked in between (1.0: no bound).
 """
 
 from __future__ import annotations
@@ -35,7 +51,8 @@ from typing import Any, Deque
 
 __all__ = ["DEFAULT_LISTING_SHARE", "VERL_POLL_INTERVAL", "ListingDuty", "check_share"]
 
-#: ``None``: verl's own share at each listing's duration, ``d / (d + VERL_POLL_INTERVAL)`` (the module docstring).
+#: ``None``: verl's own cycle, the next listing no sooner than ``VERL_POLL_INTERVAL`` after the poll that took
+#: the previous one is done: a share of ``d / (d + p + VERL_POLL_INTERVAL)`` (the module docstring).
 DEFAULT_LISTING_SHARE: float | None = None
 #: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
 VERL_POLL_INTERVAL = 2.0
@@ -63,16 +80,20 @@ def check_share(name: str, value: Any) -> float | None:
 class ListingDuty:
     """When the next listing may start, and what the listings cost so far.
 
-    Used by one thread (the poller's polling thread); the counters are plain
-    floats and ints that the control loop reads for heartbeats.
+    Used by one thread (the poller's polling thread), which calls
+    :meth:`record` for each full listing and :meth:`poll_done` when the poll
+    that took it is over; the counters are plain floats and ints that the
+    control loop reads for heartbeats.
     """
 
     def __init__(self, share: float | None) -> None:
-        self.share = share  # None: verl's own, d / (d + VERL_POLL_INTERVAL) at each listing
+        self.share = share  # None: verl's own cycle, d + p + VERL_POLL_INTERVAL start to start
         self.listings = 0
         self.last_seconds = 0.0
         self.total_seconds = 0.0
         self._allowed_at = -math.inf
+        # verl's cycle (share None): the last listing's poll is not done yet, so its pause has not begun.
+        self._poll_open = False
         self._recent: Deque[tuple[float, float]] = collections.deque(maxlen=_WINDOW)  # (start, seconds)
 
     def wait_for(self, now: float | None = None) -> float:
@@ -82,14 +103,38 @@ class ListingDuty:
 
     def record(self, started: float, seconds: float) -> None:
         """A listing began at monotonic ``started`` and took ``seconds`` (answered, failed or stalled alike:
-        the store spent the time either way)."""
+        the store spent the time either way).
+
+        With a fixed share the next listing may start ``seconds / share``
+        after ``started``. By default it waits for :meth:`poll_done`; until
+        then it may start no sooner than :data:`VERL_POLL_INTERVAL` after
+        this listing ended.
+        """
         seconds = max(0.0, seconds)
         self.listings += 1
         self.last_seconds = seconds
         self.total_seconds += seconds
         self._recent.append((started, seconds))
-        gap = seconds + VERL_POLL_INTERVAL if self.share is None else seconds / self.share
-        self._allowed_at = started + gap
+        if self.share is None:
+            self._allowed_at = started + seconds + VERL_POLL_INTERVAL
+            self._poll_open = True
+        else:
+            self._allowed_at = started + seconds / self.share
+
+    def poll_done(self, now: float | None = None) -> None:
+        """The poll that took the last listing is over (its diff screened and sent, or its failure reported).
+
+        By default the next listing then starts no sooner than
+        :data:`VERL_POLL_INTERVAL` after ``now`` (monotonic), as verl's
+        sampler sleeps that long after it has processed a listing. A no-op
+        with a fixed share, and for a poll that took no listing (a change
+        feed's read): once per listing.
+        """
+        if not self._poll_open:
+            return
+        self._poll_open = False
+        now = time.monotonic() if now is None else now
+        self._allowed_at = max(self._allowed_at, now + VERL_POLL_INTERVAL)
 
     def measured_share(self, now: float | None = None) -> float:
         """The share of the wall clock spent listing over the last listings, up to now (0 before any)."""

@@ -57,7 +57,9 @@ class PollingThread(threading.Thread):
     from the first stalled call until ``kv_list()`` answers again.
 
     Listings of a source without a change feed keep within
-    ``listing_share`` of the wall clock (:mod:`poller.duty`): a SYNC or
+    ``listing_share`` of the wall clock (:mod:`poller.duty`; by default
+    verl's cycle, the next listing no sooner than 2 s after the poll that
+    took the previous one is done): a SYNC or
     RESYNC that arrives sooner is answered by the next listing the share
     allows, never dropped; STOP ends the wait at once. (With a change feed
     only the periodic reconciliation keeps to it: :mod:`poller.changes`.)
@@ -267,6 +269,7 @@ class PollingThread(threading.Thread):
                     first = False
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
+                self._reader.duty.poll_done()
                 self._sleep(self.interval)
                 continue
             except Exception as exc:  # any source failure is reported, never fatal to the trainer
@@ -280,6 +283,7 @@ class PollingThread(threading.Thread):
                 body = _error_body(exc, fatal=fatal, count=failures, limits=self.limits)
                 if not self._emit(Kind.ERROR, body, False) or fatal:
                     return
+                self._reader.duty.poll_done()
                 self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
                 continue
             finally:
@@ -302,6 +306,8 @@ class PollingThread(threading.Thread):
             del diff, pieces
             full = False
             self.polls += 1
+            # The poll is over (its listing, diff, screen and sending): verl's pause starts now (poller.duty).
+            self._reader.duty.poll_done()
             # A fixed schedule, start to start: a change waits interval/2 on
             # average whatever a poll costs. A poll slower than the interval
             # still leaves the store a tenth of it to breathe.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -21,13 +22,14 @@ from buffer import BufferClosed, ReplayBuffer
 from buffer.verl_config import SamplerConfig, VerlConfigError
 from poller.changes import ListingReader
 from poller.cli import main as poller_main
-from poller.duty import VERL_POLL_INTERVAL
+from poller.duty import VERL_POLL_INTERVAL, ListingDuty
 from poller.errors import ProtocolError
 from poller.listing import commit_listing
 from poller.messages import Heartbeat, Sync
+from poller.polling import PollingThread
 from poller.protocol import Kind, Message, decode, encode, encode_header
 from tests.conftest import wait_until
-from tests.helpers.sources import listing_starts
+from tests.helpers.sources import TimedListing, listing_starts
 
 TIMED = "tests.helpers.sources:TimedListing"
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -81,12 +83,57 @@ def test_listings_keep_to_the_share_while_syncs_ask_every_20ms(tmp_path: Path) -
     assert min(gaps) >= seconds / share, gaps
 
 
-def test_by_default_listings_keep_to_verls_own_share_at_any_duration(tmp_path: Path) -> None:
-    # verl's sampler lists, then sleeps 2 s: a share of d / (d + 2) whatever d is. By default the
-    # next listing starts no sooner than that share allows: d + 2 s after the one before started.
+def test_by_default_listings_keep_to_verls_own_cycle_at_any_duration(tmp_path: Path) -> None:
+    # verl's sampler lists (d), processes the listing (p), then sleeps 2 s: a share of d / (d + p + 2)
+    # whatever d is. By default the next listing starts no sooner than 2 s after the poll that took
+    # the one before is done, so at least its d and 2 s after that one started.
     seconds = 0.3
     gaps = _gaps_while_syncs_ask_every_20ms(tmp_path, seconds, listings=4, syncs=2)
     assert min(gaps) >= seconds + VERL_POLL_INTERVAL, gaps
+
+
+def test_by_default_the_pause_begins_when_the_poll_is_done_not_when_its_listing_ended(tmp_path: Path) -> None:
+    # A poll whose sending takes 0.5 s (the poller's own processing, p): by default the next listing
+    # waits 2 s after that, as verl's sampler sleeps after it has processed its listing.
+    log = str(tmp_path / "listings.log")
+    sends: list[float] = []  # when each body was handed on
+
+    def slow_send(kind: Kind, body: bytes, *_: object) -> bool:
+        time.sleep(0.5)
+        sends.append(time.monotonic())
+        return True
+
+    thread = PollingThread(TimedListing(log, seconds=0.05), slow_send, interval=0.02)
+    thread.start()
+    try:
+        token = 0
+        while len(listing_starts(log)) < 3:  # a waiting sampler's SYNC every 20 ms
+            token += 1
+            thread.request_sync(token)
+            time.sleep(0.02)
+            assert token < 3000, listing_starts(log)
+    finally:
+        thread.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    for start, _ in listing_starts(log)[1:]:
+        last_send = max(sent for sent in sends if sent < start)
+        assert start - last_send >= VERL_POLL_INTERVAL, (start, sends)
+    assert thread.duty.listings >= 3
+
+
+def test_the_default_and_a_fixed_share_time_the_next_listing_from_different_ends() -> None:
+    verl = ListingDuty(None)
+    verl.record(started=100.0, seconds=0.3)
+    assert verl.wait_for(now=100.3) == VERL_POLL_INTERVAL  # until the poll is done: 2 s after the listing
+    verl.poll_done(now=100.8)  # the listing's diff, screen and sending took 0.5 s
+    assert verl.wait_for(now=100.8) == VERL_POLL_INTERVAL and verl.wait_for(now=102.8) == 0
+    verl.poll_done(now=101.5)  # a poll without a listing of its own (a change feed's read) moves nothing
+    assert verl.wait_for(now=102.8) == 0
+    fixed = ListingDuty(0.25)
+    fixed.record(started=100.0, seconds=0.3)
+    fixed.poll_done(now=100.8)
+    assert fixed.wait_for(now=100.8) == pytest.approx(0.4)  # d / share after the start, however long the poll
 
 
 def test_a_stalled_call_counts_for_the_time_it_ran(tmp_path: Path) -> None:

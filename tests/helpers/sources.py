@@ -160,3 +160,36 @@ def listing_starts(log: str) -> list[tuple[float, list[str]]]:
         when, _, listed = line.partition(" ")
         starts.append((float(when), listed.split(",") if listed else []))
     return starts
+
+
+def logged_transferqueue(log: str, **kwargs: Any) -> Any:
+    """A :class:`~poller.sources.transferqueue.TransferQueueSource` that logs each ``kv_list()`` call.
+
+    Each call appends ``"<monotonic start> <monotonic end>"`` to ``log`` when it
+    returns (or raises), so a test reads when each listing of a real
+    TransferQueue began and how long it took (:func:`timed_listings`).
+    """
+    import time
+
+    from poller.sources.transferqueue import TransferQueueSource
+
+    class Logged(TransferQueueSource):
+        def kv_list(self) -> dict[str, Any]:
+            began = time.monotonic()
+            try:
+                return super().kv_list()
+            finally:
+                with open(log, "a") as f:
+                    f.write(f"{began!r} {time.monotonic()!r}\n")
+
+    return Logged(**kwargs)
+
+
+def timed_listings(log: str) -> list[tuple[float, float]]:
+    """The calls :func:`logged_transferqueue` logged: (monotonic start, monotonic end)."""
+    try:
+        with open(log) as f:
+            lines = f.read().split("\n")[:-1]  # a line still being written is left out
+    except FileNotFoundError:
+        return []
+    return [(float(began), float(ended)) for began, ended in (line.split() for line in lines)]

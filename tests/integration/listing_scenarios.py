@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
+import threading
 import time
 from typing import Any
 
+from tests.helpers.sources import timed_listings
 from tests.integration.verl_scenarios import _closed, custom_path, group
 
 
@@ -71,3 +74,40 @@ def partitions_given_are_kept(conf: Any) -> dict[str, Any]:
     assert wait_until(lambda: _held_partitions(rb) == {"train", "other"}, timeout=30), rb.stats()["groups"]
     _closed(rb)
     return {"waited_s": time.monotonic() - started}
+
+
+def default_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
+    """A buffer on a real TransferQueue at the default listing share, asked to sync every 20 ms (as a waiting
+    verl sampler asks): when each listing began and ended (the source logs them) and what stats() said."""
+    from buffer import ReplayBuffer
+    from poller.sources.transferqueue import source_kwargs
+
+    for _ in range(3):
+        group("train", "finished", step=1)
+    log = os.path.join(tempfile.mkdtemp(prefix="tq-listings-"), "listings.log")
+    kwargs = {"log": log, **source_kwargs(conf, partition_ids=["train"])}
+    stop, answered, errors = threading.Event(), [], []
+    with ReplayBuffer("tests.helpers.sources:logged_transferqueue", source_kwargs=kwargs,
+                      poll_interval=0.02) as rb:
+        def ask() -> None:
+            while not stop.is_set():
+                try:
+                    rb.sync(timeout=30)
+                except BaseException as exc:  # noqa: BLE001 - returned to the test
+                    errors.append(repr(exc))
+                    return
+                answered.append(1)
+                stop.wait(0.02)
+
+        asker = threading.Thread(target=ask, name="sync-every-20ms", daemon=True)
+        asker.start()
+        try:
+            assert wait_until(lambda: len(timed_listings(log)) >= 4, timeout=60), timed_listings(log)
+            assert wait_until(lambda: rb.stats()["listings"] >= 4, timeout=10)  # a heartbeat reported them
+        finally:
+            stop.set()
+            asker.join(35)
+        stats = rb.stats()  # once: the figures of one heartbeat
+        figures = {name: stats[name] for name in ("listings", "listing_seconds", "listing_seconds_total",
+                                                  "listing_share")}
+    return {"listings": timed_listings(log), "answered": len(answered), "errors": errors, "figures": figures}
