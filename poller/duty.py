@@ -20,21 +20,23 @@ One cycle is ``d + p + 2.0`` seconds of which ``d`` is inside ``kv_list()``: a
 share of ``d / (d + p + 2.0)`` (K=100k TransferQueue keys: ``d`` ~0.38 s,
 ``p`` ~0.08 s, 0.15; 10k keys: ~0.03 s and ~0.006 s, 0.013).
 
-The default is the same cycle: the next listing starts no sooner than
-:data:`VERL_POLL_INTERVAL` (2.0 s) after the poll that took the previous one
-is *done*, its listing, diff, screen and sending all over (the polling thread
-says so with :meth:`ListingDuty.poll_done`). A poll's cycle is then ``d + p +
-2.0`` with the poller's own ``d`` and ``p``: the share inside ``kv_list()`` is
-``d / (d + p + 2.0)``, verl's form at every store size, and never more than
-``d / (d + 2.0)``. A poll asked for sooner (a SYNC from a waiting sampler, the
-schedule) waits for it. The poller's own ``kv_list()`` is the quicker of the
-two (100k keys: ``d`` ~0.21 s, ``p`` ~0.07 s; it decodes the controller's
-reply itself), so its share is the smaller (0.092) and its cycle a little
-shorter (~2.3 s against ~2.5 s: ~7% more listings, each costing the controller
-the same). A fixed share cannot match verl across
+The default keeps that cycle, and no shorter: the next listing starts no
+sooner than :data:`VERL_POLL_INTERVAL` (2.0 s) plus the listing's own ``d``
+after the poll that took it is *done*, its listing, diff, screen and sending
+all over (the polling thread says so with :meth:`ListingDuty.poll_done`). A
+poll's cycle is then ``2d + p + 2.0`` with the poller's own ``d`` and ``p``:
+the share inside ``kv_list()`` is ``d / (2d + p + 2.0)``, never more than
+verl's. ``d`` counts twice because the controller's cost of a listing is the
+same for both samplers, but the poller's client takes it quicker (100k keys:
+``d`` ~0.21 s against verl's ~0.38 s, ``p`` ~0.07 s; it decodes the
+controller's reply itself): with ``d + p + 2.0`` its cycle was ~2.3 s against
+verl's ~2.45 s, ~7% more listings of the shared controller; with ``2d + p +
+2.0`` it is ~2.5 s, no more listings than verl's while verl's client takes up
+to twice as long. A poll asked for sooner (a SYNC from a waiting sampler, the
+schedule) waits for it. A fixed share cannot match verl across
 sizes: the one the default comes to at 10k keys (0.011) lists 100k keys every
-~19 s, eight times less often than verl, and the one at 100k keys (0.092)
-lists 10k keys every 0.25 s, eight times as often.
+~19 s, eight times less often than verl, and the one at 100k keys (0.084)
+lists 10k keys every 0.27 s, eight times as often.
 
 A number in (0, 1] sets a fixed share instead: a listing that took ``d``
 seconds is followed by the next no sooner than ``d / share`` after it
@@ -51,8 +53,8 @@ from typing import Any, Deque
 
 __all__ = ["DEFAULT_LISTING_SHARE", "VERL_POLL_INTERVAL", "ListingDuty", "check_share"]
 
-#: ``None``: verl's own cycle, the next listing no sooner than ``VERL_POLL_INTERVAL`` after the poll that took
-#: the previous one is done: a share of ``d / (d + p + VERL_POLL_INTERVAL)`` (the module docstring).
+#: ``None``: verl's own cycle, the next listing no sooner than ``VERL_POLL_INTERVAL`` plus the previous listing's
+#: ``d`` after the poll that took it is done: a share of ``d / (2d + p + VERL_POLL_INTERVAL)`` (the module docstring).
 DEFAULT_LISTING_SHARE: float | None = None
 #: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
 VERL_POLL_INTERVAL = 2.0
@@ -125,8 +127,9 @@ class ListingDuty:
         """The poll that took the last listing is over (its diff screened and sent, or its failure reported).
 
         By default the next listing then starts no sooner than
-        :data:`VERL_POLL_INTERVAL` after ``now`` (monotonic), as verl's
-        sampler sleeps that long after it has processed a listing. A no-op
+        :data:`VERL_POLL_INTERVAL` plus the last listing's duration after
+        ``now`` (monotonic): verl's sampler sleeps 2.0 s after it has
+        processed a listing, which its client takes longer over. A no-op
         with a fixed share, and for a poll that took no listing (a change
         feed's read): once per listing.
         """
@@ -134,7 +137,7 @@ class ListingDuty:
             return
         self._poll_open = False
         now = time.monotonic() if now is None else now
-        self._allowed_at = max(self._allowed_at, now + VERL_POLL_INTERVAL)
+        self._allowed_at = max(self._allowed_at, now + VERL_POLL_INTERVAL + self.last_seconds)
 
     def measured_share(self, now: float | None = None) -> float:
         """The share of the wall clock spent listing over the last listings, up to now (0 before any)."""
