@@ -34,33 +34,24 @@ from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .link import Link
 from .messages import Bye, Heartbeat, Log, Ready
 from .polling import PollingThread
-from .procfs import own_rss_bytes, set_process_name
+from .procfs import own_rss_bytes
 from .protocol import Kind, decode, encode_body, encode_header, fit_text
 from .sources import describe_spec, load_source
 from .wakeup import WakePipe
-from .watchdog import start_watchdog
 
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
 logger = logging.getLogger(__name__)
 
 
-#: The poller's process name (``/proc/PID/comm``); its watchdog is ``replay-watchdog``.
-POLLER_PROCESS_NAME = "replay-poller"
-
-
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
-    """Entry point of a poller spawned by :class:`~poller.PollerProcess`.
+    """Entry point of a poller spawned by :class:`~poller.PollerProcess` (after :func:`poller.child.main`).
 
     Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
     forever, and a normal interpreter shutdown would only slow the exit.
     """
     code = ExitCode.CRASHED
-    set_process_name(POLLER_PROCESS_NAME)  # for ps -e, top, pgrep: not "python3.11"
     try:
-        # First, while this process has no threads: the watchdog ends us if
-        # the trainer dies while we cannot notice (building, wedged, stopped).
-        start_watchdog(lifeline_conn.fileno(), config.orphan_cleanup)
         code = _ControlLoop(config, lifeline_conn).run()
     except BaseException as exc:
         # A bug in the loop itself: os._exit below would swallow it, so the
