@@ -396,14 +396,23 @@ class _ControlLoop:
 
     def _stop_thread(self) -> None:
         assert self.thread is not None
-        if self.embedded and not self.thread.idle:
-            # Stopping, but not woken: this process ends in os._exit, and a thread
-            # in kv_list() or in the middle of a poll would only compete with the
-            # exit for the GIL and the cores.
+        if self.embedded:
+            # Stopping, but not woken yet: this process ends in os._exit, and a woken
+            # thread would compete for the GIL with BYE going out (see _let_idle_thread_end).
             self.thread.stopping.set()
         else:
-            # A thread waiting for its next poll ends at once, while BYE goes out and
-            # the context terminates (its listing stays referenced: nothing is freed).
+            self.thread.stop()
+
+    def _let_idle_thread_end(self, idle: bool) -> None:
+        """Once BYE is out, wake a polling thread that was waiting for its next poll.
+
+        It ends while the context terminates (its listing stays referenced: it
+        frees nothing on its way out), and :meth:`_await_thread_end` lets it
+        finish. A thread in kv_list() or in the middle of a poll is left as it
+        is: it could only compete with the exit for the GIL and the cores.
+        """
+        assert self.thread is not None
+        if self.embedded and idle:
             self.thread.stop()
             self.thread_woken = True
 
@@ -423,9 +432,11 @@ class _ControlLoop:
     def _finish(self, sock: zmq.Socket) -> None:
         """Send what is queued, then BYE, within the linger bound."""
         assert self.thread is not None
+        idle = self.thread.idle  # before it is told to stop: waiting for its next poll
         self._stop_thread()
         if self.exit_code == ExitCode.ORPHANED:
             sock.setsockopt(zmq.LINGER, 0)
+            self._let_idle_thread_end(idle)
             return
         failed = self.thread.failed
         if failed is not None and self.lifeline is not None:
@@ -442,4 +453,5 @@ class _ControlLoop:
             self._flush(sock)
             if self.outbox:
                 sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
+        self._let_idle_thread_end(idle)
         logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)
