@@ -68,8 +68,7 @@ class PrivateIpcDir:
 
     @classmethod
     def create(cls) -> PrivateIpcDir:
-        """Remove stale directories of dead owners, then make a new one and record its owner."""
-        remove_stale()
+        """Make a new directory and record its owner (the buffer then calls :func:`remove_stale`)."""
         path = tempfile.mkdtemp(prefix=PREFIX)
         if len(path) + len(_SOCKET_NAME) + 1 > _MAX_IPC_PATH:
             os.rmdir(path)  # TMPDIR is too deep for a socket path

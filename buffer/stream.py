@@ -117,7 +117,12 @@ class StreamReceiver:
         after it); :meth:`stop` still joins (or ends) the thread.
         """
         self._after_bye = then
-        self._command("quit_after_bye", peer.encode(), epoch)
+        # Set here, not through a command: the thread reads it after every message it
+        # applies, and waking it for the command cost the close ladder a GIL hand-off
+        # just before its STOP. Only a BYE applied before this call needs the wake-up.
+        self._last_bye = awaited = (peer.encode(), epoch)
+        if self._bye_applied(*awaited):
+            self._command("quit_after_bye", *awaited)
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
         """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""

@@ -12,17 +12,18 @@ This package never imports :mod:`buffer`.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__ as __version__  # one source: poller/_version.py
 from .errors import PollerCrashed, PollerError, PollerStartupError, ProtocolError, RemoteTraceback
-from .process import PollerProcess
-from .protocol import Limits
-from .sources import Source, SourceStall, load_source
 
 if TYPE_CHECKING:
     from .curve import CurveServer
+    from .process import PollerProcess
+    from .protocol import Limits
+    from .sources import Source, SourceStall, load_source
 
 __all__ = [
     "PollerProcess",
@@ -38,15 +39,21 @@ __all__ = [
     "RemoteTraceback",
 ]
 
+# Imported on first use. A poller process starts as `python -m poller.child`, which imports this
+# package first, and forks its watchdog before anything heavy is loaded (zmq, msgpack, the
+# source): a small process forks fast and leaves the poller few pages to copy on write later.
+# poller.curve pulls in zmq.auth and asyncio (~35 ms): never in a poller that does not use CURVE.
+_LAZY = {"PollerProcess": ".process", "Source": ".sources", "SourceStall": ".sources", "load_source": ".sources",
+         "Limits": ".protocol", "CurveServer": ".curve"}
+
 
 def __getattr__(name: str) -> Any:
-    # poller.curve pulls in zmq.auth and asyncio (~35 ms): only on first use,
-    # never in a poller process that does not use CURVE.
-    if name == "CurveServer":
-        from .curve import CurveServer
-
-        return CurveServer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
 # A library never configures handlers; this only silences "no handler" noise.
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -8,6 +8,7 @@ method keeps what makes spawn safe — a new interpreter, nothing inherited but
 what is passed — and skips the rest::
 
     parent                                   child: python -m poller.child FD NAME
+                                              forks its watchdog (poller.watchdog) first
     Channel.pair() ── child end (pass_fds) ─▶ sys.path = the parent's (from the environment)
     os.pipe() ─────── write end (pass_fds) ─▶ held open until the process ends
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
@@ -33,14 +34,10 @@ import sys
 import time
 from typing import Any, Iterable
 
+from .child import CLEANUP_VARIABLE, PATH_VARIABLE
 from .lifeline import Channel
 
 __all__ = ["ExecProcess", "wait"]
-
-# The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
-# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and
-# poller.child then takes the parent's exact sys.path (and drops both variables).
-PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
 
 
 def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
@@ -88,6 +85,10 @@ class ExecProcess:
         env = dict(os.environ, PYTHONPATH=path, **{PATH_VARIABLE: path})
         if "PYTHONPATH" in os.environ:
             env[PATH_VARIABLE + "_PYTHONPATH"] = os.environ["PYTHONPATH"]  # restored in the child
+        env.pop(CLEANUP_VARIABLE, None)
+        cleanup = getattr(self._config, "orphan_cleanup", None)
+        if cleanup:
+            env[CLEANUP_VARIABLE] = cleanup  # for the watchdog, forked before the configuration is read
         try:
             self._popen = subprocess.Popen(argv, pass_fds=(child_end.fileno(), sentinel_w),
                                            stdin=subprocess.DEVNULL, close_fds=True, env=env)

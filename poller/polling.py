@@ -100,6 +100,11 @@ class PollingThread(threading.Thread):
         self._stalled_call = 0  # number of the last call counted as stalled
         self._episode: tuple[float, int] | None = None  # (started, stalled calls) while stalled
         self.failed: BaseException | None = None
+        # True while the thread waits for its next poll (read by the control loop at STOP).
+        self.idle = False
+        # What was sent last, kept here rather than in the polling loop's frame: a thread that
+        # ends at STOP then frees nothing on its way out (K dicts, ~0.1 s at 1M keys).
+        self.sent: Listing = {}
         # The highest SYNC token received; written by the control loop before
         # it wakes this thread, read here when a listing begins.
         self.sync_received = 0
@@ -192,7 +197,9 @@ class PollingThread(threading.Thread):
                         episode[1], time.monotonic() - episode[0])
 
     def _sleep(self, seconds: float) -> None:
+        self.idle = True
         self._wake.wait(seconds)
+        self.idle = False
         self._wake.clear()
 
     def _hold(self, full: bool) -> bool | None:
@@ -212,7 +219,10 @@ class PollingThread(threading.Thread):
             wait = self._reader.wait_for(full)
             if wait <= 0:
                 return None if self.stopping.is_set() else full
-            if self.stopping.wait(wait):
+            self.idle = True
+            stopped = self.stopping.wait(wait)
+            self.idle = False
+            if stopped:
                 return None
 
     def run(self) -> None:
@@ -229,7 +239,7 @@ class PollingThread(threading.Thread):
             self._emit(Kind.ERROR, _error_body(exc, fatal=True, count=1), False)
 
     def _poll_until_stopped(self) -> None:
-        sent: Listing = {}
+        sent = self.sent
         full = True
         failures = 0
         while not self.stopping.is_set():

@@ -271,7 +271,6 @@ class PollerProcess:
         process = self._process
         if process is None:
             return ShutdownReport("no-poller", 0.0, None, False)
-        self.fatal_error()  # read what the child left in the pipe before closing it
         stage: Stage
         if wait([process.sentinel], 0):
             # Its sentinel closes a moment before the child can be reaped.
@@ -298,7 +297,7 @@ class PollerProcess:
         drained = False
         if wait_drained is not None and stage in ("graceful", "terminated", "already-exited"):
             drained = wait_drained(max(0.05, min(1.0, timeout)))
-        self.fatal_error()
+        self.fatal_error()  # read what the child left in the pipe before closing it
         if self._conn is not None:
             self._conn.close()
         if exitcode is not None:

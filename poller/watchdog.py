@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import select
-import shutil
 import signal
 
 from .procfs import parent_of, set_process_name
@@ -52,6 +51,7 @@ def start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
         return
     try:
         set_process_name(WATCHDOG_PROCESS_NAME)  # its command line is the poller's (a fork): tell them apart
+        _yield_to_everyone()
         _close_fds_except(lifeline_fd, exit_r)
         _watch(poller_pid, trainer_pid, lifeline_fd, exit_r, orphan_cleanup)
     finally:
@@ -59,6 +59,24 @@ def start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
 
 
 _keep: list[int] = []
+
+
+def _yield_to_everyone() -> None:
+    """Run only when no other task wants a core (SCHED_IDLE; else the lowest nice).
+
+    It wakes, and exits, the moment its poller exits: while the poller's own
+    exit and the trainer reaping it are under way. At the default priority its
+    exit (freeing the pages it shared with the poller, ~1 ms) took a core from
+    them on a loaded 2-core machine. Its own duty, ending an orphan within
+    the 0.4 s grace, takes microseconds, and SCHED_IDLE still gets a share.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.nice(19)
+        except OSError:
+            pass
 
 
 def _close_fds_except(*keep: int) -> None:
@@ -97,4 +115,6 @@ def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cle
     except ProcessLookupError:
         return
     if cleanup:
+        import shutil  # here: shutil loads zlib, bz2 and lzma, which the poller would carry from the fork
+
         shutil.rmtree(cleanup, ignore_errors=True)

@@ -34,33 +34,28 @@ from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .link import Link
 from .messages import Bye, Heartbeat, Log, Ready
 from .polling import PollingThread
-from .procfs import own_rss_bytes, set_process_name
+from .procfs import own_rss_bytes
 from .protocol import Kind, decode, encode_body, encode_header, fit_text
 from .sources import describe_spec, load_source
 from .wakeup import WakePipe
-from .watchdog import start_watchdog
 
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 
 logger = logging.getLogger(__name__)
 
-
-#: The poller's process name (``/proc/PID/comm``); its watchdog is ``replay-watchdog``.
-POLLER_PROCESS_NAME = "replay-poller"
+# The most an embedded poller waits, before os._exit, for its woken polling thread to end
+# (it takes well under a millisecond; the bound is for a thread that began a poll meanwhile).
+_THREAD_END_S = 0.05
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
-    """Entry point of a poller spawned by :class:`~poller.PollerProcess`.
+    """Entry point of a poller spawned by :class:`~poller.PollerProcess` (after :func:`poller.child.main`).
 
     Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
     forever, and a normal interpreter shutdown would only slow the exit.
     """
     code = ExitCode.CRASHED
-    set_process_name(POLLER_PROCESS_NAME)  # for ps -e, top, pgrep: not "python3.11"
     try:
-        # First, while this process has no threads: the watchdog ends us if
-        # the trainer dies while we cannot notice (building, wedged, stopped).
-        start_watchdog(lifeline_conn.fileno(), config.orphan_cleanup)
         code = _ControlLoop(config, lifeline_conn).run()
     except BaseException as exc:
         # A bug in the loop itself: os._exit below would swallow it, so the
@@ -139,6 +134,7 @@ class _ControlLoop:
         self.signal_wake = WakePipe()
         self.log_handler = _ForwardingHandler(self.data_wake, config.log_level)
         self.thread: PollingThread | None = None
+        self.thread_woken = False  # told to stop while it waited for its next poll
         self.startup_error: BaseException | None = None
         self.link: Link | None = None
         self.stalls_reported = 0
@@ -337,10 +333,15 @@ class _ControlLoop:
             if ctx is not None:
                 # Bounded by the socket's linger; the source thread holds no socket.
                 ctx.term()
-            root.removeHandler(self.log_handler)
-            self._restore_signals(previous_signals)
-            self.data_wake.close()
-            self.signal_wake.close()
+            if self.embedded:
+                # os._exit follows (run_embedded): the log handler, the signal handlers and the
+                # wake-up pipes go with the process, and putting them back only delayed its exit.
+                self._await_thread_end()
+            else:
+                root.removeHandler(self.log_handler)
+                self._restore_signals(previous_signals)
+                self.data_wake.close()
+                self.signal_wake.close()
             if self.exit_code == ExitCode.ORPHANED and self.config.orphan_cleanup:
                 import shutil  # rare path; kept out of start-up
 
@@ -396,19 +397,46 @@ class _ControlLoop:
     def _stop_thread(self) -> None:
         assert self.thread is not None
         if self.embedded:
-            # Stopping, but not woken: this process ends in os._exit, and a
-            # woken thread would only compete with the exit for the GIL and the
-            # cores, freeing its copy of the listing (K dicts) on the way out.
+            # Stopping, but not woken yet: this process ends in os._exit, and a woken
+            # thread would compete for the GIL with BYE going out (see _let_idle_thread_end).
             self.thread.stopping.set()
         else:
             self.thread.stop()
 
+    def _let_idle_thread_end(self, idle: bool) -> None:
+        """Once BYE is out, wake a polling thread that was waiting for its next poll.
+
+        It ends while the context terminates (its listing stays referenced: it
+        frees nothing on its way out), and :meth:`_await_thread_end` lets it
+        finish. A thread in kv_list() or in the middle of a poll is left as it
+        is: it could only compete with the exit for the GIL and the cores.
+        """
+        assert self.thread is not None
+        if self.embedded and idle:
+            self.thread.stop()
+            self.thread_woken = True
+
+    def _await_thread_end(self) -> None:
+        """Let a woken polling thread finish before the process exits.
+
+        The process then ends with its main thread alone: os._exit with the
+        polling thread alive made the kernel wake that thread to end it, and it
+        tore the address space down only once it got a core (0.07 ms on an idle
+        2-core machine, 0.6 ms on a loaded one). A thread in kv_list() cannot
+        end, and is not waited for.
+        """
+        thread = self.thread
+        if thread is not None and self.thread_woken and thread.call_started is None:
+            thread.join(_THREAD_END_S)
+
     def _finish(self, sock: zmq.Socket) -> None:
         """Send what is queued, then BYE, within the linger bound."""
         assert self.thread is not None
+        idle = self.thread.idle  # before it is told to stop: waiting for its next poll
         self._stop_thread()
         if self.exit_code == ExitCode.ORPHANED:
             sock.setsockopt(zmq.LINGER, 0)
+            self._let_idle_thread_end(idle)
             return
         failed = self.thread.failed
         if failed is not None and self.lifeline is not None:
@@ -425,4 +453,5 @@ class _ControlLoop:
             self._flush(sock)
             if self.outbox:
                 sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
+        self._let_idle_thread_end(idle)
         logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)

@@ -45,6 +45,26 @@ def test_poller_stuck_in_kv_list_still_closes_gracefully(db):
     report = rb.close(timeout=3)
     assert report.stage == "graceful" and report.exitcode == 0 and report.drained
 
+def test_a_polling_thread_waiting_for_its_next_poll_ends_at_once_and_keeps_what_it_sent():
+    # What the embedded poller relies on at STOP: woken, the thread ends while BYE goes out
+    # (the process then exits with its main thread alone), and frees nothing on its way out.
+    from poller.polling import PollingThread
+
+    listing = {"p": {"k": {"status": "success"}}}
+    thread = PollingThread(type("Source", (), {"kv_list": lambda self: listing})(), lambda *_: True,
+                           interval=30.0)
+    thread.start()
+    try:
+        assert wait_until(lambda: thread.polls == 1 and thread.idle)
+        sent = thread.sent
+        started = time.monotonic()
+        thread.stop()
+        thread.join(5.0)
+        assert not thread.is_alive() and time.monotonic() - started < 1.0
+        assert thread.sent is sent and sent == listing
+    finally:
+        thread.stop()
+
 @pytest.mark.parametrize("fault, stage", [("ignore_stop", "terminated"), ("ignore_sigterm", "killed")])
 def test_a_poller_that_ignores_stop_is_terminated_or_killed(tmp_path, fault, stage):
     marker = tmp_path / "stuck"

@@ -122,6 +122,22 @@ def test_the_receiver_ends_on_the_awaited_bye_and_runs_its_clean_up():
         store.close()
     assert ran == ["clean-up"]  # once
 
+def test_a_bye_applied_before_the_receiver_is_told_to_await_it_still_ends_the_thread():
+    receiver, store, endpoint = _receiver()
+    peer = Peer(endpoint)
+    ran: list[str] = []
+    try:
+        peer.ready()
+        peer.send(Kind.BYE, {"last_seq": peer.seq - 1, "reason": "SIGTERM"})
+        assert receiver.wait_bye("rogue", peer.epoch, 5.0)
+        receiver.stop_after_bye("rogue", peer.epoch, then=lambda: ran.append("clean-up"))
+        assert wait_until(lambda: ran == ["clean-up"])
+    finally:
+        peer.close()
+        receiver.stop()
+        store.close()
+    assert ran == ["clean-up"]  # once
+
 def test_a_receiver_stopped_before_the_bye_does_not_run_the_clean_up():
     receiver, store, endpoint = _receiver()
     peer = Peer(endpoint)
