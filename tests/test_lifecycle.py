@@ -48,6 +48,7 @@ def test_poller_stuck_in_kv_list_still_closes_gracefully(db):
 def test_a_polling_thread_waiting_for_its_next_poll_ends_at_once_and_keeps_what_it_sent():
     # What the embedded poller relies on at STOP: woken, the thread ends while BYE goes out
     # (the process then exits with its main thread alone), and frees nothing on its way out.
+    from poller.deltas import pack_tags
     from poller.polling import PollingThread
 
     listing = {"p": {"k": {"status": "success"}}}
@@ -61,7 +62,7 @@ def test_a_polling_thread_waiting_for_its_next_poll_ends_at_once_and_keeps_what_
         thread.stop()
         thread.join(5.0)
         assert not thread.is_alive() and time.monotonic() - started < 1.0
-        assert thread.sent is sent and sent == listing
+        assert thread.sent is sent and sent == {"p": {"k": pack_tags(listing["p"]["k"])}}  # kept packed
     finally:
         thread.stop()
 
