@@ -29,7 +29,7 @@ import time
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
-from .listing import Listing, ListingDiff, RawSnapshot, diff_raw_listing
+from .listing import Listing, ListingDiff, RawSnapshot, checked_listing, diff_raw_listing
 from .sources import Source, has_change_feed
 
 __all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
@@ -99,9 +99,7 @@ def _diffed(sent: Listing, raw: Any, full: bool, copy: bool) -> ListingDiff | Ra
     """
     if not full:
         return diff_raw_listing(sent, raw, full, copy=copy)
-    if raw is not None and not isinstance(raw, Mapping):
-        raise TypeError(f"kv_list() returned {type(raw).__name__}, expected a mapping of partitions")
-    return RawSnapshot(raw or {}, copy)
+    return RawSnapshot(checked_listing(raw), copy)
 
 
 class ListingReader:
@@ -185,7 +183,11 @@ class ListingReader:
         if full and callable(in_pieces):
             # Read while it is sent: the store's parsing overlaps the trainer's apply.
             began = time.monotonic()
-            cursor, pieces = in_pieces()
+            try:
+                cursor, pieces = in_pieces()
+            except BaseException:
+                self.duty.record(began, time.monotonic() - began)  # the store spent the time either way
+                raise
             self._pending = (cursor, True)
             return RawSnapshot(self._timed(pieces, began), copy=False)
         cursor, listing = self._listing(self._source.kv_snapshot)

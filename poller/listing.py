@@ -19,6 +19,19 @@ __all__ = ["Listing", "ListingDiff", "RawSnapshot", "diff_raw_listing", "commit_
 
 
 
+def checked_listing(raw: Any) -> Mapping[Any, Any]:
+    """``raw``, a ``kv_list()`` answer, as a mapping (``None``: nothing stored).
+
+    Raises:
+        TypeError: ``raw`` is not a mapping: a garbage answer, a source error.
+    """
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"kv_list() returned {type(raw).__name__}, expected a mapping of partitions")
+    return raw
+
+
 def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True, copy: bool = True) -> "ListingDiff":
     """Check a ``kv_list()`` result and diff it against ``sent``, in one pass over ``raw``.
 
@@ -46,10 +59,7 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True,
     Raises:
         TypeError: ``raw`` is not a mapping: a garbage answer, a source error.
     """
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise TypeError(f"kv_list() returned {type(raw).__name__}, expected a mapping of partitions")
+    raw = checked_listing(raw)
     upserts: dict[str, dict[str, Tags]] = {}
     deletes: dict[str, list[str]] = {}
     refused: list[Refused] = []

@@ -9,6 +9,7 @@ poller's diff does) for ``share`` of the period, then sleeps the rest.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -46,9 +47,11 @@ class Neighbour:
         self._proc = subprocess.Popen([sys.executable, "-c", _CODE, str(keys), f"{share:.4f}", str(period)],
                                       stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
-        if self._proc.stdout.readline().strip() != "ready":
+        # Building its dicts takes well under a second; a child that never says so is not waited for.
+        ready, _, _ = select.select([self._proc.stdout], [], [], 60.0)
+        if not ready or self._proc.stdout.readline().strip() != "ready":
             self.close()
-            raise RuntimeError("the neighbour process did not start")
+            raise RuntimeError("the neighbour process did not start within 60 s")
 
     def close(self) -> None:
         if self._proc.poll() is None:
