@@ -272,11 +272,6 @@ class PollerProcess:
         if process is None:
             return ShutdownReport("no-poller", 0.0, None, False)
         stage: Stage
-        # STOP first, before the checks that tell a poller already gone: a running one (the
-        # usual case) gets it sooner, and one already gone ignores it (it cannot have
-        # answered it within these few microseconds either).
-        if self._conn is not None:
-            lifeline.send(self._conn, lifeline.StopRequest())
         if wait([process.sentinel], 0):
             # Its sentinel closes a moment before the child can be reaped.
             process.join(_KILL_REAP_TIMEOUT)
@@ -284,6 +279,8 @@ class PollerProcess:
             stage = "already-exited"
         else:
             stage = "graceful"
+            if self._conn is not None:
+                lifeline.send(self._conn, lifeline.StopRequest())
             process.join(timeout)
             if process.exitcode is None:
                 logger.warning("poller %s (pid %s) did not stop within %.3gs; terminating", self.name, process.pid,
