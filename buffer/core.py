@@ -4,7 +4,8 @@ The facade (:mod:`buffer.replay`) holds only a core, so a finalizer can
 close it when the facade is dropped; open cores are also closed at
 interpreter exit, before non-daemon threads are joined. The poller child has
 one owner, :class:`~buffer.supervisor.Supervisor`: the core's ``close()``
-asks it and waits for its answer.
+takes a running child over from it (or, during a start or a restart, asks it
+and waits for its answer).
 """
 
 from __future__ import annotations
@@ -250,9 +251,9 @@ class _Core:
         report = ShutdownReport("no-poller", 0.0, None, False)
         try:
             if supervisor is not None:
-                # A request to the child's one owner: STOP, terminate, kill, each
-                # bounded, so this wait is too (the margin covers the reap and a
-                # start it cuts short).
+                # The ladder (here, or in the supervisor's thread): STOP, terminate,
+                # kill, each bounded, so this wait is too (the margin covers the reap
+                # and a start it cuts short).
                 report = supervisor.wait_closed(supervisor.close(timeout), 2 * timeout + _CLOSE_MARGIN_S)
         finally:
             # Also when the supervisor did not answer (a bug, raised to the

@@ -90,6 +90,25 @@ def test_concurrent_closes_all_get_the_same_report(db):
     assert len(reports) == 4 and all(r is reports[0] for r in reports)
     assert reports[0].stage == "graceful"
 
+def test_a_close_takes_the_watched_poller_over_and_the_supervisor_ends_restarting_nothing(db):
+    rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=30.0)
+    supervisor = rb._core._supervisor
+    pid = rb.stats()["poller_pid"]
+    report = rb.close()
+    assert report.stage == "graceful" and report.exitcode == 0 and report.drained
+    assert not supervisor.is_alive() and supervisor.process is not None and supervisor.process.pid == pid
+    assert not _alive(pid)
+
+def test_a_close_racing_the_pollers_own_death_restarts_nothing(db):
+    rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=30.0)
+    supervisor = rb._core._supervisor
+    pid = rb.stats()["poller_pid"]
+    os.kill(pid, signal.SIGKILL)
+    report = rb.close(timeout=5)  # before, or just after, the supervisor sees the death
+    # Reaped by the ladder's first wait, or found dead: either way the SIGKILL's exit code.
+    assert report.stage in ("graceful", "already-exited") and report.exitcode == -signal.SIGKILL
+    assert not supervisor.is_alive() and supervisor.process is not None and supervisor.process.pid == pid
+
 # -- start-up failures -----------------------------------------------------------
 
 @pytest.mark.parametrize("source, kwargs, match", [
