@@ -16,7 +16,7 @@ import heapq
 from dataclasses import dataclass
 from itertools import compress
 from operator import methodcaller
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from poller.vocabulary import RUNNING, SUCCESS, Tags
 
@@ -52,6 +52,9 @@ def _classify(tags: Mapping[str, Any] | None) -> tuple[Any, Any]:
 
 @dataclass
 class _Partition:
+    # Every key's arrival number has one home: ``success`` for a "success" key,
+    # ``arrival`` for any other. A snapshot of 1M results then fills two dicts
+    # of a million (``success`` and its step's), not three.
     arrival: dict[str, int]
     # Keys by step as dicts of None, not sets: a dict of atomic values is not
     # tracked by the garbage collector, a set always is (1M running keys: ~64 ms
@@ -81,7 +84,7 @@ class StepIndex:
             part.arrival[key] = self._arrivals
         self._reindex(part, key, _classify(old), _classify(new))
         if new is None:
-            part.arrival.pop(key, None)
+            part.arrival.pop(key, None)  # a "success" key's left with its index entry
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """:meth:`on_change` of each key new to the store, in one call.
@@ -95,29 +98,39 @@ class StepIndex:
             part = self.parts[partition_id] = _Partition.empty()
         first = self._arrivals + 1
         self._arrivals += len(keys)
-        part.arrival.update(zip(keys, range(first, first + len(keys))))
+        arrivals = range(first, first + len(keys))
         pairs = list(zip(map(_STATUS, tags), map(_STEP, tags)))
         try:
             distinct = set(pairs)
         except TypeError:  # an unhashable status or step: key by key, as on_change does
+            part.arrival.update(zip(keys, arrivals))
             for key, one in zip(keys, tags):
                 self._reindex(part, key, (None, None), _classify(one))
             return
-        groups: dict[tuple[Any, Any], list[str]] = {}
-        if len(distinct) <= 8:  # a snapshot's chunk holds few (status, step) pairs: one C-level pass each
+        # (status, step) -> its keys and their arrival numbers (taken alongside, not looked up).
+        groups: dict[tuple[Any, Any], tuple[Sequence[str], Sequence[int]]] = {}
+        if len(distinct) == 1:  # a snapshot's chunk is mostly one step's results
+            groups[pairs[0]] = (keys, arrivals)
+        elif len(distinct) <= 8:  # or a few (status, step) pairs: one C-level pass each
             for pair in distinct:
-                groups[pair] = list(compress(keys, map(pair.__eq__, pairs)))
+                chosen = list(map(pair.__eq__, pairs))
+                groups[pair] = (list(compress(keys, chosen)), list(compress(arrivals, chosen)))
         else:
-            for key, pair in zip(keys, pairs):
-                groups.setdefault(pair, []).append(key)
-        for (status, step), members in groups.items():
+            lists: dict[tuple[Any, Any], tuple[list[str], list[int]]] = {}
+            for key, order, pair in zip(keys, arrivals, pairs):
+                group_keys, group_orders = lists.setdefault(pair, ([], []))
+                group_keys.append(key)
+                group_orders.append(order)
+            groups.update(lists)
+        for (status, step), (members, orders) in groups.items():
+            if status == SUCCESS:
+                part.success.update(zip(members, orders))
+                if step is not None:
+                    part.success_by_step.setdefault(step, {}).update(zip(members, orders))
+                continue
+            part.arrival.update(zip(members, orders))
             if status == RUNNING and step is not None:
                 part.running_by_step.setdefault(step, {}).update(dict.fromkeys(members))
-            elif status == SUCCESS:
-                orders = dict(zip(members, map(part.arrival.__getitem__, members)))
-                part.success.update(orders)
-                if step is not None:
-                    part.success_by_step.setdefault(step, {}).update(orders)
 
     def _reindex(self, part: _Partition, key: str, old: tuple[Any, Any], new: tuple[Any, Any]) -> None:
         if old == new:
@@ -130,7 +143,9 @@ class StepIndex:
                 if not running:
                     del part.running_by_step[old_step]
         elif old_status == SUCCESS:
-            part.success.pop(key, None)
+            order = part.success.pop(key, None)
+            if order is not None:
+                part.arrival[key] = order
             if old_step is not None:
                 succeeded = part.success_by_step.get(old_step)
                 if succeeded is not None:
@@ -141,7 +156,7 @@ class StepIndex:
         if new_status == RUNNING and new_step is not None:
             part.running_by_step.setdefault(new_step, {})[key] = None
         elif new_status == SUCCESS:
-            order = part.arrival[key]
+            order = part.arrival.pop(key)
             part.success[key] = order
             if new_step is not None:
                 part.success_by_step.setdefault(new_step, {})[key] = order
