@@ -276,6 +276,16 @@ def test_packed_tags_are_checked_when_unpacked(blob: bytes, why: str) -> None:
     assert unpack_many_tags([good, good], limits) == [{"ok": [1, [2]]}] * 2
 
 
+def test_packed_tags_cut_across_their_keys_are_refused() -> None:
+    # Joined, these read as two whole maps ({"a": 1, "b": {"c": 3}}, then {"d": 4}) and an
+    # empty one: three objects for three keys, but none of them is its own key's.
+    blobs = [b"\x82\xa1a\x01\xa1b", msgpack.packb({"c": 3}), msgpack.packb({"d": 4}) + b"\x80"]
+    with pytest.raises(ProtocolError, match="malformed packed tags"):
+        unpack_many_tags(blobs)
+    with pytest.raises(ProtocolError, match="malformed packed tags"):
+        unpack_many_tags([msgpack.packb({"a": 1}), b""])
+
+
 def test_unpacked_tags_are_the_tags() -> None:
     tags = {"global_steps": 3, "status": "success", "l": [1, {"a": None}], "b": b"\x00", "f": 0.5}
     assert unpack_tags(msgpack.packb(tags, use_bin_type=True)) == tags
