@@ -10,20 +10,19 @@
 
 The control loop never calls the source, so STOP, SIGTERM and parent death
 are answered within milliseconds even while ``kv_list()`` is stuck. It owns
-the only socket and stamps every message with the epoch and a sequence
-number, so BYE can name exactly the last message sent.
+the only socket and, through its :class:`~poller.outbox.Outbox`, stamps every
+message with the epoch and a sequence number, so BYE can name exactly the
+last message sent.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
-import queue
 import signal
 import threading
 import time
-from typing import Any, Deque
+from typing import Any
 
 import zmq
 
@@ -32,10 +31,11 @@ from .arguments import check_worker_config
 from .config import ExitCode, WorkerConfig
 from .errors import PollerCrashed, PollerStartupError, ProtocolError
 from .link import Link
-from .messages import Bye, Heartbeat, Log, Ready
+from .messages import Bye, Heartbeat, Ready
+from .outbox import Outbox
 from .polling import PollingThread
 from .procfs import own_rss_bytes
-from .protocol import Kind, decode, encode_body, encode_header, fit_text
+from .protocol import Kind, decode, encode_body
 from .sources import describe_spec, load_source
 from .wakeup import WakePipe
 
@@ -90,29 +90,8 @@ def run_standalone(config: WorkerConfig) -> int:
     return code
 
 
-class _ForwardingHandler(logging.Handler):
-    """Queues WARNING+ records so the control loop can send them as LOG."""
-
-    def __init__(self, wake: WakePipe, level: int = logging.WARNING) -> None:
-        super().__init__(level)
-        self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
-        self._wake = wake
-        self.setFormatter(logging.Formatter("%(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.records.append((record.levelno, record.name, self.format(record)))
-            self._wake.poke()
-        except Exception:  # a log call must never break the poller
-            self.handleError(record)
-
-
 class _ControlLoop:
     """One run of the poller: start, stream, stop. Not reusable."""
-
-    # The most messages held for a socket that cannot take them yet; beyond
-    # this the source thread blocks, which is the back-pressure we want.
-    _OUTBOX_LIMIT = 16
 
     def __init__(self, config: WorkerConfig, lifeline_conn: lifeline.Channel | None) -> None:
         self.config = config
@@ -122,17 +101,12 @@ class _ControlLoop:
         # not to repeat, and secrets (hashlib, random) costs start-up time.
         # A buffer that spawned this poller chose the epoch itself (config.epoch).
         self.epoch = config.epoch or (int.from_bytes(os.urandom(8), "big") >> 2) + 1
-        self.seq = -1
-        # The seq of the first body of the latest full snapshot sent (-1: none yet).
-        self.snapshot_seq = -1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK
         self.parent_pid = os.getppid()
-        self.outbox: Deque[list[bytes]] = collections.deque()
-        self.items: "queue.Queue[tuple[Kind, bytes, bool]]" = queue.Queue(maxsize=64)
         self.data_wake = WakePipe()
         self.signal_wake = WakePipe()
-        self.log_handler = _ForwardingHandler(self.data_wake, config.log_level)
+        self.outbox = Outbox(self.epoch, self.data_wake, limits=config.limits, log_level=config.log_level)
         self.thread: PollingThread | None = None
         self.thread_woken = False  # told to stop while it waited for its next poll
         self.startup_error: BaseException | None = None
@@ -170,48 +144,10 @@ class _ControlLoop:
 
     # -- messages ---------------------------------------------------------------
 
-    def _queue_message(self, kind: Kind, body: bytes) -> None:
-        self.seq += 1
-        self.outbox.append([encode_header(kind, self.epoch, self.seq), body])
-
     def _emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
         """Called by the source thread; blocks while the outbox is full."""
         assert self.thread is not None
-        while not self.thread.stopping.is_set():
-            try:
-                self.items.put((kind, body, starts_snapshot), timeout=0.1)
-            except queue.Full:
-                continue
-            self.data_wake.poke()
-            return True
-        return False
-
-    def _pull_items(self) -> None:
-        while len(self.outbox) < self._OUTBOX_LIMIT:
-            try:
-                kind, body, starts_snapshot = self.items.get_nowait()
-            except queue.Empty:
-                break
-            self._queue_message(kind, body)
-            if starts_snapshot:
-                self.snapshot_seq = self.seq
-        while self.log_handler.records:
-            level, name, text = self.log_handler.records.popleft()
-            limits = self.config.limits
-            self._queue_message(Kind.LOG, encode_body(Kind.LOG, Log(level, fit_text(name, limits),
-                                                                    fit_text(text, limits))))
-
-    def _flush(self, sock: zmq.Socket) -> None:
-        while self.outbox:
-            try:
-                # Copied, never zero-copy: pyzmq frees zero-copy frames through a
-                # second context and thread of its own, which the poller would then
-                # start on its first large body and tear down at every exit; a
-                # copy of a snapshot body (~300 kB) costs ~50 us.
-                sock.send_multipart(self.outbox[0], flags=zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            self.outbox.popleft()
+        return self.outbox.emit_from_thread(kind, body, starts_snapshot, self.thread.stopping)
 
     def _heartbeat(self) -> None:
         thread = self.thread
@@ -219,14 +155,14 @@ class _ControlLoop:
         quarantine = thread.quarantine if thread else None
         duty = thread.duty if thread else None
         self.quarantine_reported = quarantine.changes if quarantine else 0
-        self._queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
+        self.outbox.queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
             polls=thread.polls if thread else 0,
             source_errors=thread.source_errors if thread else 0,
             rss=own_rss_bytes(),
             stalled_s=thread.stalled_for() if thread else 0.0,
             source_stalls=self.stalls_reported,
             # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
-            last_seq=self.seq,
+            last_seq=self.outbox.seq,
             quarantined=len(quarantine.keys) if quarantine else 0,
             quarantined_keys=quarantine.names() if quarantine else [],
             listings=duty.listings if duty else 0,
@@ -253,13 +189,13 @@ class _ControlLoop:
                 self.stop_reason = self.stop_reason or f"STOP: {message.body.reason}"
             elif message.kind is Kind.RESYNC and self.thread is not None:
                 after = message.body.after
-                if after is not None and message.epoch == self.epoch and self.snapshot_seq > after:
+                if after is not None and message.epoch == self.epoch and self.outbox.snapshot_seq > after:
                     # A snapshot started after what the buffer had received: it is the
                     # answer, on its way (a trainer resumed from SIGSTOP asks while the
                     # new connection's snapshot is already being sent; at 1M keys a
                     # second one costs seconds).
                     logger.debug("resync requested (%s) after seq %d: the snapshot from seq %d answers it",
-                                 message.body.reason, after, self.snapshot_seq)
+                                 message.body.reason, after, self.outbox.snapshot_seq)
                 else:
                     logger.debug("resync requested: %s", message.body.reason)
                     self.thread.request_resync()
@@ -291,7 +227,7 @@ class _ControlLoop:
         # once (the close ladder's "terminated"), instead of only SIGKILL.
         previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
-        root.addHandler(self.log_handler)
+        root.addHandler(self.outbox.log_handler)
         if self.embedded:  # its own process: the root level decides which records exist at all
             root.setLevel(self.config.log_level)
         ctx: zmq.Context | None = None
@@ -312,8 +248,8 @@ class _ControlLoop:
                 self.exit_code = ExitCode.STARTUP_FAILED
                 return self.exit_code
             previous_signals = self._install_signals()
-            self._queue_message(Kind.READY, encode_body(Kind.READY, Ready(os.getpid(), self.config.name,
-                                                                          self.config.interval)))
+            self.outbox.queue_message(Kind.READY, encode_body(Kind.READY, Ready(os.getpid(), self.config.name,
+                                                                                self.config.interval)))
             self.thread = PollingThread(
                 source, self._emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
@@ -338,7 +274,7 @@ class _ControlLoop:
                 # wake-up pipes go with the process, and putting them back only delayed its exit.
                 self._await_thread_end()
             else:
-                root.removeHandler(self.log_handler)
+                root.removeHandler(self.outbox.log_handler)
                 self._restore_signals(previous_signals)
                 self.data_wake.close()
                 self.signal_wake.close()
@@ -359,10 +295,11 @@ class _ControlLoop:
             poller.register(lifeline_fd, zmq.POLLIN)
         poller.register(link.monitor, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+        outbox = self.outbox
         while self.stop_reason is None:
-            self._pull_items()
-            self._flush(sock)
-            poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if self.outbox else 0))
+            outbox.pull_items()
+            outbox.flush(sock)
+            poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if outbox.pending else 0))
             wait = min(self.config.tick, max(0.0, next_heartbeat - time.monotonic()))
             events = dict(poller.poll(int(wait * 1000)))
             if self.signal_wake.read_fd in events:
@@ -381,8 +318,8 @@ class _ControlLoop:
             link.check()
             if self.embedded and os.getppid() != self.parent_pid:
                 self._orphaned("parent pid changed")
-            if not self.thread.is_alive() and self.thread.failed is not None and self.items.empty():
-                self._pull_items()  # the fatal ERROR itself
+            if not self.thread.is_alive() and self.thread.failed is not None and outbox.items.empty():
+                outbox.pull_items()  # the fatal ERROR itself
                 self.stop_reason = "source failed"
                 self.exit_code = ExitCode.SOURCE_FAILED
             self.thread.check_stall()
@@ -441,17 +378,18 @@ class _ControlLoop:
         failed = self.thread.failed
         if failed is not None and self.lifeline is not None:
             lifeline.send(self.lifeline, lifeline.failure(failed))
+        outbox = self.outbox
         while True:  # take everything the thread already handed over
-            before = len(self.outbox)
-            self._pull_items()
-            if len(self.outbox) == before:
+            before = len(outbox.pending)
+            outbox.pull_items()
+            if len(outbox.pending) == before:
                 break
-            self._flush(sock)
-        self._queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(self.seq, self.stop_reason or "")))
+            outbox.flush(sock)
+        outbox.queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(outbox.seq, self.stop_reason or "")))
         deadline = time.monotonic() + self.config.linger
-        while self.outbox and time.monotonic() < deadline:
-            self._flush(sock)
-            if self.outbox:
+        while outbox.pending and time.monotonic() < deadline:
+            outbox.flush(sock)
+            if outbox.pending:
                 sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
         self._let_idle_thread_end(idle)
         logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)

@@ -1,0 +1,112 @@
+"""The poller's outgoing messages: taken in from every thread, stamped, held for the one socket.
+
+The polling thread hands over its encoded bodies through a bounded queue, and
+WARNING+ log records from any thread wait in a :class:`ForwardingHandler`.
+The control loop (:mod:`poller.worker`) takes both in through its
+:class:`Outbox`, which stamps each message with the epoch and the next
+sequence number as it is taken in (one place, so BYE can name exactly the
+last message sent) and holds it until the socket takes it. The control loop
+decides when to send, stop and say BYE; this module is how a message gets
+from the thread that made it to the socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from typing import Deque
+
+import zmq
+
+from .messages import Log
+from .protocol import Kind, Limits, encode_body, encode_header, fit_text
+from .wakeup import WakePipe
+
+__all__ = ["ForwardingHandler", "Outbox"]
+
+
+class ForwardingHandler(logging.Handler):
+    """Queues WARNING+ records so the control loop can send them as LOG."""
+
+    def __init__(self, wake: WakePipe, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
+        self._wake = wake
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.levelno, record.name, self.format(record)))
+            self._wake.poke()
+        except Exception:  # a log call must never break the poller
+            self.handleError(record)
+
+
+class Outbox:
+    """The messages of one stream (``epoch``), stamped in order and held until the socket takes them.
+
+    Used from the control loop's thread, except :meth:`emit_from_thread`
+    (the polling thread) and :attr:`log_handler` (any thread that logs);
+    both poke ``wake``.
+    """
+
+    # The most messages held for a socket that cannot take them yet; beyond
+    # this the source thread blocks, which is the back-pressure we want.
+    LIMIT = 16
+
+    def __init__(self, epoch: int, wake: WakePipe, *, limits: Limits | None, log_level: int) -> None:
+        self.epoch = epoch
+        self.seq = -1
+        # The seq of the first body of the latest full snapshot sent (-1: none yet).
+        self.snapshot_seq = -1
+        # Stamped messages (head and body frames) the socket has not taken yet.
+        self.pending: Deque[list[bytes]] = collections.deque()
+        # Bodies the polling thread handed over, not yet stamped.
+        self.items: "queue.Queue[tuple[Kind, bytes, bool]]" = queue.Queue(maxsize=64)
+        self.log_handler = ForwardingHandler(wake, log_level)
+        self._wake = wake
+        self._limits = limits
+
+    def queue_message(self, kind: Kind, body: bytes) -> None:
+        self.seq += 1
+        self.pending.append([encode_header(kind, self.epoch, self.seq), body])
+
+    def emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool, stopping: threading.Event) -> bool:
+        """Called by the source thread; blocks while the outbox is full, until ``stopping`` is set."""
+        while not stopping.is_set():
+            try:
+                self.items.put((kind, body, starts_snapshot), timeout=0.1)
+            except queue.Full:
+                continue
+            self._wake.poke()
+            return True
+        return False
+
+    def pull_items(self) -> None:
+        while len(self.pending) < self.LIMIT:
+            try:
+                kind, body, starts_snapshot = self.items.get_nowait()
+            except queue.Empty:
+                break
+            self.queue_message(kind, body)
+            if starts_snapshot:
+                self.snapshot_seq = self.seq
+        while self.log_handler.records:
+            level, name, text = self.log_handler.records.popleft()
+            limits = self._limits
+            self.queue_message(Kind.LOG, encode_body(Kind.LOG, Log(level, fit_text(name, limits),
+                                                                   fit_text(text, limits))))
+
+    def flush(self, sock: zmq.Socket) -> None:
+        while self.pending:
+            try:
+                # Copied, never zero-copy: pyzmq frees zero-copy frames through a
+                # second context and thread of its own, which the poller would then
+                # start on its first large body and tear down at every exit; a
+                # copy of a snapshot body (~300 kB) costs ~50 us.
+                sock.send_multipart(self.pending[0], flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.pending.popleft()
