@@ -16,7 +16,7 @@ import traceback
 from typing import Callable
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
-from .deltas import iter_encode_pieces
+from .deltas import iter_encode_delta, iter_encode_pieces
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, RawSnapshot, commit_listing
 from .messages import Error
@@ -58,11 +58,12 @@ class PollingThread(threading.Thread):
 
     Listings of a source without a change feed keep within
     ``listing_share`` of the wall clock (:mod:`poller.duty`; by default
-    verl's cycle, the next listing no sooner than 2 s after the poll that
-    took the previous one is done): a SYNC or
-    RESYNC that arrives sooner is answered by the next listing the share
-    allows, never dropped; STOP ends the wait at once. (With a change feed
-    only the periodic reconciliation keeps to it: :mod:`poller.changes`.)
+    verl's cycle, the next listing no sooner than 2 s plus its own duration
+    after the poll that took the previous one is done): a SYNC that arrives
+    sooner is answered by the next listing the share allows, never dropped;
+    STOP ends the wait at once. A RESYNC needs no listing: what the last
+    poll sent is sent again at once (:meth:`_resends`). (With a change feed
+    only the periodic reconciliation keeps to the share: :mod:`poller.changes`.)
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
@@ -105,6 +106,9 @@ class PollingThread(threading.Thread):
         # What was sent last, kept here rather than in the polling loop's frame: a thread that
         # ends at STOP then frees nothing on its way out (K dicts, ~0.1 s at 1M keys).
         self.sent: Listing = {}
+        # The last poll sent whole: its wall-clock start, monotonic start and the sync token
+        # it answered. Without a change feed a RESYNC sends ``sent`` again under its number.
+        self._last_poll: tuple[float, float, int] | None = None
         # The highest SYNC token received; written by the control loop before
         # it wakes this thread, read here when a listing begins.
         self.sync_received = 0
@@ -202,6 +206,35 @@ class PollingThread(threading.Thread):
         self.idle = False
         self._wake.clear()
 
+    def _resends(self) -> bool:
+        """Whether a snapshot now is ``sent`` again rather than a listing: a RESYNC, without a change feed.
+
+        ``sent`` is what the last poll listed, whole: sent again under that
+        poll's number, start and sync token, it repairs a receiver that lost
+        messages at once, at no cost to the store and outside the listing
+        share (1M keys: no listing, no packing to compare, ~0.5 s of the
+        poller's time less). The store's changes since then come with the
+        next poll, when it is due. (With a change feed the reader answers
+        from ``sent`` plus the feed's changes: :meth:`ListingReader.read_to_send`.)
+        """
+        return self._last_poll is not None and not self._reader.feed
+
+    def _resend(self, sent: Listing) -> bool:
+        """Send ``sent`` as a full snapshot of the last poll; False once the poller is stopping."""
+        assert self._last_poll is not None
+        started, began, covered = self._last_poll
+        first = True
+        # Screened and packed when it was first sent: encoded as it is.
+        for body in iter_encode_delta(sent, {}, poll=self.polls, started=started, full=True,
+                                      chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
+                                      sync=covered):
+            if not self._emit(Kind.DELTA, body, first):
+                return False
+            first = False
+        # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
+        self._sleep(self.interval - (time.monotonic() - began))
+        return True
+
     def _hold(self, full: bool) -> bool | None:
         """Wait until the listing share allows this poll's read; return ``full`` as it then is.
 
@@ -216,7 +249,7 @@ class PollingThread(threading.Thread):
             if self._resync.is_set():
                 self._resync.clear()
                 full = True
-            wait = self._reader.wait_for(full)
+            wait = 0.0 if full and self._resends() else self._reader.wait_for(full)
             if wait <= 0:
                 return None if self.stopping.is_set() else full
             self.idle = True
@@ -247,6 +280,11 @@ class PollingThread(threading.Thread):
             if held is None:
                 return
             full = held
+            if full and self._resends():
+                if not self._resend(sent):
+                    return
+                full = False
+                continue
             started = time.time()
             began = time.monotonic()
             covered = self.sync_received  # before the listing: it answers only requests received by now
@@ -316,6 +354,7 @@ class PollingThread(threading.Thread):
             del diff, pieces
             full = False
             self.polls += 1
+            self._last_poll = (started, began, covered)
             # The poll is over (its listing, diff, screen and sending): verl's pause starts now (poller.duty).
             self._reader.duty.poll_done()
             # A fixed schedule, start to start: a change waits interval/2 on

@@ -304,3 +304,47 @@ def test_a_reconciliation_of_a_change_feed_waits_for_the_share(store, share: flo
     assert reader.last_complete is reconciled
     assert diff.upserts == {"train": {"k1": {"status": "running"}}}
     assert reader.duty.listings == (2 if reconciled else 1)
+
+
+def test_a_resync_sends_the_last_poll_again_without_a_listing(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    bodies: list[tuple[Kind, bytes, bool]] = []
+
+    def emit(kind: Kind, body: bytes, first: bool) -> bool:
+        bodies.append((kind, body, first))
+        return True
+
+    # A share of 0.001: after its first listing the source may be listed again only ~50 s later.
+    thread = PollingThread(TimedListing(log, seconds=0.05), emit, interval=60.0, listing_share=0.001)
+    thread.start()
+    try:
+        assert wait_until(lambda: thread.polls == 1, timeout=10)
+        thread.request_sync(1)  # asked after the first listing began: only a later listing answers it
+        thread.request_resync()
+        assert wait_until(lambda: len(bodies) == 2, timeout=10)
+    finally:
+        thread.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+    first, again = (decode([encode_header(Kind.DELTA, 1, i), body]).body for i, (_, body, _) in enumerate(bodies))
+    assert [starts for _, _, starts in bodies] == [True, True]
+    # The same poll, whole: its number, start and sync token, and what it listed.
+    assert again.full and again.reset and again.end and again.poll == first.poll == 1
+    assert again.t == first.t and again.sync == first.sync == 0
+    assert again.packed == first.packed == {"train": [["train-key"], [msgpack.packb(
+        {"global_steps": 1, "status": "success"})]]}
+    assert len(listing_starts(log)) == 1 and thread.polls == 1
+
+
+def test_a_buffer_repaired_by_a_resync_holds_the_last_poll_while_the_share_holds_the_next(tmp_path: Path) -> None:
+    log = str(tmp_path / "listings.log")
+    with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.05}, poll_interval=60.0,
+                      listing_share=0.001) as rb:
+        assert wait_until(lambda: rb.stats()["polls"] == 1, timeout=10)
+        before = rb.stats()["snapshots"]
+        rb._core.receiver.send_control(rb._core.name, Kind.RESYNC, "test")
+        # Answered at once, ~50 s before the share would allow a listing.
+        assert wait_until(lambda: rb.stats()["snapshots"] == before + 1, timeout=10)
+        assert rb.snapshot() == {"train": {"train-key": {"global_steps": 1, "status": "success"}}}
+        assert rb.sample("train", batch_size=1, timeout=5).keys == ["train-key"]  # a whole view again
+    assert len(listing_starts(log)) == 1
