@@ -73,13 +73,15 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
     table.add("mpqueue (request -> merged)", mpqueue, keys / mpqueue, "-", mpqueue / product)
     table.goals.append(Goal("product / ceiling (items/s)", ceiling_s / product, 0.8, higher_is_better=True))
     table.goals.append(Goal("product / mpqueue (items/s)", mpqueue / product, 2.0, higher_is_better=True))
-    table.notes.append("product and mpqueue include the source's kv_list() and the encoding; the ceiling packs "
-                       "before its clock starts and does no checks, no store and no index; the product's poller "
-                       "diffs, screens, packs and sends the snapshot piece by piece (4096 keys), so the trainer "
-                       "applies one piece while the next is made")
+    table.notes.append("a RESYNC (the buffer lost messages) is answered by the product's poller with what its "
+                       "last poll sent, kept packed, in pieces of 4096 keys, without listing the source (the "
+                       "store's changes since come with its next poll); mpqueue's request lists the source and "
+                       "pickles the listing; the ceiling packs before its clock starts and does no checks, no "
+                       "store and no index. A snapshot with a listing (a cold start, every key new) is #10's "
+                       "'every key visible'")
     table.notes.append("the trainer-share row is the floor of this design: even with free transport and a free "
                        "poller, the trainer decodes the bodies and then finds, for every key, whether it holds it "
-                       "with the same bytes and which stream lists it (C-level passes over dicts of K keys: "
+                       "with the same bytes and crosses it off the keys its stream listed before (C-level passes: "
                        "each a hash lookup into a table of K entries), which the ceiling does not do")
     table.notes.append(ITEM_BYTES_NOTE)
     table.notes.append("the synthetic source hands out its own tag dicts, so the store's cost is ~0 for the "
