@@ -82,7 +82,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 class LoadMonitor:
-    """The machine's load while the run goes: 1-minute averages sampled per benchmark."""
+    """The machine's load while the run goes: 1-minute averages sampled at every benchmark and progress line."""
 
     def __init__(self) -> None:
         self.samples: list[tuple[str, float]] = []

@@ -66,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
 
     def progress(message: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f}s load {os.getloadavg()[0]:4.2f}] {message}", file=sys.stderr,
+        # Every progress line is a load sample: the range in the results is the one the log shows.
+        print(f"[{time.monotonic() - started:6.1f}s load {load.sample(message):4.2f}] {message}", file=sys.stderr,
               flush=True)
 
     tables: list[Table] = []
