@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Iterator
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .deltas import iter_encode_delta, iter_encode_pieces
@@ -223,16 +223,22 @@ class PollingThread(threading.Thread):
         """Send ``sent`` as a full snapshot of the last poll; False once the poller is stopping."""
         assert self._last_poll is not None
         started, began, covered = self._last_poll
-        first = True
         # Screened and packed when it was first sent: encoded as it is.
-        for body in iter_encode_delta(sent, {}, poll=self.polls, started=started, full=True,
-                                      chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
-                                      sync=covered):
+        if not self._send(iter_encode_delta(sent, {}, poll=self.polls, started=started, full=True,
+                                            chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
+                                            sync=covered), full=True):
+            return False
+        # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
+        self._sleep(self.interval - (time.monotonic() - began))
+        return True
+
+    def _send(self, bodies: Iterator[bytes], full: bool) -> bool:
+        """Emit one poll's DELTA bodies, the first marked as a snapshot's start if ``full``; False once stopping."""
+        first = full
+        for body in bodies:
             if not self._emit(Kind.DELTA, body, first):
                 return False
             first = False
-        # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
-        self._sleep(self.interval - (time.monotonic() - began))
         return True
 
     def _hold(self, full: bool) -> bool | None:
@@ -308,13 +314,10 @@ class PollingThread(threading.Thread):
                 # instead of failing the poll. Packed once: for the wire, and (a
                 # change feed's poller) to keep as what was sent.
                 pieces = ScreenedPieces(diff, sent, full, self._screen_limits, self.chunk_items)
-                first = full
-                for body in iter_encode_pieces(pieces, pieces.deletes, poll=self.polls + 1, started=started,
-                                               full=full, chunk_items=self.chunk_items,
-                                               max_frame_bytes=self.max_frame_bytes, sync=covered):
-                    if not self._emit(Kind.DELTA, body, first):
-                        return
-                    first = False
+                if not self._send(iter_encode_pieces(pieces, pieces.deletes, poll=self.polls + 1, started=started,
+                                                     full=full, chunk_items=self.chunk_items,
+                                                     max_frame_bytes=self.max_frame_bytes, sync=covered), full):
+                    return
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
                 self._reader.duty.poll_done()

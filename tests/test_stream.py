@@ -106,31 +106,24 @@ def _receiver() -> tuple[StreamReceiver, PartitionStore, str]:
     receiver = StreamReceiver(store, "tcp://127.0.0.1:0")
     return receiver, store, receiver.start()
 
-def test_the_receiver_ends_on_the_awaited_bye_and_runs_its_clean_up():
+@pytest.mark.parametrize("awaited_first", [True, False], ids=["awaited-then-applied", "applied-then-awaited"])
+def test_the_receiver_ends_on_the_awaited_bye_and_runs_its_clean_up_once(awaited_first: bool):
+    # Either order: a BYE applied before the receiver is told to await it still ends the thread.
     receiver, store, endpoint = _receiver()
     peer = Peer(endpoint)
     ran: list[str] = []
-    try:
-        peer.ready()
-        receiver.stop_after_bye("rogue", peer.epoch, then=lambda: ran.append("clean-up"))
-        peer.send(Kind.BYE, {"last_seq": peer.seq - 1, "reason": "STOP"})
-        assert receiver.wait_bye("rogue", peer.epoch, 5.0)  # applied, and no gap before it
-        assert wait_until(lambda: ran == ["clean-up"])
-    finally:
-        peer.close()
-        receiver.stop()
-        store.close()
-    assert ran == ["clean-up"]  # once
 
-def test_a_bye_applied_before_the_receiver_is_told_to_await_it_still_ends_the_thread():
-    receiver, store, endpoint = _receiver()
-    peer = Peer(endpoint)
-    ran: list[str] = []
+    def await_bye() -> None:
+        receiver.stop_after_bye("rogue", peer.epoch, then=lambda: ran.append("clean-up"))
+
     try:
         peer.ready()
-        peer.send(Kind.BYE, {"last_seq": peer.seq - 1, "reason": "SIGTERM"})
-        assert receiver.wait_bye("rogue", peer.epoch, 5.0)
-        receiver.stop_after_bye("rogue", peer.epoch, then=lambda: ran.append("clean-up"))
+        if awaited_first:
+            await_bye()
+        peer.send(Kind.BYE, {"last_seq": peer.seq - 1, "reason": "STOP" if awaited_first else "SIGTERM"})
+        assert receiver.wait_bye("rogue", peer.epoch, 5.0)  # applied, and no gap before it
+        if not awaited_first:
+            await_bye()
         assert wait_until(lambda: ran == ["clean-up"])
     finally:
         peer.close()
