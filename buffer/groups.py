@@ -33,6 +33,8 @@ from typing import Any
 
 from poller.vocabulary import FAILURE, FINISHED, PENDING, PROMPT_STATUSES, RUNNING, Tags
 
+from .policies import positions_that_differ
+
 __all__ = ["GroupIndex", "GroupPartition", "uid_of"]
 
 _STATUS_SET = frozenset(PROMPT_STATUSES)
@@ -203,6 +205,9 @@ def _prompt_class(tags: Tags) -> tuple[Any, Any, Any] | None:
     return True, tags.get("status"), tags.get("global_steps")
 
 
+# What of a key's tags its group depends on (see _prompt_class).
+_GROUP_TAGS = ("is_prompt", "status", "global_steps")
+
 _EMPTY = GroupPartition()
 
 
@@ -244,6 +249,18 @@ class GroupIndex:
             part._index(key, new)
         if part.is_empty():
             del self._parts[partition_id]
+
+    def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
+        """:meth:`on_change` of each key held before, in one call.
+
+        A key whose ``is_prompt``, ``status`` and ``global_steps`` all read the
+        same before and after changed no group (found in C-level passes); the
+        others go through :meth:`on_change` one by one.
+        """
+        moved = positions_that_differ(olds, news, _GROUP_TAGS)
+        self.changes += len(keys) - len(moved)
+        for i in moved:
+            self.on_change(partition_id, keys[i], olds[i], news[i])
 
     def partition(self, partition_id: str) -> GroupPartition:
         """The groups of ``partition_id`` (an empty, shared view if it has none); read it under the lock."""

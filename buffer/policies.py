@@ -5,19 +5,21 @@ for verl's groups) keeps its own index of the keys it samples from, updated
 from :meth:`Policy.on_change`, which the :class:`~buffer.partitions.PartitionStore`
 calls under its lock for every key that changed. :class:`AttachedPolicies` is
 how the store makes those calls: in the order the policies were attached, the
-keys a snapshot adds in one call to a policy that takes them so, and a policy
-that raises contained, so a bug in one fails the store's waits instead of the
-receiver thread.
+keys a snapshot adds and the keys a poll changes in one call each to a policy
+that takes them so (:class:`BulkPolicy`), and a policy that raises contained,
+so a bug in one fails the store's waits instead of the receiver thread.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from itertools import compress
+from operator import and_, eq, itemgetter, methodcaller, not_
+from typing import Any, Mapping, Protocol, Sequence
 
 from poller.vocabulary import Tags
 
-__all__ = ["AttachedPolicies", "BulkPolicy", "Policy"]
+__all__ = ["AttachedPolicies", "BulkPolicy", "Policy", "positions_that_differ"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,17 @@ class Policy(Protocol):
 
 
 class BulkPolicy(Policy, Protocol):
-    """A policy that can also take the keys a snapshot adds all at once (optional)."""
+    """A policy that can also take many keys' changes in one call (each method optional).
+
+    A poll's thousands of changed keys then cost the policy a few C-level
+    passes instead of a Python call each.
+    """
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """Like :meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order, in one call."""
+
+    def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
+        """Like :meth:`Policy.on_change` for each of ``keys``, held before, with its old and new tags, in one call."""
 
 
 class AttachedPolicies:
@@ -76,6 +85,21 @@ class AttachedPolicies:
             except Exception as exc:
                 self._failed(policy, partition_id, keys[0], exc)
 
+    def replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
+        """Tell every policy that keys it held changed, at once if it can take them so (a poll's thousands)."""
+        if not keys:
+            return
+        for policy in self._policies:
+            on_replaced = getattr(policy, "on_replaced", None)
+            if on_replaced is None:
+                for key, old, new in zip(keys, olds, news):
+                    self._tell(policy, partition_id, key, old, new)
+                continue
+            try:
+                on_replaced(partition_id, keys, olds, news)
+            except Exception as exc:
+                self._failed(policy, partition_id, keys[0], exc)
+
     def _tell(self, policy: Policy, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         try:
             policy.on_change(partition_id, key, old, new)
@@ -89,3 +113,25 @@ class AttachedPolicies:
         error = RuntimeError(f"sampling policy {type(policy).__name__} failed: {exc!r}")
         error.__cause__ = exc
         self.failure = self.failure or error
+
+
+def positions_that_differ(olds: Sequence[Mapping[str, Any]], news: Sequence[Mapping[str, Any]],
+                          names: Sequence[str]) -> Sequence[int]:
+    """The positions whose old and new tags differ in any of the tags ``names`` (a tag absent reads ``None``).
+
+    In C-level passes (1000 keys, two names: ~0.15 us a key); a value whose
+    ``==`` is not a plain bool puts every position in.
+    """
+    positions = range(len(olds))
+    try:
+        try:  # every tag present (the usual case): one tuple each
+            read = itemgetter(*names)
+            return list(compress(positions, map(not_, map(eq, map(read, olds), map(read, news)))))
+        except KeyError:
+            same = [True] * len(olds)
+            for name in names:
+                get = methodcaller("get", name)
+                same = list(map(and_, same, map(bool, map(eq, map(get, olds), map(get, news)))))
+            return list(compress(positions, map(not_, same)))
+    except Exception:
+        return positions

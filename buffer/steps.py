@@ -20,6 +20,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from poller.vocabulary import RUNNING, SUCCESS, Tags
 
+from .policies import positions_that_differ
 from .seam import SamplingSeam
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]
@@ -131,6 +132,16 @@ class StepIndex:
             part.arrival.update(zip(members, orders))
             if status == RUNNING and step is not None:
                 part.running_by_step.setdefault(step, {}).update(dict.fromkeys(members))
+
+    def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
+        """:meth:`on_change` of each key held before, in one call.
+
+        A poll's changed keys mostly keep their step and status (a reward
+        filled in, a score bumped): those are found in C-level passes and
+        cost nothing more; the others are re-indexed one by one.
+        """
+        for i in positions_that_differ(olds, news, ("status", "global_steps")):
+            self.on_change(partition_id, keys[i], olds[i], news[i])
 
     def _reindex(self, part: _Partition, key: str, old: tuple[Any, Any], new: tuple[Any, Any]) -> None:
         if old == new:

@@ -45,6 +45,7 @@ __all__ = [
     "unpack_tags",
     "unpack_many_tags",
     "unpack_held",
+    "unpack_held_many",
     "delta_upserts",
 ]
 
@@ -277,7 +278,8 @@ def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
         tags = _unpack_each(blobs, limits)
     except Exception:  # one of them is malformed: name it
         return [unpack_tags(blob, limits) for blob in blobs]
-    if not set(map(type, tags)) <= _DICT or not set(map(type, chain.from_iterable(tags))) <= _STR_NAMES:
+    # The names' types from the set of distinct names (a few), not from every key's.
+    if not set(map(type, tags)) <= _DICT or not set(map(type, set().union(*tags))) <= _STR_NAMES:
         return [unpack_tags(blob, limits) for blob in blobs]
     if not _SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, tags)))):
         limit = limits.max_depth
@@ -323,6 +325,21 @@ _DICT = frozenset({dict})
 def unpack_held(blob: bytes) -> dict[str, Any]:
     """Tags from bytes that were checked when they arrived (:func:`unpack_tags`) or :func:`pack_tags` made."""
     return msgpack.unpackb(blob, raw=False, strict_map_key=False)  # type: ignore[no-any-return]
+
+
+def unpack_held_many(blobs: Sequence[bytes]) -> list[dict[str, Any]]:
+    """:func:`unpack_held` of each blob, read by one unpacker in C (~0.3 us a key where a call each costs ~0.6).
+
+    Each blob is one object already (checked when it arrived, or packed
+    here), so the objects of the joined blobs are the blobs' own.
+    """
+    joined = b"".join(blobs)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(joined), 1))
+    unpacker.feed(joined)
+    out = list(unpacker)
+    if len(out) != len(blobs):
+        raise ValueError(f"{len(blobs)} held blobs read as {len(out)} objects")
+    return out
 
 
 def delta_upserts(delta: Delta, limits: Limits = DEFAULT_LIMITS) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,124 @@
+"""A poll's packed tags merged in bulk, against the same changes merged key by key.
+
+Two real stores get the same random history: a source's polls (new keys,
+changed keys, keys no longer listed), the trainer's own tags beside the
+source's (some msgpack cannot hold exactly, so they stay dicts), and
+removals. One store takes each poll as a DELTA's ``packed`` carries it
+(:meth:`PartitionStore.merge_packed`, whose changed keys are merged all at
+once); the other as tag dicts (:meth:`PartitionStore.merge_listed`, a merge
+per key). Both must hold the same tags, and their step and group indexes
+must agree.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from buffer.groups import GroupIndex
+from buffer.partitions import PartitionStore
+from buffer.steps import StepIndex
+from poller.deltas import pack_tags
+from poller.protocol import unpack_many_tags
+
+PART = "train"
+STREAM = "own"
+# uid_rN are a group's trajectories; uid_p its prompt (verl's keys).
+KEYS = [f"u{g}_{suffix}" for g in range(6) for suffix in ("p", "r0", "r1")]
+
+
+def _source_tags(rng: random.Random, key: str) -> dict[str, Any]:
+    tags: dict[str, Any] = {"reward": rng.random()}
+    if key.endswith("_p"):
+        tags["is_prompt"] = rng.random() < 0.9
+    if rng.random() < 0.9:
+        tags["status"] = rng.choice(("running", "success", "failure", "pending", "finished", None))
+    if rng.random() < 0.9:
+        tags["global_steps"] = [1] if rng.random() < 0.05 else rng.randint(1, 3)  # some unhashable
+    if rng.random() < 0.3:
+        tags["score"] = rng.randint(0, 2)  # a name the next poll may leave out
+    return tags
+
+
+class _Pair:
+    """The store merging in bulk and the store merging key by key, each with both policies."""
+
+    def __init__(self) -> None:
+        self.bulk, self.each = PartitionStore(), PartitionStore()
+        self.steps = {id(store): StepIndex() for store in (self.bulk, self.each)}
+        self.groups = {id(store): GroupIndex() for store in (self.bulk, self.each)}
+        for store in (self.bulk, self.each):
+            store.attach(self.steps[id(store)])
+            store.attach(self.groups[id(store)])
+
+    def poll(self, items: dict[str, dict[str, Any]], unlisted: list[str]) -> None:
+        keys = list(items)
+        blobs = [pack_tags(tags) for tags in items.values()]
+        assert None not in blobs
+        self.bulk.merge_packed(STREAM, PART, keys, blobs, unpack_many_tags)  # type: ignore[arg-type]
+        self.each.merge_listed(STREAM, PART, items)
+        for store in (self.bulk, self.each):
+            store.unlist(STREAM, PART, unlisted)
+
+    def both(self, method: str, *args: Any) -> None:
+        for store in (self.bulk, self.each):
+            getattr(store, method)(*args)
+
+    def check(self) -> None:
+        assert self.bulk.snapshot(PART) == self.each.snapshot(PART)
+        bulk_steps, each_steps = self.steps[id(self.bulk)].parts, self.steps[id(self.each)].parts
+        assert bulk_steps.keys() == each_steps.keys()
+        for part_id in bulk_steps:
+            assert vars(bulk_steps[part_id]) == vars(each_steps[part_id])
+        assert _groups(self.groups[id(self.bulk)]) == _groups(self.groups[id(self.each)])
+
+
+def _groups(index: GroupIndex) -> dict[str, Any]:
+    """Every group index field; a bucket's and a group's members as sets (the bulk path tells new keys last)."""
+    out = {}
+    for part_id in index.partition_ids():
+        part = index.partition(part_id)
+        out[part_id] = {
+            "status": part.status, "step": part.step, "invalid": part.invalid,
+            "unclassified": set(part.unclassified), "metric": part.metric, "filtered": part.filtered,
+            "buckets": {status: {step: set(uids) for step, uids in steps.items()}
+                        for status, steps in part.buckets.items()},
+            "trajectories": {uid: set(keys) for uid, keys in part.trajectories.items()},
+        }
+    return out
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_bulk_merge_holds_and_tells_what_a_merge_per_key_does(seed: int) -> None:
+    rng = random.Random(seed)
+    pair = _Pair()
+    listed: set[str] = set()
+    for step in range(150):
+        roll = rng.random()
+        if roll < 0.6:  # a poll: some keys new or changed, maybe some no longer listed
+            chosen = rng.sample(KEYS, rng.randint(1, len(KEYS)))
+            unlisted = sorted(key for key in listed - set(chosen) if rng.random() < 0.2)
+            pair.poll({key: _source_tags(rng, key) for key in chosen}, unlisted)
+            listed = (listed | set(chosen)) - set(unlisted)
+        elif roll < 0.8:  # the trainer's own tag beside the source's; a tuple stays a dict
+            key = rng.choice(KEYS)
+            pair.both("add", PART, {key: {"mine": (1, 2) if rng.random() < 0.3 else step}})
+        else:
+            pair.both("remove", PART, [rng.choice(KEYS)])
+        pair.check()
+    assert pair.bulk.key_count() > 0
+
+
+def test_a_poll_replacing_every_tag_keeps_the_bytes_that_arrived() -> None:
+    """The usual poll: each changed key's tags arrive whole, and the store holds the very bytes."""
+    store = PartitionStore()
+    store.attach(StepIndex())
+    keys = [f"k{i}" for i in range(100)]
+    first = [pack_tags({"status": "running", "global_steps": 1, "reward": 0.0}) for _ in keys]
+    store.merge_packed(STREAM, PART, keys, first, unpack_many_tags)  # type: ignore[arg-type]
+    second = [pack_tags({"status": "success", "global_steps": 1, "reward": i / 100}) for i in range(100)]
+    store.merge_packed(STREAM, PART, keys, second, unpack_many_tags)  # type: ignore[arg-type]
+    held = store._parts[PART]
+    assert all(held[key] is blob for key, blob in zip(keys, second))
