@@ -122,3 +122,20 @@ def test_a_poll_replacing_every_tag_keeps_the_bytes_that_arrived() -> None:
     store.merge_packed(STREAM, PART, keys, second, unpack_many_tags)  # type: ignore[arg-type]
     held = store._parts[PART]
     assert all(held[key] is blob for key, blob in zip(keys, second))
+
+
+def test_a_policy_without_bulk_methods_is_told_each_changed_key() -> None:
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, Any, Any]] = []
+
+        def on_change(self, partition_id: str, key: str, old: Any, new: Any) -> None:
+            self.calls.append((key, old, new))
+
+    store, recorder = PartitionStore(), Recorder()
+    store.attach(recorder)
+    store.merge_packed(STREAM, PART, ["a", "b"], [pack_tags({"v": 1}), pack_tags({"v": 1})],  # type: ignore[list-item]
+                       unpack_many_tags)
+    store.merge_packed(STREAM, PART, ["a", "b"], [pack_tags({"v": 2}), pack_tags({"v": 1})],  # type: ignore[list-item]
+                       unpack_many_tags)
+    assert recorder.calls == [("a", None, {"v": 1}), ("b", None, {"v": 1}), ("a", {"v": 1}, {"v": 2})]
