@@ -230,7 +230,7 @@ class PartitionStore:
                 return
             # The changed keys, with what the store held of each, their bytes and their tags.
             columns: list[list[Any]] = [list(map(keys.__getitem__, changed)), list(map(olds.__getitem__, changed)),
-                       list(map(blobs.__getitem__, changed)), decoded]
+                                        list(map(blobs.__getitem__, changed)), decoded]
             if merge is not None:  # a removal in flight: its keys stay removed
                 columns = _kept(map(set(merge).__contains__, columns[0]), *columns)
             kinds = list(map(type, columns[1]))

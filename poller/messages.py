@@ -174,7 +174,7 @@ _BYTES_ONLY = frozenset({bytes})
 
 
 def _packed_ok(value: Any) -> bool:
-    """``{partition: [keys, blobs]}``: str partitions and keys, bytes blobs, one blob per key.
+    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, bytes blobs, one blob per key.
 
     Checked in C-level passes (a resync carries every key). What each blob
     holds is checked where it is unpacked, when the receiver does not already
@@ -189,6 +189,10 @@ def _packed_ok(value: Any) -> bool:
         if type(keys) is not list or type(blobs) is not list or len(keys) != len(blobs):
             return False
         if not set(map(type, keys)) <= _STR_ONLY or not set(map(type, blobs)) <= _BYTES_ONLY:
+            return False
+        # A key twice would be applied against tags it no longer has (the
+        # store merges a message's keys at once): malformed, like a dict's.
+        if len(set(keys)) != len(keys):
             return False
     return True
 

@@ -237,6 +237,7 @@ def test_delta_items_are_checked(upserts: Any, deletes: Any) -> None:
 
 @pytest.mark.parametrize("packed", [
     {"train": [["k"], [b"\x80", b"\x80"]]},  # one blob per key
+    {"train": [["k", "k"], [b"\x80", b"\x81\xa1v\x01"]]},  # each key once
     {"train": [["k"], ["not bytes"]]},
     {"train": [[1], [b"\x80"]]},
     {"train": [["k"]]},
