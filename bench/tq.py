@@ -19,9 +19,10 @@ rates are taken over a window of whole listing cycles inside the writer's run
 (:func:`bench.tq_host.window`): from the end of one listing to the end of a
 later one, so a phase is not favoured by where its edges fell between two
 listings (6 s phases held 2 or 3 listings of a ~2.4 s cycle: 0.33 or 0.5
-listings/s). The phases alternate over several rounds, each round in a
-rotated order; ratios are medians of per-round ratios, listings/s and the CPU
-per listing are pooled over the rounds. The store, Ray and the samplers live
+listings/s). Each sampler phase runs between two runs of phase a, over
+several rounds (:func:`bench.tq_host.schedule`), and is compared with their
+mean, so a steady drift of the machine cancels out; ratios and differences
+are medians over the rounds, listings/s and the CPU per listing are pooled. The store, Ray and the samplers live
 in a host process (:mod:`bench.tq_host`), so none of it stays in this process.
 
 Needs the ``transferqueue`` extra, and verl 0.9.1 for phase c
@@ -45,7 +46,7 @@ _SILENCE = 300.0  # the host's longest quiet spell: Ray's start-up on a loaded m
 
 def _plan(quick: bool) -> tuple[list[int], int, float]:
     """(sizes K, rounds, seconds per phase)."""
-    # Full: ~7.5 min on 2 cores; a 15 s phase holds ~5 whole listing cycles of either sampler.
+    # Full: 17 phases per K, ~10 min on 2 cores; a 15 s phase holds ~5 whole listing cycles of either sampler.
     return ([10_000], 2, 5.0) if quick else ([10_000, 100_000], 4, 15.0)
 
 
@@ -109,28 +110,64 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "the window; summed over rounds and divided by the listings")
     table.notes.append("a slower writer also spares the controller its puts, so b − a can be small or negative "
                        "(and its goal met) while the sampler's listings cost a lot: the estimate column charges "
-                       "each phase's batches at the controller's CPU per batch of phase a in the same round and "
+                       "each phase's batches at the controller's CPU per batch of its reference (below) and "
                        "shows the rest, compared by the last goal of each K")
     table.notes.append("controller = CPU of the TransferQueueController actor's process over the window (phase "
                        "a: the writer's run); lister = buffer.verl's poller process (b) or the trainer threads "
                        "running verl's sample() and TransferQueue's client event loop, which sends kv_list() and "
-                       "decodes its reply (c); medians over rounds; the slowdown column is the median of "
-                       "per-round ratios")
+                       "decodes its reply (c); medians over rounds")
+    table.notes.append("each sampler phase runs between two runs of phase a and is compared with their mean (its "
+                       "reference): the slowdown (reference batches/s ÷ the phase's), the CPU added (the phase's "
+                       "controller CPU − the reference's) and the CPU beyond the puts are medians of those "
+                       "per-phase figures; the writer's rate drifts between phases on a loaded 2-core machine "
+                       "(phase a's runs are listed per K), and a reference on both sides cancels a steady drift")
     return table
 
 
+def _rate(record: dict[str, Any]) -> float:
+    return float(record["batches"] / record["seconds"])
+
+
+def bracketed(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float, float]]:
+    """One K's sampler phases, each with its reference: ``(record, batches/s, controller CPU)``.
+
+    The reference is the mean of the phase-a runs just before and just after
+    the phase (:func:`bench.tq_host.schedule` puts one on either side), so a
+    steady drift of the machine between phases cancels out.
+
+    Raises:
+        RuntimeError: a sampler phase with no phase a beside it.
+    """
+    by_seq = {record["seq"]: record for record in records}
+    out = []
+    for record in sorted(records, key=lambda r: r["seq"]):
+        if record["phase"] == "a":
+            continue
+        around = [by_seq.get(record["seq"] + step) for step in (-1, 1)]
+        references = [a for a in around if a is not None and a["phase"] == "a"]
+        if not references:
+            raise RuntimeError(f"K={record['k']:,} phase {record['phase']} (run {record['seq']}) has no phase a "
+                               "beside it")
+        out.append((record, sum(map(_rate, references)) / len(references),
+                    sum(a["controller_cpu"] for a in references) / len(references)))
+    return out
+
+
 def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases: str) -> None:
-    """Rows and goals from the host's phase records (medians over rounds, ratios paired by round)."""
+    """Rows and goals from the host's phase records (medians over rounds, ratios against the bracketing a runs)."""
     for k in sizes:
         by_phase = {p: [r for r in records if r["k"] == k and r["phase"] == p] for p in phases}
+        pairs = bracketed([r for r in records if r["k"] == k])
+        # Per sampler phase, against the mean of the phase-a runs on either side of it: the writer's
+        # slowdown, the controller CPU it added, and that CPU beyond the puts (each of the phase's
+        # batches charged at the reference's controller CPU per batch).
+        slowdowns = {p: [rate / _rate(r) for r, rate, _ in pairs if r["phase"] == p] for p in phases}
+        added = {p: [r["controller_cpu"] - cpu for r, _, cpu in pairs if r["phase"] == p] for p in phases}
+        beyond = {p: [r["controller_cpu"] - _rate(r) * cpu / rate for r, rate, cpu in pairs if r["phase"] == p]
+                  for p in phases}
         pooled: dict[str, float] = {}
-        rates = {p: {r["round"]: r["batches"] / r["seconds"] for r in rs} for p, rs in by_phase.items()}
-        cpu = {p: {r["round"]: r["controller_cpu"] for r in rs} for p, rs in by_phase.items()}
-        # The controller's CPU per put batch in phase a, the same round, charged at the phase's own rate.
-        beyond = {p: {n: cpu[p][n] - rates[p][n] * cpu["a"][n] / rates["a"][n] for n in cpu[p]} for p in phases}
         for p, rs in by_phase.items():
             latencies = [x for r in rs for x in r["latencies"]]
-            slowdown = median([rates["a"][n] / rates[p][n] for n in rates[p]]) if p != "a" else "—"
             lister = [r["lister_cpu"] for r in rs if r["lister_cpu"] is not None]
             counted = [r for r in rs if r["listings"] is not None]
             listings = sum(r["listings"] for r in counted)
@@ -138,10 +175,12 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
             per_listing: Any = sum(_listing_cpu(r) for r in counted) / listings * 1e3 if listings else "—"
             if listings:
                 pooled[p] = per_s * per_listing / 10  # % of a core: listings/s × ms per listing
-            table.add(f"{k:,}", f"{p}: {PHASES[p]}", median(list(rates[p].values())),
+            table.add(f"{k:,}", f"{p}: {PHASES[p]}", median([_rate(r) for r in rs]),
                       percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3,
-                      median(list(cpu[p].values())) * 100, median(list(beyond[p].values())) * 100 if p != "a" else "—",
-                      median(lister) * 100 if lister else "—", per_s, per_listing, slowdown)
+                      median([r["controller_cpu"] for r in rs]) * 100,
+                      median(beyond[p]) * 100 if p != "a" else "—",
+                      median(lister) * 100 if lister else "—", per_s, per_listing,
+                      median(slowdowns[p]) if p != "a" else "—")
             miscounted = [(r["round"] + 1, r["listings"], r["counted"]) for r in counted
                           if r["counted"] != r["listings"]]
             if miscounted:
@@ -154,20 +193,21 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
         if pooled:
             table.notes.append(f"K={k:,}: the listings' controller CPU, listings/s × ms per listing: "
                                + ", ".join(f"{PHASES[p]} {pooled[p]:.3g}% of a core" for p in pooled))
+        table.notes.append(f"K={k:,}: phase a's writer batches/s, run by run: "
+                           + ", ".join(f"{_rate(r):.0f}" for r in sorted(by_phase["a"], key=lambda r: r["seq"])))
         table.goals.append(Goal(f"writer slowdown beside buffer.verl (batches/s a ÷ b), K={k:,}",
-                                median([rates["a"][n] / rates["b"][n] for n in rates["b"]]), 1.02))
-        added = median([cpu["b"][n] - cpu["a"][n] for n in cpu["b"]]) * 100
+                                median(slowdowns["b"]), 1.02))
         if "c" in phases:
-            verl_added = median([cpu["c"][n] - cpu["a"][n] for n in cpu["c"]]) * 100
             table.goals.append(Goal(f"controller CPU added by buffer.verl (b − a) ≤ added by verl's sampler "
-                                    f"(c − a, the limit), % of a core, K={k:,}", added, verl_added))
+                                    f"(c − a, the limit), % of a core, K={k:,}", median(added["b"]) * 100,
+                                    median(added["c"]) * 100))
             # The same comparison without the confound of the writer's rate (see the notes).
             table.goals.append(Goal(f"controller CPU beyond the puts (est.): buffer.verl ≤ verl's sampler "
-                                    f"(the limit), % of a core, K={k:,}", median(list(beyond["b"].values())) * 100,
-                                    median(list(beyond["c"].values())) * 100))
+                                    f"(the limit), % of a core, K={k:,}", median(beyond["b"]) * 100,
+                                    median(beyond["c"]) * 100))
         else:
-            table.notes.append(f"controller CPU added by buffer.verl (b − a), K={k:,}: {added:.3g}% of a core "
-                               "(no verl phase to compare with)")
+            table.notes.append(f"controller CPU added by buffer.verl (b − a), K={k:,}: "
+                               f"{median(added['b']) * 100:.3g}% of a core (no verl phase to compare with)")
 
 
 def _listing_cpu(record: dict[str, Any]) -> float:

@@ -380,6 +380,25 @@ def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str,
     return record
 
 
+def schedule(phases: str, rounds: int) -> list[tuple[int, str]]:
+    """The phases of one K in the order they run: ``(round, phase)``.
+
+    Every sampler phase runs between two of phase a, whose mean is its
+    reference (:func:`bench.tq.bracketed`): the writer's rate drifts by
+    10% and more from one 15 s phase to the next on a loaded 2-core machine
+    (and in either direction over a run), and a reference measured on both
+    sides of a phase cancels a steady drift, where one measured before or
+    after it (a rotated order) counts the drift as the sampler's cost. The
+    samplers swap places each round, so neither always follows the other.
+    """
+    samplers = [name for name in phases if name != "a"]
+    order: list[tuple[int, str]] = []
+    for r in range(rounds):
+        for name in samplers if r % 2 == 0 else samplers[::-1]:
+            order += [(r, "a"), (r, name)]
+    return order + [(rounds - 1, "a")]
+
+
 def _controller_pid() -> int:
     import ray
 
@@ -424,13 +443,10 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
             if not groups:
                 ray.get(writer.run.remote(0.5), timeout=_CALL_TIMEOUT)  # the actor is up and its client warm
             groups = k // GROUP_KEYS
-            for r in range(rounds):
-                # Rotated each round, so a drift of the machine's load falls on every phase alike.
-                order = phases[r % len(phases):] + phases[:r % len(phases)]
-                for name in order:
-                    record = _phase(name, writer, controller, seconds)
-                    record.update(k=k, round=r)
-                    conn.send(("phase", record))
+            for seq, (r, name) in enumerate(schedule(phases, rounds)):
+                record = _phase(name, writer, controller, seconds)
+                record.update(k=k, round=r, seq=seq)
+                conn.send(("phase", record))
         conn.send(("done", {"controller_pid": controller}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))

@@ -1,15 +1,17 @@
 """``python -m bench --only tq`` measures over whole listing cycles: its window and per-listing figures.
 
 Synthetic counter readings, no TransferQueue: a sampler whose listing is done with every 2.4 s,
-read every 50 ms as the benchmark's host reads it.
+read every 50 ms as the benchmark's host reads it; and synthetic phase records for the
+order the phases run in and the reference each sampler phase is compared with.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from bench.tq import _listing_cpu
-from bench.tq_host import around_listings, window
+from bench.report import Table
+from bench.tq import _fill, _listing_cpu, bracketed
+from bench.tq_host import around_listings, schedule, window
 
 EVERY, CYCLE = 0.05, 2.4
 
@@ -59,3 +61,71 @@ def test_the_cpu_per_listing_is_found_beside_the_puts() -> None:
               "around_cpu": around_cpu, "around_batches": around_batches}
     listings = readings[j][3] - readings[i][3]
     assert _listing_cpu(record) / listings == pytest.approx(0.055, rel=0.05)
+
+
+def test_every_sampler_phase_runs_between_two_of_phase_a_and_the_samplers_swap_each_round() -> None:
+    order = schedule("abc", 4)
+    names = [name for _, name in order]
+    assert names == ["a", "b", "a", "c", "a", "c", "a", "b", "a", "b", "a", "c", "a", "c", "a", "b", "a"]
+    assert [r for r, name in order if name != "a"] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [name for _, name in schedule("ab", 2)] == ["a", "b", "a", "b", "a"]
+
+
+def _records(k: int, rates: dict[str, float], drift: float, cpu_per_batch: float = 0.001,
+             listing_cpu: dict[str, float] | None = None) -> list[dict]:
+    """Phase records in :func:`schedule`'s order: each phase's writer rate ``rates[phase]`` times a
+    machine that slows by ``drift`` from one phase to the next; the controller's CPU is the puts'
+    plus ``listing_cpu[phase]``."""
+    listing_cpu = listing_cpu or {}
+    records = []
+    for seq, (r, name) in enumerate(schedule("abc", 4)):
+        rate = rates[name] * (1 - drift) ** seq
+        listings = None if name == "a" else 5
+        records.append({"k": k, "round": r, "seq": seq, "phase": name, "seconds": 10.0, "batches": rate * 10.0,
+                        "latencies": [0.004], "controller_cpu": rate * cpu_per_batch + listing_cpu.get(name, 0.0),
+                        "lister_cpu": None if name == "a" else 0.05, "listings": listings, "counted": listings,
+                        "aligned": True, "around_cpu": 0.0 if listings else None,
+                        "around_batches": 0 if listings else None})
+    return records
+
+
+def test_a_steady_drift_of_the_machine_is_not_counted_as_a_samplers_cost() -> None:
+    # The writer slows 10% a phase whatever runs beside it; neither sampler costs anything.
+    records = _records(10_000, {"a": 200.0, "b": 200.0, "c": 200.0}, drift=0.10)
+    for record, rate, cpu in bracketed(records):
+        # The mean of the two neighbours of a geometric drift is within 0.5% of the phase's own rate.
+        assert rate / _rate_of(record) == pytest.approx(1.0, abs=0.006)
+        assert record["controller_cpu"] - cpu == pytest.approx(0.0, abs=0.002)
+    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
+                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    _fill(table, records, [10_000], "abc")
+    slowdown = next(goal for goal in table.goals if goal.text.startswith("writer slowdown"))
+    assert slowdown.value == pytest.approx(1.0, abs=0.006)
+    # Against the run of phase a before it only (a rotated order's reference), the same drift read
+    # as an 11% slowdown: what this pairing removes.
+    before = {r["seq"]: r for r in records}
+    assert _rate_of(before[0]) / _rate_of(before[1]) == pytest.approx(1 / 0.9)
+
+
+def test_a_sampler_that_slows_the_writer_and_costs_the_controller_is_seen_through_the_drift() -> None:
+    records = _records(100_000, {"a": 200.0, "b": 190.0, "c": 200.0}, drift=0.05,
+                       listing_cpu={"b": 0.02, "c": 0.01})
+    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
+                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    _fill(table, records, [100_000], "abc")
+    goals = {goal.text.split(",")[0]: goal for goal in table.goals}
+    assert goals["writer slowdown beside buffer.verl (batches/s a ÷ b)"].value == pytest.approx(200 / 190, rel=0.01)
+    beyond = goals["controller CPU beyond the puts (est.): buffer.verl ≤ verl's sampler (the limit)"]
+    assert beyond.value == pytest.approx(2.0, abs=0.01) and beyond.limit == pytest.approx(1.0, abs=0.01)
+    assert not beyond.met
+
+
+def test_a_sampler_phase_without_phase_a_beside_it_is_refused() -> None:
+    records = [r for r in _records(10_000, {"a": 200.0, "b": 200.0, "c": 200.0}, drift=0.0) if r["seq"] in (1, 2, 3)]
+    records = [r for r in records if r["phase"] != "a"]
+    with pytest.raises(RuntimeError, match="no phase a beside it"):
+        bracketed(records)
+
+
+def _rate_of(record: dict) -> float:
+    return record["batches"] / record["seconds"]
