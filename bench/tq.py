@@ -113,9 +113,10 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "each phase's batches at the controller's CPU per batch of its reference (below) and "
                        "shows the rest, compared by the last goal of each K")
     table.notes.append("controller = CPU of the TransferQueueController actor's process over the window (phase "
-                       "a: the writer's run); lister = buffer.verl's poller process (b) or the trainer threads "
-                       "running verl's sample() and TransferQueue's client event loop, which sends kv_list() and "
-                       "decodes its reply (c); medians over rounds")
+                       "a: the writer's run); lister = what lists and samples for the sampler: "
+                       "buffer.verl's poller process and its threads in the trainer process (the one blocked in "
+                       "sample(), the receiver, the supervisor) (b); the thread running verl's sample() and "
+                       "TransferQueue's client event loop, which sends kv_list() and decodes its reply (c); medians over rounds")
     table.notes.append("each sampler phase runs between two runs of phase a and is compared with their mean (its "
                        "reference): the slowdown (reference batches/s ÷ the phase's), the CPU added (the phase's "
                        "controller CPU − the reference's) and the CPU beyond the puts are medians of those "

@@ -127,10 +127,12 @@ class _Blocked:
     ``listings()`` counts the sampler's full listings of the store so far,
     exactly but up to ``lag`` seconds late; ``marks()`` moves by one as each
     listing is done with, at once (the window's edges, :func:`window`);
-    ``lister_stat`` names the ``/proc`` stat file of what lists the store for
-    the sampler (None: the blocked thread itself), ``also`` those of threads
-    that work for it (TransferQueue's client decodes replies in a thread of
-    its own); ``stop`` ends the phase,
+    ``lister_cpu()`` adds up the CPU of the thread blocked in ``sample()``,
+    of the process ``lister_stat`` names (the ``/proc`` stat file of a
+    poller that lists the store for the sampler; None: none) and of the
+    threads ``also`` names, which work for it in this process (the product's
+    receiver and supervisor; TransferQueue's client, which decodes replies in
+    a thread of its own); ``stop`` ends the phase,
     after which ``sample()`` must raise ``expected``; ``cleanup`` runs once
     the thread has ended.
     """
@@ -149,7 +151,8 @@ class _Blocked:
         self._thread = threading.Thread(target=self._run, args=(sample,), name="bench-tq-sample", daemon=True)
         self._thread.start()
         # native_id is set by the time start() returns.
-        self._lister_stats = (lister_stat or f"/proc/self/task/{self._thread.native_id}/stat",) + also
+        self._lister_stats = ((lister_stat,) if lister_stat else ()) + (
+            f"/proc/self/task/{self._thread.native_id}/stat",) + also
 
     def _run(self, sample: Callable[[], Any]) -> None:
         try:
@@ -193,14 +196,18 @@ def _product() -> _Blocked:
     from buffer.errors import BufferClosed
     from buffer.verl import ReplayBuffer
 
+    before = {thread.native_id for thread in threading.enumerate()}
     sampler = ReplayBuffer(trainer_mode="colocate_async", trainer_config=_empty(), max_off_policy_threshold=None,
                            max_off_policy_strategy="drop", sampler_kwargs=_empty(), refill_fn=None)
     try:
         sampler.get_sampleable_count(1, PARTITION)  # starts the poller and waits for its first listing
         poller = sampler.stats()["poller_pid"]
+        # Its threads in this process (they live until close): what it costs here, as verl's are counted.
+        own = tuple(f"/proc/self/task/{thread.native_id}/stat" for thread in threading.enumerate()
+                    if thread.native_id not in before)
         return _Blocked(lambda: sampler.sample(global_steps=1, partition_id=PARTITION, batch_size=NEVER),
                         sampler.close, lambda: int(sampler.stats()["listings"]), f"/proc/{poller}/stat",
-                        BufferClosed, marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG)
+                        BufferClosed, marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG, also=own)
     except BaseException:
         sampler.close()
         raise
