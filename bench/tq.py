@@ -195,7 +195,10 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
             table.notes.append(f"K={k:,}: the listings' controller CPU, listings/s × ms per listing: "
                                + ", ".join(f"{PHASES[p]} {pooled[p]:.3g}% of a core" for p in pooled))
         table.notes.append(f"K={k:,}: phase a's writer batches/s, run by run: "
-                           + ", ".join(f"{_rate(r):.0f}" for r in sorted(by_phase["a"], key=lambda r: r["seq"])))
+                           + ", ".join(f"{_rate(r):.0f}" for r in sorted(by_phase["a"], key=lambda r: r["seq"]))
+                           + "; each sampler phase's slowdown against its reference: "
+                           + "; ".join(f"{p} " + ", ".join(f"{x:.3g}" for x in slowdowns[p]) for p in phases
+                                       if p != "a"))
         table.goals.append(Goal(f"writer slowdown beside buffer.verl (batches/s a ÷ b), K={k:,}",
                                 median(slowdowns["b"]), 1.02))
         if "c" in phases:
