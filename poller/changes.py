@@ -164,7 +164,10 @@ class ListingReader:
         self._pending = None
         self.last_complete, self.last_deletes = True, {}
         if not self.feed:
-            return _diffed(sent, self._listing(self._source.kv_list), full, copy=False)
+            # Packed where the source can (poller.sources.PackedItems): unchanged keys are not decoded.
+            listing = getattr(self._source, "kv_list_packed", None)
+            return _diffed(sent, self._listing(listing if callable(listing) else self._source.kv_list), full,
+                           copy=False)
         due = (self.reconcile_interval is not None
                and time.monotonic() - self._listed_at >= self.reconcile_interval
                and self.duty.wait_for() == 0)

@@ -14,6 +14,11 @@ A source that can say what changed also implements :class:`ChangeFeed`
 the changes on each poll, so its work follows the rate of change instead of
 the size of the store. The embedded SQLite store does; TransferQueue and the
 fault wrappers do not, and are listed in full on every poll.
+
+A source whose store answers in msgpack may also offer ``kv_list_packed()``:
+``kv_list()`` with each partition's tags left as the store packed them
+(:class:`PackedItems`). The poller then compares each key's packed tags with
+the bytes it sent and decodes only those that differ. TransferQueue's does.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
 
 from ..vocabulary import Listing
 
-__all__ = ["ChangeFeed", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec", "has_change_feed",
-           "load_source"]
+__all__ = ["ChangeFeed", "PackedItems", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec",
+           "has_change_feed", "load_source"]
 
 
 class SourceStall(TimeoutError):
@@ -51,6 +56,38 @@ class UnreadableValue:
         return isinstance(other, UnreadableValue) and other.reason == self.reason
 
     __hash__ = None  # type: ignore[assignment]  # compared, never hashed
+
+
+class PackedItems:
+    """One partition of a listing, ``{key: packed tags}``, as a store's reply carried it; ``decode`` reads them.
+
+    What ``kv_list_packed()`` puts where ``kv_list()`` puts ``{key: tags}``.
+    Every key is a ``str``. Each value is the msgpack of one key's tags,
+    and ``decode(blobs)`` returns the tags of each (what ``kv_list()`` would
+    have listed; it raises what ``kv_list()`` raises for a malformed reply).
+    Bytes equal to those the poller sent for the key mean the tags did not
+    change, and they are not decoded: the poller packs tags as msgpack does
+    by default (``use_bin_type``), and a store that packs plain values the
+    same way saves a decode and a pack per unchanged key. Tags packed any
+    other way (an extension type, another encoder) are decoded and compared
+    as tags, so the result is the same either way.
+    """
+
+    __slots__ = ("items", "decode")
+
+    def __init__(self, items: dict[str, bytes], decode: Callable[[list[bytes]], list[Any]]) -> None:
+        self.items = items
+        self.decode = decode
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __repr__(self) -> str:
+        return f"<PackedItems: {len(self.items)} keys>"
+
+    def decoded(self) -> dict[str, Any]:
+        """``{key: tags}``, every key decoded."""
+        return dict(zip(self.items, self.decode(list(self.items.values()))))
 
 
 @runtime_checkable

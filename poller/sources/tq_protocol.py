@@ -66,6 +66,7 @@ from typing import Any, Sequence
 
 import msgpack
 
+from . import PackedItems
 from .tq_pickles import restricted_loads
 from .tq_values import Deferred, decode_ext, plain
 
@@ -77,6 +78,7 @@ __all__ = [
     "TransferQueueProtocolError",
     "encode_request",
     "decode_reply",
+    "decode_listing_reply",
     "check_version",
     "check_probe_reply",
     "unknown_version_warning",
@@ -214,8 +216,134 @@ def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: s
     except TransferQueueReplyError:
         raise
     except Exception as exc:  # msgpack and pickle raise a zoo of types; all mean "malformed"
-        raise TransferQueueReplyError(f"malformed reply from the TransferQueue controller: "
-                                      f"{type(exc).__name__}: {exc}") from exc
+        raise _malformed(exc) from exc
+    return _body(request_type, message, probe_address)
+
+
+def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
+    """:func:`decode_reply` of a ``KV_LIST`` reply, each partition's tags left packed.
+
+    The body's ``partition_info`` maps each partition id to a
+    :class:`~poller.sources.PackedItems`: every key's tags are the bytes
+    the reply holds for them, read by the item's ``decode`` as
+    :func:`decode_reply` reads them. Walking a reply costs about a quarter
+    of decoding it (K=100k plain tags: ~25 ms against ~90 ms), and the
+    poller decodes only the keys whose bytes changed. A reply of any other
+    shape (pickled whole, a partition id or key that is not a ``str``, an
+    extension value outside the tags, a malformed one) is read by
+    :func:`decode_reply`, whose answer or error it then is.
+
+    Raises:
+        TransferQueueReplyError: as :func:`decode_reply`.
+    """
+    if not frames or bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
+        return decode_reply(KV_LIST, frames)
+    try:
+        message = _ListingWalk(frames).message()
+    except Exception:  # not the plain shape: the whole reply is read the usual way, and judged there
+        return decode_reply(KV_LIST, frames)
+    return _body(KV_LIST, message, None)
+
+
+def _malformed(exc: BaseException) -> TransferQueueReplyError:
+    return TransferQueueReplyError(f"malformed reply from the TransferQueue controller: {type(exc).__name__}: {exc}")
+
+
+class _NotPlain(Exception):
+    """The reply is not of the shape :class:`_ListingWalk` reads."""
+
+
+class _ListingWalk:
+    """One KV_LIST reply read with its tags skipped: the message, ``partition_info`` as :class:`PackedItems`."""
+
+    def __init__(self, frames: Sequence[bytes]) -> None:
+        self.frames = frames
+        self.frame = bytes(frames[0])
+        self.outside_tags = True
+        # What the ext hook gave outside the tags: not read here (see decode_listing_reply).
+        self.unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self._refuse_ext, timestamp=3,
+                                         max_buffer_size=max(len(self.frame), 1))
+        self.unpacker.feed(self.frame)
+        # Shared by every key's decode, as one decode of the whole reply shares them.
+        self.scalars: dict[bytes, Any] = {}
+
+    @staticmethod
+    def _refuse_ext(code: int, data: bytes) -> Any:
+        raise _NotPlain(f"extension type {code} outside the tags")
+
+    def message(self) -> dict[str, Any]:
+        unpacker = self.unpacker
+        message: dict[Any, Any] = {}
+        for _ in range(unpacker.read_map_header()):
+            name = unpacker.unpack()
+            message[name] = self._body() if name == "body" else self._plain_value()
+        if unpacker.tell() != len(self.frame):
+            raise _NotPlain("bytes after the message")
+        return message
+
+    def _plain_value(self) -> Any:
+        value = self.unpacker.unpack()
+        if plain(value) != value:  # a timestamp, which decode_reply reads as an UnreadableValue
+            raise _NotPlain("a value outside the tags that decode_reply reads otherwise")
+        return value
+
+    def _body(self) -> dict[Any, Any]:
+        unpacker = self.unpacker
+        body: dict[Any, Any] = {}
+        for _ in range(unpacker.read_map_header()):
+            name = unpacker.unpack()
+            body[name] = self._partitions() if name == "partition_info" else self._plain_value()
+        return body
+
+    def _partitions(self) -> dict[str, PackedItems]:
+        unpacker, frame = self.unpacker, self.frame
+        unpack, tell, skip = unpacker.unpack, unpacker.tell, unpacker.skip
+        partitions: dict[str, PackedItems] = {}
+        for _ in range(unpacker.read_map_header()):
+            partition = unpack()
+            if type(partition) is not str:
+                raise _NotPlain("a partition id that is not a str")
+            items: dict[str, bytes] = {}
+            for _ in range(unpacker.read_map_header()):
+                key = unpack()
+                if type(key) is not str:
+                    raise _NotPlain("a key that is not a str")
+                start = tell()
+                skip()
+                items[key] = frame[start:tell()]
+            partitions[partition] = PackedItems(items, self._decode)
+        return partitions
+
+    def _decode(self, blobs: list[bytes]) -> list[Any]:
+        """Each key's tags, read as :func:`_decode_message` reads the whole reply."""
+        try:
+            return [self._decode_one(blob) for blob in blobs]
+        except Exception as exc:
+            raise _malformed(exc) from exc
+
+    def _decode_one(self, blob: bytes) -> Any:
+        deferred = False
+        scalars, frames = self.scalars, self.frames
+
+        def ext_hook(code: int, data: bytes) -> Any:
+            nonlocal deferred
+            if code == 1 and data in scalars:
+                return scalars[data]
+            value = decode_ext(code, data, frames)
+            if isinstance(value, Deferred):
+                deferred = True
+            elif code == 1:
+                scalars[data] = value
+            return value
+
+        tags = msgpack.unpackb(blob, raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
+        if deferred or any(marker in blob for marker in _TIMESTAMP_MARKERS):
+            return plain(tags)
+        return tags
+
+
+def _body(request_type: str, message: Any, probe_address: str | None) -> dict[str, Any]:
+    """The body of a decoded reply ``message`` to a ``request_type`` request, checked."""
     if probe_address is not None and not (isinstance(message, dict) and message.get("request_type") == _REQUEST_ERROR):
         check_probe_reply(message, probe_address)
     if not isinstance(message, dict) or not isinstance(message.get("body"), dict):

@@ -39,6 +39,7 @@ from .tq_protocol import (
     LIST_PARTITIONS,
     TransferQueueReplyError,
     check_version,
+    decode_listing_reply,
     decode_reply,
     encode_request,
     unknown_version_warning,
@@ -137,12 +138,27 @@ class TransferQueueSource:
             TransferQueueReplyError: the controller refused the request or
                 sent a reply this source does not read.
         """
+        return self._listing(packed=False)
+
+    def kv_list_packed(self) -> dict[str, Any]:
+        """:meth:`kv_list`, each partition's tags left as the reply packed them (:class:`~poller.sources.PackedItems`).
+
+        What the poller calls: it decodes only the keys whose bytes changed
+        since it last sent them. A reply of another shape comes back decoded,
+        as from :meth:`kv_list` (see :func:`~poller.sources.tq_protocol.decode_listing_reply`).
+
+        Raises:
+            SourceStall, TransferQueueReplyError: as :meth:`kv_list`.
+        """
+        return self._listing(packed=True)
+
+    def _listing(self, packed: bool) -> dict[str, Any]:
         deadline = time.monotonic() + self.call_timeout
         if self.partition_ids is None:
-            return self._list(None, deadline)
+            return self._list(None, deadline, packed)
         listing: dict[str, Any] = {}
         for partition_id in self.partition_ids:
-            listing.update(self._list(partition_id, deadline))
+            listing.update(self._list(partition_id, deadline, packed))
         return listing
 
     def include_partitions(self, partition_ids: Sequence[str]) -> None:
@@ -167,8 +183,8 @@ class TransferQueueSource:
 
     # -- requests ---------------------------------------------------------------
 
-    def _list(self, partition_id: str | None, deadline: float) -> dict[str, Any]:
-        body = self._request(KV_LIST, {"partition_id": partition_id}, self.call_timeout, deadline)
+    def _list(self, partition_id: str | None, deadline: float, packed: bool) -> dict[str, Any]:
+        body = self._request(KV_LIST, {"partition_id": partition_id}, self.call_timeout, deadline, packed=packed)
         partitions = body.get("partition_info")
         if not isinstance(partitions, dict):
             raise TransferQueueReplyError("KV_LIST_RESPONSE without a partition_info map")
@@ -191,7 +207,7 @@ class TransferQueueSource:
             self._sock = None
 
     def _request(self, request_type: str, body: dict[str, Any], timeout: float,
-                 deadline: float | None = None, probe: bool = False) -> dict[str, Any]:
+                 deadline: float | None = None, probe: bool = False, packed: bool = False) -> dict[str, Any]:
         """One request and its reply, by ``deadline`` (default: ``timeout`` from now)."""
         if deadline is None:
             deadline = time.monotonic() + timeout
@@ -207,6 +223,8 @@ class TransferQueueSource:
         except BaseException:
             self._drop_socket()
             raise
+        if packed:
+            return decode_listing_reply(reply)
         return decode_reply(request_type, reply, probe_address=self.address if probe else None)
 
     @staticmethod
