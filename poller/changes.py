@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty
 from .listing import Listing, ListingDiff, RawSnapshot, checked_listing, diff_raw_listing
-from .sources import Source, has_change_feed
+from .sources import Source, has_change_feed, packed_listing
 
 __all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
 
@@ -118,6 +118,7 @@ class ListingReader:
                  listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
         self._source: Any = source
         self.feed = has_change_feed(source)
+        self._list: Callable[[], Any] = packed_listing(source) or source.kv_list
         self.reconcile_interval = reconcile_interval
         self.duty = ListingDuty(listing_share)
         self._cursor: Any = None
@@ -165,9 +166,7 @@ class ListingReader:
         self.last_complete, self.last_deletes = True, {}
         if not self.feed:
             # Packed where the source can (poller.sources.PackedItems): unchanged keys are not decoded.
-            listing = getattr(self._source, "kv_list_packed", None)
-            return _diffed(sent, self._listing(listing if callable(listing) else self._source.kv_list), full,
-                           copy=False)
+            return _diffed(sent, self._listing(self._list), full, copy=False)
         due = (self.reconcile_interval is not None
                and time.monotonic() - self._listed_at >= self.reconcile_interval
                and self.duty.wait_for() == 0)

@@ -16,7 +16,7 @@ import pytest
 
 from poller.deltas import pack_tags
 from poller.listing import ListingDiff, RawSnapshot, commit_listing, diff_raw_listing
-from poller.sources import PackedItems
+from poller.sources import PackedItems, packed_listing
 from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
 from tests.test_transferqueue_source import GOOD, REPLIES, _reply, typed
 
@@ -209,3 +209,40 @@ def test_unchanged_packed_tags_are_not_decoded_at_all():
     items["k7"] = pack_tags({"status": "success", "n": -7})
     again = diff_raw_listing(sent, {"p": PackedItems(dict(items), decode)}, False)
     assert again.upserts == {"p": {"k7": {"status": "success", "n": -7}}} and decode.blobs == 101
+
+
+# -- which listing the poller takes ------------------------------------------------------------------
+
+class _Packs:
+    def kv_list(self) -> dict:
+        return {}
+
+    def kv_list_packed(self) -> dict:
+        return {}
+
+
+class _Logs(_Packs):
+    def kv_list(self) -> dict:  # a subclass that wraps kv_list() alone: the poller must call it
+        return super().kv_list()
+
+
+class _LogsBoth(_Logs):
+    def kv_list_packed(self) -> dict:
+        return super().kv_list_packed()
+
+
+class _Plain:
+    def kv_list(self) -> dict:
+        return {}
+
+
+def test_a_source_is_listed_packed_unless_a_subclass_overrides_kv_list_alone():
+    source = _Packs()
+    assert packed_listing(source) == source.kv_list_packed
+    assert packed_listing(_Logs()) is None
+    both = _LogsBoth()
+    assert packed_listing(both) == both.kv_list_packed
+    assert packed_listing(_Plain()) is None
+    patched = _Packs()
+    patched.kv_list = lambda: {"p": {}}  # type: ignore[method-assign]
+    assert packed_listing(patched) is None

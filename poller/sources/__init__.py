@@ -19,6 +19,8 @@ A source whose store answers in msgpack may also offer ``kv_list_packed()``:
 ``kv_list()`` with each partition's tags left as the store packed them
 (:class:`PackedItems`). The poller then compares each key's packed tags with
 the bytes it sent and decodes only those that differ. TransferQueue's does.
+A subclass that overrides ``kv_list()`` alone is listed by its ``kv_list()``
+(:func:`packed_listing`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
 from ..vocabulary import Listing
 
 __all__ = ["ChangeFeed", "PackedItems", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec",
-           "has_change_feed", "load_source"]
+           "has_change_feed", "load_source", "packed_listing"]
 
 
 class SourceStall(TimeoutError):
@@ -135,6 +137,25 @@ class ChangeFeed(Protocol):
         that was replaced); the caller takes :meth:`kv_snapshot`.
         """
         ...
+
+
+def packed_listing(source: object) -> Callable[[], Any] | None:
+    """``source.kv_list_packed`` if the poller should list ``source`` by it, else None.
+
+    Only where the ``kv_list()`` in effect is the one it stands for: a
+    subclass that overrides ``kv_list()`` (to log, filter or add to a
+    listing) without overriding ``kv_list_packed()`` too is listed by its
+    own ``kv_list()``.
+    """
+    packed = getattr(source, "kv_list_packed", None)
+    if not callable(packed) or "kv_list" in getattr(source, "__dict__", ()):
+        return None
+    mro = type(source).__mro__
+    list_owner = next((cls for cls in mro if "kv_list" in vars(cls)), None)
+    packed_owner = next((cls for cls in mro if "kv_list_packed" in vars(cls)), None)
+    if list_owner is None or packed_owner is None or mro.index(list_owner) < mro.index(packed_owner):
+        return None
+    return packed  # type: ignore[no-any-return]
 
 
 def has_change_feed(source: object) -> bool:
