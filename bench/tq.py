@@ -93,8 +93,9 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "sampler_kwargs, so each lists at its defaults (buffer.verl: poll_interval 0.2 s and, while "
                        "sample() waits, every wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s)")
     table.notes.append("the product runs with its default listing_share: verl's own cycle, its next listing no "
-                       "sooner than 2 s after the poll that took the previous one is done (listing, diff, screen, "
-                       "send), as verl's sampler sleeps 2 s after it has listed and processed the store")
+                       "sooner than 2 s + d + 2p after the poll that took the previous one (d s) is done (listing, "
+                       "diff, screen, send: p s after the listing), as verl's sampler sleeps 2 s after it has "
+                       "listed and processed the store (poller/duty.py)")
     table.notes.append("listings counted exactly: verl's tq.kv_list() calls at the call site (the sampler module's "
                        "tq wrapped, counted as each returns), the product's stats()['listings']; with a sampler "
                        "every rate is taken over whole listing cycles, from the first listing done with in the "

@@ -94,10 +94,10 @@ class ReplayBuffer:
             or the schedule asks (they are answered by that next listing).
             In (0, 1]; 1 sets no bound. The default, ``None``, is verl's own
             sampler's cycle at its defaults, whatever the store's size: the
-            next listing starts no sooner than 2 s + ``d`` after the poll
+            next listing starts no sooner than 2 s + ``d`` + ``2p`` after the poll
             that took the previous one is done (its listing, diff and
             sending, ``p`` seconds after the listing), a share of
-            ``d / (2d + p + 2 s)``
+            ``d / (2d + 3p + 2 s)``
             (docs/transferqueue.md).
 
     Raises:

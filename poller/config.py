@@ -67,6 +67,6 @@ class WorkerConfig(NamedTuple):
     # The most of the wall clock spent in full listings of the source
     # (poller.duty: a listing that took d seconds is followed by the next no
     # sooner than d / listing_share after it started); 1.0: no bound; None:
-    # verl's own cycle, the next listing no sooner than 2 s + d after the poll
-    # that took the previous one is done: a share of d / (2d + p + 2 s).
+    # verl's own cycle, the next listing no sooner than 2 s + d + 2p after the poll
+    # that took the previous one is done: a share of d / (2d + 3p + 2 s).
     listing_share: float | None = DEFAULT_LISTING_SHARE

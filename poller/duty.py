@@ -22,21 +22,24 @@ share of ``d / (d + p + 2.0)`` (K=100k TransferQueue keys: ``d`` ~0.38 s,
 
 The default keeps that cycle, and no shorter: the next listing starts no
 sooner than :data:`VERL_POLL_INTERVAL` (2.0 s) plus the listing's own ``d``
-after the poll that took it is *done*, its listing, diff, screen and sending
-all over (the polling thread says so with :meth:`ListingDuty.poll_done`). A
-poll's cycle is then ``2d + p + 2.0`` with the poller's own ``d`` and ``p``:
-the share inside ``kv_list()`` is ``d / (2d + p + 2.0)``, never more than
-verl's. ``d`` counts twice because the controller's cost of a listing is the
-same for both samplers, but the poller's client takes it quicker (100k keys:
-``d`` ~0.21 s against verl's ~0.38 s, ``p`` ~0.07 s; it decodes the
-controller's reply itself): with ``d + p + 2.0`` its cycle was ~2.3 s against
-verl's ~2.45 s, ~7% more listings of the shared controller; with ``2d + p +
-2.0`` it is ~2.5 s, no more listings than verl's while verl's client takes up
-to twice as long. A poll asked for sooner (a SYNC from a waiting sampler, the
-schedule) waits for it. A fixed share cannot match verl across
-sizes: the one the default comes to at 10k keys (0.011) lists 100k keys every
-~19 s, eight times less often than verl, and the one at 100k keys (0.084)
-lists 10k keys every 0.27 s, eight times as often.
+plus twice the poll's own processing ``p`` after the poll that took it is
+*done*, its listing, diff, screen and sending all over (the polling thread
+says so with :meth:`ListingDuty.poll_done`). A poll's cycle is then
+``2d + 3p + 2.0`` with the poller's own ``d`` and ``p``: the share inside
+``kv_list()`` is ``d / (2d + 3p + 2.0)``. ``d`` and ``p`` count more than
+once because the controller's cost of a listing is the same for both
+samplers, but the poller takes a listing quicker: its client reads the
+controller's reply itself and leaves each key's tags packed, and it decodes
+only the keys whose bytes changed, where verl's client decodes every key and
+verl files each one in Python (100k keys: ``d`` ~0.16 s and ``p`` ~0.06 s
+against verl's ~0.38 s and ~0.08 s). Counted once each, its cycle was
+~2.2 s against verl's ~2.3-2.45 s, up to ~10% more listings of the shared
+controller; with ``2d + 3p + 2.0`` it is ~2.5 s, no more listings than
+verl's at the sizes measured (``python -m bench --only tq`` counts both). A
+poll asked for sooner (a SYNC from a waiting sampler, the schedule) waits
+for it. A fixed share cannot match verl across sizes: verl's grows with the
+store (0.013 at 10k keys, 0.15 at 100k), so a share fixed at one size lists
+the other several times too often or too rarely.
 
 A number in (0, 1] sets a fixed share instead: a listing that took ``d``
 seconds is followed by the next no sooner than ``d / share`` after it
@@ -53,8 +56,8 @@ from typing import Any, Deque
 
 __all__ = ["DEFAULT_LISTING_SHARE", "VERL_POLL_INTERVAL", "ListingDuty", "check_share"]
 
-#: ``None``: verl's own cycle, the next listing no sooner than ``VERL_POLL_INTERVAL`` plus the previous listing's
-#: ``d`` after the poll that took it is done: a share of ``d / (2d + p + VERL_POLL_INTERVAL)`` (the module docstring).
+#: ``None``: verl's own cycle, the next listing no sooner than ``VERL_POLL_INTERVAL`` + ``d`` + ``2p`` after the poll
+#: that took the previous one is done: a share of ``d / (2d + 3p + VERL_POLL_INTERVAL)`` (the module docstring).
 DEFAULT_LISTING_SHARE: float | None = None
 #: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
 VERL_POLL_INTERVAL = 2.0
@@ -96,6 +99,7 @@ class ListingDuty:
         self._allowed_at = -math.inf
         # verl's cycle (share None): the last listing's poll is not done yet, so its pause has not begun.
         self._poll_open = False
+        self._listing_ended = -math.inf
         self._recent: Deque[tuple[float, float]] = collections.deque(maxlen=_WINDOW)  # (start, seconds)
 
     def wait_for(self, now: float | None = None) -> float:
@@ -120,6 +124,7 @@ class ListingDuty:
         if self.share is None:
             self._allowed_at = started + seconds + VERL_POLL_INTERVAL
             self._poll_open = True
+            self._listing_ended = started + seconds
         else:
             self._allowed_at = started + seconds / self.share
 
@@ -127,17 +132,19 @@ class ListingDuty:
         """The poll that took the last listing is over (its diff screened and sent, or its failure reported).
 
         By default the next listing then starts no sooner than
-        :data:`VERL_POLL_INTERVAL` plus the last listing's duration after
-        ``now`` (monotonic): verl's sampler sleeps 2.0 s after it has
-        processed a listing, which its client takes longer over. A no-op
-        with a fixed share, and for a poll that took no listing (a change
-        feed's read): once per listing.
+        :data:`VERL_POLL_INTERVAL` plus the last listing's duration ``d``
+        plus twice the poll's processing ``p`` (from the listing's end to
+        ``now``, monotonic) after ``now``: verl's sampler sleeps 2.0 s after
+        it has processed a listing, which it takes longer over (the module
+        docstring). A no-op with a fixed share, and for a poll that took no
+        listing (a change feed's read): once per listing.
         """
         if not self._poll_open:
             return
         self._poll_open = False
         now = time.monotonic() if now is None else now
-        self._allowed_at = max(self._allowed_at, now + VERL_POLL_INTERVAL + self.last_seconds)
+        processing = max(0.0, now - self._listing_ended)
+        self._allowed_at = max(self._allowed_at, now + VERL_POLL_INTERVAL + self.last_seconds + 2 * processing)
 
     def measured_share(self, now: float | None = None) -> float:
         """The share of the wall clock spent listing over the last listings, up to now (0 before any)."""

@@ -85,9 +85,9 @@ def test_listings_keep_to_the_share_while_syncs_ask_every_20ms(tmp_path: Path) -
 
 def test_by_default_listings_keep_to_verls_own_cycle_at_any_duration(tmp_path: Path) -> None:
     # verl's sampler lists (d), processes the listing (p), then sleeps 2 s: a share of d / (d + p + 2)
-    # whatever d is. By default the next listing starts no sooner than 2 s + d after the poll that
-    # took the one before is done (d again: verl's client takes a listing slower than the poller's),
-    # so at least 2d + 2 s after that one started.
+    # whatever d is. By default the next listing starts no sooner than 2 s + d + 2p after the poll
+    # that took the one before is done (again: verl takes a listing slower than the poller), so at
+    # least 2d + 2 s after that one started.
     seconds = 0.3
     gaps = _gaps_while_syncs_ask_every_20ms(tmp_path, seconds, listings=4, syncs=2)
     assert min(gaps) >= 2 * seconds + VERL_POLL_INTERVAL, gaps
@@ -95,7 +95,7 @@ def test_by_default_listings_keep_to_verls_own_cycle_at_any_duration(tmp_path: P
 
 def test_by_default_the_pause_begins_when_the_poll_is_done_not_when_its_listing_ended(tmp_path: Path) -> None:
     # A poll whose sending takes 0.5 s (the poller's own processing, p): by default the next listing
-    # waits 2 s + d after that, as verl's sampler sleeps after it has processed its listing.
+    # waits 2 s + d + 2p after that, as verl's sampler sleeps after it has processed its listing.
     log = str(tmp_path / "listings.log")
     sends: list[float] = []  # when each body was handed on
 
@@ -120,7 +120,7 @@ def test_by_default_the_pause_begins_when_the_poll_is_done_not_when_its_listing_
     assert not thread.is_alive()
     for start, _ in listing_starts(log)[1:]:
         last_send = max(sent for sent in sends if sent < start)
-        assert start - last_send >= VERL_POLL_INTERVAL + seconds, (start, sends)
+        assert start - last_send >= VERL_POLL_INTERVAL + seconds + 2 * 0.5, (start, sends)
     assert thread.duty.listings >= 3
 
 
@@ -128,10 +128,11 @@ def test_the_default_and_a_fixed_share_time_the_next_listing_from_different_ends
     verl = ListingDuty(None)
     verl.record(started=100.0, seconds=0.3)
     assert verl.wait_for(now=100.3) == VERL_POLL_INTERVAL  # until the poll is done: 2 s after the listing
-    verl.poll_done(now=100.8)  # the listing's diff, screen and sending took 0.5 s
-    assert verl.wait_for(now=100.8) == pytest.approx(VERL_POLL_INTERVAL + 0.3) and verl.wait_for(now=103.11) == 0
+    verl.poll_done(now=100.8)  # the listing's diff, screen and sending took 0.5 s: 2 s + d + 2p from now
+    assert verl.wait_for(now=100.8) == pytest.approx(VERL_POLL_INTERVAL + 0.3 + 2 * 0.5)
+    assert verl.wait_for(now=104.11) == 0
     verl.poll_done(now=101.5)  # a poll without a listing of its own (a change feed's read) moves nothing
-    assert verl.wait_for(now=103.11) == 0
+    assert verl.wait_for(now=104.11) == 0
     fixed = ListingDuty(0.25)
     fixed.record(started=100.0, seconds=0.3)
     fixed.poll_done(now=100.8)

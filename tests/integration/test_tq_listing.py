@@ -1,6 +1,6 @@
 """buffer.verl on a real TransferQueue lists only the partitions it is asked about, within the listing share.
 
-By default the share is verl's own cycle: the next listing starts no sooner than 2 s + d after the poll that
+By default the share is verl's own cycle: the next listing starts no sooner than 2 s + d + 2p after the poll that
 took the previous one (of d seconds) is done, so at least 2 s + d after that listing ended (the part a source
 sees; the poll's own processing is checked in tests/test_listing_share.py).
 
@@ -39,7 +39,8 @@ def test_by_default_listings_of_transferqueue_keep_to_verls_cycle_while_syncs_as
     out = run(store, "default_cycle_while_syncs_ask_every_20ms")
     listings = out["listings"]
     assert not out["errors"] and out["answered"] >= 2, out
-    # Each listing began no sooner than 2 s + d after the one before (of d seconds) ended: after its poll was done.
+    # Each listing began no sooner than 2 s + d (+ 2p) after the one before (of d seconds) ended: after its poll
+    # was done.
     for (before, ended), (began, _) in zip(listings, listings[1:]):
         assert began - ended >= VERL_POLL_INTERVAL + (ended - before), listings
     # The share measured (the last n listings, up to the heartbeat, the last one without its pause) is
