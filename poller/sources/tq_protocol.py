@@ -170,29 +170,41 @@ def _decode_message(frames: Sequence[bytes]) -> Any:
             raise TransferQueueReplyError(f"a pickled reply of {len(frames)} frames, "
                                           f"expected the marker and one pickle")
         return plain(restricted_loads(frames[1]))
-    deferred = False
-    # Pickled numpy scalars repeat (every key of a step holds the same global_steps): each
-    # distinct pickle is read once per reply (~1 us each in numpy 2's layout, ~10 us unpickled).
-    scalars: dict[bytes, Any] = {}
+    return _ValueReader(frames).read(frames[0])
 
-    def ext_hook(code: int, data: bytes) -> Any:
-        nonlocal deferred
-        if code == 1 and data in scalars:
-            return scalars[data]
-        value = decode_ext(code, data, frames)
-        if isinstance(value, Deferred):
-            deferred = True
-        elif code == 1:
-            scalars[data] = value
+
+class _ValueReader:
+    """Reads msgpack of one reply as the controller's codec wrote it: its extension values and timestamps."""
+
+    def __init__(self, frames: Sequence[bytes]) -> None:
+        self.frames = frames
+        # Pickled numpy scalars repeat (every key of a step holds the same global_steps): each
+        # distinct pickle is read once per reply (~1 us each in numpy 2's layout, ~10 us unpickled).
+        self.scalars: dict[bytes, Any] = {}
+
+    def read(self, data: bytes) -> Any:
+        """The value packed in ``data`` (the whole message, or one key's tags), its tag values read."""
+        deferred = False
+        scalars, frames = self.scalars, self.frames
+
+        def ext_hook(code: int, ext: bytes) -> Any:
+            nonlocal deferred
+            if code == 1 and ext in scalars:
+                return scalars[ext]
+            value = decode_ext(code, ext, frames)
+            if isinstance(value, Deferred):
+                deferred = True
+            elif code == 1:
+                scalars[ext] = value
+            return value
+
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
+        # Only a value held back needs the second walk (numpy and torch scalars come back in
+        # place), or one that may hold a timestamp: msgpack reads those (extension type -1,
+        # msgspec's form of a datetime with a time zone) as datetimes, past the hook.
+        if deferred or any(marker in data for marker in _TIMESTAMP_MARKERS):
+            return plain(value)
         return value
-
-    message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
-    # Only a reply with a value held back needs the second walk (numpy and torch scalars come
-    # back in place), or one that may hold a timestamp: msgpack reads those (extension type -1,
-    # msgspec's form of a datetime with a time zone) as datetimes, past the hook.
-    if deferred or any(marker in frames[0] for marker in _TIMESTAMP_MARKERS):
-        return plain(message)
-    return message
 
 
 def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: str | None = None) -> dict[str, Any]:
@@ -257,15 +269,13 @@ class _ListingWalk:
     """One KV_LIST reply read with its tags skipped: the message, ``partition_info`` as :class:`PackedItems`."""
 
     def __init__(self, frames: Sequence[bytes]) -> None:
-        self.frames = frames
         self.frame = bytes(frames[0])
-        self.outside_tags = True
-        # What the ext hook gave outside the tags: not read here (see decode_listing_reply).
+        # An extension value outside the tags is not read here: decode_reply reads the whole reply.
         self.unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, ext_hook=self._refuse_ext, timestamp=3,
                                          max_buffer_size=max(len(self.frame), 1))
         self.unpacker.feed(self.frame)
-        # Shared by every key's decode, as one decode of the whole reply shares them.
-        self.scalars: dict[bytes, Any] = {}
+        # One for every key's tags, as one decode of the whole reply shares its numpy scalars.
+        self.reader = _ValueReader(frames)
 
     @staticmethod
     def _refuse_ext(code: int, data: bytes) -> Any:
@@ -317,29 +327,9 @@ class _ListingWalk:
     def _decode(self, blobs: list[bytes]) -> list[Any]:
         """Each key's tags, read as :func:`_decode_message` reads the whole reply."""
         try:
-            return [self._decode_one(blob) for blob in blobs]
+            return list(map(self.reader.read, blobs))
         except Exception as exc:
             raise _malformed(exc) from exc
-
-    def _decode_one(self, blob: bytes) -> Any:
-        deferred = False
-        scalars, frames = self.scalars, self.frames
-
-        def ext_hook(code: int, data: bytes) -> Any:
-            nonlocal deferred
-            if code == 1 and data in scalars:
-                return scalars[data]
-            value = decode_ext(code, data, frames)
-            if isinstance(value, Deferred):
-                deferred = True
-            elif code == 1:
-                scalars[data] = value
-            return value
-
-        tags = msgpack.unpackb(blob, raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
-        if deferred or any(marker in blob for marker in _TIMESTAMP_MARKERS):
-            return plain(tags)
-        return tags
 
 
 def _body(request_type: str, message: Any, probe_address: str | None) -> dict[str, Any]:
