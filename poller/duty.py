@@ -34,8 +34,9 @@ only the keys whose bytes changed, where verl's client decodes every key and
 verl files each one in Python (100k keys: ``d`` ~0.16 s and ``p`` ~0.06 s
 against verl's ~0.38 s and ~0.08 s). Counted once each, its cycle was
 ~2.2 s against verl's ~2.3-2.45 s, up to ~10% more listings of the shared
-controller; with ``2d + 3p + 2.0`` it is ~2.5 s, no more listings than
-verl's at the sizes measured (``python -m bench --only tq`` counts both). A
+controller; with ``2d + 3p + 2.0`` it is ~2.3-2.5 s, as many listings as
+verl's or fewer at the sizes measured (``python -m bench --only tq`` counts
+both: 0.429 a second against verl's 0.428 at 100k keys in one full run). A
 poll asked for sooner (a SYNC from a waiting sampler, the schedule) waits
 for it. A fixed share cannot match verl across sizes: verl's grows with the
 store (0.013 at 10k keys, 0.15 at 100k), so a share fixed at one size lists
