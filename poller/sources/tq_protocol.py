@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -282,28 +282,25 @@ class _ListingWalk:
         raise _NotPlain(f"extension type {code} outside the tags")
 
     def message(self) -> dict[str, Any]:
-        unpacker = self.unpacker
-        message: dict[Any, Any] = {}
-        for _ in range(unpacker.read_map_header()):
-            name = unpacker.unpack()
-            message[name] = self._body() if name == "body" else self._plain_value()
-        if unpacker.tell() != len(self.frame):
+        message = self._map("body", lambda: self._map("partition_info", self._partitions))
+        if self.unpacker.tell() != len(self.frame):
             raise _NotPlain("bytes after the message")
         return message
+
+    def _map(self, name: str, read: Callable[[], Any]) -> dict[Any, Any]:
+        """The map next in the reply: its field ``name`` read by ``read``, every other one a plain value."""
+        unpacker = self.unpacker
+        fields: dict[Any, Any] = {}
+        for _ in range(unpacker.read_map_header()):
+            field = unpacker.unpack()
+            fields[field] = read() if field == name else self._plain_value()
+        return fields
 
     def _plain_value(self) -> Any:
         value = self.unpacker.unpack()
         if plain(value) != value:  # a timestamp, which decode_reply reads as an UnreadableValue
             raise _NotPlain("a value outside the tags that decode_reply reads otherwise")
         return value
-
-    def _body(self) -> dict[Any, Any]:
-        unpacker = self.unpacker
-        body: dict[Any, Any] = {}
-        for _ in range(unpacker.read_map_header()):
-            name = unpacker.unpack()
-            body[name] = self._partitions() if name == "partition_info" else self._plain_value()
-        return body
 
     def _partitions(self) -> dict[str, PackedItems]:
         unpacker, frame = self.unpacker, self.frame
