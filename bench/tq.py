@@ -90,8 +90,9 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "prompt and 15 trajectories, so nothing is ever sampleable and each sampler waits the whole "
                        "phase")
     table.notes.append("both samplers as verl builds them: trainer_mode colocate_async, threshold None, no "
-                       "sampler_kwargs, so each lists at its defaults (buffer.verl: poll_interval 0.2 s and, while "
-                       "sample() waits, every wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s)")
+                       "sampler_kwargs, so each lists at its defaults while sample() waits (buffer.verl: every "
+                       "wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s); between calls neither lists "
+                       "TransferQueue")
     table.notes.append("the product runs with its default listing_share: verl's own cycle, its next listing no "
                        "sooner than 2 s + d + 2p after the poll that took the previous one (d s) is done (listing, "
                        "diff, screen, send: p s after the listing), as verl's sampler sleeps 2 s after it has "

@@ -13,6 +13,7 @@ else of the buffer is reached into:
 * :meth:`SamplingSeam.look` — the same lock, no wait (for counts and stats);
 * :meth:`SamplingSeam.tags` — copies of held tags;
 * :meth:`SamplingSeam.sync` — read your writes (a listing that began after the call is applied);
+* :meth:`SamplingSeam.view_age` — how long ago the store was last known to be listed into the view;
 * :meth:`SamplingSeam.remove` — clearing keys from the buffer's view, as ``ReplayBuffer.remove``;
 * :meth:`SamplingSeam.quarantined` — the keys of a partition the poller leaves out.
 """
@@ -20,6 +21,7 @@ else of the buffer is reached into:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Callable, Hashable, Iterable, TypeVar
 
@@ -124,6 +126,17 @@ class SamplingSeam:
         self._store.check_open()
         if self._listing_sync is not None:
             self._listing_sync.wait(timeout)
+
+    def view_age(self) -> float:
+        """Seconds since the store was last known to be listed whole into the view (:meth:`ListingSync.fresh_since`).
+
+        ``inf`` before the first complete poll; 0 without an own poller
+        (standalone pollers only: nothing to ask).
+        """
+        if self._listing_sync is None:
+            return 0.0
+        since = self._listing_sync.fresh_since()
+        return math.inf if since is None else time.monotonic() - since
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
         """Drop keys from the buffer's view; a poll still listing them does not bring them back."""

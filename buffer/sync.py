@@ -39,6 +39,10 @@ class ListingSync:
         self._receiver = receiver
         self._stream = stream
         self._tokens = itertools.count(1)  # next() is atomic: concurrent callers get distinct tokens
+        # Before the poller starts: its first complete poll listed the store after this.
+        self._created = time.monotonic()
+        self._answered: float | None = None  # the start of the latest wait() that returned
+        self._lock = threading.Lock()
 
     def wait(self, timeout: float | None) -> None:
         """Ask for a poll now and wait until one that began after this call is applied.
@@ -67,6 +71,23 @@ class ListingSync:
             return None
 
         self._store.wait_until(attempt, timeout=timeout, describe=lambda: self._describe(timeout, started, asked))
+        with self._lock:
+            if self._answered is None or started > self._answered:
+                self._answered = started
+
+    def fresh_since(self) -> float | None:
+        """A ``time.monotonic()`` after which the store was listed whole into the buffer; None: not yet.
+
+        The start of the latest :meth:`wait` that returned (the listing that
+        answered it began later), or, before any, the buffer's construction
+        once its poller's first complete poll is applied. Listings of the
+        poller's own schedule are not counted: the view may be fresher.
+        """
+        with self._lock:
+            if self._answered is not None:
+                return self._answered
+        peer = self._receiver.peer_info(self._stream)
+        return self._created if peer is not None and peer.polls_applied > 0 else None
 
     def _describe(self, timeout: float | None, started: float, asked: list[int | None]) -> str:
         peer = self._receiver.peer_info(self._stream)

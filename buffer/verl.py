@@ -58,6 +58,10 @@ _R = TypeVar("_R")
 # (with its own deadline).
 _FRESH_VIEW_AHEAD_TIMEOUT = 60.0
 
+#: With no listings between calls, a call first asks for one unless the store was listed this recently:
+#: verl's own sampler decides on a listing up to its poll_interval (2 s) and one listing old.
+FRESH_VIEW_SECONDS = 2.0
+
 
 class ReplayBuffer:
     """verl's sampler, synchronous rules; ``trainer_mode != "sync"`` gives a :class:`ReplayBufferAsync`.
@@ -193,7 +197,8 @@ class ReplayBuffer:
         """The buffer's ``stats()`` (once started) plus this sampler's counters and groups by status."""
         started = self._lifecycle.running()
         out: dict[str, Any] = {"started": started is not None, **self._counters,
-                               "index_changes": self._index.changes}
+                               "index_changes": self._index.changes,
+                               "lists_between_calls": self._lifecycle.lists_between_calls}
         if started is not None:
             out.update(started.buffer.stats())
             out["groups"] = started.buffer.seam.look(self._group_counts)
@@ -227,6 +232,9 @@ class ReplayBuffer:
         if self._lifecycle.include(partition_id):
             self._needs_fresh_view = True
         if self._needs_fresh_view:
+            self._read_your_writes(what, deadline)
+        elif not self._lifecycle.lists_between_calls and seam.view_age() > FRESH_VIEW_SECONDS:
+            # The poller did not list since (between calls it does not): a listing first, as verl's sampler.
             self._read_your_writes(what, deadline)
 
         def attempt() -> _R | None:
@@ -303,6 +311,8 @@ class ReplayBuffer:
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
+        # It also settles the clear: a key removed here is hidden until a listing no longer shows it, so
+        # that listing must come before the store could hold the key again.
         self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
         on_tq = verl_client.is_transferqueue(self._config.source)
         return verl_client.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)

@@ -30,7 +30,7 @@ _SHARED = {"poll_interval": None, "filter_groups_metric": None, "train_batch_siz
 #: Options only sampler_kwargs carries, with their defaults.
 _OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None, "source": None,
         "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
-        "listing_share": DEFAULT_LISTING_SHARE}
+        "listing_share": DEFAULT_LISTING_SHARE, "list_between_calls": None}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
 
@@ -106,6 +106,9 @@ class SamplerConfig:
     source: SourceSpec | None
     source_kwargs: dict[str, Any] | None
     buffer_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Whether the poller keeps listing between verl's calls; None: not on TransferQueue (as verl's
+    # own sampler, which lists only inside its calls), yes on a store with a change feed.
+    list_between_calls: bool | None = None
 
     @property
     def has_refill(self) -> bool:
@@ -162,7 +165,7 @@ class SamplerConfig:
             sync_refill_failed_groups=options["sync_refill_failed_groups"],
             sample_timeout=own["sample_timeout"], log_interval=own["log_interval"],
             wait_poll_interval=_wait_poll_interval(own["wait_poll_interval"], poll_interval), source=own["source"],
-            source_kwargs=own["source_kwargs"],
+            source_kwargs=own["source_kwargs"], list_between_calls=own["list_between_calls"],
             buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts",
                                                         "listing_share")})
         try:
@@ -185,6 +188,8 @@ class SamplerConfig:
         metric = self.filter_groups_metric
         if metric is not None and (not isinstance(metric, str) or not metric):
             raise VerlConfigError(f"filter_groups_metric must be a non-empty string or None, got {metric!r}")
+        if self.list_between_calls is not None and not isinstance(self.list_between_calls, bool):
+            raise VerlConfigError(f"list_between_calls must be a bool or None, got {self.list_between_calls!r}")
         if not isinstance(self.sync_refill_failed_groups, bool):
             raise VerlConfigError(f"sync_refill_failed_groups must be a bool, got {self.sync_refill_failed_groups!r}")
         _positive_int("train_batch_size", self.train_batch_size, allow_none=True)

@@ -10,7 +10,10 @@ sampler's own clears and reads (:mod:`buffer.verl_client`). verl never calls
 the interpreter's exit.
 
 On TransferQueue the poller lists only the partitions the sampler is asked
-about, which join the set one call at a time (:meth:`SamplerLifecycle.include`).
+about, which join the set one call at a time (:meth:`SamplerLifecycle.include`),
+and, as verl's own sampler, only when a call needs it: the poller's own
+schedule is :data:`QUIET_POLL_INTERVAL` and the sampler asks for every
+listing it needs (:attr:`SamplerLifecycle.lists_between_calls`).
 """
 
 from __future__ import annotations
@@ -30,9 +33,13 @@ from .replay import ReplayBuffer
 from .seam import SamplingSeam
 from .verl_config import SamplerConfig
 
-__all__ = ["SamplerLifecycle", "Started"]
+__all__ = ["QUIET_POLL_INTERVAL", "SamplerLifecycle", "Started"]
 
 logger = logging.getLogger(__name__)
+
+#: The poller's own schedule when it does not list between calls: the calls ask for every listing
+#: they need (a SYNC), and the store is not listed while the trainer trains.
+QUIET_POLL_INTERVAL = 3600.0
 
 
 @dataclass
@@ -56,6 +63,10 @@ class SamplerLifecycle:
         self._config = config
         self._index = index
         self._lock = threading.Lock()
+        # A store without a change feed (TransferQueue) is listed whole each time, and its controller is
+        # shared by every rollout worker: verl's own sampler lists it only inside its calls.
+        self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
+                                    else not verl_client.is_transferqueue(config.source))
         self.started: Started | None = None
         self.closed = False
         self._finalizer: weakref.finalize | None = None
@@ -82,8 +93,8 @@ class SamplerLifecycle:
             client, owned = verl_client.open_client(config.source, config.source_kwargs,
                                                     need_fields=config.filter_groups_metric is not None)
             try:
-                buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=config.poll_interval,
-                                      **config.buffer_kwargs)
+                interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
+                buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
             except BaseException:
                 verl_client.shut_down(None, client, owned)
                 raise

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 
 from buffer import BufferClosed
-from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, ReplayBuffer, ReplayBufferAsync, VerlBatch
+from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, FRESH_VIEW_SECONDS, ReplayBuffer, ReplayBufferAsync, VerlBatch
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import alive, wait_until
 
@@ -116,6 +116,11 @@ def test_dispatch_on_trainer_mode_and_verls_full_signature(db: str) -> None:
     assert not hasattr(sync, "wait_for_sampleable") and hasattr(other, "get_sampleable_count")
     assert (full.poll_interval, full.filter_groups_metric, full.max_inflight_gen_batches) == (0.5, "acc", 2)
     assert sync.poll_interval == 0.2  # the default, neither given
+    # A store with a change feed is followed between calls; TransferQueue (no source given) is not, as verl's.
+    assert sync.stats()["lists_between_calls"] is True
+    on_tq = ReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=2,
+                         max_off_policy_strategy="drop", sampler_kwargs={})
+    assert on_tq.stats()["lists_between_calls"] is False and on_tq.close().stage == "no-poller"
     # No I/O: nothing started (the no_leaks fixture also sees no process or thread).
     assert sync.stats()["started"] is False and "not started" in repr(sync)
     for rb in (sync, other, full):
@@ -137,6 +142,7 @@ def test_dispatch_on_trainer_mode_and_verls_full_signature(db: str) -> None:
     ({"filter_groups_metric": "acc", "refill_fn": print}, ValueError, "needs train_batch_size"),
     ({"sampler_kwargs": {"poll_intervall": 1}}, ValueError, "unknown sampler_kwargs"),
     ({"sampler_kwargs": {"sample_timeout": -1}}, ValueError, "sample_timeout"),
+    ({"sampler_kwargs": {"list_between_calls": "no"}}, ValueError, "list_between_calls must be a bool"),
     ({"sampler_kwargs": {"poll_interval": 0.5}, "poll_interval": 1.0}, ValueError, "given twice"),
     ({"sampler_kwargs": ["x"]}, TypeError, "mapping"),
     ({"refill_fn": 3}, TypeError, "callable"),
@@ -223,6 +229,34 @@ def test_a_waiting_sample_has_the_poller_list_every_wait_poll_interval(make, sto
     polls = rb.stats()["wait_polls"]
     time.sleep(0.5)
     assert rb.stats()["wait_polls"] == polls  # and stops once it returned
+
+
+@pytest.mark.parametrize("between", [False, True])
+def test_without_listings_between_calls_a_call_lists_first_unless_the_view_is_fresh(make, store, between) -> None:
+    # list_between_calls=False (TransferQueue's default): the store is listed only when a call needs it.
+    produce(store, "train", "finished")
+    rb = make(list_between_calls=between)
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
+    polls = rb.stats()["polls"]
+    time.sleep(1.0)
+    idle_polls = rb.stats()["polls"] - polls
+    assert idle_polls == 0 if not between else idle_polls >= 5  # its own schedule: every 0.05 s
+    produce(store, "train", "finished")  # written between calls
+    time.sleep(FRESH_VIEW_SECONDS + 0.3)
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2  # listed as the call began
+    if not between:
+        assert rb.stats()["polls"] == polls + 1
+        # A batch's clear is settled by a listing right after it, during the training step ...
+        rb.sample(global_steps=0, partition_id="train", batch_size=1)
+        assert wait_until(lambda: rb.stats()["polls"] == polls + 2)
+        settled = time.monotonic()
+        # ... which a call that comes soon after takes as its view, without listing again.
+        assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
+        if time.monotonic() - settled < FRESH_VIEW_SECONDS - 0.5:  # a machine stalled that long lists again
+            assert rb.stats()["polls"] == polls + 2
+        quiet = rb.stats()["polls"]
+        time.sleep(1.0)
+        assert rb.stats()["polls"] == quiet
 
 
 def test_empty_failure_groups_pass_through_by_default_and_all_empty_raises(make, store) -> None:

@@ -38,6 +38,12 @@ def test_sync_rules_built_the_custom_path_way(store):
     assert out["latency_s"] < 5.0
 
 
+def test_between_calls_transferqueue_is_not_listed_and_a_call_lists_it_first(store):
+    out = run(store, "between_calls")
+    assert out["lists_between_calls"] is False and out["idle_polls"] == 0, out
+    assert (out["first"], out["second"]) == (1, 2) and out["polls_for_the_call"] == 1, out
+
+
 def test_async_drop_failure_refill_and_wait_built_with_verls_full_signature(store):
     out = run(store, "async_rules")
     assert sum(out["refill_calls"]) == 3

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, ReplayBuffer
+from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, FRESH_VIEW_SECONDS, ReplayBuffer
 from poller.procfs import is_running
 from poller.sources.transferqueue import source_kwargs
 
@@ -167,6 +167,23 @@ def sync_rules(conf: Any) -> dict[str, Any]:
     val_batch, val_metrics = rb.sample(global_steps=9, partition_id="val", batch_size=1)
     assert uids_of(val_batch.keys) == {val_failure} and val_metrics == {}
     return {"latency_s": latency, "decisions": rb.stats()["decisions"], "poller_pid": _closed(rb)}
+
+
+def between_calls(conf: Any) -> dict[str, Any]:
+    """As verl's own sampler lists it, the store is listed only when a call needs it; a call sees earlier writes."""
+    pid = f"calls-{_uid()}"
+    group(pid, "finished")
+    rb = custom_path("sync")
+    first = rb.get_sampleable_count(global_steps=0, partition_id=pid)  # starts the poller
+    polls = rb.stats()["polls"]
+    time.sleep(3.0)
+    idle_polls = rb.stats()["polls"] - polls
+    group(pid, "finished")  # written while the trainer trains
+    time.sleep(FRESH_VIEW_SECONDS + 0.5)
+    second = rb.get_sampleable_count(global_steps=0, partition_id=pid)
+    return {"first": first, "second": second, "idle_polls": idle_polls,
+            "polls_for_the_call": rb.stats()["polls"] - polls,
+            "lists_between_calls": rb.stats()["lists_between_calls"], "poller_pid": _closed(rb)}
 
 
 def async_rules(conf: Any) -> dict[str, Any]:
