@@ -40,13 +40,14 @@ from typing import Any, Callable
 
 from .report import Goal, Table, median, percentile
 
-PHASES = {"a": "no sampler", "b": "buffer.verl (product)", "c": "verl 0.9.1 sampler"}
+PHASES = {"a": "no sampler", "b": "buffer.verl (product)", "c": "verl 0.9.1 sampler",
+          "d": "buffer.verl between calls"}
 _SILENCE = 300.0  # the host's longest quiet spell: Ray's start-up on a loaded machine, one phase
 
 
 def _plan(quick: bool) -> tuple[list[int], int, float]:
     """(sizes K, rounds, seconds per phase)."""
-    # Full: 17 phases per K, ~10 min on 2 cores; a 15 s phase holds ~5 whole listing cycles of either sampler.
+    # Full: 25 phases per K, ~14 min on 2 cores; a 15 s phase holds ~5 whole listing cycles of either sampler.
     return ([10_000], 2, 5.0) if quick else ([10_000, 100_000], 4, 15.0)
 
 
@@ -62,8 +63,8 @@ def _missing(module: str) -> str | None:
 def run(progress: Callable[[str], None], quick: bool) -> Table:
     """The ``tq`` table: one row per K and phase, the two goals per K; empty, with the reason, without TransferQueue."""
     sizes, rounds, seconds = _plan(quick)
-    table = Table("TQ", f"TransferQueue controller: cost of a sampler blocked in sample(), writer putting "
-                        f"16-key batches, {seconds:g} s phases, {rounds} rounds",
+    table = Table("TQ", f"TransferQueue controller: cost of a sampler blocked in sample() and between calls, "
+                        f"writer putting 16-key batches, {seconds:g} s phases, {rounds} rounds",
                   ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller % of a core",
                    "controller % beyond the puts (est.)", "lister % of a core", "listings/s",
                    "controller ms per listing (est.)", "slowdown a ÷ phase ×"])
@@ -75,11 +76,11 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
         table.title += " (skipped)"
         table.notes.append(reason)
         return table
-    phases = "abc"
+    phases = "abcd"
     # Only the top-level package: finding a submodule would import verl (and torch) into this process.
     no_verl = _missing("verl")
     if no_verl:
-        phases = "ab"
+        phases = "abd"
         table.notes.append(f"phase c skipped ({no_verl}): verl 0.9.1 is installed by `make bench`")
         progress(f"tq: phase c skipped: {no_verl}")
     records, info = _host(progress, sizes, rounds, seconds, phases)
@@ -89,6 +90,9 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "those groups' 16th trajectory: 64 keys) while tags change; preloaded groups are a running "
                        "prompt and 15 trajectories, so nothing is ever sampleable and each sampler waits the whole "
                        "phase")
+    table.notes.append("d: buffer.verl as in b, started by one get_sampleable_count() and then left without a "
+                       "call for the phase, as between verl's calls while the trainer trains (verl's own sampler "
+                       "runs no code then); its listings are its polls applied, as in b")
     table.notes.append("both samplers as verl builds them: trainer_mode colocate_async, threshold None, no "
                        "sampler_kwargs, so each lists at its defaults while sample() waits (buffer.verl: every "
                        "wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s); between calls neither lists "
@@ -211,7 +215,13 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
             table.goals.append(Goal(f"controller CPU beyond the puts (est.): buffer.verl ≤ verl's sampler "
                                     f"(the limit), % of a core, K={k:,}", median(beyond["b"]) * 100,
                                     median(beyond["c"]) * 100))
-        else:
+        if "d" in phases:
+            # verl's sampler runs no code between its calls: it lists nothing then.
+            quiet = by_phase["d"]
+            table.goals.append(Goal(f"buffer.verl's listings between calls, per second (verl's sampler: none), "
+                                    f"K={k:,}", sum(r["listings"] for r in quiet) / sum(r["seconds"] for r in quiet),
+                                    0.0))
+        if "c" not in phases:
             table.notes.append(f"controller CPU added by buffer.verl (b − a), K={k:,}: "
                                f"{median(added['b']) * 100:.3g}% of a core (no verl phase to compare with)")
 

@@ -7,7 +7,8 @@
          │ pipe: progress,        │── Writer actor (a rollout worker): kv_batch_put of 16 keys, in a loop
          │       one record       │── phase a: nothing else
          │       per phase        │── phase b: buffer.verl blocked in sample() (its poller process lists)
-         └────────────────────────┘── phase c: verl 0.9.1's sampler blocked in sample() in a thread
+         │                        │── phase c: verl 0.9.1's sampler blocked in sample() in a thread
+         └────────────────────────┘── phase d: buffer.verl between calls (started, no call in progress)
 
 Each phase measures the writer (batches/s, put latency) and the CPU of the
 TransferQueue controller's process, plus the CPU of whatever lists the store
@@ -213,6 +214,38 @@ def _product() -> _Blocked:
         raise
 
 
+def _product_between_calls() -> _Blocked:
+    """buffer.verl as in :func:`_product`, started by one call, then left alone: the trainer trains.
+
+    No call is in progress for the phase (a thread stands in for the
+    blocked one and only waits for the phase's end), so what the poller does
+    is what it does between verl's calls. verl's own sampler runs no code
+    then: it lists nothing.
+    """
+    from buffer.verl import ReplayBuffer
+
+    before = {thread.native_id for thread in threading.enumerate()}
+    sampler = ReplayBuffer(trainer_mode="colocate_async", trainer_config=_empty(), max_off_policy_threshold=None,
+                           max_off_policy_strategy="drop", sampler_kwargs=_empty(), refill_fn=None)
+    try:
+        sampler.get_sampleable_count(1, PARTITION)  # starts the poller and waits for its first listing
+        poller = sampler.stats()["poller_pid"]
+        own = tuple(f"/proc/self/task/{thread.native_id}/stat" for thread in threading.enumerate()
+                    if thread.native_id not in before)
+        ended = threading.Event()
+
+        def trains() -> None:
+            ended.wait()
+            raise PhaseStopped()
+
+        return _Blocked(trains, ended.set, lambda: int(sampler.stats()["listings"]), f"/proc/{poller}/stat",
+                        PhaseStopped, marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG, also=own,
+                        cleanup=sampler.close)
+    except BaseException:
+        sampler.close()
+        raise
+
+
 class _CountingTQ:
     """``transfer_queue`` as verl's sampler module sees it, counting each ``kv_list()`` call when it returns."""
 
@@ -271,7 +304,8 @@ def _verl() -> _Blocked:
         raise
 
 
-SAMPLERS: dict[str, Callable[[], _Blocked] | None] = {"a": None, "b": _product, "c": _verl}
+SAMPLERS: dict[str, Callable[[], _Blocked] | None] = {"a": None, "b": _product, "c": _verl,
+                                                       "d": _product_between_calls}
 
 
 #: The sample tuple: (monotonic, controller CPU s, lister CPU s, marks, listings).

@@ -72,15 +72,16 @@ def test_every_sampler_phase_runs_between_two_of_phase_a_and_the_samplers_swap_e
 
 
 def _records(k: int, rates: dict[str, float], drift: float, cpu_per_batch: float = 0.001,
-             listing_cpu: dict[str, float] | None = None) -> list[dict]:
+             listing_cpu: dict[str, float] | None = None, phases: str = "abc",
+             listings_of: dict[str, int] | None = None) -> list[dict]:
     """Phase records in :func:`schedule`'s order: each phase's writer rate ``rates[phase]`` times a
     machine that slows by ``drift`` from one phase to the next; the controller's CPU is the puts'
     plus ``listing_cpu[phase]``."""
     listing_cpu = listing_cpu or {}
     records = []
-    for seq, (r, name) in enumerate(schedule("abc", 4)):
+    for seq, (r, name) in enumerate(schedule(phases, 4)):
         rate = rates[name] * (1 - drift) ** seq
-        listings = None if name == "a" else 5
+        listings = None if name == "a" else (listings_of or {}).get(name, 5)
         records.append({"k": k, "round": r, "seq": seq, "phase": name, "seconds": 10.0, "batches": rate * 10.0,
                         "latencies": [0.004], "controller_cpu": rate * cpu_per_batch + listing_cpu.get(name, 0.0),
                         "lister_cpu": None if name == "a" else 0.05, "listings": listings, "counted": listings,
@@ -129,3 +130,16 @@ def test_a_sampler_phase_without_phase_a_beside_it_is_refused() -> None:
 
 def _rate_of(record: dict) -> float:
     return record["batches"] / record["seconds"]
+
+
+@pytest.mark.parametrize("listings, met", [(0, True), (2, False)])
+def test_buffer_verl_listing_between_calls_is_a_missed_goal(listings: int, met: bool) -> None:
+    # verl's own sampler runs no code between its calls: any listing of buffer.verl's then is a cost verl has not.
+    records = _records(100_000, {"a": 200.0, "b": 200.0, "c": 200.0, "d": 200.0}, drift=0.0, phases="abcd",
+                       listings_of={"d": listings})
+    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
+                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    _fill(table, records, [100_000], "abcd")
+    quiet = next(goal for goal in table.goals if goal.text.startswith("buffer.verl's listings between calls"))
+    assert quiet.value == pytest.approx(listings / 10.0) and quiet.met is met
+    assert any(row[1] == "d: buffer.verl between calls" for row in table.rows)
