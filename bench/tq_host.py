@@ -186,13 +186,19 @@ def _empty() -> Any:
     return OmegaConf.create({})
 
 
-def _product() -> _Blocked:
+def _product(between_calls: bool = False) -> _Blocked:
     """buffer.verl as a verl trainer builds it (six keywords, no sampler_kwargs), blocked in ``sample()``.
 
     Its listings are its poller's own count, ``stats()["listings"]``, as its
     last heartbeat said (one a second). The window's edges are its polls
     applied, ``stats()["polls"]``: a poll of TransferQueue (no change feed)
     is one listing, applied a few ms after its listing's diff is sent.
+
+    With ``between_calls``, no call is in progress for the phase: after the
+    call that starts it, a thread stands in for the blocked one and only
+    waits for the phase's end, so what the poller does is what it does
+    between verl's calls while the trainer trains (verl's own sampler runs
+    no code then: it lists nothing).
     """
     from buffer.errors import BufferClosed
     from buffer.verl import ReplayBuffer
@@ -206,41 +212,23 @@ def _product() -> _Blocked:
         # Its threads in this process (they live until close): what it costs here, as verl's are counted.
         own = tuple(f"/proc/self/task/{thread.native_id}/stat" for thread in threading.enumerate()
                     if thread.native_id not in before)
-        return _Blocked(lambda: sampler.sample(global_steps=1, partition_id=PARTITION, batch_size=NEVER),
-                        sampler.close, lambda: int(sampler.stats()["listings"]), f"/proc/{poller}/stat",
-                        BufferClosed, marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG, also=own)
-    except BaseException:
-        sampler.close()
-        raise
 
+        def blocked(sample: Callable[[], Any], stop: Callable[[], Any], expected: type[BaseException],
+                    cleanup: Callable[[], Any] | None = None) -> _Blocked:
+            return _Blocked(sample, stop, lambda: int(sampler.stats()["listings"]), f"/proc/{poller}/stat", expected,
+                            marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG, also=own,
+                            cleanup=cleanup)
 
-def _product_between_calls() -> _Blocked:
-    """buffer.verl as in :func:`_product`, started by one call, then left alone: the trainer trains.
-
-    No call is in progress for the phase (a thread stands in for the
-    blocked one and only waits for the phase's end), so what the poller does
-    is what it does between verl's calls. verl's own sampler runs no code
-    then: it lists nothing.
-    """
-    from buffer.verl import ReplayBuffer
-
-    before = {thread.native_id for thread in threading.enumerate()}
-    sampler = ReplayBuffer(trainer_mode="colocate_async", trainer_config=_empty(), max_off_policy_threshold=None,
-                           max_off_policy_strategy="drop", sampler_kwargs=_empty(), refill_fn=None)
-    try:
-        sampler.get_sampleable_count(1, PARTITION)  # starts the poller and waits for its first listing
-        poller = sampler.stats()["poller_pid"]
-        own = tuple(f"/proc/self/task/{thread.native_id}/stat" for thread in threading.enumerate()
-                    if thread.native_id not in before)
+        if not between_calls:
+            return blocked(lambda: sampler.sample(global_steps=1, partition_id=PARTITION, batch_size=NEVER),
+                           sampler.close, BufferClosed)
         ended = threading.Event()
 
         def trains() -> None:
             ended.wait()
             raise PhaseStopped()
 
-        return _Blocked(trains, ended.set, lambda: int(sampler.stats()["listings"]), f"/proc/{poller}/stat",
-                        PhaseStopped, marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG, also=own,
-                        cleanup=sampler.close)
+        return blocked(trains, ended.set, PhaseStopped, cleanup=sampler.close)
     except BaseException:
         sampler.close()
         raise
@@ -305,7 +293,7 @@ def _verl() -> _Blocked:
 
 
 SAMPLERS: dict[str, Callable[[], _Blocked] | None] = {"a": None, "b": _product, "c": _verl,
-                                                       "d": _product_between_calls}
+                                                       "d": lambda: _product(between_calls=True)}
 
 
 #: The sample tuple: (monotonic, controller CPU s, lister CPU s, marks, listings).
