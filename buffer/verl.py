@@ -231,10 +231,9 @@ class ReplayBuffer:
         # After the sync ahead: its listing may predate a partition new to the poller.
         if self._lifecycle.include(partition_id):
             self._needs_fresh_view = True
-        if self._needs_fresh_view:
-            self._read_your_writes(what, deadline)
-        elif not self._lifecycle.lists_between_calls and seam.view_age() > FRESH_VIEW_SECONDS:
-            # The poller did not list since (between calls it does not): a listing first, as verl's sampler.
+        # Without listings between calls, a view older than verl's would be is listed first, as verl's sampler.
+        if self._needs_fresh_view or (not self._lifecycle.lists_between_calls
+                                      and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)
 
         def attempt() -> _R | None:
