@@ -33,9 +33,11 @@ TransferQueue the table says so and is empty.
 from __future__ import annotations
 
 import importlib.util
+import math
 import multiprocessing
 import os
 import signal
+import statistics
 from typing import Any, Callable
 
 from .report import Goal, Table, median, percentile
@@ -200,6 +202,9 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
         if pooled:
             table.notes.append(f"K={k:,}: the listings' controller CPU, listings/s × ms per listing: "
                                + ", ".join(f"{PHASES[p]} {pooled[p]:.3g}% of a core" for p in pooled))
+        table.notes.append(f"K={k:,}: the writer's slowdown, mean over rounds with its 95% interval "
+                           "(± 2 standard errors), what one run can resolve: "
+                           + "; ".join(f"{p} {interval(slowdowns[p])}" for p in phases if p != "a"))
         table.notes.append(f"K={k:,}: phase a's writer batches/s, run by run: "
                            + ", ".join(f"{_rate(r):.0f}" for r in sorted(by_phase["a"], key=lambda r: r["seq"]))
                            + "; each sampler phase's slowdown against its reference: "
@@ -224,6 +229,20 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
         if "c" not in phases:
             table.notes.append(f"controller CPU added by buffer.verl (b − a), K={k:,}: "
                                f"{median(added['b']) * 100:.3g}% of a core (no verl phase to compare with)")
+
+
+def interval(values: list[float]) -> str:
+    """``mean [low, high]``: the mean of per-round figures and mean ± 2 standard errors ("—" with fewer than two).
+
+    Phase d lists nothing, so its interval is what the slowdown reads with no
+    cost at all: a goal's margin narrower than that cannot be told from noise
+    in one run (``docs/benchmarks.md``).
+    """
+    if len(values) < 2:
+        return "—"
+    mean = statistics.mean(values)
+    half = 2 * statistics.stdev(values) / math.sqrt(len(values))
+    return f"{mean:.3g} [{mean - half:.3g}, {mean + half:.3g}]"
 
 
 def _listing_cpu(record: dict[str, Any]) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench.report import Table
-from bench.tq import _fill, _listing_cpu, bracketed
+from bench.tq import _fill, _listing_cpu, bracketed, interval
 from bench.tq_host import around_listings, schedule, window
 
 EVERY, CYCLE = 0.05, 2.4
@@ -143,3 +143,15 @@ def test_buffer_verl_listing_between_calls_is_a_missed_goal(listings: int, met: 
     quiet = next(goal for goal in table.goals if goal.text.startswith("buffer.verl's listings between calls"))
     assert quiet.value == pytest.approx(listings / 10.0) and quiet.met is met
     assert any(row[1] == "d: buffer.verl between calls" for row in table.rows)
+
+
+def test_each_samplers_slowdown_is_reported_with_the_interval_one_run_can_resolve() -> None:
+    # Four rounds reading 1.0, 1.1, 0.9, 1.0: sd 0.0816, so mean ± 2 standard errors is 1 ± 0.0816.
+    assert interval([1.0, 1.1, 0.9, 1.0]) == "1 [0.918, 1.08]"
+    assert interval([1.05]) == "—"
+    records = _records(100_000, {"a": 200.0, "b": 190.0, "c": 200.0, "d": 200.0}, drift=0.0, phases="abcd")
+    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
+                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    _fill(table, records, [100_000], "abcd")
+    note = next(n for n in table.notes if "95% interval" in n)
+    assert note.endswith("b 1.05 [1.05, 1.05]; c 1 [1, 1]; d 1 [1, 1]")
