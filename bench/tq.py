@@ -11,6 +11,10 @@ time, in three phases of the same length:
 * c: verl 0.9.1's own ``ReplayBufferAsync`` blocked the same way in a thread
   of the trainer process.
 
+Before the phases of each K, the controller's CPU per listing is also
+measured alone, no writer running, for each sampler's own request
+(:func:`bench.tq_host.listing_cost_alone`).
+
 Per phase: the writer's batches/s and put latency, the CPU of the controller's
 process (``/proc/<pid>/stat``), the CPU of what lists for the sampler, and the
 sampler's listings, counted exactly: verl's ``tq.kv_list()`` calls at their
@@ -85,8 +89,8 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
         phases = "abd"
         table.notes.append(f"phase c skipped ({no_verl}): verl 0.9.1 is installed by `make bench`")
         progress(f"tq: phase c skipped: {no_verl}")
-    records, info = _host(progress, sizes, rounds, seconds, phases)
-    _fill(table, records, sizes, phases)
+    records, alone = _host(progress, sizes, rounds, seconds, phases)
+    _fill(table, records, sizes, phases, alone)
     table.notes.append("a writer Ray actor rewrites one of 64 preloaded groups per batch (16 trajectory keys, "
                        "tags global_steps/status/reward, a 16×8 tensor field), so K stays fixed (plus each of "
                        "those groups' 16th trajectory: 64 keys) while tags change; preloaded groups are a running "
@@ -124,7 +128,8 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "a: the writer's run); lister = what lists and samples for the sampler: "
                        "buffer.verl's poller process and its threads in the trainer process (the one blocked in "
                        "sample(), the receiver, the supervisor) (b); the thread running verl's sample() and "
-                       "TransferQueue's client event loop, which sends kv_list() and decodes its reply (c); medians over rounds")
+                       "TransferQueue's client event loop, which sends kv_list() and decodes its reply (c); medians "
+                       "over rounds")
     table.notes.append("each sampler phase runs between two runs of phase a and is compared with their mean (its "
                        "reference): the slowdown (reference batches/s ÷ the phase's), the CPU added (the phase's "
                        "controller CPU − the reference's) and the CPU beyond the puts are medians of those "
@@ -162,8 +167,10 @@ def bracketed(records: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float
     return out
 
 
-def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases: str) -> None:
-    """Rows and goals from the host's phase records (medians over rounds, ratios against the bracketing a runs)."""
+def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases: str,
+          alone: dict[int, dict[str, list[float]]] | None = None) -> None:
+    """Rows and goals from the host's phase records (medians over rounds, ratios against the bracketing a runs);
+    ``alone``: per K, each sampler's controller CPU seconds per listing with nothing else running, per round."""
     for k in sizes:
         by_phase = {p: [r for r in records if r["k"] == k and r["phase"] == p] for p in phases}
         pairs = bracketed([r for r in records if r["k"] == k])
@@ -199,6 +206,17 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
             if unaligned:
                 table.notes.append(f"K={k:,} phase {p}, round(s) {unaligned}: fewer than two listings ended in the "
                                    "writer's run, so the whole run was the window")
+        costs = (alone or {}).get(k)
+        if costs:
+            rates = {p: pooled_rate(by_phase[p]) for p in costs}
+            table.notes.append(f"K={k:,}: the controller's CPU per listing with no writer, ms, median of "
+                               f"{len(costs['b'])} rounds (rounds): "
+                               + "; ".join(f"{PHASES[p]} {median(v) * 1e3:.3g} ("
+                                           + ", ".join(f"{x * 1e3:.3g}" for x in v) + ")"
+                                           for p, v in costs.items())
+                               + "; × the phase's listings/s: "
+                               + ", ".join(f"{PHASES[p]} {median(v) * rates[p] * 100:.3g}% of a core"
+                                           for p, v in costs.items()))
         if pooled:
             table.notes.append(f"K={k:,}: the listings' controller CPU, listings/s × ms per listing: "
                                + ", ".join(f"{PHASES[p]} {pooled[p]:.3g}% of a core" for p in pooled))
@@ -231,6 +249,13 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
                                f"{median(added['b']) * 100:.3g}% of a core (no verl phase to compare with)")
 
 
+def pooled_rate(records: list[dict[str, Any]]) -> float:
+    """Listings per second over a phase's rounds (0 without any counted)."""
+    counted = [r for r in records if r["listings"] is not None]
+    seconds = sum(r["seconds"] for r in counted)
+    return sum(r["listings"] for r in counted) / seconds if seconds else 0.0
+
+
 def interval(values: list[float]) -> str:
     """``mean [low, high]``: the mean of per-round figures and mean ± 2 standard errors ("—" with fewer than two).
 
@@ -257,8 +282,9 @@ def _listing_cpu(record: dict[str, Any]) -> float:
 
 
 def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, seconds: float,
-          phases: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run :func:`bench.tq_host.serve` in a spawned process; its phase records and final info.
+          phases: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, list[float]]]]:
+    """Run :func:`bench.tq_host.serve` in a spawned process; its phase records and, per K, the controller's
+    CPU per listing with nothing else running (:func:`bench.tq_host.listing_cost_alone`).
 
     The host leads a session of its own: whatever happens here, it and the
     processes it started (Ray's, the poller) are signalled by that group.
@@ -269,6 +295,7 @@ def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, second
     host.start()
     child.close()
     records: list[dict[str, Any]] = []
+    alone: dict[int, dict[str, list[float]]] = {}
     try:
         while True:
             if not conn.poll(_SILENCE):
@@ -287,10 +314,14 @@ def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, second
                 progress(f"tq: K={value['k']:,} round {value['round'] + 1}/{rounds} phase {value['phase']}: "
                          f"{value['batches'] / value['seconds']:.0f} batches/s, controller "
                          f"{value['controller_cpu'] * 100:.1f}% of a core{listed}")
+            elif kind == "alone":
+                alone[value["k"]] = value["costs"]
+                progress(f"tq: K={value['k']:,}: controller ms per listing alone, "
+                         + ", ".join(f"{p} {median(v) * 1e3:.3g}" for p, v in value["costs"].items()))
             elif kind == "error":
                 raise RuntimeError(f"the TransferQueue host failed:\n{value}")
             else:
-                return records, value
+                return records, alone
     finally:
         conn.close()
         _reap(host)

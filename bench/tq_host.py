@@ -409,6 +409,45 @@ def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str,
     return record
 
 
+def listing_cost_alone(controller: int, k: int, rounds: int) -> dict[str, list[float]]:
+    """The controller's CPU seconds per listing with no writer and no sampler, per round.
+
+    ``b``: the request ``buffer.verl``'s poller sends (its TransferQueue
+    source, partition ``train``); ``c``: verl's sampler's, ``tq.kv_list()``
+    (every partition). They alternate, each round running enough listings
+    for the controller's CPU to be read to a few per cent (``/proc`` counts
+    10 ms ticks); its idle CPU, read first, is taken off. Nothing but the
+    request differs, so this is what one listing of each costs the shared
+    controller, free of the writer's noise that the in-phase estimate
+    carries.
+    """
+    import transfer_queue as tq
+
+    from poller.sources import transferqueue as tq_source
+
+    stat = f"/proc/{controller}/stat"
+    source = tq_source.TransferQueueSource(**tq_source.source_kwargs(partition_ids=[PARTITION]))
+    try:
+        requests: dict[str, Callable[[], Any]] = {"b": source.kv_list_packed, "c": tq.kv_list}
+        for request in requests.values():
+            request()  # connected and warm
+        listings = max(8, 800_000 // k)  # ~0.3 s of the controller's CPU a round at any K
+        before, began = cpu_seconds(stat), time.monotonic()
+        time.sleep(1.0)
+        idle = (cpu_seconds(stat) - before) / (time.monotonic() - began)
+        costs: dict[str, list[float]] = {name: [] for name in requests}
+        for r in range(rounds):
+            for name in list(requests) if r % 2 == 0 else list(requests)[::-1]:
+                before, began = cpu_seconds(stat), time.monotonic()
+                for _ in range(listings):
+                    requests[name]()
+                spent = cpu_seconds(stat) - before - idle * (time.monotonic() - began)
+                costs[name].append(spent / listings)
+        return costs
+    finally:
+        source.close()
+
+
 def schedule(phases: str, rounds: int) -> list[tuple[int, str]]:
     """The phases of one K in the order they run: ``(round, phase)``.
 
@@ -438,6 +477,7 @@ def _controller_pid() -> int:
 
 def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phases: str) -> None:
     """The whole benchmark in this process; sends ``("progress", text)``, ``("phase", record)``, then
+    ``("alone", {"k", "costs"})`` per K (:func:`listing_cost_alone`, when phase c runs), then
     ``("done", info)`` or ``("error", traceback)``. Everything started here is stopped before it returns."""
     # Ray's socket paths must fit in 108 bytes: a short directory under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="bench-tq-", dir="/tmp")
@@ -472,6 +512,9 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
             if not groups:
                 ray.get(writer.run.remote(0.5), timeout=_CALL_TIMEOUT)  # the actor is up and its client warm
             groups = k // GROUP_KEYS
+            if "c" in phases:
+                conn.send(("progress", f"tq: K={k:,}: the controller's CPU per listing, alone"))
+                conn.send(("alone", {"k": k, "costs": listing_cost_alone(controller, k, rounds)}))
             for seq, (r, name) in enumerate(schedule(phases, rounds)):
                 record = _phase(name, writer, controller, seconds)
                 record.update(k=k, round=r, seq=seq)

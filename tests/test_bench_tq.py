@@ -155,3 +155,15 @@ def test_each_samplers_slowdown_is_reported_with_the_interval_one_run_can_resolv
     _fill(table, records, [100_000], "abcd")
     note = next(n for n in table.notes if "95% interval" in n)
     assert note.endswith("b 1.05 [1.05, 1.05]; c 1 [1, 1]; d 1 [1, 1]")
+
+
+def test_the_controllers_cpu_per_listing_alone_is_reported_with_what_it_costs_at_each_samplers_rate() -> None:
+    records = _records(100_000, {"a": 200.0, "b": 200.0, "c": 200.0}, drift=0.0, listings_of={"b": 5, "c": 4})
+    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
+                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    _fill(table, records, [100_000], "abc", {100_000: {"b": [0.030, 0.036, 0.034, 0.040],
+                                                       "c": [0.034, 0.032, 0.038, 0.036]}})
+    note = next(n for n in table.notes if "no writer" in n)
+    # Medians 35 ms each; 5 and 4 listings a 10 s phase: 0.5 and 0.4 a second, 1.75% and 1.4% of a core.
+    assert "buffer.verl (product) 35 (30, 36, 34, 40)" in note and "verl 0.9.1 sampler 35 (34, 32, 38, 36)" in note
+    assert note.endswith("buffer.verl (product) 1.75% of a core, verl 0.9.1 sampler 1.4% of a core")
