@@ -310,7 +310,8 @@ def test_sync_dapo_reads_metrics_refills_twice_and_discards_surplus(make, store)
 def test_sync_dapo_counts_what_refill_fn_just_submitted_as_in_flight(make, store) -> None:
     # Two filtered groups give 4 credits; only max_inflight_gen_batches * train_batch_size = 2 may be in flight.
     # refill_fn only registers pending prompts (the agent loop runs later), as verl's does: the next decision
-    # must see them (read-your-writes) or it dispatches the remaining credit at once.
+    # must see them (read-your-writes: the plan's clears and its refill are synced before it) or it dispatches
+    # the remaining credit at once.
     for _ in range(2):
         produce(store, "train", "finished", sessions=2, rewards=[1.0, 1.0])
     calls: list[list[str]] = []
@@ -327,8 +328,11 @@ def test_sync_dapo_counts_what_refill_fn_just_submitted_as_in_flight(make, store
     assert wait_until(lambda: len(calls) >= 1)
     time.sleep(0.5)
     assert [len(c) for c in calls] == [2] and consumer.is_alive()
-    for key in calls[0]:  # the agent loop runs them: groups with signal
-        produce(store, "train", "finished", sessions=2, rewards=[0.0, 1.0], key=key)
+    # The agent loop runs them: groups with signal, both finishing in one transaction. One finished
+    # while the other is still in flight frees a credit, and the sampler would rightly dispatch it.
+    for key in calls[0]:
+        produce(store, "train", "running", sessions=2, rewards=[0.0, 1.0], key=key)
+    store.kv_batch_put(calls[0], "train", tags=[{"status": "finished"}] * len(calls[0]))
     batch, metrics = consumer.outcome()
     assert uids_of(batch.keys) == set(calls[0]) and len(calls) == 1
     assert metrics["training/filter_groups/evicted_samples"] == 2
