@@ -338,6 +338,38 @@ def test_sync_dapo_counts_what_refill_fn_just_submitted_as_in_flight(make, store
     assert metrics["training/filter_groups/evicted_samples"] == 2
 
 
+def test_sync_dapo_refill_without_eviction_is_synced_before_the_next_decision(make, store) -> None:
+    # Three filtered groups give 6 credits, 2 may be in flight. Once the first 2 prompts finish with
+    # signal (3 are asked for), a plan dispatches 2 more and evicts nothing, so only the sync after
+    # refill_fn shows the next decision those 2 in flight; without it the remaining 2 credits go at once.
+    for _ in range(3):
+        produce(store, "train", "finished", sessions=2, rewards=[1.0, 1.0])
+    calls: list[list[str]] = []
+
+    def submit_only(n: int) -> int:
+        uids = [uid() for _ in range(n)]
+        store.kv_batch_put(uids, "train", tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}] * n)
+        calls.append(uids)
+        return n
+
+    def finish(uids: list[str]) -> None:  # the agent loop runs them: groups with signal, done in one write
+        for key in uids:
+            produce(store, "train", "running", sessions=2, rewards=[0.0, 1.0], key=key)
+        store.kv_batch_put(uids, "train", tags=[{"status": "finished"}] * len(uids))
+
+    rb = make(refill_fn=submit_only, filter_groups_metric="acc", train_batch_size=2, gen_batch_size=1)
+    consumer = Consumer(lambda: rb.sample(global_steps=1, partition_id="train", batch_size=3))
+    consumer.start()
+    assert wait_until(lambda: len(calls) >= 1)
+    finish(calls[0])
+    assert wait_until(lambda: len(calls) >= 2)
+    time.sleep(0.5)
+    assert [len(c) for c in calls] == [2, 2] and consumer.is_alive()
+    finish(calls[1])
+    batch, _ = consumer.outcome()
+    assert uids_of(batch.keys) <= set(calls[0] + calls[1]) and len(uids_of(batch.keys)) == 3
+
+
 def test_dapo_without_the_metric_is_a_clear_error(make, store) -> None:
     produce(store, "train", "finished", sessions=2)
     rb = make(refill_fn=print, filter_groups_metric="acc", train_batch_size=1, gen_batch_size=1)
