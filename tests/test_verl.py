@@ -307,32 +307,50 @@ def test_sync_dapo_reads_metrics_refills_twice_and_discards_surplus(make, store)
     assert surplus not in listed and f"{surplus}_1_0" not in listed
 
 
-def test_sync_dapo_counts_what_refill_fn_just_submitted_as_in_flight(make, store) -> None:
-    # Two filtered groups give 4 credits; only max_inflight_gen_batches * train_batch_size = 2 may be in flight.
-    # refill_fn only registers pending prompts (the agent loop runs later), as verl's does: the next decision
-    # must see them (read-your-writes: the plan's clears and its refill are synced before it) or it dispatches
-    # the remaining credit at once.
-    for _ in range(2):
-        produce(store, "train", "finished", sessions=2, rewards=[1.0, 1.0])
-    calls: list[list[str]] = []
+class SubmitOnly:
+    """refill_fn that only registers pending prompts of step 1 (the agent loop runs them later), as verl's does."""
 
-    def submit_only(n: int) -> int:
+    def __init__(self, store: SqliteSource) -> None:
+        self.store = store
+        self.calls: list[list[str]] = []
+
+    def __call__(self, n: int) -> int:
         uids = [uid() for _ in range(n)]
-        store.kv_batch_put(uids, "train", tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}] * n)
-        calls.append(uids)
+        self.store.kv_batch_put(uids, "train", tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}] * n)
+        self.calls.append(uids)
         return n
 
-    rb = make(refill_fn=submit_only, filter_groups_metric="acc", train_batch_size=2, gen_batch_size=1)
-    consumer = Consumer(lambda: rb.sample(global_steps=1, partition_id="train", batch_size=2))
+    def finish(self, uids: list[str]) -> None:
+        """The agent loop runs them: groups with signal, all turning finished in one transaction. One finished
+        while another is still in flight would free a credit, and the sampler would rightly dispatch it."""
+        for key in uids:
+            produce(self.store, "train", "running", sessions=2, rewards=[0.0, 1.0], key=key)
+        self.store.kv_batch_put(uids, "train", tags=[{"status": "finished"}] * len(uids))
+
+
+def _dapo_waiting(make, store: SqliteSource, filtered: int, batch_size: int) -> tuple[SubmitOnly, Consumer]:
+    """``filtered`` groups without signal (2 credits each), 2 prompts allowed in flight, and a sync DAPO
+    ``sample()`` of ``batch_size`` groups running in a thread."""
+    for _ in range(filtered):
+        produce(store, "train", "finished", sessions=2, rewards=[1.0, 1.0])
+    refill = SubmitOnly(store)
+    rb = make(refill_fn=refill, filter_groups_metric="acc", train_batch_size=2, gen_batch_size=1)
+    consumer = Consumer(lambda: rb.sample(global_steps=1, partition_id="train", batch_size=batch_size))
     consumer.start()
+    return refill, consumer
+
+
+def test_sync_dapo_counts_what_refill_fn_just_submitted_as_in_flight(make, store) -> None:
+    # Two filtered groups give 4 credits; only max_inflight_gen_batches * train_batch_size = 2 may be in flight.
+    # refill_fn only registers pending prompts, as verl's does: the next decision must see them
+    # (read-your-writes: the plan's clears and its refill are synced before it) or it dispatches the
+    # remaining credit at once.
+    refill, consumer = _dapo_waiting(make, store, filtered=2, batch_size=2)
+    calls = refill.calls
     assert wait_until(lambda: len(calls) >= 1)
     time.sleep(0.5)
     assert [len(c) for c in calls] == [2] and consumer.is_alive()
-    # The agent loop runs them: groups with signal, both finishing in one transaction. One finished
-    # while the other is still in flight frees a credit, and the sampler would rightly dispatch it.
-    for key in calls[0]:
-        produce(store, "train", "running", sessions=2, rewards=[0.0, 1.0], key=key)
-    store.kv_batch_put(calls[0], "train", tags=[{"status": "finished"}] * len(calls[0]))
+    refill.finish(calls[0])
     batch, metrics = consumer.outcome()
     assert uids_of(batch.keys) == set(calls[0]) and len(calls) == 1
     assert metrics["training/filter_groups/evicted_samples"] == 2
@@ -342,30 +360,14 @@ def test_sync_dapo_refill_without_eviction_is_synced_before_the_next_decision(ma
     # Three filtered groups give 6 credits, 2 may be in flight. Once the first 2 prompts finish with
     # signal (3 are asked for), a plan dispatches 2 more and evicts nothing, so only the sync after
     # refill_fn shows the next decision those 2 in flight; without it the remaining 2 credits go at once.
-    for _ in range(3):
-        produce(store, "train", "finished", sessions=2, rewards=[1.0, 1.0])
-    calls: list[list[str]] = []
-
-    def submit_only(n: int) -> int:
-        uids = [uid() for _ in range(n)]
-        store.kv_batch_put(uids, "train", tags=[{"is_prompt": True, "status": "pending", "global_steps": 1}] * n)
-        calls.append(uids)
-        return n
-
-    def finish(uids: list[str]) -> None:  # the agent loop runs them: groups with signal, done in one write
-        for key in uids:
-            produce(store, "train", "running", sessions=2, rewards=[0.0, 1.0], key=key)
-        store.kv_batch_put(uids, "train", tags=[{"status": "finished"}] * len(uids))
-
-    rb = make(refill_fn=submit_only, filter_groups_metric="acc", train_batch_size=2, gen_batch_size=1)
-    consumer = Consumer(lambda: rb.sample(global_steps=1, partition_id="train", batch_size=3))
-    consumer.start()
+    refill, consumer = _dapo_waiting(make, store, filtered=3, batch_size=3)
+    calls = refill.calls
     assert wait_until(lambda: len(calls) >= 1)
-    finish(calls[0])
+    refill.finish(calls[0])
     assert wait_until(lambda: len(calls) >= 2)
     time.sleep(0.5)
     assert [len(c) for c in calls] == [2, 2] and consumer.is_alive()
-    finish(calls[1])
+    refill.finish(calls[1])
     batch, _ = consumer.outcome()
     assert uids_of(batch.keys) <= set(calls[0] + calls[1]) and len(uids_of(batch.keys)) == 3
 
