@@ -182,12 +182,15 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
         beyond = {p: [r["controller_cpu"] - _rate(r) * cpu / rate for r, rate, cpu in pairs if r["phase"] == p]
                   for p in phases}
         pooled: dict[str, float] = {}
+        rates: dict[str, float] = {}  # listings/s, pooled over rounds: phases whose listings are counted
         for p, rs in by_phase.items():
             latencies = [x for r in rs for x in r["latencies"]]
             lister = [r["lister_cpu"] for r in rs if r["lister_cpu"] is not None]
             counted = [r for r in rs if r["listings"] is not None]
             listings = sum(r["listings"] for r in counted)
             per_s: Any = listings / sum(r["seconds"] for r in counted) if counted else "—"
+            if counted:
+                rates[p] = per_s
             per_listing: Any = sum(_listing_cpu(r) for r in counted) / listings * 1e3 if listings else "—"
             if listings:
                 pooled[p] = per_s * per_listing / 10  # % of a core: listings/s × ms per listing
@@ -208,7 +211,6 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
                                    "writer's run, so the whole run was the window")
         costs = (alone or {}).get(k)
         if costs:
-            rates = {p: pooled_rate(by_phase[p]) for p in costs}
             table.notes.append(f"K={k:,}: the controller's CPU per listing with no writer, ms, median of "
                                f"{len(costs['b'])} rounds (rounds): "
                                + "; ".join(f"{PHASES[p]} {median(v) * 1e3:.3g} ("
@@ -240,20 +242,11 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
                                     median(beyond["c"]) * 100))
         if "d" in phases:
             # verl's sampler runs no code between its calls: it lists nothing then.
-            quiet = by_phase["d"]
             table.goals.append(Goal(f"buffer.verl's listings between calls, per second (verl's sampler: none), "
-                                    f"K={k:,}", sum(r["listings"] for r in quiet) / sum(r["seconds"] for r in quiet),
-                                    0.0))
+                                    f"K={k:,}", rates["d"], 0.0))
         if "c" not in phases:
             table.notes.append(f"controller CPU added by buffer.verl (b − a), K={k:,}: "
                                f"{median(added['b']) * 100:.3g}% of a core (no verl phase to compare with)")
-
-
-def pooled_rate(records: list[dict[str, Any]]) -> float:
-    """Listings per second over a phase's rounds (0 without any counted)."""
-    counted = [r for r in records if r["listings"] is not None]
-    seconds = sum(r["seconds"] for r in counted)
-    return sum(r["listings"] for r in counted) / seconds if seconds else 0.0
 
 
 def interval(values: list[float]) -> str:

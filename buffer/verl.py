@@ -231,7 +231,8 @@ class ReplayBuffer:
         # After the sync ahead: its listing may predate a partition new to the poller.
         if self._lifecycle.include(partition_id):
             self._needs_fresh_view = True
-        # Without listings between calls, a view older than verl's would be is listed first, as verl's sampler.
+        # Without listings between calls, a view older than any verl's sampler acts on is refreshed first:
+        # verl's lists the store at the start of each call.
         if self._needs_fresh_view or (not self._lifecycle.lists_between_calls
                                       and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)

@@ -97,8 +97,7 @@ def test_a_steady_drift_of_the_machine_is_not_counted_as_a_samplers_cost() -> No
         # The mean of the two neighbours of a geometric drift is within 0.5% of the phase's own rate.
         assert rate / _rate_of(record) == pytest.approx(1.0, abs=0.006)
         assert record["controller_cpu"] - cpu == pytest.approx(0.0, abs=0.002)
-    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
-                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    table = _table()
     _fill(table, records, [10_000], "abc")
     slowdown = next(goal for goal in table.goals if goal.text.startswith("writer slowdown"))
     assert slowdown.value == pytest.approx(1.0, abs=0.006)
@@ -111,8 +110,7 @@ def test_a_steady_drift_of_the_machine_is_not_counted_as_a_samplers_cost() -> No
 def test_a_sampler_that_slows_the_writer_and_costs_the_controller_is_seen_through_the_drift() -> None:
     records = _records(100_000, {"a": 200.0, "b": 190.0, "c": 200.0}, drift=0.05,
                        listing_cpu={"b": 0.02, "c": 0.01})
-    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
-                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    table = _table()
     _fill(table, records, [100_000], "abc")
     goals = {goal.text.split(",")[0]: goal for goal in table.goals}
     assert goals["writer slowdown beside buffer.verl (batches/s a ÷ b)"].value == pytest.approx(200 / 190, rel=0.01)
@@ -128,6 +126,11 @@ def test_a_sampler_phase_without_phase_a_beside_it_is_refused() -> None:
         bracketed(records)
 
 
+def _table() -> Table:
+    return Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
+                             "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+
+
 def _rate_of(record: dict) -> float:
     return record["batches"] / record["seconds"]
 
@@ -137,8 +140,7 @@ def test_buffer_verl_listing_between_calls_is_a_missed_goal(listings: int, met: 
     # verl's own sampler runs no code between its calls: any listing of buffer.verl's then is a cost verl has not.
     records = _records(100_000, {"a": 200.0, "b": 200.0, "c": 200.0, "d": 200.0}, drift=0.0, phases="abcd",
                        listings_of={"d": listings})
-    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
-                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    table = _table()
     _fill(table, records, [100_000], "abcd")
     quiet = next(goal for goal in table.goals if goal.text.startswith("buffer.verl's listings between calls"))
     assert quiet.value == pytest.approx(listings / 10.0) and quiet.met is met
@@ -150,8 +152,7 @@ def test_each_samplers_slowdown_is_reported_with_the_interval_one_run_can_resolv
     assert interval([1.0, 1.1, 0.9, 1.0]) == "1 [0.918, 1.08]"
     assert interval([1.05]) == "—"
     records = _records(100_000, {"a": 200.0, "b": 190.0, "c": 200.0, "d": 200.0}, drift=0.0, phases="abcd")
-    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
-                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    table = _table()
     _fill(table, records, [100_000], "abcd")
     note = next(n for n in table.notes if "95% interval" in n)
     assert note.endswith("b 1.05 [1.05, 1.05]; c 1 [1, 1]; d 1 [1, 1]")
@@ -159,8 +160,7 @@ def test_each_samplers_slowdown_is_reported_with_the_interval_one_run_can_resolv
 
 def test_the_controllers_cpu_per_listing_alone_is_reported_with_what_it_costs_at_each_samplers_rate() -> None:
     records = _records(100_000, {"a": 200.0, "b": 200.0, "c": 200.0}, drift=0.0, listings_of={"b": 5, "c": 4})
-    table = Table("TQ", "t", ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller %",
-                              "beyond", "lister", "listings/s", "ms per listing", "slowdown"])
+    table = _table()
     _fill(table, records, [100_000], "abc", {100_000: {"b": [0.030, 0.036, 0.034, 0.040],
                                                        "c": [0.034, 0.032, 0.038, 0.036]}})
     note = next(n for n in table.notes if "no writer" in n)
