@@ -2,7 +2,7 @@
 
 A store without a change feed (TransferQueue) is listed in full on every
 poll, and its controller is shared by every rollout worker: at K=100k keys one
-TransferQueue ``kv_list()`` takes ~0.2-0.4 s (~55 ms of the controller's CPU). A waiting
+TransferQueue ``kv_list()`` takes ~0.2-0.4 s (~35-45 ms of the controller's CPU). A waiting
 sampler asks for a listing every ``wait_poll_interval`` (0.02 s), which,
 unbounded, would keep the controller listing for us nearly all the time.
 :class:`ListingDuty` bounds that.
@@ -36,7 +36,7 @@ against verl's ~0.38 s and ~0.08 s). Counted once each, its cycle was
 ~2.2 s against verl's ~2.3-2.45 s, up to ~10% more listings of the shared
 controller; with ``2d + 3p + 2.0`` it is ~2.3-2.5 s, as many listings as
 verl's or fewer at the sizes measured (``python -m bench --only tq`` counts
-both: 0.412 a second against verl's 0.416 at 100k keys in one run). A
+both: 0.43 a second against verl's 0.432 at 100k keys in one run). A
 poll asked for sooner (a SYNC from a waiting sampler, the schedule) waits
 for it. A fixed share cannot match verl across sizes: verl's grows with the
 store (0.013 at 10k keys, 0.15 at 100k), so a share fixed at one size lists
