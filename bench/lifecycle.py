@@ -49,8 +49,9 @@ def _poller_floor() -> float:
 
 def close(progress: Callable[[str], None], quick: bool) -> Table:
     reps = 7 if quick else 21
-    idle, mid, stuck = "close(), idle poller", "close(), mid-stream (K=100k, 10k changes every 10 ms)", \
-        "close(), source stuck in kv_list()"
+    idle = "close(), idle poller"
+    mid = "close(), mid-stream (K=100k, 10k changes every 10 ms)"
+    stuck = "close(), source stuck in kv_list()"
     walls: dict[str, list[float]] = {idle: [], mid: [], stuck: []}
     cases: dict[str, Callable[[], float]] = {
         "kill floor: SIGKILL + reap of an idle child": kill_floor,

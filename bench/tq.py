@@ -218,7 +218,7 @@ def _fill(table: Table, records: list[dict[str, Any]], sizes: list[int], phases:
                                            for p, v in costs.items())
                                + "; × the phase's listings/s: "
                                + ", ".join(f"{PHASES[p]} {median(v) * rates[p] * 100:.3g}% of a core"
-                                           for p, v in costs.items()))
+                                           for p, v in costs.items() if p in rates))
         if pooled:
             table.notes.append(f"K={k:,}: the listings' controller CPU, listings/s × ms per listing: "
                                + ", ".join(f"{PHASES[p]} {pooled[p]:.3g}% of a core" for p in pooled))

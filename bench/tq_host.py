@@ -476,9 +476,10 @@ def _controller_pid() -> int:
 
 
 def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phases: str) -> None:
-    """The whole benchmark in this process; sends ``("progress", text)``, ``("phase", record)``, then
-    ``("alone", {"k", "costs"})`` per K (:func:`listing_cost_alone`, when phase c runs), then
-    ``("done", info)`` or ``("error", traceback)``. Everything started here is stopped before it returns."""
+    """The whole benchmark in this process; sends ``("progress", text)`` throughout, per K first
+    ``("alone", {"k", "costs"})`` (:func:`listing_cost_alone`, when phase c runs) and then a
+    ``("phase", record)`` per phase, and at the end ``("done", None)`` or ``("error", traceback)``.
+    Everything started here is stopped before it returns."""
     # Ray's socket paths must fit in 108 bytes: a short directory under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="bench-tq-", dir="/tmp")
     started_store = False
@@ -519,7 +520,7 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
                 record = _phase(name, writer, controller, seconds)
                 record.update(k=k, round=r, seq=seq)
                 conn.send(("phase", record))
-        conn.send(("done", {"controller_pid": controller}))
+        conn.send(("done", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
