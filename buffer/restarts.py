@@ -30,8 +30,11 @@ class RestartBudget:
     def __init__(self, max_restarts: int, window: float) -> None:
         self.max_restarts = max_restarts
         self.window = window
-        self.total = 0  # every restart in the buffer's lifetime (stats()["restarts"])
+        # Every restart in the buffer's lifetime (stats()["restarts"], a Prometheus counter): it only grows.
+        self.total = 0
         self._times: collections.deque[float] = collections.deque()
+        # The last restart counted was refunded (its store refused it): the next try is the same restart.
+        self._refunded = False
 
     def recent(self) -> int:
         """Restarts within the last ``window`` seconds."""
@@ -44,15 +47,24 @@ class RestartBudget:
         return self.recent() >= self.max_restarts
 
     def use(self) -> None:
-        """Count one restart now (before it starts: its data may arrive before start() returns)."""
+        """Count one restart now (before it starts: its data may arrive before start() returns).
+
+        Tries after a refund are the same restart: :attr:`total` counts it once.
+        """
         self._times.append(time.monotonic())
-        self.total += 1
+        if not self._refunded:
+            self.total += 1
+        self._refunded = False
 
     def refund(self) -> None:
-        """Take back the restart just counted: the store refused it, and refusals use no budget."""
+        """Give back the budget of the restart just counted: the store refused it, and refusals use none.
+
+        :attr:`total` keeps it (a lifetime counter never goes down); the next
+        :meth:`use` is the same restart tried again and is not counted twice.
+        """
         if self._times:
             self._times.pop()
-            self.total -= 1
+            self._refunded = True
 
     def backoff(self) -> float:
         """The wait before the next restart: doubles with the restarts in the window."""
