@@ -221,8 +221,8 @@ class GroupIndex:
         self._parts: dict[str, GroupPartition] = {}
         #: changes seen, for stats and tests.
         self.changes = 0
-        #: partition -> the stamp of the last change of its groups (kept when the partition empties, so a
-        #: partition that comes back never shows an old version).
+        #: partition -> the stamp of the last change of its groups. Dropped with the partition's last
+        #: group: stamps only grow, so a partition that comes back never shows a version seen before.
         self._versions: dict[str, int] = {}
         self._stamp = 0
 
@@ -249,6 +249,7 @@ class GroupIndex:
             part._index(key, new)
         if part.is_empty():
             del self._parts[partition_id]
+            del self._versions[partition_id]
 
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """:meth:`on_change` of each key held before, in one call.
@@ -267,7 +268,7 @@ class GroupIndex:
         return self._parts.get(partition_id, _EMPTY)
 
     def version(self, partition_id: str) -> int:
-        """A number that changes whenever the groups of ``partition_id`` change (0: never had any); under the lock.
+        """A number that changes whenever the groups of ``partition_id`` change (0: it has none); under the lock.
 
         Equal versions mean an equal view for every rule of :mod:`buffer.group_rules`.
         """

@@ -14,18 +14,36 @@ Why it exists: the store must tell
 
 * a key that vanished from the store (drop it), from
 * a key the trainer removed while a poll already under way still lists it
-  (a *tombstone*: ignore that key until the source stops listing it).
+  (a *tombstone*: ignore that record of the key while the source lists it).
 
-A removal of a key no source lists leaves a *pending* tombstone: a poll that
-began before the removal may still list the key. Whether a poll began before
-the removal is told by the source's poll numbers, never by clocks (the
-trainer's and a poller's host may disagree by any amount). At the removal
-the ledger notes, per stream, the highest poll it has received any message
-of, ``m``; poll ``m + 1`` may already be listing, and a poll numbered
-``m + 2`` or later began after poll ``m + 1`` was sent whole, so after the
-removal unless the receiver was a whole poll behind its poller. The first
-*complete* poll past that horizon that does not list the key ends the
-pending tombstone.
+A tombstone hides the record *as it was when removed*, never the key's name:
+it keeps the *versions* of the key removed (the tags each stream listed, as
+the bytes they arrived in, and what the store held). The same version listed
+again stays hidden, at any listing rate: no resurrection. A listing of the key
+with another version is a new record (updated in place, or cleared and put
+again between two listings): listed by a poll that began after the removal,
+it ends the tombstone and is shown at once. Listed by a poll that may have
+begun before the removal, it is in doubt (the store may have held it before
+the removal, and the trainer may be clearing it): it stays hidden until the
+first complete poll that began after the removal, which shows it if that
+poll's stream still lists it at a version not removed, and ends the
+tombstone otherwise if it lists the key no more.
+
+Whether a poll began before the removal is told by the source's poll numbers,
+never by clocks (the trainer's and a poller's host may disagree by any
+amount). At the removal the ledger notes, per stream, the highest poll it has
+received any message of, ``m`` (the removal's *horizon*); poll ``m + 1`` may
+already be listing, and a poll numbered ``m + 2`` or later began after poll
+``m + 1`` was sent whole, so after the removal unless the receiver was a whole
+poll behind its poller.
+
+A tombstone ends when no stream lists the key any more, or when a poll past
+the horizon lists a new version. A removal of a key no source lists leaves a
+*pending* tombstone: a poll that began before the removal may still list the
+key. The first *complete* poll past the horizon that does not list it ends it.
+
+Nothing is kept for a partition without keys: the ledger's memory follows the
+keys held and the tombstones in flight, not every partition ever seen.
 
 A view is *whole* when every key reflects complete listings: the sources
 the view requires (the buffer's own poller) have had a first complete poll
@@ -35,23 +53,40 @@ listing or awaiting a resync after a loss.
 
 from __future__ import annotations
 
-from itertools import compress, repeat
-from operator import not_
-from typing import Iterable, Mapping
+from collections import deque
+from itertools import repeat
+from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["Ledger"]
 
 # stream -> (epoch, a poll number)
 Horizon = Mapping[str, tuple[int, int]]
+_UNLISTED = object()
+# One record of a key, as a stream listed it: its tags packed (``bytes``), or a dict
+# for tags msgpack cannot hold exactly. Compared with ``==``, never looked into.
+Version = Any
+
+
+class _Tomb:
+    """The trainer removed a key: the versions of it removed, and the removal's horizon."""
+
+    __slots__ = ("horizon", "versions", "in_doubt")
+
+    def __init__(self, horizon: Horizon, versions: list[Version]) -> None:
+        self.horizon = horizon
+        self.versions = versions
+        # A poll that may have begun before the removal listed another version: settled by the next one.
+        self.in_doubt = False
 
 
 class Ledger:
     """Listings, snapshots, tombstones, poll horizons and sync answers of every stream."""
 
     def __init__(self) -> None:
-        # stream -> partition -> keys that stream lists (a dict of True rather than a
-        # set: the GC need not traverse it, and a copy is one C-level block copy).
-        self._listed: dict[str, dict[str, dict[str, bool]]] = {}
+        # stream -> partition -> key that stream lists -> the version it listed last (a dict
+        # of atomic values: the GC need not traverse it, and a copy is one C-level block copy).
+        # A partition of which a stream lists no key has no entry.
+        self._listed: dict[str, dict[str, dict[str, Version]]] = {}
         # stream -> partitions the full listing being received has listed so far.
         self._snapshots: dict[str, set[str]] = {}
         # stream -> partition -> keys listed before that full listing and not listed by it
@@ -59,13 +94,17 @@ class Ledger:
         # is left at its end has vanished. A resync of K keys costs one C-level pop per key
         # (1M: ~0.2 s), where an update of the listed keys, a set of the listing's and a
         # difference cost ~1 s.
-        self._unseen: dict[str, dict[str, dict[str, bool]]] = {}
-        # Tombstones of keys some source listed when removed: ended by an unlisting.
-        self._tomb_listed: dict[str, set[str]] = {}
-        # Tombstones of keys no source listed when removed -> the removal's horizon.
-        self._tomb_pending: dict[tuple[str, str], Horizon] = {}
+        self._unseen: dict[str, dict[str, dict[str, Version]]] = {}
+        # Tombstones of keys some source listed when removed (or listed since), by partition.
+        self._tomb_listed: dict[str, dict[str, _Tomb]] = {}
+        # Tombstones of keys no source listed when removed.
+        self._tomb_pending: dict[tuple[str, str], _Tomb] = {}
+        # (partition, key) of listed tombstones in doubt (a new version, listed by a poll under way).
+        self._in_doubt: set[tuple[str, str]] = set()
         # stream -> (epoch, highest poll number received any message of).
         self._seen: dict[str, tuple[int, int]] = {}
+        # stream -> (epoch, poll) of the message being applied (the last poll_seen()).
+        self._current: dict[str, tuple[int, int]] = {}
         # stream -> highest sync token a complete poll answered; epoch of its last complete poll.
         self._synced: dict[str, int] = {}
         self._completed_epoch: dict[str, int] = {}
@@ -76,46 +115,54 @@ class Ledger:
     # -- the stream -------------------------------------------------------------------
 
     def poll_seen(self, stream: str, epoch: int, poll: int) -> None:
-        """A message of poll ``poll`` of ``stream``'s process ``epoch`` arrived."""
+        """A message of poll ``poll`` of ``stream``'s process ``epoch`` arrived (and is being applied)."""
+        self._current[stream] = (epoch, poll)
         seen = self._seen.get(stream)
         if seen is None or seen[0] != epoch or seen[1] < poll:
             self._seen[stream] = (epoch, poll)
 
-    def listed(self, stream: str, partition: str, keys: Iterable[str]) -> list[str] | None:
-        """``stream`` lists ``keys``; the ones whose tags to merge (``None``: all of them)."""
-        keys = list(keys)
+    def listed(self, stream: str, partition: str, keys: Sequence[str],
+               versions: Sequence[Version]) -> list[str] | None:
+        """``stream`` lists ``keys`` at ``versions``; the keys whose tags to merge (``None``: all of them)."""
         listed = self._listed.setdefault(stream, {}).setdefault(partition, {})
         snapshot = self._snapshots.get(stream)
-        if snapshot is None:
-            listed.update(dict.fromkeys(keys, True))
-        else:
+        if snapshot is not None:
             snapshot.add(partition)
             unseen = self._unseen[stream].get(partition)
-            # Keys listed before are crossed off (True); the others are new to this stream.
-            new = list(compress(keys, map(not_, map(unseen.pop, keys, repeat(False))))) if unseen else keys
-            if new:
-                listed.update(dict.fromkeys(new, True))
-        tomb = self._tomb_listed.get(partition)
-        if tomb is None and not self._tomb_pending:  # the common case: no removal in flight
+            if unseen:  # keys listed before are crossed off (in C): they have not vanished
+                deque(map(unseen.pop, keys, repeat(None)), maxlen=0)
+        listed.update(zip(keys, versions))
+        tombs = self._tomb_listed.get(partition)
+        if tombs is None and not self._tomb_pending:  # the common case: no removal in flight
             return None
+        current = self._current.get(stream)
         merge = []
-        for key in keys:
-            if tomb is not None and key in tomb:
-                continue
-            if self._tomb_pending and (partition, key) in self._tomb_pending:
-                # Listed while the removal is pending: it stays removed while listed.
-                del self._tomb_pending[(partition, key)]
-                tomb = self._tomb_listed.setdefault(partition, set())
-                tomb.add(key)
-                continue
-            merge.append(key)
+        for key, version in zip(keys, versions):
+            tomb = tombs.get(key) if tombs is not None else None
+            if tomb is None and self._tomb_pending:
+                tomb = self._tomb_pending.pop((partition, key), None)
+                if tomb is not None:  # listed from now on: it ends when no stream lists it
+                    tombs = self._tomb_listed.setdefault(partition, {})
+                    tombs[key] = tomb
+            if tomb is None:
+                merge.append(key)
+            elif version in tomb.versions:
+                continue  # the record removed, listed again
+            elif current is None or not _after(tomb.horizon, stream, *current):
+                tomb.in_doubt = True  # a poll under way at the removal: settled by the next (settle())
+                self._in_doubt.add((partition, key))
+            else:
+                assert tombs is not None
+                self._end_tomb(partition, key)  # a new record of the removed key's name
+                tombs = self._tomb_listed.get(partition)
+                merge.append(key)
         return merge
 
     def unlisted(self, stream: str, partition: str, keys: Iterable[str]) -> list[str]:
         """``stream`` no longer lists ``keys``; the ones to drop (no other source lists them, none removed)."""
         listed = self._listed.get(stream, {}).get(partition)
         unseen = self._unseen.get(stream, {}).get(partition)
-        tomb = self._tomb_listed.get(partition)
+        tombs = self._tomb_listed.get(partition)
         drop = []
         for key in list(keys):
             if listed is not None:
@@ -124,18 +171,50 @@ class Ledger:
                 unseen.pop(key, None)
             if self.is_listed(partition, key):
                 continue
-            if tomb is not None and key in tomb:
-                tomb.discard(key)  # the source stopped listing it: new again
+            if tombs is not None and key in tombs:
+                self._end_tomb(partition, key)  # no source lists it: a later listing of it is new
+                tombs = self._tomb_listed.get(partition)
             else:
                 drop.append(key)
+        if listed is not None and not listed:
+            del self._listed[stream][partition]
         return drop
+
+    def settle(self, stream: str, epoch: int, poll: int) -> list[tuple[str, str, Version]]:
+        """Poll ``poll`` of ``stream``/``epoch`` was applied whole: the new records it settles.
+
+        A tombstone in doubt whose key this poll, begun after the removal,
+        still lists at a version not removed ends: ``(partition, key,
+        version)`` to show. Call it before :meth:`poll_completed`.
+        """
+        shown = []
+        for partition, key in list(self._in_doubt):
+            tomb = self._tomb_listed[partition][key]
+            if not _after(tomb.horizon, stream, epoch, poll):
+                continue
+            version = self._listed.get(stream, {}).get(partition, {}).get(key, _UNLISTED)
+            if version is _UNLISTED:
+                continue  # another stream lists it: that one settles it
+            if version in tomb.versions:
+                tomb.in_doubt = False  # the store holds the record removed: it stays hidden
+                self._in_doubt.discard((partition, key))
+            else:
+                self._end_tomb(partition, key)
+                shown.append((partition, key, version))
+        return shown
+
+    def _end_tomb(self, partition: str, key: str) -> None:
+        tombs = self._tomb_listed[partition]
+        del tombs[key]
+        if not tombs:
+            del self._tomb_listed[partition]
+        self._in_doubt.discard((partition, key))
 
     def begin_snapshot(self, stream: str) -> None:
         """A full listing from ``stream`` starts; what it omits has vanished."""
         self.abandon_snapshot(stream)  # one begun before and never ended: what it listed stays listed
         self._snapshots[stream] = set()
-        self._unseen[stream] = {partition: keys.copy() for partition, keys in self._listed.get(stream, {}).items()
-                                if keys}
+        self._unseen[stream] = {partition: keys.copy() for partition, keys in self._listed.get(stream, {}).items()}
 
     def in_snapshot(self, stream: str) -> bool:
         return stream in self._snapshots
@@ -169,8 +248,8 @@ class Ledger:
             self._completed_epoch[stream] = epoch
             wake = True
         if self._tomb_pending:
-            expired = [pk for pk, horizon in self._tomb_pending.items()
-                       if _after(horizon, stream, epoch, poll) and not self.is_listed(*pk)]
+            expired = [pk for pk, tomb in self._tomb_pending.items()
+                       if _after(tomb.horizon, stream, epoch, poll) and not self.is_listed(*pk)]
             for pk in expired:
                 del self._tomb_pending[pk]
         return wake
@@ -181,16 +260,30 @@ class Ledger:
 
     # -- the trainer ------------------------------------------------------------------
 
-    def removed(self, partition: str, keys: Iterable[str]) -> None:
-        """The trainer removed ``keys``: none comes back while a source still lists it."""
-        horizon: dict[str, tuple[int, int]] | None = None
-        for key in keys:
+    def removed(self, partition: str, held: Mapping[str, Version | None]) -> None:
+        """The trainer removed the keys of ``held`` (each with the version the store held, or None).
+
+        No record of them as they are now comes back: neither what the
+        store held nor what any stream lists of them. A new version listed
+        by a poll that began after the removal does.
+        """
+        horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}  # shared by the keys
+        tombs = self._tomb_listed.get(partition)
+        for key, version in held.items():
+            versions = [version] if version is not None else []
+            versions.extend(listed[key] for parts in self._listed.values()
+                            if (listed := parts.get(partition)) is not None and key in listed)
+            old = tombs.get(key) if tombs is not None else self._tomb_pending.get((partition, key))
+            if old is not None:  # removed again: what was removed before stays removed
+                versions.extend(old.versions)
+                self._in_doubt.discard((partition, key))  # a new horizon: the next poll settles it anew
+            tomb = _Tomb(horizon, versions)
             if self.is_listed(partition, key):
-                self._tomb_listed.setdefault(partition, set()).add(key)
+                if tombs is None:
+                    tombs = self._tomb_listed[partition] = {}
+                tombs[key] = tomb
             else:
-                if horizon is None:  # one per call, shared by its keys
-                    horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}
-                self._tomb_pending[(partition, key)] = horizon
+                self._tomb_pending[(partition, key)] = tomb
 
     def is_listed(self, partition: str, key: str) -> bool:
         """Whether some stream lists ``key`` (in the full listing under way, or in the one before)."""

@@ -160,10 +160,11 @@ class PartitionStore:
         """Delete keys; a poll still listing them will not bring them back."""
         with self._cond:
             self._check_open()
-            keys = list(keys)
-            for key in keys:
+            items = self._parts.get(partition_id)
+            held = {key: items.get(key) if items else None for key in keys}
+            for key in held:
                 self._drop(partition_id, key)
-            self.ledger.removed(partition_id, keys)
+            self.ledger.removed(partition_id, held)
             self._cond.notify_all()
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]] | dict[str, Tags]:
@@ -191,7 +192,8 @@ class PartitionStore:
         with self._cond:
             if self._closed:
                 return
-            merge = self.ledger.listed(stream, partition_id, items)
+            keys = list(items)
+            merge = self.ledger.listed(stream, partition_id, keys, [freeze(items[key]) for key in keys])
             resync = self.ledger.in_snapshot(stream)
             for key in (items if merge is None else merge):
                 self._merge(partition_id, key, items[key], resync)
@@ -217,7 +219,7 @@ class PartitionStore:
             olds = list(map(items.get, keys)) if items else [None] * len(keys)
             changed = list(compress(range(len(keys)), map(ne, olds, blobs)))
             decoded = unpack([blobs[i] for i in changed]) if changed else []
-            merge = self.ledger.listed(stream, partition_id, keys)
+            merge = self.ledger.listed(stream, partition_id, keys, blobs)
             if not changed:
                 return  # nothing a waiter could see changed
             if items is None:
@@ -308,7 +310,13 @@ class PartitionStore:
     def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None) -> None:
         """Poll ``poll`` of ``stream``'s process ``epoch`` has been applied whole (see :class:`Ledger`)."""
         with self._cond:
-            if self.ledger.poll_completed(stream, epoch, poll, sync):
+            shown = self.ledger.settle(stream, epoch, poll)
+            for partition_id, key, version in shown:  # new records of removed keys: now beyond doubt
+                if type(version) is bytes:
+                    self._merge(partition_id, key, unpack_held(version), blob=version)
+                else:
+                    self._merge(partition_id, key, version)
+            if self.ledger.poll_completed(stream, epoch, poll, sync) or shown:
                 self._cond.notify_all()  # wakes sync() waiters: answered, or a new poller to ask again
 
     def synced(self, stream: str) -> int:
@@ -396,5 +404,7 @@ class PartitionStore:
         held = items.pop(key, None) if items else None
         if held is None:
             return
+        if not items:  # a partition without keys keeps nothing (a partition per step would grow without bound)
+            del self._parts[partition_id]
         if self._policies:
             self._policies.changed(partition_id, key, thaw(held), None)

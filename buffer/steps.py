@@ -86,6 +86,8 @@ class StepIndex:
         self._reindex(part, key, _classify(old), _classify(new))
         if new is None:
             part.arrival.pop(key, None)  # a "success" key's left with its index entry
+            if not part.arrival and not part.success:  # its last key: a partition per step must not pile up
+                del self.parts[partition_id]
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """:meth:`on_change` of each key new to the store, in one call.

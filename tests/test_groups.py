@@ -285,6 +285,7 @@ def test_a_partitions_version_moves_with_what_the_rules_read_and_only_then() -> 
     assert not index.record_metric("train", "u1", ["u1_0_0"], None)  # refused: nothing changed
     assert not moved()
     feed.clear("train", ["u1", "u1_0_0"])
-    assert moved() and index.partition_ids() == ["val"]
+    # Emptied: nothing of it is kept, and it reads as a partition with no groups (an equal view).
+    assert index.version("train") == 0 and index.partition_ids() == ["val"]
     feed.put("train", "u2", is_prompt=True, status="running", global_steps=1)  # the partition comes back
-    assert moved()
+    assert moved()  # with a version never seen before

@@ -10,11 +10,14 @@ resyncs. After every step the keys held must be exactly the model's, and the
 view must be whole exactly when the model says so.
 
 The model, in plain words: the keys held are those the last delivered poll
-listed, minus the removed ones. A removed key stays removed while the source
-keeps listing it; the first delivered poll that does not list it ends that,
-except that a poll which may have begun before the removal (numbered at most
-one past the last poll anything was received of) does not end the removal of
-a key that was not listed when it was removed.
+listed, minus the removed ones. Each put gives a key a new version (its
+tags). A removal hides the versions of the key removed (the one held). It
+ends when a delivered poll does not list the key (except that such a poll
+that may have begun before the removal, numbered at most one past the last
+poll anything was received of, does not end the removal of a key that was not
+listed when it was removed), or when a poll begun after the removal lists a
+version not removed: a new record. A new version listed by a poll that may
+have begun before the removal stays hidden until such a poll.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ class _Removal:
     epoch: int
     horizon: int            # polls numbered above it (in the same epoch) began after the removal
     listed_then: bool       # listed when removed
+    versions: set[int]      # the versions of the key removed
     listed_since: bool = False
+
+    def began_after(self, epoch: int, poll: int) -> bool:
+        return poll > (self.horizon if self.epoch == epoch else 1)
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -45,12 +52,13 @@ class LedgerMachine(RuleBasedStateMachine):
         super().__init__()
         self.store = PartitionStore()
         self.store.require(SOURCE)
-        self.truth: set[str] = set()
+        self.truth: dict[str, int] = {}    # key -> its version
+        self.version = 0
         self.epoch = 1
         self.next_poll = 1
         self.seen_poll = 0                  # highest poll of this epoch anything was received of
-        self.in_flight: tuple[int, frozenset[str]] | None = None
-        self.sent: set[str] = set()         # what the last delivered poll listed
+        self.in_flight: tuple[int, dict[str, int]] | None = None
+        self.sent: dict[str, int] = {}      # what the last delivered poll listed
         self.removals: dict[str, _Removal] = {}
         self.completed = False
         self.broken = False
@@ -60,26 +68,30 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(key=KEYS)
     def put(self, key: str) -> None:
-        self.truth.add(key)
+        """A new version of ``key`` (updated in place, or put anew)."""
+        self.version += 1
+        self.truth[key] = self.version
 
     @rule(key=KEYS)
     def clear(self, key: str) -> None:
-        self.truth.discard(key)
+        self.truth.pop(key, None)
 
     @precondition(lambda self: self.in_flight is None)
     @rule()
     def begin_poll(self) -> None:
-        self.in_flight = (self.next_poll, frozenset(self.truth))
+        self.in_flight = (self.next_poll, dict(self.truth))
         self.next_poll += 1
 
     @precondition(lambda self: self.in_flight is not None and not self.must_be_full and not self.broken)
     @rule()
     def deliver_diff(self) -> None:
+        """What changed since the last delivered poll: new keys, new versions, keys gone."""
         assert self.in_flight is not None
         poll, listing = self.in_flight
         self._seen(poll)
-        self.store.merge_listed(SOURCE, PART, {key: {"v": 1} for key in sorted(listing - self.sent)})
-        self.store.unlist(SOURCE, PART, sorted(self.sent - listing))
+        self.store.merge_listed(SOURCE, PART, {key: {"v": version} for key, version in sorted(listing.items())
+                                               if self.sent.get(key) != version})
+        self.store.unlist(SOURCE, PART, sorted(self.sent.keys() - listing.keys()))
         self._completed(poll, listing)
 
     @precondition(lambda self: self.in_flight is not None)
@@ -92,11 +104,14 @@ class LedgerMachine(RuleBasedStateMachine):
         first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
         self._seen(poll)
         self.store.begin_snapshot(SOURCE)
-        self.store.merge_listed(SOURCE, PART, {key: {"v": 1} for key in first})
+        self.store.merge_listed(SOURCE, PART, {key: {"v": listing[key]} for key in first})
         if removed is not None:
-            # Listed now: by the last poll, or by the first part of this one.
-            self._remove(removed, listed=removed in self.sent or removed in first)
-        self.store.merge_listed(SOURCE, PART, {key: {"v": 1} for key in second})
+            # Listed now: by the last poll, or by the first part of this one (then at its version).
+            listed = {self.sent[removed]} if removed in self.sent else set()
+            if removed in first:
+                listed.add(listing[removed])
+            self._remove(removed, listed)
+        self.store.merge_listed(SOURCE, PART, {key: {"v": listing[key]} for key in second})
         self.store.end_snapshot(SOURCE)
         self.broken = False
         self._completed(poll, listing)
@@ -119,36 +134,42 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(key=KEYS)
     def remove(self, key: str) -> None:
-        self._remove(key, listed=key in self.sent)
+        self._remove(key, {self.sent[key]} if key in self.sent else set())
 
     # -- the model -----------------------------------------------------------------------
 
-    def _remove(self, key: str, listed: bool) -> None:
+    def _remove(self, key: str, listed: set[int]) -> None:
         self.store.remove(PART, [key])
-        self.removals[key] = _Removal(self.epoch, self.seen_poll + 1, listed)
+        before = self.removals.get(key)
+        versions = listed | (before.versions if before is not None else set())
+        self.removals[key] = _Removal(self.epoch, self.seen_poll + 1, bool(listed), versions)
 
     def _seen(self, poll: int) -> None:
         self.store.poll_seen(SOURCE, self.epoch, poll)
         self.seen_poll = max(self.seen_poll, poll)
 
-    def _completed(self, poll: int, listing: frozenset[str]) -> None:
+    def _completed(self, poll: int, listing: dict[str, int]) -> None:
         self.store.poll_completed(SOURCE, self.epoch, poll)
+        began_after = {key: removal.began_after(self.epoch, poll) for key, removal in self.removals.items()}
         for key, removal in list(self.removals.items()):
             if key in listing:
-                removal.listed_since = True
+                if listing[key] not in removal.versions and began_after[key]:
+                    del self.removals[key]  # a new record of the name, listed after the removal
+                else:
+                    removal.listed_since = True  # removed, or in doubt (listed by a poll under way)
                 continue
-            began_after = poll > (removal.horizon if removal.epoch == self.epoch else 1)
-            if removal.listed_then or removal.listed_since or began_after:
+            if removal.listed_then or removal.listed_since or began_after[key]:
                 del self.removals[key]
-        self.sent = set(listing)
+        self.sent = dict(listing)
         self.in_flight = None
         self.completed = True
         self.must_be_full = False
 
     @invariant()
     def holds_what_the_store_lists_minus_what_was_removed(self) -> None:
-        held = set(self.store.snapshot(PART))
-        assert held == self.sent - set(self.removals), (held, self.sent, self.removals)
+        held = self.store.snapshot(PART)
+        expected = {key: {"v": version} for key, version in self.sent.items() if key not in self.removals}
+        assert held == expected, (held, self.sent, self.removals)
 
     @invariant()
     def the_view_is_whole_exactly_when_the_model_says(self) -> None:

@@ -158,3 +158,48 @@ def test_a_snapshot_told_at_once_indexes_as_key_by_key(unhashable_steps: bool):
     assert bulk.steps.index.parts == one_by_one.steps.index.parts
     assert bulk.steps.index._arrivals == one_by_one.steps.index._arrivals == len(items)
     assert bulk.sample("train", batch_size=40, timeout=0).keys == one_by_one.sample("train", batch_size=40, timeout=0).keys
+
+
+def test_memory_is_flat_once_churned_partitions_are_cleared(db, store):
+    """A partition per step, each filled, sampled, removed and cleared: nothing of it stays.
+
+    Before, each cleared partition left its dicts behind in the store, the
+    ledger and the step index (200 partitions of 5,000 keys: trainer RSS
+    29 -> 199 MB). Measured with tracemalloc in this (the trainer) process,
+    between the first batch of partitions and three times as many.
+    """
+    import tracemalloc
+
+    from buffer import ReplayBuffer
+
+    keys = [f"k{i}" for i in range(200)]
+
+    def churn(rb: ReplayBuffer, step: int) -> None:
+        partition = f"step-{step}"
+        store.kv_batch_put(keys, partition, tags=[{"global_steps": step, "status": "success"}] * len(keys))
+        rb.sync(timeout=30)
+        batch = rb.sample(partition, global_steps=step, timeout=30)
+        assert len(batch.keys) == len(keys)
+        rb.remove(partition, batch.keys)
+        store.kv_clear(batch.keys, partition)
+
+    with ReplayBuffer(source="poller.sources.sqlite:SqliteSource", source_kwargs={"path": db},
+                      poll_interval=0.02) as rb:
+        tracemalloc.start()
+        try:
+            for step in range(20):
+                churn(rb, step)
+            rb.sync(timeout=30)
+            gc.collect()
+            after_first, _ = tracemalloc.get_traced_memory()
+            for step in range(20, 80):
+                churn(rb, step)
+            rb.sync(timeout=30)
+            gc.collect()
+            after_all, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert rb.stats()["keys"] == 0
+    grown = after_all - after_first
+    # 60 more partitions of 200 keys: ~40 KB each before; now only what the run itself holds (logs, counters).
+    assert grown < 200_000, f"{grown} bytes kept for 60 cleared partitions"

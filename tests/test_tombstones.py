@@ -1,13 +1,21 @@
-"""Removed-key tombstones under clock skew between the trainer and a poller's host.
+"""Removed-key tombstones: what ``remove()`` hides, and for how long.
 
-A scripted peer plays a poller on another host whose clock differs from the
-trainer's by ``skew`` seconds: it stamps each DELTA's ``t`` (the poll's start
-on its own clock) as that host would. Polls are numbered as a real poller
-numbers them. The buffer is real, over a real socket.
+A removal hides the record *as it was when removed*: the same tags listed
+again stay hidden, a new version of the key (updated in place, or cleared and
+put again between two listings) is a new record and is shown. Checked on a
+real SQLite store, read through its change feed and listed in full, at the
+fastest and the slowest schedule.
+
+Then under clock skew between the trainer and a poller's host: a scripted
+peer plays a poller on another host whose clock differs from the trainer's by
+``skew`` seconds: it stamps each DELTA's ``t`` (the poll's start on its own
+clock) as that host would. Polls are numbered as a real poller numbers them.
+The buffer is real, over a real socket.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from typing import Any
 
@@ -17,6 +25,45 @@ from buffer import ReplayBuffer
 from poller.faults.peer import RoguePeer
 from poller.protocol import Kind
 from tests.conftest import wait_until
+
+SOURCES = {"change-feed": "poller.sources.sqlite:SqliteSource", "listed": "tests.helpers.sources:ListedSqlite"}
+DONE = {"global_steps": 1, "status": "success"}
+
+
+def _replace_at_once(db: str, key: str, tags: str) -> None:
+    """Clear ``key`` and put it again in one transaction: no listing can see it absent."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("DELETE FROM kv WHERE partition_id = 'train' AND key = ?", (key,))
+        conn.execute("INSERT INTO kv (partition_id, key, tags) VALUES ('train', ?, ?)", (key, tags))
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("poll_interval", [0.05, 1.0], ids=["fast", "slow"])
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_a_removed_keys_new_version_is_shown_and_the_removed_one_never(db, store, source, poll_interval):
+    for key in ("in-place", "put-again", "same-again", "kept"):
+        store.kv_put(key, "train", tag=DONE)
+    with ReplayBuffer(source=SOURCES[source], source_kwargs={"path": db}, poll_interval=poll_interval) as rb:
+        rb.sync(timeout=30)
+        assert sorted(rb.snapshot("train")) == ["in-place", "kept", "put-again", "same-again"]
+        rb.remove("train", ["in-place", "put-again", "same-again", "kept"])
+        store.kv_put("in-place", "train", tag={"status": "finished"})      # updated in place
+        _replace_at_once(db, "put-again", '{"global_steps":2,"status":"success"}')  # a new record, same name
+        _replace_at_once(db, "same-again", '{"global_steps":1,"status":"success"}')  # the same tags again
+        # A poll under way at the removal may list the new versions: shown once a later poll lists them still.
+        # Before, neither new version was ever shown (a tombstone ended only when a listing omitted the key).
+        rb.sync(timeout=30)
+        rb.sync(timeout=30)
+        assert rb.snapshot("train") == {"in-place": {"global_steps": 1, "status": "finished"},
+                                        "put-again": {"global_steps": 2, "status": "success"}}
+        assert rb.sample("train", global_steps=2, timeout=5).keys == ["put-again"]
+        # The removed records stay hidden while the store lists them unchanged, at any rate.
+        time.sleep(2.5 * poll_interval)
+        assert "same-again" not in rb.snapshot("train") and "kept" not in rb.snapshot("train")
 
 
 @pytest.fixture

@@ -80,6 +80,21 @@ class NumericTags:
         }}
 
 
+class ListedSqlite:
+    """The SQLite store seen through ``kv_list()`` alone: a store without a change feed, listed in full."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        from poller.sources.sqlite import SqliteSource
+
+        self._store = SqliteSource(path, **kwargs)
+
+    def kv_list(self) -> Any:
+        return self._store.kv_list()
+
+    def close(self) -> None:
+        self._store.close()
+
+
 class StrictClearSqlite:
     """The SQLite store with TransferQueue 0.1.8's ``kv_clear`` (0.1.9 made it idempotent).
 
