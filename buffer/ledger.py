@@ -48,7 +48,13 @@ keys held and the tombstones in flight, not every partition ever seen.
 A view is *whole* when every key reflects complete listings: the sources
 the view requires (the buffer's own poller) have had a first complete poll
 applied, and no source listing the partition is half-way through a full
-listing or awaiting a resync after a loss.
+listing or awaiting a resync after a loss. A whole view is also *fresh*
+while each required source answers: no stalled or failed call and no silence
+of its poller reported since its last complete poll, which was applied at
+most ``max_age`` seconds ago (:meth:`Ledger.bound_age`). A decision is made
+only on a view that is whole and fresh; a store that stopped answering is
+named, never served as if it still answered. The times are the trainer's
+``time.monotonic()``, given by the caller.
 """
 
 from __future__ import annotations
@@ -111,6 +117,11 @@ class Ledger:
         # Sources every view needs a first complete poll of, and sources awaiting a resync.
         self._required: set[str] = set()
         self._broken: set[str] = set()
+        # Fresh views: when each stream's last complete poll was applied; since when (and why) its
+        # store has not answered, until its next complete poll; the oldest a fresh view may be.
+        self._completed_at: dict[str, float] = {}
+        self._silent: dict[str, tuple[float, str]] = {}
+        self._max_age: float | None = None
 
     # -- the stream -------------------------------------------------------------------
 
@@ -235,13 +246,20 @@ class Ledger:
         self._snapshots.pop(stream, None)
         self._unseen.pop(stream, None)
 
-    def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None) -> bool:
-        """Poll ``poll`` of ``stream``/``epoch`` was applied whole; True when sync waiters should look again.
+    def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None,
+                       now: float | None = None) -> bool:
+        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``; True when waiters should look again.
 
         ``sync`` is the highest sync token the poller had received when the
-        poll's listing began.
+        poll's listing began. Waiters look again when a sync is answered, a
+        new poller process completes its first poll, or a view that was not
+        fresh is fresh again.
         """
-        wake = False
+        wake = self._silent.pop(stream, None) is not None
+        if now is not None:
+            last = self._completed_at.get(stream)
+            wake = wake or (self._max_age is not None and last is not None and now - last > self._max_age)
+            self._completed_at[stream] = now
         if (sync is not None and sync > self._synced.get(stream, 0)) or self._completed_epoch.get(stream) != epoch:
             # Answered, or a new poller process to ask again.
             self._synced[stream] = max(sync or 0, self._synced.get(stream, 0))
@@ -304,6 +322,27 @@ class Ledger:
         self.abandon_snapshot(stream)
         self._broken.discard(stream)
 
+    def bound_age(self, max_age: float | None) -> None:
+        """A view is fresh only while each required stream's last complete poll is at most ``max_age`` s old."""
+        self._max_age = max_age
+
+    def not_answering(self, stream: str, since: float, why: str) -> None:
+        """``stream``'s store has not answered since ``since`` (a stalled or failed call, a silent poller).
+
+        Views it is required for are not fresh until its next complete poll.
+        The earliest ``since`` of an episode is kept, with the latest ``why``.
+        """
+        first = self._silent.get(stream)
+        self._silent[stream] = (since if first is None else min(first[0], since), why)
+
+    def view_stale(self, now: float) -> str | None:
+        """Why a whole view is not fresh at ``now`` (the trainer's ``time.monotonic()``); ``None`` if it is."""
+        for stream in self._required:
+            stale = self._stale(stream, now)
+            if stale is not None:
+                return stale
+        return None
+
     def view_gap(self, partition: str | None = None) -> str | None:
         """Why the view of ``partition`` (``None``: of every partition) is not whole; ``None`` if it is."""
         for stream in self._required:
@@ -322,6 +361,20 @@ class Ledger:
                     or partition in self._listed.get(stream, ()):
                 what = "being applied" if stream in self._snapshots else "awaited after a loss"
                 return f"a full listing of poller {stream}, which lists this partition, is {what}"
+        return None
+
+
+    def _stale(self, stream: str, now: float) -> str | None:
+        """Why ``stream``'s part of a whole view is not fresh at ``now``; None if it is."""
+        completed = self._completed_at.get(stream)
+        age = "" if completed is None else f"; its last complete listing was applied {now - completed:.1f}s ago"
+        silent = self._silent.get(stream)
+        if silent is not None:
+            since, why = silent
+            return f"the store of poller {stream} has not answered for {now - since:.1f}s ({why}){age}"
+        if self._max_age is not None and completed is not None and now - completed > self._max_age:
+            return (f"the last complete listing of poller {stream} was applied {now - completed:.1f}s ago, "
+                    f"more than max_view_age={self._max_age:g}s")
         return None
 
 

@@ -49,6 +49,8 @@ class BufferStats(TypedDict):
     quarantined_keys: list[tuple[str, str, str]]
     view_whole: bool
     view_gap: str | None
+    view_fresh: bool
+    view_stale: str | None
     listings: int
     listing_seconds: float
     listing_seconds_total: float
@@ -64,6 +66,7 @@ def collect_stats(core: _Core) -> BufferStats:
     last = table.last_message_at
     quarantined, quarantined_keys = table.quarantined()
     gap = core.store.view_gap()
+    stale = core.store.view_stale()
     return {
         "poller_pid": process.pid if process else None,
         "poller_alive": bool(process and process.is_alive()),
@@ -93,6 +96,8 @@ def collect_stats(core: _Core) -> BufferStats:
         "quarantined_keys": quarantined_keys,
         "view_whole": gap is None,
         "view_gap": gap,
+        "view_fresh": stale is None,
+        "view_stale": stale,
         # The buffer's own poller's full listings of its source (poller.duty), as its last heartbeat said.
         "listings": peer.listing.listings if peer else 0,
         "listing_seconds": peer.listing.last_s if peer else 0.0,
@@ -150,6 +155,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("replay.view.whole", "gauge",
            "1 while every partition's view reflects complete listings (decisions are made only then)",
            lambda s: int(s["view_whole"])),
+    Metric("replay.view.fresh", "gauge",
+           "1 while the store answers and its last complete listing is at most max_view_age old "
+           "(decisions need it too)", lambda s: int(s["view_fresh"])),
     Metric("replay.source.listings", "counter", "full listings of the source by the buffer's own poller",
            lambda s: s["listings"]),
     Metric("replay.source.last_listing_seconds", "gauge", "seconds the last full listing of the source took",

@@ -115,7 +115,7 @@ class PartitionStore:
                 failure = self._failure if self._failure is not None else self._policies.failure
                 if failure is not None:
                     raise failure
-                gap = None if view is None else self.ledger.view_gap(view)
+                gap = None if view is None else self._view_gap(view)
                 if gap is None:
                     result = attempt()
                     if result is not None:
@@ -124,7 +124,7 @@ class PartitionStore:
                 if remaining is not None and remaining <= 0:
                     if gap is not None:
                         raise TimeoutError(f"{describe()}; and no answer was given because the view of partition "
-                                           f"{view!r} is not whole: {gap}")
+                                           f"{view!r} is {gap}")
                     raise TimeoutError(describe())
                 self._cond.wait(remaining)
 
@@ -316,7 +316,7 @@ class PartitionStore:
                     self._merge(partition_id, key, unpack_held(version), blob=version)
                 else:
                     self._merge(partition_id, key, version)
-            if self.ledger.poll_completed(stream, epoch, poll, sync) or shown:
+            if self.ledger.poll_completed(stream, epoch, poll, sync, time.monotonic()) or shown:
                 self._cond.notify_all()  # wakes sync() waiters: answered, or a new poller to ask again
 
     def synced(self, stream: str) -> int:
@@ -345,6 +345,21 @@ class PartitionStore:
         with self._cond:
             return self.ledger.view_gap(partition_id)
 
+    def view_stale(self) -> str | None:
+        """Why a whole view is not fresh now (its store does not answer, or it is too old); None if it is."""
+        with self._cond:
+            return self.ledger.view_stale(time.monotonic())
+
+    def bound_age(self, max_age: float | None) -> None:
+        """Decisions need the required streams' last complete polls at most ``max_age`` seconds old."""
+        with self._cond:
+            self.ledger.bound_age(max_age)
+
+    def not_answering(self, stream: str, since: float, why: str) -> None:
+        """``stream``'s store has not answered since monotonic ``since``: no fresh view until its next poll."""
+        with self._cond:
+            self.ledger.not_answering(stream, since, why)
+
     # -- lifecycle ----------------------------------------------------------------
 
     def fail(self, error: BaseException) -> None:
@@ -368,6 +383,14 @@ class PartitionStore:
         self._check_open()
 
     # -- internals (lock held) ----------------------------------------------------
+
+    def _view_gap(self, partition_id: str | None) -> str | None:
+        """``"not whole: why"``, ``"not fresh: why"``, or None (lock held)."""
+        gap = self.ledger.view_gap(partition_id)
+        if gap is not None:
+            return f"not whole: {gap}"
+        stale = self.ledger.view_stale(time.monotonic())
+        return None if stale is None else f"not fresh: {stale}"
 
     def _check_open(self) -> None:
         if self._closed:

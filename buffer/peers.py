@@ -147,6 +147,11 @@ class PeerTable:
                 if identity not in self._pinned:
                     # Nothing it sends can be waited for; decisions go on without it until it is back.
                     self._store.release(peer.stream)
+                else:
+                    # The buffer's own poller (stopped, or its link down): its store's view is not fresh.
+                    self._store.not_answering(peer.stream, peer.last_seen,
+                                              f"its poller has sent nothing for more than stale_after="
+                                              f"{self.stale_after:g}s")
                 self._log.log("stale", logging.WARNING,
                               "no message from poller %s for %.1fs (stale_after=%gs): its link is down or it is "
                               "dead; the buffer keeps what it has", peer.stream, silent, self.stale_after)
@@ -209,7 +214,7 @@ class PeerTable:
             case Heartbeat() as beat:
                 self._on_heartbeat(identity, peer, message, beat, now, actions)
             case Error() as error:
-                self._on_error(peer, error)
+                self._on_error(peer, error, now)
             case Bye() as bye:
                 self._on_bye(peer, message, bye)
             case Log() as record:
@@ -338,7 +343,12 @@ class PeerTable:
 
     def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, beat: Heartbeat, now: float,
                       actions: list[Send]) -> None:
-        self.source_stalls += peer.report(message.epoch, beat)
+        stalls = peer.report(message.epoch, beat)
+        if stalls:
+            self.source_stalls += stalls
+            # A stalled call: no decision on this store's view until it answers again (a whole poll).
+            self._store.not_answering(peer.stream, now - beat.stalled_s,
+                                      f"kv_list() stalled, {peer.stalls} stalled call(s) so far")
         last_seq = beat.last_seq  # None from older pollers, which want no ACK either
         if last_seq is None:
             return
@@ -348,8 +358,9 @@ class PeerTable:
             actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
         actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
 
-    def _on_error(self, peer: Peer, error: Error) -> None:
+    def _on_error(self, peer: Peer, error: Error, now: float) -> None:
         self.source_errors += 1
+        self._store.not_answering(peer.stream, now, f"kv_list() failed: {error.type[:200]}")
         self._log.log("error", logging.ERROR if error.fatal else logging.WARNING,
                       "poller %s: kv_list() failed%s: %s: %s", peer.stream,
                       " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",

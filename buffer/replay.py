@@ -52,6 +52,13 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+#: Seconds: the oldest a view may be for ``sample()`` to decide on it. Generous on purpose: it
+#: is the backstop for a poller that neither completes a poll nor reports a stall (a store
+#: that does not answer is caught sooner, at its first stalled or failed call); the slowest
+#: cycle measured, a TransferQueue of 1M keys listed within its share, is well under it.
+DEFAULT_MAX_VIEW_AGE = 60.0
+
+
 class ReplayBuffer:
     """A replay buffer of sample metadata fed by an isolated poller process.
 
@@ -85,6 +92,13 @@ class ReplayBuffer:
             heartbeat every second).
         stall_timeout: seconds after which a ``kv_list()`` still running counts
             as a source stall (``None``: only stalls the source reports itself).
+        max_view_age: the oldest a view may be for :meth:`sample` to decide
+            on it: seconds since the poller's last complete poll was applied.
+            Past it, or while the store does not answer (a stalled or failed
+            call, a poller silent past ``stale_after``, until its next
+            complete poll), ``sample()`` waits, and its ``TimeoutError`` names
+            the store and for how long. ``None``: no bound on the age (a store
+            that does not answer still holds decisions back).
         poller_log_level: the level (name or number) from which the poller's
             log records are re-emitted in this process under the ``poller`` logger.
         listing_share: the most of the wall clock the poller spends in full
@@ -113,7 +127,8 @@ class ReplayBuffer:
                  close_timeout: float = 5.0, max_restarts: int = 3, restart_window: float = 600.0,
                  curve: CurveServer | None = None, insecure: bool = False,
                  limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
-                 stall_timeout: float | None = 30.0, poller_log_level: int | str = "WARNING",
+                 stall_timeout: float | None = 30.0, max_view_age: float | None = DEFAULT_MAX_VIEW_AGE,
+                 poller_log_level: int | str = "WARNING",
                  listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
         resolved_limits = as_limits(limits)
         check_buffer_args(poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after,
@@ -121,11 +136,13 @@ class ReplayBuffer:
         poller_options = {"stall_timeout": check_stall_timeout(stall_timeout),
                           "log_level": check_log_level(poller_log_level),
                           "listing_share": check_share("listing_share", listing_share)}
+        check_optional_seconds("max_view_age", max_view_age)
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
                      curve=curve, limits=resolved_limits, stale_after=stale_after,
                      poller_options=poller_options, restart_window=restart_window)
+        core.store.bound_age(max_view_age)
         try:
             core.start()
         except BaseException:
@@ -193,10 +210,12 @@ class ReplayBuffer:
     def sync(self, timeout: float | None = None) -> None:
         """Read your writes: return once a listing that began after this call has been applied.
 
-        Asks the buffer's own poller for a poll at once (its next poll is not
-        waited for), so everything written to the store before the call is
-        reflected when this returns. Several concurrent calls may be answered
-        by one poll. Without a source (standalone pollers only) it returns at once.
+        Asks the buffer's own poller and every standalone poller streaming to
+        the buffer for a poll at once (their next polls are not waited for),
+        so everything written to their stores before the call is reflected
+        when this returns. Several concurrent calls may be answered by one
+        poll. A standalone poller that goes silent past ``stale_after`` or
+        says BYE meanwhile is not waited for.
 
         Raises:
             TimeoutError: no such listing within ``timeout`` seconds (the
@@ -208,8 +227,7 @@ class ReplayBuffer:
         core = self._core
         core.store.check_open()
         timeout = check_optional_seconds("timeout", timeout, allow_zero=True)
-        if core.listing_sync is not None:
-            core.listing_sync.wait(timeout)
+        core.listing_sync.wait(timeout)
 
     def include_partitions(self, partition_ids: Iterable[str]) -> None:
         """Have the poller list these partitions too, when its source lists a chosen set of them.

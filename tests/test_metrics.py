@@ -28,7 +28,7 @@ STABLE_NAMES = [
     "replay.stream.items", "replay.stream.bytes", "replay.stream.protocol_errors", "replay.stream.resyncs",
     "replay.stream.auth_rejected", "replay.stream.peers", "replay.stream.stale_peers",
     "replay.stream.last_message_age_seconds", "replay.poller.start_retries", "replay.stream.quarantined",
-    "replay.view.whole", "replay.source.listings", "replay.source.last_listing_seconds",
+    "replay.view.whole", "replay.view.fresh", "replay.source.listings", "replay.source.last_listing_seconds",
     "replay.source.listing_seconds", "replay.source.listing_share",
 ]
 

@@ -89,11 +89,11 @@ def test_replay_buffer_signature() -> None:
     params = inspect.signature(ReplayBuffer.__init__).parameters
     assert list(params) == ["self", "source", "source_kwargs", "poll_interval", "bind", "start_timeout",
                             "close_timeout", "max_restarts", "restart_window", "curve", "insecure", "limits",
-                            "stale_after", "stall_timeout", "poller_log_level", "listing_share"]
+                            "stale_after", "stall_timeout", "max_view_age", "poller_log_level", "listing_share"]
     expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
                          "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3, "restart_window": 600.0,
                          "curve": None, "insecure": False, "limits": None, "stale_after": 5.0,
-                         "stall_timeout": 30.0, "poller_log_level": "WARNING", "listing_share": None}
+                         "stall_timeout": 30.0, "max_view_age": 60.0, "poller_log_level": "WARNING", "listing_share": None}
     for name, default in expected_defaults.items():
         param = params[name]
         assert param.default == default and type(param.default) is type(default), name

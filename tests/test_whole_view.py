@@ -1,4 +1,4 @@
-"""No decision on a view that was never whole: a slow first listing, a resync half-applied.
+"""No decision on a view that was never whole (a slow first listing, a resync half-applied), or is not fresh.
 
 A store larger than the constructor's capped first wait (a million keys take
 ~10 s to list) used to give partial answers: ``sample(global_steps=g)``
@@ -9,6 +9,9 @@ the ``slow`` fault (each listing takes longer than the constructor waits).
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import pytest
@@ -19,6 +22,7 @@ from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from buffer.verl import ReplayBuffer as VerlSampler
 from poller.sources.sqlite import SqliteSource
+from tests.conftest import wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 # Longer than the constructor's capped wait for the first listing (5 s).
@@ -103,3 +107,57 @@ def test_a_standalone_pollers_snapshot_holds_only_its_partitions() -> None:
     assert steps.sample("val", global_steps=1, timeout=0).keys == ["v"]
     store.release("standalone")  # it went silent: decisions go on without it
     assert steps.sample("train", global_steps=1, timeout=0).keys == ["a"]
+
+
+# -- fresh views ---------------------------------------------------------------------------
+
+
+def _three_done(store: SqliteSource) -> None:
+    store.kv_batch_put(["k1", "k2", "k3"], "train", tags=[{"global_steps": 1, "status": "success"}] * 3)
+
+
+def test_no_decision_while_the_store_does_not_answer(db: str, store: SqliteSource, tmp_path) -> None:
+    _three_done(store)
+    flag = tmp_path / "hung"
+    with ReplayBuffer("tests.helpers.stalls:StallsWhileFlagged", source_kwargs={"path": db, "flag": str(flag)},
+                      poll_interval=0.05) as rb:
+        assert len(rb.sample("train", batch_size=3, timeout=10).keys) == 3
+        flag.touch()  # the store stops answering: every call gives up at its deadline
+        assert wait_until(lambda: rb.stats()["source_stalls"] >= 2, timeout=20)
+        # Before: three keys at once from the last view, with view_whole=True.
+        with pytest.raises(TimeoutError, match=r"is not fresh: the store of poller \S+ has not answered for"):
+            rb.sample("train", batch_size=3, timeout=1)
+        stats = rb.stats()
+        assert stats["view_whole"] and not stats["view_fresh"] and "stalled" in (stats["view_stale"] or "")
+        assert rb.metrics()["replay.view.fresh"] == 0.0
+        store.kv_put("k4", "train", tag={"global_steps": 1, "status": "success"})
+        flag.unlink()  # it answers again: the first complete poll makes the view fresh
+        assert rb.sample("train", batch_size=4, timeout=30).keys == ["k1", "k2", "k3", "k4"]
+        assert rb.stats()["view_fresh"] and rb.stats()["view_stale"] is None
+
+
+def test_no_decision_on_a_view_older_than_max_view_age(db: str, store: SqliteSource) -> None:
+    _three_done(store)
+    with ReplayBuffer(SQLITE, source_kwargs={"path": db}, poll_interval=4.0, max_view_age=1.0) as rb:
+        rb.sync(timeout=30)
+        assert len(rb.sample("train", batch_size=3, timeout=0).keys) == 3
+        time.sleep(1.5)
+        with pytest.raises(TimeoutError, match=r"is not fresh: .* applied \S+s ago, more than max_view_age=1s"):
+            rb.sample("train", batch_size=3, timeout=0)
+        # The next poll of the schedule makes it fresh, and wakes the waiter.
+        assert len(rb.sample("train", batch_size=3, timeout=30).keys) == 3
+
+
+def test_no_decision_while_the_poller_is_stopped(db: str, store: SqliteSource) -> None:
+    _three_done(store)
+    with ReplayBuffer(SQLITE, source_kwargs={"path": db}, poll_interval=0.05, stale_after=1.0) as rb:
+        rb.sync(timeout=30)
+        pid = rb.stats()["poller_pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: not rb.stats()["view_fresh"], timeout=15)
+            with pytest.raises(TimeoutError, match="its poller has sent nothing for more than stale_after=1s"):
+                rb.sample("train", batch_size=3, timeout=0.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert len(rb.sample("train", batch_size=3, timeout=30).keys) == 3
