@@ -103,7 +103,7 @@ class _Core:
         self.child_curve: CurveClient | None = None
         self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
         self.endpoint: str | None = None
-        self.listing_sync = ListingSync(self.store, self.receiver, self.name) if source is not None else None
+        self.listing_sync = ListingSync(self.store, self.receiver, self.name if source is not None else None)
         # What every sampling policy uses of this buffer, the step sampler behind sample() first.
         self.seam = SamplingSeam(self.store, self.listing_sync, self.receiver.table)
         self.steps = StepSampler(self.seam)

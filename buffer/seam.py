@@ -12,7 +12,7 @@ else of the buffer is reached into:
   logging progress and asking the poller for listings more often while it waits;
 * :meth:`SamplingSeam.look` — the same lock, no wait (for counts and stats);
 * :meth:`SamplingSeam.tags` — copies of held tags;
-* :meth:`SamplingSeam.sync` — read your writes (a listing that began after the call is applied);
+* :meth:`SamplingSeam.sync` — read your writes (a listing of every poller that began after the call is applied);
 * :meth:`SamplingSeam.view_age` — how long ago the store was last known to be listed into the view;
 * :meth:`SamplingSeam.remove` — clearing keys from the buffer's view, as ``ReplayBuffer.remove``;
 * :meth:`SamplingSeam.quarantined` — the keys of a partition the poller leaves out.
@@ -88,7 +88,7 @@ class SamplingSeam:
             pass
         deadline = None if timeout is None else time.monotonic() + timeout
         hurry = None
-        if poll_every is not None and self._listing_sync is not None:
+        if poll_every is not None and self._listing_sync is not None and self._listing_sync.has_own_poller:
             hurry = PollWhileWaiting(self._listing_sync.wait, poll_every, on_poll or (lambda: None))
         started = last_log = time.monotonic()
         try:
@@ -119,10 +119,7 @@ class SamplingSeam:
         return self._store.get(partition_id, keys)
 
     def sync(self, timeout: float | None) -> None:
-        """Return once a listing of the buffer's own poller that began after the call is applied.
-
-        Without an own poller (standalone pollers only) it returns at once.
-        """
+        """Return once a listing that began after the call is applied, from every poller streaming to the buffer."""
         self._store.check_open()
         if self._listing_sync is not None:
             self._listing_sync.wait(timeout)
@@ -133,7 +130,7 @@ class SamplingSeam:
         ``inf`` before the first complete poll; 0 without an own poller
         (standalone pollers only: nothing to ask).
         """
-        if self._listing_sync is None:
+        if self._listing_sync is None or not self._listing_sync.has_own_poller:
             return 0.0
         since = self._listing_sync.fresh_since()
         return math.inf if since is None else time.monotonic() - since

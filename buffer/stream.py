@@ -167,6 +167,11 @@ class StreamReceiver:
         """Peers silent for more than ``stale_after`` seconds that never said BYE."""
         return self.table.stale_peers(time.monotonic())
 
+    def streaming(self) -> list[str]:
+        """The pollers streaming now: connected, not silent past ``stale_after``, no BYE said."""
+        return [peer.stream for peer in list(self.table.peers.values())
+                if peer.bye_seq is None and not peer.stale and peer.epoch is not None]
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread, close the socket, release the pipe. Idempotent."""
         if self._stopped:

@@ -7,6 +7,12 @@ carrying our token (or a later one) is applied, the buffer reflects every
 write the store had finished before the call. Concurrent callers each send a
 token and the next listing answers all of them.
 
+Standalone pollers streaming to the buffer are asked too, with the same
+token: a key cleared in the store and still listed by one of them would
+otherwise stay in the view until its next poll. One that goes silent past
+``stale_after`` or says BYE during the wait is not waited for any more (a
+view's decisions go on without it too).
+
 A poller process that restarts during the wait never got the token (or got
 it and died): the request is sent again to every new process, which is seen
 when its first complete poll arrives. (The receiver also sends an unanswered
@@ -32,22 +38,24 @@ __all__ = ["ListingSync", "SyncAhead", "PollWhileWaiting"]
 
 
 class ListingSync:
-    """Issues SYNC tokens to one poller and waits for the listings that answer them."""
+    """Issues SYNC tokens to the pollers streaming to a buffer and waits for the listings that answer them."""
 
-    def __init__(self, store: PartitionStore, receiver: StreamReceiver, stream: str) -> None:
+    def __init__(self, store: PartitionStore, receiver: StreamReceiver, stream: str | None) -> None:
         self._store = store
         self._receiver = receiver
-        self._stream = stream
+        self._stream = stream  # the buffer's own poller (None: standalone pollers only)
         self._tokens = itertools.count(1)  # next() is atomic: concurrent callers get distinct tokens
         # Before the poller starts: its first complete poll listed the store after this.
         self._created = time.monotonic()
         self._answered: float | None = None  # the start of the latest wait() that returned
         self._lock = threading.Lock()
 
-    def wait(self, timeout: float | None) -> None:
-        """Ask for a poll now and wait until one that began after this call is applied.
+    def wait(self, timeout: float | None, standalone: bool = True) -> None:
+        """Ask for a poll now and wait until one that began after this call is applied, from every poller.
 
-        ``timeout`` was checked by ``ReplayBuffer.sync()``.
+        Every poller: the buffer's own, and (with ``standalone``) each
+        standalone poller streaming now. ``timeout`` was checked by
+        ``ReplayBuffer.sync()``.
 
         Raises:
             TimeoutError: no such listing within ``timeout`` (the source stalls
@@ -57,23 +65,38 @@ class ListingSync:
         """
         token = next(self._tokens)
         started = time.monotonic()
-        asked: list[int | None] = []  # the poller epoch last asked; a list so attempt() can rebind it
+        streams = [self._stream] if self._stream is not None else []
+        if standalone:
+            streams += [name for name in self._receiver.streaming() if name != self._stream]
+        # stream -> the poller epochs asked; each a list so attempt() can extend it.
+        asked: dict[str, list[int | None]] = {stream: [] for stream in streams}
 
         def attempt() -> bool | None:
-            if self._store.synced(self._stream) >= token:
-                return True
-            peer = self._receiver.peer_info(self._stream)
-            epoch = peer.epoch if peer is not None else None
-            if not asked or asked[-1] != epoch:
-                # First time, or a new poller process since: it never saw the token.
-                asked.append(epoch)
-                self._receiver.send_sync(self._stream, token)
-            return None
+            waiting = False
+            for stream, epochs in asked.items():
+                if self._store.synced(stream) >= token:
+                    continue
+                peer = self._receiver.peer_info(stream)
+                if stream != self._stream and (peer is None or peer.stale or peer.bye_seq is not None):
+                    continue  # a standalone poller gone: not waited for
+                epoch = peer.epoch if peer is not None else None
+                if not epochs or epochs[-1] != epoch:
+                    # First time, or a new poller process since: it never saw the token.
+                    epochs.append(epoch)
+                    self._receiver.send_sync(stream, token)
+                waiting = True
+            return None if waiting else True
 
-        self._store.wait_until(attempt, timeout=timeout, describe=lambda: self._describe(timeout, started, asked))
-        with self._lock:
-            if self._answered is None or started > self._answered:
-                self._answered = started
+        self._store.wait_until(attempt, timeout=timeout, describe=lambda: self._describe(timeout, started, asked,
+                                                                                         token))
+        if self._stream is not None:
+            with self._lock:
+                if self._answered is None or started > self._answered:
+                    self._answered = started
+
+    @property
+    def has_own_poller(self) -> bool:
+        return self._stream is not None
 
     def fresh_since(self) -> float | None:
         """A ``time.monotonic()`` after which the store was listed whole into the buffer; None: not yet.
@@ -86,27 +109,32 @@ class ListingSync:
         with self._lock:
             if self._answered is not None:
                 return self._answered
+        if self._stream is None:
+            return None
         peer = self._receiver.peer_info(self._stream)
         return self._created if peer is not None and peer.polls_applied > 0 else None
 
-    def _describe(self, timeout: float | None, started: float, asked: list[int | None]) -> str:
-        peer = self._receiver.peer_info(self._stream)
+    def _describe(self, timeout: float | None, started: float, asked: dict[str, list[int | None]],
+                  token: int) -> str:
         waited = time.monotonic() - started
+        unanswered = [stream for stream in asked if self._store.synced(stream) < token]
         why = [(f"sync() timed out after {waited:.3g}s (timeout={timeout}s): no complete listing of poller "
-                f"{self._stream} that began after the call was applied")]
-        if peer is None:
-            why.append("the poller has not connected")
-        else:
-            why.append(f"{peer.polls_applied} poll(s) applied from it in all")
-            counters = self._receiver.table
-            if counters.source_stalls:
-                why.append(f"kv_list() stalled {counters.source_stalls} time(s) (see stats()['source_stalls'])")
-            if counters.source_errors:
-                why.append(f"kv_list() failed {counters.source_errors} time(s)")
+                f"{', '.join(unanswered)} that began after the call was applied")]
+        for stream in unanswered:
+            peer = self._receiver.peer_info(stream)
+            if peer is None:
+                why.append(f"{stream} has not connected")
+                continue
+            why.append(f"{peer.polls_applied} poll(s) applied from {stream} in all")
             if peer.stale:
-                why.append("the poller has been silent past stale_after")
-        if len(asked) > 1:
-            why.append(f"asked {len(asked)} poller processes (it restarted)")
+                why.append(f"{stream} has been silent past stale_after")
+            if len(asked[stream]) > 1:
+                why.append(f"asked {len(asked[stream])} processes of {stream} (it restarted)")
+        counters = self._receiver.table
+        if counters.source_stalls:
+            why.append(f"kv_list() stalled {counters.source_stalls} time(s) (see stats()['source_stalls'])")
+        if counters.source_errors:
+            why.append(f"kv_list() failed {counters.source_errors} time(s)")
         return "; ".join(why)
 
 
@@ -146,17 +174,17 @@ class PollWhileWaiting:
     # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
     _BOUND = 2.0
 
-    def __init__(self, sync: Callable[[float | None], None], gap: float, on_poll: Callable[[], None]) -> None:
+    def __init__(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(sync, gap, on_poll), name="replay-wait-poll",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, sync: Callable[[float | None], None], gap: float, on_poll: Callable[[], None]) -> None:
+    def _run(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
         while not self._stopped.is_set():
             started = time.monotonic()
             try:
-                sync(self._BOUND)
+                sync(self._BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
             except TimeoutError:
                 continue  # a stall or a restart: the waiter's own deadline and log cover it
             except BaseException:  # closed or crashed: the waiting decision raises it itself

@@ -57,7 +57,8 @@ def diagnose() -> Diagnosis:
         where = {name: _imported_dir(name) for name in PACKAGES}
         result.problems.append(f"{DISTRIBUTION} is not installed in this environment (poller from {where['poller']}, "
                                f"buffer from {where['buffer']}); nothing to compare them with")
-        result.fixes.append(f"pip install {DISTRIBUTION}")
+        result.fixes.append(f"pip install <a clone or a built wheel of {DISTRIBUTION}>   "
+                            f"(pip install {DISTRIBUTION} once it is on the package index)")
         return result
     editable_root = _editable_root(dist)
     owners: set[str] = set()
@@ -67,7 +68,7 @@ def diagnose() -> Diagnosis:
         else:
             owners |= _check_recorded(dist, package, result)
     if not result.healthy:
-        _advise(result, owners, editable_root)
+        _advise(result, owners, editable_root, _installed_from(dist))
     return result
 
 
@@ -112,6 +113,18 @@ def _editable_root(dist: importlib.metadata.Distribution) -> Path | None:
     if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
         return Path(url[len("file://"):]).resolve()
     return None
+
+
+def _installed_from(dist: importlib.metadata.Distribution) -> str:
+    """What to give ``pip install`` to put this install back: the local wheel or tree it came from, or the index."""
+    text = dist.read_text("direct_url.json")
+    try:
+        url = json.loads(text).get("url", "") if text else ""
+    except (ValueError, AttributeError):
+        url = ""
+    if url.startswith("file://") and Path(url[len("file://"):]).exists():
+        return url[len("file://"):]
+    return f"{DISTRIBUTION}=={__version__}"
 
 
 def _check_editable(package: str, root: Path, result: Diagnosis) -> None:
@@ -183,7 +196,7 @@ def _owners_of(package: str, directory: Path | None, ours: importlib.metadata.Di
     return owners
 
 
-def _advise(result: Diagnosis, owners: set[str], editable_root: Path | None) -> None:
+def _advise(result: Diagnosis, owners: set[str], editable_root: Path | None, installed_from: str) -> None:
     if owners:
         names = " ".join(sorted(owners))
         result.problems.append(f"installed by another distribution as well: {names} (it also installs a top-level "
@@ -192,5 +205,5 @@ def _advise(result: Diagnosis, owners: set[str], editable_root: Path | None) -> 
     if editable_root is not None:
         result.fixes.append(f"pip install -e {editable_root}   (and remove what shadows it from sys.path)")
     else:
-        result.fixes.append(f"pip install --force-reinstall --no-deps {DISTRIBUTION}=={__version__}   "
+        result.fixes.append(f"pip install --force-reinstall --no-deps {installed_from}   "
                             f"(puts this distribution's files back)")

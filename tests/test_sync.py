@@ -149,3 +149,30 @@ def test_closing_wakes_a_waiting_sync(db, store, tmp_path: Path):
     thread.join(10)
     assert wait_until(lambda: bool(outcome))
     assert isinstance(outcome[0], BufferClosed)
+
+
+def test_sync_waits_for_standalone_pollers_too(db, store):
+    """A key cleared in the store must be gone after sync(), whichever poller still listed it.
+
+    Before, only the buffer's own poller was asked: a standalone poller of the
+    same store kept the key in the view until its own next poll (10/10 rounds).
+    """
+    from poller import PollerProcess
+
+    store.kv_put("k", "train", tag={"status": "success"})
+    with ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05) as rb:
+        standalone = PollerProcess(SQLITE, source_kwargs={"path": db},
+                                   endpoint=rb.endpoint, name="standalone", interval=30.0)
+        standalone.start(30)
+        try:
+            assert wait_until(lambda: rb.stats()["peers"] == 2, timeout=30)
+            rb.sync(timeout=30)  # both pollers' first listings applied
+            for round_ in range(3):
+                store.kv_clear(["k"], "train")
+                rb.sync(timeout=30)
+                assert "k" not in rb.snapshot("train"), round_
+                store.kv_put("k", "train", tag={"status": "success", "round": round_})
+                rb.sync(timeout=30)
+                assert rb.snapshot("train")["k"] == {"status": "success", "round": round_}
+        finally:
+            standalone.close(5)
