@@ -73,8 +73,8 @@ for the poll schedule (``poll_interval`` after a stall, the backoff after a
 failure: TransferQueue's ``call_timeout`` of 10 s and the default 1 s retry
 ~11 s after the stalled call began); with verl's cycle it comes no sooner
 than :data:`VERL_POLL_INTERVAL` after the call gave up (~12 s after it began).
-Counting the stalled call's 10 s as a listing's ``d``, as this module did,
-made verl's cycle 2 s + 2 x 10 s: the store seen again ~22 s after it stopped.
+(Counted as a listing's ``d``, a stalled call's 10 s made verl's cycle
+``2d + 2 s``: the next call 2 s + 10 s after it gave up, ~22 s after it began.)
 """
 
 from __future__ import annotations

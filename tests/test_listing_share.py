@@ -173,8 +173,8 @@ def test_verls_cycle_and_a_fixed_share_time_the_next_listing_from_different_ends
 
 def test_a_call_that_stalls_or_fails_is_not_a_listing_and_never_lengthens_the_next_wait() -> None:
     # TransferQueue's call gives up after call_timeout (10 s): the store did not answer, so its 10 s are not a
-    # listing's d. verl's cycle asks again 2 s after it gave up (d03d3b3: 2 s + 2 x 10 s); a fixed share leaves
-    # it to the poll schedule.
+    # listing's d. verl's cycle asks again 2 s after it gave up (d03d3b3: 2 s + 10 s after, 22 s after it began);
+    # a fixed share leaves it to the poll schedule.
     verl = ListingDuty(VERL_CYCLE)
     verl.record(started=90.0, seconds=0.3)
     verl.poll_done(now=90.5)

@@ -130,13 +130,13 @@ def _seen_after_a_stall(tmp_path: Path, ask_every: float | None, **options: obje
 
 def test_after_a_stall_the_generic_buffer_asks_again_one_poll_interval_later(tmp_path: Path) -> None:
     # Default settings: the next call comes poll_interval after the stalled one gave up (docs/using.md). On
-    # d03d3b3 the stalled call's own duration was added twice to verl's 2 s: 2 s + 2 x 3 s after it gave up.
+    # d03d3b3 verl's cycle took the stalled call for a listing: 2 x 3 s + 2 s after it began.
     seen = _seen_after_a_stall(tmp_path, None, poll_interval=0.5)
     assert seen <= STALL_S + 0.5 + SLACK_S, seen
 
 
 def test_after_a_stall_verls_cycle_asks_again_2s_later(tmp_path: Path) -> None:
     # buffer.verl's rhythm: a poller that lists only when asked (a SYNC while a call waits), verl's cycle. The
-    # stalled call is not a listing: the next call comes 2 s after it gave up, not 2 s + 2 x its duration.
+    # stalled call is not a listing: the next call comes 2 s after it gave up, not 2 s + its duration (d03d3b3).
     seen = _seen_after_a_stall(tmp_path, 0.02, poll_interval=3600.0, listing_share="verl")
     assert seen <= STALL_S + VERL_POLL_INTERVAL + SLACK_S, seen
