@@ -318,9 +318,12 @@ def test_a_share_outside_0_to_1_is_refused_where_it_enters(bad: object) -> None:
 
 
 def test_the_cli_takes_and_checks_listing_share(capsys: pytest.CaptureFixture[str]) -> None:
-    for bad in ("0", "fast"):
+    for bad in ("0", "fast", "None"):
         assert poller_main(["run", "--source", TIMED, "--connect", "tcp://127.0.0.1:1", "--listing-share", bad]) == 2
         assert "--listing-share" in capsys.readouterr().err
+    # verl's cycle by its name passes the check; the source (no log given) is what then fails to start.
+    assert poller_main(["run", "--source", TIMED, "--connect", "tcp://127.0.0.1:1", "--listing-share", "verl"]) == 2
+    assert "--listing-share" not in (err := capsys.readouterr().err) and "cannot start poller" in err
     poller_main(["run", "--help"])
     assert "--listing-share" in capsys.readouterr().out
 
