@@ -16,8 +16,8 @@ from .workload import SyntheticSource
 
 SOURCE = "bench.workload:SyntheticSource"
 # The synthetic source is an in-memory store without a change feed: these benchmarks measure the
-# stream at the poll_interval they set, so the listing share (by default 2 s between two listings,
-# as verl's sampler; python -m bench --only tq measures it) is turned off for them.
+# stream at the poll_interval they set, so the listing share (by default 0.15: a listing of d seconds
+# holds the next back to d / 0.15 after it began, which a large K would reach) is turned off for them.
 UNBOUNDED = 1.0
 
 

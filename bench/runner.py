@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "slowdown": overhead.slowdown,
     "cpu": overhead.cpu_per_poll,
     "visible": latency.change_to_visible,
+    "visible-default": latency.change_to_visible_by_default,
     "wakeup": latency.sample_wakeup,
     "close": lifecycle.close,
     "start": lifecycle.start,

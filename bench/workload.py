@@ -68,14 +68,17 @@ class SyntheticSource:
     By default it hands out its own tag dicts (an in-memory store with no
     decoding, so the store's cost does not dominate any figure); with
     ``fresh=True`` it answers with new dicts each call, as an RPC client
-    decoding a reply does.
+    decoding a reply does. With ``answer_after`` > 0 each call answers that
+    many seconds after it read the listing, as a store whose reply takes that
+    long to arrive: every change it carries waits the whole of it.
     """
 
     def __init__(self, keys: int = 1000, changes: int = 0, stamp_every: float = 0.0, seed: int = 0,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, answer_after: float = 0.0) -> None:
         self.keys = keys
         self.changes = changes
         self.fresh = fresh
+        self.answer_after = answer_after
         self._listing = make_listing(keys)
         self._cursor = 0
         self._lock = threading.Lock()
@@ -106,8 +109,12 @@ class SyntheticSource:
         with self._lock:
             self._change()
             if not self.fresh:
-                return {p: dict(items) for p, items in self._listing.items()}
-            return {p: {k: dict(t) for k, t in items.items()} for p, items in self._listing.items()}
+                listing = {p: dict(items) for p, items in self._listing.items()}
+            else:
+                listing = {p: {k: dict(t) for k, t in items.items()} for p, items in self._listing.items()}
+        if self.answer_after > 0:
+            time.sleep(self.answer_after)  # outside the lock: the stamps go on meanwhile
+        return listing
 
 
 def fill_sqlite(path: str, keys: int) -> None:

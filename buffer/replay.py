@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 from poller.arguments import check_optional_seconds
 from poller.curve import CurveServer
-from poller.duty import DEFAULT_LISTING_SHARE, check_share
+from poller.duty import DEFAULT_LISTING_SHARE, ListingShare, check_share
 from poller.process import ShutdownReport
 from poller.protocol import Limits
 from poller.sources import SourceSpec
@@ -68,7 +68,10 @@ class ReplayBuffer:
             starts no poller: the buffer then receives only from standalone
             pollers connecting to ``bind`` (and from :meth:`add`).
         source_kwargs: keyword arguments for the source factory.
-        poll_interval: seconds between ``kv_list()`` calls.
+        poll_interval: seconds from the start of one ``kv_list()`` to the
+            start of the next (a poll that takes longer is followed by a
+            pause of a tenth of ``poll_interval``; ``listing_share`` may
+            space expensive listings further).
         bind: endpoint to bind; default a private ``ipc://`` path in a 0700
             directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
         start_timeout: seconds to wait for the poller's READY.
@@ -104,15 +107,18 @@ class ReplayBuffer:
         listing_share: the most of the wall clock the poller spends in full
             listings of a source without a change feed (TransferQueue): a
             listing that took ``d`` seconds is followed by the next no sooner
-            than ``d / listing_share`` after it started, whatever ``sync()``
-            or the schedule asks (they are answered by that next listing).
-            In (0, 1]; 1 sets no bound. The default, ``None``, is verl's own
-            sampler's cycle at its defaults, whatever the store's size: the
-            next listing starts no sooner than 2 s + ``d`` + ``2p`` after the poll
+            than ``max(poll_interval, d / listing_share)`` after it started;
+            a ``sync()`` asked sooner is answered by that next listing. In
+            (0, 1]; 1 sets no bound. The default, 0.15 (verl's sampler's own
+            share at 100k TransferQueue keys), holds back only listings
+            longer than 0.15 x ``poll_interval``: a cheap store is listed
+            every ``poll_interval``. ``"verl"``: verl's sampler's cycle, the
+            next listing no sooner than 2 s + ``d`` + ``2p`` after the poll
             that took the previous one is done (its listing, diff and
             sending, ``p`` seconds after the listing), a share of
-            ``d / (2d + 3p + 2 s)``
-            (docs/transferqueue.md).
+            ``d / (2d + 3p + 2 s)``, as ``buffer.verl`` uses
+            (docs/using.md, "The listing share"). A call that stalls or
+            fails is not a listing: it never lengthens the next wait.
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
@@ -129,7 +135,7 @@ class ReplayBuffer:
                  limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
                  stall_timeout: float | None = 30.0, max_view_age: float | None = DEFAULT_MAX_VIEW_AGE,
                  poller_log_level: int | str = "WARNING",
-                 listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         resolved_limits = as_limits(limits)
         check_buffer_args(poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after,
                           curve, resolved_limits)

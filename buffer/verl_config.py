@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from poller.arguments import check_count, check_optional_seconds, check_seconds
-from poller.duty import DEFAULT_LISTING_SHARE, check_share
+from poller.duty import VERL_CYCLE, check_share
 from poller.sources import SourceSpec
 
 __all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VerlConfigError"]
@@ -27,10 +27,11 @@ DEFAULT_POLL_INTERVAL = 0.2
 #: The constructor's options that sampler_kwargs may carry too, with their defaults.
 _SHARED = {"poll_interval": None, "filter_groups_metric": None, "train_batch_size": None, "gen_batch_size": None,
            "max_inflight_gen_batches": 1, "sync_refill_failed_groups": False}
-#: Options only sampler_kwargs carries, with their defaults.
+#: Options only sampler_kwargs carries, with their defaults. The listing share is verl's sampler's own cycle,
+#: passed explicitly: this sampler mirrors verl's and must list the shared store no more often (poller.duty).
 _OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None, "source": None,
         "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
-        "listing_share": DEFAULT_LISTING_SHARE, "list_between_calls": None}
+        "listing_share": VERL_CYCLE, "list_between_calls": None}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
 

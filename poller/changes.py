@@ -15,11 +15,15 @@ dropped, a deletion log trimmed by hand) within a bounded time, at the cost
 of one listing per interval (at 1M keys ~4 s of the poller's CPU every
 10 min, under 1% of a core).
 
-Every full listing (``kv_list()``, ``kv_snapshot()``) is timed into the
-listing share (:class:`~poller.duty.ListingDuty`). Without a change feed the
-polling thread waits :meth:`ListingReader.wait_for` before each poll; with
-one, a reconciliation due before the share allows it reads the change feed
-once more instead. Change reads (and RESYNCs, answered from them) are not held.
+Every full listing the store answers (``kv_list()``, ``kv_snapshot()``) is
+timed into the listing share (:class:`~poller.duty.ListingDuty`); a call that
+fails, gives up at its own deadline or runs past ``stall_timeout`` is not a
+listing, and its duration counts nowhere (:meth:`~poller.duty.ListingDuty.unanswered`:
+the store did not answer, it did not spend that time listing for us). Without
+a change feed the polling thread waits :meth:`ListingReader.wait_for` before
+each poll; with one, a reconciliation due before the share allows it reads the
+change feed once more instead. Change reads (and RESYNCs, answered from them)
+are not held.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import logging
 import time
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
-from .duty import DEFAULT_LISTING_SHARE, ListingDuty
+from .duty import DEFAULT_LISTING_SHARE, ListingDuty, ListingShare
 from .listing import Listing, ListingDiff, RawSnapshot, checked_listing, diff_raw_listing
 from .sources import Source, has_change_feed, packed_listing
 
@@ -111,15 +115,18 @@ class ListingReader:
     caller keeps what was sent packed (:func:`~poller.listing.commit_listing`
     with ``packed``), not those dicts.
     A poll that failed half-way is read again from the old cursor, so no
-    change is lost.
+    change is lost. A full listing answered in ``stall_timeout`` seconds or
+    more is a stall (the poller counts it so) and is not timed into the
+    share as a listing (:meth:`~poller.duty.ListingDuty.unanswered`).
     """
 
     def __init__(self, source: Source, *, reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
-                 listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: ListingShare = DEFAULT_LISTING_SHARE, stall_timeout: float | None = None) -> None:
         self._source: Any = source
         self.feed = has_change_feed(source)
         self._list: Callable[[], Any] = packed_listing(source) or source.kv_list
         self.reconcile_interval = reconcile_interval
+        self.stall_timeout = stall_timeout
         self.duty = ListingDuty(listing_share)
         self._cursor: Any = None
         self._pending: Any = None
@@ -188,7 +195,7 @@ class ListingReader:
             try:
                 cursor, pieces = in_pieces()
             except BaseException:
-                self.duty.record(began, time.monotonic() - began)  # the store spent the time either way
+                self.duty.unanswered(time.monotonic())
                 raise
             self._pending = (cursor, True)
             return RawSnapshot(self._timed(pieces, began), copy=False)
@@ -197,22 +204,39 @@ class ListingReader:
         return _diffed(sent, listing, full, copy=False)
 
     def _timed(self, pieces: Iterator[Any], began: float) -> Iterator[Any]:
-        """``pieces``, the listing read in pieces, timed into the duty cycle once read (or given up)."""
+        """``pieces``, the listing read in pieces, timed into the duty cycle once read whole (else unanswered)."""
+        whole = False
         try:
             yield from pieces
+            whole = True
         finally:
             close = getattr(pieces, "close", None)
             if callable(close):
                 close()
-            self.duty.record(began, time.monotonic() - began)
+            if whole:
+                self.duty.record(began, time.monotonic() - began)
+            else:
+                self.duty.unanswered(time.monotonic())
 
     def _listing(self, call: Callable[[], _T]) -> _T:
-        """``call()``, a full listing, timed into the duty cycle (also when it raises)."""
+        """``call()``, a full listing, timed into the duty cycle if the store answered it within ``stall_timeout``.
+
+        A call that raised (failed, or gave up at its own deadline) or
+        answered only past ``stall_timeout`` is unanswered: the store did not
+        answer in time, and the time is not counted as time it spent listing.
+        """
         began = time.monotonic()
         try:
-            return call()
-        finally:
-            self.duty.record(began, time.monotonic() - began)
+            listing = call()
+        except BaseException:
+            self.duty.unanswered(time.monotonic())
+            raise
+        ended = time.monotonic()
+        if self.stall_timeout is not None and ended - began >= self.stall_timeout:
+            self.duty.unanswered(ended)
+        else:
+            self.duty.record(began, ended - began)
+        return listing
 
     def include(self, partition_ids: frozenset[str]) -> None:
         """List these partitions too from now on, when the source lists a chosen set of them.

@@ -21,7 +21,7 @@ from typing import Any, NoReturn, Sequence
 from ._version import __version__
 from .arguments import check_seconds
 from .curve import CurveClient, make_keys
-from .duty import DEFAULT_LISTING_SHARE, check_share
+from .duty import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_share
 from .errors import PollerCrashed, PollerStartupError
 from .worker import WorkerConfig, run_standalone
 
@@ -44,11 +44,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
-    run.add_argument("--listing-share", type=float, default=DEFAULT_LISTING_SHARE,
+    run.add_argument("--listing-share", type=_number_or_word, default=DEFAULT_LISTING_SHARE,
                      help="the most of the wall clock spent listing a store without a change feed: a listing "
-                          "that took d seconds is followed by the next no sooner than d/share after it started "
-                          "(0 < share <= 1, 1 = no bound; default: verl's sampler's own share, d/(d+2s), so the "
-                          "next listing starts no sooner than 2 s after one ended)")
+                          "that took d seconds is followed by the next no sooner than max(interval, d/share) after "
+                          f"it started (0 < share <= 1, 1 = no bound; default {DEFAULT_LISTING_SHARE:g}, so a "
+                          f"listing under {DEFAULT_LISTING_SHARE:g} x interval never delays the next; "
+                          f"'{VERL_CYCLE}': verl's sampler's cycle, the next listing no sooner than 2 s + d + 2p "
+                          "after the poll that took the previous one is done)")
     run.add_argument("--name", default=None,
                      help="stream name; a restarted poller with the same name continues the same stream "
                           "(default: derived from host, source and kwargs)")
@@ -69,6 +71,14 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _number_or_word(text: str) -> float | str:
+    """A number as a float, any other word as it is: ``--listing-share`` is a number or 'verl' (see check_share)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         kwargs = json.loads(args.source_kwargs)
@@ -84,8 +94,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         check_seconds("--interval", args.interval)
-        check_share("--listing-share", args.listing_share)
-    except ValueError as exc:  # nan, inf, <= 0; a share outside (0, 1]
+        listing_share = check_share("--listing-share", args.listing_share)
+    except ValueError as exc:  # nan, inf, <= 0; a share outside (0, 1] that is not 'verl'
         print(f"{args.command_name}: error: {exc}", file=sys.stderr)
         return 2
     level = logging.getLevelName(args.log_level.upper())
@@ -100,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
     config = WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
-                          interval=args.interval, curve=curve, listing_share=args.listing_share)
+                          interval=args.interval, curve=curve, listing_share=listing_share)
     try:
         return run_standalone(config)
     except PollerStartupError as exc:

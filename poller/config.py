@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
-from .duty import DEFAULT_LISTING_SHARE
+from .duty import DEFAULT_LISTING_SHARE, ListingShare
 from .protocol import DEFAULT_LIMITS, Limits
 from .sources import SourceSpec
 
@@ -64,9 +64,10 @@ class WorkerConfig(NamedTuple):
     limits: Limits | None = None
     # Records from this level on are sent to the buffer (LOG), which re-emits them.
     log_level: int = logging.WARNING
-    # The most of the wall clock spent in full listings of the source
-    # (poller.duty: a listing that took d seconds is followed by the next no
-    # sooner than d / listing_share after it started); 1.0: no bound; None:
-    # verl's own cycle, the next listing no sooner than 2 s + d + 2p after the poll
-    # that took the previous one is done: a share of d / (2d + 3p + 2 s).
-    listing_share: float | None = DEFAULT_LISTING_SHARE
+    # The most of the wall clock spent in full listings of a source without
+    # a change feed (poller.duty: a listing that took d seconds is followed by
+    # the next no sooner than d / listing_share after it started, and polls
+    # start every `interval`); 1.0: no bound; "verl": verl's sampler's cycle,
+    # the next listing no sooner than 2 s + d + 2p after the poll that took
+    # the previous one is done, a share of d / (2d + 3p + 2 s).
+    listing_share: ListingShare = DEFAULT_LISTING_SHARE

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .deltas import iter_encode_delta, iter_encode_pieces
-from .duty import DEFAULT_LISTING_SHARE, ListingDuty
+from .duty import DEFAULT_LISTING_SHARE, ListingDuty, ListingShare
 from .listing import Listing, RawSnapshot, commit_listing
 from .messages import Error
 from .pieces import ScreenedPieces
@@ -56,14 +56,20 @@ class PollingThread(threading.Thread):
     it never makes the poller give up). One WARNING is logged per *episode*,
     from the first stalled call until ``kv_list()`` answers again.
 
-    Listings of a source without a change feed keep within
-    ``listing_share`` of the wall clock (:mod:`poller.duty`; by default
-    verl's cycle, the next listing no sooner than 2 s plus its own duration
-    after the poll that took the previous one is done): a SYNC that arrives
-    sooner is answered by the next listing the share allows, never dropped;
-    STOP ends the wait at once. A RESYNC needs no listing: what the last
-    poll sent is sent again at once (:meth:`_resends`). (With a change feed
-    only the periodic reconciliation keeps to the share: :mod:`poller.changes`.)
+    Polls start every ``interval``, start to start; a poll that took
+    longer is followed by a pause of a tenth of ``interval``. Listings of a source
+    without a change feed also keep within ``listing_share`` of the wall
+    clock (:mod:`poller.duty`; by default a listing of ``d`` seconds is
+    followed by the next no sooner than ``d / 0.15`` after it started, so a
+    cheap store is listed every ``interval``; ``"verl"``: verl's cycle): a
+    SYNC wakes the thread at once and is answered by the next listing the
+    share allows, never dropped; STOP ends the wait at once. A RESYNC needs
+    no listing: what the last poll sent is sent again at once
+    (:meth:`_resends`). (With a change feed only the periodic reconciliation
+    keeps to the share: :mod:`poller.changes`.) After a stalled call the
+    next comes ``interval`` after it gave up, after a failed one the
+    backoff (sooner when a SYNC asks, within the share): neither counts as
+    a listing.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
@@ -71,10 +77,11 @@ class PollingThread(threading.Thread):
                  backoff_base: float = 0.1, backoff_cap: float = 5.0,
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
-                 listing_share: float | None = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
-        self._reader = ListingReader(source, reconcile_interval=reconcile_interval, listing_share=listing_share)
+        self._reader = ListingReader(source, reconcile_interval=reconcile_interval, listing_share=listing_share,
+                                     stall_timeout=stall_timeout)
         self._emit = emit
         self.interval = interval
         self.max_failures = max_failures
@@ -321,6 +328,8 @@ class PollingThread(threading.Thread):
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
                 self._reader.duty.poll_done()
+                # The store did not answer: ask again one interval after the call gave up (a SYNC wakes it
+                # sooner), its own duration not counted in the share (ListingDuty.unanswered).
                 self._sleep(self.interval)
                 continue
             except Exception as exc:  # any source failure is reported, never fatal to the trainer
@@ -358,7 +367,7 @@ class PollingThread(threading.Thread):
             full = False
             self.polls += 1
             self._last_poll = (started, began, covered)
-            # The poll is over (its listing, diff, screen and sending): verl's pause starts now (poller.duty).
+            # The poll is over (its listing, diff, screen and sending): verl's cycle's pause starts now (poller.duty).
             self._reader.duty.poll_done()
             # A fixed schedule, start to start: a change waits interval/2 on
             # average whatever a poll costs. A poll slower than the interval

@@ -4,15 +4,19 @@ episode, never fatal, and never keeps the poller from stopping."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from buffer import ReplayBuffer
 from poller import PollerProcess, ProtocolError
+from poller.duty import VERL_POLL_INTERVAL
 from poller.messages import as_map
 from poller.protocol import Kind, Message, decode, encode
 from tests.conftest import wait_until
+from tests.helpers.stalls import call_starts
 from tests.test_stream import Peer
 
 HEARTBEAT = {"polls": 1, "source_errors": 0, "rss": 1, "stalled_s": 0.0}
@@ -80,3 +84,59 @@ def test_the_heartbeat_stall_count_is_optional_but_checked():
     for bad in (-1, "3", 1.5, True, None):
         with pytest.raises(ProtocolError, match="source_stalls"):
             encode(Message(Kind.HEARTBEAT, 1, 1, dict(HEARTBEAT, source_stalls=bad)))
+
+
+STALL_S = 3.0  # a store that stops answering: the call gives up after this long (TransferQueue's call_timeout)
+SLACK_S = 1.5  # the answering call, its delivery and a loaded machine
+
+
+def _seen_after_a_stall(tmp_path: Path, ask_every: float | None, **options: object) -> float:
+    """Seconds from the start of a stalled call to the buffer showing the store's next answer.
+
+    The store answers, stalls once (``STALL_S``), then answers again. With
+    ``ask_every`` a thread asks ``sync()`` that often, as a waiting verl sampler does.
+    """
+    log = str(tmp_path / "calls.log")
+    stop = threading.Event()
+    with ReplayBuffer("tests.helpers.stalls:TimedStalls", source_kwargs={"log": log, "script": "LS",
+                                                                           "seconds": STALL_S},
+                      **options) as rb:  # type: ignore[arg-type]
+        def ask() -> None:
+            while not stop.is_set():
+                try:
+                    rb.sync(timeout=2.0)  # PollWhileWaiting's bound: asked again after a stall
+                except TimeoutError:
+                    continue
+                except BaseException:  # noqa: BLE001 - closed: the test is over
+                    return
+                stop.wait(ask_every)
+
+        asker = threading.Thread(target=ask, name="test-sync-every", daemon=True)
+        if ask_every is not None:
+            asker.start()
+        try:
+            assert wait_until(lambda: rb.snapshot().get("train", {}).get("k", {}).get("answers") == 2,
+                              timeout=60, interval=0.005)
+            seen = time.monotonic()
+            assert rb.stats()["source_stalls"] == 1
+        finally:
+            stop.set()
+    if ask_every is not None:
+        asker.join(10)
+    stalled = [when for when, step in call_starts(log) if step == "S"]
+    assert len(stalled) == 1
+    return seen - stalled[0]
+
+
+def test_after_a_stall_the_generic_buffer_asks_again_one_poll_interval_later(tmp_path: Path) -> None:
+    # Default settings: the next call comes poll_interval after the stalled one gave up (docs/using.md). On
+    # d03d3b3 verl's cycle took the stalled call for a listing: 2 x 3 s + 2 s after it began.
+    seen = _seen_after_a_stall(tmp_path, None, poll_interval=0.5)
+    assert seen <= STALL_S + 0.5 + SLACK_S, seen
+
+
+def test_after_a_stall_verls_cycle_asks_again_2s_later(tmp_path: Path) -> None:
+    # buffer.verl's rhythm: a poller that lists only when asked (a SYNC while a call waits), verl's cycle. The
+    # stalled call is not a listing: the next call comes 2 s after it gave up, not 2 s + its duration (d03d3b3).
+    seen = _seen_after_a_stall(tmp_path, 0.02, poll_interval=3600.0, listing_share="verl")
+    assert seen <= STALL_S + VERL_POLL_INTERVAL + SLACK_S, seen

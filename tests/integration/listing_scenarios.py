@@ -76,10 +76,12 @@ def partitions_given_are_kept(conf: Any) -> dict[str, Any]:
     return {"waited_s": time.monotonic() - started}
 
 
-def default_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
-    """A buffer on a real TransferQueue at the default listing share, asked to sync every 20 ms (as a waiting
-    verl sampler asks): when each listing began and ended (the source logs them) and what stats() said."""
+def verl_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
+    """A buffer on a real TransferQueue in verl's cycle (buffer.verl's listing share), asked to sync every 20 ms
+    (as a waiting verl sampler asks): when each listing began and ended (the source logs them) and what stats()
+    said."""
     from buffer import ReplayBuffer
+    from poller.duty import VERL_CYCLE
     from poller.sources.transferqueue import source_kwargs
 
     for _ in range(3):
@@ -88,7 +90,7 @@ def default_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
     kwargs = {"log": log, **source_kwargs(conf, partition_ids=["train"])}
     stop, answered, errors = threading.Event(), [], []
     with ReplayBuffer("tests.helpers.sources:logged_transferqueue", source_kwargs=kwargs,
-                      poll_interval=0.02) as rb:
+                      poll_interval=0.02, listing_share=VERL_CYCLE) as rb:
         def ask() -> None:
             while not stop.is_set():
                 try:

@@ -38,10 +38,8 @@ def test_the_right_order_buffer_close_then_tq_close_is_graceful(store, partition
 
 
 def test_the_wrong_order_tq_close_first_still_closes_within_its_bound(store, partition):
-    # listing_share=1.0: a stalled call counts in the share for the time it ran, so at the default
-    # share the next 1 s call would come ~71 s later; this test is about the close, not the share.
-    rb = ReplayBuffer(SPEC, source_kwargs=store.call("kwargs", call_timeout=1.0), poll_interval=0.05,
-                      listing_share=1.0)
+    # Default settings: a stalled call is not a listing, so the next comes one poll_interval after it gave up.
+    rb = ReplayBuffer(SPEC, source_kwargs=store.call("kwargs", call_timeout=1.0), poll_interval=0.05)
     try:
         store.call("put", "k", partition, {"status": "running"})
         assert wait_until(lambda: "k" in rb.snapshot(partition))

@@ -1,6 +1,6 @@
 """buffer.verl on a real TransferQueue lists only the partitions it is asked about, within the listing share.
 
-By default the share is verl's own cycle: the next listing starts no sooner than 2 s + d + 2p after the poll that
+buffer.verl's share is verl's own cycle: the next listing starts no sooner than 2 s + d + 2p after the poll that
 took the previous one (of d seconds) is done, so at least 2 s + d after that listing ended (the part a source
 sees; the poll's own processing is checked in tests/test_listing_share.py).
 
@@ -35,8 +35,8 @@ def test_partition_ids_given_in_source_kwargs_are_kept(store):
     run(store, "partitions_given_are_kept")
 
 
-def test_by_default_listings_of_transferqueue_keep_to_verls_cycle_while_syncs_ask_every_20ms(store):
-    out = run(store, "default_cycle_while_syncs_ask_every_20ms")
+def test_in_verls_cycle_listings_of_transferqueue_keep_to_it_while_syncs_ask_every_20ms(store):
+    out = run(store, "verl_cycle_while_syncs_ask_every_20ms")
     listings = out["listings"]
     assert not out["errors"] and out["answered"] >= 2, out
     # Each listing began no sooner than 2 s + d (+ 2p) after the one before (of d seconds) ended: after its poll
