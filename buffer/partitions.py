@@ -326,6 +326,22 @@ class PartitionStore:
         with self._cond:
             self.ledger.mark_broken(stream)
 
+    def replaced(self, stream: str) -> None:
+        """``stream``'s store was replaced (a switch): drop what only it listed; not whole until its next snapshot ends.
+
+        Each key held that it lists goes as if unlisted (a key another source
+        lists stays): no tag of the old store merges into the new one's key
+        of the same name, and the view holds no key the new store may not
+        hold. Keys the trainer removed keep their tombstones (the ledger's rules).
+        """
+        with self._cond:
+            for partition_id, items in list(self._parts.items()):
+                listed = [key for key in items if self.ledger.is_listed(partition_id, key)]
+                for key in self.ledger.unlisted(stream, partition_id, listed):
+                    self._drop(partition_id, key)
+            self.ledger.mark_broken(stream)
+            self._cond.notify_all()
+
     def release(self, stream: str) -> None:
         """Stop waiting for ``stream`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
         with self._cond:
