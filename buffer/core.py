@@ -138,6 +138,11 @@ class _Core:
         """Restarts refused by an unreachable store (they use no budget)."""
         return self._supervisor.start_retries if self._supervisor is not None else 0
 
+    @property
+    def source_switches(self) -> int:
+        """Deliberate restarts of the poller on new source arguments (:meth:`switch_source`)."""
+        return self._supervisor.switches if self._supervisor is not None else 0
+
     def start(self) -> None:
         if self.source is None:
             self.endpoint = self.receiver.start()
@@ -155,7 +160,8 @@ class _Core:
         else:
             self.endpoint = self.receiver.start()
         self._supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
-                                      budget=self.budget, drained=self._drained, give_up=self.store.fail)
+                                      budget=self.budget, drained=self._drained, give_up=self.store.fail,
+                                      switched=self._switched)
         self._supervisor.start()
         if self._ipc_dir is not None and self.receiver.start() != self.endpoint:
             raise RuntimeError(f"the receiver bound {self.receiver.endpoint}, not {self.endpoint}")
@@ -192,9 +198,44 @@ class _Core:
         self.receiver.table.syncs.include_partitions(self.name.encode(), held + added)
         logger.debug("poller %s lists partitions %s too", self.name, added)
 
-    def _drained(self, process: PollerProcess) -> Callable[[float], bool]:
-        """Whether everything ``process`` sent before BYE was applied (asked after it exited)."""
+    def switch_source(self, changes: Mapping[str, Any]) -> ShutdownReport:
+        """Restart the poller on ``source_kwargs`` updated with ``changes``; how the old one ended.
+
+        Returns once the old poller is closed and the view is marked not
+        whole; the new poller starts meanwhile in the supervisor's thread.
+
+        Raises:
+            BufferClosed: the buffer was closed (also while the switch was under way).
+            PollerCrashed: the poller is dead for good.
+            ValueError: the buffer has no poller of its own.
+        """
+        with self._close_lock:  # no close() between the check and the request: the request is answered
+            self.store.check_open()
+            if self._supervisor is None:
+                raise ValueError("this buffer has no poller of its own (source=None): there is no source to switch")
+            # Replaced whole, never edited: the supervisor reads it for each new process.
+            self.source_kwargs = {**self.source_kwargs, **changes}
+            answer = self._supervisor.switch(self.close_timeout)
+        # The ladder's two waits, the reap and the new child's spawn: bounded like close().
+        return answer.result(2 * self.close_timeout + _CLOSE_MARGIN_S)
+
+    def _switched(self) -> None:
+        """The old poller of a switch is closed and the new one built: its keys go, and no decision is made
+        until the new poller's first complete listing is applied (:meth:`~buffer.partitions.PartitionStore.replaced`).
+
+        Called once the old process's late messages are dropped (the new one
+        is expected), so none of them can bring a key back or end the wait.
+        """
+        self.store.replaced(self.name)
+
+    def _drained(self, process: PollerProcess, final: bool = True) -> Callable[[float], bool]:
+        """Whether everything ``process`` sent before BYE was applied (asked after it exited).
+
+        ``final``: the buffer's last poller (the receiver may end after its BYE); otherwise one a switch replaces.
+        """
         name, epoch = process.name, process.epoch
+        if not final:
+            return lambda seconds: self.receiver.wait_bye(name, epoch, seconds)
         # Let the receiver end once that BYE is applied: closing its socket, and
         # removing the ipc directory nobody will connect to any more, then
         # overlap the poller's exit instead of following it. (The removal waits

@@ -116,7 +116,8 @@ class Ledger:
         self._completed_epoch: dict[str, int] = {}
         # Sources every view needs a first complete poll of, and sources awaiting a resync.
         self._required: set[str] = set()
-        self._broken: set[str] = set()
+        # stream -> why its next full listing is awaited ("lost messages", "its store was replaced").
+        self._broken: dict[str, str] = {}
         # Fresh views: when each stream's last complete poll was applied; since when (and why) its
         # store has not answered, until its next complete poll; the oldest a fresh view may be.
         self._completed_at: dict[str, float] = {}
@@ -234,7 +235,7 @@ class Ledger:
         """The full listing is complete: ``(partition, keys)`` to drop, those it did not list."""
         if self._snapshots.pop(stream, None) is None:
             return []
-        self._broken.discard(stream)
+        self._broken.pop(stream, None)
         drops = []
         for partition, vanished in self._unseen.pop(stream).items():
             if vanished:
@@ -313,14 +314,27 @@ class Ledger:
         """No view is whole until a first complete poll of ``stream`` was applied (the buffer's own poller)."""
         self._required.add(stream)
 
-    def mark_broken(self, stream: str) -> None:
+    def mark_broken(self, stream: str, why: str = "lost messages") -> None:
         """``stream``'s stream lost messages; what it lists is not whole until its next full listing ends."""
-        self._broken.add(stream)
+        self._broken[stream] = why
+
+    def replaced(self, stream: str) -> list[tuple[str, list[str]]]:
+        """``stream``'s store was replaced: it lists nothing any more; ``(partition, keys)`` to drop.
+
+        Every key only it listed goes, removed ones too (their tombstones end:
+        the new store's keys of those names are new records), and what it
+        lists is not whole until the new store's first full listing ends.
+        """
+        self.abandon_snapshot(stream)
+        drops = [(partition, self.unlisted(stream, partition, list(keys)))
+                 for partition, keys in list(self._listed.get(stream, {}).items())]
+        self.mark_broken(stream, "has a new store")
+        return drops
 
     def release(self, stream: str) -> None:
         """Stop waiting for ``stream`` (a standalone poller gone silent or forgotten)."""
         self.abandon_snapshot(stream)
-        self._broken.discard(stream)
+        self._broken.pop(stream, None)
 
     def bound_age(self, max_age: float | None) -> None:
         """A view is fresh only while each required stream's last complete poll is at most ``max_age`` s old."""
@@ -353,13 +367,13 @@ class Ledger:
             if stream in self._snapshots:
                 return f"a full listing (resync) of poller {stream} is being applied"
             if stream in self._broken:
-                return f"the stream of poller {stream} lost messages and a resync is awaited"
+                return f"poller {stream} {self._broken[stream]}: its next full listing is awaited"
         for stream in list(self._snapshots) + list(self._broken):
             if stream in self._required:
                 continue
             if partition is None or partition in self._snapshots.get(stream, ()) \
                     or partition in self._listed.get(stream, ()):
-                what = "being applied" if stream in self._snapshots else "awaited after a loss"
+                what = "being applied" if stream in self._snapshots else f"awaited ({self._broken[stream]})"
                 return f"a full listing of poller {stream}, which lists this partition, is {what}"
         return None
 

@@ -25,6 +25,7 @@ class BufferStats(TypedDict):
     poller_alive: bool
     restarts: int
     start_retries: int
+    source_switches: int
     epoch: int | None
     messages: int
     items_received: int
@@ -72,6 +73,7 @@ def collect_stats(core: _Core) -> BufferStats:
         "poller_alive": bool(process and process.is_alive()),
         "restarts": core.budget.total,
         "start_retries": core.start_retries,
+        "source_switches": core.source_switches,
         "epoch": process.epoch if process else None,
         "messages": table.messages,
         "items_received": table.items_received,
@@ -168,6 +170,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("replay.source.listing_share", "gauge",
            "share of the wall clock spent in full listings of the source lately (bounded by listing_share)",
            lambda s: s["listing_share"]),
+    Metric("replay.poller.source_switches", "counter",
+           "restarts of the buffer's own poller on a replaced store (switch_source; not counted in restarts)",
+           lambda s: s["source_switches"]),
 )
 
 

@@ -334,6 +334,21 @@ class PartitionStore:
         with self._cond:
             self.ledger.mark_broken(stream)
 
+    def replaced(self, stream: str) -> None:
+        """``stream``'s store was replaced (a switch): drop what only it listed; not whole until its next snapshot ends.
+
+        Each key it lists goes as if unlisted (a key another source lists
+        stays): no tag of the old store merges into the new one's key of the
+        same name, the view holds no key the new store may not hold, and a
+        key the trainer removed from the old store is a new record in the new
+        one (:meth:`Ledger.replaced`).
+        """
+        with self._cond:
+            for partition_id, keys in self.ledger.replaced(stream):
+                for key in keys:
+                    self._drop(partition_id, key)
+            self._cond.notify_all()
+
     def release(self, stream: str) -> None:
         """Stop waiting for ``stream`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
         with self._cond:

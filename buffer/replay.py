@@ -252,6 +252,39 @@ class ReplayBuffer:
             raise TypeError(f"partition_ids must be a list of partition ids, not one string {partition_ids!r}")
         self._core.include_partitions([check_partition(p) for p in partition_ids])
 
+    def switch_source(self, source_kwargs: Mapping[str, Any]) -> ShutdownReport:
+        """Move the buffer's own poller to a replaced store: ``source_kwargs`` merged over the current ones.
+
+        For a store that was replaced under the same source, such as a
+        TransferQueue controller the trainer re-initialised (``tq.close()``,
+        then ``tq.init()``: a new address)::
+
+            rb.switch_source(transferqueue.source_kwargs(tq.init(...)))
+
+        Keys not given keep their values. The poller is closed (the ladder of
+        :meth:`close`, ``close_timeout`` per stage) and a new one starts on the
+        merged arguments. That is no crash: it uses no restart budget
+        (``stats()["source_switches"]`` counts it, ``restarts`` does not), and
+        a new poller refused because its store cannot be reached yet is tried
+        again with backoff, as a restart is. From the return on, no decision
+        (:meth:`sample`, a verl sampler's) is made until the new poller's first
+        complete listing is applied, which drops every key the old store
+        listed and the new one does not: no view mixes the two. Tags given to
+        :meth:`add` and keys given to :meth:`remove` stay as they were.
+
+        Returns:
+            How the old poller ended (its close report).
+
+        Raises:
+            TypeError: ``source_kwargs`` is not a mapping with str keys.
+            ValueError: the buffer has no poller of its own (``source=None``).
+            PollerCrashed: the poller is dead for good.
+            BufferClosed: the buffer was closed, possibly while switching.
+        """
+        if not isinstance(source_kwargs, Mapping) or not all(isinstance(key, str) for key in source_kwargs):
+            raise TypeError(f"source_kwargs must be a mapping with str keys, got {source_kwargs!r}")
+        return self._core.switch_source(source_kwargs)
+
     @property
     def seam(self) -> SamplingSeam:
         """What a sampling policy uses of this buffer (:class:`~buffer.seam.SamplingSeam`): the store's

@@ -4,7 +4,8 @@
 
     constructor ── started (future) ◀──┐
     close()  ── CloseRequest + poke ──▶ supervisor thread ── PollerProcess (start, sentinel, close ladder)
-             ◀── report (future) ──────┘        └── restarts, then PollerCrashed to the store
+             ◀── report (future) ──────┤        ├── restarts, then PollerCrashed to the store
+    switch() ── SwitchRequest + poke ──┘        └── a switch: the ladder, a new child (no budget)
 
 One thread at a time touches the child. A close that finds the thread only
 watching a running child takes the child over: the closing thread runs the
@@ -16,6 +17,13 @@ future once the thread has run the ladder, the way CPython's process-pool
 manager thread serves its executor; a request that arrives while a
 restarted child is still starting cuts that start short (the child is
 killed), so a close never waits out a start timeout.
+
+A switch (:meth:`Supervisor.switch`) is a deliberate restart: the running
+child is closed with the ladder and a new one is built (from the source as it
+is now: a replaced TransferQueue controller's new address) and started at
+once. It is no crash: it uses no restart budget, and a start it makes that is
+refused because the store cannot be reached is tried again with backoff, as
+a restart's is, still using none.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from poller.launch import wait
 from poller.process import PollerProcess, ShutdownReport
 from poller.wakeup import WakePipe
 
+from .errors import BufferClosed
 from .restarts import RestartBudget
 
 __all__ = ["Supervisor"]
@@ -44,6 +53,14 @@ class _CloseRequest(NamedTuple):
     report: "Future[ShutdownReport]"
 
 
+class _SwitchRequest(NamedTuple):
+    timeout: float  # the old child's close ladder, per stage
+    report: "Future[ShutdownReport]"  # how the old child ended, once the new one is built
+
+
+_Request = _CloseRequest | _SwitchRequest
+
+
 class _HandedOver:
     """What the thread's watch ends with when a closing thread took the child over."""
 
@@ -54,29 +71,37 @@ _HANDED_OVER = _HandedOver()
 class Supervisor:
     """Runs one poller child at a time for a buffer, restarting it within ``budget``.
 
-    ``new_process()`` makes the next (unstarted) child; ``drained(process)``
-    says, after its exit, whether everything it sent was applied;
-    ``give_up(error)`` is told when the budget is used up
-    (:mod:`buffer.restarts`: restarts per window; a start-up refused because
-    the store is unreachable uses none and is tried again with backoff).
+    ``new_process()`` makes the next (unstarted) child; ``drained(process, final)``
+    says, after its exit, whether everything it sent was applied (``final``:
+    the buffer's last child, closed with the buffer; otherwise one a switch
+    replaces); ``switched()`` is told once a switch closed the old child and
+    built the new one, before it starts; ``give_up(error)`` is told when the
+    budget is used up (:mod:`buffer.restarts`: restarts per window; a start-up
+    refused because the store is unreachable uses none and is tried again with
+    backoff).
     """
 
     def __init__(self, name: str, new_process: Callable[[], PollerProcess], *, start_timeout: float,
-                 budget: RestartBudget, drained: Callable[[PollerProcess], Callable[[float], bool]],
-                 give_up: Callable[[PollerCrashed], None]) -> None:
+                 budget: RestartBudget, drained: Callable[[PollerProcess, bool], Callable[[float], bool]],
+                 give_up: Callable[[PollerCrashed], None], switched: Callable[[], None] = lambda: None) -> None:
         self.name = name
         self._new_process = new_process
         self._start_timeout = start_timeout
         self._budget = budget
         self._drained = drained
         self._give_up = give_up
+        self._switched = switched
         #: The child now (read by stats() from any thread; written by the supervisor only).
         self.process: PollerProcess | None = None
         #: Restarts refused by an unreachable store (they use no budget).
         self.start_retries = 0
+        #: Deliberate switches to a new child (:meth:`switch`); no restarts.
+        self.switches = 0
+        # What give_up() was told: a switch asked for later gets it.
+        self._given_up: PollerCrashed | None = None
         #: Done once the first child said READY (or failed to: PollerStartupError).
         self.started: Future[None] = Future()
-        self._requests: queue.SimpleQueue[_CloseRequest] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._wake = WakePipe()
         # The running child the thread only watches (None at any other moment), and whether a
         # closing thread took it over; both under the lock.
@@ -116,6 +141,20 @@ class Supervisor:
             request.report.set_result(self._close_child(timeout))
         return request.report
 
+    def switch(self, timeout: float) -> Future[ShutdownReport]:
+        """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
+
+        The old child is closed with the ladder's ``timeout``; the future
+        holds its report once the new child is built and ``switched()`` was
+        told, and the new child starts right after. It raises
+        :class:`BufferClosed` when a close came first, or the
+        :class:`PollerCrashed` the supervisor gave up with.
+        """
+        request = _SwitchRequest(timeout, Future())
+        self._requests.put(request)
+        self._wake.poke()
+        return request.report
+
     def wait_closed(self, report: Future[ShutdownReport], timeout: float) -> ShutdownReport:
         """Wait up to ``timeout`` for the answer to a close request, and for the thread to end.
 
@@ -140,7 +179,7 @@ class Supervisor:
     # -- the thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        request: _CloseRequest | _HandedOver | None = None
+        request: _Request | _HandedOver | None = None
         try:
             request = self._own()
         except BaseException as exc:  # a bug here must not leave a close() waiting for ever
@@ -148,20 +187,36 @@ class Supervisor:
             if not self.started.done():
                 self.started.set_exception(exc)
         if isinstance(request, _HandedOver):
-            return  # the closing thread runs the ladder
-        if request is None:
+            self._answer_pending(None)  # the closing thread runs the ladder
+            return
+        while not isinstance(request, _CloseRequest):  # given up (or never started): only a close is served
+            if isinstance(request, _SwitchRequest):
+                self._refuse(request)
             request = self._requests.get()
         report = self._close_child(request.timeout)  # the ladder runs once; later calls get its report
-        while True:  # later requests (there should be none) get the same answer
-            if not request.report.done():
-                request.report.set_result(report)
+        if not request.report.done():
+            request.report.set_result(report)
+        self._answer_pending(report)  # later requests (there should be none) get the same answer
+
+    def _answer_pending(self, report: ShutdownReport | None) -> None:
+        """Answer the requests still queued once the child is closed: a close with its report, a switch refused."""
+        while True:
             try:
                 request = self._requests.get_nowait()
             except queue.Empty:
                 return
+            if isinstance(request, _SwitchRequest):
+                self._refuse(request)
+            elif not request.report.done():
+                request.report.set_result(report if report is not None else self._close_child(request.timeout))
+
+    def _refuse(self, request: _SwitchRequest) -> None:
+        if not request.report.done():
+            request.report.set_exception(self._given_up if self._given_up is not None
+                                         else BufferClosed("the replay buffer is closed"))
 
     def _own(self) -> _CloseRequest | _HandedOver | None:
-        """Start, watch and restart the child until a close comes; return its request (or the hand-over)."""
+        """Start, watch, restart and switch the child until a close comes; return its request (or the hand-over)."""
         process = self.process = self._new_process()
         try:
             process.start(self._start_timeout, abort_fd=self._wake.read_fd)
@@ -170,36 +225,67 @@ class Supervisor:
             return None
         self.started.set_result(None)
         while True:
-            request = self._watch(process)
-            if request is not None:
-                return request
-            exitcode = process.join(5.0)
-            cause = process.fatal_error()
-            process.close(0)  # reap; the stage is "already-exited"
-            logger.warning("poller %s (pid %s) exited with code %s%s", self.name, process.pid, exitcode,
-                           f": {cause.exc_type}: {cause.message}" if cause else "")
-            started = self._restart(exitcode, cause)
-            if not isinstance(started, PollerProcess):
-                return started
-            process = started
+            outcome: PollerProcess | _Request | _HandedOver | None = self._watch(process)
+            if outcome is None:  # the child exited by itself
+                exitcode = process.join(5.0)
+                cause = process.fatal_error()
+                process.close(0)  # reap; the stage is "already-exited"
+                logger.warning("poller %s (pid %s) exited with code %s%s", self.name, process.pid, exitcode,
+                               f": {cause.exc_type}: {cause.message}" if cause else "")
+                outcome = self._restart(exitcode, cause)
+            while isinstance(outcome, _SwitchRequest):  # also one that came during a restart's backoff
+                outcome = self._switch(outcome)
+            if not isinstance(outcome, PollerProcess):
+                return outcome
+            process = outcome
 
-    def _restart(self, exitcode: int | None, cause: Exception | None) -> PollerProcess | _CloseRequest | None:
-        """A started new child; or the close request that came first; or None once given up."""
+    def _switch(self, request: _SwitchRequest) -> PollerProcess | _Request | None:
+        """Close the child, build and start a new one (no restart budget used); or the request that came first."""
+        old = self.process
+        report = (self._close(old, request.timeout, final=False) if old is not None
+                  else ShutdownReport("no-poller", 0.0, None, False))
+        self.switches += 1
+        # Built before switched() is told: from here on the old child's late messages are dropped, so none of
+        # them can make the view whole again before the new child's first complete listing.
+        process = self.process = self._new_process()
+        self._switched()
+        request.report.set_result(report)
+        logger.info("poller %s switched to its new source (the old child ended %s)", self.name, report.stage)
+        # The switch's own poke may still be unread (its request was taken first): left, it would cut the
+        # new child's start short. A request queued meanwhile is served instead of the start.
+        self._wake.drain()
+        if not self._requests.empty():
+            return self._requests.get()
+        return self._restart(None, None, switched=process)
+
+    def _restart(self, exitcode: int | None, cause: Exception | None,
+                 switched: PollerProcess | None = None) -> PollerProcess | _Request | None:
+        """A started new child; or the request that came first; or None once given up.
+
+        ``switched``: the new child of a switch, started at once; it, and the
+        tries after it while the store cannot be reached, use no budget.
+        """
         budget = self._budget
+        free = switched is not None
+        process = switched
         refused = 0  # start-ups in a row refused because the store could not be reached
-        while refused or not budget.exhausted():
-            request = self._wait(None, budget.unavailable_backoff(refused) if refused else budget.backoff())
-            if request is not None:
-                return request
-            process = self.process = self._new_process()
-            budget.use()  # before it starts: its data may arrive before start() returns
+        while free or refused or not budget.exhausted():
+            if process is None:
+                request = self._wait(None, budget.unavailable_backoff(refused) if refused else budget.backoff())
+                if request is not None:
+                    return request
+                process = self.process = self._new_process()
+                if not free:
+                    budget.use()  # before it starts: its data may arrive before start() returns
             try:
                 process.start(self._start_timeout, abort_fd=self._wake.read_fd)
             except PollerStartupError as exc:
+                process = None
                 if not self._requests.empty():
                     return self._requests.get()
                 if exc.unavailable:  # retried without using the budget (buffer/restarts.py)
-                    budget.refund()
+                    if not free:
+                        budget.refund()
                     refused += 1
                     self.start_retries += 1
                     logger.log(logging.WARNING if refused == 1 else logging.DEBUG,
@@ -208,22 +294,30 @@ class Supervisor:
                                exc)
                     continue
                 refused = 0
-                logger.warning("restart %d/%d of poller %s failed: %s", budget.recent(), budget.max_restarts,
-                               self.name, exc)
+                if free:  # the new source fails to start: from here it is restarted as a crash is
+                    free = False
+                    logger.warning("poller %s failed to start on its new source: %s", self.name, exc)
+                else:
+                    logger.warning("restart %d/%d of poller %s failed: %s", budget.recent(), budget.max_restarts,
+                                   self.name, exc)
                 cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
                 continue
-            logger.warning("poller %s restarted (%d/%d in %gs), pid %s", self.name, budget.recent(),
-                           budget.max_restarts, budget.window, process.pid)
+            if free:
+                logger.debug("poller %s started on its new source, pid %s", self.name, process.pid)
+            else:
+                logger.warning("poller %s restarted (%d/%d in %gs), pid %s", self.name, budget.recent(),
+                               budget.max_restarts, budget.window, process.pid)
             return process
         error = PollerCrashed(f"poller {self.name} died (exit code {exitcode}) and "
                               f"max_restarts={budget.max_restarts} restarts within {budget.window:g}s were used")
         error.__cause__ = cause
         logger.error("%s", error)
+        self._given_up = error
         self._give_up(error)
         return None
 
-    def _watch(self, process: PollerProcess) -> _CloseRequest | _HandedOver | None:
-        """Until the running ``process`` exits (None), a close request comes, or a closing thread takes it over."""
+    def _watch(self, process: PollerProcess) -> _Request | _HandedOver | None:
+        """Until the running ``process`` exits (None), a request comes, or a closing thread takes it over."""
         with self._state:
             self._watched = process
         try:
@@ -233,10 +327,14 @@ class Supervisor:
                 self._watched = None
                 handed_over = self._handed_over
         # Taken over (also just as it exited): the closing thread alone touches it from now on.
-        return _HANDED_OVER if handed_over else request
+        if handed_over:
+            if request is not None:
+                self._requests.put(request)  # answered once the closing thread is done (_answer_pending)
+            return _HANDED_OVER
+        return request
 
-    def _wait(self, sentinel: int | None, timeout: float | None) -> _CloseRequest | None:
-        """Until ``sentinel`` is readable or ``timeout`` passes (None); a close ends it early."""
+    def _wait(self, sentinel: int | None, timeout: float | None) -> _Request | None:
+        """Until ``sentinel`` is readable or ``timeout`` passes (None); a request ends it early."""
         fds = [self._wake.read_fd] + ([] if sentinel is None else [sentinel])
         while True:
             try:
@@ -257,5 +355,5 @@ class Supervisor:
             return ShutdownReport("no-poller", 0.0, None, False)
         return self._close(process, timeout)
 
-    def _close(self, process: PollerProcess, timeout: float) -> ShutdownReport:
-        return process.close(timeout, wait_drained=self._drained(process))
+    def _close(self, process: PollerProcess, timeout: float, final: bool = True) -> ShutdownReport:
+        return process.close(timeout, wait_drained=self._drained(process, final))

@@ -225,7 +225,16 @@ class ReplayBuffer:
         """
         seam = self._lifecycle.start(partition_id).seam
         ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
-        if ahead is not None and self._needs_fresh_view:
+        # First, before waiting on a listing of a controller the trainer may have replaced.
+        switched = self._lifecycle.follow()
+        if switched:
+            # The new controller's first complete listing began after this call and no decision is made
+            # before it is applied: that view is fresh. What concerned the old one is dropped: its sync ahead
+            # (it settled clears there; the new poller answers it, or close() ends it) and the DAPO metrics
+            # read there.
+            self._needs_fresh_view = False
+            self._fetched.clear()
+        elif ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._needs_fresh_view = not ahead.done(remaining)
         # After the sync ahead: its listing may predate a partition new to the poller.
@@ -233,7 +242,7 @@ class ReplayBuffer:
             self._needs_fresh_view = True
         # Without listings between calls, a view older than any verl's sampler acts on is refreshed first:
         # verl's lists the store at the start of each call.
-        if self._needs_fresh_view or (not self._lifecycle.lists_between_calls
+        if self._needs_fresh_view or (not switched and not self._lifecycle.lists_between_calls
                                       and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)
 

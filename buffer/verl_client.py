@@ -26,9 +26,9 @@ from poller.sources.transferqueue import source_kwargs as transferqueue_source_k
 
 from .group_rules import classify
 
-__all__ = ["REWARD_METRIC", "StoreClient", "VerlBatch", "classify_groups", "clear_is_all_or_nothing", "clear_keys",
-           "close_client", "is_transferqueue", "make_batch", "open_client", "poller_source", "read_metric",
-           "shut_down"]
+__all__ = ["CONTROLLER_KWARGS", "REWARD_METRIC", "StoreClient", "VerlBatch", "classify_groups",
+           "clear_is_all_or_nothing", "clear_keys", "close_client", "controller_kwargs", "is_transferqueue",
+           "live_controller", "make_batch", "open_client", "poller_source", "read_metric", "shut_down"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,42 @@ def poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
         return TRANSFERQUEUE_SPEC, given, chosen
     # Options only (call_timeout, ...): the address comes from the live controller.
     return TRANSFERQUEUE_SPEC, transferqueue_source_kwargs(None, **given), chosen
+
+
+#: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
+CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
+
+
+def live_controller(client: Any) -> Any | None:
+    """The controller info (a ``ZMQServerInfo``) of the ``transfer_queue`` module's current client; None without one.
+
+    ``client`` is the ``transfer_queue`` module (:func:`open_client`). The
+    sampler's own calls, as verl's sampler's, go through the client the last
+    ``tq.init()`` made, so its controller is the one to list. Two attribute
+    reads, no I/O: cheap enough for every call. TransferQueue (0.1.8-0.1.11)
+    keeps the info in the client's ``_controller`` and offers no public
+    accessor; a client without it gives None, and the poller then stays on
+    the controller it started on. After ``tq.close()`` and before the next
+    ``tq.init()`` there is no client (``get_client()`` asserts): None.
+    """
+    get_client = getattr(client, "get_client", None)
+    if not callable(get_client):
+        return None
+    try:
+        current = get_client()
+    except AssertionError:  # TransferQueue's words for "not initialised" (after tq.close())
+        return None
+    return getattr(current, "_controller", None)
+
+
+def controller_kwargs(info: Any) -> dict[str, Any]:
+    """The poller's source arguments naming the controller ``info`` describes (:data:`CONTROLLER_KWARGS`).
+
+    Raises:
+        ValueError: ``info`` holds no controller address.
+    """
+    kwargs = transferqueue_source_kwargs(info)
+    return {name: kwargs[name] for name in CONTROLLER_KWARGS}
 
 
 def open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:

@@ -14,6 +14,15 @@ about, which join the set one call at a time (:meth:`SamplerLifecycle.include`),
 and, as verl's own sampler, only when a call needs it: the poller's own
 schedule is :data:`QUIET_POLL_INTERVAL` and the sampler asks for every
 listing it needs (:attr:`SamplerLifecycle.lists_between_calls`).
+
+On TransferQueue the poller follows the controller of the trainer's
+TransferQueue client, as verl's own sampler does (it lists through the
+``transfer_queue`` module's current client on every call): each call first
+asks :meth:`SamplerLifecycle.follow`, which compares that client's controller
+address with the one the poller lists, two attribute reads, and on a
+difference (the trainer ran ``tq.close()`` and ``tq.init()``: a new
+controller on a new port) moves the poller there
+(:meth:`buffer.ReplayBuffer.switch_source`: no crash, no restart budget).
 """
 
 from __future__ import annotations
@@ -72,6 +81,11 @@ class SamplerLifecycle:
         self._finalizer: weakref.finalize | None = None
         # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
         self._listed: set[str] | None = None
+        # On TransferQueue: the controller address the poller lists, and the client's controller info last
+        # compared with it (the same object again needs no comparison).
+        self._follows = verl_client.is_transferqueue(config.source)
+        self._address: str | None = None
+        self._compared: Any = None
 
     def start(self, partition_id: str | None = None) -> Started:
         """The buffer and client, started on first use; the poller lists ``partition_id`` (see :meth:`include`).
@@ -90,6 +104,7 @@ class SamplerLifecycle:
             config = self._config
             spec, kwargs, chosen = verl_client.poller_source(config.source, config.source_kwargs, partition_id)
             self._listed = {partition_id} if chosen and partition_id is not None else None
+            self._address = kwargs.get("address") if self._follows else None
             client, owned = verl_client.open_client(config.source, config.source_kwargs,
                                                     need_fields=config.filter_groups_metric is not None)
             try:
@@ -122,6 +137,38 @@ class SamplerLifecycle:
             if self.closed:
                 raise BufferClosed("the sampler is closed")
             return self.started
+
+    def follow(self) -> bool:
+        """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
+
+        A no-op (two attribute reads) while that client is the one compared
+        before, or names the controller the poller lists; also without a
+        client (after ``tq.close()``, before the next ``tq.init()``: the poller
+        keeps its controller and its listings stall). On a new controller the
+        poller is switched to it (:meth:`buffer.ReplayBuffer.switch_source`):
+        once this returns no decision is made until the new controller's first
+        complete listing is applied, which drops every key of the old one.
+        True when it moved: the caller's next decision must wait for a listing.
+
+        Raises:
+            BufferClosed, PollerCrashed: from the switch.
+        """
+        started = self.started
+        if started is None or not self._follows:
+            return False
+        info = verl_client.live_controller(started.client)
+        with self._lock:
+            if info is None or info is self._compared:
+                return False
+            self._compared = info
+            changes = verl_client.controller_kwargs(info)
+            if changes["address"] == self._address:
+                return False
+            old, self._address = self._address, changes["address"]
+        logger.info("the trainer's TransferQueue client uses the controller at %s: the poller moves there from %s",
+                    changes["address"], old)
+        started.buffer.switch_source(changes)
+        return True
 
     def include(self, partition_id: str) -> bool:
         """Have the poller list ``partition_id`` too, when the sampler chose the partitions it lists.

@@ -85,7 +85,7 @@ def test_a_resync_half_applied_is_not_decided_on() -> None:
     assert steps.sample("train", global_steps=1, timeout=0).keys == ["a"]
     # A resync: the new listing arrives in parts; until its end the view mixes old and new.
     store.mark_broken("own")
-    with pytest.raises(TimeoutError, match="lost messages and a resync is awaited"):
+    with pytest.raises(TimeoutError, match="lost messages: its next full listing is awaited"):
         steps.sample("train", global_steps=1, timeout=0)
     store.begin_snapshot("own")
     store.merge_listed("own", "train", {"b": {"global_steps": 1, "status": "success"}})

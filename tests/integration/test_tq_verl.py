@@ -63,6 +63,26 @@ def test_tq_close_before_the_sampler_is_dropped_neither_hangs_nor_kills(store):
     assert out["poller_alive_after_tq_close"] and out["poller_gone"], out
 
 
+def test_a_reinitialised_transferqueue_is_followed_at_once_and_its_old_keys_are_gone(store):
+    # verl's trainer may tq.close() and tq.init() again (a new controller on a new port); verl's own sampler,
+    # held across it, lists the new store at its next call. So must buffer.verl, and show nothing of the old one.
+    held = run(store, "hold_across_reinit")
+    assert held["old_keys"] >= 3, held
+    store.call("close_tq")
+    store.call("ensure_open")  # tq.init() again: a new controller
+    out = run(store, "sample_after_reinit")
+    assert out["outcome"] == "returned", out
+    assert out["waited_s"] < 30, out
+    assert out["batch"] == out["expected"] and len(out["batch"]) == 2, out  # verl 0.9.1's own batch
+    assert {key.split("_")[0] for key in out["batch"]} == {out["fresh"]}, out
+    assert out["old_keys_in_batch"] == [], out
+    # The buffer holds what the new store holds (the trajectories; the prompt it handed out is cleared).
+    assert out["keys_held"] == out["keys_in_new_store"] == 2, out
+    # A deliberate switch to the new controller: the old poller stopped, no crash restart counted.
+    assert out["new_poller"] and out["old_poller_gone"], out
+    assert out["restarts"] == 0 and out["switches"] == 1, out
+
+
 _TRAINER = textwrap.dedent("""
     import json, sys, time
     from buffer.verl import ReplayBuffer

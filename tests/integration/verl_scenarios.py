@@ -288,6 +288,56 @@ def drop_sampler(conf: Any) -> dict[str, Any]:
             "poller_gone": not is_running(pid)}
 
 
+def hold_across_reinit(conf: Any) -> dict[str, Any]:
+    """Before the trainer re-initialises TransferQueue: buffer.verl and verl 0.9.1's own sampler, each handed a
+    batch of the first controller and held (see sample_after_reinit); a group is left in that store."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer as VerlReplayBuffer
+
+    for _ in range(3):
+        group("train", "finished", step=0)
+    rb = custom_path("sync", sample_timeout=30.0)
+    oracle = VerlReplayBuffer("sync", {}, None, "drop", {}, poll_interval=POLL)
+    sampled = [uids_of(sampler.sample(global_steps=0, partition_id="train", batch_size=1)[0].keys)
+               for sampler in (rb, oracle)]
+    old_keys = set(listed("train"))
+    _held.update(rb=rb, oracle=oracle, old_keys=old_keys)
+    return {"sampled": [sorted(uids) for uids in sampled], "old_keys": len(old_keys),
+            "poller_pid": rb.stats()["poller_pid"]}
+
+
+def sample_after_reinit(conf: Any) -> dict[str, Any]:
+    """After tq.close() and tq.init() (a new controller on a new port): the held samplers on the new store.
+
+    buffer.verl's sample() must hand out the new controller's group and show no key of the old one;
+    verl's own sampler, given the same store back (the prompt key its rival cleared is put back as it
+    was), is the oracle of what that batch is.
+    """
+    import transfer_queue as tq
+
+    rb, oracle, old_keys = _held.pop("rb"), _held.pop("oracle"), _held.pop("old_keys")
+    old_pid = rb.stats()["poller_pid"]
+    fresh = group("train", "finished", step=1, sessions=2)
+    prompt_tags = listed("train")[fresh]
+    started = time.monotonic()
+    try:
+        batch, _ = rb.sample(global_steps=1, partition_id="train", batch_size=1)
+        outcome, got = "returned", dict(zip(batch.keys, batch.tags))
+    except TimeoutError as exc:
+        outcome, got = f"TimeoutError: {exc}", {}
+    waited = time.monotonic() - started
+    held_keys, new_keys = rb.stats()["keys"], set(listed("train"))
+    stats = rb.stats()
+    tq.kv_put(key=fresh, partition_id="train", tag=prompt_tags)  # the store as buffer.verl found it
+    expected_batch, _ = oracle.sample(global_steps=1, partition_id="train", batch_size=1)
+    expected = dict(zip(expected_batch.keys, expected_batch.tags))
+    new_pid = stats["poller_pid"]
+    return {"outcome": outcome, "waited_s": waited, "batch": got, "expected": expected,
+            "old_keys_in_batch": sorted(old_keys & set(got)), "keys_held": held_keys,
+            "keys_in_new_store": len(new_keys), "fresh": fresh, "restarts": stats["restarts"],
+            "switches": stats.get("source_switches"), "old_poller_gone": not is_running(old_pid),
+            "new_poller": new_pid != old_pid, "poller_pid": _closed(rb)}
+
+
 def built_by_verl(conf: Any) -> dict[str, Any]:
     """The sampler as verl 0.9.1 builds a custom one: its own loader and its own _build_replay_buffer."""
     from types import SimpleNamespace
