@@ -292,7 +292,7 @@ class Ledger:
             versions = [version] if version is not None else []
             versions.extend(listed[key] for parts in self._listed.values()
                             if (listed := parts.get(partition)) is not None and key in listed)
-            old = tombs.get(key) if tombs is not None else self._tomb_pending.get((partition, key))
+            old = (tombs.get(key) if tombs is not None else None) or self._tomb_pending.get((partition, key))
             if old is not None:  # removed again: what was removed before stays removed
                 versions.extend(old.versions)
                 self._in_doubt.discard((partition, key))  # a new horizon: the next poll settles it anew
