@@ -27,8 +27,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, Iterator
 
-from .sqlite_io import Tags
-from .sqlite_io import loads as load_tags
+from .sqlite_io import StoredListing, fetch_all, fetch_batches, read_tags
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "ensure_change_log", "read_changes", "read_snapshot"]
 
@@ -119,11 +118,11 @@ def _complete(conn: sqlite3.Connection) -> bool:
     return bool(found == len(_NAMES))
 
 
-def read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, dict[str, dict[str, Tags]]]:
+def read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, StoredListing]:
     """Every row and the cursor that follows them, from one read transaction."""
     pieces = snapshot_pieces(conn, 65536)
     cursor = next(pieces)
-    listing: dict[str, dict[str, Tags]] = {}
+    listing: StoredListing = {}
     for piece in pieces:
         for partition, items in piece.items():
             listing.setdefault(partition, {}).update(items)
@@ -140,16 +139,15 @@ def snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
     with _read(conn):
         store_id, version, _ = _clock(conn)
         yield store_id, version
-        rows = conn.execute("SELECT partition_id, key, tags FROM kv")
-        while batch := rows.fetchmany(size):
-            listing: dict[str, dict[str, Tags]] = {}
+        for batch in fetch_batches(conn, "SELECT partition_id, key, tags FROM kv ORDER BY partition_id, key", size):
+            listing: StoredListing = {}
             for partition, key, text in batch:
-                listing.setdefault(partition, {})[key] = load_tags(partition, key, text)
+                listing.setdefault(partition, {})[key] = read_tags(text)
             yield listing
 
 
 def read_changes(conn: sqlite3.Connection, cursor: Any) -> (
-        tuple[Cursor, dict[str, dict[str, Tags]], dict[str, list[str]]] | None):
+        tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None):
     """Rows written and keys deleted after ``cursor``, from one read transaction.
 
     Returns ``None`` when the cursor cannot be served: from another file
@@ -167,12 +165,12 @@ def read_changes(conn: sqlite3.Connection, cursor: Any) -> (
         since = cursor[1]
         if cursor[0] != store_id or since > version or since < pruned:
             return None
-        rows = conn.execute("SELECT partition_id, key, tags FROM kv WHERE version > ?", (since,)).fetchall()
-        gone = conn.execute("SELECT partition_id, key FROM kv_deleted WHERE version > ?", (since,)).fetchall()
-    upserts: dict[str, dict[str, Tags]] = {}
+        rows = fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE version > ?", (since,))
+        gone = fetch_all(conn, "SELECT partition_id, key FROM kv_deleted WHERE version > ?", (since,))
+    upserts: StoredListing = {}
     for partition, key, text in rows:
-        upserts.setdefault(partition, {})[key] = load_tags(partition, key, text)
-    deletes: dict[str, list[str]] = {}
+        upserts.setdefault(partition, {})[key] = read_tags(text)
+    deletes: dict[Any, list[Any]] = {}
     for partition, key in gone:
         deletes.setdefault(partition, []).append(key)
     return (store_id, version), upserts, deletes
