@@ -242,7 +242,7 @@ class SqliteSource:
 
         Rows another tool wrote are listed as by :meth:`kv_list`.
         """
-        with self._connection() as conn:
+        with self._change_log() as conn:
             return read_snapshot(conn)
 
     def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[StoredListing]]:
@@ -258,22 +258,23 @@ class SqliteSource:
         return _started(self._snapshot_pieces(size))
 
     def _snapshot_pieces(self, size: int) -> Generator[Any, None, None]:
-        with self._connection() as conn:
+        with self._change_log() as conn:
             yield from snapshot_pieces(conn, size)
 
     def kv_changes(self, cursor: Any) -> tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
 
         ``None`` means the cursor is from another file (the store was
-        deleted or replaced) or older than the pruned deletion log: take
-        :meth:`kv_snapshot` instead. See :mod:`poller.sources.sqlite_changes`.
+        deleted or replaced) or another history of this one (restored from
+        a backup), or older than the pruned logs: take :meth:`kv_snapshot`
+        instead. See :mod:`poller.sources.sqlite_changes`.
         Rows another tool wrote are listed as by :meth:`kv_list` (a deleted
         key too: ``bytes`` where it was not UTF-8 text).
 
         Raises:
             TypeError: ``cursor`` did not come from this store.
         """
-        with self._connection() as conn:
+        with self._change_log() as conn:
             return read_changes(conn, cursor)
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
@@ -372,6 +373,19 @@ class SqliteSource:
                 self._conn_pid = pid
                 self._conn_file = self._file_id()
             yield self._conn
+
+    @contextmanager
+    def _change_log(self) -> Iterator[sqlite3.Connection]:
+        """:meth:`_connection`, its file's change log checked first.
+
+        A file restored in place from a backup made before this version's
+        log (or edited by hand) is the same file to :meth:`_check_file`, so
+        each read of the change feed checks the log (one read of the schema,
+        ~15 us) and migrates it again where needed.
+        """
+        with self._connection() as conn:
+            ensure_change_log(conn)
+            yield conn
 
     def _file_id(self) -> tuple[int, int] | None:
         if self._path == ":memory:" or self._path.startswith("file:"):
