@@ -70,10 +70,11 @@ def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[lis
     tool wrote it) fails the fetch with an OperationalError: one row would
     fail every row after it. A Python ``text_factory`` that keeps such a
     value as bytes costs ~0.3 us a value (a snapshot of 1M keys ~0.3 s more),
-    so the rows are read in C until one fails, then read again with it,
-    skipping those already given. ``sql`` must order its rows (``ORDER BY``
-    the primary key costs nothing), so that the second read gives them in
-    the same order; call it inside a read transaction.
+    so the rows are read in C until one fails, then read again with that
+    factory, skipping those already given. ``sql`` must order its rows
+    (``ORDER BY`` the primary key costs nothing), and the call must run in
+    one read transaction, so that the second read gives the same rows in the
+    same order.
     """
     rows = conn.execute(sql)
     given = 0
@@ -98,7 +99,7 @@ def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[lis
 
 
 def _undecodable(exc: sqlite3.OperationalError) -> bool:
-    """Whether sqlite3 raised ``exc`` because a TEXT value is not UTF-8 (its wording since Python 2)."""
+    """Whether sqlite3 raised ``exc`` because a TEXT value is not UTF-8 (the wording CPython's own tests pin)."""
     return str(exc).startswith("Could not decode to UTF-8")
 
 
