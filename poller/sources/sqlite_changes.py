@@ -21,8 +21,9 @@ last version the read saw with its stamp. A cursor is served only if the
 file still logs that version with that stamp. Version numbers alone cannot
 tell two histories apart: a backup carries the store id, and once restored
 (in place or as a new file) its writers hand out the very numbers the
-poller saw again, for other writes. Their stamps differ, so a rolled-back
-file is answered with ``None`` at the next change read, and a full listing.
+poller saw again, for other writes. Their stamps differ (31 random bits: a
+match is a chance of one in ~2e9), so a rolled-back file is answered with
+``None`` at the next change read, and a full listing.
 
 The logs keep the last ``keep`` versions (``kv_clock.keep``, default
 :data:`DEFAULT_KEEP_VERSIONS`); older ones are pruned (the deletion log's
