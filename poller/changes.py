@@ -50,11 +50,18 @@ def diff_changes(sent: Listing, upserts: Any, deletes: Any, copy: bool = True) -
 
     Upserts whose tags equal what was sent are dropped, as are deletes of
     keys that were never sent (or are upserted in the same change set).
-    Only what goes into the diff is copied.
+    Only what goes into the diff is copied. One bad record is the record's
+    problem, never the change set's: an upsert the stream cannot carry is
+    refused (``diff.refused``, :func:`~poller.listing.diff_raw_listing`),
+    and a delete of a key or in a partition that is not a ``str`` (a BLOB
+    key of the SQLite store, say) names nothing ever sent, so it is skipped
+    here; the poller's :class:`~poller.quarantine.Quarantine` lets the
+    record go if it held it, and counts it otherwise.
 
     Raises:
-        TypeError: the change set is not ``{str: {str: mapping}}`` /
-            ``{str: [str, ...]}``, naming the first offending entry.
+        TypeError: the change set is not ``{partition: {key: tags}}`` /
+            ``{partition: [key, ...]}`` (the source's answer, not one
+            record, is wrong), naming the first offending entry.
     """
     diff = diff_raw_listing(sent, upserts, full=False, complete=False, copy=copy)
     if deletes is None:
@@ -62,18 +69,13 @@ def diff_changes(sent: Listing, upserts: Any, deletes: Any, copy: bool = True) -
     if not isinstance(deletes, Mapping):
         raise TypeError(f"kv_changes() deletes are {type(deletes).__name__}, expected a mapping of partitions")
     for partition, keys in deletes.items():
-        if not isinstance(partition, str):
-            raise TypeError(f"kv_changes() deletes: partition id {partition!r} is not a str")
         if isinstance(keys, (str, bytes, Mapping)) or not hasattr(keys, "__iter__"):
             raise TypeError(f"kv_changes() deletes[{partition!r}] is {type(keys).__name__}, expected a list of keys")
-        held = sent.get(partition)
+        held = sent.get(partition) if isinstance(partition, str) else None
+        if not held:
+            continue
         upserted = diff.upserts.get(partition, {})
-        gone: list[str] = []
-        for key in keys:
-            if not isinstance(key, str):
-                raise TypeError(f"kv_changes() deletes[{partition!r}] key {key!r} is not a str")
-            if held is not None and key in held and key not in upserted:
-                gone.append(key)
+        gone = [key for key in keys if isinstance(key, str) and key in held and key not in upserted]
         if gone:
             diff.deletes.setdefault(partition, []).extend(gone)
     return diff

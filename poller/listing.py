@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
 from .deltas import fresh_strs, pack_many_tags, pack_tags
 from .quarantine import Refused
-from .sources import PackedItems
+from .sources import PackedItems, UnreadableValue
 from .vocabulary import Listing, Tags
 
 __all__ = ["Listing", "ListingDiff", "RawSnapshot", "diff_raw_listing", "commit_listing"]
@@ -47,8 +47,9 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True,
     caller that keeps none of them (a change feed's poller keeps bytes).
 
     A key that is not a ``str``, in a partition whose id is not a ``str``
-    or whose entry is not a mapping, or whose tags are not a mapping is
-    *refused* (``diff.refused``), not an error: one bad record must not
+    or whose entry is not a mapping, or whose tags are not a mapping (an
+    :class:`~poller.sources.UnreadableValue` where the source could not
+    read them) is *refused* (``diff.refused``), not an error: one bad record must not
     fail the listing (:mod:`poller.quarantine`).
     A refused key that ``sent`` holds is deleted unless ``full``.
 
@@ -136,7 +137,9 @@ def _diff_items(previous: Mapping[str, Any], partition: str, keys: list[Any], va
         if tags is None:
             tags = {}
         if type(tags) is not dict and not isinstance(tags, Mapping):
-            refused.append(Refused(partition, key, f"tags are {type(tags).__name__}, not a mapping"))
+            why = (f"its tags could not be read: {tags.reason}" if isinstance(tags, UnreadableValue)
+                   else f"tags are {type(tags).__name__}, not a mapping")
+            refused.append(Refused(partition, key, why))
             if held is not None:
                 dropped.append(key)
             continue

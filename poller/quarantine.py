@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import chain
-from typing import Any, Iterable, Mapping, NamedTuple
+from itertools import chain, repeat
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from .protocol import Limits, packed_size
 from .sources import UnreadableValue
@@ -236,61 +236,107 @@ class Quarantine:
 
     :meth:`replace` after a complete listing (the refused keys are exactly
     those it refused), :meth:`update` after a change set (refused keys join,
-    keys sent or deleted leave).
+    keys sent or deleted leave). Keys are held as the source named them
+    (a key that is not a ``str`` too, so that its delete finds it) and
+    shown with :func:`display_name`.
     """
 
     def __init__(self, *, warnings_per_minute: int = 20) -> None:
-        self.keys: dict[tuple[str, str], str] = {}
+        self.keys: dict[tuple[Any, Any], str] = {}
         self._budget = warnings_per_minute
         self._window: tuple[float, int] = (time.monotonic(), 0)
         self.changes = 0  # bumped whenever the set changes, so the poller reports at once
+        self.ignored_deletes = 0  # deletes of names no stream carries, never quarantined (see update)
 
     def replace(self, refused: Iterable[Refused]) -> None:
-        now = {(display_name(r.partition), display_name(r.key)): r.reason for r in refused}
+        now = {(r.partition, r.key): r.reason for r in refused}
         entered = [(pk, reason) for pk, reason in now.items() if self.keys.get(pk) != reason]
         left = [pk for pk in self.keys if pk not in now]
         self.keys = now
         self._report(entered, left)
 
     def update(self, refused: Iterable[Refused], sent: Mapping[str, Iterable[str]],
-               deleted: Mapping[str, Iterable[str]]) -> None:
+               deleted: Mapping[Any, Iterable[Any]]) -> None:
+        """Refused keys join; keys sent or deleted leave.
+
+        ``deleted`` is the change set's deletes as the source gave them. A
+        delete of a key or in a partition that is not a ``str`` can only be of
+        a record this poller never streamed: it lets the record go if it was
+        quarantined, and is otherwise ignored and counted
+        (:attr:`ignored_deletes`), like an upsert of one is refused, never an
+        error of the poll.
+        """
         entered = []
         for r in refused:
-            pk = (display_name(r.partition), display_name(r.key))
+            pk = (r.partition, r.key)
             if self.keys.get(pk) != r.reason:
                 self.keys[pk] = r.reason
                 entered.append((pk, r.reason))
-        left = []
+        left: dict[tuple[Any, Any], None] = {}
+        ignored: list[tuple[Any, Any]] = []
+        for partition, keys in deleted.items():
+            if isinstance(partition, str) and set(map(type, keys)) <= _STR:  # the usual case, in one C-level pass
+                if self.keys:
+                    left.update(dict.fromkeys(pk for pk in zip(repeat(partition), keys) if pk in self.keys))
+                continue
+            for key in keys:
+                pk = (partition, key)
+                try:
+                    held = pk in self.keys
+                except TypeError:  # unhashable: no quarantined name equals it
+                    held = False
+                if held:
+                    left[pk] = None
+                elif not (isinstance(partition, str) and isinstance(key, str)):
+                    ignored.append(pk)
         if self.keys:
-            gone = {(partition, key) for partition, keys in deleted.items() for key in keys}
-            gone.update((partition, key) for partition, items in sent.items() for key in items)
-            left = [pk for pk in self.keys if pk in gone]
-            for pk in left:
-                del self.keys[pk]
-        self._report(entered, left)
+            left.update(dict.fromkeys(pk for partition, items in sent.items()
+                                      for pk in zip(repeat(partition), items) if pk in self.keys))
+        for pk in left:
+            del self.keys[pk]
+        self._report(entered, list(left), ignored)
 
     def names(self, limit: int = MAX_REPORTED) -> list[list[str]]:
         """Up to ``limit`` ``[partition, key, reason]``, each cut to a bounded length."""
-        return [[partition[:_NAME_CHARS], key[:_NAME_CHARS], reason[:_NAME_CHARS]]
+        return [[display_name(partition)[:_NAME_CHARS], display_name(key)[:_NAME_CHARS], reason[:_NAME_CHARS]]
                 for (partition, key), reason in list(self.keys.items())[:limit]]
 
-    def _report(self, entered: list[tuple[tuple[str, str], str]], left: list[tuple[str, str]]) -> None:
+    def _report(self, entered: list[tuple[tuple[Any, Any], str]], left: list[tuple[Any, Any]],
+                ignored: Sequence[tuple[Any, Any]] = ()) -> None:
+        if ignored:
+            self.ignored_deletes += len(ignored)
+            # Not a change of the quarantine: logged (within the budget), not reported in a heartbeat.
+            partition, key = ignored[0]
+            self._log(logging.INFO, "ignored %d delete(s) of keys no stream carries (first: %s/%s; %d in all "
+                      "since the poller started): they were never streamed", len(ignored),
+                      display_name(partition), display_name(key), self.ignored_deletes)
         if not entered and not left:
             return
         self.changes += 1
-        started, spent = self._window
-        now = time.monotonic()
-        if now - started >= 60.0:
-            started, spent = now, 0
-        shown = entered[:max(0, min(5, self._budget - spent))]
+        shown = entered[:max(0, min(5, self._left_in_budget()))]
         for (partition, key), reason in shown:
-            logger.warning("quarantined %s/%s: %s; the key is left out of the stream until its tags are valid "
-                           "(every other key keeps flowing)", partition, key, reason)
+            self._log(logging.WARNING, "quarantined %s/%s: %s; the key is left out of the stream until its tags "
+                      "are valid (every other key keeps flowing)", display_name(partition), display_name(key),
+                      reason)
         if len(entered) > len(shown):
-            logger.log(logging.WARNING if spent + len(shown) < self._budget else logging.DEBUG,
-                       "quarantined %d more key(s) (%d in all; see stats()['quarantined_keys'])",
-                       len(entered) - len(shown), len(self.keys))
-        self._window = (started, spent + len(shown) + (len(entered) > len(shown)))
+            self._log(logging.WARNING, "quarantined %d more key(s) (%d in all; see stats()['quarantined_keys'])",
+                      len(entered) - len(shown), len(self.keys))
         if left:
             logger.info("%d key(s) left the quarantine (valid again or cleared); %d remain", len(left),
                         len(self.keys))
+
+    def _left_in_budget(self) -> int:
+        """Log lines this minute's budget still allows."""
+        started, spent = self._window
+        if time.monotonic() - started >= 60.0:
+            self._window = (time.monotonic(), 0)
+            return self._budget
+        return self._budget - spent
+
+    def _log(self, level: int, message: str, *args: Any) -> None:
+        """Log at ``level`` while this minute's budget lasts, then at DEBUG."""
+        over = self._left_in_budget() <= 0
+        logger.log(logging.DEBUG if over else level, message, *args)
+        if not over:
+            started, spent = self._window
+            self._window = (started, spent + 1)

@@ -39,6 +39,14 @@ def _set_keep(path: Path | str, keep: int) -> None:
         conn.close()
 
 
+def _served(changes: Any) -> Any:
+    """A kv_changes() answer with its cursor's stamp left out (it is random)."""
+    assert changes is not None
+    (store_id, version, stamp), upserts, deletes = changes
+    assert isinstance(stamp, int)
+    return (store_id, version), upserts, deletes
+
+
 def _non_empty(listing: dict[str, Any]) -> dict[str, Any]:
     return {partition: items for partition, items in listing.items() if items}
 
@@ -76,8 +84,9 @@ def test_a_cursor_from_elsewhere_is_refused_or_sent_to_a_full_listing(db: Path, 
         cursor, _ = other.kv_snapshot()
         assert store.kv_changes(cursor) is None  # another file
         own, _ = store.kv_snapshot()
-        assert store.kv_changes((own[0], own[1] + 5)) is None  # ahead of this file
-        for bad in (None, "x", (own[0],), (own[0], True), [own[0], 0]):
+        assert store.kv_changes((own[0], own[1] + 5, own[2])) is None  # ahead of this file
+        assert store.kv_changes((own[0], own[1], own[2] ^ 1)) is None  # another history of this file
+        for bad in (None, "x", (own[0], own[1]), (own[0], True, 0), (own[0], 0, None), [*own]):
             with pytest.raises(TypeError, match="not a change cursor"):
                 store.kv_changes(bad)
 
@@ -94,7 +103,7 @@ def test_a_cursor_older_than_the_pruned_log_gets_none(db: Path) -> None:
         recent, listing = store.kv_snapshot()
         assert listing == {"p": {"keep": {}}}
         store.kv_clear(["keep"], "p")
-        assert store.kv_changes(recent) == ((recent[0], recent[1] + 1), {}, {"p": ["keep"]})
+        assert _served(store.kv_changes(recent)) == ((recent[0], recent[1] + 1), {}, {"p": ["keep"]})
         conn = sqlite3.connect(db)
         try:
             logged = conn.execute("SELECT count(*) FROM kv_deleted").fetchone()[0]
@@ -130,7 +139,7 @@ def test_an_old_schema_file_is_migrated_in_place_by_concurrent_openers(db: Path)
         assert listing == {"p": {"old": {"v": 1}, **{f"new{n}": {"index": n} for n in range(3)}}}
         assert cursor[1] == 3  # the three puts after the migration, one version each
         store.kv_put("old", "p", tag={"v": 2})
-        assert store.kv_changes(cursor) == ((cursor[0], 4), {"p": {"old": {"v": 2}}}, {})
+        assert _served(store.kv_changes(cursor)) == ((cursor[0], 4), {"p": {"old": {"v": 2}}}, {})
 
 
 def test_a_deleted_or_replaced_file_sends_the_feed_to_a_full_listing(db: Path, tmp_path: Path) -> None:
@@ -208,10 +217,12 @@ def test_diff_changes_skips_what_was_sent_and_refuses_garbage() -> None:
     sent: Listing = {"p": {"same": {"v": 1}, "gone": {}}}
     diff = diff_changes(sent, {"p": {"same": {"v": 1}, "new": None}}, {"p": ["gone", "never-sent"], "q": ["x"]})
     assert diff.upserts == {"p": {"new": {}}} and diff.deletes == {"p": ["gone"]}
-    for upserts, deletes, match in [({}, {"p": "k"}, "expected a list"), ({}, {"p": [1]}, "is not a str"),
-                                    ({}, [], "expected a mapping")]:
+    for upserts, deletes, match in [({}, {"p": "k"}, "expected a list"), ({}, [], "expected a mapping")]:
         with pytest.raises(TypeError, match=match):
             diff_changes(sent, upserts, deletes)
+    # A delete of a name no stream carries was never sent: skipped (the poller's quarantine lets it go).
+    diff = diff_changes(sent, {}, {"p": [b"gone", 1, ["x"], "gone"], b"p": ["gone"], 2: [b"k"]})
+    assert diff.upserts == {} and diff.deletes == {"p": ["gone"]}
     # One bad record is refused alone (quarantined by the poller), not the change set.
     for upserts, reason in [({1: {"k": {}}}, "partition id 1 is int"), ({"p": {"k": 3}}, "tags are int")]:
         diff = diff_changes(sent, {**upserts, "p2": {"fine": {}}}, {})
@@ -219,6 +230,94 @@ def test_diff_changes_skips_what_was_sent_and_refuses_garbage() -> None:
                                                    else f"{reason}, not a mapping"]
         assert diff.upserts["p2"] == {"fine": {}}
 
+
+
+# The change log as this package wrote it before versions were logged with stamps: one counter row,
+# bumped by every write (a file from then, or a backup of one).
+_CHANGE_LOG_BEFORE_STAMPS = (
+    _OLD_SCHEMA,
+    "ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0",
+    "CREATE TABLE kv_clock (id INTEGER PRIMARY KEY CHECK (id = 0), store_id TEXT NOT NULL,"
+    " version INTEGER NOT NULL, pruned INTEGER NOT NULL, keep INTEGER NOT NULL)",
+    "INSERT INTO kv_clock VALUES (0, lower(hex(randomblob(8))), 0, 0, 1000000)",
+    "CREATE TABLE kv_deleted (partition_id TEXT NOT NULL, key TEXT NOT NULL, version INTEGER NOT NULL,"
+    " PRIMARY KEY (partition_id, key)) WITHOUT ROWID",
+    "CREATE INDEX kv_deleted_by_version ON kv_deleted (version)",
+    "CREATE INDEX kv_by_version ON kv (version)",
+    "CREATE TRIGGER kv_version_insert AFTER INSERT ON kv BEGIN UPDATE kv_clock SET version = version + 1;"
+    " UPDATE kv SET version = (SELECT version FROM kv_clock) WHERE partition_id = NEW.partition_id"
+    " AND key = NEW.key; DELETE FROM kv_deleted WHERE partition_id = NEW.partition_id AND key = NEW.key; END",
+    "CREATE TRIGGER kv_version_update AFTER UPDATE OF tags ON kv WHEN OLD.tags IS NOT NEW.tags BEGIN"
+    " UPDATE kv_clock SET version = version + 1; UPDATE kv SET version = (SELECT version FROM kv_clock)"
+    " WHERE partition_id = NEW.partition_id AND key = NEW.key; END",
+    "CREATE TRIGGER kv_version_delete AFTER DELETE ON kv BEGIN UPDATE kv_clock SET version = version + 1;"
+    " INSERT OR REPLACE INTO kv_deleted (partition_id, key, version)"
+    " VALUES (OLD.partition_id, OLD.key, (SELECT version FROM kv_clock)); END",
+    "CREATE TRIGGER kv_deleted_prune AFTER INSERT ON kv_deleted WHEN NEW.version - (SELECT keep FROM kv_clock)"
+    " > (SELECT pruned FROM kv_clock) + (SELECT keep FROM kv_clock) / 16 BEGIN"
+    " UPDATE kv_clock SET pruned = NEW.version - keep;"
+    " DELETE FROM kv_deleted WHERE version <= (SELECT pruned FROM kv_clock); END",
+)
+
+
+def _file_before_stamps(path: str) -> None:
+    """A file with the change log before stamps, five versions written: a, b, c put, a changed, b cleared."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            for statement in _CHANGE_LOG_BEFORE_STAMPS:
+                conn.execute(statement)
+            conn.executemany("INSERT INTO kv (partition_id, key, tags) VALUES ('p', ?, '{}')", [("a",), ("b",), ("c",)])
+            conn.execute("UPDATE kv SET tags = '{\"v\": 1}' WHERE key = 'a'")
+            conn.execute("DELETE FROM kv WHERE key = 'b'")
+    finally:
+        conn.close()
+
+
+def _schema(path: str) -> list[tuple[str, str]]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT name, sql FROM sqlite_master ORDER BY name").fetchall()
+    finally:
+        conn.close()
+
+
+def test_a_file_with_the_change_log_before_stamps_is_migrated_once_and_its_versions_go_on(db: Path) -> None:
+    _file_before_stamps(str(db))
+    with SqliteSource(db) as store:
+        cursor, listing = store.kv_snapshot()
+        assert listing == {"p": {"a": {"v": 1}, "c": {}}} and cursor[1] == 5  # on from the old counter
+        store.kv_put("d", "p", tag={})
+        store.kv_clear(["c"], "p")
+        assert _served(store.kv_changes(cursor)) == ((cursor[0], 7), {"p": {"d": {}}}, {"p": ["c"]})
+    migrated = _schema(str(db))
+    with SqliteSource(db) as store:  # a second opener finds nothing to do
+        store.kv_put("e", "p", tag={})
+    assert _schema(str(db)) == migrated
+    # The old counter follows within 4096 versions: a reader of the version before stamps on the
+    # same file re-reads at most that many changes and misses none.
+    with SqliteSource(db) as store:
+        store.kv_batch_put([f"k{i}" for i in range(5000)], "p")
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("SELECT version FROM kv_clock").fetchone()[0] == 4096
+    finally:
+        conn.close()
+
+
+def test_a_backup_from_before_the_stamps_restored_in_place_is_migrated_at_the_next_read(db: Path,
+                                                                                       tmp_path: Path) -> None:
+    backup = str(tmp_path / "backup.db")
+    _file_before_stamps(backup)
+    _copy_file(backup, str(db))
+    with SqliteSource(db) as store:
+        cursor, _ = store.kv_snapshot()
+        store.kv_put("after", "p", tag={})
+        _copy_file(backup, str(db))  # the same inode, the old change log back
+        store_id = cursor[0]
+        assert store.kv_changes(cursor) is None  # another history: a full listing
+        assert store.kv_snapshot() == ((store_id, 5, store.kv_snapshot()[0][2]), {"p": {"a": {"v": 1}, "c": {}}})
+        assert "kv_versions" in dict(_schema(str(db)))["kv_version_insert"]
 
 class _CountingSqliteSource(SqliteSource):
     """A real SQLite store that counts how the poller reads it."""
@@ -350,10 +449,10 @@ def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) 
     finally:
         for counting in stores.values():
             counting.close()
-    with SqliteSource(db) as store:  # the next opener puts the missing trigger back
+    with SqliteSource(db) as store:  # the next read of the feed (or opener) puts the missing trigger back
         cursor, _ = store.kv_snapshot()
         store.kv_put("a", "p", tag={"v": 3})
-        assert store.kv_changes(cursor) == ((cursor[0], cursor[1] + 1), {"p": {"a": {"v": 3}}}, {})
+        assert _served(store.kv_changes(cursor)) == ((cursor[0], cursor[1] + 1), {"p": {"a": {"v": 3}}}, {})
 
 
 def test_a_resync_with_a_change_feed_sends_what_was_sent_plus_the_changes_without_a_listing(db: Path) -> None:
@@ -380,3 +479,45 @@ def test_a_resync_with_a_change_feed_sends_what_was_sent_plus_the_changes_withou
         assert source.calls["kv_snapshot"] == 1 and source.calls["kv_changes"] == 1
     finally:
         source.close()
+
+
+def _copy_file(source: str, target: str) -> None:
+    """``source``'s content into ``target`` with SQLite's backup API (what ``.backup`` / ``.restore`` do)."""
+    src, dst = sqlite3.connect(source), sqlite3.connect(target)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+
+
+@pytest.mark.parametrize("how", ["in-place", "by-rename"])
+def test_a_restored_backup_is_noticed_although_its_counter_moved_past_the_cursor(db: Path, tmp_path: Path,
+                                                                                  how: str) -> None:
+    # A backup carries the store id. Before, once writers moved the restored file's version counter past the
+    # poller's cursor, the cursor was served against the other history: after sync() the buffer missed the
+    # restored file's new keys and still held keys it no longer had, until the 10-minute reconciliation.
+    backup = str(tmp_path / "backup.db")
+    with SqliteSource(db) as store:
+        store.kv_batch_put(["k1", "k2", "k3"], "p", tags=[{"v": 1}] * 3)
+        with ReplayBuffer(SQLITE, source_kwargs={"path": str(db)}, poll_interval=0.02) as rb:
+            rb.sync(timeout=30)
+            _copy_file(str(db), backup)
+            store.kv_batch_put(["x1", "x2", "x3"], "p", tags=[{"v": 1}] * 3)
+            rb.sync(timeout=30)
+            assert sorted(rb.snapshot("p")) == ["k1", "k2", "k3", "x1", "x2", "x3"]
+            # The backup's history goes on elsewhere (as on the restored file, between two polls) past the cursor.
+            with SqliteSource(backup) as restored:
+                restored.kv_batch_put(["n1", "n2", "n3"], "p", tags=[{"v": 2}] * 3)
+                restored.kv_put("k1", "p", tag={"v": 2})
+            if how == "in-place":
+                _copy_file(backup, str(db))  # the same inode: what sqlite3's .restore does
+            else:  # rm kv.db*; mv backup.db kv.db
+                delete(str(db))
+                os.rename(backup, db)
+            rb.sync(timeout=30)
+            assert rb.snapshot("p") == store.kv_list("p")["p"] == {
+                "k1": {"v": 2}, "k2": {"v": 1}, "k3": {"v": 1}, "n1": {"v": 2}, "n2": {"v": 2}, "n3": {"v": 2}}
+            store.kv_put("later", "p", tag={})
+            rb.sync(timeout=30)
+            assert "later" in rb.snapshot("p") and rb.stats()["restarts"] == 0

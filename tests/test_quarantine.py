@@ -10,12 +10,14 @@ quarantined: named, counted, left out, and every other key flows.
 from __future__ import annotations
 
 import logging
+import sqlite3
 
 import pytest
 
 from buffer import ReplayBuffer
 from buffer.verl import ReplayBuffer as VerlSampler
 from poller.faults.shapes import nested
+from poller.quarantine import Quarantine, Refused
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
 
@@ -85,3 +87,118 @@ def test_a_verl_wait_names_the_quarantined_keys_of_its_partition(db: str, store:
             sampler.sample(global_steps=0, partition_id="train", batch_size=1)
     finally:
         sampler.close()
+
+
+# -- rows another tool wrote that this store cannot read -------------------------------------------------------
+
+def _write(db: str, sql: str, *params: object) -> None:
+    """A second writer, plain sqlite3: what another tool sharing the file does."""
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            conn.execute(sql, params)
+    finally:
+        conn.close()
+
+
+_NOT_UTF8_KEY = "CAST(X'6b6579ff' AS TEXT)"  # b"key\xff": TEXT that is not UTF-8
+
+# what: (the key as SQL, its tags as SQL, the key as the quarantine names it, a part of the reason)
+UNREADABLE_ROWS = {
+    "tags-not-json": ("'bad'", "'not json'", "bad", "are not JSON"),
+    "tags-not-an-object": ("'bad'", "'[1, 2]'", "bad", "are list, not an object"),
+    "tags-not-utf8": ("'bad'", "CAST(X'7b22ff227d' AS TEXT)", "bad", "are not UTF-8 text"),
+    "key-not-utf8": (_NOT_UTF8_KEY, "'{}'", "b'key\\xff' (bytes)", "key is bytes, not str"),
+}
+
+
+# How the poller reads the row: in its first snapshot, in a change read, or listed by a source with kv_list()
+# alone (a fault wrapper that never fires).
+READS = {
+    "snapshot": (SQLITE, {}),
+    "change-read": (SQLITE, {}),
+    "kv_list": ("poller.faults:slow", {"inner": SQLITE, "seconds": 0.0}),
+}
+
+
+@pytest.mark.parametrize("read", sorted(READS))
+@pytest.mark.parametrize("what", sorted(UNREADABLE_ROWS))
+def test_a_row_the_store_cannot_read_is_quarantined_and_every_partition_flows(db: str, store: SqliteSource,
+                                                                              what: str, read: str) -> None:
+    # Before: the source raised (ValueError from the JSON, or sqlite3.OperationalError fetching TEXT that is
+    # not UTF-8), every poll failed, and after 3 restarts sample("train") raised PollerCrashed (~7.9 s).
+    key_sql, tags_sql, named, reason = UNREADABLE_ROWS[what]
+    insert = f"INSERT INTO kv (partition_id, key, tags) VALUES ('other', {key_sql}, {tags_sql})"
+    store.kv_batch_put(["a", "b"], "train", tags=[{"global_steps": 1, "status": "success"}] * 2)
+    store.kv_put("fine", "other", tag={"v": 1})
+    if read == "snapshot":
+        _write(db, insert)
+    spec, kwargs = READS[read]
+    kwargs = {**kwargs, "inner_kwargs": {"path": db}} if kwargs else {"path": db}
+    # listing_share=1.0: a kv_list() source is listed at every poll, not held to verl's cycle (poller.duty).
+    with ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=0.05, listing_share=1.0) as rb:
+        if read != "snapshot":
+            rb.sync(timeout=30)
+            _write(db, insert)
+        store.kv_put("c", "train", tag={"global_steps": 1, "status": "success"})
+        rb.sync(timeout=30)
+        assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+        (partition, key, why), = rb.stats()["quarantined_keys"]
+        assert (partition, key) == ("other", named) and reason in why, why
+        assert rb.sample("train", global_steps=1, timeout=10).keys == ["a", "b", "c"]
+        assert rb.snapshot("other") == {"fine": {"v": 1}}
+        if named == "bad":  # fixed by its tool (valid JSON now): it flows
+            _write(db, "UPDATE kv SET tags = '{\"v\": 2}' WHERE partition_id = 'other' AND key = 'bad'")
+            rb.sync(timeout=30)
+            assert wait_until(lambda: rb.stats()["quarantined"] == 0)
+            assert rb.snapshot("other") == {"fine": {"v": 1}, "bad": {"v": 2}}
+            _write(db, f"UPDATE kv SET tags = {tags_sql} WHERE partition_id = 'other' AND key = 'bad'")
+            rb.sync(timeout=30)
+            assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+            assert rb.snapshot("other") == {"fine": {"v": 1}}  # unreadable again: it leaves the buffer
+        _write(db, f"DELETE FROM kv WHERE partition_id = 'other' AND key = {key_sql}")
+        rb.sync(timeout=30)
+        assert wait_until(lambda: rb.stats()["quarantined"] == 0)  # deleted: it leaves the quarantine
+        store.kv_put("d", "train", tag={"global_steps": 1, "status": "success"})
+        rb.sync(timeout=30)
+        assert rb.sample("train", global_steps=1, timeout=10).keys == ["a", "b", "c", "d"]
+        stats = rb.stats()
+        assert stats["restarts"] == 0 and stats["source_errors"] == 0 and stats["poller_alive"]
+
+
+def test_deleting_a_blob_key_neither_fails_a_poll_nor_restarts_the_poller(db: str, store: SqliteSource) -> None:
+    # A TEXT column keeps a BLOB as bytes. Before: each delete of such a key raised TypeError in the poller
+    # (a source error and a restart; keys written right after came ~2 s late) and the fourth PollerCrashed.
+    store.kv_put("a", "train", tag={"global_steps": 1, "status": "success"})
+    with ReplayBuffer(SQLITE, source_kwargs={"path": db}, poll_interval=0.05) as rb:
+        rb.sync(timeout=30)
+        for round_ in range(4):
+            blob = f"blob{round_}".encode()
+            _write(db, "INSERT INTO kv (partition_id, key, tags) VALUES ('train', ?, '{}')", blob)
+            rb.sync(timeout=30)
+            assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+            assert rb.stats()["quarantined_keys"] == [("train", f"{blob!r} (bytes)", "key is bytes, not str")]
+            _write(db, "DELETE FROM kv WHERE partition_id = 'train' AND key = ?", blob)
+            # Put and deleted between two polls: only its delete is read, and it was never quarantined.
+            _write(db, "INSERT INTO kv (partition_id, key, tags) VALUES ('train', ?, '{}')", b"brief")
+            _write(db, "DELETE FROM kv WHERE key = ?", b"brief")
+            store.kv_put(f"after{round_}", "train", tag={"global_steps": 1, "status": "success"})
+            rb.sync(timeout=30)
+            assert f"after{round_}" in rb.snapshot("train")
+            assert wait_until(lambda: rb.stats()["quarantined"] == 0)
+        stats = rb.stats()
+        assert stats["restarts"] == 0 and stats["source_errors"] == 0 and stats["poller_alive"]
+        assert sorted(rb.snapshot("train")) == ["a", "after0", "after1", "after2", "after3"]
+
+
+def test_a_delete_of_a_name_no_stream_carries_releases_it_or_is_counted(caplog) -> None:
+    quarantine = Quarantine()
+    quarantine.replace([Refused("p", b"blob", "key is bytes, not str"), Refused("p", "bad", "its tags ...")])
+    assert quarantine.names() == [["p", "b'blob' (bytes)", "key is bytes, not str"], ["p", "bad", "its tags ..."]]
+    with caplog.at_level(logging.INFO, logger="poller.quarantine"):
+        quarantine.update([], {}, {"p": [b"blob", b"never", ["unhashable"]], b"q": ["k"], "r": ["fine"]})
+    assert list(quarantine.keys) == [("p", "bad")] and quarantine.ignored_deletes == 3
+    assert any("ignored 3 delete(s)" in r.getMessage() and "b'never' (bytes)" in r.getMessage()
+               for r in caplog.records)
+    quarantine.update([], {}, {"p": ["bad"]})
+    assert quarantine.keys == {} and quarantine.ignored_deletes == 3

@@ -72,8 +72,31 @@ def test_a_snapshot_given_up_half_way_lets_the_store_go(db: Path) -> None:
         assert done.is_set()
 
 
-class _BadRowAfter(SqliteSource):
-    """A real store with one row that is not JSON, read after the first pieces of a snapshot."""
+class _FailsAfter:
+    """A snapshot's pieces that fail after ``count`` were taken (as a disk error would), the store's read still open.
+
+    Closing it closes the store's iterator: only the poller's close lets the store go.
+    """
+
+    def __init__(self, pieces: Any, count: int) -> None:
+        self._pieces = pieces
+        self._left = count
+
+    def __iter__(self) -> "_FailsAfter":
+        return self
+
+    def __next__(self) -> Any:
+        if not self._left:
+            raise sqlite3.OperationalError("disk I/O error (injected)")
+        self._left -= 1
+        return next(self._pieces)
+
+    def close(self) -> None:
+        self._pieces.close()
+
+
+class _FailsHalfWay(SqliteSource):
+    """A real store whose snapshot read fails after the first pieces were taken."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
@@ -81,16 +104,13 @@ class _BadRowAfter(SqliteSource):
 
     def kv_snapshot_pieces(self, size: int = 4096) -> Any:
         self.snapshots += 1
-        return super().kv_snapshot_pieces(16)
+        cursor, pieces = super().kv_snapshot_pieces(16)
+        return cursor, _FailsAfter(pieces, 3)
 
 
 def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_hang(db: Path) -> None:
-    store = _BadRowAfter(str(db))
+    store = _FailsHalfWay(str(db))
     _fill(store, 200)
-    with sqlite3.connect(db) as conn:
-        # Sorted after partitions a and b: read once their pieces were sent.
-        conn.execute("INSERT INTO kv (partition_id, key, tags) VALUES ('z', 'broken', 'not json')")
-    conn.close()
     emitted: list[Kind] = []
 
     def emit(kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
@@ -106,8 +126,8 @@ def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_han
         thread.stop()
         thread.join(JOIN_TIMEOUT)
         store.close()
-    # Each attempt sent the pieces before the bad row, then failed; the store was free for the next one.
-    assert store.snapshots == 3 and isinstance(thread.failed, ValueError) and "not JSON" in str(thread.failed)
+    # Each attempt sent the pieces before the failure, then failed; the store was free for the next one.
+    assert store.snapshots == 3 and isinstance(thread.failed, sqlite3.OperationalError)
     assert emitted.count(Kind.ERROR) == 3 and Kind.DELTA in emitted
 
 

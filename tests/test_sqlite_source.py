@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from poller.sources import load_source
+from poller.sources import UnreadableValue, load_source
 from poller.sources.sqlite import SqliteSource
 
 JOIN_TIMEOUT = 30.0
@@ -190,6 +190,63 @@ def test_bad_input_raises_and_writes_nothing(store: SqliteSource, call: Any, err
     with pytest.raises(error, match=match):
         call(store)
     assert store.kv_list() == before
+
+
+# Rows another tool wrote: (partition id, key, tags) as SQL, and what every read lists for them.
+_FOREIGN_ROWS = [
+    ("'a'", "'k25x'", "'not json'", "a", "k25x",
+     UnreadableValue("stored tags are not JSON: Expecting value: line 1 column 1 (char 0)")),
+    ("'a'", "CAST(X'6b32ff' AS TEXT)", "'{}'", "a", b"k2\xff", {}),  # TEXT that is not UTF-8, sorted among a's keys
+    ("'a'", "X'6b33'", "'{\"blob\": 1}'", "a", b"k3", {"blob": 1}),  # a BLOB key
+    ("'b'", "'json-blob'", "CAST('{\"v\": 1}' AS BLOB)", "b", "json-blob", {"v": 1}),  # JSON in a BLOB: read
+    ("'b'", "'list'", "'[1]'", "b", "list", UnreadableValue("stored tags are list, not an object")),
+    ("'b'", "'bad-utf8'", "CAST(X'7bff7d' AS TEXT)", "b", "bad-utf8",
+     UnreadableValue("stored tags are not UTF-8 text ('utf-8' codec can't decode byte 0xff in position 1: "
+                     "invalid start byte)")),
+    ("CAST(X'70ff' AS TEXT)", "'k'", "'{}'", b"p\xff", "k", {}),
+]
+
+
+def test_rows_another_tool_wrote_are_listed_by_every_read_instead_of_failing_it(store: SqliteSource,
+                                                                                db: Path) -> None:
+    # Before: kv_list() and the change feed raised ValueError (tags) or sqlite3.OperationalError (TEXT
+    # that is not UTF-8, at fetch), so one such row failed every listing of every partition.
+    store.kv_batch_put([f"k{i}" for i in range(50)], "a", tags=[{"i": i} for i in range(50)])
+    cursor, _ = store.kv_snapshot()
+    with sqlite3.connect(db) as conn:
+        for partition, key, tags, *_ in _FOREIGN_ROWS:
+            conn.execute(f"INSERT INTO kv (partition_id, key, tags) VALUES ({partition}, {key}, {tags})")
+    conn.close()
+    foreign: dict[Any, dict[Any, Any]] = {}
+    for *_, partition, key, tags in _FOREIGN_ROWS:
+        foreign.setdefault(partition, {})[key] = tags
+    expected = {**foreign, "a": {**{f"k{i}": {"i": i} for i in range(50)}, **foreign["a"]}}
+    assert store.kv_list() == expected
+    assert store.kv_list("b") == {"b": foreign["b"]}
+    assert store.kv_snapshot()[1] == expected
+    _, pieces = store.kv_snapshot_pieces(7)  # the first row that is not UTF-8 comes in the middle of a piece
+    merged: dict[Any, dict[Any, Any]] = {}
+    rows = 0
+    for piece in pieces:
+        rows += sum(map(len, piece.values()))
+        for partition, items in piece.items():
+            merged.setdefault(partition, {}).update(items)
+    assert merged == expected and rows == 50 + len(_FOREIGN_ROWS)
+    changes = store.kv_changes(cursor)
+    assert changes is not None and changes[1] == foreign and changes[2] == {}
+    with sqlite3.connect(db) as conn:
+        for partition, key, _, listed_as, *_ in _FOREIGN_ROWS:
+            if listed_as != "b":
+                conn.execute(f"DELETE FROM kv WHERE partition_id = {partition} AND key = {key}")
+    conn.close()
+    changes = store.kv_changes(changes[0])
+    assert changes is not None and changes[1] == {}
+    assert {p: sorted(map(repr, keys)) for p, keys in changes[2].items()} == {
+        "a": ["'k25x'", "b'k2\\xff'", "b'k3'"], b"p\xff": ["'k'"]}
+    # A write cannot merge into tags it cannot read: it says so and writes nothing.
+    with pytest.raises(ValueError, match="stored tags of 'b'/'list' are list, not an object"):
+        store.kv_batch_put(["fine", "list"], "b", tags=[{}, {}])
+    assert "fine" not in store.kv_list("b")["b"]
 
 
 def test_reopen_after_close(db: Path) -> None:

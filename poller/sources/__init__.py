@@ -134,7 +134,11 @@ class ChangeFeed(Protocol):
         removed since then and not stored now (a key deleted and put again
         is an upsert). The returned cursor follows exactly these changes.
         ``None``: the cursor can no longer be served (too old, or from a store
-        that was replaced); the caller takes :meth:`kv_snapshot`.
+        that was replaced or rolled back to a backup: a cursor must tell the
+        history it was taken on from another that reached the same count);
+        the caller takes :meth:`kv_snapshot`. A key or partition id that is
+        not a ``str`` is the record's problem, not the answer's: an upsert
+        of one is quarantined, a delete of one lets it out of the quarantine.
         """
         ...
 

@@ -30,14 +30,14 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from ..vocabulary import Tags
 from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot, snapshot_pieces
+from .sqlite_io import StoredListing, open_connection
 from .sqlite_io import check_keys as _check_keys
 from .sqlite_io import check_str as _check_str
 from .sqlite_io import dumps as _dumps
+from .sqlite_io import fetch_all as _fetch_all
 from .sqlite_io import field_rows as _field_rows
-from .sqlite_io import loads as _loads
-from .sqlite_io import open_connection
+from .sqlite_io import read_tags as _read_tags
 from .sqlite_io import select_json as _select_json
 from .sqlite_io import tag_rows as _tag_rows
 
@@ -175,8 +175,10 @@ class SqliteSource:
 
         Raises:
             TypeError: a key, the partition id or a tag has the wrong type.
-            ValueError: ``len(tags) != len(keys)``, or a tag value JSON
-                cannot carry.
+            ValueError: ``len(tags) != len(keys)``, a tag value JSON
+                cannot carry, or a key's stored tags or fields cannot be read
+                (another tool wrote them, :meth:`kv_list`): there is nothing
+                to merge into, and nothing is written.
             sqlite3.OperationalError: the write lock was not had in time.
         """
         _check_str("partition_id", partition_id)
@@ -198,46 +200,52 @@ class SqliteSource:
                 conn.executemany(_FIELDS_UPSERT, [(partition_id, key, _dumps(stored[key]))
                                                   for key in dict.fromkeys(key_list)])
 
-    def kv_list(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]]:
+    def kv_list(self, partition_id: str | None = None) -> StoredListing:
         """Everything stored, as ``{partition_id: {key: tags}}``.
 
         One ``SELECT``, so the result is a consistent snapshot even while
         other processes write. Partitions without keys do not appear.
 
+        Every row is listed, also one another tool wrote that this class
+        would not: tags that are no JSON object (not JSON, JSON of another
+        type, TEXT that is not UTF-8) are an
+        :class:`~poller.sources.UnreadableValue` naming why, in place of the
+        tags dict; a key or partition id that is a BLOB or TEXT that is not
+        UTF-8 is ``bytes``. Such a row never fails the listing (a poller
+        quarantines it alone); check for it where a row may come from
+        elsewhere.
+
         Args:
             partition_id: list only this partition (``{}`` if it is empty).
 
         Returns:
-            Fresh dicts, safe for the caller to change.
+            Fresh dicts, safe for the caller to change (:data:`~poller.sources.sqlite_io.StoredListing`).
 
         Raises:
             TypeError: ``partition_id`` is neither None nor a str.
-            ValueError: a stored row is not a JSON object (written by
-                something other than this class).
         """
         if partition_id is not None:
             _check_str("partition_id", partition_id)
         with self._connection() as conn:
             if partition_id is None:
-                rows = conn.execute("SELECT partition_id, key, tags FROM kv").fetchall()
+                rows = _fetch_all(conn, "SELECT partition_id, key, tags FROM kv")
             else:
-                rows = conn.execute("SELECT partition_id, key, tags FROM kv WHERE partition_id = ?",
-                                    (partition_id,)).fetchall()
-        listing: dict[str, dict[str, Tags]] = {}
+                rows = _fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE partition_id = ?",
+                                  (partition_id,))
+        listing: StoredListing = {}
         for partition, key, text in rows:
-            listing.setdefault(partition, {})[key] = _loads(partition, key, text)
+            listing.setdefault(partition, {})[key] = _read_tags(text)
         return listing
 
-    def kv_snapshot(self) -> tuple[Cursor, dict[str, dict[str, Tags]]]:
+    def kv_snapshot(self) -> tuple[Cursor, StoredListing]:
         """Everything stored and the change cursor it corresponds to (see :class:`~poller.sources.ChangeFeed`).
 
-        Raises:
-            ValueError: a stored row is not a JSON object.
+        Rows another tool wrote are listed as by :meth:`kv_list`.
         """
-        with self._connection() as conn:
+        with self._change_log() as conn:
             return read_snapshot(conn)
 
-    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[dict[str, dict[str, Tags]]]]:
+    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[StoredListing]]:
         """:meth:`kv_snapshot` read in listings of at most ``size`` rows, each parsed only when it is taken.
 
         A poller sends each piece while the next is read, so a store of a
@@ -246,28 +254,27 @@ class SqliteSource:
         the one read transaction the cursor belongs to, which stays open, and
         this store's lock held, until the iterator is exhausted or closed:
         the caller must ``close()`` it when it stops early.
-
-        Raises:
-            ValueError: (from the iterator) a stored row is not a JSON object.
         """
         return _started(self._snapshot_pieces(size))
 
     def _snapshot_pieces(self, size: int) -> Generator[Any, None, None]:
-        with self._connection() as conn:
+        with self._change_log() as conn:
             yield from snapshot_pieces(conn, size)
 
-    def kv_changes(self, cursor: Any) -> tuple[Cursor, dict[str, dict[str, Tags]], dict[str, list[str]]] | None:
+    def kv_changes(self, cursor: Any) -> tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
 
         ``None`` means the cursor is from another file (the store was
-        deleted or replaced) or older than the pruned deletion log: take
-        :meth:`kv_snapshot` instead. See :mod:`poller.sources.sqlite_changes`.
+        deleted or replaced) or another history of this one (restored from
+        a backup), or older than the pruned logs: take :meth:`kv_snapshot`
+        instead. See :mod:`poller.sources.sqlite_changes`.
+        Rows another tool wrote are listed as by :meth:`kv_list` (a deleted
+        key too: ``bytes`` where it was not UTF-8 text).
 
         Raises:
             TypeError: ``cursor`` did not come from this store.
-            ValueError: a stored row is not a JSON object.
         """
-        with self._connection() as conn:
+        with self._change_log() as conn:
             return read_changes(conn, cursor)
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
@@ -300,6 +307,8 @@ class SqliteSource:
         Raises:
             TypeError: a key, the partition id or a field name is not a str.
             KeyError: some keys are not stored (the first few are named).
+            ValueError: a key's stored tags or fields cannot be read (another
+                tool wrote them), naming the key.
         """
         _check_str("partition_id", partition_id)
         key_list = _check_keys(keys)
@@ -364,6 +373,19 @@ class SqliteSource:
                 self._conn_pid = pid
                 self._conn_file = self._file_id()
             yield self._conn
+
+    @contextmanager
+    def _change_log(self) -> Iterator[sqlite3.Connection]:
+        """:meth:`_connection`, its file's change log checked first.
+
+        A file restored in place from a backup made before this version's
+        log (or edited by hand) is the same file to :meth:`_check_file`, so
+        each read of the change feed checks the log (one read of the schema,
+        ~15 us) and migrates it again where needed.
+        """
+        with self._connection() as conn:
+            ensure_change_log(conn)
+            yield conn
 
     def _file_id(self) -> tuple[int, int] | None:
         if self._path == ":memory:" or self._path.startswith("file:"):

@@ -1,25 +1,39 @@
 """The SQLite store's change feed: what changed since a cursor, without listing the store.
 
-Every write to ``kv`` takes the next value of one counter, ``kv_clock.version``,
-and stores it in the row (``kv.version``, indexed); every delete is logged in
-``kv_deleted`` with its version. SQLite triggers do both, so they run inside
-the writer's own ``BEGIN IMMEDIATE`` transaction, whatever code wrote (also
-an older version of this package, or a ``sqlite3`` shell)::
+Every write to ``kv`` appends one row to the version log, ``kv_versions``:
+its rowid is the write's version, and it holds a random ``stamp``. The
+version is stored in the written row (``kv.version``, indexed); every delete
+is logged in ``kv_deleted`` with its version. SQLite triggers do all of it,
+so they run inside the writer's own ``BEGIN IMMEDIATE`` transaction, whatever
+code wrote (also an older version of this package, or a ``sqlite3`` shell)::
 
-    kv_batch_put ─▶ kv row (tags, version=clock+1)
-    kv_clear ─────▶ kv_deleted (partition, key, version=clock+1)
+    kv_batch_put ─▶ kv_versions (version=last+1, stamp) ─▶ kv row (tags, version)
+    kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
     poller ───────▶ rows and deletions with version > cursor, in one read transaction
 
-Only one transaction writes at a time and the counter lives in the database,
-so version order is commit order, and a reader's snapshot holds every
-version up to the clock it reads in the same transaction: a cursor taken
-with a read never skips a later commit.
+Only one transaction writes at a time and the log lives in the database, so
+version order is commit order, and a reader's snapshot holds every version
+up to the last one it reads in the same transaction: a cursor taken with a
+read never skips a later commit.
 
-The deletion log keeps the deletions of the last ``keep`` versions
-(``kv_clock.keep``, default :data:`DEFAULT_KEEP_VERSIONS`); older ones are
-pruned and ``kv_clock.pruned`` records the horizon. A cursor below it (or
-from another file: the cursor carries the file's random id) gets ``None``:
-the caller must take a full listing.
+A cursor is ``(store id, version, stamp)``: the file's random id, and the
+last version the read saw with its stamp. A cursor is served only if the
+file still logs that version with that stamp. Version numbers alone cannot
+tell two histories apart: a backup carries the store id, and once restored
+(in place or as a new file) its writers hand out the very numbers the
+poller saw again, for other writes. Their stamps differ (31 random bits: a
+match is a chance of one in ~2e9), so a rolled-back file is answered with
+``None`` at the next change read, and a full listing.
+
+The logs keep the last ``keep`` versions (``kv_clock.keep``, default
+:data:`DEFAULT_KEEP_VERSIONS`); older ones are pruned (the deletion log's
+horizon is ``kv_clock.pruned``). A cursor older than that, ahead of the file
+or from another file gets ``None``: the caller must take a full listing.
+
+``kv_clock.version``, the counter of the versions before the log, is kept
+within 4096 versions of the last one, so that a reader of an older version
+of this package on the same file re-reads at most that many changes a
+read and still misses none.
 """
 
 from __future__ import annotations
@@ -27,17 +41,17 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, Iterator
 
-from .sqlite_io import Tags
-from .sqlite_io import loads as load_tags
+from .sqlite_io import StoredListing, fetch_all, fetch_batches, read_tags
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "ensure_change_log", "read_changes", "read_snapshot"]
 
-#: Deletions of this many most recent versions stay in the log (a poller
-#: further behind takes a full listing). About 50 bytes per logged delete.
+#: Deletions and version stamps of this many most recent versions stay in the
+#: logs (a poller further behind takes a full listing). About 50 bytes per
+#: logged delete, and ~13 bytes per version (~13 MB for the default).
 DEFAULT_KEEP_VERSIONS = 1_000_000
 
-#: ``(store id, version)``: opaque to the poller.
-Cursor = tuple[str, int]
+#: ``(store id, version, stamp)``: opaque to the poller.
+Cursor = tuple[str, int, int]
 
 # Each statement is idempotent, so a file written by an older version is
 # migrated in place by whichever process opens it first.
@@ -57,53 +71,82 @@ _TABLES = (
     ") WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS kv_deleted_by_version ON kv_deleted (version)",
     "CREATE INDEX IF NOT EXISTS kv_by_version ON kv (version)",
+    # The rowid is the version: an append takes max + 1, and the last row is never pruned.
+    "CREATE TABLE IF NOT EXISTS kv_versions (version INTEGER PRIMARY KEY, stamp INTEGER NOT NULL)",
+    # Versions go on from the highest one the file used (also one an older version's triggers wrote).
+    "INSERT INTO kv_versions (version, stamp)"
+    " SELECT v, random() & 2147483647 FROM (SELECT max((SELECT version FROM kv_clock),"
+    " coalesce((SELECT max(version) FROM kv), 0), coalesce((SELECT max(version) FROM kv_deleted), 0)) AS v)"
+    " WHERE v > coalesce((SELECT max(version) FROM kv_versions), -1)",
 )
 
+# A new version: the log's next row. The append replaces the update of one
+# counter row that it was before, so it costs a writer about the same (kv_batch_put
+# of 1000 keys: see docs/sqlite.md); 31 bits of stamp, so that it takes 4 bytes.
+_NEW_VERSION = " INSERT INTO kv_versions (stamp) VALUES (random() & 2147483647);"
 _STAMP_ROW = (
-    " UPDATE kv_clock SET version = version + 1;"
-    " UPDATE kv SET version = (SELECT version FROM kv_clock)"
+    _NEW_VERSION +
+    " UPDATE kv SET version = last_insert_rowid()"
     " WHERE partition_id = NEW.partition_id AND key = NEW.key;"
 )
 
-_TRIGGERS = (
+# The triggers that write versions: their names are the ones older versions
+# gave theirs, so that an older version opening the file finds them in place
+# (and does not add its own beside them); a body without kv_versions is old.
+_WRITE_TRIGGERS = {
     # A key deleted then put again is an upsert: its log entry goes.
-    "CREATE TRIGGER IF NOT EXISTS kv_version_insert AFTER INSERT ON kv BEGIN" + _STAMP_ROW +
+    "kv_version_insert": "CREATE TRIGGER kv_version_insert AFTER INSERT ON kv BEGIN" + _STAMP_ROW +
     " DELETE FROM kv_deleted WHERE partition_id = NEW.partition_id AND key = NEW.key; END",
     # A put that leaves the tags as they were is no change.
-    "CREATE TRIGGER IF NOT EXISTS kv_version_update AFTER UPDATE OF tags ON kv"
+    "kv_version_update": "CREATE TRIGGER kv_version_update AFTER UPDATE OF tags ON kv"
     " WHEN OLD.tags IS NOT NEW.tags BEGIN" + _STAMP_ROW + " END",
-    "CREATE TRIGGER IF NOT EXISTS kv_version_delete AFTER DELETE ON kv BEGIN"
-    " UPDATE kv_clock SET version = version + 1;"
+    "kv_version_delete": "CREATE TRIGGER kv_version_delete AFTER DELETE ON kv BEGIN" + _NEW_VERSION +
     " INSERT OR REPLACE INTO kv_deleted (partition_id, key, version)"
-    " VALUES (OLD.partition_id, OLD.key, (SELECT version FROM kv_clock)); END",
+    " VALUES (OLD.partition_id, OLD.key, last_insert_rowid()); END",
+}
+
+_TRIGGERS = (
     # Prune in steps of keep/16 versions, so that a delete rarely pays for it.
     "CREATE TRIGGER IF NOT EXISTS kv_deleted_prune AFTER INSERT ON kv_deleted"
     " WHEN NEW.version - (SELECT keep FROM kv_clock) > (SELECT pruned FROM kv_clock) + (SELECT keep FROM kv_clock) / 16"
     " BEGIN"
     " UPDATE kv_clock SET pruned = NEW.version - keep;"
     " DELETE FROM kv_deleted WHERE version <= (SELECT pruned FROM kv_clock); END",
+    # Every 4096 versions: the old counter catches up, and the version log drops
+    # what is older than keep (never its last row, whatever keep is).
+    "CREATE TRIGGER IF NOT EXISTS kv_versions_prune AFTER INSERT ON kv_versions"
+    " WHEN NEW.version % 4096 = 0 BEGIN"
+    " UPDATE kv_clock SET version = NEW.version;"
+    " DELETE FROM kv_versions WHERE version < NEW.version - (SELECT keep FROM kv_clock); END",
 )
 
-_NAMES = ("kv_clock", "kv_deleted", "kv_deleted_by_version", "kv_by_version", "kv_version_insert",
-          "kv_version_update", "kv_version_delete", "kv_deleted_prune")
+_NAMES = ("kv_clock", "kv_deleted", "kv_deleted_by_version", "kv_by_version", "kv_versions", "kv_deleted_prune",
+          "kv_versions_prune", *_WRITE_TRIGGERS)
 
 
 def ensure_change_log(conn: sqlite3.Connection) -> None:
-    """Add the version column, the clock, the deletion log and the triggers where missing.
+    """Add the version column, the clock, the logs and the triggers where missing or older.
 
     Cheap when everything is there (one read); otherwise migrates in one
     ``BEGIN IMMEDIATE`` transaction, so processes opening an old file at
-    once migrate it once. Rows that existed before get version 0.
+    once migrate it once. Rows that existed before keep their version (0
+    before the change feed); the versions go on from the highest one used.
     """
     if _complete(conn):
         return
     conn.execute("BEGIN IMMEDIATE")
     try:
-        columns = {row[1] for row in conn.execute("PRAGMA table_info(kv)")}
-        if "version" not in columns:
-            conn.execute("ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
-        for statement in _TABLES + _TRIGGERS:
-            conn.execute(statement)
+        if not _complete(conn):  # another process may have migrated it while this one waited for the lock
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(kv)")}
+            if "version" not in columns:
+                conn.execute("ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+            for statement in _TABLES:
+                conn.execute(statement)
+            for name, statement in _WRITE_TRIGGERS.items():
+                conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+                conn.execute(statement)
+            for statement in _TRIGGERS:
+                conn.execute(statement)
         conn.execute("COMMIT")
     except BaseException:
         try:
@@ -115,15 +158,15 @@ def ensure_change_log(conn: sqlite3.Connection) -> None:
 
 def _complete(conn: sqlite3.Connection) -> bool:
     marks = ",".join("?" * len(_NAMES))
-    (found,) = conn.execute(f"SELECT count(*) FROM sqlite_master WHERE name IN ({marks})", _NAMES).fetchone()
-    return bool(found == len(_NAMES))
+    found = dict(conn.execute(f"SELECT name, sql FROM sqlite_master WHERE name IN ({marks})", _NAMES).fetchall())
+    return len(found) == len(_NAMES) and all("kv_versions" in found[name] for name in _WRITE_TRIGGERS)
 
 
-def read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, dict[str, dict[str, Tags]]]:
+def read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, StoredListing]:
     """Every row and the cursor that follows them, from one read transaction."""
     pieces = snapshot_pieces(conn, 65536)
     cursor = next(pieces)
-    listing: dict[str, dict[str, Tags]] = {}
+    listing: StoredListing = {}
     for piece in pieces:
         for partition, items in piece.items():
             listing.setdefault(partition, {}).update(items)
@@ -138,49 +181,60 @@ def snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
     connection until then).
     """
     with _read(conn):
-        store_id, version, _ = _clock(conn)
-        yield store_id, version
-        rows = conn.execute("SELECT partition_id, key, tags FROM kv")
-        while batch := rows.fetchmany(size):
-            listing: dict[str, dict[str, Tags]] = {}
+        store_id, _ = _clock(conn)
+        yield (store_id, *_last_version(conn))
+        for batch in fetch_batches(conn, "SELECT partition_id, key, tags FROM kv ORDER BY partition_id, key", size):
+            listing: StoredListing = {}
             for partition, key, text in batch:
-                listing.setdefault(partition, {})[key] = load_tags(partition, key, text)
+                listing.setdefault(partition, {})[key] = read_tags(text)
             yield listing
 
 
 def read_changes(conn: sqlite3.Connection, cursor: Any) -> (
-        tuple[Cursor, dict[str, dict[str, Tags]], dict[str, list[str]]] | None):
+        tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None):
     """Rows written and keys deleted after ``cursor``, from one read transaction.
 
     Returns ``None`` when the cursor cannot be served: from another file
-    (deleted and created anew, or replaced), ahead of this file, or older
-    than the pruned deletion log.
+    (deleted and created anew, or replaced), from another history of this
+    one (restored from a backup, see the module's doc), ahead of this file,
+    or older than the pruned logs.
 
     Raises:
         TypeError: ``cursor`` is not one this module made.
     """
-    if (not isinstance(cursor, tuple) or len(cursor) != 2 or not isinstance(cursor[0], str)
-            or not isinstance(cursor[1], int) or isinstance(cursor[1], bool)):
+    if (not isinstance(cursor, tuple) or len(cursor) != 3 or not isinstance(cursor[0], str)
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in cursor[1:])):
         raise TypeError(f"not a change cursor of this store: {cursor!r}")
+    store, since, stamp = cursor
     with _read(conn):
-        store_id, version, pruned = _clock(conn)
-        since = cursor[1]
-        if cursor[0] != store_id or since > version or since < pruned:
+        store_id, pruned = _clock(conn)
+        if store != store_id or since < pruned:
             return None
-        rows = conn.execute("SELECT partition_id, key, tags FROM kv WHERE version > ?", (since,)).fetchall()
-        gone = conn.execute("SELECT partition_id, key FROM kv_deleted WHERE version > ?", (since,)).fetchall()
-    upserts: dict[str, dict[str, Tags]] = {}
+        logged = conn.execute("SELECT stamp FROM kv_versions WHERE version = ?", (since,)).fetchone()
+        if logged is None or logged[0] != stamp:
+            return None
+        last = _last_version(conn)
+        rows = fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE version > ?", (since,))
+        gone = fetch_all(conn, "SELECT partition_id, key FROM kv_deleted WHERE version > ?", (since,))
+    upserts: StoredListing = {}
     for partition, key, text in rows:
-        upserts.setdefault(partition, {})[key] = load_tags(partition, key, text)
-    deletes: dict[str, list[str]] = {}
+        upserts.setdefault(partition, {})[key] = read_tags(text)
+    deletes: dict[Any, list[Any]] = {}
     for partition, key in gone:
         deletes.setdefault(partition, []).append(key)
-    return (store_id, version), upserts, deletes
+    return (store_id, *last), upserts, deletes
 
 
-def _clock(conn: sqlite3.Connection) -> tuple[str, int, int]:
-    store_id, version, pruned = conn.execute("SELECT store_id, version, pruned FROM kv_clock").fetchone()
-    return str(store_id), int(version), int(pruned)
+def _clock(conn: sqlite3.Connection) -> tuple[str, int]:
+    """The file's store id and the deletion log's horizon."""
+    store_id, pruned = conn.execute("SELECT store_id, pruned FROM kv_clock").fetchone()
+    return str(store_id), int(pruned)
+
+
+def _last_version(conn: sqlite3.Connection) -> tuple[int, int]:
+    """The last version written and its stamp."""
+    version, stamp = conn.execute("SELECT version, stamp FROM kv_versions ORDER BY version DESC LIMIT 1").fetchone()
+    return int(version), int(stamp)
 
 
 class _read:

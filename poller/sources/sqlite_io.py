@@ -12,13 +12,20 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from ..vocabulary import Tags
+from . import UnreadableValue
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+#: ``{partition_id: {key: tags}}`` as the file holds it. Another tool may have
+#: written a partition id or key that is not UTF-8 text (or is a BLOB), read as
+#: ``bytes``, or tags that are no JSON object, read as an UnreadableValue.
+StoredListing = dict[Any, dict[Any, "Tags | UnreadableValue"]]
 
 
 # Stay well below SQLITE_MAX_VARIABLE_NUMBER (999 on old builds) in IN (...).
@@ -26,18 +33,90 @@ _SELECT_CHUNK = 500
 
 
 def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], table: str = "kv") -> dict[str, Tags]:
-    """Stored tags (or, from ``kv_fields``, fields) of those ``keys`` that exist."""
+    """Stored tags (or, from ``kv_fields``, fields) of those ``keys`` that exist.
+
+    Raises:
+        ValueError: a stored value cannot be read (:func:`loads`): a write
+            cannot merge into it, and a read cannot return it.
+    """
     column = "tags" if table == "kv" else "fields"
     found: dict[str, Tags] = {}
     key_list = list(dict.fromkeys(keys))
     for start in range(0, len(key_list), _SELECT_CHUNK):
         chunk = key_list[start:start + _SELECT_CHUNK]
         marks = ",".join("?" * len(chunk))
-        rows = conn.execute(f"SELECT key, {column} FROM {table} WHERE partition_id = ? AND key IN ({marks})",
-                            (partition_id, *chunk))
+        rows = fetch_all(conn, f"SELECT key, {column} FROM {table} WHERE partition_id = ? AND key IN ({marks})",
+                         (partition_id, *chunk))
         for key, text in rows:
             found[key] = loads(partition_id, key, text)
     return found
+
+
+def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+    """Every row of ``sql``; a TEXT value that is not UTF-8 comes as its bytes (see :func:`fetch_batches`)."""
+    try:
+        return conn.execute(sql, params).fetchall()
+    except sqlite3.OperationalError as exc:
+        if not _undecodable(exc):
+            raise
+    with _text_as_bytes_where_not_utf8(conn):
+        return conn.execute(sql, params).fetchall()
+
+
+def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[list[Any]]:
+    """The rows of ``sql`` in lists of at most ``size``; a TEXT value that is not UTF-8 comes as its bytes.
+
+    sqlite3 decodes TEXT in C, and one value that is not UTF-8 (another
+    tool wrote it) fails the fetch with an OperationalError: one row would
+    fail every row after it. A Python ``text_factory`` that keeps such a
+    value as bytes costs ~0.3 us a value (a snapshot of 1M keys ~0.3 s more),
+    so the rows are read in C until one fails, then read again with that
+    factory, skipping those already given. ``sql`` must order its rows
+    (``ORDER BY`` the primary key costs nothing), and the call must run in
+    one read transaction, so that the second read gives the same rows in the
+    same order.
+    """
+    rows = conn.execute(sql)
+    given = 0
+    while True:
+        try:
+            batch = rows.fetchmany(size)
+        except sqlite3.OperationalError as exc:
+            if not _undecodable(exc):
+                raise
+            break
+        if not batch:
+            return
+        given += len(batch)
+        yield batch
+    logger.debug("a TEXT value is not UTF-8; reading the rest with bytes for such values")
+    with _text_as_bytes_where_not_utf8(conn):
+        rows = conn.execute(sql)
+        while given > 0:
+            given -= len(rows.fetchmany(min(given, size)))
+        while batch := rows.fetchmany(size):
+            yield batch
+
+
+def _undecodable(exc: sqlite3.OperationalError) -> bool:
+    """Whether sqlite3 raised ``exc`` because a TEXT value is not UTF-8 (the wording CPython's own tests pin)."""
+    return str(exc).startswith("Could not decode to UTF-8")
+
+
+def _text_or_bytes(data: bytes) -> str | bytes:
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return data
+
+
+@contextmanager
+def _text_as_bytes_where_not_utf8(conn: sqlite3.Connection) -> Iterator[None]:
+    conn.text_factory = _text_or_bytes
+    try:
+        yield
+    finally:
+        conn.text_factory = str
 
 
 def tag_rows(keys: list[str], tags: Any) -> list[Tags]:
@@ -139,24 +218,43 @@ def dumps(tags: Tags) -> str:
 _raw_decode = json.JSONDecoder().raw_decode
 
 
-def _decode(text: str) -> Any:
+def read_tags(text: Any) -> Tags | UnreadableValue:
+    """A stored tags (or fields) value as a dict, or an :class:`~poller.sources.UnreadableValue` saying why not.
+
+    A value another tool wrote may be no JSON object: not JSON, JSON of
+    something else, or TEXT that is not UTF-8 (read as bytes, see
+    :func:`fetch_batches`). A BLOB holding a JSON object in UTF-8 is read.
+    """
     if type(text) is str:
         try:
             value, end = _raw_decode(text)
-            if end == len(text):
+            if end == len(text) and type(value) is dict:
                 return value
         except ValueError:
             pass
-    return json.loads(text)
-
-
-def loads(partition_id: str, key: str, text: str) -> Tags:
+    if isinstance(text, bytes):
+        try:
+            text = text.decode()
+        except UnicodeDecodeError as exc:
+            return UnreadableValue(f"stored tags are not UTF-8 text ({exc})")
     try:
-        tags = _decode(text)
-    except ValueError as exc:
-        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are not JSON: {exc}") from None
-    if not isinstance(tags, dict):
-        raise ValueError(f"stored tags of {partition_id!r}/{key!r} are {type(tags).__name__}, not an object")
+        value = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        return UnreadableValue(f"stored tags are not JSON: {exc}")
+    if not isinstance(value, dict):
+        return UnreadableValue(f"stored tags are {type(value).__name__}, not an object")
+    return value
+
+
+def loads(partition_id: Any, key: Any, text: Any) -> Tags:
+    """:func:`read_tags`, for a caller that cannot go on without them.
+
+    Raises:
+        ValueError: they cannot be read, naming the key and why.
+    """
+    tags = read_tags(text)
+    if isinstance(tags, UnreadableValue):
+        raise ValueError(tags.reason.replace("stored tags", f"stored tags of {partition_id!r}/{key!r}", 1))
     return tags
 
 
