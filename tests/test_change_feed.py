@@ -13,7 +13,8 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller.changes import ListingReader, diff_changes
-from poller.faults.store import delete
+from poller.faults.store import backup as store_backup
+from poller.faults.store import delete, restore
 from poller.polling import Listing, PollingThread, commit_listing
 from poller.protocol import Kind
 from poller.sources import ChangeFeed, has_change_feed
@@ -309,11 +310,11 @@ def test_a_backup_from_before_the_stamps_restored_in_place_is_migrated_at_the_ne
                                                                                        tmp_path: Path) -> None:
     backup = str(tmp_path / "backup.db")
     _file_before_stamps(backup)
-    _copy_file(backup, str(db))
+    restore(str(db), backup)
     with SqliteSource(db) as store:
         cursor, _ = store.kv_snapshot()
         store.kv_put("after", "p", tag={})
-        _copy_file(backup, str(db))  # the same inode, the old change log back
+        restore(str(db), backup)  # the same inode, the old change log back
         store_id = cursor[0]
         assert store.kv_changes(cursor) is None  # another history: a full listing
         assert store.kv_snapshot() == ((store_id, 5, store.kv_snapshot()[0][2]), {"p": {"a": {"v": 1}, "c": {}}})
@@ -481,16 +482,6 @@ def test_a_resync_with_a_change_feed_sends_what_was_sent_plus_the_changes_withou
         source.close()
 
 
-def _copy_file(source: str, target: str) -> None:
-    """``source``'s content into ``target`` with SQLite's backup API (what ``.backup`` / ``.restore`` do)."""
-    src, dst = sqlite3.connect(source), sqlite3.connect(target)
-    try:
-        src.backup(dst)
-    finally:
-        src.close()
-        dst.close()
-
-
 @pytest.mark.parametrize("how", ["in-place", "by-rename"])
 def test_a_restored_backup_is_noticed_although_its_counter_moved_past_the_cursor(db: Path, tmp_path: Path,
                                                                                   how: str) -> None:
@@ -502,7 +493,7 @@ def test_a_restored_backup_is_noticed_although_its_counter_moved_past_the_cursor
         store.kv_batch_put(["k1", "k2", "k3"], "p", tags=[{"v": 1}] * 3)
         with ReplayBuffer(SQLITE, source_kwargs={"path": str(db)}, poll_interval=0.02) as rb:
             rb.sync(timeout=30)
-            _copy_file(str(db), backup)
+            store_backup(str(db), backup)
             store.kv_batch_put(["x1", "x2", "x3"], "p", tags=[{"v": 1}] * 3)
             rb.sync(timeout=30)
             assert sorted(rb.snapshot("p")) == ["k1", "k2", "k3", "x1", "x2", "x3"]
@@ -511,7 +502,7 @@ def test_a_restored_backup_is_noticed_although_its_counter_moved_past_the_cursor
                 restored.kv_batch_put(["n1", "n2", "n3"], "p", tags=[{"v": 2}] * 3)
                 restored.kv_put("k1", "p", tag={"v": 2})
             if how == "in-place":
-                _copy_file(backup, str(db))  # the same inode: what sqlite3's .restore does
+                restore(str(db), backup)  # the same inode: what sqlite3's .restore does
             else:  # rm kv.db*; mv backup.db kv.db
                 delete(str(db))
                 os.rename(backup, db)

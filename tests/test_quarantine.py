@@ -17,6 +17,7 @@ import pytest
 from buffer import ReplayBuffer
 from buffer.verl import ReplayBuffer as VerlSampler
 from poller.faults.shapes import nested
+from poller.faults.store import UNREADABLE, delete_unreadable, write_unreadable
 from poller.quarantine import Quarantine, Refused
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until
@@ -101,14 +102,13 @@ def _write(db: str, sql: str, *params: object) -> None:
         conn.close()
 
 
-_NOT_UTF8_KEY = "CAST(X'6b6579ff' AS TEXT)"  # b"key\xff": TEXT that is not UTF-8
-
-# what: (the key as SQL, its tags as SQL, the key as the quarantine names it, a part of the reason)
+# what (a row of poller.faults.store.UNREADABLE): (the key as the quarantine names it, a part of the reason)
 UNREADABLE_ROWS = {
-    "tags-not-json": ("'bad'", "'not json'", "bad", "are not JSON"),
-    "tags-not-an-object": ("'bad'", "'[1, 2]'", "bad", "are list, not an object"),
-    "tags-not-utf8": ("'bad'", "CAST(X'7b22ff227d' AS TEXT)", "bad", "are not UTF-8 text"),
-    "key-not-utf8": (_NOT_UTF8_KEY, "'{}'", "b'key\\xff' (bytes)", "key is bytes, not str"),
+    "tags-not-json": ("bad", "are not JSON"),
+    "tags-not-an-object": ("bad", "are list, not an object"),
+    "tags-not-utf8": ("bad", "are not UTF-8 text"),
+    "key-not-utf8": ("b'key\\xff' (bytes)", "key is bytes, not str"),
+    "blob-key": ("b'blob' (bytes)", "key is bytes, not str"),
 }
 
 
@@ -127,19 +127,19 @@ def test_a_row_the_store_cannot_read_is_quarantined_and_every_partition_flows(db
                                                                               what: str, read: str) -> None:
     # Before: the source raised (ValueError from the JSON, or sqlite3.OperationalError fetching TEXT that is
     # not UTF-8), every poll failed, and after 3 restarts sample("train") raised PollerCrashed (~7.9 s).
-    key_sql, tags_sql, named, reason = UNREADABLE_ROWS[what]
-    insert = f"INSERT INTO kv (partition_id, key, tags) VALUES ('other', {key_sql}, {tags_sql})"
+    named, reason = UNREADABLE_ROWS[what]
+    tags_sql = UNREADABLE[what][1]
     store.kv_batch_put(["a", "b"], "train", tags=[{"global_steps": 1, "status": "success"}] * 2)
     store.kv_put("fine", "other", tag={"v": 1})
     if read == "snapshot":
-        _write(db, insert)
+        write_unreadable(db, "other", what)
     spec, kwargs = READS[read]
     kwargs = {**kwargs, "inner_kwargs": {"path": db}} if kwargs else {"path": db}
     # listing_share=1.0: a kv_list() source is listed at every poll, not held to verl's cycle (poller.duty).
     with ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=0.05, listing_share=1.0) as rb:
         if read != "snapshot":
             rb.sync(timeout=30)
-            _write(db, insert)
+            write_unreadable(db, "other", what)
         store.kv_put("c", "train", tag={"global_steps": 1, "status": "success"})
         rb.sync(timeout=30)
         assert wait_until(lambda: rb.stats()["quarantined"] == 1)
@@ -156,7 +156,7 @@ def test_a_row_the_store_cannot_read_is_quarantined_and_every_partition_flows(db
             rb.sync(timeout=30)
             assert wait_until(lambda: rb.stats()["quarantined"] == 1)
             assert rb.snapshot("other") == {"fine": {"v": 1}}  # unreadable again: it leaves the buffer
-        _write(db, f"DELETE FROM kv WHERE partition_id = 'other' AND key = {key_sql}")
+        delete_unreadable(db, "other", what)
         rb.sync(timeout=30)
         assert wait_until(lambda: rb.stats()["quarantined"] == 0)  # deleted: it leaves the quarantine
         store.kv_put("d", "train", tag={"global_steps": 1, "status": "success"})

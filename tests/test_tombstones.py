@@ -15,7 +15,6 @@ The buffer is real, over a real socket.
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from typing import Any
 
@@ -23,23 +22,12 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller.faults.peer import RoguePeer
+from poller.faults.store import replace
 from poller.protocol import Kind
 from tests.conftest import wait_until
 
 SOURCES = {"change-feed": "poller.sources.sqlite:SqliteSource", "listed": "tests.helpers.sources:ListedSqlite"}
 DONE = {"global_steps": 1, "status": "success"}
-
-
-def _replace_at_once(db: str, key: str, tags: str) -> None:
-    """Clear ``key`` and put it again in one transaction: no listing can see it absent."""
-    conn = sqlite3.connect(db, isolation_level=None)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute("DELETE FROM kv WHERE partition_id = 'train' AND key = ?", (key,))
-        conn.execute("INSERT INTO kv (partition_id, key, tags) VALUES ('train', ?, ?)", (key, tags))
-        conn.execute("COMMIT")
-    finally:
-        conn.close()
 
 
 @pytest.mark.parametrize("poll_interval", [0.05, 1.0], ids=["fast", "slow"])
@@ -52,8 +40,8 @@ def test_a_removed_keys_new_version_is_shown_and_the_removed_one_never(db, store
         assert sorted(rb.snapshot("train")) == ["in-place", "kept", "put-again", "same-again"]
         rb.remove("train", ["in-place", "put-again", "same-again", "kept"])
         store.kv_put("in-place", "train", tag={"status": "finished"})      # updated in place
-        _replace_at_once(db, "put-again", '{"global_steps":2,"status":"success"}')  # a new record, same name
-        _replace_at_once(db, "same-again", '{"global_steps":1,"status":"success"}')  # the same tags again
+        replace(db, "train", "put-again", {"global_steps": 2, "status": "success"})  # a new record, same name
+        replace(db, "train", "same-again", DONE)  # the same tags again
         # A poll under way at the removal may list the new versions: shown once a later poll lists them still.
         # Before, neither new version was ever shown (a tombstone ended only when a listing omitted the key).
         rb.sync(timeout=30)

@@ -119,7 +119,9 @@ def _three_done(store: SqliteSource) -> None:
 def test_no_decision_while_the_store_does_not_answer(db: str, store: SqliteSource, tmp_path) -> None:
     _three_done(store)
     flag = tmp_path / "hung"
-    with ReplayBuffer("tests.helpers.stalls:StallsWhileFlagged", source_kwargs={"path": db, "flag": str(flag)},
+    # A client with a deadline whose server hangs while the flag exists (poller.faults.stall).
+    with ReplayBuffer("poller.faults:stall", source_kwargs={"inner": SQLITE, "inner_kwargs": {"path": db},
+                                                           "when_exists": str(flag), "seconds": 0.3},
                       poll_interval=0.05) as rb:
         assert len(rb.sample("train", batch_size=3, timeout=10).keys) == 3
         flag.touch()  # the store stops answering: every call gives up at its deadline

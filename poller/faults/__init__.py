@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any, Mapping
 
-from ..sources import SourceSpec, load_source
+from ..sources import SourceSpec, SourceStall, load_source
 from .shapes import GARBAGE
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "huge",
     "leak",
     "down",
+    "stall",
 ]
 
 
@@ -362,8 +363,26 @@ def down(**trigger: Any) -> Fault:
     return _Down(**trigger)
 
 
+class _Stall(Fault):
+    def __init__(self, *, seconds: float = 1.0, **trigger: Any) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+        super().__init__(**trigger)
+        self.seconds = float(seconds)
+
+    def misbehave(self) -> Any:
+        time.sleep(self.seconds)
+        raise SourceStall(f"no answer within {self.seconds:g}s (call {self.calls})")
+
+
+def stall(*, seconds: float = 1.0, **trigger: Any) -> Fault:
+    """The store stops answering a client with a deadline: each call gives up after ``seconds`` with
+    :class:`~poller.sources.SourceStall`, as the TransferQueue source does at its ``call_timeout``."""
+    return _Stall(seconds=seconds, **trigger)
+
+
 FAULTS = ("raise_", "flaky", "slow", "hang", "freeze", "ignore_stop", "ignore_sigterm", "crash", "garbage",
-          "huge", "leak", "down")
+          "huge", "leak", "down", "stall")
 
 
 def parse_fault(text: str, inner: SourceSpec | None = None,

@@ -23,35 +23,6 @@ class ScriptedStalls:
         return {"train": {"k": {"status": "success"}}}
 
 
-class StallsWhileFlagged:
-    """The SQLite store at ``path`` behind a client with a deadline: while ``flag`` exists its server hangs.
-
-    Each call made while the file ``flag`` exists waits ``seconds`` and raises
-    :class:`SourceStall`, as the TransferQueue client does at its
-    ``call_timeout`` when its controller stopped answering; otherwise it lists
-    the store.
-    """
-
-    def __init__(self, path: str, flag: str, seconds: float = 0.3) -> None:
-        from poller.sources.sqlite import SqliteSource
-
-        self._store = SqliteSource(path)
-        self._flag = flag
-        self._seconds = seconds
-
-    def kv_list(self) -> Any:
-        import os
-        import time
-
-        if os.path.exists(self._flag):
-            time.sleep(self._seconds)
-            raise SourceStall(f"no answer within {self._seconds}s")
-        return self._store.kv_list()
-
-    def close(self) -> None:
-        self._store.close()
-
-
 class TimedStalls:
     """A store that stops answering for a while: each kv_list() follows ``script``.
 
