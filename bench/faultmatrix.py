@@ -10,12 +10,19 @@ them and tabulates. A trial goes:
    and consumes one key (``remove`` + ``kv_clear``: it must never come back);
 2. step 2's ``running`` markers are written and seen;
 3. the fault is triggered (an arm file for source faults, an action on the
-   SQLite file, or a rogue peer's frames) and has fired;
+   SQLite file or by another tool writing it, the trainer removing keys the
+   store then writes again, or a rogue peer's frames) and has fired;
 4. step 2 completes in the store and the trainer samples it — what it saw is
    the result, an exception, or the protocol errors counted;
 5. the buffer is compared with the store: after recovery they must be equal;
    where the poller is gone or stuck, the buffer must still hold exactly what
    it had. Then ``close()``: its stage and time against the stage's bound.
+
+Three counts hold the buffer to the truth of the store where a row can break
+it: restarts caused by a record (a row the store cannot read), stale answers
+(a ``sample()`` that answered while the store did not answer) and hidden new
+versions (a removed key's new version not shown two ``sync()`` calls later).
+Each must be 0; a row that does not measure one leaves it ``None``.
 """
 
 from __future__ import annotations
@@ -53,16 +60,19 @@ class Row:
 
     ``saw`` is what the trainer sees: ``"nothing"``, ``"PollerCrashed"``,
     ``"TimeoutError"`` or ``"ProtocolError"`` (counted in ``stats()``).
+    ``says``: what a ``TimeoutError`` the trainer saw must say.
     ``converges``: after recovery the buffer equals the store; otherwise
     the buffer must keep exactly what it held before the fault.
+    ``kwargs`` go to the fault's factory, or to the action (its ``kind``).
     """
 
     name: str
     fault: str | None = None            # a poller.faults factory; None: the plain store
     kwargs: dict[str, Any] = field(default_factory=dict)
-    action: str | None = None           # "delete" / "lock" / "corrupt", or a wire fault
+    action: str | None = None           # a store action (STORE_ACTIONS, OTHER_WRITERS) or a wire fault
     stage: str = "graceful"
     saw: str = "nothing"
+    says: str = "still 'running'"
     cause: str | None = None            # the type of PollerCrashed's __cause__, when it must have one
     restarts: int = 0
     converges: bool = True
@@ -70,6 +80,21 @@ class Row:
     close_timeout: float = 0.5
     once: bool = False                  # the fault fires in one poller process only
     quarantined: bool = False           # a record the wire cannot carry: left out and named, the rest flows
+
+    @property
+    def bad_record(self) -> bool:
+        """The fault is one record (restarts it causes are counted: none allowed)."""
+        return self.quarantined or self.action == "blob-key-deleted"
+
+    @property
+    def silent_store(self) -> bool:
+        """The store stops answering (samples answered meanwhile are counted: none allowed)."""
+        return self.fault == "stall"
+
+    @property
+    def new_versions(self) -> bool:
+        """Removed keys get new versions (those not shown in time are counted: none allowed)."""
+        return self.action == "new-version"
 
 
 def close_bound(row: Row) -> float:
@@ -83,6 +108,13 @@ def close_bound(row: Row) -> float:
 # libzmq refuses a frame over the buffer's limit (ZMQ_MAXMSGSIZE) and drops
 # its sender before the decoder sees anything: nothing to count.
 REFUSED_BY_THE_SOCKET = frozenset({"oversized-body"})
+
+# What the SQLite file suffers from outside (poller.faults.store), undone once step 2 is written.
+STORE_ACTIONS = ("delete", "lock", "corrupt")
+# What other writers of the SQLite file do (another tool, a restore, the trainer's removals), checked at its bound.
+OTHER_WRITERS = ("unreadable-row", "blob-key-deleted", "restore", "new-version")
+# The store's client gives up after this long while the store does not answer (poller.faults.stall).
+STALL_S = 0.3
 
 # A listing that is not a mapping at all is the source's failure; every other kind is one bad record,
 # quarantined by the poller while the rest of the store keeps flowing.
@@ -124,6 +156,21 @@ ROWS: tuple[Row, ...] = (
     # The store stops answering: the poller gives up, and its restarts cannot connect until the store is back;
     # those refused start-ups use none of the budget (max_restarts=1 would otherwise be gone at once).
     Row("store:down-at-restart", "down", restarts=1),
+    # Another tool writes a row of the SQLite store's kind that it cannot read, in another partition: that row
+    # alone is quarantined and named, every other key flows; the record causes no restart.
+    *(Row(f"store:unreadable-row:{kind}", action="unreadable-row", kwargs={"kind": kind}, quarantined=True)
+      for kind in store_faults.UNREADABLE),
+    # A BLOB key written and deleted, three times (once between two polls): its delete is no source error.
+    Row("store:blob-key-deleted", action="blob-key-deleted"),
+    # The file rolled back to a backup in place, whose writers went on past the poller's cursor: after sync()
+    # the buffer equals the store.
+    Row("store:restored-backup", action="restore"),
+    # The trainer removes keys; the store updates one in place, clears and puts one with new tags, and puts one
+    # with the same tags again: the two new versions are shown after two sync() calls, the same record never.
+    Row("remove:new-version", action="new-version"),
+    # A client with a deadline whose store stops answering, then answers again: no sample() is answered from
+    # the last view meanwhile (TimeoutError naming the store), then the data converges.
+    Row("store:stops-answering", "stall", {"seconds": STALL_S}, saw="TimeoutError", says="has not answered for"),
     # A polling thread killed by what `except Exception` does not catch: the poller must end with a fatal
     # ERROR (restarted, then PollerCrashed) instead of heartbeating with no polls.
     Row("thread-death:SystemExit", "raise_", {"exc": "SystemExit"}, saw="PollerCrashed", cause="RemoteTraceback",
@@ -152,6 +199,9 @@ class Outcome:
     resurrected: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
+    record_restarts: int | None = None      # restarts from the bad record on (rows with one)
+    stale_answers: int | None = None        # sample() answered while the store did not answer (a silent store)
+    hidden_versions: list[str] | None = None  # new versions of removed keys not shown at the bound
     problems: list[str] = field(default_factory=list)
 
     def mismatches(self, row: Row) -> list[str]:
@@ -169,6 +219,15 @@ class Outcome:
                            ("sampled twice", self.duplicates)):
             if keys:
                 out.append(f"keys {what}: {sorted(keys)}")
+        truth: list[tuple[bool, str, int | list[str] | None]] = [
+            (row.bad_record, "restarts caused by the record", self.record_restarts),
+            (row.silent_store, "samples answered while the store did not answer", self.stale_answers),
+            (row.new_versions, "new versions of removed keys hidden after two sync()", self.hidden_versions)]
+        for measured, counted, count in truth:
+            if measured and count is None:
+                out.append(f"{counted}: not measured")
+            elif count:
+                out.append(f"{counted}: {count}")
         return out
 
 
@@ -263,6 +322,7 @@ def run_trial(row: Row, workdir: str) -> Outcome:
     rb = ReplayBuffer(source=source, source_kwargs=kwargs, poll_interval=POLL_INTERVAL, max_restarts=row.max_restarts,
                       close_timeout=row.close_timeout, start_timeout=GENEROUS, listing_share=1.0)
     removed: set[str] = set()
+    still_hidden: set[str] = set()  # removed keys the store still holds as they were: never shown again
     sampled: list[str] = []
     try:
         def consume(keys: list[str]) -> None:
@@ -280,12 +340,21 @@ def run_trial(row: Row, workdir: str) -> Outcome:
         rss_before = _wait_rss(rb) if row.fault == "leak" else 0
         undo: Callable[[], None] = lambda: None
         want_protocol_errors = 0
+        restarts_before = rb.stats()["restarts"]
         if row.fault is not None:
             open(os.path.join(workdir, "arm"), "w").close()
             if not _wait(lambda: os.path.exists(os.path.join(workdir, "fired"))):
                 out.problems.append("the fault never fired")
-        elif row.action in ("delete", "lock", "corrupt"):
+            if row.silent_store:
+                out.stale_answers = _stale_answers(rb, out)
+        elif row.action in STORE_ACTIONS:
             undo = _store_action(row.action, db, writer)
+        elif row.action in OTHER_WRITERS:
+            try:
+                still_hidden = _another_writer(row, rb, writer, db, workdir, out)
+            except (PollerCrashed, TimeoutError) as exc:  # the stream broke: the rest of the trial says how
+                out.problems.append(f"{row.action}: {type(exc).__name__}: {exc}")
+            removed |= still_hidden
         elif row.action == "fork-exit":
             out.problems.extend(_fork_exit_then_restart(rb))
         elif row.action is not None:
@@ -301,6 +370,9 @@ def run_trial(row: Row, workdir: str) -> Outcome:
                 out.problems.append(f"no refused restarts while the store was down: {rb.stats()}")
             os.unlink(os.path.join(workdir, "arm"))
         _sample_step2(row, rb, out, consume)
+        if row.silent_store:  # the store answers again: the first complete poll makes the view fresh
+            os.unlink(os.path.join(workdir, "arm"))
+            _sample_again(rb, step2, out, consume)
         if row.action in WIRE_FAULTS or row.action in ("replayed-seq", "out-of-order-seq"):
             _wait(lambda: rb.stats()["protocol_errors"] >= want_protocol_errors, 10.0)
         stats = rb.stats()
@@ -314,10 +386,12 @@ def run_trial(row: Row, workdir: str) -> Outcome:
             _check_huge(rb, out)
         if row.quarantined:
             _check_quarantined(rb, out)
-        _compare(row, rb, writer, good, removed, out)
+        _compare(row, rb, writer, good, removed, still_hidden, out)
         stats = rb.stats()
         out.restarts, out.protocol_errors, out.source_errors = (stats["restarts"], stats["protocol_errors"],
                                                                 stats["source_errors"])
+        if row.bad_record:
+            out.record_restarts = stats["restarts"] - restarts_before
         out.duplicates = sorted({k for k in sampled if sampled.count(k) > 1})
     finally:
         report = rb.close()
@@ -388,27 +462,150 @@ def _sample_step2(row: Row, rb: ReplayBuffer, out: Outcome, consume: Callable[[l
             out.problems.append("the remote traceback is empty")
     except TimeoutError as exc:
         out.saw, out.detail = "TimeoutError", str(exc)
-        if "still 'running'" not in str(exc):
-            out.problems.append(f"the TimeoutError does not say what it waited for: {exc}")
+        if row.says not in str(exc):
+            out.problems.append(f"the TimeoutError does not say {row.says!r}: {exc}")
     else:
         out.saw = "nothing"
+        if row.silent_store and out.stale_answers is not None:
+            out.stale_answers += 1
         consume(batch.keys)
 
 
+def _stale_answers(rb: ReplayBuffer, out: Outcome) -> int:
+    """Once a call of the silent store gave up, ask for what the last view holds; count the answers."""
+    if not _wait(lambda: rb.stats()["source_stalls"] >= 1):
+        out.problems.append(f"no stalled call was counted: {rb.stats()}")
+        return 0
+    answers = 0
+    # Step 1's two keys left are 'success' in the last view: a stale view would answer both at once.
+    for ask in ({"global_steps": 1}, {"batch_size": 1}):
+        try:
+            rb.sample(PARTITION, timeout=0, **ask)
+        except TimeoutError as exc:
+            if "has not answered for" not in str(exc):
+                out.problems.append(f"sample({ask}) did not name the store that does not answer: {exc}")
+        else:
+            answers += 1
+    return answers
+
+
+def _sample_again(rb: ReplayBuffer, step2: list[str], out: Outcome, consume: Callable[[list[str]], None]) -> None:
+    """The store answers again: step 2 is sampled whole."""
+    try:
+        batch = rb.sample(PARTITION, global_steps=2, timeout=GENEROUS)
+    except Exception as exc:
+        out.problems.append(f"no answer once the store answered again: {type(exc).__name__}: {exc}")
+        return
+    if sorted(batch.keys) != step2:
+        out.problems.append(f"step 2 sampled as {batch.keys} once the store answered again")
+    consume(batch.keys)
+
+
+# -- other writers of the SQLite file -----------------------------------------------------------------------
+
+
+def _another_writer(row: Row, rb: ReplayBuffer, writer: SqliteSource, db: str, workdir: str,
+                    out: Outcome) -> set[str]:
+    """Play an ``OTHER_WRITERS`` action and check it at its bound.
+
+    Returns the removed keys the store still holds unchanged (they must stay hidden).
+    """
+    if row.action == "unreadable-row":
+        _unreadable_row(rb, writer, db, row.kwargs["kind"], out)
+    elif row.action == "blob-key-deleted":
+        _blob_key_deleted(rb, db, out)
+    elif row.action == "restore":
+        _restore_backup(rb, writer, db, os.path.join(workdir, "backup.db"), out)
+    else:
+        return _new_versions(rb, writer, db, out)
+    return set()
+
+
+def _unreadable_row(rb: ReplayBuffer, writer: SqliteSource, db: str, kind: str, out: Outcome) -> None:
+    """Another tool writes a row the store cannot read into another partition: that partition flows too."""
+    writer.kv_put("fine", "other", tag={"v": 1})
+    store_faults.write_unreadable(db, "other", kind)
+    writer.kv_put("after", "other", tag={"v": 2})
+    rb.sync(timeout=GENEROUS)
+    if rb.snapshot("other") != {"fine": {"v": 1}, "after": {"v": 2}}:
+        out.problems.append(f"the other partition's readable keys did not flow: {rb.snapshot('other')}")
+    if not _wait(lambda: [partition for partition, *_ in rb.stats()["quarantined_keys"]] == ["other"], 10.0):
+        out.problems.append(f"the unreadable row is not the one quarantined: {rb.stats()['quarantined_keys']}")
+
+
+def _blob_key_deleted(rb: ReplayBuffer, db: str, out: Outcome) -> None:
+    """Another tool writes a BLOB key and deletes it, three times; the last time between two polls at most."""
+    for round_ in range(3):
+        store_faults.write_unreadable(db, PARTITION, "blob-key")
+        if round_ < 2:
+            rb.sync(timeout=GENEROUS)
+            if not _wait(lambda: rb.stats()["quarantined"] == 1, 10.0):
+                out.problems.append(f"round {round_}: the BLOB key was not quarantined: {rb.stats()}")
+        store_faults.delete_unreadable(db, PARTITION, "blob-key")
+        rb.sync(timeout=GENEROUS)
+        if not _wait(lambda: rb.stats()["quarantined"] == 0, 10.0):
+            out.problems.append(f"round {round_}: the deleted BLOB key stayed quarantined: {rb.stats()}")
+    if rb.stats()["source_errors"]:
+        out.problems.append(f"the BLOB key's deletes cost {rb.stats()['source_errors']} source error(s)")
+
+
+def _restore_backup(rb: ReplayBuffer, writer: SqliteSource, db: str, backup: str, out: Outcome) -> None:
+    """The file is rolled back in place to a backup whose history went on past the poller's cursor.
+
+    After ``sync()`` the buffer must equal the restored store at once (not at the next reconciliation).
+    """
+    finished = {"global_steps": 1, "status": "finished"}
+    store_faults.backup(db, backup)
+    writer.kv_batch_put(["x1", "x2", "x3"], PARTITION, tags=[finished] * 3)  # gone again with the restore
+    rb.sync(timeout=GENEROUS)
+    with SqliteSource(backup) as restored:  # more writes than the live file took: past the cursor
+        restored.kv_batch_put(["n1", "n2", "n3"], PARTITION, tags=[finished] * 3)
+        restored.kv_put("k2", PARTITION, tag={"restored": True})
+    store_faults.restore(db, backup)
+    rb.sync(timeout=GENEROUS)
+    _differences(rb.snapshot(PARTITION), writer.kv_list(PARTITION).get(PARTITION, {}), set(), out)
+
+
+def _new_versions(rb: ReplayBuffer, writer: SqliteSource, db: str, out: Outcome) -> set[str]:
+    """The trainer removes three keys; the store then writes new versions of two and the same record of one.
+
+    The new versions must be shown after two ``sync()`` calls (a poll under
+    way at the removal may list them: the next complete one shows them,
+    docs/using.md); returns the key whose same record must stay hidden.
+    """
+    finished = {"global_steps": 1, "status": "finished"}
+    keys = ["v-in-place", "v-put-again", "v-same-again"]
+    writer.kv_batch_put(keys, PARTITION, tags=[finished] * 3)
+    rb.sync(timeout=GENEROUS)
+    rb.remove(PARTITION, keys)
+    writer.kv_put("v-in-place", PARTITION, tag={"status": "failure"})  # updated in place
+    store_faults.replace(db, PARTITION, "v-put-again", {"global_steps": 3, "status": "finished"})  # a new record
+    store_faults.replace(db, PARTITION, "v-same-again", finished)  # the same record again
+    rb.sync(timeout=GENEROUS)
+    rb.sync(timeout=GENEROUS)
+    have, listed = rb.snapshot(PARTITION), writer.kv_list(PARTITION).get(PARTITION, {})
+    out.hidden_versions = [key for key in ("v-in-place", "v-put-again") if have.get(key) != listed.get(key)]
+    return {"v-same-again"}
+
+
 def _compare(row: Row, rb: ReplayBuffer, writer: SqliteSource, good: dict[str, Any], removed: set[str],
-             out: Outcome) -> None:
+             still_hidden: set[str], out: Outcome) -> None:
     if row.converges:
         def listed() -> dict[str, Any]:
-            return writer.kv_list(PARTITION).get(PARTITION, {})
+            return {k: v for k, v in writer.kv_list(PARTITION).get(PARTITION, {}).items() if k not in still_hidden}
 
         _wait(lambda: rb.snapshot(PARTITION) == listed(), GENEROUS)
         expected = listed()
     else:
         expected = {k: v for k, v in good.items() if k not in removed}
-    have = rb.snapshot(PARTITION)
-    out.lost = sorted(k for k in expected if k not in have)
-    out.resurrected = sorted(k for k in removed if k in have)
-    out.extra = sorted(k for k in have if k not in expected and k not in removed)
+    _differences(rb.snapshot(PARTITION), expected, removed, out)
+
+
+def _differences(have: dict[str, Any], expected: dict[str, Any], removed: set[str], out: Outcome) -> None:
+    """Add the keys where the buffer (``have``) differs from what it must hold to ``out``."""
+    out.lost = sorted(set(out.lost) | {k for k in expected if k not in have})
+    out.resurrected = sorted(set(out.resurrected) | {k for k in removed if k in have})
+    out.extra = sorted(set(out.extra) | {k for k in have if k not in expected and k not in removed})
     wrong = sorted(k for k in expected if k in have and have[k] != expected[k])
     if wrong:
         out.problems.append(f"keys with other tags than the store's: {wrong}")

@@ -5,8 +5,9 @@
 For each row: the stages ``close()`` reached, close time p50/p99/max against
 the row's bound, what the trainer saw, restarts, the processes, threads, file
 descriptors and ipc directories left behind (must be 0), keys lost,
-resurrected or sampled twice (must be 0), and how many trials differed from
-the row in any way. Prints one table and writes it to
+resurrected or sampled twice (must be 0), restarts caused by a record, stale
+answers and hidden new versions (must be 0; "–" where the row does not
+measure one), and how many trials differed from the row in any way. Prints one table and writes it to
 ``bench/results/faults.md``. Exit status 1 if any trial failed.
 """
 
@@ -79,16 +80,26 @@ def _counts(values: Sequence[str]) -> str:
     return ", ".join(f"{name} ×{n}" for name, n in collections.Counter(values).most_common())
 
 
+def _measured(values: Sequence[int | None]) -> str:
+    """The sum of a count over the trials, or "–" where the row does not measure it."""
+    counted = [v for v in values if v is not None]
+    return str(sum(counted)) if counted else "–"
+
+
 def _table(stats: list[RowStats], trials: int, seconds: float) -> str:
     load = os.getloadavg()[0]
     lines = [
         f"Fault matrix, {trials} trial(s) per row, {len(stats)} rows, {seconds:.0f} s, "
         f"load average {load:.2f} on {os.cpu_count()} cores.",
         "Close times in ms; bound = the most that stage may take with the row's close_timeout.",
+        "Restarts by a record: restarts from a bad record on; stale answers: sample() calls answered while the "
+        "store did not answer; hidden versions: new versions of removed keys not shown after two sync() calls "
+        "(each must be 0; – : the row does not measure it).",
         "",
         "| fault | trials | stage reached | close p50 / p99 / max (bound) ms | trainer saw | restarts "
-        "| leaked procs/threads/fds/ipc | lost / resurrected / twice | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| leaked procs/threads/fds/ipc | lost / resurrected / twice "
+        "| restarts by a record / stale answers / hidden versions | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in stats:
         closes = [o.close_s * 1e3 for o in s.outcomes]
@@ -96,12 +107,15 @@ def _table(stats: list[RowStats], trials: int, seconds: float) -> str:
         resurrected = sum(len(o.resurrected) for o in s.outcomes)
         twice = sum(len(o.duplicates) for o in s.outcomes)
         seen = _counts([o.saw + (f" ({o.cause})" if o.cause else "") for o in s.outcomes])
+        truth = " / ".join(_measured(values) for values in (
+            [o.record_restarts for o in s.outcomes], [o.stale_answers for o in s.outcomes],
+            [None if o.hidden_versions is None else len(o.hidden_versions) for o in s.outcomes]))
         lines.append(
             f"| {s.row.name} | {len(s.outcomes)} | {_counts([o.stage for o in s.outcomes])} "
             f"| {statistics.median(closes):.0f} / {_percentile(closes, 0.99):.0f} / {max(closes):.0f} "
             f"({close_bound(s.row) * 1e3:.0f}) | {seen} | {_counts([str(o.restarts) for o in s.outcomes])} "
             f"| {s.leaks.processes}/{s.leaks.threads}/{s.leaks.fds}/{s.leaks.ipc_dirs} "
-            f"| {lost} / {resurrected} / {twice} | {len(s.failures)} |")
+            f"| {lost} / {resurrected} / {twice} | {truth} | {len(s.failures)} |")
     failures = [(s.row.name, f) for s in stats for f in s.failures]
     lines += ["", f"{sum(len(s.outcomes) for s in stats)} trials, {len(failures)} failed."]
     for name, failure in failures[:50]:
