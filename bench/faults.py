@@ -31,7 +31,7 @@ from tests.helpers import leaks
 from .faultmatrix import ROWS, Outcome, Row, close_bound, run_trial
 from .streamrows import STREAM_ROWS, run_stream_trial
 
-# Three rounds take about two minutes on a 2-core machine.
+# Three rounds of the 56 rows took about four minutes on a 2-core machine (bench/results/faults.md: 241 s).
 DEFAULT_TRIALS = 3
 _SETTLE_S = 5.0
 RESULTS = Path(__file__).resolve().parent / "results" / "faults.md"
