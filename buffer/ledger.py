@@ -59,8 +59,8 @@ named, never served as if it still answered. The times are the trainer's
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import repeat
+from itertools import compress, repeat
+from operator import ne
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["Ledger"]
@@ -138,12 +138,19 @@ class Ledger:
         """``stream`` lists ``keys`` at ``versions``; the keys whose tags to merge (``None``: all of them)."""
         listed = self._listed.setdefault(stream, {}).setdefault(partition, {})
         snapshot = self._snapshots.get(stream)
+        unseen = None
         if snapshot is not None:
             snapshot.add(partition)
             unseen = self._unseen[stream].get(partition)
-            if unseen:  # keys listed before are crossed off (in C): they have not vanished
-                deque(map(unseen.pop, keys, repeat(None)), maxlen=0)
-        listed.update(zip(keys, versions))
+        if unseen:
+            # Keys listed before are crossed off (they have not vanished), and only the versions that
+            # changed are written: a resync of 1M keys mostly unchanged costs C-level passes (pop,
+            # compare) instead of 1M pairs stored again (~0.2 s).
+            changed = list(map(ne, map(unseen.pop, keys, repeat(None)), versions))
+            if any(changed):
+                listed.update(zip(compress(keys, changed), compress(versions, changed)))
+        else:
+            listed.update(zip(keys, versions))
         tombs = self._tomb_listed.get(partition)
         if tombs is None and not self._tomb_pending:  # the common case: no removal in flight
             return None
