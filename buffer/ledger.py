@@ -343,7 +343,7 @@ class Ledger:
         self.abandon_snapshot(stream)
         self._broken.pop(stream, None)
 
-    def bound_age(self, max_age: float | None) -> None:
+    def bound_age(self, max_age: float) -> None:
         """A view is fresh only while each required stream's last complete poll is at most ``max_age`` s old."""
         self._max_age = max_age
 

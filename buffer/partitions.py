@@ -365,7 +365,7 @@ class PartitionStore:
         with self._cond:
             return self.ledger.view_stale(time.monotonic())
 
-    def bound_age(self, max_age: float | None) -> None:
+    def bound_age(self, max_age: float) -> None:
         """Decisions need the required streams' last complete polls at most ``max_age`` seconds old."""
         with self._cond:
             self.ledger.bound_age(max_age)

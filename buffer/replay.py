@@ -52,11 +52,20 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Seconds: the oldest a view may be for ``sample()`` to decide on it. Generous on purpose: it
-#: is the backstop for a poller that neither completes a poll nor reports a stall (a store
-#: that does not answer is caught sooner, at its first stalled or failed call); the slowest
-#: cycle measured, a TransferQueue of 1M keys listed within its share, is well under it.
+#: Seconds: the least ``max_view_age=None`` allows a view to age before ``sample()`` waits for a
+#: fresher one. Generous on purpose: it is the backstop for a poller that neither completes a
+#: poll nor reports a stall (a store that does not answer is caught sooner, at its first stalled
+#: or failed call); the slowest cycle measured, a TransferQueue of 1M keys listed within its
+#: share, is well under it.
 DEFAULT_MAX_VIEW_AGE = 60.0
+#: With ``max_view_age=None``, a view may also be this many poll intervals old: a poller asked to
+#: list every 2 minutes is not waited for between two of its polls.
+_VIEW_AGE_POLLS = 3
+
+
+def default_max_view_age(poll_interval: float) -> float:
+    """What ``max_view_age=None`` bounds a view's age by: 60 s, or three poll intervals if longer."""
+    return max(DEFAULT_MAX_VIEW_AGE, _VIEW_AGE_POLLS * poll_interval)
 
 
 class ReplayBuffer:
@@ -100,8 +109,8 @@ class ReplayBuffer:
             Past it, or while the store does not answer (a stalled or failed
             call, a poller silent past ``stale_after``, until its next
             complete poll), ``sample()`` waits, and its ``TimeoutError`` names
-            the store and for how long. ``None``: no bound on the age (a store
-            that does not answer still holds decisions back).
+            the store and for how long. ``None`` (the default): 60 s, or three
+            ``poll_interval`` if that is longer.
         poller_log_level: the level (name or number) from which the poller's
             log records are re-emitted in this process under the ``poller`` logger.
         listing_share: the most of the wall clock the poller spends in full
@@ -133,7 +142,7 @@ class ReplayBuffer:
                  close_timeout: float = 5.0, max_restarts: int = 3, restart_window: float = 600.0,
                  curve: CurveServer | None = None, insecure: bool = False,
                  limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
-                 stall_timeout: float | None = 30.0, max_view_age: float | None = DEFAULT_MAX_VIEW_AGE,
+                 stall_timeout: float | None = 30.0, max_view_age: float | None = None,
                  poller_log_level: int | str = "WARNING",
                  listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         resolved_limits = as_limits(limits)
@@ -148,7 +157,7 @@ class ReplayBuffer:
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
                      curve=curve, limits=resolved_limits, stale_after=stale_after,
                      poller_options=poller_options, restart_window=restart_window)
-        core.store.bound_age(max_view_age)
+        core.store.bound_age(default_max_view_age(poll_interval) if max_view_age is None else max_view_age)
         try:
             core.start()
         except BaseException:

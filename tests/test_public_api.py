@@ -93,7 +93,7 @@ def test_replay_buffer_signature() -> None:
     expected_defaults = {"source": None, "source_kwargs": None, "poll_interval": 1.0, "bind": None,
                          "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3, "restart_window": 600.0,
                          "curve": None, "insecure": False, "limits": None, "stale_after": 5.0,
-                         "stall_timeout": 30.0, "max_view_age": 60.0, "poller_log_level": "WARNING", "listing_share": 0.15}
+                         "stall_timeout": 30.0, "max_view_age": None, "poller_log_level": "WARNING", "listing_share": 0.15}
     for name, default in expected_defaults.items():
         param = params[name]
         assert param.default == default and type(param.default) is type(default), name

@@ -163,3 +163,11 @@ def test_no_decision_while_the_poller_is_stopped(db: str, store: SqliteSource) -
         finally:
             os.kill(pid, signal.SIGCONT)
         assert len(rb.sample("train", batch_size=3, timeout=30).keys) == 3
+
+
+def test_by_default_a_view_may_age_60s_or_three_poll_intervals() -> None:
+    from buffer.replay import default_max_view_age
+
+    assert default_max_view_age(1.0) == 60.0
+    # A poller asked to list every 2 minutes is not waited for between two of its polls.
+    assert default_max_view_age(120.0) == 360.0
