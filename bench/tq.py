@@ -200,7 +200,8 @@ def wake_table(records: list[dict[str, Any]], sizes: list[int], alone: dict[int,
                        f"{TRAIN_STEP:g} s; the store holds K keys (phase a's preload: a running prompt of step 0 and "
                        "15 trajectories per group), no writer running")
     table.notes.append("both samplers as verl builds them (colocate_async, threshold None, no sampler_kwargs), both "
-                       "alive for the whole line, taking turns in blocks, the order swapped each block; listings/s "
+                       "alive for the whole line, taking turns in blocks, the order swapped each block, each "
+                       "drawing the same seeded delays in the same order; listings/s "
                        "is each sampler's listings (verl: its tq.kv_list() calls; buffer.verl: stats()['listings']) "
                        "over its blocks' wall time, calls and training steps alike; the controller's CPU is that "
                        "rate × the CPU per listing measured alone (table TQ's note)")
