@@ -51,10 +51,11 @@ PHASES = {"a": "no sampler", "b": "buffer.verl (product)", "c": "verl 0.9.1 samp
 _SILENCE = 300.0  # the host's longest quiet spell: Ray's start-up on a loaded machine, one phase
 
 
-def _plan(quick: bool) -> tuple[list[int], int, float]:
-    """(sizes K, rounds, seconds per phase)."""
+def _plan(quick: bool) -> tuple[list[int], int, float, int]:
+    """(sizes K, rounds, seconds per phase, wake-ups per sampler and K)."""
     # Full: 25 phases per K, ~14 min on 2 cores; a 15 s phase holds ~5 whole listing cycles of either sampler.
-    return ([10_000], 2, 5.0) if quick else ([10_000, 100_000], 4, 15.0)
+    # The wake-up line: ~3 s a sample, ~3 min per K for 30 of each sampler.
+    return ([10_000], 2, 5.0, 10) if quick else ([10_000, 100_000], 4, 15.0, 30)
 
 
 def _missing(module: str) -> str | None:
@@ -66,9 +67,10 @@ def _missing(module: str) -> str | None:
     return None if found is not None else f"{module} is not installed"
 
 
-def run(progress: Callable[[str], None], quick: bool) -> Table:
-    """The ``tq`` table: one row per K and phase, the two goals per K; empty, with the reason, without TransferQueue."""
-    sizes, rounds, seconds = _plan(quick)
+def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
+    """The ``tq`` tables: the cost of a blocked sampler (a row per K and phase) and the wake-up line (a row per K
+    and sampler), with their goals; empty, with the reason, without TransferQueue."""
+    sizes, rounds, seconds, wake_samples = _plan(quick)
     table = Table("TQ", f"TransferQueue controller: cost of a sampler blocked in sample() and between calls, "
                         f"writer putting 16-key batches, {seconds:g} s phases, {rounds} rounds",
                   ["K", "phase", "writer batches/s", "put p50 ms", "put p99 ms", "controller % of a core",
@@ -81,7 +83,7 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
         progress(f"tq: {reason}")
         table.title += " (skipped)"
         table.notes.append(reason)
-        return table
+        return [table]
     phases = "abcd"
     # Only the top-level package: finding a submodule would import verl (and torch) into this process.
     no_verl = _missing("verl")
@@ -89,7 +91,7 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
         phases = "abd"
         table.notes.append(f"phase c skipped ({no_verl}): verl 0.9.1 is installed by `make bench`")
         progress(f"tq: phase c skipped: {no_verl}")
-    records, alone = _host(progress, sizes, rounds, seconds, phases)
+    records, alone, wakes = _host(progress, sizes, rounds, seconds, phases, wake_samples)
     _fill(table, records, sizes, phases, alone)
     table.notes.append("a writer Ray actor rewrites one of 64 preloaded groups per batch (16 trajectory keys, "
                        "tags global_steps/status/reward, a 16×8 tensor field), so K stays fixed (plus each of "
@@ -135,6 +137,74 @@ def run(progress: Callable[[str], None], quick: bool) -> Table:
                        "controller CPU − the reference's) and the CPU beyond the puts are medians of those "
                        "per-phase figures; the writer's rate drifts between phases on a loaded 2-core machine "
                        "(phase a's runs are listed per K), and a reference on both sides cancels a steady drift")
+    return [table, wake_table(wakes, sizes, alone, wake_samples)]
+
+
+WAKE_SAMPLERS = {"b": "buffer.verl (product)", "c": "verl 0.9.1 sampler"}
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A 95% interval of the median from order statistics (no assumption on the distribution).
+
+    The ``⌊n/2 − 0.98·√n⌋``-th and ``⌈1 + n/2 + 0.98·√n⌉``-th smallest (the
+    normal approximation of the binomial that counts the samples below the
+    median), clamped to the sample.
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    half = 0.98 * math.sqrt(n)
+    low = max(0, math.floor(n / 2 - half) - 1)
+    high = min(n - 1, math.ceil(n / 2 + half))
+    return ordered[low], ordered[high]
+
+
+def wake_table(records: list[dict[str, Any]], sizes: list[int], alone: dict[int, dict[str, list[float]]],
+               per_sampler: int) -> Table:
+    """The wake-up line: finished → ``sample()`` returns, per K and sampler (:mod:`bench.tq_wake`), with its goals."""
+    from .tq_wake import BLOCK, DELAY, TRAIN_STEP
+
+    table = Table("TQ-wake", f"TransferQueue: a finished group -> sample() returns, {per_sampler} wake-ups per "
+                             f"sampler and K, in interleaved blocks of {BLOCK}",
+                  ["K", "sampler", "samples", "p50 s", "p50 95% interval s", "p99 s", "max s", "listings/s",
+                   "controller ms per listing (alone)", "controller % of a core (est.)"])
+    for k in sizes:
+        p50: dict[str, float] = {}
+        p99: dict[str, float] = {}
+        cpu: dict[str, float] = {}
+        for name, label in WAKE_SAMPLERS.items():
+            blocks = [r for r in records if r["k"] == k and r["sampler"] == name]
+            latencies = [x for r in blocks for x in r["latencies"]]
+            if not latencies:
+                continue
+            low, high = median_interval(latencies)
+            rate = sum(r["listings"] for r in blocks) / sum(r["seconds"] for r in blocks)
+            costs = alone.get(k, {}).get(name)
+            per_listing: Any = median(costs) * 1e3 if costs else "—"
+            estimate: Any = rate * per_listing / 10 if costs else "—"
+            if costs:
+                cpu[name] = estimate
+            p50[name], p99[name] = percentile(latencies, 50), percentile(latencies, 99)
+            table.add(f"{k:,}", f"{name}: {label}", len(latencies), p50[name], f"[{low:.3g}, {high:.3g}]",
+                      p99[name], max(latencies), rate, per_listing, estimate)
+        if "b" in p50 and "c" in p50:
+            table.goals.append(Goal(f"buffer.verl's p50 ≤ 0.5 × verl's (the limit), s, K={k:,}", p50["b"],
+                                    0.5 * p50["c"]))
+            table.goals.append(Goal(f"buffer.verl's p99 ≤ verl's p50 (the limit), s, K={k:,}", p99["b"], p50["c"]))
+        if "b" in cpu and "c" in cpu:
+            table.goals.append(Goal(f"controller CPU of buffer.verl's listings ≤ verl's (the limit), % of a core "
+                                    f"(listings/s × CPU per listing alone), K={k:,}", cpu["b"], cpu["c"]))
+    table.notes.append(f"each wake-up: the trainer puts a prompt of step 1 as running, calls sample(1, 'train', 1) "
+                       f"in a thread, and {DELAY[0]:g}-{DELAY[1]:g} s (uniform) after the call one kv_batch_put "
+                       "writes its 2 successful trajectories and marks it finished; the figure is that put's "
+                       f"return -> sample() returns; then the trajectories are cleared and the trainer 'trains' "
+                       f"{TRAIN_STEP:g} s; the store holds K keys (phase a's preload: a running prompt of step 0 and "
+                       "15 trajectories per group), no writer running")
+    table.notes.append("both samplers as verl builds them (colocate_async, threshold None, no sampler_kwargs), both "
+                       "alive for the whole line, taking turns in blocks, the order swapped each block, each "
+                       "drawing the same seeded delays in the same order; listings/s "
+                       "is each sampler's listings (verl: its tq.kv_list() calls; buffer.verl: stats()['listings']) "
+                       "over its blocks' wall time, calls and training steps alike; the controller's CPU is that "
+                       "rate × the CPU per listing measured alone (table TQ's note)")
     return table
 
 
@@ -274,8 +344,8 @@ def _listing_cpu(record: dict[str, Any]) -> float:
     return float(record["around_cpu"] - record["around_batches"] * rest_cpu / max(rest_batches, 1))
 
 
-def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, seconds: float,
-          phases: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, list[float]]]]:
+def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, seconds: float, phases: str,
+          wake_samples: int) -> tuple[list[dict[str, Any]], dict[int, dict[str, list[float]]], list[dict[str, Any]]]:
     """Run :func:`bench.tq_host.serve` in a spawned process; its phase records and, per K, the controller's
     CPU per listing with nothing else running (:func:`bench.tq_host.listing_cost_alone`).
 
@@ -284,11 +354,13 @@ def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, second
     """
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe(duplex=False)
-    host = ctx.Process(target=_session, args=(child, sizes, rounds, seconds, phases), name="bench-tq-host")
+    host = ctx.Process(target=_session, args=(child, sizes, rounds, seconds, phases, wake_samples),
+                       name="bench-tq-host")
     host.start()
     child.close()
     records: list[dict[str, Any]] = []
     alone: dict[int, dict[str, list[float]]] = {}
+    wakes: list[dict[str, Any]] = []
     try:
         while True:
             if not conn.poll(_SILENCE):
@@ -311,20 +383,22 @@ def _host(progress: Callable[[str], None], sizes: list[int], rounds: int, second
                 alone[value["k"]] = value["costs"]
                 progress(f"tq: K={value['k']:,}: controller ms per listing alone, "
                          + ", ".join(f"{p} {median(v) * 1e3:.3g}" for p, v in value["costs"].items()))
+            elif kind == "wake":
+                wakes.append(value)
             elif kind == "error":
                 raise RuntimeError(f"the TransferQueue host failed:\n{value}")
             else:
-                return records, alone
+                return records, alone, wakes
     finally:
         conn.close()
         _reap(host)
 
 
-def _session(conn: Any, sizes: list[int], rounds: int, seconds: float, phases: str) -> None:
+def _session(conn: Any, sizes: list[int], rounds: int, seconds: float, phases: str, wake_samples: int) -> None:
     from . import tq_host
 
     os.setsid()
-    tq_host.serve(conn, sizes, rounds, seconds, phases)
+    tq_host.serve(conn, sizes, rounds, seconds, phases, wake_samples)
 
 
 def _reap(host: Any, timeout: float = 60.0) -> None:

@@ -475,11 +475,12 @@ def _controller_pid() -> int:
     return int(pid)
 
 
-def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phases: str) -> None:
+def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phases: str, wake_samples: int) -> None:
     """The whole benchmark in this process; sends ``("progress", text)`` throughout, per K first
-    ``("alone", {"k", "costs"})`` (:func:`listing_cost_alone`, when phase c runs) and then a
-    ``("phase", record)`` per phase, and at the end ``("done", None)`` or ``("error", traceback)``.
-    Everything started here is stopped before it returns."""
+    ``("alone", {"k", "costs"})`` (:func:`listing_cost_alone`, when phase c runs), then a
+    ``("phase", record)`` per phase and a ``("wake", record)`` per block of the wake-up line
+    (:func:`bench.tq_wake.run`, ``wake_samples`` per sampler), and at the end ``("done", None)`` or
+    ``("error", traceback)``. Everything started here is stopped before it returns."""
     # Ray's socket paths must fit in 108 bytes: a short directory under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="bench-tq-", dir="/tmp")
     started_store = False
@@ -520,6 +521,13 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
                 record = _phase(name, writer, controller, seconds)
                 record.update(k=k, round=r, seq=seq)
                 conn.send(("phase", record))
+            if wake_samples:
+                from . import tq_wake
+
+                conn.send(("progress", f"tq: K={k:,}: finished -> sample() returns, {wake_samples} per sampler"))
+                for record in tq_wake.run(k, wake_samples, "c" in phases,
+                                          lambda text: conn.send(("progress", text))):
+                    conn.send(("wake", record))
         conn.send(("done", None))
     except BaseException:
         conn.send(("error", traceback.format_exc()))

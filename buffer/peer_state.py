@@ -33,6 +33,9 @@ class Peer:
     rss: int = 0
     polls_applied: int = 0
     snapshots_applied: int = 0
+    # When the listing of its last complete poll began, on this process's time.monotonic() (None: no poll yet):
+    # the poller's stamp, never later than the poll was applied (peers.Peers._on_delta).
+    listed_at: float | None = None
     last_seen: float = field(default_factory=time.monotonic)
     resync_asked_at: float = 0.0
     stale: bool = False

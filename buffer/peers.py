@@ -26,6 +26,7 @@ Recovery rules (a stream must converge to its source, whatever was lost):
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, NamedTuple, Sequence
 
 from poller.errors import ProtocolError
@@ -338,6 +339,10 @@ class PeerTable:
                 peer.snapshots_applied += 1
             self._store.poll_completed(peer.stream, message.epoch, body.poll, body.sync)
             peer.polls_applied += 1
+            # The poller stamps a poll with its wall clock as the listing begins (the buffer's own child shares
+            # this machine's): its age now, moved to the monotonic clock. A stamp from the future (a clock set
+            # back, another machine's) counts as now, when the poll is applied: never fresher than that.
+            peer.listed_at = now - max(0.0, time.time() - body.t)
             if peer.polls_applied == 1:
                 self._on_change()
 

@@ -45,8 +45,6 @@ class ListingSync:
         self._receiver = receiver
         self._stream = stream  # the buffer's own poller (None: standalone pollers only)
         self._tokens = itertools.count(1)  # next() is atomic: concurrent callers get distinct tokens
-        # Before the poller starts: its first complete poll listed the store after this.
-        self._created = time.monotonic()
         self._answered: float | None = None  # the start of the latest wait() that returned
         self._lock = threading.Lock()
 
@@ -101,18 +99,25 @@ class ListingSync:
     def fresh_since(self) -> float | None:
         """A ``time.monotonic()`` after which the store was listed whole into the buffer; None: not yet.
 
-        The start of the latest :meth:`wait` that returned (the listing that
-        answered it began later), or, before any, the buffer's construction
-        once its poller's first complete poll is applied. Listings of the
-        poller's own schedule are not counted: the view may be fresher.
+        The later of two lower bounds: the start of the latest :meth:`wait`
+        that returned (the listing that answered it began later), and the
+        start of the own poller's latest complete listing, as the poller
+        stamped it (:attr:`~buffer.peer_state.Peer.listed_at`: never later
+        than the poll was applied). A sync answered by a listing the listing
+        share held back for seconds is dated by that listing, not by the
+        request: a request 2.02 s before the listing that answered it made a
+        view 0.01 s old look 2.03 s old, and verl's sampler asked for one
+        more listing, a whole cycle later (``docs/verl.md``).
         """
         with self._lock:
-            if self._answered is not None:
-                return self._answered
+            answered = self._answered
         if self._stream is None:
-            return None
+            return answered
         peer = self._receiver.peer_info(self._stream)
-        return self._created if peer is not None and peer.polls_applied > 0 else None
+        listed = peer.listed_at if peer is not None and peer.polls_applied > 0 else None
+        if listed is None:
+            return answered
+        return listed if answered is None else max(answered, listed)
 
     def _describe(self, timeout: float | None, started: float, asked: dict[str, list[int | None]],
                   token: int) -> str:

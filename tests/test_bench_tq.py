@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from bench.report import Table
-from bench.tq import _fill, _listing_cpu, bracketed, interval
+from bench.tq import _fill, _listing_cpu, bracketed, interval, median_interval, wake_table
 from bench.tq_host import around_listings, schedule, window
 
 EVERY, CYCLE = 0.05, 2.4
@@ -167,3 +167,24 @@ def test_the_controllers_cpu_per_listing_alone_is_reported_with_what_it_costs_at
     # Medians 35 ms each; 5 and 4 listings a 10 s phase: 0.5 and 0.4 a second, 1.75% and 1.4% of a core.
     assert "buffer.verl (product) 35 (30, 36, 34, 40)" in note and "verl 0.9.1 sampler 35 (34, 32, 38, 36)" in note
     assert note.endswith("buffer.verl (product) 1.75% of a core, verl 0.9.1 sampler 1.4% of a core")
+
+
+def test_the_medians_interval_comes_from_order_statistics() -> None:
+    # n=30: ranks ⌊15 − 0.98·√30⌋ = 9 and ⌈1 + 15 + 5.37⌉ = 22, the 9th and the 22nd smallest.
+    assert median_interval([float(x) for x in range(30)]) == (8.0, 21.0)
+    assert median_interval([1.0]) == (1.0, 1.0)  # clamped to the sample
+
+
+def test_the_wake_up_goals_compare_buffer_verl_with_verls_median() -> None:
+    def block(sampler: str, latencies: list[float], listings: int) -> dict[str, object]:
+        return {"k": 10_000, "sampler": sampler, "block": 0, "seconds": 10.0, "listings": listings, "reads": 0,
+                "latencies": latencies}
+
+    records = [block("b", [0.2, 0.3, 0.4], 4), block("c", [1.0, 1.2, 1.4], 6)]
+    table = wake_table(records, [10_000], {10_000: {"b": [0.002], "c": [0.003]}}, 3)
+    goals = {goal.text.split(" (")[0]: (goal.value, goal.limit) for goal in table.goals}
+    assert goals["buffer.verl's p50 ≤ 0.5 × verl's"] == (0.3, 0.6)
+    assert goals["buffer.verl's p99 ≤ verl's p50"][1] == 1.2
+    # 0.4 and 0.6 listings a second at 2 and 3 ms each: 0.08% and 0.18% of a core.
+    value, limit = goals["controller CPU of buffer.verl's listings ≤ verl's"]
+    assert (round(value, 6), round(limit, 6)) == (0.08, 0.18)

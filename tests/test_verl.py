@@ -259,6 +259,23 @@ def test_without_listings_between_calls_a_call_lists_first_unless_the_view_is_fr
         assert rb.stats()["polls"] == quiet
 
 
+def test_a_sync_ahead_held_back_by_verl_cycle_is_a_fresh_view_for_the_next_call(make, store, db) -> None:
+    # Without a change feed and between-call listings (TransferQueue), the listing that settles a batch's
+    # clear comes a whole verl cycle (2 s + d + 2p) after the one before it. The next call waited for it
+    # and then, dating the view by the request (2.6 s before), asked for one listing more, another
+    # cycle later: on d03d3b3 stats()["syncs"] went up by one and that call took ~5.2 s here.
+    produce(store, "train", "finished")
+    produce(store, "train", "finished")
+    rb = make("colocate_async", threshold=None, list_between_calls=False,
+              source="tests.helpers.sources:SlowListedSqlite", source_kwargs={"path": db, "seconds": 0.3})
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2
+    rb.sample(global_steps=0, partition_id="train", batch_size=1)  # its clear is settled by a sync ahead
+    syncs, polls = rb.stats()["syncs"], rb.stats()["polls"]
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1  # waits for that listing
+    assert rb.stats()["syncs"] == syncs, "the sync ahead's listing began ~0.3 s before: no listing more"
+    assert rb.stats()["polls"] == polls + 1
+
+
 def test_empty_failure_groups_pass_through_by_default_and_all_empty_raises(make, store) -> None:
     finished = produce(store, "train", "finished")
     produce(store, "train", "failure", sessions=0)

@@ -130,6 +130,25 @@ class ListedSqlite:
         self._store.close()
 
 
+class SlowListedSqlite(ListedSqlite):
+    """:class:`ListedSqlite` whose every listing takes ``seconds`` more, as a large TransferQueue's does, and
+    which clears keys (a verl sampler's client)."""
+
+    def __init__(self, path: str, seconds: float) -> None:
+        super().__init__(path)
+        self.seconds = seconds
+
+    def kv_list(self) -> Any:
+        import time
+
+        time.sleep(self.seconds)
+        return super().kv_list()
+
+    def kv_clear(self, keys: Any, partition_id: str) -> Any:
+        """The sampler clears the batches it hands out through its own instance of the source."""
+        return self._store.kv_clear(keys, partition_id)
+
+
 class TimedListing:
     """A store without a change feed whose ``kv_list()`` takes ``seconds`` and logs when each call began.
 
