@@ -13,7 +13,7 @@ from . import pinning
 from .baselines.mpqueue import MpQueueBuffer
 from .baselines.neighbour import Neighbour, cpu_seconds
 from .baselines.thread import ThreadBuffer
-from .intervals import median_of, ratio_of_medians
+from .intervals import Estimate, median_of, ratio_of_medians
 from .report import Goal, Table, line_plot, median
 from .workload import SyntheticSource
 
@@ -110,7 +110,8 @@ def slowdown(progress: Callable[[str], None], quick: bool) -> Table:
     placement = pinning.plan(pinning.usable_cores())
     table = Table("1", f"main-thread slowdown, K={keys:,}, {changes} changes per poll, {1 / interval:g} polls/s",
                   ["contender", "loop alone ms", "loop beside poller ms", "slowdown ×", "95% interval",
-                   "÷ neighbour's", "× without waits for a core", "trainer's other threads, % of a core",
+                   "÷ neighbour's", "× without waits for a core", "÷ neighbour's, without waits",
+                   "trainer's other threads, % of a core",
                    "process beside, % of a core"])
     product_share: list[float] = []
     contenders: dict[str, Callable[[], Any]] = {
@@ -148,17 +149,18 @@ def slowdown(progress: Callable[[str], None], quick: bool) -> Table:
                 alone.append(_Loop.collected(n))
                 record.alone.append(alone[-2])
                 record.ratios.append(_bracketed(record.beside[-1], alone[-2], alone[-1]))
-    floor = measured["neighbour (no buffer)"].slowdowns()
+    neighbour = measured["neighbour (no buffer)"]
     for name, record in measured.items():
         spread = median_of(record.slowdowns())
-        beyond = ratio_of_medians(record.slowdowns(), floor)
         table.add(name, median([a.wall for a in record.alone]) * 1e3, median([b.wall for b in record.beside]) * 1e3,
-                  spread.value, f"{spread.low:.3g}–{spread.high:.3g}", f"{beyond.value:.3g} ({beyond.low:.3g}–"
-                  f"{beyond.high:.3g})", median([in_process for _, in_process in record.ratios]),
+                  spread.value, f"{spread.low:.3g}–{spread.high:.3g}",
+                  _with_interval(ratio_of_medians(record.slowdowns(), neighbour.slowdowns())),
+                  median(record.unqueued()),
+                  _with_interval(ratio_of_medians(record.unqueued(), neighbour.unqueued())),
                   median(record.others) * 100, median(record.shares) * 100 if record.shares else "-")
     product = measured["product"]
     table.goals.append(Goal.estimated("product slowdown ÷ the neighbour's (ratio of medians over rounds)",
-                                      ratio_of_medians(product.slowdowns(), floor), 1.05))
+                                      ratio_of_medians(product.slowdowns(), neighbour.slowdowns()), 1.05))
     table.goals.append(Goal.estimated("trainer's other threads beside the product, % of a core",
                                       median_of([share * 100 for share in product.others]), 2.0))
     table.notes.append(f"{placement.reason}, as on a trainer host with cores to spare"
@@ -173,13 +175,14 @@ def slowdown(progress: Callable[[str], None], quick: bool) -> Table:
                        "fixed seed, bench/intervals.py); ÷ neighbour's: the ratio of the medians of a contender's "
                        "and the neighbour's per-round slowdowns, with its interval from resampling rounds paired")
     table.notes.append("without waits for a core: the same ratio of wall times less the time the loop was runnable "
-                       "but queued for a core (/proc/thread-self/schedstat)")
+                       "but queued for a core (/proc/thread-self/schedstat): pinning keeps the poller off the "
+                       "loop's core, not the machine's other load, which the wall-time ratio still counts")
     table.notes.append("trainer's other threads: the CPU the trainer process spends beside the loop (receiver, "
                        "supervisor; for thread and mpqueue their merge): what the loop loses to the GIL at most")
     table.notes.append("neighbour: no buffer at all, a process that compares two dicts of K tag dicts (a poller's "
-                       "kind of work), pinned where the poller is: the floor of a process beside the trainer "
-                       "(shared caches and memory bandwidth); the product's own cost is its slowdown beyond this "
-                       "row's")
+                       "kind of work, each 100 ms as much as takes the product's share of a core, in CPU time), "
+                       "placed where the poller is: the floor of a process beside the trainer (shared caches and "
+                       "memory bandwidth); the product's own cost is its slowdown beyond this row's")
     return table
 
 
@@ -195,6 +198,13 @@ class _Measured:
 
     def slowdowns(self) -> list[float]:
         return [wall for wall, _ in self.ratios]
+
+    def unqueued(self) -> list[float]:
+        return [in_process for _, in_process in self.ratios]
+
+
+def _with_interval(estimate: Estimate) -> str:
+    return f"{estimate.value:.3g} ({estimate.low:.3g}–{estimate.high:.3g})"
 
 
 def _busy_pid(subject: Any) -> int | None:
