@@ -15,8 +15,8 @@ from poller.duty import DEFAULT_LISTING_SHARE
 from poller.sources.sqlite import SqliteSource
 
 from .baselines.thread import ThreadBuffer
-from .overhead import SOURCE, UNBOUNDED, ours, wait_for
-from .report import Goal, Table, median, percentile
+from .overhead import SOURCE, UNBOUNDED, ours
+from .report import Goal, Table, percentile
 from .workload import SyntheticSource, fill_sqlite
 
 #: #3b: how long the store takes to answer a listing (a cheap store: ~1 ms), and how many keys it holds.
@@ -31,15 +31,14 @@ def change_to_visible(progress: Callable[[str], None], quick: bool) -> Table:
     n = 150 if quick else 1000
     table = Table("3", f"change -> visible in the buffer, poll interval {interval * 1e3:g} ms",
                   ["source", "K", "changes", "p50 ms", "p99 ms", "max ms"])
-    goal_row = None
+    goal_row: list[float] = []
     for keys in (1_000, 10_000):
         progress(f"change -> visible: synthetic source, K={keys:,}, {n} changes")
         lat, _ = _stamped_run({"keys": keys}, interval, n, listing_share=UNBOUNDED)
         table.add("synthetic (in the poller)", f"{keys:,}", len(lat), percentile(lat, 50) * 1e3,
                   percentile(lat, 99) * 1e3, max(lat) * 1e3)
         goal_row = goal_row or lat
-    table.goals.append(Goal("p50 ms, K=1,000", percentile(goal_row, 50) * 1e3, interval * 1e3 / 2 + 2))
-    table.goals.append(Goal("p99 ms, K=1,000", percentile(goal_row, 99) * 1e3, interval * 1e3 + 10))
+    table.goals.extend(fixed_schedule_goals(interval, goal_row, "K=1,000"))
     keys = 10_000
     m = 30 if quick else 100
     progress(f"change -> visible: SQLite store, K={keys:,}, {m} writes")
@@ -66,6 +65,20 @@ def change_to_visible(progress: Callable[[str], None], quick: bool) -> Table:
     table.notes.append("polls run on a fixed schedule (start to start), so a change waits interval/2 on average; "
                        "each poll then costs O(K) in the poller (check and diff), which is what K=10,000 adds")
     return table
+
+
+def fixed_schedule_goals(interval: float, latencies: Sequence[float], label: str) -> list[Goal]:
+    """#3's goals: polls every ``interval`` from start to start, so a change waits for the next, uniformly.
+
+    p50 ≤ ``interval``/2 + 5 ms and p99 ≤ ``interval`` + 10 ms, in ms: the
+    wait alone is ``interval``/2 at the median; the 5 ms are the poll's
+    O(K) check and diff, the delivery, and the p50's own sampling error
+    (a standard error of ~1.25 × 29 ms / √n at 100 ms: ~3 ms at n = 150,
+    ~1 ms at 1000).
+    """
+    return [Goal(f"p50 ms ≤ poll_interval/2 + 5 ms, {label}", percentile(latencies, 50) * 1e3,
+                 interval * 1e3 / 2 + 5),
+            Goal(f"p99 ms ≤ poll_interval + 10 ms, {label}", percentile(latencies, 99) * 1e3, interval * 1e3 + 10)]
 
 
 def change_to_visible_by_default(progress: Callable[[str], None], quick: bool) -> Table:

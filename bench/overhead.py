@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from buffer import ReplayBuffer
 
+from . import pinning
 from .baselines.mpqueue import MpQueueBuffer
 from .baselines.neighbour import Neighbour, cpu_seconds
 from .baselines.thread import ThreadBuffer
+from .intervals import Estimate, median_of, ratio_of_medians
 from .report import Goal, Table, line_plot, median
 from .workload import SyntheticSource
 
@@ -103,60 +106,105 @@ def _calibrate(seconds: float) -> int:
 
 def slowdown(progress: Callable[[str], None], quick: bool) -> Table:
     keys, changes, interval = 100_000, 1000, 0.1
-    reps = 3 if quick else 5
-    n = _calibrate(0.3 if quick else 0.6)
+    rounds = 5 if quick else 11
+    placement = pinning.plan(pinning.usable_cores())
+    table = Table("1", f"main-thread slowdown, K={keys:,}, {changes} changes per poll, {1 / interval:g} polls/s",
+                  ["contender", "loop alone ms", "loop beside poller ms", "slowdown ×", "95% interval",
+                   "÷ neighbour's", "× without waits for a core", "÷ neighbour's, without waits",
+                   "trainer's other threads, % of a core",
+                   "process beside, % of a core"])
+    product_share: list[float] = []
     contenders: dict[str, Callable[[], Any]] = {
         "product": lambda: ours(keys, changes, interval),
+        # Right after the product, at the median CPU share its poller was measured at so far (one loop's
+        # reading swings with the other load on its core): the floor the machine sets for a process doing a
+        # poller's kind of work beside the trainer.
+        "neighbour (no buffer)": lambda: Neighbour(keys, median(product_share)),
         "thread": lambda: _started(ThreadBuffer(SyntheticSource(keys, changes).kv_list, interval)),
         "mpqueue": lambda: _started(MpQueueBuffer(SyntheticSource, {"keys": keys, "changes": changes}, interval)),
     }
-    table = Table("1", f"main-thread slowdown, K={keys:,}, {changes} changes per poll, {1 / interval:g} polls/s",
-                  ["contender", "loop alone ms", "loop beside poller ms", "slowdown ×",
-                   "× without waits for a core", "trainer's other threads, % of a core",
-                   "process beside, % of a core"])
-    results = {}
-    shares: dict[str, list[float]] = {}
-    # Last, at the share the product's poller was measured at: the floor the machine sets.
-    contenders["neighbour (no buffer)"] = lambda: Neighbour(keys, median(shares["product"]))
-    for name, make in contenders.items():
-        alone, beside = [_Loop.collected(n)], []
-        ratios: list[tuple[float, float]] = []
-        others: list[float] = []
-        shares[name] = []
-        for r in range(reps):
-            progress(f"slowdown: {name} {r + 1}/{reps}")
-            subject = make()
-            try:
-                pid = _busy_pid(subject)
-                cpu, started = (cpu_seconds(pid) if pid else 0.0), time.perf_counter()
-                beside.append(_Loop.collected(n, others))
-                if pid:
-                    shares[name].append((cpu_seconds(pid) - cpu) / (time.perf_counter() - started))
-            finally:
-                subject.close()
-            alone.append(_Loop.collected(n))
-            ratios.append(_bracketed(beside[-1], alone[-2], alone[-1]))
-        results[name] = median([wall for wall, _ in ratios])
-        table.add(name, median([a.wall for a in alone]) * 1e3, median([b.wall for b in beside]) * 1e3, results[name],
-                  median([in_process for _, in_process in ratios]), median(others) * 100,
-                  median(shares[name]) * 100 if shares[name] else "-")
-    table.goals.append(Goal("product slowdown", results["product"], 1.05))
-    table.notes.append("median of per-pair ratios (loop beside a running poller, against the mean of the loops "
-                       "alone just before and just after it, each from a collected heap); the loop is pure "
-                       "Python in the trainer's main thread; the poller process (last column, for its O(K) "
-                       "check and diff per poll) shares the machine's cores, so on a loaded machine the "
-                       "wall-time slowdown also counts the competition for a core")
+    measured = {name: _Measured() for name in contenders}
+    with pinning.pinned_self(placement.trainer):
+        n = _calibrate(0.3 if quick else 0.6)
+        alone = [_Loop.collected(n)]
+        for r in range(rounds):
+            # Interleaved: every contender once per round, so a change of the machine's load between rounds
+            # hits them all, and the product and its neighbour are measured seconds apart.
+            for name, make in contenders.items():
+                progress(f"slowdown: round {r + 1}/{rounds}, {name}")
+                record = measured[name]
+                subject = make()
+                try:
+                    pid = _busy_pid(subject)
+                    if pid and placement.beside is not None:
+                        pinning.pin_tree(pid, placement.beside)
+                    cpu, started = (cpu_seconds(pid) if pid else 0.0), time.perf_counter()
+                    record.beside.append(_Loop.collected(n, record.others))
+                    if pid:
+                        record.shares.append((cpu_seconds(pid) - cpu) / (time.perf_counter() - started))
+                finally:
+                    subject.close()
+                if name == "product":
+                    product_share.append(record.shares[-1])
+                alone.append(_Loop.collected(n))
+                record.alone.append(alone[-2])
+                record.ratios.append(_bracketed(record.beside[-1], alone[-2], alone[-1]))
+    neighbour = measured["neighbour (no buffer)"]
+    for name, record in measured.items():
+        spread = median_of(record.slowdowns())
+        table.add(name, median([a.wall for a in record.alone]) * 1e3, median([b.wall for b in record.beside]) * 1e3,
+                  spread.value, f"{spread.low:.3g}–{spread.high:.3g}",
+                  _with_interval(ratio_of_medians(record.slowdowns(), neighbour.slowdowns())),
+                  median(record.unqueued()),
+                  _with_interval(ratio_of_medians(record.unqueued(), neighbour.unqueued())),
+                  median(record.others) * 100, median(record.shares) * 100 if record.shares else "-")
+    product = measured["product"]
+    table.goals.append(Goal.estimated("product slowdown ÷ the neighbour's (ratio of medians over rounds)",
+                                      ratio_of_medians(product.slowdowns(), neighbour.slowdowns()), 1.05))
+    table.goals.append(Goal.estimated("trainer's other threads beside the product, % of a core",
+                                      median_of([share * 100 for share in product.others]), 2.0))
+    table.notes.append(f"{placement.reason}, as on a trainer host with cores to spare"
+                       if placement.pinned else f"{placement.reason}: the slowdown also counts the competition "
+                                                "for a core")
+    table.notes.append(f"{rounds} interleaved rounds, each contender once per round in the order of the rows "
+                       "but the neighbour second, right after the product, at the median CPU share the product's "
+                       "poller had so far (last column); a round's slowdown is the loop beside the contender "
+                       "against the mean of the loops alone just before and just after it, each from a collected "
+                       "heap; the loop is pure Python in the trainer's main thread")
+    table.notes.append("slowdown ×: the median over rounds, with a 95% interval (percentile bootstrap over rounds, "
+                       "fixed seed, bench/intervals.py); ÷ neighbour's: the ratio of the medians of a contender's "
+                       "and the neighbour's per-round slowdowns, with its interval from resampling rounds paired")
     table.notes.append("without waits for a core: the same ratio of wall times less the time the loop was runnable "
-                       "but queued for a core (/proc/thread-self/schedstat): the GIL and cache cost in the trainer "
-                       "process, without the competition for the machine's cores (its other load, and a poller "
-                       "process, which a trainer's many-core host has room for)")
+                       "but queued for a core (/proc/thread-self/schedstat): pinning keeps the poller off the "
+                       "loop's core, not the machine's other load, which the wall-time ratio still counts")
     table.notes.append("trainer's other threads: the CPU the trainer process spends beside the loop (receiver, "
                        "supervisor; for thread and mpqueue their merge): what the loop loses to the GIL at most")
     table.notes.append("neighbour: no buffer at all, a process that compares two dicts of K tag dicts (a poller's "
-                       "kind of work) at the CPU share the product's poller was measured at (last column): the "
-                       "floor of this design on this machine, where a poller process shares the trainer's cores, "
-                       "caches and memory bandwidth; the product's own cost is its slowdown beyond this row's")
+                       "kind of work, each 100 ms as much as takes the product's share of a core, in CPU time), "
+                       "placed where the poller is: the floor of a process beside the trainer (shared caches and "
+                       "memory bandwidth); the product's own cost is its slowdown beyond this row's")
     return table
+
+
+@dataclass
+class _Measured:
+    """One contender's figures, a value per round."""
+
+    alone: list[_Loop] = field(default_factory=list)  # the loop alone just before it
+    beside: list[_Loop] = field(default_factory=list)
+    ratios: list[tuple[float, float]] = field(default_factory=list)  # (slowdown, without waits for a core)
+    others: list[float] = field(default_factory=list)
+    shares: list[float] = field(default_factory=list)
+
+    def slowdowns(self) -> list[float]:
+        return [wall for wall, _ in self.ratios]
+
+    def unqueued(self) -> list[float]:
+        return [in_process for _, in_process in self.ratios]
+
+
+def _with_interval(estimate: Estimate) -> str:
+    return f"{estimate.value:.3g} ({estimate.low:.3g}–{estimate.high:.3g})"
 
 
 def _busy_pid(subject: Any) -> int | None:

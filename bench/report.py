@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from .intervals import Estimate
+
 
 @dataclass
 class Goal:
@@ -18,13 +20,21 @@ class Goal:
     value: float
     limit: float
     higher_is_better: bool = False
+    interval: tuple[float, float] | None = None  # the value's 95% interval, printed beside it
+
+    @classmethod
+    def estimated(cls, text: str, estimate: Estimate, limit: float) -> Goal:
+        """A goal on an estimate with an interval (:mod:`bench.intervals`), decided by its value."""
+        return cls(text, estimate.value, limit, interval=(estimate.low, estimate.high))
 
     @property
     def met(self) -> bool:
         return self.value >= self.limit if self.higher_is_better else self.value <= self.limit
 
     def render(self) -> str:
-        return f"{'met' if self.met else 'MISSED'}: {self.text} (measured {self.value:.3g}, goal {'≥' if self.higher_is_better else '≤'} {self.limit:.3g})"
+        spread = f", 95% interval {self.interval[0]:.3g}–{self.interval[1]:.3g}" if self.interval else ""
+        return (f"{'met' if self.met else 'MISSED'}: {self.text} (measured {self.value:.3g}{spread}, "
+                f"goal {'≥' if self.higher_is_better else '≤'} {self.limit:.3g})")
 
 
 @dataclass

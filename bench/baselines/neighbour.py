@@ -3,7 +3,9 @@
 The floor of #1: a trainer's main thread beside it pays only for sharing the
 machine (cores, caches, memory bandwidth) with a busy process, never for a
 buffer. Each period it compares two dicts of ``keys`` small tag dicts (what a
-poller's diff does) for ``share`` of the period, then sleeps the rest.
+poller's diff does), as many slices as take ``share`` of the period on a
+core of its own, then sleeps the rest (none when a busy core made the work
+take longer: the next period starts at once, as a poller's next poll does).
 """
 
 from __future__ import annotations
@@ -21,15 +23,24 @@ keys, share, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 lefts = [{f"k{i}": {"global_steps": 1, "status": "success", "reward": i / 7, "length": i % 900, "score": i % 7}
           for i in range(start, min(start + 5000, keys))} for start in range(0, keys, 5000)]
 rights = [{key: dict(tags) for key, tags in left.items()} for left in lefts]
+# The CPU of one compare, in CPU time (which a busy core does not stretch): each period then does the work
+# the share buys, however long a busy core makes it take, as a poller's poll does its diff (a neighbour that
+# stopped at a wall-clock deadline did less work than the poller it stands for on a core shared with others).
+started, n = time.thread_time(), 0
+while n < 2 * len(lefts) or time.thread_time() - started < 0.05:
+    lefts[n % len(lefts)] == rights[n % len(rights)]
+    n += 1
+per_compare = (time.thread_time() - started) / n
 print("ready", flush=True)
-n = 0
+budget, n = 0.0, 0
 while True:
-    started = time.perf_counter()
-    busy_until = started + share * period
-    while time.perf_counter() < busy_until:
+    began = time.perf_counter()
+    budget += share * period / per_compare
+    while budget >= 1:
         lefts[n % len(lefts)] == rights[n % len(rights)]
         n += 1
-    time.sleep(max(0.0, started + period - time.perf_counter()))
+        budget -= 1
+    time.sleep(max(0.0, began + period - time.perf_counter()))
 """
 
 
