@@ -76,13 +76,11 @@ Version = Any
 class _Tomb:
     """The trainer removed a key: the versions of it removed, and the removal's horizon."""
 
-    __slots__ = ("horizon", "versions", "in_doubt")
+    __slots__ = ("horizon", "versions")
 
     def __init__(self, horizon: Horizon, versions: list[Version]) -> None:
         self.horizon = horizon
         self.versions = versions
-        # A poll that may have begun before the removal listed another version: settled by the next one.
-        self.in_doubt = False
 
 
 class Ledger:
@@ -168,7 +166,7 @@ class Ledger:
             elif version in tomb.versions:
                 continue  # the record removed, listed again
             elif current is None or not _after(tomb.horizon, stream, *current):
-                tomb.in_doubt = True  # a poll under way at the removal: settled by the next (settle())
+                # A poll under way at the removal listed another version: the next one settles it (settle()).
                 self._in_doubt.add((partition, key))
             else:
                 assert tombs is not None
@@ -215,8 +213,7 @@ class Ledger:
             if version is _UNLISTED:
                 continue  # another stream lists it: that one settles it
             if version in tomb.versions:
-                tomb.in_doubt = False  # the store holds the record removed: it stays hidden
-                self._in_doubt.discard((partition, key))
+                self._in_doubt.discard((partition, key))  # the store holds the record removed: it stays hidden
             else:
                 self._end_tomb(partition, key)
                 shown.append((partition, key, version))
