@@ -108,6 +108,24 @@ class GroupPartition:
                             return chosen
         return chosen
 
+    def in_flight(self, limit: int) -> list[str]:
+        """Up to ``limit`` prompt keys not yet terminal (pending, running), the newest ``global_steps`` first.
+
+        Within a step the latest to arrive comes first: the prompts a waiting
+        decision is likeliest to see finish soonest, which the poller
+        watches (:meth:`buffer.seam.SamplingSeam.decide`); a prompt of a
+        step abandoned long ago is the first left out.
+        """
+        buckets = [self.buckets[PENDING], self.buckets[RUNNING]]
+        chosen: list[str] = []
+        for step in sorted({step for bucket in buckets for step in bucket}, reverse=True):
+            for bucket in buckets:
+                for uid in reversed(bucket.get(step, {})):
+                    chosen.append(uid)
+                    if len(chosen) == limit:
+                        return chosen
+        return chosen
+
     def older_than(self, status: str, step: int) -> list[str]:
         """uids of ``status`` whose prompt ``global_steps`` is below ``step``."""
         bucket = self.buckets[status]

@@ -21,17 +21,27 @@ class ListingFigures:
     total_s: float = 0.0
     last_s: float = 0.0
     share: float = 0.0
+    # The watch (poller.polling): targeted reads of waited-on keys, and listings a change seen there brought forward.
+    watch_reads: int = 0
+    watch_listings: int = 0
     epoch: int | None = None
-    _earlier: tuple[int, float] = (0, 0.0)
-    _now: tuple[int, float] = (0, 0.0)
+    # (listings, total_s, watch_reads, watch_listings) of the earlier processes, and of the one now.
+    _earlier: tuple[int, float, int, int] = (0, 0.0, 0, 0)
+    _now: tuple[int, float, int, int] = (0, 0.0, 0, 0)
 
-    def report(self, epoch: int, listings: int, last_s: float, total_s: float, share: float) -> None:
+    def report(self, epoch: int, listings: int, last_s: float, total_s: float, share: float,
+               watch_reads: int = 0, watch_listings: int = 0) -> None:
         """One heartbeat's figures, from poller process ``epoch``."""
         if epoch != self.epoch:
-            self._earlier = (self._earlier[0] + self._now[0], self._earlier[1] + self._now[1])
-            self.epoch, self._now = epoch, (0, 0.0)
+            self._earlier = (self._earlier[0] + self._now[0], self._earlier[1] + self._now[1],
+                             self._earlier[2] + self._now[2], self._earlier[3] + self._now[3])
+            self.epoch, self._now = epoch, (0, 0.0, 0, 0)
         # max(): a heartbeat never takes a counter back.
-        self._now = (max(self._now[0], listings), max(self._now[1], total_s))
+        now = self._now
+        self._now = (max(now[0], listings), max(now[1], total_s), max(now[2], watch_reads),
+                     max(now[3], watch_listings))
         self.listings = self._earlier[0] + self._now[0]
         self.total_s = self._earlier[1] + self._now[1]
+        self.watch_reads = self._earlier[2] + self._now[2]
+        self.watch_listings = self._earlier[3] + self._now[3]
         self.last_s, self.share = last_s, share

@@ -56,6 +56,8 @@ class BufferStats(TypedDict):
     listing_seconds: float
     listing_seconds_total: float
     listing_share: float
+    watch_reads: int
+    watch_listings: int
 
 
 def collect_stats(core: _Core) -> BufferStats:
@@ -105,6 +107,9 @@ def collect_stats(core: _Core) -> BufferStats:
         "listing_seconds": peer.listing.last_s if peer else 0.0,
         "listing_seconds_total": peer.listing.total_s if peer else 0.0,
         "listing_share": peer.listing.share if peer else 0.0,
+        # Its watch of the keys a waiting decision waits on (poller.polling), as its last heartbeat said.
+        "watch_reads": peer.listing.watch_reads if peer else 0,
+        "watch_listings": peer.listing.watch_listings if peer else 0,
     }
 
 
@@ -170,6 +175,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("replay.source.listing_share", "gauge",
            "share of the wall clock spent in full listings of the source lately (bounded by listing_share)",
            lambda s: s["listing_share"]),
+    Metric("replay.source.watch_reads", "counter",
+           "targeted reads of the keys a waiting decision waits on (a source without a change feed that can)",
+           lambda s: s["watch_reads"]),
+    Metric("replay.source.watch_listings", "counter",
+           "listings of the source brought forward by a change the watch saw", lambda s: s["watch_listings"]),
     Metric("replay.poller.source_switches", "counter",
            "restarts of the buffer's own poller on a replaced store (switch_source; not counted in restarts)",
            lambda s: s["source_switches"]),

@@ -58,7 +58,7 @@ class Peer:
             self.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
         if beat.listings is not None:  # None from older pollers
             self.listing.report(epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
-                                beat.listing_share or 0.0)
+                                beat.listing_share or 0.0, beat.watch_reads or 0, beat.watch_listings or 0)
         stalls = beat.source_stalls  # None from older pollers
         if stalls is None:
             return 0

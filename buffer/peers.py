@@ -30,7 +30,7 @@ import time
 from typing import Callable, NamedTuple, Sequence
 
 from poller.errors import ProtocolError
-from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop
+from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Watch
 from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode, unpack_many_tags
 
 from .partitions import PartitionStore
@@ -134,6 +134,12 @@ class PeerTable:
         peer = self.peers.get(identity)
         return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0, body)
 
+    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
+        """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
+        peer = self.peers.get(identity)
+        return Send(identity, Kind.WATCH, peer.epoch if peer and peer.epoch is not None else 0,
+                    Watch(partition, keys, seconds))
+
     # -- time -------------------------------------------------------------------
 
     def tick(self, now: float) -> list[Send]:
@@ -193,7 +199,7 @@ class PeerTable:
         if came_back:
             peer.stale = False
             logger.info("poller %s is back", peer.stream)
-        if message.kind in (Kind.STOP, Kind.RESYNC, Kind.SYNC, Kind.ACK):
+        if message.kind >= Kind.STOP:  # a buffer's message (poller.messages.Kind)
             self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return []
         actions: list[Send] = []

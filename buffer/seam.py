@@ -9,7 +9,8 @@ else of the buffer is reached into:
 * :meth:`SamplingSeam.decide` — an event-driven wait, with a deadline, for a
   decision made on a *whole* view of one partition (never on a listing
   applied half-way), re-run only when what it depends on changed, optionally
-  logging progress and asking the poller for listings more often while it waits;
+  logging progress, asking the poller for listings more often while it waits
+  and having it watch the keys the decision waits on;
 * :meth:`SamplingSeam.look` — the same lock, no wait (for counts and stats);
 * :meth:`SamplingSeam.tags` — copies of held tags;
 * :meth:`SamplingSeam.sync` — read your writes (a listing of every poller that began after the call is applied);
@@ -30,7 +31,7 @@ from poller.vocabulary import Tags
 from .partitions import PartitionStore
 from .peers import PeerTable
 from .policies import Policy
-from .sync import ListingSync, PollWhileWaiting
+from .sync import ListingSync, PollWhileWaiting, WatchWhileWaiting
 
 __all__ = ["SamplingSeam"]
 
@@ -55,7 +56,8 @@ class SamplingSeam:
     def decide(self, attempt: Callable[[], T | None], *, partition_id: str, timeout: float | None,
                describe: Callable[[], str], log_every: float | None = None, what: str = "a decision",
                poll_every: float | None = None, on_poll: Callable[[], None] | None = None,
-               version: Callable[[], Hashable] | None = None) -> T:
+               version: Callable[[], Hashable] | None = None,
+               watch: Callable[[], list[str]] | None = None) -> T:
         """``attempt()``'s first non-None result, on a whole view of ``partition_id``, waking on every change.
 
         ``attempt`` runs under the store's lock and must not block. With
@@ -66,6 +68,11 @@ class SamplingSeam:
         ``poll_every``, the poller is asked for a listing that often while the
         wait lasts (``on_poll`` after each one applied), so the change that
         completes it shows a fraction of a poll interval after it happened.
+        With ``watch`` (run under the lock after each attempt that found
+        nothing: the keys of ``partition_id`` the decision waits on, at most
+        :data:`~poller.messages.MAX_WATCH_KEYS`), the poller reads those keys
+        cheaply while the wait lasts and lists as soon as one changed, on a
+        source that can (:mod:`poller.polling`; elsewhere it changes nothing).
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the
@@ -76,9 +83,23 @@ class SamplingSeam:
         def described() -> str:
             return describe() + self._quarantine_note(partition_id)
 
+        watcher = None
+        if watch is not None and timeout != 0 and self._listing_sync is not None \
+                and self._listing_sync.has_own_poller:
+            watcher = WatchWhileWaiting(self._listing_sync.watch, partition_id)
+            attempt = _watching(attempt, watch, watcher)
         if version is not None:
             attempt = _when_changed(attempt, version)
 
+        try:
+            return self._wait(attempt, partition_id, timeout, described, log_every, what, poll_every, on_poll)
+        finally:
+            if watcher is not None:
+                watcher.stop()
+
+    def _wait(self, attempt: Callable[[], T | None], partition_id: str, timeout: float | None,
+              described: Callable[[], str], log_every: float | None, what: str, poll_every: float | None,
+              on_poll: Callable[[], None] | None) -> T:
         if timeout == 0:
             return self._store.wait_until(attempt, timeout=0, describe=described, view=partition_id)
         try:
@@ -154,6 +175,18 @@ class SamplingSeam:
         more = f" and {len(named) - 5} more" if len(named) > 5 else ""
         return (f"; {len(named)} key(s) of this partition are quarantined (never streamed, their tags cannot go "
                 f"on the wire): {shown}{more}")
+
+
+def _watching(attempt: Callable[[], T | None], watch: Callable[[], list[str]],
+              watcher: WatchWhileWaiting) -> Callable[[], T | None]:
+    """``attempt`` that, when it finds nothing, hands the keys it waits on to ``watcher`` (under the same lock)."""
+    def watched() -> T | None:
+        result = attempt()
+        if result is None:
+            watcher.update(watch())
+        return result
+
+    return watched
 
 
 def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable]) -> Callable[[], T | None]:

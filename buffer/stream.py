@@ -99,6 +99,10 @@ class StreamReceiver:
         """Queue a SYNC ``token`` for ``peer``: it polls at once and tags that listing with the token."""
         self._command("sync", peer.encode(), token)
 
+    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float) -> None:
+        """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed (no keys: stop)."""
+        self._command("watch", peer.encode(), partition, keys, seconds)
+
     def expect(self, peer: str, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``peer``; earlier epochs are dropped quietly.
 
@@ -309,6 +313,9 @@ class StreamReceiver:
             elif command[0] == "sync":
                 _, identity, token = command
                 self._send_all(sock, [self.table.sync(identity, token, time.monotonic())])
+            elif command[0] == "watch":
+                _, identity, partition, keys, seconds = command
+                self._send_all(sock, [self.table.watch(identity, partition, keys, seconds)])
             else:
                 _, identity, kind, reason = command
                 self._send_all(sock, [self.table.control(identity, kind, reason)])

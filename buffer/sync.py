@@ -21,7 +21,9 @@ request again every second: one sent while the stream reconnected is lost.)
 Two helper threads build on it for samplers that wait (:mod:`buffer.seam`,
 :mod:`buffer.verl`): :class:`SyncAhead` starts the sync a decision will
 need while the trainer is busy elsewhere, and :class:`PollWhileWaiting` asks
-for listings more often while a decision waits.
+for listings more often while a decision waits; :class:`WatchWhileWaiting`
+has the poller watch the keys that decision waits on, on a source that can
+read a few keys cheaply (TransferQueue), and list as soon as one changed.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Callable
 from .partitions import PartitionStore
 from .stream import StreamReceiver
 
-__all__ = ["ListingSync", "SyncAhead", "PollWhileWaiting"]
+__all__ = ["ListingSync", "SyncAhead", "PollWhileWaiting", "WatchWhileWaiting"]
 
 
 class ListingSync:
@@ -91,6 +93,11 @@ class ListingSync:
             with self._lock:
                 if self._answered is None or started > self._answered:
                     self._answered = started
+
+    def watch(self, partition: str, keys: list[str], seconds: float) -> None:
+        """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop); a no-op without one."""
+        if self._stream is not None:
+            self._receiver.send_watch(self._stream, partition, keys, seconds)
 
     @property
     def has_own_poller(self) -> bool:
@@ -200,3 +207,59 @@ class PollWhileWaiting:
     def stop(self) -> None:
         """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
         self._stopped.set()
+
+
+class WatchWhileWaiting:
+    """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
+
+    :meth:`update` gives the keys (the decision computes them under the
+    store's lock each time what it reads changed, so this never blocks);
+    a thread sends them in a WATCH at once when they differ from the last
+    sent, and again every :data:`RENEW` seconds: the poller forgets a watch
+    not renewed for :data:`LASTS` seconds, so a trainer that stopped or
+    died leaves nothing read on its behalf, and a restarted poller gets the
+    keys within a second. :meth:`stop` ends the watch in the poller.
+    """
+
+    #: Seconds between two WATCHes of the same keys.
+    RENEW = 1.0
+    #: How long the poller keeps watching after a WATCH (a few renewals may be lost).
+    LASTS = 3.0
+
+    def __init__(self, send: Callable[[str, list[str], float], None], partition: str) -> None:
+        self._send = send
+        self._partition = partition
+        self._keys: list[str] | None = None
+        self._changed = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self, keys: list[str]) -> None:
+        """The keys the decision waits on now (at most ``MAX_WATCH_KEYS``); no keys: nothing to watch."""
+        if keys == self._keys:
+            return
+        self._keys = keys
+        self._changed.set()
+        if self._thread is None and keys:
+            self._thread = threading.Thread(target=self._run, name="replay-watch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        sent: list[str] | None = None
+        while not self._stopped.is_set():
+            keys = self._keys
+            self._changed.clear()
+            if keys is not None and (keys != sent or keys):
+                self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
+                sent = keys
+            self._changed.wait(self.RENEW)
+            # A stop wakes the wait too (below), and ends the loop before another WATCH.
+        if sent:
+            self._send(self._partition, [], 0.0)
+
+    def stop(self) -> None:
+        """End the watch (the poller is told); waits for the thread briefly (it never blocks on the store)."""
+        self._stopped.set()
+        self._changed.set()
+        if self._thread is not None:
+            self._thread.join(1.0)

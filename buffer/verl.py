@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from poller.messages import MAX_WATCH_KEYS
 from poller.process import ShutdownReport
 
 from . import verl_client
@@ -260,7 +261,8 @@ class ReplayBuffer:
                                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                                describe=lambda: self._index.partition(partition_id).describe(partition_id),
                                log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
-                               on_poll=counted_poll, version=lambda: self._index.version(partition_id))
+                               on_poll=counted_poll, version=lambda: self._index.version(partition_id),
+                               watch=lambda: self._index.partition(partition_id).in_flight(MAX_WATCH_KEYS))
         except TimeoutError as exc:
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
 

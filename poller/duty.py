@@ -139,11 +139,38 @@ class ListingDuty:
         self._poll_open = False
         self._listing_ended = -math.inf
         self._recent: Deque[tuple[float, float]] = collections.deque(maxlen=_WINDOW)  # (start, seconds)
+        # The start of the last listing brought forward by a change the watch saw (poller.polling).
+        self._last_brought_forward = -math.inf
 
     def wait_for(self, now: float | None = None) -> float:
         """Seconds until the next listing may start (0: now)."""
         now = time.monotonic() if now is None else now
         return max(0.0, self._allowed_at - now)
+
+    def wait_for_change(self, now: float | None = None) -> float:
+        """Seconds until a listing for a change the watch saw may start (0: now).
+
+        With a fixed share, :meth:`wait_for`'s bound holds as it is (the poll
+        schedule is what the change cuts short). With verl's cycle the
+        listing is brought forward: verl's pace is for listings that may find
+        nothing, and this one is known to find a change. It may start once
+        the last listing began ``2d`` ago (the store listed at most half the
+        wall clock) and :data:`VERL_POLL_INTERVAL` after the last listing
+        brought forward began: a watched key that changes all the time makes
+        at most one such listing per verl's sleep, so at most about twice
+        verl's rate in all. The listing then counts as any other: the cycle
+        starts again after it (:meth:`record`).
+        """
+        now = time.monotonic() if now is None else now
+        if not self._verl:
+            return self.wait_for(now)
+        last_start = self._recent[-1][0] if self._recent else -math.inf
+        allowed = max(last_start + 2 * self.last_seconds, self._last_brought_forward + VERL_POLL_INTERVAL)
+        return max(0.0, min(allowed, self._allowed_at) - now)
+
+    def brought_forward(self, started: float) -> None:
+        """The listing that began at monotonic ``started`` was brought forward by a change the watch saw."""
+        self._last_brought_forward = started
 
     def record(self, started: float, seconds: float) -> None:
         """The store answered a full listing that began at monotonic ``started`` and took ``seconds``.

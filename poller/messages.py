@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 
 from .errors import ProtocolError
 
-__all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Body",
+__all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Watch",
+           "Body", "MAX_WATCH_KEYS",
            "RECORDS", "DELTA_BULKY_FIELDS",
            "check_body", "to_record", "as_map"]
 
@@ -38,6 +39,8 @@ class Kind(enum.IntEnum):
     # The receiver heard a HEARTBEAT that carried ``last_seq``: how a poller
     # on a new connection learns that the buffer admitted it (poller.link).
     ACK = 19
+    # While a decision waits on these keys, read them cheaply and list as soon as one changed (poller.polling).
+    WATCH = 20
 
 
 # Field types beyond the plain ones, named so their checks can be found by name.
@@ -51,6 +54,7 @@ Deletes = dict       # {partition: [key, ...]}
 Seconds = float      # a finite duration >= 0
 Share = float        # a share of the wall clock, in [0, 1]
 PartitionIds = list  # [partition, ...]: at most MAX_PARTITION_IDS non-empty str
+WatchKeys = list     # [key, ...]: at most MAX_WATCH_KEYS str
 
 # NamedTuples rather than dataclasses in every module the poller process
 # imports: dataclasses pulls in inspect, ~8 ms of its start-up.
@@ -106,6 +110,10 @@ class Heartbeat(NamedTuple):
     listing_s: Seconds | None = None
     listing_total_s: Seconds | None = None
     listing_share: Share | None = None
+    # The watch (poller.polling): targeted reads of waited-on keys so far, and the listings a change seen there
+    # brought forward.
+    watch_reads: Count | None = None
+    watch_listings: Count | None = None
 
 
 class Error(NamedTuple):
@@ -150,11 +158,19 @@ class Ack(NamedTuple):
     seq: int
 
 
-Body = Union[Ready, Delta, Heartbeat, Error, Bye, Log, Stop, Resync, Sync, Ack]
+class Watch(NamedTuple):
+    """Watch ``keys`` of ``partition`` for ``seconds`` (renewed by the next WATCH); no keys: stop watching."""
+
+    partition: str
+    keys: WatchKeys
+    seconds: Seconds
+
+
+Body = Union[Ready, Delta, Heartbeat, Error, Bye, Log, Stop, Resync, Sync, Ack, Watch]
 
 RECORDS: dict[Kind, Any] = {Kind.READY: Ready, Kind.DELTA: Delta, Kind.HEARTBEAT: Heartbeat, Kind.ERROR: Error,
                             Kind.BYE: Bye, Kind.LOG: Log, Kind.STOP: Stop, Kind.RESYNC: Resync, Kind.SYNC: Sync,
-                            Kind.ACK: Ack}
+                            Kind.ACK: Ack, Kind.WATCH: Watch}
 
 
 def _is_int(value: Any) -> bool:
@@ -227,6 +243,14 @@ def _deletes_ok(value: Any) -> bool:
         for partition, keys in value.items())
 
 
+#: The most keys one WATCH may name: a targeted read of more costs the store as much as a small listing.
+MAX_WATCH_KEYS = 256
+
+
+def _watch_keys_ok(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= MAX_WATCH_KEYS and all(isinstance(key, str) for key in value)
+
+
 _CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": _is_int,
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -242,6 +266,7 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "Seconds": _seconds_ok,
     "Share": _share_ok,
     "PartitionIds": _partition_ids_ok,
+    "WatchKeys": _watch_keys_ok,
 }
 
 

@@ -169,6 +169,8 @@ class _ControlLoop:
             listing_s=duty.last_seconds if duty else 0.0,
             listing_total_s=duty.total_seconds if duty else 0.0,
             listing_share=duty.measured_share() if duty else 0.0,
+            watch_reads=thread.watch_reads if thread else 0,
+            watch_listings=thread.watch_listings if thread else 0,
         )))
 
     def _on_control(self, sock: zmq.Socket) -> None:
@@ -201,6 +203,8 @@ class _ControlLoop:
                     self.thread.request_resync()
             elif message.kind is Kind.SYNC and self.thread is not None:
                 self.thread.request_sync(message.body.token, message.body.partitions)
+            elif message.kind is Kind.WATCH and self.thread is not None:
+                self.thread.request_watch(message.body.partition, message.body.keys, message.body.seconds)
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 

@@ -289,3 +289,16 @@ def test_a_partitions_version_moves_with_what_the_rules_read_and_only_then() -> 
     assert index.version("train") == 0 and index.partition_ids() == ["val"]
     feed.put("train", "u2", is_prompt=True, status="running", global_steps=1)  # the partition comes back
     assert moved()  # with a version never seen before
+
+
+def test_in_flight_lists_prompts_not_yet_terminal_newest_step_first_and_stops_at_the_limit() -> None:
+    index = GroupIndex()
+    for key, status, step in (("a", "running", 0), ("b", "pending", 2), ("c", "running", 2), ("d", "finished", 3),
+                              ("e", "running", 1), ("f", "failure", 2)):
+        index.on_change("train", key, None, {"is_prompt": True, "status": status, "global_steps": step})
+    part = index.partition("train")
+    assert part.in_flight(10) == ["b", "c", "e", "a"]
+    assert part.in_flight(2) == ["b", "c"]
+    index.on_change("train", "c", {"is_prompt": True, "status": "running", "global_steps": 2},
+                    {"is_prompt": True, "status": "finished", "global_steps": 2})
+    assert part.in_flight(10) == ["b", "e", "a"]

@@ -29,7 +29,8 @@ STABLE_NAMES = [
     "replay.stream.auth_rejected", "replay.stream.peers", "replay.stream.stale_peers",
     "replay.stream.last_message_age_seconds", "replay.poller.start_retries", "replay.stream.quarantined",
     "replay.view.whole", "replay.view.fresh", "replay.source.listings", "replay.source.last_listing_seconds",
-    "replay.source.listing_seconds", "replay.source.listing_share", "replay.poller.source_switches",
+    "replay.source.listing_seconds", "replay.source.listing_share", "replay.source.watch_reads",
+    "replay.source.watch_listings", "replay.poller.source_switches",
 ]
 
 

@@ -54,6 +54,7 @@ BODIES: dict[Kind, dict[str, Any]] = {
     Kind.RESYNC: {"reason": "sequence gap"},
     Kind.SYNC: {"token": 12},
     Kind.ACK: {"seq": 9},
+    Kind.WATCH: {"partition": "train", "keys": ["p1", "p2"], "seconds": 3.0},
 }
 
 
@@ -154,7 +155,7 @@ def test_wrong_version_is_named() -> None:
         decode([header(version="1"), body({"reason": "x"})])
 
 
-@pytest.mark.parametrize("kind", [0, 7, 15, 20, 99, -1, 2**40])
+@pytest.mark.parametrize("kind", [0, 7, 15, 21, 99, -1, 2**40])
 def test_unknown_kind(kind: int) -> None:
     with pytest.raises(ProtocolError, match="kind"):
         decode([header(kind=kind), body({"reason": "x"})])

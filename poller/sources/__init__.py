@@ -21,17 +21,26 @@ A source whose store answers in msgpack may also offer ``kv_list_packed()``:
 the bytes it sent and decodes only those that differ. TransferQueue's does.
 A subclass that overrides ``kv_list()`` alone is listed by its ``kv_list()``
 (:func:`packed_listing`).
+
+A source without a change feed may offer ``kv_watch(partition_id, keys,
+timeout)``: a cheap read of a few named keys returning a fingerprint
+(``bytes`` that differ once one of them changed, or ``None`` when it has
+none to give), answered within ``timeout`` seconds or :class:`SourceStall`.
+While a decision waits on those keys the poller calls it every
+``watch_interval`` and lists the store as soon as the fingerprint changes
+(:mod:`poller.polling`): a schedule that decides *when* to list, never what
+the listing shows. TransferQueue's does (``KV_RETRIEVE_META``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
 
 from ..vocabulary import Listing
 
 __all__ = ["ChangeFeed", "PackedItems", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec",
-           "has_change_feed", "load_source", "packed_listing"]
+           "has_change_feed", "load_source", "packed_listing", "watch_reader"]
 
 
 class SourceStall(TimeoutError):
@@ -222,3 +231,15 @@ def describe_spec(spec: SourceSpec) -> str:
     module = getattr(spec, "__module__", "?")
     name = getattr(spec, "__qualname__", type(spec).__qualname__)
     return f"{module}:{name}"
+
+
+#: ``kv_watch(partition_id, keys, timeout)``: a fingerprint of ``keys``, or None (module docstring).
+WatchReader = Callable[[str, Sequence[str], float], Union[bytes, None]]
+
+
+def watch_reader(source: Any) -> WatchReader | None:
+    """The source's ``kv_watch``, if it offers one and has no change feed (which says what changed already)."""
+    if has_change_feed(source):
+        return None
+    read = getattr(source, "kv_watch", None)
+    return read if callable(read) else None

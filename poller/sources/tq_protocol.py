@@ -72,6 +72,7 @@ from .tq_values import Deferred, decode_ext, plain
 
 __all__ = [
     "KV_LIST",
+    "KV_RETRIEVE_META",
     "LIST_PARTITIONS",
     "KNOWN_VERSIONS",
     "TransferQueueReplyError",
@@ -79,14 +80,19 @@ __all__ = [
     "encode_request",
     "decode_reply",
     "decode_listing_reply",
+    "decode_watch_reply",
     "check_version",
     "check_probe_reply",
     "unknown_version_warning",
 ]
 
 KV_LIST = "KV_LIST"
+# The metadata of named keys of one partition (0.1.8-0.1.11: ``{"keys", "partition_id", "create"}``); with
+# ``create`` false it registers nothing and marks nothing consumed (``TransferQueueController.kv_retrieve_meta``).
+KV_RETRIEVE_META = "KV_RETRIEVE_META"
 LIST_PARTITIONS = "GET_LIST_PARTITIONS"
-_RESPONSES = {KV_LIST: "KV_LIST_RESPONSE", LIST_PARTITIONS: "LIST_PARTITIONS_RESPONSE"}
+_RESPONSES = {KV_LIST: "KV_LIST_RESPONSE", KV_RETRIEVE_META: "KV_RETRIEVE_META_RESPONSE",
+              LIST_PARTITIONS: "LIST_PARTITIONS_RESPONSE"}
 _REQUEST_ERROR = "REQUEST_ERROR"
 # TransferQueue marks a reply it had to pickle whole with these leading bytes
 # (0xc1 is never valid msgpack).
@@ -255,6 +261,36 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
     except Exception:  # not the plain shape: the whole reply is read the usual way, and judged there
         return decode_reply(KV_LIST, frames)
     return _body(KV_LIST, message, None)
+
+
+def decode_watch_reply(frames: Sequence[bytes]) -> bytes | None:
+    """A fingerprint of the keys a ``KV_RETRIEVE_META`` reply describes: the bytes of its ``metadata``.
+
+    The controller pickles a ``BatchMeta`` of the keys found (their global
+    indexes, production status, field schema and tags) into one extension
+    value of the reply; those bytes are the same as long as nothing about
+    those keys changed, and differ when a tag, a field or the set of keys
+    found did. Nothing is unpickled: the fingerprint is only compared. None:
+    a reply the controller had to pickle whole (a value broke msgpack), whose
+    bytes hold the message's own id and time, so no fingerprint is to be had.
+
+    Raises:
+        TransferQueueReplyError: ``REQUEST_ERROR``, a reply of another type, or one without that value.
+    """
+    if frames and frames[0] and bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
+        decode_reply(KV_RETRIEVE_META, frames)  # for its errors
+        return None
+    if not frames or not frames[0]:
+        raise TransferQueueReplyError("empty reply from the TransferQueue controller")
+    try:
+        message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, timestamp=3,
+                                  ext_hook=lambda code, data: msgpack.ExtType(code, data))
+    except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
+        raise _malformed(exc) from exc
+    metadata = _body(KV_RETRIEVE_META, message, None).get("metadata")
+    if isinstance(metadata, msgpack.ExtType):
+        return bytes([metadata.code & 0xFF]) + metadata.data
+    raise TransferQueueReplyError(f"{KV_RETRIEVE_META}_RESPONSE without its metadata (got {type(metadata).__name__})")
 
 
 def _malformed(exc: BaseException) -> TransferQueueReplyError:

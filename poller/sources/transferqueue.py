@@ -36,11 +36,13 @@ import zmq
 from . import SourceStall
 from .tq_protocol import (
     KV_LIST,
+    KV_RETRIEVE_META,
     LIST_PARTITIONS,
     TransferQueueReplyError,
     check_version,
     decode_listing_reply,
     decode_reply,
+    decode_watch_reply,
     encode_request,
     unknown_version_warning,
 )
@@ -161,6 +163,28 @@ class TransferQueueSource:
             listing.update(self._list(partition_id, deadline, packed))
         return listing
 
+    def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float | None = None) -> bytes | None:
+        """A fingerprint of ``keys`` of ``partition_id`` as the controller holds them now (None: none to be had).
+
+        One ``KV_RETRIEVE_META`` request, which reads only the keys named
+        (K=100k keys: ~0.35 ms of the controller's CPU for up to ~100 keys,
+        ~1.7 ms for 1,000, against ~37 ms for a listing of the partition) and
+        changes nothing there (``create`` is false: no key or partition is
+        made, nothing is marked consumed; a key not found is logged by the
+        controller at WARNING). The bytes differ from the last call's once a
+        tag or a field of one of the keys changed, or one was removed or put
+        again (:func:`~poller.sources.tq_protocol.decode_watch_reply`). What
+        the poller calls while a decision waits on those keys (the watch:
+        :class:`poller.polling.PollingThread`).
+
+        Raises:
+            SourceStall: no answer within ``timeout`` (default ``call_timeout``).
+            TransferQueueReplyError: the controller refused the request or sent a reply this source does not read.
+        """
+        timeout = self.call_timeout if timeout is None else timeout
+        body = {"keys": list(keys), "partition_id": partition_id, "create": False}
+        return decode_watch_reply(self._exchange(KV_RETRIEVE_META, body, time.monotonic() + timeout, timeout))
+
     def include_partitions(self, partition_ids: Sequence[str]) -> None:
         """List these partitions too from the next :meth:`kv_list` on (the poller calls it, between listings).
 
@@ -211,6 +235,13 @@ class TransferQueueSource:
         """One request and its reply, by ``deadline`` (default: ``timeout`` from now)."""
         if deadline is None:
             deadline = time.monotonic() + timeout
+        reply = self._exchange(request_type, body, deadline, timeout)
+        if packed:
+            return decode_listing_reply(reply)
+        return decode_reply(request_type, reply, probe_address=self.address if probe else None)
+
+    def _exchange(self, request_type: str, body: dict[str, Any], deadline: float, timeout: float) -> list[bytes]:
+        """Send one request and return the frames of its reply, by ``deadline``."""
         sock = self._socket()
         frames = encode_request(request_type, body, sender_id=self._sender_id, receiver_id=self.controller_id)
         try:
@@ -219,13 +250,10 @@ class TransferQueueSource:
             sock.send_multipart(frames, zmq.NOBLOCK)
             if not self._wait(sock, zmq.POLLIN, deadline):
                 raise self._stall(request_type, body, timeout)
-            reply = sock.recv_multipart(zmq.NOBLOCK)
+            return sock.recv_multipart(zmq.NOBLOCK)
         except BaseException:
             self._drop_socket()
             raise
-        if packed:
-            return decode_listing_reply(reply)
-        return decode_reply(request_type, reply, probe_address=self.address if probe else None)
 
     @staticmethod
     def _wait(sock: zmq.Socket, event: int, deadline: float) -> bool:
@@ -236,6 +264,8 @@ class TransferQueueSource:
         if request_type == KV_LIST:
             partition = body.get("partition_id")
             what = f"kv_list({'' if partition is None else repr(partition)})"
+        elif request_type == KV_RETRIEVE_META:
+            what = f"kv_watch({body.get('partition_id')!r}, {len(body.get('keys', ()))} keys)"
         else:
             what = f"a {request_type} probe"
         return SourceStall(f"no answer from the TransferQueue controller at {self.address} to "

@@ -130,6 +130,23 @@ class ListedSqlite:
         self._store.close()
 
 
+class WatchedSqlite(ListedSqlite):
+    """:class:`ListedSqlite` that also offers ``kv_watch``: a fingerprint of named keys, as TransferQueue's source.
+
+    With ``failing_watch`` every ``kv_watch`` raises, as a store that refuses the request would.
+    """
+
+    def __init__(self, path: str, failing_watch: bool = False) -> None:
+        super().__init__(path)
+        self.failing_watch = failing_watch
+
+    def kv_watch(self, partition_id: str, keys: list[str], timeout: float) -> bytes:
+        if self.failing_watch:
+            raise RuntimeError("this store refuses targeted reads")
+        held = (self._store.kv_list() or {}).get(partition_id, {})
+        return repr(sorted((key, sorted(held[key].items())) for key in keys if key in held)).encode()
+
+
 class SlowListedSqlite(ListedSqlite):
     """:class:`ListedSqlite` whose every listing takes ``seconds`` more, as a large TransferQueue's does, and
     which clears keys (a verl sampler's client)."""

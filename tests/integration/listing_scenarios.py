@@ -113,3 +113,33 @@ def verl_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
         figures = {name: stats[name] for name in ("listings", "listing_seconds", "listing_seconds_total",
                                                   "listing_share")}
     return {"listings": timed_listings(log), "answered": len(answered), "errors": errors, "figures": figures}
+
+
+def watch_reads_named_keys_and_changes_nothing(conf: Any) -> dict[str, Any]:
+    """kv_watch on the real controller: a fingerprint that moves with the keys named, and nothing created."""
+    import transfer_queue as tq
+
+    from poller.sources.transferqueue import TransferQueueSource, source_kwargs
+
+    running = group("train", "running", step=3)
+    other = group("train", "running", step=3)
+    source = TransferQueueSource(**source_kwargs(conf, partition_ids=["train"]))
+    try:
+        watch = [running]
+        first = source.kv_watch("train", watch)
+        assert isinstance(first, bytes) and source.kv_watch("train", watch) == first
+        tq.kv_put(key=other, partition_id="train", tag={"status": "finished"})  # not watched
+        unmoved = source.kv_watch("train", watch)
+        tq.kv_put(key=running, partition_id="train", tag={"status": "finished"})
+        moved = source.kv_watch("train", watch)
+        tq.kv_clear(keys=[running], partition_id="train")
+        removed = source.kv_watch("train", watch)
+        before = tq.kv_list()
+        source.kv_watch("train", ["never-put"])
+        source.kv_watch("no-such-partition", ["never-put"])
+        after = tq.kv_list()
+        return {"unmoved": unmoved == first, "moved": moved != first, "removed": removed != moved,
+                "partitions_before": sorted(before), "partitions_after": sorted(after),
+                "keys_before": sum(map(len, before.values())), "keys_after": sum(map(len, after.values()))}
+    finally:
+        source.close()

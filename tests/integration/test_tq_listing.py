@@ -48,3 +48,9 @@ def test_in_verls_cycle_listings_of_transferqueue_keep_to_it_while_syncs_ask_eve
     n = min(16, out["figures"]["listings"])
     busy = n * max(ended - began for began, ended in listings)
     assert 0 < out["figures"]["listing_share"] <= busy / (busy + (n - 1) * VERL_POLL_INTERVAL), out
+
+
+def test_kv_watch_moves_with_the_keys_named_and_creates_nothing_in_the_controller(store):
+    out = run(store, "watch_reads_named_keys_and_changes_nothing")
+    assert out["unmoved"] and out["moved"] and out["removed"], out
+    assert out["partitions_after"] == out["partitions_before"] and out["keys_after"] == out["keys_before"], out

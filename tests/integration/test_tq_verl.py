@@ -38,6 +38,12 @@ def test_sync_rules_built_the_custom_path_way(store):
     assert out["latency_s"] < 5.0
 
 
+def test_a_waiting_sample_has_its_prompts_watched_and_their_finish_listed_at_once(store):
+    out = run(store, "watched_finish")
+    assert out["reads_before"] >= 2 and out["watch_listings"] >= 1, out
+    assert out["keys"] == out["group"], out
+
+
 def test_between_calls_transferqueue_is_not_listed_and_a_call_lists_it_first(store):
     out = run(store, "between_calls")
     assert out["lists_between_calls"] is False and out["idle_polls"] == 0, out

@@ -372,3 +372,36 @@ def built_by_verl(conf: Any) -> dict[str, Any]:
         tq.kv_clear(keys=list(listed("train")), partition_id="train")
         out[mode] = {"refill_calls": refill.calls, "metrics": {k: v for k, v in metrics.items() if "/" in k}}
     return out
+
+
+def watched_finish(conf: Any) -> dict[str, Any]:
+    """buffer.verl at verl's defaults, sample() waiting on a running prompt: its poller watches the prompt and the
+    finish is listed by a listing the watch brought forward; the batch is the group the store holds."""
+    import transfer_queue as tq
+
+    uid = _uid()
+    tq.kv_put(key=uid, partition_id="train", tag={"is_prompt": True, "status": "running", "global_steps": 1})
+    rb = ReplayBuffer(trainer_mode="colocate_async", trainer_config={}, max_off_policy_threshold=None,
+                      max_off_policy_strategy="drop", sampler_kwargs={}, refill_fn=None)
+    try:
+        outcome: list[Any] = []
+        thread = threading.Thread(target=lambda: outcome.append(rb.sample(1, "train", 1)), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while rb.stats().get("watch_reads", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reads_before = rb.stats().get("watch_reads", 0)
+        trajectories = [f"{uid}_0_0", f"{uid}_1_0"]
+        tq.kv_batch_put(keys=trajectories + [uid], partition_id="train",
+                        tags=[{"global_steps": 1, "status": "success"}] * 2
+                        + [{"is_prompt": True, "status": "finished", "global_steps": 1}])
+        thread.join(60)
+        assert outcome, "sample() did not return"
+        batch, _ = outcome[0]
+        time.sleep(1.5)  # the heartbeat that carries the poller's counters
+        stats = rb.stats()
+        tq.kv_clear(keys=trajectories, partition_id="train")
+        return {"reads_before": reads_before, "keys": sorted(batch.keys), "group": sorted(trajectories),
+                "watch_listings": stats["watch_listings"], "watch_reads": stats["watch_reads"]}
+    finally:
+        _closed(rb)

@@ -1,0 +1,174 @@
+"""The watch: while a decision waits on a few keys, the poller reads them cheaply and lists once one changed.
+
+Real poller processes, real ZeroMQ and a real SQLite file read without its change feed
+(:class:`tests.helpers.sources.WatchedSqlite`, which offers ``kv_watch`` as TransferQueue's source
+does). The poll schedule is made long (verl's cycle and a 60 s ``poll_interval``), so only the
+watch can bring a listing forward: a decision that returns within seconds was woken by it. What
+the buffer shows is checked against the store itself: the watch decides when, never what.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import msgpack
+import pytest
+
+from buffer import ReplayBuffer
+from poller.duty import VERL_CYCLE, ListingDuty
+from poller.errors import ProtocolError
+from poller.messages import MAX_WATCH_KEYS, Heartbeat, Watch
+from poller.protocol import Kind, Message, decode, encode, encode_header
+from poller.sources.sqlite import SqliteSource
+from tests.conftest import wait_until
+
+WATCHED = "tests.helpers.sources:WatchedSqlite"
+# Far longer than any wait below: a listing that comes sooner was brought forward by the watch (or a SYNC).
+SLOW_SCHEDULE: dict[str, Any] = {"poll_interval": 60.0, "listing_share": VERL_CYCLE}
+
+
+def _finished(rb: ReplayBuffer, key: str) -> Callable[[], bool | None]:
+    def attempt() -> bool | None:
+        tags = rb.seam.tags("train", [key]).get(key)
+        return True if tags is not None and tags.get("status") == "finished" else None
+
+    return attempt
+
+
+def _decide_in_thread(rb: ReplayBuffer, attempt: Callable[[], bool | None], watch: Callable[[], list[str]] | None,
+                      timeout: float) -> tuple[threading.Thread, list[Any]]:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test",
+                                          watch=watch))
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="test-decide", daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def _settle_listings(rb: ReplayBuffer) -> int:
+    """The listings count once the heartbeats caught up with the applied polls."""
+    time.sleep(1.5)  # one heartbeat interval and a margin
+    return int(rb.stats()["listings"])
+
+
+def test_a_change_to_a_watched_key_is_listed_at_once_and_the_view_is_the_stores(db: str) -> None:
+    store = SqliteSource(db)
+    try:
+        store.kv_batch_put(["p", "q", "gone"], "train", tags=[{"status": "running"}, {"n": 1}, {"n": 2}])
+        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+            assert rb.seam.tags("train", ["p"])["p"]["status"] == "running"
+            listings = _settle_listings(rb)
+            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
+            assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
+            # Unwatched changes alone bring nothing forward; they come with the listing the watched one brings.
+            store.kv_put("q", "train", tag={"n": 10})
+            store.kv_clear(["gone"], "train")
+            time.sleep(1.0)
+            assert thread.is_alive(), outcome
+            store.kv_put("p", "train", tag={"status": "finished"})
+            thread.join(15.0)
+            assert not thread.is_alive() and outcome == [True]
+            # What the buffer shows is what the store holds: the unwatched changes came with it.
+            assert rb.snapshot("train") == store.kv_list()["train"]
+            assert wait_until(lambda: rb.stats()["watch_listings"] >= 1, timeout=5.0), rb.stats()
+            assert _settle_listings(rb) == listings + 1
+    finally:
+        store.close()
+
+
+def test_without_a_watch_the_same_wait_keeps_to_the_schedule(db: str) -> None:
+    """The control: the decision above, without ``watch``, is not answered before the deadline."""
+    store = SqliteSource(db)
+    try:
+        store.kv_put("p", "train", tag={"status": "running"})
+        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), None, timeout=4.0)
+            time.sleep(0.5)
+            store.kv_put("p", "train", tag={"status": "finished"})
+            thread.join(15.0)
+            assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)
+            assert rb.stats()["watch_reads"] == 0
+    finally:
+        store.close()
+
+
+def test_the_watch_ends_with_the_decision_and_a_failing_read_changes_nothing(db: str) -> None:
+    store = SqliteSource(db)
+    try:
+        store.kv_put("p", "train", tag={"status": "running"})
+        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
+            assert wait_until(lambda: rb.stats()["watch_reads"] >= 2, timeout=10.0)
+            store.kv_put("p", "train", tag={"status": "finished"})
+            thread.join(15.0)
+            assert outcome == [True]
+            time.sleep(1.5)
+            reads = rb.stats()["watch_reads"]
+            time.sleep(2.0)
+            assert rb.stats()["watch_reads"] == reads  # the poller was told to stop reading
+        with ReplayBuffer(WATCHED, source_kwargs={"path": db, "failing_watch": True}, **SLOW_SCHEDULE) as rb:
+            store.kv_put("p", "train", tag={"status": "running"})
+            rb.sync(timeout=10.0)
+            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=3.0)
+            thread.join(15.0)
+            assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)
+            rb.sync(timeout=10.0)  # polling goes on
+            stats = rb.stats()
+            assert stats["source_errors"] == 0 and stats["watch_reads"] == 0 and stats["poller_alive"]
+    finally:
+        store.close()
+
+
+def test_a_watch_lapses_in_the_poller_unless_renewed(db: str) -> None:
+    """A trainer that stops renewing (stopped, dead) leaves nothing read on its behalf for long."""
+    store = SqliteSource(db)
+    try:
+        store.kv_put("p", "train", tag={"status": "running"})
+        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+            rb.seam._listing_sync.watch("train", ["p"], 1.0)  # one WATCH, never renewed
+            assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
+            time.sleep(2.5)  # the watch lapsed; the last heartbeat counted every read
+            reads = rb.stats()["watch_reads"]
+            assert reads <= 1.0 / 0.3 + 2
+            time.sleep(1.5)
+            assert rb.stats()["watch_reads"] == reads
+    finally:
+        store.close()
+
+
+def test_watch_messages_cross_the_wire_and_bad_ones_are_refused() -> None:
+    body = Watch("train", ["a", "b"], 3.0)
+    message = decode(encode(Message(Kind.WATCH, 5, 1, body)))
+    assert message.kind is Kind.WATCH and message.body == body
+    beat = Heartbeat(polls=1, source_errors=0, rss=1, stalled_s=0.0, watch_reads=7, watch_listings=2)
+    assert decode(encode(Message(Kind.HEARTBEAT, 5, 2, beat))).body == beat
+    for bad, match in (({"partition": "train", "keys": ["k"] * (MAX_WATCH_KEYS + 1), "seconds": 1.0}, "keys"),
+                       ({"partition": "train", "keys": [1], "seconds": 1.0}, "keys"),
+                       ({"partition": "train", "keys": ["k"], "seconds": -1.0}, "wrong value"),
+                       ({"keys": ["k"], "seconds": 1.0}, "partition")):
+        with pytest.raises(ProtocolError, match=match):
+            decode([encode_header(Kind.WATCH, 5, 1), msgpack.packb(bad, use_bin_type=True)])
+
+
+def test_a_change_brings_a_listing_forward_at_most_once_per_verls_sleep() -> None:
+    duty = ListingDuty(VERL_CYCLE)
+    duty.record(100.0, 0.1)
+    duty.poll_done(100.2)
+    assert duty.wait_for(100.3) > 2.0  # verl's cycle: 2 s + d + 2p after the poll was done
+    assert duty.wait_for_change(100.3) == 0.0  # a change: once the store has rested 2d
+    assert duty.wait_for_change(100.15) == pytest.approx(0.05)
+    duty.brought_forward(100.3)
+    duty.record(100.3, 0.1)
+    duty.poll_done(100.5)
+    assert duty.wait_for_change(101.0) == pytest.approx(1.3)  # one brought forward per VERL_POLL_INTERVAL
+    shared = ListingDuty(0.15)
+    shared.record(10.0, 0.15)
+    assert shared.wait_for_change(10.5) == shared.wait_for(10.5) == pytest.approx(0.5)
