@@ -12,8 +12,10 @@ time, in three phases of the same length:
   of the trainer process.
 
 Before the phases of each K, the controller's CPU per listing is also
-measured alone, no writer running, for each sampler's own request
-(:func:`bench.tq_host.listing_cost_alone`).
+measured alone, no writer running, for each sampler's own request, and
+per targeted read of buffer.verl's watch (1 and 256 keys)
+(:func:`bench.tq_host.costs_alone`): the controller-CPU goal is each
+sampler's listings/s (and reads/s) times those costs.
 
 Per phase: the writer's batches/s and put latency, the CPU of the controller's
 process (``/proc/<pid>/stat``), the CPU of what lists for the sampler, and the
@@ -26,8 +28,12 @@ listings (6 s phases held 2 or 3 listings of a ~2.4 s cycle: 0.33 or 0.5
 listings/s). Each sampler phase runs between two runs of phase a, over
 several rounds (:func:`bench.tq_host.schedule`), and is compared with their
 mean, so a steady drift of the machine cancels out; ratios and differences
-are medians over the rounds, listings/s and the CPU per listing are pooled. The store, Ray and the samplers live
-in a host process (:mod:`bench.tq_host`), so none of it stays in this process.
+are medians over the rounds, listings/s and the CPU per listing are pooled.
+The writer-slowdown goal compares the phases' 95% intervals
+(:func:`writer_goal`); the host adds rounds until each is within
+:data:`HALF_WIDTH` of its mean, up to the plan's cap (:class:`Plan`). The
+store, Ray and the samplers live in a host process (:mod:`bench.tq_host`),
+so none of it stays in this process.
 
 Needs the ``transferqueue`` extra, and verl 0.9.1 for phase c
 (``make bench`` or ``make test-integration`` installs both); without

@@ -10,6 +10,11 @@
          │                        │── phase c: verl 0.9.1's sampler blocked in sample() in a thread
          └────────────────────────┘── phase d: buffer.verl between calls (started, no call in progress)
 
+Before the phases of each K, the controller's CPU per request is measured
+with nothing else running (:func:`costs_alone`); after the minimum rounds,
+a round is added while a slowdown interval is too wide to decide on
+(:func:`more_rounds`, :func:`bench.tq.resolved`).
+
 Each phase measures the writer (batches/s, put latency) and the CPU of the
 TransferQueue controller's process, plus the CPU of whatever lists the store
 for the sampler (buffer.verl's poller process, or the thread that runs verl's

@@ -7,13 +7,26 @@ order the phases run in and the reference each sampler phase is compared with.
 
 from __future__ import annotations
 
-import pytest
-
 import math
 
+import pytest
+
 from bench.report import Goal, Table
-from bench.tq import (HALF_WIDTH, _fill, _listing_cpu, bracketed, controller_share, half_width, interval,
-                      median_interval, plan, read_cost_bound, resolved, wake_table, writer_goal)
+from bench.tq import (
+    HALF_WIDTH,
+    _fill,
+    _listing_cpu,
+    bracketed,
+    controller_share,
+    half_width,
+    interval,
+    median_interval,
+    plan,
+    read_cost_bound,
+    resolved,
+    wake_table,
+    writer_goal,
+)
 from bench.tq_host import WATCH_KEYS, around_listings, more_rounds, schedule, window
 from bench.tq_wake import KINDS
 
