@@ -21,6 +21,9 @@ class Goal:
     limit: float
     higher_is_better: bool = False
     interval: tuple[float, float] | None = None  # the value's 95% interval, printed beside it
+    # A goal that is not "value against limit" (intervals that must overlap, say): its verdict and what it saw.
+    verdict: bool | None = None
+    detail: str | None = None
 
     @classmethod
     def estimated(cls, text: str, estimate: Estimate, limit: float) -> Goal:
@@ -29,9 +32,13 @@ class Goal:
 
     @property
     def met(self) -> bool:
+        if self.verdict is not None:
+            return self.verdict
         return self.value >= self.limit if self.higher_is_better else self.value <= self.limit
 
     def render(self) -> str:
+        if self.detail is not None:
+            return f"{'met' if self.met else 'MISSED'}: {self.text} ({self.detail})"
         spread = f", 95% interval {self.interval[0]:.3g}–{self.interval[1]:.3g}" if self.interval else ""
         return (f"{'met' if self.met else 'MISSED'}: {self.text} (measured {self.value:.3g}{spread}, "
                 f"goal {'≥' if self.higher_is_better else '≤'} {self.limit:.3g})")

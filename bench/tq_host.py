@@ -10,6 +10,11 @@
          │                        │── phase c: verl 0.9.1's sampler blocked in sample() in a thread
          └────────────────────────┘── phase d: buffer.verl between calls (started, no call in progress)
 
+Before the phases of each K, the controller's CPU per request is measured
+with nothing else running (:func:`costs_alone`); after the minimum rounds,
+a round is added while a slowdown interval is too wide to decide on
+(:func:`more_rounds`, :func:`bench.tq.resolved`).
+
 Each phase measures the writer (batches/s, put latency) and the CPU of the
 TransferQueue controller's process, plus the CPU of whatever lists the store
 for the sampler (buffer.verl's poller process, or the thread that runs verl's
@@ -44,6 +49,12 @@ _HEARTBEAT_LAG = 1.5
 # Seconds before a listing's mark that hold its controller work: the listing (d) and what follows it up to the
 # mark (the product's diff and send, p) and one sample; ~0.3 s at K=100k, short of the 2 s pause.
 _AROUND = 1.0
+#: Keys of one targeted read measured alone: a decision waiting on one prompt, and the watch's cap.
+WATCH_KEYS = (1, 256)
+#: A round of targeted reads measured alone runs until the controller spent this much CPU (10 ms ticks: ~3%)...
+_READS_CPU = 0.3
+#: ... or for this long, whichever comes first.
+_READS_WALL = 5.0
 
 
 class PhaseStopped(Exception):
@@ -133,7 +144,8 @@ class _Blocked:
     poller that lists the store for the sampler; None: none) and of the
     threads ``also`` names, which work for it in this process (the product's
     receiver and supervisor; TransferQueue's client, which decodes replies in
-    a thread of its own); ``stop`` ends the phase,
+    a thread of its own); ``reads()`` counts the sampler's targeted reads
+    (buffer.verl's watch), as late as ``listings()``; ``stop`` ends the phase,
     after which ``sample()`` must raise ``expected``; ``cleanup`` runs once
     the thread has ended.
     """
@@ -141,9 +153,10 @@ class _Blocked:
     def __init__(self, sample: Callable[[], Any], stop: Callable[[], Any], listings: Callable[[], int],
                  lister_stat: str | None, expected: type[BaseException], *,
                  marks: Callable[[], int] | None = None, lag: float = 0.0, also: tuple[str, ...] = (),
-                 cleanup: Callable[[], Any] | None = None) -> None:
+                 cleanup: Callable[[], Any] | None = None, reads: Callable[[], int] = lambda: 0) -> None:
         self._stop = stop
         self.listings = listings
+        self.reads = reads
         self.marks = marks or listings
         self.lag = lag
         self._expected = expected
@@ -217,7 +230,7 @@ def _product(between_calls: bool = False) -> _Blocked:
                     cleanup: Callable[[], Any] | None = None) -> _Blocked:
             return _Blocked(sample, stop, lambda: int(sampler.stats()["listings"]), f"/proc/{poller}/stat", expected,
                             marks=lambda: int(sampler.stats()["polls"]), lag=_HEARTBEAT_LAG, also=own,
-                            cleanup=cleanup)
+                            cleanup=cleanup, reads=lambda: int(sampler.stats().get("watch_reads", 0)))
 
         if not between_calls:
             return blocked(lambda: sampler.sample(global_steps=1, partition_id=PARTITION, batch_size=NEVER),
@@ -367,6 +380,7 @@ def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str,
     try:
         time.sleep(0.2)  # into its wait loop (verl's first listing may still run: it lists all phase anyway)
         samples = [_sample(blocked, controller)]
+        reads0 = blocked.reads() if blocked is not None else 0
         run = writer.run.remote(seconds)
         deadline = time.monotonic() + seconds + _CALL_TIMEOUT
         while not ray.wait([run], timeout=_SAMPLE_EVERY)[0]:
@@ -380,6 +394,7 @@ def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str,
             while samples[-1][0] < samples[j][0] + blocked.lag:  # until the count has caught up with the end
                 time.sleep(_SAMPLE_EVERY)
                 samples.append(_sample(blocked, controller))
+            reads1 = blocked.reads()
     finally:
         if blocked is not None:
             blocked.end()
@@ -399,27 +414,36 @@ def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str,
         "aligned": aligned,
         "around_cpu": None,
         "around_batches": None,
+        "reads": None,
+        "reads_seconds": None,
     }
     if blocked is not None:
         lag = blocked.lag
         around_cpu, around_batches = around_listings(samples, i, j, starts)
         record.update(lister_cpu=(lister1 - lister0) / wall, listings=marks1 - marks0,
                       counted=_counted(samples, t1 + lag) - _counted(samples, t0 + lag),
-                      around_cpu=around_cpu, around_batches=around_batches)
+                      around_cpu=around_cpu, around_batches=around_batches,
+                      # Both counts lag the reads by up to a heartbeat: over the whole phase that is a few %.
+                      reads=reads1 - reads0, reads_seconds=samples[-1][0] - samples[0][0])
     return record
 
 
-def listing_cost_alone(controller: int, k: int, rounds: int) -> dict[str, list[float]]:
-    """The controller's CPU seconds per listing with no writer and no sampler, per round.
+def costs_alone(controller: int, k: int, rounds: int, prompts: list[str]) -> dict[str, Any]:
+    """The controller's CPU seconds per request with no writer and no sampler, per round.
 
-    ``b``: the request ``buffer.verl``'s poller sends (its TransferQueue
-    source, partition ``train``); ``c``: verl's sampler's, ``tq.kv_list()``
-    (every partition). They alternate, each round running enough listings
-    for the controller's CPU to be read to a few per cent (``/proc`` counts
-    10 ms ticks); its idle CPU, read first, is taken off. Nothing but the
-    request differs, so this is what one listing of each costs the shared
-    controller, free of the writer's noise that the in-phase estimate
-    carries.
+    ``{"listings": {"b": [...], "c": [...]}, "reads": {1: [...], 256: [...]}}``.
+    Listings: ``b``, the request ``buffer.verl``'s poller sends (its
+    TransferQueue source, partition ``train``); ``c``, verl's sampler's,
+    ``tq.kv_list()`` (every partition). Reads: the targeted read of
+    ``buffer.verl``'s watch, ``kv_watch("train", keys)`` (one
+    ``KV_RETRIEVE_META``), for the first 1 and 256 of ``prompts``
+    (:data:`WATCH_KEYS`); when the source has no ``kv_watch``, ``reads`` is
+    the reason instead. The requests alternate, each round running enough
+    of them for the controller's CPU to be read to a few per cent (``/proc``
+    counts 10 ms ticks); its idle CPU, read first, is taken off. Nothing but
+    the request differs, so this is what one request of each costs the
+    shared controller, free of the writer's noise that the in-phase
+    estimate carries.
     """
     import transfer_queue as tq
 
@@ -428,24 +452,51 @@ def listing_cost_alone(controller: int, k: int, rounds: int) -> dict[str, list[f
     stat = f"/proc/{controller}/stat"
     source = tq_source.TransferQueueSource(**tq_source.source_kwargs(partition_ids=[PARTITION]))
     try:
-        requests: dict[str, Callable[[], Any]] = {"b": source.kv_list_packed, "c": tq.kv_list}
-        for request in requests.values():
+        listing: dict[str, Callable[[], Any]] = {"b": source.kv_list_packed, "c": tq.kv_list}
+        # A source from before buffer.verl's watch has no kv_watch: its reads are then not measured.
+        watch: Callable[[str, list[str]], bytes] | None = getattr(source, "kv_watch", None)
+        reads = {n: _read(watch, prompts[:n]) for n in WATCH_KEYS} if watch is not None else {}
+        why_not = "" if watch is not None else \
+            "not measured: this TransferQueue source has no kv_watch (buffer.verl's watch is not in it)"
+        for request in [*listing.values(), *reads.values()]:
             request()  # connected and warm
         listings = max(8, 800_000 // k)  # ~0.3 s of the controller's CPU a round at any K
         before, began = cpu_seconds(stat), time.monotonic()
         time.sleep(1.0)
         idle = (cpu_seconds(stat) - before) / (time.monotonic() - began)
-        costs: dict[str, list[float]] = {name: [] for name in requests}
+        costs: dict[str, list[float]] = {name: [] for name in listing}
+        read_costs: dict[int, list[float]] = {n: [] for n in reads}
         for r in range(rounds):
-            for name in list(requests) if r % 2 == 0 else list(requests)[::-1]:
-                before, began = cpu_seconds(stat), time.monotonic()
-                for _ in range(listings):
-                    requests[name]()
-                spent = cpu_seconds(stat) - before - idle * (time.monotonic() - began)
-                costs[name].append(spent / listings)
-        return costs
+            for name in list(listing) if r % 2 == 0 else list(listing)[::-1]:
+                costs[name].append(_cost_per_request(stat, listing[name], idle, count=listings))
+            for n in list(reads) if r % 2 == 0 else list(reads)[::-1]:
+                read_costs[n].append(_cost_per_request(stat, reads[n], idle, cpu=_READS_CPU, wall=_READS_WALL))
+        return {"listings": costs, "reads": read_costs if reads else why_not}
     finally:
         source.close()
+
+
+def _read(watch: Callable[[str, list[str]], bytes], keys: list[str]) -> Callable[[], bytes]:
+    """One targeted read of ``keys`` in partition ``train``, as buffer.verl's watch makes it."""
+    return lambda: watch(PARTITION, keys)
+
+
+def _cost_per_request(stat: str, request: Callable[[], Any], idle: float, *, count: int | None = None,
+                      cpu: float = 0.0, wall: float = 0.0) -> float:
+    """The controller's CPU seconds per ``request``, its ``idle`` CPU per second taken off: over ``count``
+    requests, or (without ``count``) until it spent ``cpu`` seconds or ``wall`` seconds passed."""
+    before, began = cpu_seconds(stat), time.monotonic()
+    done = 0
+    while True:
+        request()
+        done += 1
+        if count is not None:
+            if done >= count:
+                break
+        elif done % 20 == 0 and (cpu_seconds(stat) - before >= cpu or time.monotonic() - began >= wall):
+            break
+    spent = cpu_seconds(stat) - before - idle * (time.monotonic() - began)
+    return spent / done
 
 
 def schedule(phases: str, rounds: int) -> list[tuple[int, str]]:
@@ -467,6 +518,12 @@ def schedule(phases: str, rounds: int) -> list[tuple[int, str]]:
     return order + [(rounds - 1, "a")]
 
 
+def more_rounds(phases: str, done: int) -> list[tuple[int, str]]:
+    """The phases that extend :func:`schedule` ``(phases, done)`` by one round: what follows its closing
+    phase a (which opens the new round) in ``schedule(phases, done + 1)``."""
+    return schedule(phases, done + 1)[len(schedule(phases, done)):]
+
+
 def _controller_pid() -> int:
     import ray
 
@@ -475,12 +532,20 @@ def _controller_pid() -> int:
     return int(pid)
 
 
-def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phases: str, wake_samples: int) -> None:
-    """The whole benchmark in this process; sends ``("progress", text)`` throughout, per K first
-    ``("alone", {"k", "costs"})`` (:func:`listing_cost_alone`, when phase c runs), then a
-    ``("phase", record)`` per phase and a ``("wake", record)`` per block of the wake-up line
-    (:func:`bench.tq_wake.run`, ``wake_samples`` per sampler), and at the end ``("done", None)`` or
-    ``("error", traceback)``. Everything started here is stopped before it returns."""
+def serve(conn: Connection, plan: Any, phases: str) -> None:
+    """The whole benchmark of ``plan`` (a :class:`bench.tq.Plan`) in this process.
+
+    Sends ``("progress", text)`` throughout, per K first ``("alone", {"k",
+    "costs"})`` (:func:`costs_alone`, when phase c runs), then a ``("phase",
+    record)`` per phase: ``plan.min_rounds`` rounds, and one more while a
+    sampler phase's slowdown interval is wider than
+    :data:`bench.tq.HALF_WIDTH`, up to ``plan.max_rounds``; then a ``("wake",
+    record)`` per block of the wake-up line (:func:`bench.tq_wake.run`,
+    ``plan.wake_samples`` per sampler and kind), and at the end ``("done",
+    None)`` or ``("error", traceback)``. Everything started here is stopped
+    before it returns."""
+    from .tq import resolved, slowdowns_of
+
     # Ray's socket paths must fit in 108 bytes: a short directory under /tmp.
     temp_dir = tempfile.mkdtemp(prefix="bench-tq-", dir="/tmp")
     started_store = False
@@ -508,24 +573,35 @@ def serve(conn: Connection, sizes: list[int], rounds: int, seconds: float, phase
         actor_class: Any = ray.remote(num_cpus=1)(Writer)
         writer = actor_class.remote([f"g{n:07d}" for n in range(WRITER_POOL)])
         groups = 0
-        for k in sizes:
+        for k in plan.sizes:
             conn.send(("progress", f"tq: preloading {k:,} keys"))
             preload(groups, k // GROUP_KEYS)
             if not groups:
                 ray.get(writer.run.remote(0.5), timeout=_CALL_TIMEOUT)  # the actor is up and its client warm
             groups = k // GROUP_KEYS
             if "c" in phases:
-                conn.send(("progress", f"tq: K={k:,}: the controller's CPU per listing, alone"))
-                conn.send(("alone", {"k": k, "costs": listing_cost_alone(controller, k, rounds)}))
-            for seq, (r, name) in enumerate(schedule(phases, rounds)):
-                record = _phase(name, writer, controller, seconds)
-                record.update(k=k, round=r, seq=seq)
-                conn.send(("phase", record))
-            if wake_samples:
+                conn.send(("progress", f"tq: K={k:,}: the controller's CPU per listing and per read, alone"))
+                prompts = [f"g{n:07d}" for n in range(min(max(WATCH_KEYS), groups))]
+                conn.send(("alone", {"k": k, "costs": costs_alone(controller, k, plan.min_rounds, prompts)}))
+            records: list[dict[str, Any]] = []
+            order, rounds = schedule(phases, plan.min_rounds), plan.min_rounds
+            while True:
+                for r, name in order:
+                    record = _phase(name, writer, controller, plan.seconds)
+                    record.update(k=k, round=r, seq=len(records))
+                    records.append(record)
+                    conn.send(("phase", record))
+                if rounds >= plan.max_rounds or resolved(slowdowns_of(records)):
+                    break
+                conn.send(("progress", f"tq: K={k:,}: a slowdown interval is still wider than the goal's "
+                                       f"resolution after {rounds} rounds: one more"))
+                order, rounds = more_rounds(phases, rounds), rounds + 1
+            if plan.wake_samples:
                 from . import tq_wake
 
-                conn.send(("progress", f"tq: K={k:,}: finished -> sample() returns, {wake_samples} per sampler"))
-                for record in tq_wake.run(k, wake_samples, "c" in phases,
+                conn.send(("progress", f"tq: K={k:,}: finished -> the call returns, {plan.wake_samples} per "
+                                       f"sampler and kind"))
+                for record in tq_wake.run(k, plan.wake_samples, "c" in phases, plan.wake_kinds,
                                           lambda text: conn.send(("progress", text))):
                     conn.send(("wake", record))
         conn.send(("done", None))
