@@ -13,7 +13,7 @@ time, in three phases of the same length:
 
 Before the phases of each K, the controller's CPU per listing is also
 measured alone, no writer running, for each sampler's own request, and
-per targeted read of buffer.verl's watch (1 and 256 keys)
+per targeted read of buffer.verl's watch (1 and 64 keys)
 (:func:`bench.tq_host.costs_alone`): the controller-CPU goal is each
 sampler's listings/s (and reads/s) times those costs.
 

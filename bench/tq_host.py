@@ -50,7 +50,8 @@ _HEARTBEAT_LAG = 1.5
 # mark (the product's diff and send, p) and one sample; ~0.3 s at K=100k, short of the 2 s pause.
 _AROUND = 1.0
 #: Keys of one targeted read measured alone: a decision waiting on one prompt, and the watch's cap.
-WATCH_KEYS = (1, 256)
+#: Keys per targeted read measured alone: one, and buffer.verl's most (buffer.verl.WATCHED_PROMPTS).
+WATCH_KEYS = (1, 64)
 #: A round of targeted reads measured alone runs until the controller spent this much CPU (10 ms ticks: ~3%)...
 _READS_CPU = 0.3
 #: ... or for this long, whichever comes first.
@@ -431,12 +432,12 @@ def _phase(name: str, writer: Any, controller: int, seconds: float) -> dict[str,
 def costs_alone(controller: int, k: int, rounds: int, prompts: list[str]) -> dict[str, Any]:
     """The controller's CPU seconds per request with no writer and no sampler, per round.
 
-    ``{"listings": {"b": [...], "c": [...]}, "reads": {1: [...], 256: [...]}}``.
+    ``{"listings": {"b": [...], "c": [...]}, "reads": {1: [...], 64: [...]}}``.
     Listings: ``b``, the request ``buffer.verl``'s poller sends (its
     TransferQueue source, partition ``train``); ``c``, verl's sampler's,
     ``tq.kv_list()`` (every partition). Reads: the targeted read of
     ``buffer.verl``'s watch, ``kv_watch("train", keys)`` (one
-    ``KV_RETRIEVE_META``), for the first 1 and 256 of ``prompts``
+    ``KV_RETRIEVE_META``), for the first 1 and 64 of ``prompts``
     (:data:`WATCH_KEYS`); when the source has no ``kv_watch``, ``reads`` is
     the reason instead. The requests alternate, each round running enough
     of them for the controller's CPU to be read to a few per cent (``/proc``

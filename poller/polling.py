@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import Callable, Iterator
 
+import msgpack
+
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .deltas import iter_encode_delta, iter_encode_pieces
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty, ListingShare
@@ -24,15 +26,22 @@ from .messages import Error
 from .pieces import ScreenedPieces
 from .protocol import Kind, Limits, encode_body, fit_text
 from .quarantine import Quarantine
-from .sources import Source, SourceStall, watch_reader
+from .sources import Source, SourceStall, WatchRead, watch_reader
 
-__all__ = ["PollingThread", "WATCH_INTERVAL", "WATCH_TIMEOUT"]
+__all__ = ["PollingThread", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX", "WATCH_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between two reads of the watched keys while a decision waits on them (``kv_watch``; PollingThread).
-#: TransferQueue: ~0.35 ms of the controller's CPU a read, ~0.12% of a core while the watch lasts.
+#: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``;
+#: PollingThread). TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
 WATCH_INTERVAL = 0.3
+#: What a second of watching may cost the store, in listings: a read of ``r`` seconds is followed by the next
+#: ``(r / d) / WATCH_BUDGET`` seconds after it began (``d``: the last listing), within WATCH_INTERVAL and
+#: WATCH_INTERVAL_MAX. Where a listing costs several reads (TransferQueue at 10k keys, ~5 ms against a read's
+#: ~1 ms) reads are spaced ~0.6 s; at 100k keys (~100 ms a listing), every WATCH_INTERVAL.
+WATCH_BUDGET = 0.25
+#: The most seconds between two reads, however cheap a listing (a few keys: reads cost next to nothing either).
+WATCH_INTERVAL_MAX = 0.6
 #: A read of the watched keys not answered within this many seconds tells nothing; the next comes an interval later.
 WATCH_TIMEOUT = 1.0
 
@@ -136,12 +145,13 @@ class PollingThread(threading.Thread):
         # A SYNC, RESYNC or STOP arrived since the last listing began: a pause between polls ends.
         self._poll_asked = False
         # The watch: kv_watch, if the source offers one; the keys to watch (partition, keys, until), replaced
-        # whole by the control loop; the fingerprint the last listing's view matches, with its (partition, keys);
-        # when the last read was made; whether a read differed from the baseline since the last listing began.
+        # whole by the control loop; the last read's fingerprint, with its (partition, keys) (None: the next
+        # read compares tags with what was sent); when the next read is due; whether a read showed a change
+        # since the last listing began.
         self._watch_read = watch_reader(source)
         self._watch: tuple[str, tuple[str, ...], float] | None = None
-        self._baseline: tuple[tuple[str, tuple[str, ...]], bytes | None] | None = None
-        self._last_watch_read = -math.inf
+        self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
+        self._next_watch_read = -math.inf
         self._change_seen = False
         # Read by the control loop for heartbeats.
         self.watch_reads = 0
@@ -281,33 +291,56 @@ class PollingThread(threading.Thread):
         return watch[0], watch[1]
 
     def _watch_due(self, now: float) -> float | None:
-        """When the watched keys are next read (None: no watch): at once for keys without a baseline."""
+        """When the watched keys are next read (None: no watch): at once for keys new to the watch."""
         watched = self._watched(now)
         if watched is None:
             return None
-        if self._baseline is None or self._baseline[0] != watched:
+        if self._baseline is not None and self._baseline[0] != watched:
             return now
-        return self._last_watch_read + WATCH_INTERVAL
+        return self._next_watch_read
 
-    def _read_watch(self, now: float, *, baseline: bool = False) -> None:
-        """Read the watched keys' fingerprint: a baseline (for new keys, or ``baseline``), else compared with it."""
+    def _read_watch(self, now: float) -> None:
+        """Read the watched keys; a change the buffer was not sent sets ``_change_seen`` (the class docstring)."""
         watched = self._watched(now)
         if watched is None or self._watch_read is None:
             return
-        self._last_watch_read = now
+        partition, keys = watched
         try:
-            fingerprint = self._watch_read(watched[0], watched[1], WATCH_TIMEOUT)
+            read = self._watch_read(partition, keys, WATCH_TIMEOUT)
         except Exception as exc:  # a read that fails tells nothing: the listings go on as scheduled
-            logger.debug("kv_watch() of %d key(s) of %r failed: %r", len(watched[1]), watched[0], exc)
-            if baseline:
-                self._baseline = None
+            logger.debug("kv_watch() of %d key(s) of %r failed: %r", len(keys), partition, exc)
+            read = None
+        else:
+            self.watch_reads += 1
+        took = time.monotonic() - now
+        listing = self.duty.last_seconds
+        pace = (took / listing) / WATCH_BUDGET if listing > 0 else 0.0
+        self._next_watch_read = now + min(max(WATCH_INTERVAL, pace), WATCH_INTERVAL_MAX)
+        if read is None:
             return
-        self.watch_reads += 1
-        if baseline or fingerprint is None or self._baseline is None or self._baseline[0] != watched \
-                or self._baseline[1] is None:
-            self._baseline = (watched, fingerprint)
-        elif fingerprint != self._baseline[1]:
+        baseline = self._baseline
+        if baseline is not None and baseline[0] == watched:
+            changed = read.fingerprint != baseline[1]
+        else:
+            changed = self._not_sent(partition, keys, read)
+        self._baseline = (watched, read.fingerprint)
+        if changed:
             self._change_seen = True
+
+    def _not_sent(self, partition: str, keys: tuple[str, ...], read: WatchRead) -> bool:
+        """Whether ``read`` shows the keys otherwise than the listings sent them (False when it cannot tell)."""
+        if read.found < len(keys):
+            return True  # a key the buffer holds is gone from the store
+        if read.tags is None:
+            return False
+        held = self.sent.get(partition, {})
+        for key in keys:
+            sent = held.get(key)
+            if isinstance(sent, (bytes, bytearray)):  # kept packed (poller.listing.commit_listing)
+                sent = msgpack.unpackb(sent, raw=False, strict_map_key=False)
+            if sent is None or read.tags.get(key) != sent:
+                return True
+        return False
 
     def _resends(self) -> bool:
         """Whether a snapshot now is ``sent`` again rather than a listing: a RESYNC, without a change feed.
@@ -400,10 +433,10 @@ class PollingThread(threading.Thread):
                     return
                 full = False
                 continue
-            # Before the listing: its view matches this baseline, so a later read that differs saw a change.
+            # The next read compares with what this listing sends: a change it misses is one it did not list.
             brought_forward = self._change_seen
             self._change_seen = self._poll_asked = False
-            self._read_watch(time.monotonic(), baseline=True)
+            self._baseline = None
             started = time.time()
             began = time.monotonic()
             if brought_forward:

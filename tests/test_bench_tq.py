@@ -190,16 +190,16 @@ def test_the_controllers_cpu_goal_is_each_samplers_rate_times_its_cost_alone() -
     assert (goal.value, goal.limit) == pytest.approx((1.75, 1.4)) and not goal.met
 
 
-def test_the_controllers_cpu_goal_adds_buffer_verls_targeted_reads_at_the_256_key_cost() -> None:
+def test_the_controllers_cpu_goal_adds_buffer_verls_targeted_reads_at_the_64_key_cost() -> None:
     records = _records(100_000, {"a": 200.0, "b": 200.0, "c": 200.0}, drift=0.0, listings_of={"b": 3, "c": 5})
     for record in records:
         if record["phase"] == "b":
             record.update(reads=40, reads_seconds=10.0)  # 4 reads a second
     listings = {100_000: {"b": [0.035], "c": [0.035]}}
     table = _table()
-    _fill(table, records, [100_000], "abc", listings, {100_000: {1: [0.0003], 256: [0.001]}})
+    _fill(table, records, [100_000], "abc", listings, {100_000: {1: [0.0003], 64: [0.001]}})
     goal = next(goal for goal in table.goals if goal.text.startswith("controller CPU of buffer.verl"))
-    # 0.3 listings/s × 35 ms + 4 reads/s × 1 ms (the 256-key read) = 1.05% + 0.4% against 0.5 × 35 ms = 1.75%.
+    # 0.3 listings/s × 35 ms + 4 reads/s × 1 ms (the 64-key read) = 1.05% + 0.4% against 0.5 × 35 ms = 1.75%.
     assert (goal.value, goal.limit) == pytest.approx((1.45, 1.75)) and goal.met
     assert any("plus its reads 0.4% (27.6% of its total)" in n for n in table.notes)
     # Reads whose cost was not measured: no comparison rather than one that leaves them out.
@@ -214,8 +214,8 @@ def test_the_cost_sum_and_the_read_bound() -> None:
     assert controller_share(0.5, 0.035, 4.0, 0.001) == pytest.approx(2.15)
     assert controller_share(0.5, 0.035, 0.0, None) == pytest.approx(1.75)  # no reads: nothing left out
     assert controller_share(0.5, 0.035, 4.0, None) is None
-    assert WATCH_KEYS == (1, 256)
-    assert read_cost_bound({1: [0.0002, 0.0004, 0.0003], 256: [0.002, 0.001, 0.003]}) == 0.002
+    assert WATCH_KEYS == (1, 64)
+    assert read_cost_bound({1: [0.0002, 0.0004, 0.0003], 64: [0.002, 0.001, 0.003]}) == 0.002
     assert read_cost_bound("not measured: no kv_watch") is None and read_cost_bound(None) is None
     assert read_cost_bound({1: [0.0003]}) is None
 
@@ -313,13 +313,13 @@ def test_the_wake_up_goals_compare_buffer_verl_with_verls_median() -> None:
 def test_the_wake_up_cpu_adds_the_reads_and_shows_their_share() -> None:
     records = [_block("b", [0.2, 0.3, 0.4], 2, reads=40), _block("c", [1.0, 1.2, 1.4], 5)]
     table = wake_table(records, [10_000], {10_000: {"b": [0.003], "c": [0.003]}}, 3,
-                       {10_000: {1: [0.0003, 0.0003], 256: [0.0005, 0.0005]}})
+                       {10_000: {1: [0.0003, 0.0003], 64: [0.0005, 0.0005]}})
     goal = next(goal for goal in table.goals if goal.text.startswith("controller CPU of buffer.verl"))
     # 0.2 listings/s × 3 ms + 4 reads/s × 0.5 ms = 0.06% + 0.2% of a core, against 0.5 × 3 ms = 0.15%.
     assert (goal.value, goal.limit) == pytest.approx((0.26, 0.15)) and not goal.met
     product = next(row for row in table.rows if row[2].startswith("b:"))
     assert product[9] == "4" and product[11] == "0.5" and product[12] == "0.26" and product[13] == "76.9"
-    assert any(n.startswith("K=10,000: the controller's CPU per targeted read") and "256 keys 0.5 (0.5, 0.5)" in n
+    assert any(n.startswith("K=10,000: the controller's CPU per targeted read") and "64 keys 0.5 (0.5, 0.5)" in n
                for n in table.notes)
     # Reads made, their cost not measured: the CPU goal is left out with the reason, the latency goals stay.
     table = wake_table(records, [10_000], {10_000: {"b": [0.003], "c": [0.003]}}, 3, {10_000: "not measured: x"})

@@ -84,6 +84,22 @@ def test_a_change_to_a_watched_key_is_listed_at_once_and_the_view_is_the_stores(
         store.close()
 
 
+def test_a_change_before_the_watch_began_is_seen_by_its_first_read(db: str) -> None:
+    """The first read compares the keys with what the listings sent: a finish that landed after the last listing
+    and before the watch began is listed at once, not with the next listing of the schedule."""
+    store = SqliteSource(db)
+    try:
+        store.kv_put("p", "train", tag={"status": "running"})
+        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+            store.kv_put("p", "train", tag={"status": "finished"})  # the view still holds "running"
+            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
+            thread.join(15.0)
+            assert outcome == [True]
+            assert wait_until(lambda: rb.stats()["watch_listings"] == 1, timeout=5.0), rb.stats()
+    finally:
+        store.close()
+
+
 def test_without_a_watch_the_same_wait_keeps_to_the_schedule(db: str) -> None:
     """The control: the decision above, without ``watch``, is not answered before the deadline."""
     store = SqliteSource(db)

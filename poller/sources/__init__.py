@@ -23,9 +23,10 @@ A subclass that overrides ``kv_list()`` alone is listed by its ``kv_list()``
 (:func:`packed_listing`).
 
 A source without a change feed may offer ``kv_watch(partition_id, keys,
-timeout)``: a cheap read of a few named keys returning a fingerprint
-(``bytes`` that differ once one of them changed, or ``None`` when it has
-none to give), answered within ``timeout`` seconds or :class:`SourceStall`.
+timeout)``: a cheap read of a few named keys returning a :class:`WatchRead`
+(a fingerprint that differs once one of them changed, with their tags when it
+can read them), or ``None`` when it has none to give, answered within
+``timeout`` seconds or :class:`SourceStall`.
 While a decision waits on those keys the poller calls it every
 ``watch_interval`` and lists the store as soon as the fingerprint changes
 (:mod:`poller.polling`): a schedule that decides *when* to list, never what
@@ -35,12 +36,12 @@ the listing shows. TransferQueue's does (``KV_RETRIEVE_META``).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, Union, runtime_checkable
 
 from ..vocabulary import Listing
 
 __all__ = ["ChangeFeed", "PackedItems", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec",
-           "has_change_feed", "load_source", "packed_listing", "watch_reader"]
+           "has_change_feed", "load_source", "packed_listing", "WatchRead", "watch_reader"]
 
 
 class SourceStall(TimeoutError):
@@ -233,8 +234,19 @@ def describe_spec(spec: SourceSpec) -> str:
     return f"{module}:{name}"
 
 
-#: ``kv_watch(partition_id, keys, timeout)``: a fingerprint of ``keys``, or None (module docstring).
-WatchReader = Callable[[str, Sequence[str], float], Union[bytes, None]]
+class WatchRead(NamedTuple):
+    """What ``kv_watch(partition_id, keys, timeout)`` read of ``keys``."""
+
+    #: Bytes that differ from one read to the next once a tag, a field or the set of the keys found changed.
+    fingerprint: bytes
+    #: How many of the keys the store holds.
+    found: int
+    #: Each key's tags, when every key was found and the source could read them (None otherwise).
+    tags: dict[str, Any] | None = None
+
+
+#: ``kv_watch(partition_id, keys, timeout)`` (module docstring).
+WatchReader = Callable[[str, Sequence[str], float], Union[WatchRead, None]]
 
 
 def watch_reader(source: Any) -> WatchReader | None:

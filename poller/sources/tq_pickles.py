@@ -30,7 +30,7 @@ from typing import Any, Callable
 from . import UnreadableValue
 from .tq_elements import element_size, from_buffer
 
-__all__ = ["Refused", "refusal", "restricted_loads"]
+__all__ = ["Refused", "batch_meta_tags", "refusal", "restricted_loads"]
 
 
 class Refused:
@@ -251,3 +251,39 @@ def restricted_loads(data: bytes | memoryview, *, globals_: bool = True) -> Any:
         if value is not None:
             return value
     return _Unpickler(io.BytesIO(data), _GLOBALS if globals_ else {}).load()
+
+
+class _BatchMetaState:
+    """What a pickled ``transfer_queue.metadata.BatchMeta`` unpickles to here: its state, kept as it came."""
+
+    def __init__(self, *_: Any) -> None:
+        self.state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+# BatchMeta.__getstate__ (0.1.8-0.1.11) is the tuple of its __slots__ in order: global_indexes, partition_ids,
+# field_schema, production_status, extra_info, custom_meta, ... (the tags of each key, aligned with the indexes).
+_BATCH_META = ("transfer_queue.metadata", "BatchMeta")
+_GLOBAL_INDEXES, _CUSTOM_META = 0, 5
+
+
+def batch_meta_tags(data: bytes | memoryview) -> list[Any] | None:
+    """The tags of each key a pickled ``BatchMeta`` describes, in its order (None: not a BatchMeta read so).
+
+    The tags are as the restricted unpickler reads them (:func:`restricted_loads`;
+    :func:`poller.sources.tq_values.plain` makes them plain). None for a pickle
+    that is not a BatchMeta of the known layout, or whose two lists disagree.
+    """
+    try:
+        meta = _Unpickler(io.BytesIO(data), {**_GLOBALS, _BATCH_META: _BatchMetaState}).load()
+    except Exception:  # not a pickle this side reads: no tags, the fingerprint alone serves
+        return None
+    state = meta.state if isinstance(meta, _BatchMetaState) else None
+    if not isinstance(state, tuple) or len(state) <= _CUSTOM_META:
+        return None
+    indexes, tags = state[_GLOBAL_INDEXES], state[_CUSTOM_META]
+    if not isinstance(indexes, list) or not isinstance(tags, list) or len(indexes) != len(tags):
+        return None
+    return tags

@@ -66,8 +66,8 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from . import PackedItems
-from .tq_pickles import restricted_loads
+from . import PackedItems, WatchRead
+from .tq_pickles import batch_meta_tags, restricted_loads
 from .tq_values import Deferred, decode_ext, plain
 
 __all__ = [
@@ -263,16 +263,18 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
     return _body(KV_LIST, message, None)
 
 
-def decode_watch_reply(frames: Sequence[bytes]) -> bytes | None:
-    """A fingerprint of the keys a ``KV_RETRIEVE_META`` reply describes: the bytes of its ``metadata``.
+def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRead | None:
+    """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.sources.WatchRead`).
 
     The controller pickles a ``BatchMeta`` of the keys found (their global
     indexes, production status, field schema and tags) into one extension
-    value of the reply; those bytes are the same as long as nothing about
-    those keys changed, and differ when a tag, a field or the set of keys
-    found did. Nothing is unpickled: the fingerprint is only compared. None:
-    a reply the controller had to pickle whole (a value broke msgpack), whose
-    bytes hold the message's own id and time, so no fingerprint is to be had.
+    value of the reply. Its bytes are the fingerprint: the same as long as
+    nothing about those keys changed, different once a tag, a field or the
+    set of keys found did. Its tags are read through the restricted
+    unpickler (:func:`~poller.sources.tq_pickles.batch_meta_tags`) when
+    every key was found, so each can be named. None: a reply the controller
+    had to pickle whole (a value broke msgpack), whose bytes hold the
+    message's own id and time, so no fingerprint is to be had.
 
     Raises:
         TransferQueueReplyError: ``REQUEST_ERROR``, a reply of another type, or one without that value.
@@ -288,9 +290,15 @@ def decode_watch_reply(frames: Sequence[bytes]) -> bytes | None:
     except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
         raise _malformed(exc) from exc
     metadata = _body(KV_RETRIEVE_META, message, None).get("metadata")
-    if isinstance(metadata, msgpack.ExtType):
-        return bytes([metadata.code & 0xFF]) + metadata.data
-    raise TransferQueueReplyError(f"{KV_RETRIEVE_META}_RESPONSE without its metadata (got {type(metadata).__name__})")
+    if not isinstance(metadata, msgpack.ExtType):
+        raise TransferQueueReplyError(f"{KV_RETRIEVE_META}_RESPONSE without its metadata "
+                                      f"(got {type(metadata).__name__})")
+    fingerprint = bytes([metadata.code & 0xFF]) + metadata.data
+    tags = batch_meta_tags(metadata.data) if metadata.code == 1 else None
+    if tags is None:
+        return WatchRead(fingerprint, len(keys))
+    named = dict(zip(keys, plain(tags))) if len(tags) == len(keys) else None
+    return WatchRead(fingerprint, len(tags), named)
 
 
 def _malformed(exc: BaseException) -> TransferQueueReplyError:

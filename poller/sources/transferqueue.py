@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import zmq
 
-from . import SourceStall
+from . import SourceStall, WatchRead
 from .tq_protocol import (
     KV_LIST,
     KV_RETRIEVE_META,
@@ -163,17 +163,17 @@ class TransferQueueSource:
             listing.update(self._list(partition_id, deadline, packed))
         return listing
 
-    def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float | None = None) -> bytes | None:
-        """A fingerprint of ``keys`` of ``partition_id`` as the controller holds them now (None: none to be had).
+    def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float | None = None) -> WatchRead | None:
+        """``keys`` of ``partition_id`` as the controller holds them now (None: no fingerprint to be had).
 
         One ``KV_RETRIEVE_META`` request, which reads only the keys named
         (K=100k keys: ~0.35 ms of the controller's CPU for up to ~100 keys,
         ~1.7 ms for 1,000, against ~37 ms for a listing of the partition) and
         changes nothing there (``create`` is false: no key or partition is
         made, nothing is marked consumed; a key not found is logged by the
-        controller at WARNING). The bytes differ from the last call's once a
-        tag or a field of one of the keys changed, or one was removed or put
-        again (:func:`~poller.sources.tq_protocol.decode_watch_reply`). What
+        controller at WARNING). The fingerprint differs from the last call's
+        once a tag or a field of one of the keys changed, or one was removed
+        or put again (:func:`~poller.sources.tq_protocol.decode_watch_reply`). What
         the poller calls while a decision waits on those keys (the watch:
         :class:`poller.polling.PollingThread`).
 
@@ -183,7 +183,7 @@ class TransferQueueSource:
         """
         timeout = self.call_timeout if timeout is None else timeout
         body = {"keys": list(keys), "partition_id": partition_id, "create": False}
-        return decode_watch_reply(self._exchange(KV_RETRIEVE_META, body, time.monotonic() + timeout, timeout))
+        return decode_watch_reply(self._exchange(KV_RETRIEVE_META, body, time.monotonic() + timeout, timeout), keys)
 
     def include_partitions(self, partition_ids: Sequence[str]) -> None:
         """List these partitions too from the next :meth:`kv_list` on (the poller calls it, between listings).

@@ -140,11 +140,15 @@ class WatchedSqlite(ListedSqlite):
         super().__init__(path)
         self.failing_watch = failing_watch
 
-    def kv_watch(self, partition_id: str, keys: list[str], timeout: float) -> bytes:
+    def kv_watch(self, partition_id: str, keys: list[str], timeout: float) -> Any:
+        from poller.sources import WatchRead
+
         if self.failing_watch:
             raise RuntimeError("this store refuses targeted reads")
         held = (self._store.kv_list() or {}).get(partition_id, {})
-        return repr(sorted((key, sorted(held[key].items())) for key in keys if key in held)).encode()
+        found = {key: held[key] for key in keys if key in held}
+        fingerprint = repr(sorted((key, sorted(tags.items())) for key, tags in found.items())).encode()
+        return WatchRead(fingerprint, len(found), found if len(found) == len(keys) else None)
 
 
 class SlowListedSqlite(ListedSqlite):

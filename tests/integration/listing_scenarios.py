@@ -121,19 +121,30 @@ def watch_reads_named_keys_and_changes_nothing(conf: Any) -> dict[str, Any]:
 
     from poller.sources.transferqueue import TransferQueueSource, source_kwargs
 
+    import numpy as np
+    import torch
+
     running = group("train", "running", step=3)
     other = group("train", "running", step=3)
+    # Values of every kind the listing decodes otherwise than msgpack does: read the same both ways.
+    tq.kv_put(key=running, partition_id="train", tag={"n": np.int64(7), "x": np.float32(0.5),
+                                                      "t": torch.tensor([1.0, 2.0]), "a": np.arange(3), "u": (1, 2)})
     source = TransferQueueSource(**source_kwargs(conf, partition_ids=["train"]))
     try:
         watch = [running]
-        first = source.kv_watch("train", watch)
-        assert isinstance(first, bytes) and source.kv_watch("train", watch) == first
+        read = source.kv_watch("train", watch)
+        listed = source.kv_list()["train"][running]
+        assert read is not None and read.found == 1 and read.tags == {running: listed}, (read, listed)
+        first = read.fingerprint
+        assert source.kv_watch("train", watch).fingerprint == first
+        both = source.kv_watch("train", [running, "never-put"])
+        assert both.found == 1 and both.tags is None
         tq.kv_put(key=other, partition_id="train", tag={"status": "finished"})  # not watched
-        unmoved = source.kv_watch("train", watch)
+        unmoved = source.kv_watch("train", watch).fingerprint
         tq.kv_put(key=running, partition_id="train", tag={"status": "finished"})
-        moved = source.kv_watch("train", watch)
+        moved = source.kv_watch("train", watch).fingerprint
         tq.kv_clear(keys=[running], partition_id="train")
-        removed = source.kv_watch("train", watch)
+        removed = source.kv_watch("train", watch).fingerprint
         before = tq.kv_list()
         source.kv_watch("train", ["never-put"])
         source.kv_watch("no-such-partition", ["never-put"])

@@ -40,7 +40,7 @@ def test_sync_rules_built_the_custom_path_way(store):
 
 def test_a_waiting_sample_has_its_prompts_watched_and_their_finish_listed_at_once(store):
     out = run(store, "watched_finish")
-    assert out["reads_before"] >= 2 and out["watch_listings"] >= 1, out
+    assert out["reads_before"] >= 1 and out["watch_listings"] >= 1, out
     assert out["keys"] == out["group"], out
 
 

@@ -388,7 +388,7 @@ def watched_finish(conf: Any) -> dict[str, Any]:
         thread = threading.Thread(target=lambda: outcome.append(rb.sample(1, "train", 1)), daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
-        while rb.stats().get("watch_reads", 0) < 2 and time.monotonic() < deadline:
+        while rb.stats().get("watch_reads", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         reads_before = rb.stats().get("watch_reads", 0)
         trajectories = [f"{uid}_0_0", f"{uid}_1_0"]
