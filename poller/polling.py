@@ -16,15 +16,14 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-import msgpack
-
 from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
 from .deltas import iter_encode_delta, iter_encode_pieces
 from .duty import DEFAULT_LISTING_SHARE, ListingDuty, ListingShare
+from .errors import ProtocolError
 from .listing import Listing, RawSnapshot, commit_listing
 from .messages import Error
 from .pieces import ScreenedPieces
-from .protocol import Kind, Limits, encode_body, fit_text
+from .protocol import Kind, Limits, encode_body, fit_text, unpack_tags
 from .quarantine import Quarantine
 from .sources import Source, SourceStall, WatchRead, watch_reader
 
@@ -337,7 +336,10 @@ class PollingThread(threading.Thread):
         for key in keys:
             sent = held.get(key)
             if isinstance(sent, (bytes, bytearray)):  # kept packed (poller.listing.commit_listing)
-                sent = msgpack.unpackb(sent, raw=False, strict_map_key=False)
+                try:
+                    sent = unpack_tags(sent, self._screen_limits)
+                except ProtocolError:
+                    return False  # packed as the wire takes it, so never; and no telling
             if sent is None or read.tags.get(key) != sent:
                 return True
         return False
