@@ -7,6 +7,7 @@ byte; the thread that waits watches ``read_fd`` beside its sockets.
 from __future__ import annotations
 
 import os
+import threading
 
 __all__ = ["WakePipe"]
 
@@ -19,12 +20,18 @@ class WakePipe:
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
         self._closed = False
+        # poke() and close() never overlap: a poke after close would write to whatever file reused the number.
+        self._lock = threading.Lock()
 
     def poke(self) -> None:
-        try:
-            os.write(self.write_fd, b"\0")
-        except OSError:
-            pass  # full (already awake) or closed (shutting down)
+        """Wake the watcher; a no-op once closed (another thread may poke after the owner closed the pipe)."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self.write_fd, b"\0")
+            except OSError:
+                pass  # full: already awake
 
     def drain(self) -> None:
         try:
@@ -35,11 +42,12 @@ class WakePipe:
 
     def close(self) -> None:
         """Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for fd in (self.read_fd, self.write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in (self.read_fd, self.write_fd):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
