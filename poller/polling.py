@@ -388,9 +388,10 @@ class PollingThread(threading.Thread):
         watch saw lets the read start when :meth:`ListingDuty.wait_for_change` allows.
         """
         while True:
-            # Every request seen from here on is answered by the coming read;
+            # Every request seen from here on is answered by the coming read (or resend);
             # one that arrives later wakes the thread again.
             self._wake.clear()
+            self._poll_asked = False
             if self._resync.is_set():
                 self._resync.clear()
                 full = True
@@ -437,7 +438,7 @@ class PollingThread(threading.Thread):
                 continue
             # The next read compares with what this listing sends: a change it misses is one it did not list.
             brought_forward = self._change_seen
-            self._change_seen = self._poll_asked = False
+            self._change_seen = False
             self._baseline = None
             started = time.time()
             began = time.monotonic()

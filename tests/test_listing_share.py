@@ -399,6 +399,29 @@ def test_a_resync_sends_the_last_poll_again_without_a_listing(tmp_path: Path) ->
     assert len(listing_starts(log)) == 1 and thread.polls == 1
 
 
+def test_after_a_resync_is_answered_the_next_listing_keeps_to_the_poll_schedule(tmp_path: Path) -> None:
+    """A RESYNC answered from what was sent is no listing asked for: the next listing is still due an interval on."""
+    log = str(tmp_path / "listings.log")
+    bodies: list[bytes] = []
+
+    def emit(kind: Kind, body: bytes, first: bool) -> bool:
+        bodies.append(body)
+        return True
+
+    thread = PollingThread(TimedListing(log, seconds=0.0), emit, interval=60.0, listing_share=1.0)
+    thread.start()
+    try:
+        assert wait_until(lambda: thread.polls == 1, timeout=10)
+        thread.request_resync()
+        assert wait_until(lambda: len(bodies) >= 2, timeout=10)
+        time.sleep(1.0)
+        assert (len(listing_starts(log)), thread.polls, len(bodies)) == (1, 1, 2)
+    finally:
+        thread.stop()
+        thread.join(10)
+    assert not thread.is_alive()
+
+
 def test_a_buffer_repaired_by_a_resync_holds_the_last_poll_while_the_share_holds_the_next(tmp_path: Path) -> None:
     log = str(tmp_path / "listings.log")
     with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.05}, poll_interval=60.0,
