@@ -141,7 +141,7 @@ class PollingThread(threading.Thread):
         # The keys left out of the stream; read by the control loop for heartbeats.
         self.quarantine = Quarantine()
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
-        # A SYNC, RESYNC or STOP arrived since the last listing began: a pause between polls ends.
+        # A SYNC, RESYNC or STOP arrived since the last hold began (_hold): a pause between polls ends.
         self._poll_asked = False
         # The watch: kv_watch, if the source offers one; the keys to watch (partition, keys, until), replaced
         # whole by the control loop; the last read's fingerprint, with its (partition, keys) (None: the next
@@ -197,7 +197,7 @@ class PollingThread(threading.Thread):
         """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop); the control loop calls it.
 
         A no-op for a source without ``kv_watch``. The same keys again only
-        extend the watch; other keys are read at once for their baseline.
+        extend the watch; other keys than the last read's are read at once.
         """
         if self._watch_read is None:
             return
@@ -290,7 +290,7 @@ class PollingThread(threading.Thread):
         return watch[0], watch[1]
 
     def _watch_due(self, now: float) -> float | None:
-        """When the watched keys are next read (None: no watch): at once for keys new to the watch."""
+        """When the watched keys are next read (None: no watch): at once for other keys than the last read's."""
         watched = self._watched(now)
         if watched is None:
             return None
