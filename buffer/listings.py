@@ -8,6 +8,7 @@ never go back across restarts.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 __all__ = ["ListingFigures"]
@@ -26,22 +27,17 @@ class ListingFigures:
     watch_listings: int = 0
     epoch: int | None = None
     # (listings, total_s, watch_reads, watch_listings) of the earlier processes, and of the one now.
-    _earlier: tuple[int, float, int, int] = (0, 0.0, 0, 0)
-    _now: tuple[int, float, int, int] = (0, 0.0, 0, 0)
+    _earlier: tuple[float, ...] = (0, 0.0, 0, 0)
+    _now: tuple[float, ...] = (0, 0.0, 0, 0)
 
     def report(self, epoch: int, listings: int, last_s: float, total_s: float, share: float,
                watch_reads: int = 0, watch_listings: int = 0) -> None:
         """One heartbeat's figures, from poller process ``epoch``."""
         if epoch != self.epoch:
-            self._earlier = (self._earlier[0] + self._now[0], self._earlier[1] + self._now[1],
-                             self._earlier[2] + self._now[2], self._earlier[3] + self._now[3])
+            self._earlier = tuple(map(operator.add, self._earlier, self._now))
             self.epoch, self._now = epoch, (0, 0.0, 0, 0)
         # max(): a heartbeat never takes a counter back.
-        now = self._now
-        self._now = (max(now[0], listings), max(now[1], total_s), max(now[2], watch_reads),
-                     max(now[3], watch_listings))
-        self.listings = self._earlier[0] + self._now[0]
-        self.total_s = self._earlier[1] + self._now[1]
-        self.watch_reads = self._earlier[2] + self._now[2]
-        self.watch_listings = self._earlier[3] + self._now[3]
+        self._now = tuple(map(max, self._now, (listings, total_s, watch_reads, watch_listings)))
+        listed, self.total_s, reads, brought = map(operator.add, self._earlier, self._now)
+        self.listings, self.watch_reads, self.watch_listings = int(listed), int(reads), int(brought)
         self.last_s, self.share = last_s, share

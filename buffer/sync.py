@@ -249,7 +249,7 @@ class WatchWhileWaiting:
         while not self._stopped.is_set():
             keys = self._keys
             self._changed.clear()
-            if keys is not None and (keys != sent or keys):
+            if keys or (keys is not None and sent):  # new keys or a renewal; or none now, after some: stop
                 self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
                 sent = keys
             self._changed.wait(self.RENEW)

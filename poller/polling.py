@@ -328,9 +328,10 @@ class PollingThread(threading.Thread):
 
     def _not_sent(self, partition: str, keys: tuple[str, ...], read: WatchRead) -> bool:
         """Whether ``read`` shows the keys otherwise than the listings sent them (False when it cannot tell)."""
-        if read.found < len(keys):
+        found, tags = read.held()
+        if found < len(keys):
             return True  # a key the buffer holds is gone from the store
-        if read.tags is None:
+        if tags is None:
             return False
         held = self.sent.get(partition, {})
         for key in keys:
@@ -340,7 +341,7 @@ class PollingThread(threading.Thread):
                     sent = unpack_tags(sent, self._screen_limits)
                 except ProtocolError:
                     return False  # packed as the wire takes it, so never; and no telling
-            if sent is None or read.tags.get(key) != sent:
+            if sent is None or tags.get(key) != sent:
                 return True
         return False
 

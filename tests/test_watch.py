@@ -27,6 +27,8 @@ from tests.conftest import wait_until
 WATCHED = "tests.helpers.sources:WatchedSqlite"
 # Far longer than any wait below: a listing that comes sooner was brought forward by the watch (or a SYNC).
 SLOW_SCHEDULE: dict[str, Any] = {"poll_interval": 60.0, "listing_share": VERL_CYCLE}
+# The other end: a listing as often as the poll schedule allows, no share held back.
+FAST_SCHEDULE: dict[str, Any] = {"poll_interval": 0.01, "listing_share": 1.0}
 
 
 def _finished(rb: ReplayBuffer, key: str) -> Callable[[], bool | None]:
@@ -59,105 +61,103 @@ def _settle_listings(rb: ReplayBuffer) -> int:
     return int(rb.stats()["listings"])
 
 
-def test_a_change_to_a_watched_key_is_listed_at_once_and_the_view_is_the_stores(db: str) -> None:
-    store = SqliteSource(db)
-    try:
-        store.kv_batch_put(["p", "q", "gone"], "train", tags=[{"status": "running"}, {"n": 1}, {"n": 2}])
-        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-            assert rb.seam.tags("train", ["p"])["p"]["status"] == "running"
-            listings = _settle_listings(rb)
-            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
-            assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
-            # Unwatched changes alone bring nothing forward; they come with the listing the watched one brings.
-            store.kv_put("q", "train", tag={"n": 10})
-            store.kv_clear(["gone"], "train")
-            time.sleep(1.0)
-            assert thread.is_alive(), outcome
-            store.kv_put("p", "train", tag={"status": "finished"})
-            thread.join(15.0)
-            assert not thread.is_alive() and outcome == [True]
-            # What the buffer shows is what the store holds: the unwatched changes came with it.
-            assert rb.snapshot("train") == store.kv_list()["train"]
-            assert wait_until(lambda: rb.stats()["watch_listings"] >= 1, timeout=5.0), rb.stats()
-            assert _settle_listings(rb) == listings + 1
-    finally:
-        store.close()
+def test_a_change_to_a_watched_key_is_listed_at_once_and_the_view_is_the_stores(store: SqliteSource, db: str) -> None:
+    store.kv_batch_put(["p", "q", "gone"], "train", tags=[{"status": "running"}, {"n": 1}, {"n": 2}])
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+        assert rb.seam.tags("train", ["p"])["p"]["status"] == "running"
+        listings = _settle_listings(rb)
+        thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
+        assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
+        # Unwatched changes alone bring nothing forward; they come with the listing the watched one brings.
+        store.kv_put("q", "train", tag={"n": 10})
+        store.kv_clear(["gone"], "train")
+        time.sleep(1.0)
+        assert thread.is_alive(), outcome
+        store.kv_put("p", "train", tag={"status": "finished"})
+        thread.join(15.0)
+        assert not thread.is_alive() and outcome == [True]
+        # What the buffer shows is what the store holds: the unwatched changes came with it.
+        assert rb.snapshot("train") == store.kv_list()["train"]
+        assert wait_until(lambda: rb.stats()["watch_listings"] >= 1, timeout=5.0), rb.stats()
+        assert _settle_listings(rb) == listings + 1
 
 
-def test_a_change_before_the_watch_began_is_seen_by_its_first_read(db: str) -> None:
+def test_a_change_before_the_watch_began_is_seen_by_its_first_read(store: SqliteSource, db: str) -> None:
     """The first read compares the keys with what the listings sent: a finish that landed after the last listing
     and before the watch began is listed at once, not with the next listing of the schedule."""
-    store = SqliteSource(db)
-    try:
-        store.kv_put("p", "train", tag={"status": "running"})
-        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-            store.kv_put("p", "train", tag={"status": "finished"})  # the view still holds "running"
-            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
-            thread.join(15.0)
-            assert outcome == [True]
-            assert wait_until(lambda: rb.stats()["watch_listings"] == 1, timeout=5.0), rb.stats()
-    finally:
-        store.close()
+    store.kv_put("p", "train", tag={"status": "running"})
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+        store.kv_put("p", "train", tag={"status": "finished"})  # the view still holds "running"
+        thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
+        thread.join(15.0)
+        assert outcome == [True]
+        assert wait_until(lambda: rb.stats()["watch_listings"] == 1, timeout=5.0), rb.stats()
 
 
-def test_without_a_watch_the_same_wait_keeps_to_the_schedule(db: str) -> None:
+@pytest.mark.parametrize("schedule", [SLOW_SCHEDULE, FAST_SCHEDULE], ids=["slowest", "fastest"])
+def test_with_a_watch_the_buffer_shows_what_the_store_holds_at_either_end_of_the_schedule(
+        store: SqliteSource, db: str, schedule: dict[str, Any]) -> None:
+    store.kv_batch_put(["p", "q", "gone"], "train", tags=[{"status": "running"}, {"n": 1}, {"n": 2}])
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **schedule) as rb:
+        thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
+        assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
+        store.kv_put("q", "train", tag={"n": 10})
+        store.kv_clear(["gone"], "train")
+        store.kv_put("new", "train", tag={"n": 3})
+        store.kv_put("p", "train", tag={"status": "finished"})
+        thread.join(15.0)
+        assert outcome == [True]
+        rb.sync(timeout=10.0)
+        assert rb.snapshot("train") == store.kv_list()["train"]
+        assert "gone" not in rb.snapshot("train") and rb.snapshot("train")["q"] == {"n": 10}
+
+
+def test_without_a_watch_the_same_wait_keeps_to_the_schedule(store: SqliteSource, db: str) -> None:
     """The control: the decision above, without ``watch``, is not answered before the deadline."""
-    store = SqliteSource(db)
-    try:
+    store.kv_put("p", "train", tag={"status": "running"})
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+        thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), None, timeout=4.0)
+        time.sleep(0.5)
+        store.kv_put("p", "train", tag={"status": "finished"})
+        thread.join(15.0)
+        assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)
+        assert rb.stats()["watch_reads"] == 0
+
+
+def test_the_watch_ends_with_the_decision_and_a_failing_read_changes_nothing(store: SqliteSource, db: str) -> None:
+    store.kv_put("p", "train", tag={"status": "running"})
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+        thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
+        assert wait_until(lambda: rb.stats()["watch_reads"] >= 2, timeout=10.0)
+        store.kv_put("p", "train", tag={"status": "finished"})
+        thread.join(15.0)
+        assert outcome == [True]
+        time.sleep(1.5)
+        reads = rb.stats()["watch_reads"]
+        time.sleep(2.0)
+        assert rb.stats()["watch_reads"] == reads  # the poller was told to stop reading
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db, "failing_watch": True}, **SLOW_SCHEDULE) as rb:
         store.kv_put("p", "train", tag={"status": "running"})
-        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), None, timeout=4.0)
-            time.sleep(0.5)
-            store.kv_put("p", "train", tag={"status": "finished"})
-            thread.join(15.0)
-            assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)
-            assert rb.stats()["watch_reads"] == 0
-    finally:
-        store.close()
+        rb.sync(timeout=10.0)
+        thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=3.0)
+        thread.join(15.0)
+        assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)
+        rb.sync(timeout=10.0)  # polling goes on
+        stats = rb.stats()
+        assert stats["source_errors"] == 0 and stats["watch_reads"] == 0 and stats["poller_alive"]
 
 
-def test_the_watch_ends_with_the_decision_and_a_failing_read_changes_nothing(db: str) -> None:
-    store = SqliteSource(db)
-    try:
-        store.kv_put("p", "train", tag={"status": "running"})
-        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
-            assert wait_until(lambda: rb.stats()["watch_reads"] >= 2, timeout=10.0)
-            store.kv_put("p", "train", tag={"status": "finished"})
-            thread.join(15.0)
-            assert outcome == [True]
-            time.sleep(1.5)
-            reads = rb.stats()["watch_reads"]
-            time.sleep(2.0)
-            assert rb.stats()["watch_reads"] == reads  # the poller was told to stop reading
-        with ReplayBuffer(WATCHED, source_kwargs={"path": db, "failing_watch": True}, **SLOW_SCHEDULE) as rb:
-            store.kv_put("p", "train", tag={"status": "running"})
-            rb.sync(timeout=10.0)
-            thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=3.0)
-            thread.join(15.0)
-            assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError)
-            rb.sync(timeout=10.0)  # polling goes on
-            stats = rb.stats()
-            assert stats["source_errors"] == 0 and stats["watch_reads"] == 0 and stats["poller_alive"]
-    finally:
-        store.close()
-
-
-def test_a_watch_lapses_in_the_poller_unless_renewed(db: str) -> None:
+def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: str) -> None:
     """A trainer that stops renewing (stopped, dead) leaves nothing read on its behalf for long."""
-    store = SqliteSource(db)
-    try:
-        store.kv_put("p", "train", tag={"status": "running"})
-        with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-            rb.seam._listing_sync.watch("train", ["p"], 1.0)  # one WATCH, never renewed
-            assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
-            time.sleep(2.5)  # the watch lapsed; the last heartbeat counted every read
-            reads = rb.stats()["watch_reads"]
-            assert reads <= 1.0 / 0.3 + 2
-            time.sleep(1.5)
-            assert rb.stats()["watch_reads"] == reads
-    finally:
-        store.close()
+    store.kv_put("p", "train", tag={"status": "running"})
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+        rb.seam._listing_sync.watch("train", ["p"], 1.0)  # one WATCH, never renewed
+        assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
+        time.sleep(2.5)  # the watch lapsed; the last heartbeat counted every read
+        reads = rb.stats()["watch_reads"]
+        assert reads <= 1.0 / 0.3 + 2
+        time.sleep(1.5)
+        assert rb.stats()["watch_reads"] == reads
 
 
 def test_watch_messages_cross_the_wire_and_bad_ones_are_refused() -> None:
@@ -188,3 +188,16 @@ def test_a_change_brings_a_listing_forward_at_most_once_per_verls_sleep() -> Non
     shared = ListingDuty(0.15)
     shared.record(10.0, 0.15)
     assert shared.wait_for_change(10.5) == shared.wait_for(10.5) == pytest.approx(0.5)
+
+
+def test_the_buffer_sums_the_watch_counters_over_poller_processes_and_never_takes_one_back() -> None:
+    from buffer.listings import ListingFigures
+
+    figures = ListingFigures()
+    figures.report(1, listings=3, last_s=0.1, total_s=0.3, share=0.1, watch_reads=10, watch_listings=2)
+    figures.report(1, listings=2, last_s=0.1, total_s=0.2, share=0.1, watch_reads=7, watch_listings=1)  # late beat
+    assert (figures.listings, figures.total_s, figures.watch_reads, figures.watch_listings) == (3, 0.3, 10, 2)
+    figures.report(2, listings=1, last_s=0.2, total_s=0.2, share=0.2, watch_reads=4, watch_listings=1)  # a restart
+    assert (figures.listings, figures.watch_reads, figures.watch_listings) == (4, 14, 3)
+    assert figures.total_s == pytest.approx(0.5) and (figures.last_s, figures.share) == (0.2, 0.2)
+    assert all(type(n) is int for n in (figures.listings, figures.watch_reads, figures.watch_listings))

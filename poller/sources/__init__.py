@@ -24,8 +24,8 @@ A subclass that overrides ``kv_list()`` alone is listed by its ``kv_list()``
 
 A source without a change feed may offer ``kv_watch(partition_id, keys,
 timeout)``: a cheap read of a few named keys returning a :class:`WatchRead`
-(a fingerprint that differs once one of them changed, with their tags when it
-can read them), or ``None`` when it has none to give, answered within
+(a fingerprint that differs once one of them changed, and what it holds of
+them, read only when asked for), or ``None`` when it has none to give, answered within
 ``timeout`` seconds or :class:`SourceStall`.
 While a decision waits on those keys the poller calls it every
 ``watch_interval`` and lists the store as soon as the fingerprint changes
@@ -239,10 +239,10 @@ class WatchRead(NamedTuple):
 
     #: Bytes that differ from one read to the next once a tag, a field or the set of the keys found changed.
     fingerprint: bytes
-    #: How many of the keys the store holds.
-    found: int
-    #: Each key's tags, when every key was found and the source could read them (None otherwise).
-    tags: dict[str, Any] | None = None
+    #: What the store holds of the keys, read only when called (the poller compares it with what it sent on the
+    #: first read after a listing; later reads need the fingerprint alone): how many of them it holds, and each
+    #: one's tags when it holds them all and the source can read them (None otherwise).
+    held: Callable[[], tuple[int, Union[dict[str, Any], None]]]
 
 
 #: ``kv_watch(partition_id, keys, timeout)`` (module docstring).

@@ -267,6 +267,7 @@ class _BatchMetaState:
 # field_schema, production_status, extra_info, custom_meta, ... (the tags of each key, aligned with the indexes).
 _BATCH_META = ("transfer_queue.metadata", "BatchMeta")
 _GLOBAL_INDEXES, _CUSTOM_META = 0, 5
+_BATCH_META_GLOBALS = {**_GLOBALS, _BATCH_META: _BatchMetaState}
 
 
 def batch_meta_tags(data: bytes | memoryview) -> list[Any] | None:
@@ -277,7 +278,7 @@ def batch_meta_tags(data: bytes | memoryview) -> list[Any] | None:
     that is not a BatchMeta of the known layout, or whose two lists disagree.
     """
     try:
-        meta = _Unpickler(io.BytesIO(data), {**_GLOBALS, _BATCH_META: _BatchMetaState}).load()
+        meta = _Unpickler(io.BytesIO(data), _BATCH_META_GLOBALS).load()
     except Exception:  # not a pickle this side reads: no tags, the fingerprint alone serves
         return None
     state = meta.state if isinstance(meta, _BatchMetaState) else None

@@ -270,9 +270,10 @@ def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRea
     indexes, production status, field schema and tags) into one extension
     value of the reply. Its bytes are the fingerprint: the same as long as
     nothing about those keys changed, different once a tag, a field or the
-    set of keys found did. Its tags are read through the restricted
-    unpickler (:func:`~poller.sources.tq_pickles.batch_meta_tags`) when
-    every key was found, so each can be named. None: a reply the controller
+    set of keys found did. What it holds of them is read through the
+    restricted unpickler (:func:`~poller.sources.tq_pickles.batch_meta_tags`)
+    only when asked for (``WatchRead.held``): each key's tags can be named
+    when every key was found. None: a reply the controller
     had to pickle whole (a value broke msgpack), whose bytes hold the
     message's own id and time, so no fingerprint is to be had.
 
@@ -293,12 +294,15 @@ def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRea
     if not isinstance(metadata, msgpack.ExtType):
         raise TransferQueueReplyError(f"{KV_RETRIEVE_META}_RESPONSE without its metadata "
                                       f"(got {type(metadata).__name__})")
-    fingerprint = bytes([metadata.code & 0xFF]) + metadata.data
-    tags = batch_meta_tags(metadata.data) if metadata.code == 1 else None
-    if tags is None:
-        return WatchRead(fingerprint, len(keys))
-    named = dict(zip(keys, plain(tags))) if len(tags) == len(keys) else None
-    return WatchRead(fingerprint, len(tags), named)
+    data = metadata.data if metadata.code == 1 else None
+
+    def held() -> tuple[int, dict[str, Any] | None]:
+        listed = None if data is None else batch_meta_tags(data)
+        if listed is None:
+            return len(keys), None
+        return len(listed), dict(zip(keys, plain(listed))) if len(listed) == len(keys) else None
+
+    return WatchRead(bytes([metadata.code & 0xFF]) + metadata.data, held)
 
 
 def _malformed(exc: BaseException) -> TransferQueueReplyError:

@@ -148,7 +148,7 @@ class WatchedSqlite(ListedSqlite):
         held = (self._store.kv_list() or {}).get(partition_id, {})
         found = {key: held[key] for key in keys if key in held}
         fingerprint = repr(sorted((key, sorted(tags.items())) for key, tags in found.items())).encode()
-        return WatchRead(fingerprint, len(found), found if len(found) == len(keys) else None)
+        return WatchRead(fingerprint, lambda: (len(found), found if len(found) == len(keys) else None))
 
 
 class SlowListedSqlite(ListedSqlite):

@@ -134,11 +134,11 @@ def watch_reads_named_keys_and_changes_nothing(conf: Any) -> dict[str, Any]:
         watch = [running]
         read = source.kv_watch("train", watch)
         listed = source.kv_list()["train"][running]
-        assert read is not None and read.found == 1 and read.tags == {running: listed}, (read, listed)
+        assert read is not None and read.held() == (1, {running: listed}), (read.held(), listed)
         first = read.fingerprint
         assert source.kv_watch("train", watch).fingerprint == first
         both = source.kv_watch("train", [running, "never-put"])
-        assert both.found == 1 and both.tags is None
+        assert both.held() == (1, None)
         tq.kv_put(key=other, partition_id="train", tag={"status": "finished"})  # not watched
         unmoved = source.kv_watch("train", watch).fingerprint
         tq.kv_put(key=running, partition_id="train", tag={"status": "finished"})
