@@ -35,7 +35,7 @@ $(TQ_STAMP): $(STAMP) tests/integration/constraints.txt tests/integration/verl-r
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m poller demo
+	$(BIN)/python -m buffer.demo
 
 test: lint
 	$(BIN)/python -m pytest

@@ -34,7 +34,7 @@ PAGES: dict[str, tuple[str, list[str]]] = {
     "": ("What it replaces", ["Getting started"]),
     "reference/": ("API reference", ['id="buffer.ReplayBuffer"', 'id="buffer.ReplayBuffer.sample"',
                                      'id="buffer.ReplayBuffer.sync"', 'id="buffer.ReplayBuffer.close"',
-                                     'id="buffer.verl.ReplayBuffer"', 'id="poller.PollerProcess"']),
+                                     'id="buffer.verl.ReplayBuffer"', 'id="buffer.process.PollerProcess"']),
     "verl/": ("verl v1 guide", ["pkg://buffer.verl", "sampler_kwargs", "ReplayBufferAsync"]),
 }
 SHOT_NAMES = {"": "index", "reference/": "reference", "verl/": "verl"}

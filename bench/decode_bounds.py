@@ -4,7 +4,7 @@
 
 Decodes one DELTA of K keys (default 4096, the poller's chunk size) with
 small scalar tags, the common case. Baseline: the same frames through
-msgpack and the per-kind schema check only, i.e. :func:`poller.protocol.decode`
+msgpack and the per-kind schema check only, i.e. :func:`poller.wire.protocol.decode`
 without the keys-per-message and nesting bounds. Prints the ratio and the
 medians of N repetitions (each the best of 5 runs of 10 decodes).
 """
@@ -17,10 +17,10 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from poller import protocol
-from poller.messages import check_body
 from poller.deltas import iter_encode_delta
-from poller.protocol import DEFAULT_LIMITS, Kind, decode, encode_header
+from poller.wire import protocol
+from poller.wire.messages import check_body
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, decode, encode_header
 
 
 def _frames(keys: int) -> list[bytes]:

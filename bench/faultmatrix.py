@@ -37,11 +37,11 @@ from typing import Any, Callable
 
 from buffer import ReplayBuffer
 from poller import PollerCrashed
-from poller.errors import RemoteTraceback
 from poller.faults import store as store_faults
 from poller.faults.peer import WIRE_FAULTS, RoguePeer
-from poller.protocol import Kind
 from poller.sources.sqlite import SqliteSource
+from poller.wire.errors import RemoteTraceback
+from poller.wire.protocol import Kind
 
 __all__ = ["Row", "Outcome", "ROWS", "run_trial", "close_bound"]
 

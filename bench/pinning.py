@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Collection, Iterator
 
-from poller.procfs import children_of
+from poller.wire.procfs import children_of
 
 
 @dataclass(frozen=True)

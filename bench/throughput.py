@@ -9,9 +9,10 @@ from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
-from poller.listing import diff_raw_listing
 from poller.deltas import iter_encode_delta
-from poller.protocol import Kind, decode, encode_header, unpack_many_tags
+from poller.listing import diff_raw_listing
+from poller.wire.protocol import Kind, decode, encode_header
+from poller.wire.tags import unpack_many_tags
 
 from .baselines import ceiling
 from .baselines.mpqueue import MpQueueBuffer

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 
+from buffer.access import EndpointInUseError, InsecureBindError
+from buffer.errors import BufferClosed
+from buffer.process import ShutdownReport
+from buffer.replay import ReplayBuffer
+from buffer.steps import BatchMeta
 from poller._version import __version__ as __version__  # the same release as poller
-from poller.errors import PollerCrashed, PollerStartupError
-from poller.process import ShutdownReport
-
-from .access import EndpointInUseError, InsecureBindError
-from .errors import BufferClosed
-from .replay import ReplayBuffer
-from .steps import BatchMeta
+from poller.wire.errors import PollerCrashed, PollerStartupError
 
 __all__ = [
     "ReplayBuffer",

@@ -28,7 +28,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from poller.curve import ZAP_DOMAIN, CurveServer
+from poller.wire.curve import ZAP_DOMAIN, CurveServer
 
 __all__ = ["check_bind", "is_local_endpoint", "InsecureBindError", "EndpointInUseError", "claim_ipc_path",
            "Gatekeeper"]

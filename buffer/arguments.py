@@ -6,7 +6,7 @@ bare string, which would otherwise be taken as its characters
 (``remove("train", "uid1")`` removing the keys ``"u"``, ``"i"``, ``"d"``,
 ``"1"``). Wrong types raise ``TypeError``, as the SQLite store's ``kv_*``
 methods do; numbers out of range raise ``ValueError`` (the number checks are
-:mod:`poller.arguments`'). Options that arrive from config files as plain
+:mod:`poller.wire.arguments`'). Options that arrive from config files as plain
 values (a buffer built through Hydra/OmegaConf, ``_target_:
 buffer.ReplayBuffer``, gets mappings, strings and numbers) are turned into
 what the buffer and its poller use. Inner layers trust what passed here.
@@ -18,10 +18,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from poller.arguments import check_count, check_optional_seconds, check_seconds
-from poller.curve import CurveServer
-from poller.protocol import Limits
-from poller.vocabulary import Tags
+from poller.wire.arguments import check_count, check_optional_seconds, check_seconds
+from poller.wire.curve import CurveServer
+from poller.wire.protocol import Limits
+from poller.wire.vocabulary import Tags
 
 __all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample", "as_limits",
            "check_stall_timeout", "check_log_level", "check_verl_call"]
@@ -106,7 +106,7 @@ def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any
     if curve is not None and not isinstance(curve, CurveServer):
         raise TypeError(f"curve must be a CurveServer (CurveServer.from_files(...)), got {type(curve).__name__}")
     if limits is not None and not isinstance(limits, Limits):
-        raise TypeError(f"limits must be a poller.protocol.Limits or a mapping of its fields, "
+        raise TypeError(f"limits must be a poller.wire.protocol.Limits or a mapping of its fields, "
                         f"got {type(limits).__name__}")
 
 
@@ -117,7 +117,7 @@ def as_limits(limits: Any) -> Any:
     fields = {str(name): value for name, value in limits.items()}
     unknown = sorted(set(fields) - set(Limits._fields))
     if unknown:
-        raise ValueError(f"unknown limits {unknown}; the fields of poller.protocol.Limits are {list(Limits._fields)}")
+        raise ValueError(f"unknown limits {unknown}; the fields of poller.Limits are {list(Limits._fields)}")
     return Limits(**fields)
 
 

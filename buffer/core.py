@@ -18,19 +18,18 @@ import time
 import uuid
 from typing import Any, Callable, Mapping
 
-from poller.curve import CurveClient, CurveServer, generate_pair
-from poller.process import PollerProcess, ShutdownReport
-from poller.protocol import DEFAULT_LIMITS, Limits
-from poller.sources import SourceSpec
-
-from .ipcdir import PrivateIpcDir, remove_stale
-from .partitions import PartitionStore
-from .restarts import RestartBudget
-from .seam import SamplingSeam
-from .steps import StepSampler
-from .stream import StreamReceiver
-from .supervisor import Supervisor
-from .sync import ListingSync
+from buffer.ipcdir import PrivateIpcDir, remove_stale
+from buffer.partitions import PartitionStore
+from buffer.process import PollerProcess, ShutdownReport
+from buffer.restarts import RestartBudget
+from buffer.seam import SamplingSeam
+from buffer.steps import StepSampler
+from buffer.stream import StreamReceiver
+from buffer.supervisor import Supervisor
+from buffer.sync import ListingSync
+from poller.wire.curve import CurveClient, CurveServer, generate_pair
+from poller.wire.protocol import DEFAULT_LIMITS, Limits
+from poller.wire.sources import SourceSpec
 
 __all__ = ["_Core"]
 

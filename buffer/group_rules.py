@@ -27,10 +27,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from poller.vocabulary import FAILURE, FINISHED, PENDING, RUNNING
-
-from .groups import GroupPartition
-from .verl_config import SamplerConfig
+from buffer.groups import GroupPartition
+from buffer.verl_config import SamplerConfig
+from poller.wire.vocabulary import FAILURE, FINISHED, PENDING, RUNNING
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "Plan", "DrainState", "accumulate_metrics",
            "metrics_prefix", "classify"]

@@ -31,9 +31,8 @@ import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from poller.vocabulary import FAILURE, FINISHED, PENDING, PROMPT_STATUSES, RUNNING, Tags
-
-from .policies import positions_that_differ
+from buffer.policies import positions_that_differ
+from poller.wire.vocabulary import FAILURE, FINISHED, PENDING, PROMPT_STATUSES, RUNNING, Tags
 
 __all__ = ["GroupIndex", "GroupPartition", "uid_of"]
 

@@ -31,7 +31,7 @@ import stat
 import tempfile
 import weakref
 
-from poller.procfs import start_time, state
+from poller.wire.procfs import start_time, state
 
 __all__ = ["PrivateIpcDir", "remove_stale"]
 

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
-    from .core import _Core
+    from buffer.core import _Core
 
 __all__ = ["BufferStats", "Metric", "METRICS", "collect_stats", "metrics_of"]
 

@@ -26,26 +26,23 @@ back arrives anew).
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from itertools import compress, repeat
 from operator import is_, le, ne
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
-from poller.deltas import pack_tags
-from poller.protocol import unpack_held, unpack_held_many
-from poller.vocabulary import Tags
-
-from .errors import BufferClosed
-from .ledger import Ledger
-from .policies import AttachedPolicies, Policy
+from buffer.errors import BufferClosed
+from buffer.ledger import Ledger
+from buffer.policies import AttachedPolicies, Policy
+from poller.wire.tags import freeze, thaw, unpack_held, unpack_held_many
+from poller.wire.vocabulary import Tags
 
 __all__ = ["PartitionStore", "Tags"]
 
-# What the store holds per key: packed tags, or the dict itself.
-_Held = Any
 T = TypeVar("T")
+# What the store holds per key: packed tags, or the dict itself (poller.wire.tags.freeze).
+_Held = Any
 
 
 def _kept(mask: Iterable[Any], *columns: Sequence[Any]) -> list[list[Any]]:
@@ -54,15 +51,8 @@ def _kept(mask: Iterable[Any], *columns: Sequence[Any]) -> list[list[Any]]:
     return [list(compress(column, mask)) for column in columns]
 
 
-def freeze(tags: Tags) -> _Held:
-    """``tags`` packed (:func:`~poller.deltas.pack_tags`), or the dict itself when packing would change them."""
-    packed = pack_tags(tags, exact=True)
-    return tags if packed is None else packed
 
 
-def thaw(held: _Held) -> Tags:
-    """A fresh dict of the held tags."""
-    return unpack_held(held) if type(held) is bytes else copy.deepcopy(held)
 
 
 class PartitionStore:

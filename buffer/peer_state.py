@@ -12,9 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from poller.messages import Heartbeat
-
-from .listings import ListingFigures
+from buffer.listings import ListingFigures
+from poller.wire.messages import Heartbeat
 
 __all__ = ["Peer"]
 

@@ -29,14 +29,14 @@ import logging
 import time
 from typing import Callable, NamedTuple, Sequence
 
-from poller.errors import ProtocolError
-from poller.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Watch
-from poller.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode, unpack_many_tags
-
-from .partitions import PartitionStore
-from .peer_state import Peer
-from .ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
-from .sync_requests import SyncRequests
+from buffer.partitions import PartitionStore
+from buffer.peer_state import Peer
+from buffer.ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
+from buffer.sync_requests import SyncRequests
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Watch
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
+from poller.wire.tags import unpack_many_tags
 
 __all__ = ["PeerTable", "Send", "RESYNC_RETRY_S"]
 
@@ -199,7 +199,7 @@ class PeerTable:
         if came_back:
             peer.stale = False
             logger.info("poller %s is back", peer.stream)
-        if message.kind >= Kind.STOP:  # a buffer's message (poller.messages.Kind)
+        if message.kind >= Kind.STOP:  # a buffer's message (poller.wire.messages.Kind)
             self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return []
         actions: list[Send] = []

@@ -17,7 +17,7 @@ from itertools import compress
 from operator import and_, eq, itemgetter, methodcaller, not_
 from typing import Any, Mapping, Protocol, Sequence
 
-from poller.vocabulary import Tags
+from poller.wire.vocabulary import Tags
 
 __all__ = ["AttachedPolicies", "BulkPolicy", "Policy", "positions_that_differ"]
 

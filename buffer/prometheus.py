@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .errors import BufferClosed
-from .metrics import METRICS, BufferStats
+from buffer.errors import BufferClosed
+from buffer.metrics import METRICS, BufferStats
 
 if TYPE_CHECKING:
-    from .replay import ReplayBuffer
+    from buffer.replay import ReplayBuffer
 
 __all__ = ["ReplayBufferCollector"]
 

@@ -21,16 +21,8 @@ import logging
 import weakref
 from typing import Any, Iterable, Mapping, TypeVar
 
-from poller.arguments import check_optional_seconds
-from poller.curve import CurveServer
-from poller.duty import DEFAULT_LISTING_SHARE, ListingShare, check_share
-from poller.process import ShutdownReport
-from poller.protocol import Limits
-from poller.sources import SourceSpec
-from poller.vocabulary import Tags
-
-from .access import check_bind
-from .arguments import (
+from buffer.access import check_bind
+from buffer.arguments import (
     as_limits,
     check_buffer_args,
     check_items,
@@ -40,11 +32,17 @@ from .arguments import (
     check_sample,
     check_stall_timeout,
 )
-from .core import _Core
-from .errors import BufferClosed
-from .metrics import BufferStats, collect_stats, metrics_of
-from .seam import SamplingSeam
-from .steps import BatchMeta
+from buffer.core import _Core
+from buffer.errors import BufferClosed
+from buffer.metrics import BufferStats, collect_stats, metrics_of
+from buffer.process import ShutdownReport
+from buffer.seam import SamplingSeam
+from buffer.steps import BatchMeta
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare, check_optional_seconds, check_share
+from poller.wire.curve import CurveServer
+from poller.wire.protocol import Limits
+from poller.wire.sources import SourceSpec
+from poller.wire.vocabulary import Tags
 
 __all__ = ["ReplayBuffer"]
 
@@ -91,13 +89,13 @@ class ReplayBuffer:
             store cannot be reached uses none: it is tried again, with
             backoff capped at 5 s, until the store answers.
         restart_window: seconds over which restarts are counted.
-        curve: a :class:`~poller.curve.CurveServer` (the buffer's key pair and
+        curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key pair and
             the allowed poller public keys): only pollers holding an allowed
             key get in, and the stream is encrypted. The buffer's own poller
             gets an ephemeral key. See SECURITY.md.
         insecure: allow binding a network-reachable endpoint without
             ``curve`` (logged as a warning); otherwise that is refused.
-        limits: decoding and per-peer bounds: a :class:`~poller.protocol.Limits`,
+        limits: decoding and per-peer bounds: a :class:`~poller.wire.protocol.Limits`,
             or a mapping of some of its fields (a Hydra/OmegaConf config node).
         stale_after: seconds of silence after which a poller is reported in
             ``stats()["stale_peers"]`` and a warning is logged (pollers send a

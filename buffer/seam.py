@@ -26,12 +26,11 @@ import math
 import time
 from typing import Callable, Hashable, Iterable, TypeVar
 
-from poller.vocabulary import Tags
-
-from .partitions import PartitionStore
-from .peers import PeerTable
-from .policies import Policy
-from .sync import ListingSync, PollWhileWaiting, WatchWhileWaiting
+from buffer.partitions import PartitionStore
+from buffer.peers import PeerTable
+from buffer.policies import Policy
+from buffer.sync import ListingSync, PollWhileWaiting, WatchWhileWaiting
+from poller.wire.vocabulary import Tags
 
 __all__ = ["SamplingSeam"]
 
@@ -70,7 +69,7 @@ class SamplingSeam:
         completes it shows a fraction of a poll interval after it happened.
         With ``watch`` (run under the lock after each attempt that found
         nothing: the keys of ``partition_id`` the decision waits on, at most
-        :data:`~poller.messages.MAX_WATCH_KEYS`), the poller reads those keys
+        :data:`~poller.wire.messages.MAX_WATCH_KEYS`), the poller reads those keys
         cheaply while the wait lasts and lists as soon as one changed, on a
         source that can (:mod:`poller.polling`; elsewhere it changes nothing).
 

@@ -18,10 +18,9 @@ from itertools import compress
 from operator import methodcaller
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from poller.vocabulary import RUNNING, SUCCESS, Tags
-
-from .policies import positions_that_differ
-from .seam import SamplingSeam
+from buffer.policies import positions_that_differ
+from buffer.seam import SamplingSeam
+from poller.wire.vocabulary import RUNNING, SUCCESS, Tags
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]
 

@@ -7,7 +7,7 @@ control messages the state machine returns. Other threads talk to it only
 through a command queue and a wake-up pipe, so the socket is used by the
 thread that created it alone.
 
-Hostile input is bounded: decoding by :class:`~poller.protocol.Limits`, the
+Hostile input is bounded: decoding by :class:`~poller.wire.protocol.Limits`, the
 per-peer state by ``Limits.max_peers``, log output by
 :class:`~buffer.ratelimit.LogLimiter`, and with CURVE a peer without an
 allowed key never gets a frame to the decoder (:mod:`buffer.access`).
@@ -24,14 +24,13 @@ from typing import Any, Callable
 
 import zmq
 
-from poller.curve import CurveServer
-from poller.protocol import DEFAULT_LIMITS, Kind, Limits, encode_body, encode_header
-from poller.wakeup import WakePipe
-
-from .access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
-from .partitions import PartitionStore
-from .peer_state import Peer
-from .peers import PeerTable, Send
+from buffer.access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
+from buffer.partitions import PartitionStore
+from buffer.peer_state import Peer
+from buffer.peers import PeerTable, Send
+from poller.wire.curve import CurveServer
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, encode_body, encode_header
+from poller.wire.wakeup import WakePipe
 
 __all__ = ["StreamReceiver"]
 

@@ -35,13 +35,12 @@ import time
 from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
-from poller.errors import PollerCrashed, PollerStartupError
-from poller.launch import wait
-from poller.process import PollerProcess, ShutdownReport
-from poller.wakeup import WakePipe
-
-from .errors import BufferClosed
-from .restarts import RestartBudget
+from buffer.errors import BufferClosed
+from buffer.launch import wait
+from buffer.process import PollerProcess, ShutdownReport
+from buffer.restarts import RestartBudget
+from poller.wire.errors import PollerCrashed, PollerStartupError
+from poller.wire.wakeup import WakePipe
 
 __all__ = ["Supervisor"]
 

@@ -33,8 +33,8 @@ import threading
 import time
 from typing import Callable
 
-from .partitions import PartitionStore
-from .stream import StreamReceiver
+from buffer.partitions import PartitionStore
+from buffer.stream import StreamReceiver
 
 __all__ = ["ListingSync", "SyncAhead", "PollWhileWaiting", "WatchWhileWaiting"]
 

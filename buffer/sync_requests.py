@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from poller.messages import Sync
+from poller.wire.messages import Sync
 
 __all__ = ["SyncRequests", "SYNC_RETRY_S"]
 

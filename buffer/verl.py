@@ -30,11 +30,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from poller.process import ShutdownReport
-
-from . import verl_client
-from .arguments import check_verl_call
-from .group_rules import (
+from buffer import verl_client
+from buffer.arguments import check_verl_call
+from buffer.group_rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
     DrainState,
     Plan,
@@ -44,11 +42,12 @@ from .group_rules import (
     plan_sync,
     sampleable_count,
 )
-from .groups import GroupIndex, GroupPartition
-from .sync import SyncAhead
-from .verl_client import VerlBatch
-from .verl_config import VERL_ATTRIBUTES, SamplerConfig, VerlConfigError
-from .verl_lifecycle import SamplerLifecycle
+from buffer.groups import GroupIndex, GroupPartition
+from buffer.process import ShutdownReport
+from buffer.sync import SyncAhead
+from buffer.verl_client import VerlBatch
+from buffer.verl_config import VERL_ATTRIBUTES, SamplerConfig, VerlConfigError
+from buffer.verl_lifecycle import SamplerLifecycle
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]
 

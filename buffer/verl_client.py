@@ -19,12 +19,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from poller.sources import SourceSpec, describe_spec, load_source
-from poller.sources import _resolve as resolve_spec
+from buffer.group_rules import classify
 from poller.sources.transferqueue import SPEC as TRANSFERQUEUE_SPEC
 from poller.sources.transferqueue import source_kwargs as transferqueue_source_kwargs
-
-from .group_rules import classify
+from poller.wire.sources import SourceSpec, describe_spec, load_source
+from poller.wire.sources import _resolve as resolve_spec
 
 __all__ = ["CONTROLLER_KWARGS", "REWARD_METRIC", "StoreClient", "VerlBatch", "classify_groups",
            "clear_is_all_or_nothing", "clear_keys", "close_client", "controller_kwargs", "is_transferqueue",

@@ -13,9 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from poller.arguments import check_count, check_optional_seconds, check_seconds
-from poller.duty import VERL_CYCLE, check_share
-from poller.sources import SourceSpec
+from poller.wire.arguments import VERL_CYCLE, check_count, check_optional_seconds, check_seconds, check_share
+from poller.wire.sources import SourceSpec
 
 __all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VerlConfigError"]
 
@@ -173,7 +172,7 @@ class SamplerConfig:
             config._check()
         except VerlConfigError:
             raise
-        except ValueError as exc:  # poller.arguments' checks: one class for every configuration error
+        except ValueError as exc:  # poller.wire.arguments' checks: one class for every configuration error
             raise VerlConfigError(str(exc)) from None
         return config
 

@@ -33,14 +33,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from poller.process import ShutdownReport
-
-from . import verl_client
-from .errors import BufferClosed
-from .groups import GroupIndex
-from .replay import ReplayBuffer
-from .seam import SamplingSeam
-from .verl_config import SamplerConfig
+from buffer import verl_client
+from buffer.errors import BufferClosed
+from buffer.groups import GroupIndex
+from buffer.process import ShutdownReport
+from buffer.replay import ReplayBuffer
+from buffer.seam import SamplingSeam
+from buffer.verl_config import SamplerConfig
 
 __all__ = ["QUIET_POLL_INTERVAL", "SamplerLifecycle", "Started"]
 

@@ -1,13 +1,15 @@
-"""The far side of the wire: a poller process that lists a key-value store
-and streams what changed to a :class:`buffer.ReplayBuffer` over ZeroMQ.
+"""The poller process: it lists a key-value store and streams what changed
+to a :class:`buffer.ReplayBuffer` over ZeroMQ.
 
-Public surface: :class:`PollerProcess` (start, READY handshake, close
-ladder), the :class:`Source` protocol with :func:`load_source` and
-:class:`SourceStall`, the stream's :class:`Limits`, :class:`CurveServer`,
-and the errors with :class:`RemoteTraceback` (the cause a crashed poller
-hands over). ``python -m poller`` runs a standalone poller or the demo.
-
-This package never imports :mod:`buffer`.
+Everything here runs in the poller process, except :mod:`poller.wire`, what
+both processes share. Public surface: the :class:`Source` protocol with
+:func:`load_source` and :class:`SourceStall`, the stream's :class:`Limits`,
+:class:`CurveServer`, the errors with :class:`RemoteTraceback` (the cause a
+crashed poller hands over), and :class:`PollerProcess` (start, READY
+handshake, close ladder), which runs in the trainer and lives in
+:mod:`buffer.process`: the name is resolved there on first use, so a poller
+process never loads :mod:`buffer`. ``python -m poller`` runs a standalone
+poller.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__ as __version__  # one source: poller/_version.py
-from .errors import PollerCrashed, PollerError, PollerStartupError, ProtocolError, RemoteTraceback
+from poller._version import __version__ as __version__  # one source: poller/_version.py
+from poller.wire.errors import PollerCrashed, PollerError, PollerStartupError, ProtocolError, RemoteTraceback
 
 if TYPE_CHECKING:
-    from .curve import CurveServer
-    from .process import PollerProcess
-    from .protocol import Limits
-    from .sources import Source, SourceStall, load_source
+    from poller.wire.curve import CurveServer
+    from poller.wire.protocol import Limits
+    from poller.wire.sources import Source, SourceStall, load_source
 
 __all__ = [
     "PollerProcess",
@@ -42,16 +43,17 @@ __all__ = [
 # Imported on first use. A poller process starts as `python -m poller.child`, which imports this
 # package first, and forks its watchdog before anything heavy is loaded (zmq, msgpack, the
 # source): a small process forks fast and leaves the poller few pages to copy on write later.
-# poller.curve pulls in zmq.auth and asyncio (~35 ms): never in a poller that does not use CURVE.
-_LAZY = {"PollerProcess": ".process", "Source": ".sources", "SourceStall": ".sources", "load_source": ".sources",
-         "Limits": ".protocol", "CurveServer": ".curve"}
+# poller.wire.curve pulls in zmq.auth and asyncio (~35 ms): never in a poller that does not use CURVE.
+# PollerProcess is the trainer's (buffer.process): kept importable from here for compatibility.
+_LAZY = {"PollerProcess": "buffer.process", "Source": "poller.wire.sources", "SourceStall": "poller.wire.sources",
+         "load_source": "poller.wire.sources", "Limits": "poller.wire.protocol", "CurveServer": "poller.wire.curve"}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -1,6 +1,6 @@
 """Reading a source as a diff: by its change feed when it has one, else by ``kv_list()``.
 
-A source with :class:`~poller.sources.ChangeFeed` (the embedded SQLite store)
+A source with :class:`~poller.wire.sources.ChangeFeed` (the embedded SQLite store)
 is listed in full only for a snapshot (start, RESYNC), when it cannot serve
 the cursor, and once every ``reconcile_interval``; every other poll reads
 what changed since the last committed cursor, so a poll costs in proportion
@@ -32,9 +32,10 @@ import logging
 import time
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
-from .duty import DEFAULT_LISTING_SHARE, ListingDuty, ListingShare
-from .listing import Listing, ListingDiff, RawSnapshot, checked_listing, diff_raw_listing
-from .sources import Source, has_change_feed, packed_listing
+from poller.duty import ListingDuty
+from poller.listing import Listing, ListingDiff, RawSnapshot, checked_listing, diff_raw_listing
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
+from poller.wire.sources import Source, has_change_feed, packed_listing
 
 __all__ = ["DEFAULT_RECONCILE_INTERVAL", "ListingReader", "diff_changes"]
 
@@ -174,7 +175,7 @@ class ListingReader:
         self._pending = None
         self.last_complete, self.last_deletes = True, {}
         if not self.feed:
-            # Packed where the source can (poller.sources.PackedItems): unchanged keys are not decoded.
+            # Packed where the source can (poller.wire.sources.PackedItems): unchanged keys are not decoded.
             return _diffed(sent, self._listing(self._list), full, copy=False)
         due = (self.reconcile_interval is not None
                and time.monotonic() - self._listed_at >= self.reconcile_interval

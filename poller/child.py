@@ -1,4 +1,4 @@
-"""Entry point of a poller started by :mod:`poller.launch`.
+"""Entry point of a poller started by :mod:`buffer.launch`.
 
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name, which is there
 for ``ps`` only. Imports only what the poller itself needs: the parent's modules, its
@@ -16,18 +16,12 @@ from __future__ import annotations
 import os
 import sys
 
-from .procfs import set_process_name
-from .watchdog import start_watchdog
+from poller.watchdog import start_watchdog
+from poller.wire.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE
+from poller.wire.procfs import set_process_name
 
-__all__ = ["main", "PATH_VARIABLE", "CLEANUP_VARIABLE"]
+__all__ = ["main"]
 
-# The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
-# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and main()
-# then takes the parent's exact sys.path (and drops both variables).
-PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
-# The directory an orphaned poller's watchdog removes (WorkerConfig.orphan_cleanup): the
-# watchdog is forked before the configuration is read from the lifeline.
-CLEANUP_VARIABLE = "REPLAY_POLLER_ORPHAN_CLEANUP"
 
 #: The poller's process name (``/proc/PID/comm``); its watchdog is ``replay-watchdog``.
 POLLER_PROCESS_NAME = "replay-poller"
@@ -57,8 +51,8 @@ def main(lifeline_fd: int) -> None:
 
     import pickle
 
-    from . import lifeline
-    from .worker import ExitCode, run_embedded
+    from poller.wire import lifeline
+    from poller.worker import ExitCode, run_embedded
 
     channel = lifeline.Channel(lifeline_fd)
     try:

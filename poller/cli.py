@@ -1,9 +1,9 @@
-"""``python -m poller``: a standalone poller, CURVE key files, and the demo.
+"""``python -m poller``: a standalone poller, CURVE key files, and ``doctor``.
 
 ``main(argv) -> int`` does all the work, with nothing at module level, so
 tests can call it. Exit codes: 0 done, 2 bad arguments or a source that
-cannot be built, 3 the source failed for good, 1 ``doctor`` found a problem,
-130 the demo was interrupted. Every error is one line on stderr that starts
+cannot be built, 3 the source failed for good, 1 ``doctor`` found a problem.
+Every error is one line on stderr that starts
 with the command as it was started (``python -m poller run`` or ``poller run``).
 """
 
@@ -18,12 +18,11 @@ import socket
 import sys
 from typing import Any, NoReturn, Sequence
 
-from ._version import __version__
-from .arguments import check_seconds
-from .curve import CurveClient, make_keys
-from .duty import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_share
-from .errors import PollerCrashed, PollerStartupError
-from .worker import WorkerConfig, run_standalone
+from poller._version import __version__
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_seconds, check_share
+from poller.wire.curve import CurveClient, make_keys
+from poller.wire.errors import PollerCrashed, PollerStartupError
+from poller.worker import WorkerConfig, run_standalone
 
 __all__ = ["main", "main_entry"]
 
@@ -63,11 +62,6 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
                         description="Compare the poller and buffer packages Python would import with this "
                                     "distribution's install record; exit 1 and say how to fix it when they differ "
                                     "(another distribution also installs a top-level 'buffer').")
-    demo = commands.add_parser("demo", help="run the end-to-end demo on the embedded SQLite store",
-                               description="Rollout writers, a SQLite store, a ReplayBuffer and a trainer loop.")
-    from . import demo_cli  # the demo's own flags live with it
-
-    demo_cli.add_arguments(demo)
     return parser
 
 
@@ -127,7 +121,7 @@ def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, d
         if args.source is None:
             raise ValueError("--source is required (or --fault)")
         return args.source, kwargs
-    from .faults import parse_fault
+    from poller.faults import parse_fault
 
     return parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
 
@@ -169,7 +163,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from .doctor import diagnose
+    from poller.doctor import diagnose
 
     diagnosis = diagnose()
     for line in diagnosis.lines():
@@ -197,11 +191,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> i
         return _run(args)
     if args.command == "keys":
         return _keys(args)
-    if args.command == "doctor":
-        return _doctor(args)
-    from . import demo_cli
-
-    return demo_cli.main_from_args(args)
+    return _doctor(args)
 
 
 def main_entry() -> None:

@@ -1,6 +1,6 @@
 """DELTA bodies: a poll's changes encoded in bounded bodies, one at a time.
 
-The encoding half of the wire for the one bulky kind (:mod:`poller.protocol`
+The encoding half of the wire for the one bulky kind (:mod:`poller.wire.protocol`
 holds the rest, and decodes every kind). A DELTA's head is packed from its
 record and its bulky fields once per piece of at most ``chunk_items`` keys,
 each key's tags packed alone in ``packed``; a piece over the frame limit is
@@ -9,78 +9,21 @@ split in halves until each fits.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping
 
 import msgpack
 
-from .errors import ProtocolError
-from .messages import DELTA_BULKY_FIELDS, Delta, Kind, as_map
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import DELTA_BULKY_FIELDS, Delta, Kind, as_map
 
-__all__ = ["encode_delta", "iter_encode_delta", "iter_encode_pieces", "upsert_pieces", "pack_tags", "pack_upserts",
-           "pack_many_tags", "fresh_strs"]
-
-# -- each key's tags packed alone ----------------------------------------------------------------
-
-def pack_tags(tags: Mapping[str, Any], *, exact: bool = False) -> bytes | None:
-    """``tags`` packed as a poller packs them for the wire, or ``None`` if msgpack cannot.
-
-    With ``exact``, only when unpacking gives the same values back
-    (``strict_types``: a tuple would come back a list, a subclass as its
-    base). The buffer's store holds tags in this form, so tags it was given
-    and tags that arrived packed compare as bytes.
-    """
-    try:
-        return msgpack.packb(tags, use_bin_type=True, strict_types=exact)  # type: ignore[no-any-return]
-    except (TypeError, ValueError, OverflowError):
-        return None
+__all__ = ["encode_delta", "iter_encode_delta", "iter_encode_pieces", "upsert_pieces"]
 
 
-def pack_upserts(upserts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, bytes]]:
-    """Each key's tags packed alone, as a DELTA's ``packed`` carries them; ``bytes`` are tags packed already.
-
-    Raises:
-        ProtocolError: tags msgpack cannot encode (screened tags never are).
-    """
-    packer = msgpack.Packer(use_bin_type=True)
-    pack = packer.pack
-
-    def one(tags: Any) -> bytes:
-        return tags if type(tags) is bytes else pack(tags)  # type: ignore[no-any-return]
-
-    out = {}
-    try:
-        for partition, items in upserts.items():
-            values = list(items.values())
-            kinds = set(map(type, values))
-            if kinds <= _BYTES:  # all packed already (a resync's unchanged keys): taken as they are
-                out[partition] = dict(items)
-                continue
-            # All tags (the usual case): packed in one C-level pass, no Python call per key.
-            packed = map(one if bytes in kinds else pack, values)
-            out[partition] = dict(zip(items, packed))
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ProtocolError(f"cannot encode DELTA items: {exc}") from exc
-    return out
 
 
-def pack_many_tags(many: Iterable[Any]) -> list[bytes]:
-    """Each tags packed as :func:`pack_upserts` packs them, in one C-level pass.
-
-    Raises:
-        TypeError, ValueError, OverflowError: one of them msgpack cannot encode.
-    """
-    return list(map(msgpack.Packer(use_bin_type=True).pack, many))
 
 
-def fresh_strs(strs: Sequence[str]) -> list[str]:
-    """New objects equal to ``strs`` (through one msgpack round trip, in C).
 
-    What a poller keeps from a listing of a million keys must not be the
-    listing's own key objects: scattered among the freed tag dicts, they
-    would keep the listing's memory resident (measured: ~550 MB held for
-    ~200 MB of live data).
-    """
-    return msgpack.unpackb(msgpack.packb(list(strs)), raw=False)  # type: ignore[no-any-return]
 
 
 

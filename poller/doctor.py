@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from ._version import __version__
+from poller._version import __version__
 
 __all__ = ["DISTRIBUTION", "PACKAGES", "Diagnosis", "diagnose"]
 

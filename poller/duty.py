@@ -82,40 +82,15 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any, Deque, Literal, Union
+from typing import Deque
 
-__all__ = ["DEFAULT_LISTING_SHARE", "VERL_CYCLE", "VERL_POLL_INTERVAL", "ListingDuty", "ListingShare",
-           "check_share"]
+from poller.wire.arguments import VERL_CYCLE, VERL_POLL_INTERVAL, ListingShare
 
-#: verl's sampler's cycle instead of a fixed share: the next listing no sooner than ``VERL_POLL_INTERVAL`` + ``d``
-#: + ``2p`` after the poll that took the previous one is done, a share of ``d / (2d + 3p + 2 s)`` (module docstring).
-VERL_CYCLE: Literal["verl"] = "verl"
-#: A fixed share of the wall clock (in (0, 1], 1.0: no bound), or :data:`VERL_CYCLE`.
-ListingShare = Union[float, Literal["verl"]]
-#: The generic buffer's and the standalone poller's share: verl's sampler's own at K=100k TransferQueue keys
-#: (module docstring). A listing that took ``d`` is followed by the next no sooner than ``d / 0.15`` after it began.
-DEFAULT_LISTING_SHARE = 0.15
-#: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
-VERL_POLL_INTERVAL = 2.0
+__all__ = ["ListingDuty"]
 
 # Listings the measured share is taken over: enough to smooth one odd call,
 # few enough that the figure follows a store that grew.
 _WINDOW = 16
-
-
-def check_share(name: str, value: Any) -> ListingShare:
-    """``value`` as a listing share: a number in (0, 1] (a bool is refused), or ``"verl"`` (verl's cycle).
-
-    Raises:
-        ValueError: naming ``name`` and ``value``.
-    """
-    if value == VERL_CYCLE:
-        return VERL_CYCLE
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
-            or not 0 < value <= 1):
-        raise ValueError(f"{name} must be a share of the wall clock in (0, 1] (1: no bound), or {VERL_CYCLE!r} "
-                         f"for verl's sampler's cycle, got {value!r}")
-    return float(value)
 
 
 class ListingDuty:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 if TYPE_CHECKING:
-    from .curve import CurveClient
+    from poller.wire.curve import CurveClient
 
 __all__ = ["Link", "ACK_TIMEOUT"]
 

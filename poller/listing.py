@@ -11,10 +11,10 @@ from itertools import compress, repeat
 from operator import and_, eq, is_not, not_
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
-from .deltas import fresh_strs, pack_many_tags, pack_tags
-from .quarantine import Refused
-from .sources import PackedItems, UnreadableValue
-from .vocabulary import Listing, Tags
+from poller.quarantine import Refused
+from poller.wire.sources import PackedItems, UnreadableValue
+from poller.wire.tags import fresh_strs, pack_many_tags, pack_tags
+from poller.wire.vocabulary import Listing, Tags
 
 __all__ = ["Listing", "ListingDiff", "RawSnapshot", "diff_raw_listing", "commit_listing"]
 
@@ -48,7 +48,7 @@ def diff_raw_listing(sent: Listing, raw: Any, full: bool, complete: bool = True,
 
     A key that is not a ``str``, in a partition whose id is not a ``str``
     or whose entry is not a mapping, or whose tags are not a mapping (an
-    :class:`~poller.sources.UnreadableValue` where the source could not
+    :class:`~poller.wire.sources.UnreadableValue` where the source could not
     read them) is *refused* (``diff.refused``), not an error: one bad record must not
     fail the listing (:mod:`poller.quarantine`).
     A refused key that ``sent`` holds is deleted unless ``full``.
@@ -109,7 +109,7 @@ def _diff_items(previous: Mapping[str, Any], partition: str, keys: list[Any], va
     and how many listed keys were held before. Refusals join ``refused``; in
     a ``full`` diff, ``fresh[partition]`` gets the upserted keys whose tags
     are not ``previous``'s own objects. With ``decode``, ``values`` are
-    packed tags (:class:`~poller.sources.PackedItems`).
+    packed tags (:class:`~poller.wire.sources.PackedItems`).
     """
     helds: list[Any] = list(map(previous.get, keys)) if previous else [None] * len(keys)
     if decode is None:
@@ -226,7 +226,7 @@ def commit_listing(sent: Listing, diff: "ListingDiff", full: bool,
     which compares only the keys a change set names (and a listing every 10
     minutes), so the bytes cost it nothing per poll and a million keys take
     ~200 MB instead of ~670 MB. A full listing's keys are then stored as
-    fresh objects (:func:`~poller.deltas.fresh_strs`). Without it, a full
+    fresh objects (:func:`~poller.tags.fresh_strs`). Without it, a full
     diff's own partition dicts become ``sent``'s.
     """
     held_by: dict[str, dict[str, Any]] = sent  # tags, or (a change feed's poller) packed tags
@@ -320,7 +320,7 @@ def _same_one(held: Any, tags: Any) -> bool:
 
 
 def _packed(tags: Any) -> bytes | None:
-    """``tags`` as :func:`~poller.deltas.pack_upserts` packs them; None if they need the screen first."""
+    """``tags`` as :func:`~poller.tags.pack_upserts` packs them; None if they need the screen first."""
     return pack_tags(tags) if type(tags) is dict else None
 
 

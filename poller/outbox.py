@@ -20,9 +20,9 @@ from typing import Deque
 
 import zmq
 
-from .messages import Log
-from .protocol import Kind, Limits, encode_body, encode_header, fit_text
-from .wakeup import WakePipe
+from poller.wire.messages import Log
+from poller.wire.protocol import Kind, Limits, encode_body, encode_header, fit_text
+from poller.wire.wakeup import WakePipe
 
 __all__ = ["ForwardingHandler", "Outbox"]
 

@@ -14,11 +14,12 @@ from itertools import compress
 from operator import is_not, ne
 from typing import Any, Iterator, Mapping
 
-from .deltas import pack_upserts, upsert_pieces
-from .listing import Listing, ListingDiff, RawSnapshot
-from .protocol import Limits
-from .quarantine import Refused, screen
-from .vocabulary import Tags
+from poller.deltas import upsert_pieces
+from poller.listing import Listing, ListingDiff, RawSnapshot
+from poller.quarantine import Refused, screen
+from poller.wire.protocol import Limits
+from poller.wire.tags import pack_upserts
+from poller.wire.vocabulary import Tags
 
 __all__ = ["ScreenedPieces", "screen_diff"]
 

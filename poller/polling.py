@@ -16,16 +16,18 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from .changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
-from .deltas import iter_encode_delta, iter_encode_pieces
-from .duty import DEFAULT_LISTING_SHARE, ListingDuty, ListingShare
-from .errors import ProtocolError
-from .listing import Listing, RawSnapshot, commit_listing
-from .messages import Error
-from .pieces import ScreenedPieces
-from .protocol import Kind, Limits, encode_body, fit_text, unpack_tags
-from .quarantine import Quarantine
-from .sources import Source, SourceStall, WatchRead, watch_reader
+from poller.changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
+from poller.deltas import iter_encode_delta, iter_encode_pieces
+from poller.duty import ListingDuty
+from poller.listing import Listing, RawSnapshot, commit_listing
+from poller.pieces import ScreenedPieces
+from poller.quarantine import Quarantine
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import Error
+from poller.wire.protocol import Kind, Limits, encode_body, fit_text
+from poller.wire.sources import Source, SourceStall, WatchRead, watch_reader
+from poller.wire.tags import unpack_tags
 
 __all__ = ["PollingThread", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX", "WATCH_TIMEOUT"]
 
@@ -64,7 +66,7 @@ class PollingThread(threading.Thread):
     ``kv_list()`` never returns, the process exits without it.
 
     A *source stall* is a ``kv_list()`` call that passed its deadline: either
-    the source gave up itself (it raised :class:`~poller.sources.SourceStall`)
+    the source gave up itself (it raised :class:`~poller.wire.sources.SourceStall`)
     or the call has been running longer than ``stall_timeout``, which the
     control loop checks with :meth:`check_stall`. Each stalled call counts
     once in ``source_stalls``; a stall is not a failure (polling goes on and

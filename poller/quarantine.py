@@ -28,8 +28,8 @@ import time
 from itertools import chain, repeat
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from .protocol import Limits, packed_size
-from .sources import UnreadableValue
+from poller.wire.protocol import Limits, packed_size
+from poller.wire.sources import UnreadableValue
 
 __all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
 

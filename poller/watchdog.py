@@ -27,7 +27,7 @@ import os
 import select
 import signal
 
-from .procfs import parent_of, set_process_name
+from poller.wire.procfs import parent_of, set_process_name
 
 __all__ = ["start_watchdog"]
 

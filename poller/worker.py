@@ -26,18 +26,18 @@ from typing import Any
 
 import zmq
 
-from . import lifeline
-from .arguments import check_worker_config
-from .config import ExitCode, WorkerConfig
-from .errors import PollerCrashed, PollerStartupError, ProtocolError
-from .link import Link
-from .messages import Bye, Heartbeat, Ready
-from .outbox import Outbox
-from .polling import PollingThread
-from .procfs import own_rss_bytes
-from .protocol import Kind, decode, encode_body
-from .sources import describe_spec, load_source
-from .wakeup import WakePipe
+from poller.link import Link
+from poller.outbox import Outbox
+from poller.polling import PollingThread
+from poller.wire import lifeline
+from poller.wire.arguments import check_worker_config
+from poller.wire.config import ExitCode, WorkerConfig
+from poller.wire.errors import PollerCrashed, PollerStartupError, ProtocolError
+from poller.wire.messages import Bye, Heartbeat, Ready
+from poller.wire.procfs import own_rss_bytes
+from poller.wire.protocol import Kind, decode, encode_body
+from poller.wire.sources import describe_spec, load_source
+from poller.wire.wakeup import WakePipe
 
 __all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
 

@@ -18,7 +18,7 @@ from buffer import BufferClosed, ReplayBuffer
 from poller import PollerProcess
 from poller.cli import main
 from poller.polling import PollingThread
-from poller.protocol import Kind, decode, encode_header
+from poller.wire.protocol import Kind, decode, encode_header
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 NAN, INF = math.nan, math.inf
@@ -174,7 +174,9 @@ def test_cli_run_refuses_a_non_finite_interval(capsys: pytest.CaptureFixture[str
 
 @pytest.mark.parametrize("option, value", [("--seconds", "nan"), ("--interval", "inf"), ("--interval", "nan")])
 def test_cli_demo_refuses_non_finite_numbers(capsys: pytest.CaptureFixture[str], option: str, value: str):
-    assert main(["demo", option, value]) == 2
+    from buffer.demo import main as demo_main
+
+    assert demo_main([option, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and option in err[0] and "finite" in err[0], err
 

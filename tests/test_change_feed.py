@@ -16,9 +16,9 @@ from poller.changes import ListingReader, diff_changes
 from poller.faults.store import backup as store_backup
 from poller.faults.store import delete, restore
 from poller.polling import Listing, PollingThread, commit_listing
-from poller.protocol import Kind
-from poller.sources import ChangeFeed, has_change_feed
 from poller.sources.sqlite import SqliteSource
+from poller.wire.protocol import Kind
+from poller.wire.sources import ChangeFeed, has_change_feed
 from tests.conftest import wait_until
 from tests.helpers.sqlite_writers import open_and_put, random_ops, random_writer
 

@@ -60,7 +60,7 @@ def test_no_command(capsys: pytest.CaptureFixture[str]) -> None:
     ("nope", "package.module:attr"),
     ("no_such_module_for_the_cli_test:Thing", "ModuleNotFoundError"),
     ("poller.sources.sqlite:NoSuchThing", "NoSuchThing"),
-    ("poller.protocol:PROTOCOL_VERSION", "TypeError"),
+    ("poller.wire.protocol:PROTOCOL_VERSION", "TypeError"),
 ])
 def test_bad_source_spec_is_one_line(capsys: pytest.CaptureFixture[str], spec: str, needle: str) -> None:
     assert main(["run", "--source", spec, "--connect", "tcp://127.0.0.1:1"]) == 2
@@ -90,14 +90,16 @@ def test_bad_interval(capsys: pytest.CaptureFixture[str], interval: str) -> None
 
 
 def test_bad_demo_arguments(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--writers", "0"]) == 2
+    from buffer.demo import main as demo_main
+
+    assert demo_main(["--writers", "0"]) == 2
     assert "--writers" in _one_error_line(capsys)
 
 
 def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "run" in out and "demo" in out
+    assert "run" in out and "doctor" in out
     assert main(["run", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--source" in out and "--connect" in out and "SIGTERM" in out
@@ -182,7 +184,7 @@ def test_demo_runs_and_shuts_down_gracefully(tmp_path: Path) -> None:
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(private_tmp))
-    proc = subprocess.Popen([sys.executable, "-m", "poller", "demo", "--seconds", "2"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "buffer.demo", "--seconds", "2"], cwd=ROOT, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=60)
@@ -257,7 +259,7 @@ def test_ctrl_c_on_the_demo_says_interrupted_and_reports_nothing_lost(tmp_path: 
     private_tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(private_tmp), PYTHONUNBUFFERED="1")
     # Its own process group, as a terminal has: Ctrl-C reaches the demo, its writers and its poller.
-    proc = subprocess.Popen([sys.executable, "-m", "poller", "demo", "--seconds", "60", "--keys-per-step", "256"],
+    proc = subprocess.Popen([sys.executable, "-m", "buffer.demo", "--seconds", "60", "--keys-per-step", "256"],
                             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

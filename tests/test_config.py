@@ -12,7 +12,7 @@ import types
 import pytest
 
 from buffer import ReplayBuffer
-from poller.protocol import DEFAULT_LIMITS, Limits
+from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from tests.conftest import wait_until
 
 
@@ -26,7 +26,7 @@ def test_limits_as_a_plain_mapping() -> None:
 
 
 def test_bad_limits_say_what_is_wrong() -> None:
-    with pytest.raises(ValueError, match=r"unknown limits \['max_pears'\]; the fields of poller.protocol.Limits"):
+    with pytest.raises(ValueError, match=r"unknown limits \['max_pears'\]; the fields of poller.Limits"):
         ReplayBuffer(limits={"max_pears": 8})
     with pytest.raises(ValueError, match="max_peers must be a positive integer"):
         ReplayBuffer(limits={"max_peers": 0})

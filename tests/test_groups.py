@@ -19,7 +19,7 @@ from buffer.group_rules import (
 )
 from buffer.groups import GroupIndex, uid_of
 from buffer.verl_config import SamplerConfig
-from poller.vocabulary import FINISHED
+from poller.wire.vocabulary import FINISHED
 
 
 class Feed:

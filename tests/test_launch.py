@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from buffer import ReplayBuffer
+from buffer.launch import wait
 from poller import PollerProcess, PollerStartupError
-from poller.errors import RemoteTraceback
-from poller.launch import wait
+from poller.wire.errors import RemoteTraceback
 from tests.conftest import alive as _alive
 
 HELPERS = "tests.helpers.sources"
@@ -122,7 +122,7 @@ def _comm(pid: int) -> str:
 @pytest.mark.parametrize("pythonpath", [None, "/opt/the-users-own-path"])
 def test_the_poller_and_its_watchdog_have_names_a_person_recognises(monkeypatch: pytest.MonkeyPatch,
                                                                     pythonpath: str | None):
-    from poller.procfs import children_of
+    from poller.wire.procfs import children_of
 
     if pythonpath is None:
         monkeypatch.delenv("PYTHONPATH", raising=False)

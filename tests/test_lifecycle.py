@@ -16,8 +16,9 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller import PollerCrashed, PollerStartupError
-from poller.errors import RemoteTraceback
-from tests.conftest import alive as _alive, wait_until
+from poller.wire.errors import RemoteTraceback
+from tests.conftest import alive as _alive
+from tests.conftest import wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 HELPERS = "tests.helpers.sources"
@@ -48,8 +49,8 @@ def test_poller_stuck_in_kv_list_still_closes_gracefully(db):
 def test_a_polling_thread_waiting_for_its_next_poll_ends_at_once_and_keeps_what_it_sent():
     # What the embedded poller relies on at STOP: woken, the thread ends while BYE goes out
     # (the process then exits with its main thread alone), and frees nothing on its way out.
-    from poller.deltas import pack_tags
     from poller.polling import PollingThread
+    from poller.wire.tags import pack_tags
 
     listing = {"p": {"k": {"status": "success"}}}
     thread = PollingThread(type("Source", (), {"kv_list": lambda self: listing})(), lambda *_: True,

@@ -12,8 +12,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from buffer import ReplayBuffer
-from poller.errors import ProtocolError
-from poller.protocol import Kind, Limits, Message, decode, encode
+from poller.wire.errors import ProtocolError
+from poller.wire.protocol import Kind, Limits, Message, decode, encode
 from tests.conftest import wait_until
 from tests.test_stream import Peer
 

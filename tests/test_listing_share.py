@@ -23,12 +23,13 @@ from buffer import BufferClosed, ReplayBuffer
 from buffer.verl_config import SamplerConfig, VerlConfigError
 from poller.changes import ListingReader
 from poller.cli import main as poller_main
-from poller.duty import DEFAULT_LISTING_SHARE, VERL_CYCLE, VERL_POLL_INTERVAL, ListingDuty
-from poller.errors import ProtocolError
+from poller.duty import ListingDuty
 from poller.listing import commit_listing
-from poller.messages import Heartbeat, Sync
 from poller.polling import PollingThread
-from poller.protocol import Kind, Message, decode, encode, encode_header
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, VERL_POLL_INTERVAL
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import Heartbeat, Sync
+from poller.wire.protocol import Kind, Message, decode, encode, encode_header
 from tests.conftest import wait_until
 from tests.helpers.sources import TimedListing, listing_starts
 

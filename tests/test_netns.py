@@ -19,8 +19,8 @@ import pytest
 
 from buffer import ReplayBuffer
 from buffer.access import InsecureBindError
-from poller.curve import CurveServer, make_keys
 from poller.sources.sqlite import SqliteSource
+from poller.wire.curve import CurveServer, make_keys
 from tests.conftest import wait_until
 from tests.helpers.netns import NetnsPair, netns_unavailable
 

@@ -20,8 +20,7 @@ import pytest
 from buffer.groups import GroupIndex
 from buffer.partitions import PartitionStore
 from buffer.steps import StepIndex
-from poller.deltas import pack_tags
-from poller.protocol import unpack_many_tags
+from poller.wire.tags import pack_tags, unpack_many_tags
 
 PART = "train"
 STREAM = "own"

@@ -11,11 +11,12 @@ from typing import Any
 import msgpack
 import pytest
 
+from buffer.partitions import PartitionStore
 from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
-from buffer.partitions import PartitionStore
-from poller.messages import Ack, Delta, Heartbeat, Log, Ready
-from poller.protocol import Kind, Limits, Message, encode, unpack_many_tags
+from poller.wire.messages import Ack, Delta, Heartbeat, Log, Ready
+from poller.wire.protocol import Kind, Limits, Message, encode
+from poller.wire.tags import unpack_many_tags
 
 ID = b"p1"
 EPOCH = 41

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
+from poller.deltas import iter_encode_pieces
 from poller.listing import Listing, ListingDiff, RawSnapshot, commit_listing, diff_raw_listing
 from poller.pieces import ScreenedPieces, screen_diff
-from poller.deltas import iter_encode_pieces, pack_tags
-from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header
+from poller.wire.protocol import Kind, Limits, decode, encode_header
+from poller.wire.tags import delta_upserts, pack_tags
 
 LIMITS = Limits(max_str_len=64, max_depth=8)
 

@@ -1,4 +1,4 @@
-"""The wire format (poller.protocol) and the poller-side listing/diff/encoding helpers."""
+"""The wire format (poller.wire.protocol) and the poller-side listing/diff/encoding helpers."""
 
 from __future__ import annotations
 
@@ -8,23 +8,13 @@ from typing import Any
 import msgpack
 import pytest
 
-from poller.errors import PollerError, ProtocolError
-from poller.messages import RECORDS, Delta, to_record
 from poller.deltas import iter_encode_delta
 from poller.listing import ListingDiff, diff_raw_listing
-from poller.protocol import (
-    PROTOCOL_VERSION,
-    Kind,
-    Limits,
-    Message,
-    decode,
-    delta_upserts,
-    encode,
-    encode_body,
-    encode_header,
-    unpack_many_tags,
-    unpack_tags,
-)
+from poller.wire.errors import PollerError, ProtocolError
+from poller.wire.messages import RECORDS, Delta, to_record
+from poller.wire.protocol import PROTOCOL_VERSION, Kind, Limits, Message, decode, encode, encode_body, encode_header
+from poller.wire.tags import delta_upserts, unpack_many_tags, unpack_tags
+
 
 def _encoded(diff: ListingDiff, **options: Any) -> list[bytes]:
     """Every body the poller's encoder yields for ``diff``."""
@@ -184,7 +174,7 @@ def test_body_not_a_map(obj: Any) -> None:
 
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
 def test_every_missing_field_is_refused(kind: Kind) -> None:
-    from poller.messages import RECORDS
+    from poller.wire.messages import RECORDS
 
     record = RECORDS[kind]
     for name in (n for n in record._fields if n not in record._field_defaults):

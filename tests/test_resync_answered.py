@@ -18,10 +18,10 @@ from typing import Iterator
 import pytest
 import zmq
 
-from poller.messages import Delta, Resync, Sync
-from poller.process import PollerProcess
-from poller.protocol import Kind, Message, decode, encode
+from buffer.process import PollerProcess
 from poller.sources.sqlite import SqliteSource
+from poller.wire.messages import Delta, Resync, Sync
+from poller.wire.protocol import Kind, Message, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,9 +24,9 @@ import zmq
 from buffer import ReplayBuffer
 from buffer.access import InsecureBindError, is_local_endpoint, normalize_bind
 from poller.cli import main
-from poller.curve import CurveClient, CurveServer, generate_pair, load_key_pair, load_public_key, make_keys
-from poller.protocol import Kind, Limits, Message, encode
 from poller.sources.sqlite import SqliteSource
+from poller.wire.curve import CurveClient, CurveServer, generate_pair, load_key_pair, load_public_key, make_keys
+from poller.wire.protocol import Kind, Message, encode
 from tests.conftest import wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"

@@ -10,8 +10,8 @@ from typing import Any
 from poller.changes import ListingReader
 from poller.listing import RawSnapshot
 from poller.polling import Listing, PollingThread
-from poller.protocol import Kind
 from poller.sources.sqlite import SqliteSource
+from poller.wire.protocol import Kind
 
 JOIN_TIMEOUT = 60.0
 

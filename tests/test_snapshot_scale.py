@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from buffer import ReplayBuffer
-from poller.protocol import Kind
 from poller.sources.sqlite import SqliteSource
+from poller.wire.protocol import Kind
 from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(240)

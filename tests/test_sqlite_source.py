@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from poller.sources import UnreadableValue, load_source
 from poller.sources.sqlite import SqliteSource
+from poller.wire.sources import UnreadableValue, load_source
 
 JOIN_TIMEOUT = 30.0
 

@@ -12,7 +12,7 @@ from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from poller.listing import commit_listing, diff_raw_listing
-from poller.protocol import unpack_many_tags
+from poller.wire.tags import unpack_many_tags
 
 
 class _Store(PartitionStore):

@@ -12,8 +12,10 @@ from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
 from buffer.stream import StreamReceiver
 from poller.faults.peer import RoguePeer as Peer
-from poller.protocol import Kind, encode_body, encode_header
-from tests.conftest import alive as _alive, wait_until
+from poller.wire.protocol import Kind, encode_body, encode_header
+from tests.conftest import alive as _alive
+from tests.conftest import wait_until
+
 
 @pytest.fixture
 def rb():

@@ -23,7 +23,7 @@ import pytest
 from buffer import ReplayBuffer
 from poller.faults.peer import RoguePeer
 from poller.faults.store import replace
-from poller.protocol import Kind
+from poller.wire.protocol import Kind
 from tests.conftest import wait_until
 
 SOURCES = {"change-feed": "poller.sources.sqlite:SqliteSource", "listed": "tests.helpers.sources:ListedSqlite"}

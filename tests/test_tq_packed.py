@@ -14,10 +14,10 @@ import struct
 import msgpack
 import pytest
 
-from poller.deltas import pack_tags
 from poller.listing import ListingDiff, RawSnapshot, commit_listing, diff_raw_listing
-from poller.sources import PackedItems, packed_listing
 from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
+from poller.wire.sources import PackedItems, packed_listing
+from poller.wire.tags import pack_tags
 from tests.test_transferqueue_source import GOOD, REPLIES, _reply, typed
 
 

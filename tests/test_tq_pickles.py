@@ -13,11 +13,11 @@ import time
 import msgpack
 import pytest
 
-from poller.sources import UnreadableValue
 from poller.sources.tq_elements import MAX_ELEMENTS
 from poller.sources.tq_pickles import restricted_loads
 from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_reply
 from poller.sources.tq_values import UnreadableKey, plain
+from poller.wire.sources import UnreadableValue
 from tests.test_transferqueue_source import GOOD, _reply, typed
 
 

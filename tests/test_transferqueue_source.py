@@ -21,7 +21,6 @@ import zmq
 
 from buffer import ReplayBuffer
 from poller import PollerStartupError
-from poller.sources import SourceStall, UnreadableValue
 from poller.sources.tq_protocol import (
     KNOWN_VERSIONS,
     KV_LIST,
@@ -31,6 +30,7 @@ from poller.sources.tq_protocol import (
     encode_request,
 )
 from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
+from poller.wire.sources import SourceStall, UnreadableValue
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,11 +17,12 @@ import msgpack
 import pytest
 
 from buffer import ReplayBuffer
-from poller.duty import VERL_CYCLE, ListingDuty
-from poller.errors import ProtocolError
-from poller.messages import MAX_WATCH_KEYS, Heartbeat, Watch
-from poller.protocol import Kind, Message, decode, encode, encode_header
+from poller.duty import ListingDuty
 from poller.sources.sqlite import SqliteSource
+from poller.wire.arguments import VERL_CYCLE
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import MAX_WATCH_KEYS, Heartbeat, Watch
+from poller.wire.protocol import Kind, Message, decode, encode, encode_header
 from tests.conftest import wait_until
 
 WATCHED = "tests.helpers.sources:WatchedSqlite"

@@ -35,8 +35,8 @@ import threading
 import time
 from typing import Any, Mapping
 
-from ..sources import SourceSpec, SourceStall, load_source
-from .shapes import GARBAGE
+from poller.faults.shapes import GARBAGE
+from poller.wire.sources import SourceSpec, SourceStall, load_source
 
 __all__ = [
     "FAULTS",
@@ -377,7 +377,7 @@ class _Stall(Fault):
 
 def stall(*, seconds: float = 1.0, **trigger: Any) -> Fault:
     """The store stops answering a client with a deadline: each call gives up after ``seconds`` with
-    :class:`~poller.sources.SourceStall`, as the TransferQueue source does at its ``call_timeout``."""
+    :class:`~poller.wire.sources.SourceStall`, as the TransferQueue source does at its ``call_timeout``."""
     return _Stall(seconds=seconds, **trigger)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import zmq
 
-from ..protocol import Kind, Message, decode, encode, encode_header
+from poller.wire.protocol import Kind, Message, decode, encode, encode_header
 
 __all__ = ["RoguePeer", "WIRE_FAULTS"]
 

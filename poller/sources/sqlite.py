@@ -30,16 +30,16 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from .sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot, snapshot_pieces
-from .sqlite_io import StoredListing, open_connection
-from .sqlite_io import check_keys as _check_keys
-from .sqlite_io import check_str as _check_str
-from .sqlite_io import dumps as _dumps
-from .sqlite_io import fetch_all as _fetch_all
-from .sqlite_io import field_rows as _field_rows
-from .sqlite_io import read_tags as _read_tags
-from .sqlite_io import select_json as _select_json
-from .sqlite_io import tag_rows as _tag_rows
+from poller.sources.sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot, snapshot_pieces
+from poller.sources.sqlite_io import StoredListing, open_connection
+from poller.sources.sqlite_io import check_keys as _check_keys
+from poller.sources.sqlite_io import check_str as _check_str
+from poller.sources.sqlite_io import dumps as _dumps
+from poller.sources.sqlite_io import fetch_all as _fetch_all
+from poller.sources.sqlite_io import field_rows as _field_rows
+from poller.sources.sqlite_io import read_tags as _read_tags
+from poller.sources.sqlite_io import select_json as _select_json
+from poller.sources.sqlite_io import tag_rows as _tag_rows
 
 __all__ = ["SqliteSource"]
 
@@ -209,7 +209,7 @@ class SqliteSource:
         Every row is listed, also one another tool wrote that this class
         would not: tags that are no JSON object (not JSON, JSON of another
         type, TEXT that is not UTF-8) are an
-        :class:`~poller.sources.UnreadableValue` naming why, in place of the
+        :class:`~poller.wire.sources.UnreadableValue` naming why, in place of the
         tags dict; a key or partition id that is a BLOB or TEXT that is not
         UTF-8 is ``bytes``. Such a row never fails the listing (a poller
         quarantines it alone); check for it where a row may come from
@@ -238,7 +238,7 @@ class SqliteSource:
         return listing
 
     def kv_snapshot(self) -> tuple[Cursor, StoredListing]:
-        """Everything stored and the change cursor it corresponds to (see :class:`~poller.sources.ChangeFeed`).
+        """Everything stored and the change cursor it corresponds to (see :class:`~poller.wire.sources.ChangeFeed`).
 
         Rows another tool wrote are listed as by :meth:`kv_list`.
         """

@@ -41,7 +41,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, Iterator
 
-from .sqlite_io import StoredListing, fetch_all, fetch_batches, read_tags
+from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_batches, read_tags
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "ensure_change_log", "read_changes", "read_snapshot"]
 

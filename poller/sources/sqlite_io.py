@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from ..vocabulary import Tags
-from . import UnreadableValue
+from poller.wire.sources import UnreadableValue
+from poller.wire.vocabulary import Tags
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -219,7 +219,7 @@ _raw_decode = json.JSONDecoder().raw_decode
 
 
 def read_tags(text: Any) -> Tags | UnreadableValue:
-    """A stored tags (or fields) value as a dict, or an :class:`~poller.sources.UnreadableValue` saying why not.
+    """A stored tags (or fields) value as a dict, or an :class:`~poller.wire.sources.UnreadableValue` saying why not.
 
     A value another tool wrote may be no JSON object: not JSON, JSON of
     something else, or TEXT that is not UTF-8 (read as bytes, see

@@ -5,7 +5,7 @@ reply frame, or bytes inside a pickle) with a dtype name and a shape; this
 module reads them with :mod:`struct`, without numpy or torch. Bool, int,
 uint and float dtypes (float16, and torch's bfloat16, widened exactly to
 ``float``) have a plain form; any other dtype (complex, datetime, strings,
-objects) does not and is an :class:`~poller.sources.UnreadableValue`.
+objects) does not and is an :class:`~poller.wire.sources.UnreadableValue`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 import struct
 from typing import Any, Sequence
 
-from . import UnreadableValue
+from poller.wire.sources import UnreadableValue
 
 __all__ = ["MAX_ELEMENTS", "element_size", "from_buffer"]
 

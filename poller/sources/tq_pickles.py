@@ -27,8 +27,8 @@ import re
 import struct
 from typing import Any, Callable
 
-from . import UnreadableValue
-from .tq_elements import element_size, from_buffer
+from poller.sources.tq_elements import element_size, from_buffer
+from poller.wire.sources import UnreadableValue
 
 __all__ = ["Refused", "batch_meta_tags", "refusal", "restricted_loads"]
 

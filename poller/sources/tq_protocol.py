@@ -38,7 +38,7 @@ made by ``tests/integration/capture_tq_replies.py``):
   torch's legacy ``torch.save`` format.
 
 :mod:`poller.sources.tq_values` reads them without numpy or torch (what
-converts, and what becomes an :class:`~poller.sources.UnreadableValue`, is
+converts, and what becomes an :class:`~poller.wire.sources.UnreadableValue`, is
 listed there); a value it cannot read is replaced in place, so the rest of
 the reply is listed. Nothing received is unpickled but through its
 restricted unpickler.
@@ -66,9 +66,9 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from . import PackedItems, WatchRead
-from .tq_pickles import batch_meta_tags, restricted_loads
-from .tq_values import Deferred, decode_ext, plain
+from poller.sources.tq_pickles import batch_meta_tags, restricted_loads
+from poller.sources.tq_values import Deferred, decode_ext, plain
+from poller.wire.sources import PackedItems, WatchRead
 
 __all__ = [
     "KV_LIST",
@@ -217,7 +217,7 @@ def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: s
     """The body of the controller's reply to a ``request_type`` request.
 
     Tag values are read as the module docstring says: a value this side
-    cannot read becomes an :class:`~poller.sources.UnreadableValue` in its
+    cannot read becomes an :class:`~poller.wire.sources.UnreadableValue` in its
     place, and the rest of the reply is unaffected. With ``probe_address``,
     the reply is the start-up probe's and its shape is checked first
     (:func:`check_probe_reply`).
@@ -242,7 +242,7 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
     """:func:`decode_reply` of a ``KV_LIST`` reply, each partition's tags left packed.
 
     The body's ``partition_info`` maps each partition id to a
-    :class:`~poller.sources.PackedItems`: every key's tags are the bytes
+    :class:`~poller.wire.sources.PackedItems`: every key's tags are the bytes
     the reply holds for them, read by the item's ``decode`` as
     :func:`decode_reply` reads them. Walking a reply costs about a quarter
     of decoding it (K=100k plain tags: ~25 ms against ~90 ms), and the
@@ -264,7 +264,7 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
 
 
 def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRead | None:
-    """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.sources.WatchRead`).
+    """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.wire.sources.WatchRead`).
 
     The controller pickles a ``BatchMeta`` of the keys found (their global
     indexes, production status, field schema and tags) into one extension

@@ -2,7 +2,7 @@
 
 What the controller sends for each kind of tag value is described in
 :mod:`poller.sources.tq_protocol`. This module turns each into a plain value,
-or an :class:`~poller.sources.UnreadableValue` in its place:
+or an :class:`~poller.wire.sources.UnreadableValue` in its place:
 
 - numpy scalars (pickled, extension type 1) of a bool, int, uint or float
   dtype -> ``bool`` / ``int`` / ``float`` (float16 and float32 widened
@@ -38,9 +38,9 @@ import datetime
 import sys
 from typing import Any, Sequence
 
-from . import UnreadableValue
-from .tq_elements import from_buffer
-from .tq_pickles import refusal, restricted_loads
+from poller.sources.tq_elements import from_buffer
+from poller.sources.tq_pickles import refusal, restricted_loads
+from poller.wire.sources import UnreadableValue
 
 __all__ = ["Deferred", "UnreadableKey", "decode_ext", "plain"]
 

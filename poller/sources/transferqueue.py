@@ -18,7 +18,7 @@ itself (:mod:`poller.sources.tq_protocol`) over a socket of its own, so the
 poller imports neither ``transfer_queue``, Ray nor torch (seconds of import
 and hundreds of MB per poller), and every ``kv_list()`` has a deadline,
 which TransferQueue's own client lacks: a call past it raises
-:class:`~poller.sources.SourceStall`, which the poller counts and logs once
+:class:`~poller.wire.sources.SourceStall`, which the poller counts and logs once
 per episode while it keeps polling. The source never calls TransferQueue's
 ``close()``; its own :meth:`TransferQueueSource.close` closes its socket only.
 """
@@ -33,8 +33,7 @@ from typing import Any, Mapping, Sequence
 
 import zmq
 
-from . import SourceStall, WatchRead
-from .tq_protocol import (
+from poller.sources.tq_protocol import (
     KV_LIST,
     KV_RETRIEVE_META,
     LIST_PARTITIONS,
@@ -46,6 +45,7 @@ from .tq_protocol import (
     encode_request,
     unknown_version_warning,
 )
+from poller.wire.sources import SourceStall, WatchRead
 
 __all__ = ["SPEC", "TransferQueueSource", "source_kwargs"]
 
@@ -143,7 +143,7 @@ class TransferQueueSource:
         return self._listing(packed=False)
 
     def kv_list_packed(self) -> dict[str, Any]:
-        """:meth:`kv_list`, each partition's tags left as the reply packed them (:class:`~poller.sources.PackedItems`).
+        """:meth:`kv_list`, each partition's tags left as the reply packed them (``PackedItems``).
 
         What the poller calls: it decodes only the keys whose bytes changed
         since it last sent them. A reply of another shape comes back decoded,

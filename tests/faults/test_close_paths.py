@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
-import re
 import textwrap
 import threading
 import time
@@ -20,8 +20,8 @@ import pytest
 
 from buffer import BufferClosed, ReplayBuffer
 from poller import PollerProcess, PollerStartupError
-from poller.errors import RemoteTraceback
 from poller.sources.sqlite import SqliteSource
+from poller.wire.errors import RemoteTraceback
 from tests.conftest import alive, wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -219,7 +219,7 @@ def test_ctrl_c_while_sample_waits_raises_keyboard_interrupt_and_close_still_wor
 
 def test_a_start_cut_short_by_its_owner_leaves_nothing(tmp_path):
     """The supervisor's way to honour a close while a child starts: PollerProcess.start(abort_fd=...)."""
-    from poller.wakeup import WakePipe
+    from poller.wire.wakeup import WakePipe
 
     process = PollerProcess("poller.faults:slow", endpoint="tcp://127.0.0.1:9", source_kwargs={"start_s": 60})
     abort = WakePipe()

@@ -9,9 +9,9 @@ import msgpack
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from poller.errors import ProtocolError
-from poller.messages import RECORDS
-from poller.protocol import PROTOCOL_VERSION, Kind, Message, decode
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import RECORDS
+from poller.wire.protocol import PROTOCOL_VERSION, Kind, Message, decode
 
 _FIELDS = sorted({name for record in RECORDS.values() for name in record._fields})
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from poller.procfs import children_of, state
-
+from poller.wire.procfs import children_of, state
 from tests.conftest import alive, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

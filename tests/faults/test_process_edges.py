@@ -16,7 +16,7 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller import PollerCrashed
-from poller.errors import RemoteTraceback
+from poller.wire.errors import RemoteTraceback
 from tests.conftest import wait_until
 from tests.helpers.lines import first_line
 

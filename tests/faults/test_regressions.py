@@ -16,16 +16,16 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller.cli import main
-from poller.errors import ProtocolError
+from poller.deltas import iter_encode_delta
 from poller.faults import parse_fault, raise_
 from poller.faults.peer import RoguePeer
+from poller.faults.shapes import nested
 from poller.faults.store import delete
 from poller.listing import commit_listing, diff_raw_listing
 from poller.pieces import screen_diff
-from poller.deltas import iter_encode_delta
-from poller.protocol import Kind, Limits, decode, delta_upserts, encode_header
-from poller.faults.shapes import nested
 from poller.sources.sqlite import SqliteSource
+from poller.wire.protocol import Kind, Limits, decode, encode_header
+from poller.wire.tags import delta_upserts
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -81,8 +81,8 @@ def verl_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
     (as a waiting verl sampler asks): when each listing began and ended (the source logs them) and what stats()
     said."""
     from buffer import ReplayBuffer
-    from poller.duty import VERL_CYCLE
     from poller.sources.transferqueue import source_kwargs
+    from poller.wire.arguments import VERL_CYCLE
 
     for _ in range(3):
         group("train", "finished", step=1)
@@ -117,12 +117,11 @@ def verl_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
 
 def watch_reads_named_keys_and_changes_nothing(conf: Any) -> dict[str, Any]:
     """kv_watch on the real controller: a fingerprint that moves with the keys named, and nothing created."""
+    import numpy as np
+    import torch
     import transfer_queue as tq
 
     from poller.sources.transferqueue import TransferQueueSource, source_kwargs
-
-    import numpy as np
-    import torch
 
     running = group("train", "running", step=3)
     other = group("train", "running", step=3)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from poller.protocol import DEFAULT_LIMITS
+from poller.wire.protocol import DEFAULT_LIMITS
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from poller.duty import VERL_POLL_INTERVAL
+from poller.wire.arguments import VERL_POLL_INTERVAL
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from poller.sources import UnreadableValue
 from poller.sources.transferqueue import SPEC
+from poller.wire.sources import UnreadableValue
 from tests.conftest import wait_until
 from tests.integration.tq_values import CASE_KEY, CASES, GOOD_KEY, INT_PARTITION_CASE
 from tests.test_transferqueue_source import EXPECTED_TAGS

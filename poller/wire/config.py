@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
-from .duty import DEFAULT_LISTING_SHARE, ListingShare
-from .protocol import DEFAULT_LIMITS, Limits
-from .sources import SourceSpec
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
+from poller.wire.protocol import DEFAULT_LIMITS, Limits
+from poller.wire.sources import SourceSpec
 
 if TYPE_CHECKING:
-    # Imported where used: poller.curve pulls in zmq.auth and asyncio, ~35 ms
+    # Imported where used: poller.wire.curve pulls in zmq.auth and asyncio, ~35 ms
     # of every poller's start-up, needed only when the stream uses CURVE.
-    from .curve import CurveClient
+    from poller.wire.curve import CurveClient
 
 __all__ = ["WorkerConfig", "ExitCode"]
 

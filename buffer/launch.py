@@ -16,7 +16,7 @@ what is passed — and skips the rest::
 Pickle crosses only this private pipe, from the parent to its own child
 (as with spawn); the ZeroMQ stream never carries it.
 
-:class:`ExecProcess` is the child's handle for :class:`~poller.process.PollerProcess`
+:class:`ExecProcess` is the child's handle for :class:`~buffer.process.PollerProcess`
 (start, signal, join, reap). Its sentinel is the read end of a pipe whose
 only write end the child holds: it becomes readable the moment the child's
 fds are released at exit. Where Linux offers a pidfd (5.3+), ``join`` waits on
@@ -34,8 +34,7 @@ import sys
 import time
 from typing import Any, Iterable
 
-from .child import CLEANUP_VARIABLE, PATH_VARIABLE
-from .lifeline import Channel
+from poller.wire.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE, Channel
 
 __all__ = ["ExecProcess", "wait"]
 

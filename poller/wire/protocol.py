@@ -17,7 +17,7 @@ silently diverging.
 
 Decoding is strict and bounded: frame sizes are capped, every field is
 type-checked, unknown kinds and versions are refused. Every failure is a
-:class:`~poller.errors.ProtocolError`; no other exception escapes
+:class:`~poller.wire.errors.ProtocolError`; no other exception escapes
 :func:`decode`. Pickle is never used.
 """
 
@@ -28,8 +28,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgpack
 
-from .errors import ProtocolError
-from .messages import DELTA_BULKY_FIELDS, Body, Delta, Kind, as_map, check_body, to_record
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import DELTA_BULKY_FIELDS, Body, Kind, as_map, check_body, to_record
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -42,11 +42,6 @@ __all__ = [
     "decode",
     "packed_size",
     "fit_text",
-    "unpack_tags",
-    "unpack_many_tags",
-    "unpack_held",
-    "unpack_held_many",
-    "delta_upserts",
 ]
 
 # 2: DELTA upserts travel packed per key (``Delta.packed``).
@@ -71,7 +66,7 @@ class Limits(_LimitFields):
     """Bounds on what one peer can make the buffer decode and hold.
 
     A message past any decoding bound is a counted, logged
-    :class:`~poller.errors.ProtocolError` and is dropped whole.
+    :class:`~poller.wire.errors.ProtocolError` and is dropped whole.
 
     Attributes:
         max_frame_bytes: size of a body frame; larger frames are also refused
@@ -103,7 +98,7 @@ DEFAULT_LIMITS = Limits()
 
 
 class Message(NamedTuple):
-    """One message. Decoded, ``body`` is the record of ``kind`` (:mod:`poller.messages`);
+    """One message. Decoded, ``body`` is the record of ``kind`` (:mod:`poller.wire.messages`);
     to encode, a record or a plain map (a hand-driven peer's) will do."""
 
     kind: Kind
@@ -223,7 +218,7 @@ def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
 
 
 def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
-    """Keys per message and nesting of a DELTA already checked by :func:`~poller.messages.check_body`."""
+    """Keys per message and nesting of a DELTA already checked by :func:`~poller.wire.messages.check_body`."""
     upserts, deletes, packed = body["upserts"], body["deletes"], body.get("packed") or {}
     count = len(upserts) + len(deletes) + sum(len(v) for v in upserts.values()) + sum(len(v) for v in deletes.values())
     count += len(packed) + sum(len(keys) for keys, _ in packed.values())
@@ -245,116 +240,18 @@ def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
         raise ProtocolError(f"DELTA body nests deeper than {limits.max_depth}")
 
 
-def unpack_tags(blob: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
-    """One key's tags from its packed form in a DELTA's ``packed``, held to the decoder's bounds.
-
-    The tags sit where plain upserts put them (depth 4 of the body), so
-    ``max_depth`` means the same for both forms.
-
-    Raises:
-        ProtocolError: the bytes are not one msgpack map with ``str`` names
-            within ``limits``.
-    """
-    tags = _unpack(blob, limits, "packed tags")
-    if type(tags) is not dict or not set(map(type, tags)) <= _STR_NAMES:
-        raise ProtocolError("packed tags are not a map with str names")
-    if not _SCALAR_TYPES.issuperset(map(type, tags.values())) and _deeper_than(tags, limits.max_depth, 4):
-        raise ProtocolError(f"DELTA tags nest deeper than {limits.max_depth}")
-    return tags
 
 
-def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> list[dict[str, Any]]:
-    """:func:`unpack_tags` of each blob, checked in C-level passes over all of them.
-
-    A snapshot unpacks every key once: one ``map`` over the blobs and set
-    checks over all names and value types cost ~1 us a key where a call of
-    :func:`unpack_tags` per key costs ~4. Only tags holding containers are
-    walked for their depth; any failure is located by unpacking one by one.
-
-    Raises:
-        ProtocolError: as :func:`unpack_tags`, for the first blob refused.
-    """
-    try:
-        tags = _unpack_each(blobs, limits)
-    except Exception:  # one of them is malformed: name it
-        return [unpack_tags(blob, limits) for blob in blobs]
-    # The names' types from the set of distinct names (a few), not from every key's.
-    if not set(map(type, tags)) <= _DICT or not set(map(type, set().union(*tags))) <= _STR_NAMES:
-        return [unpack_tags(blob, limits) for blob in blobs]
-    if not _SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, tags)))):
-        limit = limits.max_depth
-        for one in tags:
-            if not _SCALAR_TYPES.issuperset(map(type, one.values())) and _deeper_than(one, limit, 4):
-                raise ProtocolError(f"DELTA tags nest deeper than {limit}")
-    return tags
 
 
-def _unpack_each(blobs: Sequence[bytes], limits: Limits) -> list[Any]:
-    """Each blob's one msgpack object, read by one unpacker from the blobs joined.
-
-    One unpacker costs ~0.55 us a key where a call of ``unpackb`` with the
-    bounds as keywords costs ~0.9. Each blob must end where its object ends:
-    joined, a blob with bytes to spare and a short one after it could
-    otherwise read as two objects cut across their keys.
-
-    Raises:
-        ValueError: a blob is not exactly one object (or msgpack's own errors).
-    """
-    joined = b"".join(blobs)
-    unpacker = msgpack.Unpacker(raw=False, use_list=True, strict_map_key=True,
-                                max_buffer_size=max(len(joined), 1), max_str_len=limits.max_str_len,
-                                max_bin_len=limits.max_str_len, max_array_len=limits.max_items,
-                                max_map_len=limits.max_items, max_ext_len=0)
-    unpacker.feed(joined)
-    unpack, tell = unpacker.unpack, unpacker.tell
-    out: list[Any] = []
-    append = out.append
-    end = 0
-    for size in map(len, blobs):
-        append(unpack())
-        end += size
-        if tell() != end:
-            raise ValueError("a packed value is not exactly one msgpack object")
-    return out
 
 
-_STR_NAMES = frozenset({str})
-_DICT = frozenset({dict})
 
 
-def unpack_held(blob: bytes) -> dict[str, Any]:
-    """Tags from bytes that were checked when they arrived (:func:`unpack_tags`) or :func:`pack_tags` made."""
-    return msgpack.unpackb(blob, raw=False, strict_map_key=False)  # type: ignore[no-any-return]
 
 
-def unpack_held_many(blobs: Sequence[bytes]) -> list[dict[str, Any]]:
-    """:func:`unpack_held` of each blob, read by one unpacker in C (~0.44 us a key where a call each costs ~0.57).
-
-    Each blob is one object already (checked when it arrived, or packed
-    here), so the objects of the joined blobs are the blobs' own.
-    """
-    joined = b"".join(blobs)
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(joined), 1))
-    unpacker.feed(joined)
-    out = list(unpacker)
-    if len(out) != len(blobs):
-        raise ValueError(f"{len(blobs)} held blobs read as {len(out)} objects")
-    return out
 
 
-def delta_upserts(delta: Delta, limits: Limits = DEFAULT_LIMITS) -> dict[str, dict[str, Any]]:
-    """Every upsert of a decoded DELTA as plain tags: ``upserts`` and ``packed`` unpacked, in one map.
-
-    For readers that want the tags themselves (tools, tests); the buffer
-    applies ``packed`` without unpacking what it already holds.
-
-    Raises:
-        ProtocolError: packed tags the decoder refuses (:func:`unpack_tags`).
-    """
-    out = {partition: dict(items) for partition, items in delta.upserts.items()}
-    for partition, (keys, blobs) in (delta.packed or {}).items():
-        out.setdefault(partition, {}).update(zip(keys, (unpack_tags(blob, limits) for blob in blobs)))
-    return out
 
 
 def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:

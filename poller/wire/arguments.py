@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
+from typing import Any, Literal, Union
 
-from .duty import check_share
+__all__ = ["DEFAULT_LISTING_SHARE", "VERL_CYCLE", "VERL_POLL_INTERVAL", "ListingShare", "check_count",
+           "check_optional_seconds", "check_seconds", "check_share", "check_worker_config"]
 
-__all__ = ["check_count", "check_optional_seconds", "check_seconds", "check_share", "check_worker_config"]
+#: verl's sampler's cycle instead of a fixed share: the next listing no sooner than ``VERL_POLL_INTERVAL`` + ``d``
+#: + ``2p`` after the poll that took the previous one is done, a share of ``d / (2d + 3p + 2 s)`` (module docstring).
+VERL_CYCLE: Literal["verl"] = "verl"
+#: A fixed share of the wall clock (in (0, 1], 1.0: no bound), or :data:`VERL_CYCLE`.
+ListingShare = Union[float, Literal["verl"]]
+#: The generic buffer's and the standalone poller's share: verl's sampler's own at K=100k TransferQueue keys
+#: (module docstring). A listing that took ``d`` is followed by the next no sooner than ``d / 0.15`` after it began.
+DEFAULT_LISTING_SHARE = 0.15
+#: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
+VERL_POLL_INTERVAL = 2.0
+
 
 # The longest wait the threading primitives accept (OverflowError beyond it).
 MAX_SECONDS = float(threading.TIMEOUT_MAX)
@@ -79,3 +90,18 @@ def check_worker_config(config: Any) -> None:
     check_seconds("tick", config.tick)
     check_optional_seconds("stall_timeout", config.stall_timeout)
     check_share("listing_share", config.listing_share)
+
+
+def check_share(name: str, value: Any) -> ListingShare:
+    """``value`` as a listing share: a number in (0, 1] (a bool is refused), or ``"verl"`` (verl's cycle).
+
+    Raises:
+        ValueError: naming ``name`` and ``value``.
+    """
+    if value == VERL_CYCLE:
+        return VERL_CYCLE
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
+            or not 0 < value <= 1):
+        raise ValueError(f"{name} must be a share of the wall clock in (0, 1] (1: no bound), or {VERL_CYCLE!r} "
+                         f"for verl's sampler's cycle, got {value!r}")
+    return float(value)

@@ -23,6 +23,7 @@ makes the exit code 1.
 
 from __future__ import annotations
 
+import argparse
 import math
 import multiprocessing
 import random
@@ -36,10 +37,10 @@ from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
-from .arguments import check_count, check_seconds
-from .sources.sqlite import SqliteSource
+from poller.wire.arguments import check_count, check_seconds
+from poller.wire.sources import load_source
 
 __all__ = ["run_demo"]
 
@@ -117,6 +118,11 @@ class _DemoError(Exception):
     """A step could not complete (a writer died, a wait ran out of time)."""
 
 
+def _open_store(path: str, **kwargs: Any) -> Any:
+    """The SQLite store as its writers use it, named by spec like any source (a context manager)."""
+    return load_source(SOURCE_SPEC, {"path": path, **kwargs})
+
+
 # -- writer processes ---------------------------------------------------------------------------
 
 def _writer_main(index: int, path: str, keys_per_step: int, shared: _Shared) -> None:
@@ -124,7 +130,7 @@ def _writer_main(index: int, path: str, keys_per_step: int, shared: _Shared) -> 
     # Ctrl-C reaches the whole process group; the trainer decides when writers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     rng = random.Random()
-    with SqliteSource(path, timeout=_STEP_TIMEOUT) as store:
+    with _open_store(path, timeout=_STEP_TIMEOUT) as store:
         finished = 0
         while not shared.stop.is_set():
             step = shared.step.value
@@ -136,7 +142,7 @@ def _writer_main(index: int, path: str, keys_per_step: int, shared: _Shared) -> 
             finished = step
 
 
-def _write_step(store: SqliteSource, index: int, step: int, keys_per_step: int, shared: _Shared,
+def _write_step(store: Any, index: int, step: int, keys_per_step: int, shared: _Shared,
                 rng: random.Random) -> bool:
     """Write the markers, then the results of one step; False if told to stop half-way."""
     keys = step_keys(index, step, keys_per_step)
@@ -229,7 +235,7 @@ def _progress(out: TextIO, tally: _Tally, elapsed: float, buffered: int) -> None
           f"  buffer keys {buffered}", file=out, flush=True)
 
 
-def _run_step(rb: Any, store: SqliteSource, shared: _Shared, procs: Sequence[BaseProcess], tally: _Tally,
+def _run_step(rb: Any, store: Any, shared: _Shared, procs: Sequence[BaseProcess], tally: _Tally,
               step: int, keys_per_step: int, written_before: int, out: TextIO) -> int:
     """Drive one step from signal to clear; return the writers' total written after it."""
     writers = len(procs)
@@ -282,7 +288,7 @@ def _run_step(rb: Any, store: SqliteSource, shared: _Shared, procs: Sequence[Bas
     return written_after
 
 
-def _train(rb: Any, store: SqliteSource, shared: _Shared, procs: Sequence[BaseProcess], tally: _Tally,
+def _train(rb: Any, store: Any, shared: _Shared, procs: Sequence[BaseProcess], tally: _Tally,
            seconds: float, keys_per_step: int, out: TextIO) -> None:
     """Run steps until ``seconds`` have passed (at least one); record failures in ``tally``."""
     start = time.monotonic()
@@ -333,14 +339,13 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
     check_count("writers", writers, minimum=1)
     check_count("keys_per_step", keys_per_step, minimum=1)
     check_seconds("interval", interval)
-    # Imported here: the poller package must not import buffer at import time.
-    from buffer import ReplayBuffer
+    from buffer import ReplayBuffer  # here: buffer imports this module only when asked
 
     ctx = multiprocessing.get_context("spawn")
     tally = _Tally()
     with tempfile.TemporaryDirectory(prefix="poller-demo-") as tmp:
         db = Path(tmp) / "kv.db"
-        with SqliteSource(db) as store:
+        with _open_store(str(db)) as store:
             store.kv_list()  # creates the file and its schema before writers and poller open it
             shared = _Shared.create(ctx, writers)
             procs = [ctx.Process(target=_writer_main, args=(w, str(db), keys_per_step, shared),
@@ -378,3 +383,63 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
     result = "OK" if ok else "INTERRUPTED" if tally.interrupted else "FAILED"
     print(f"result: {result}", file=out, flush=True)
     return 0 if ok else 130 if tally.interrupted else 1
+
+
+# -- command line: python -m buffer.demo -------------------------------------------------------
+
+def _number(kind: Callable[[str], float], low: float, strict: bool) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value):  # nan slips past every comparison below; inf never ends
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        return value
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the demo's options to ``parser`` (the ``demo`` sub-command)."""
+    parser.add_argument("--seconds", type=_number(float, 0, False), default=10.0,
+                        help="how long to keep starting steps (default: %(default)s)")
+    parser.add_argument("--writers", type=_number(int, 1, False), default=2,
+                        help="rollout-writer processes (default: %(default)s)")
+    parser.add_argument("--keys-per-step", type=_number(int, 1, False), default=64,
+                        help="keys per writer and step (default: %(default)s)")
+    parser.add_argument("--interval", type=_number(float, 0, True), default=0.05,
+                        help="poll interval in seconds (default: %(default)s)")
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Run the demo with parsed arguments; return the exit code."""
+    # sys.stdout looked up now, not at import: callers (and tests) may have replaced it.
+    try:
+        return run_demo(args.seconds, writers=args.writers, keys_per_step=args.keys_per_step,
+                        interval=args.interval, out=sys.stdout)
+    except KeyboardInterrupt:  # before or after the steps: nothing to report but that
+        print("demo: interrupted", file=sys.stderr)
+        return 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line on stderr, exit 2, as `python -m poller` does
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m buffer.demo [options]``: run the demo; return its exit code (2: bad arguments)."""
+    parser = _Parser(prog="python -m buffer.demo",
+                                     description="Rollout writers, a SQLite store, a ReplayBuffer and a trainer loop.")
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return main_from_args(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,7 @@ Each message is a typed record (:class:`Ready`, :class:`StartupError`,
 :class:`Fatal` from the child; :class:`StopRequest` from the parent), sent as
 a small JSON object ``{"kind": ..., <its fields>}`` (never pickle) and
 checked field by field when received. (The one exception is the start-up
-configuration a launched child reads first, see :mod:`poller.launch`: its
+configuration a launched child reads first, see :mod:`buffer.launch`: its
 own parent wrote it.) Both ends are a :class:`Channel`, framing a message as
 a 4-byte big-endian length and the bytes.
 """
@@ -22,6 +22,14 @@ import select
 import struct
 import traceback
 from typing import Any, NamedTuple, Union
+
+# The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
+# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and main()
+# then takes the parent's exact sys.path (and drops both variables).
+PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
+# The directory an orphaned poller's watchdog removes (WorkerConfig.orphan_cleanup): the
+# watchdog is forked before the configuration is read from the lifeline.
+CLEANUP_VARIABLE = "REPLAY_POLLER_ORPHAN_CLEANUP"
 
 __all__ = ["Channel", "Ready", "StartupError", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",
            "failure"]

@@ -1,6 +1,6 @@
 """One record type per message kind: each field's name, type and check live here only.
 
-:mod:`poller.protocol` packs a record's fields as a msgpack map and checks a
+:mod:`poller.wire.protocol` packs a record's fields as a msgpack map and checks a
 decoded map against the record before building it, so a field is named in
 one place. A field with a default was added after its kind was first
 defined: a peer that predates it leaves it out (and a record leaves out
@@ -15,7 +15,7 @@ import enum
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Union
 
-from .errors import ProtocolError
+from poller.wire.errors import ProtocolError
 
 __all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Watch",
            "Body", "MAX_WATCH_KEYS",
@@ -194,7 +194,7 @@ def _packed_ok(value: Any) -> bool:
 
     Checked in C-level passes (a resync carries every key). What each blob
     holds is checked where it is unpacked, when the receiver does not already
-    hold the same bytes (:func:`poller.protocol.unpack_tags`).
+    hold the same bytes (:func:`poller.wire.tags.unpack_tags`).
     """
     if type(value) is not dict:
         return False

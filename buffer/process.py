@@ -21,12 +21,12 @@ import threading
 import time
 from typing import Any, Callable, Literal, NamedTuple, Optional
 
-from . import lifeline
-from .arguments import check_seconds, check_worker_config
-from .errors import PollerError, PollerStartupError, RemoteTraceback
-from .launch import ExecProcess, wait
-from .sources import SourceSpec, describe_spec
-from .worker import WorkerConfig
+from buffer.launch import ExecProcess, wait
+from poller.wire import lifeline
+from poller.wire.arguments import check_seconds, check_worker_config
+from poller.wire.config import WorkerConfig
+from poller.wire.errors import PollerError, PollerStartupError, RemoteTraceback
+from poller.wire.sources import SourceSpec, describe_spec
 
 __all__ = ["PollerProcess", "ShutdownReport", "Stage"]
 
@@ -63,7 +63,7 @@ class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
     The child is a fresh interpreter running only the poller (see
-    :mod:`poller.launch`): safe in processes that already hold threads or
+    :mod:`buffer.launch`): safe in processes that already hold threads or
     CUDA, and it never re-imports the trainer's ``__main__``.
 
     Args:
