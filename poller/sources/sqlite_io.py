@@ -76,20 +76,20 @@ def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[lis
     one read transaction, so that the second read gives the same rows in the
     same order.
     """
-    rows = conn.execute(sql)
     given = 0
-    while True:
-        try:
-            batch = rows.fetchmany(size)
-        except sqlite3.OperationalError as exc:
-            if not _undecodable(exc):
-                raise
-            break
-        if not batch:
-            return
-        given += len(batch)
-        yield batch
+    rows = None
+    try:
+        rows = conn.execute(sql)  # Python 3.10 reads the first row here already
+        while batch := rows.fetchmany(size):
+            given += len(batch)
+            yield batch
+        return
+    except sqlite3.OperationalError as exc:
+        if not _undecodable(exc):
+            raise
     logger.debug("a TEXT value is not UTF-8; reading the rest with bytes for such values")
+    if rows is not None:
+        rows.close()  # Python 3.10 reuses its statement for the read below: left open, a row would come twice
     with _text_as_bytes_where_not_utf8(conn):
         rows = conn.execute(sql)
         while given > 0:
