@@ -10,7 +10,7 @@ TQ_STAMP := $(VENV)/.installed-transferqueue
 # or a range TransferQueue's dependencies pick) pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint check-dist test-integration install bench docs clean
+.PHONY: demo test test-versions lint check-dist test-integration install bench docs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,29 @@ demo: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The range the package claims (setup.cfg: Python 3.10-3.13): a fast subset of the suite under the
+# oldest and the newest, each in a venv of its own, from pyenv's builds (`pyenv root`) or pythonX.Y
+# on PATH. The subset covers the wire, the tag codec, the store and its ledger, the SQLite source,
+# the quarantine and a buffer fed by a real poller process (~1 min each).
+OTHER_PYTHONS := 3.10 3.13
+FAST_TESTS := tests/test_protocol.py tests/test_packed_merge.py tests/test_ledger.py tests/test_tombstones.py \
+	tests/test_quarantine.py tests/test_change_feed.py tests/test_sqlite_source.py tests/test_snapshot_pieces.py \
+	tests/test_buffer.py tests/test_verl.py tests/test_public_api.py tests/test_import_graph.py \
+	tests/test_config.py tests/test_limits.py tests/test_tq_pickles.py tests/test_peers.py
+PYENV_ROOT ?= $(or $(shell pyenv root 2>/dev/null),$(HOME)/.pyenv)
+
+.venv-%/.installed: setup.cfg pyproject.toml
+	@py=$$(ls -d $(PYENV_ROOT)/versions/$*.*/bin/python$* 2>/dev/null | sort -V | tail -n 1); \
+	py=$${py:-$$(command -v python$* || true)}; \
+	test -n "$$py" || { echo "make: no Python $* (not in pyenv root '$(PYENV_ROOT)', no python$* on PATH)" >&2; exit 1; }; \
+	echo "$$py -m venv .venv-$*"; $$py -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+test-versions: $(foreach v,$(OTHER_PYTHONS),.venv-$(v)/.installed)
+	for v in $(OTHER_PYTHONS); do .venv-$$v/bin/python -m pytest -q $(FAST_TESTS) || exit 1; done
 
 # Style and types of the two packages (configured in pyproject.toml and setup.cfg).
 lint: $(STAMP)
@@ -82,4 +105,4 @@ docs: $(DOCS_STAMP)
 	$(BIN)/python .ci/check_docs.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info site
+	rm -rf $(VENV) $(foreach v,$(OTHER_PYTHONS),.venv-$(v)) build *.egg-info site
