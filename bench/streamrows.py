@@ -106,10 +106,7 @@ def _bind(row: Row, workdir: str) -> Outcome:
             want = writer.kv_list()
             while first.snapshot() != want and time.monotonic() < deadline:
                 time.sleep(0.02)
-            have = first.snapshot(PARTITION)
-            out.lost = sorted(k for k in want.get(PARTITION, {}) if k not in have)
-            out.extra = sorted(k for k in have if k not in want.get(PARTITION, {}))
-            out.restarts = first.stats()["restarts"]
+            _compare(out, set(want.get(PARTITION, {})), set(first.snapshot(PARTITION)), first)
         finally:
             report = first.close()
         out.stage, out.close_s = report.stage, report.seconds
@@ -117,6 +114,12 @@ def _bind(row: Row, workdir: str) -> Outcome:
         writer.close()
         shutil.rmtree(short, ignore_errors=True)
     return out
+
+
+def _compare(out: Outcome, want: set[str], have: set[str], rb: ReplayBuffer) -> None:
+    """What the buffer lost and showed extra, against what the store holds; its restarts so far."""
+    out.lost, out.extra = sorted(want - have), sorted(have - want)
+    out.restarts = rb.stats()["restarts"]
 
 
 # Longer than the constructor's capped wait for the first listing (5 s).
@@ -144,10 +147,8 @@ def _first_view(row: Row, workdir: str) -> Outcome:
                                     f"complete listing")
             batch = rb.sample(PARTITION, global_steps=3, timeout=GENEROUS)
             out.saw = "nothing"
-            out.lost = sorted(set(keys) - set(batch.keys))
-            out.extra = sorted(set(batch.keys) - set(keys))
             out.detail = f"answered {len(batch.keys)} keys once whole"
-            out.restarts = rb.stats()["restarts"]
+            _compare(out, set(keys), set(batch.keys), rb)
         finally:
             report = rb.close()
         out.stage, out.close_s = report.stage, report.seconds

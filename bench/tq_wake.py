@@ -27,7 +27,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from .tq_host import _CALL_TIMEOUT, _HEARTBEAT_LAG, PARTITION, _CountingTQ, _empty
 
@@ -48,20 +48,17 @@ KINDS = {
 _MODES = {"sample": "colocate_async", "wait": "separate_async", "sync": "sync"}
 
 
-class _Sampler:
+class _Sampler(NamedTuple):
     """One sampler under test: the call timed, what then takes the group (None: the call did, it was a
     ``sample()``), its listings and targeted reads so far (and how late those counts may be), ``close()``."""
 
-    def __init__(self, name: str, call: Callable[[], Any], take: Callable[[], Any] | None,
-                 listings: Callable[[], int], lag: float, close: Callable[[], Any],
-                 reads: Callable[[], int] = lambda: 0) -> None:
-        self.name = name
-        self.call = call
-        self.take = take
-        self.listings = listings
-        self.reads = reads
-        self.lag = lag
-        self.close = close
+    name: str
+    call: Callable[[], Any]
+    take: Callable[[], Any] | None
+    listings: Callable[[], int]
+    lag: float
+    close: Callable[[], Any]
+    reads: Callable[[], int] = lambda: 0
 
 
 def _calls(sampler: Any, kind: str) -> tuple[Callable[[], Any], Callable[[], Any] | None]:

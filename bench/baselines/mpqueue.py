@@ -9,6 +9,8 @@ import threading
 import time
 from typing import Any
 
+from . import merge_listing
+
 Tags = dict[str, Any]
 
 
@@ -45,15 +47,8 @@ class MpQueueBuffer:
             except queue.Empty:
                 continue
             with self._lock:
-                for partition_id, items in listing.items():
-                    part = self.partitions.setdefault(partition_id, {})
-                    for key, tags in items.items():
-                        current = part.get(key)
-                        if current is None:
-                            part[key] = tags
-                        else:
-                            current.update(tags)
-                    self.items += len(items)
+                merge_listing(self.partitions, listing, copy=False)
+                self.items += sum(map(len, listing.values()))
                 self.polls += 1
 
     def poll_now(self) -> None:

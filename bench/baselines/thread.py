@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from . import merge_listing
+
 Tags = dict[str, Any]
 
 
@@ -29,14 +31,7 @@ class ThreadBuffer:
         while not self._stop.is_set():
             listing = self._kv_list() or {}
             with self._lock:
-                for partition_id, items in listing.items():
-                    part = self.partitions.setdefault(partition_id, {})
-                    for key, tags in items.items():
-                        current = part.get(key)
-                        if current is None:
-                            part[key] = dict(tags)
-                        else:
-                            current.update(tags)
+                merge_listing(self.partitions, listing)
                 self.polls += 1
             self._stop.wait(self.poll_interval)
 
