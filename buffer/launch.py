@@ -74,7 +74,12 @@ class ExecProcess:
         """
         import subprocess  # parent only: the child imports this module too
 
-        payload = pickle.dumps(self._config, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            payload = pickle.dumps(self._config, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            # The same type, saying what could not be pickled: Python 3.13's own message no longer does.
+            raise type(exc)(f"the poller's configuration cannot be pickled for its process (a callable "
+                            f"source must be importable by name, or be given as a spec string): {exc}") from exc
 
         sentinel_r, sentinel_w = os.pipe()
         # -P (3.11+): no current directory in front of the parent's path.
