@@ -1,14 +1,11 @@
 """Entry point of a poller started by :mod:`buffer.launch`.
 
-``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name, which is there
-for ``ps`` only. Imports only what the poller itself needs: the parent's modules, its
-``__main__`` and ``multiprocessing`` stay out of the child.
+``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name (for ``ps`` only).
+The parent's modules, its ``__main__`` and ``multiprocessing`` stay out of the child.
 
 The watchdog is forked first, before anything heavy is imported (zmq, msgpack, pickle, the
-source). Forked later, from a poller of ~20 MB, the fork copied its page tables, and every page
-the poller wrote afterwards was copied on write, each copy flushing the TLB of the other cores
-its threads ran on: the fork and those copies were most of the poller's kernel time in an idle
-start-and-close (perf, 2-core VM).
+source): forked from a poller of ~20 MB, copying its page tables and then every page it wrote
+was most of an idle poller's kernel time (perf, 2-core VM).
 """
 
 from __future__ import annotations
@@ -44,22 +41,22 @@ def _take_parent_path() -> None:
 def main(lifeline_fd: int) -> None:
     """Fork the watchdog, read the configuration from the lifeline, then run; never returns."""
     set_process_name(POLLER_PROCESS_NAME)  # for ps -e, top, pgrep: not "python3.11"
-    # While this process has no threads: the watchdog ends us if the trainer
-    # dies while we cannot notice (importing, building, wedged, stopped).
+    # While this process has no threads (see poller.watchdog).
     start_watchdog(lifeline_fd, os.environ.pop(CLEANUP_VARIABLE, None) or None)
     _take_parent_path()
 
     import pickle
 
     from poller.wire import lifeline
-    from poller.worker import ExitCode, run_embedded
+    from poller.wire.config import ExitCode
+    from poller.worker import run_embedded
 
     channel = lifeline.Channel(lifeline_fd)
     try:
         config = pickle.loads(channel.recv_bytes(_MAX_CONFIG_BYTES))
     except BaseException as exc:
         # e.g. a callable source whose module this interpreter cannot import
-        lifeline.send(channel, lifeline.failure(exc, lifeline.StartupError))
+        lifeline.send(channel, lifeline.failure(exc, lifeline.StartFailed))
         os._exit(ExitCode.STARTUP_FAILED)
     run_embedded(config, channel)
 

@@ -1,13 +1,11 @@
 """``python -m poller doctor``: are ``poller`` and ``buffer`` the files this distribution installed?
 
-The distribution installs two top-level packages, ``poller`` and ``buffer``. Another distribution
-on the public index also installs a top-level ``buffer``; installed after this one it overwrites
-``buffer/__init__.py`` (or shadows the whole package from an earlier ``sys.path`` entry), and
-``from buffer import ReplayBuffer`` breaks while ``pip check`` sees nothing wrong: pip checks
-requirements, not files. This check compares what Python would import with the installer's
-record (``RECORD``, via :mod:`importlib.metadata`): where each package is found, and the sha256 of
-every file recorded for it. Nothing is imported but this package, so a broken ``buffer`` cannot
-stop the check.
+Another distribution on the public index also installs a top-level ``buffer``; installed after
+this one it overwrites ``buffer/__init__.py`` (or shadows the package from an earlier ``sys.path``
+entry), and ``from buffer import ReplayBuffer`` breaks while ``pip check``, which checks
+requirements, not files, sees nothing. This compares where Python would import each package from
+and the sha256 of every file with the installer's ``RECORD``, importing neither package, so a
+broken ``buffer`` cannot stop the check.
 """
 
 from __future__ import annotations
@@ -100,31 +98,26 @@ def _has_init(package: str) -> bool:
     return spec is not None and spec.origin is not None and spec.origin.endswith("__init__.py")
 
 
+def _direct_url(dist: importlib.metadata.Distribution) -> tuple[str | None, bool]:
+    """The local path this install came from (``direct_url.json``), if any, and whether it is editable."""
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+        url, editable = info.get("url", ""), bool(info.get("dir_info", {}).get("editable"))
+    except (ValueError, AttributeError):
+        return None, False
+    return (url[len("file://"):], editable) if url.startswith("file://") else (None, False)
+
+
 def _editable_root(dist: importlib.metadata.Distribution) -> Path | None:
     """The source tree of an editable install (``pip install -e``), whose record lists no package files."""
-    text = dist.read_text("direct_url.json")
-    if not text:
-        return None
-    try:
-        info = json.loads(text)
-    except ValueError:
-        return None
-    url = info.get("url", "")
-    if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
-        return Path(url[len("file://"):]).resolve()
-    return None
+    path, editable = _direct_url(dist)
+    return Path(path).resolve() if path is not None and editable else None
 
 
 def _installed_from(dist: importlib.metadata.Distribution) -> str:
     """What to give ``pip install`` to put this install back: the local wheel or tree it came from, or the index."""
-    text = dist.read_text("direct_url.json")
-    try:
-        url = json.loads(text).get("url", "") if text else ""
-    except (ValueError, AttributeError):
-        url = ""
-    if url.startswith("file://") and Path(url[len("file://"):]).exists():
-        return url[len("file://"):]
-    return f"{DISTRIBUTION}=={__version__}"
+    path, _ = _direct_url(dist)
+    return path if path is not None and Path(path).exists() else f"{DISTRIBUTION}=={__version__}"
 
 
 def _check_editable(package: str, root: Path, result: Diagnosis) -> None:

@@ -1,13 +1,10 @@
 """The poller's outgoing messages: taken in from every thread, stamped, held for the one socket.
 
-The polling thread hands over its encoded bodies through a bounded queue, and
-WARNING+ log records from any thread wait in a :class:`ForwardingHandler`.
-The control loop (:mod:`poller.worker`) takes both in through its
-:class:`Outbox`, which stamps each message with the epoch and the next
-sequence number as it is taken in (one place, so BYE can name exactly the
-last message sent) and holds it until the socket takes it. The control loop
-decides when to send, stop and say BYE; this module is how a message gets
-from the thread that made it to the socket.
+The polling thread hands over encoded bodies through a bounded queue; log
+records from any thread wait in a :class:`ForwardingHandler`. The control loop
+(:mod:`poller.worker`) takes both in through the :class:`Outbox`, which stamps
+each with the epoch and the next sequence number in one place, so BYE can name
+exactly the last message sent.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ __all__ = ["ForwardingHandler", "Outbox"]
 
 
 class ForwardingHandler(logging.Handler):
-    """Queues WARNING+ records so the control loop can send them as LOG."""
+    """Queues records (WARNING+ by default) so the control loop can send them as LOG."""
 
     def __init__(self, wake: WakePipe, level: int = logging.WARNING) -> None:
         super().__init__(level)
@@ -47,13 +44,12 @@ class ForwardingHandler(logging.Handler):
 class Outbox:
     """The messages of one stream (``epoch``), stamped in order and held until the socket takes them.
 
-    Used from the control loop's thread, except :meth:`emit_from_thread`
-    (the polling thread) and :attr:`log_handler` (any thread that logs);
-    both poke ``wake``.
+    Used from the control loop's thread, except :meth:`emit_from_thread` (the
+    polling thread) and :attr:`log_handler` (any thread); both poke ``wake``.
     """
 
     # The most messages held for a socket that cannot take them yet; beyond
-    # this the source thread blocks, which is the back-pressure we want.
+    # this the source thread blocks: the back-pressure we want.
     LIMIT = 16
 
     def __init__(self, epoch: int, wake: WakePipe, *, limits: Limits | None, log_level: int) -> None:
@@ -102,10 +98,9 @@ class Outbox:
     def flush(self, sock: zmq.Socket) -> None:
         while self.pending:
             try:
-                # Copied, never zero-copy: pyzmq frees zero-copy frames through a
-                # second context and thread of its own, which the poller would then
-                # start on its first large body and tear down at every exit; a
-                # copy of a snapshot body (~300 kB) costs ~50 us.
+                # Copied: zero-copy frames are freed by a second pyzmq context and
+                # thread, started on the first large body and torn down at every
+                # exit; copying a snapshot body (~300 kB) costs ~50 us.
                 sock.send_multipart(self.pending[0], flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return

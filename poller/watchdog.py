@@ -1,24 +1,20 @@
-"""A tiny process that ends an orphaned poller which cannot end itself.
+"""A tiny process, forked from the poller, that ends an orphaned poller which cannot end itself.
 
-The poller notices its trainer's death on its own (EOF on the lifeline, a
-changed parent pid) — as long as its control loop runs. It does not while the
-source factory is still building (a store client connecting forever), while
-the main thread is wedged, or while the process is stopped (SIGSTOP, a
-debugger): then only someone else can end it. PR_SET_PDEATHSIG cannot: it
-fires when the *thread* that spawned the child ends, and a trainer may start
-a buffer from any thread.
-
-So the poller forks this watchdog first thing, before it builds anything::
+The poller notices its trainer's death itself (EOF on the lifeline, a changed
+parent pid), but only while its control loop runs: not while its source
+factory builds (a store client connecting forever), while it is wedged, or
+while it is stopped (SIGSTOP, a debugger). PR_SET_PDEATHSIG cannot help: it
+fires when the *thread* that spawned the child ends, and a trainer may start a
+buffer from any thread. So the poller forks this watchdog first thing::
 
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
-The watchdog only ever waits: for the poller to exit (EOF on the exit pipe:
-it exits too), or for the trainer to go (hang-up on the lifeline, or the
-poller's parent pid changes). In the second case it gives the poller a short
-grace to leave by itself, then SIGKILLs it and removes the directory the
-trainer would have removed. It never reads the lifeline, so it takes no
-message meant for the poller.
+It only waits: for the poller to exit (EOF on the exit pipe: it exits too), or
+for the trainer to go (hang-up on the lifeline, or a changed parent pid of the
+poller); then it gives the poller a short grace, SIGKILLs it and removes the
+directory the trainer would have removed. It never reads the lifeline, so it
+takes no message meant for the poller.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ from poller.wire.procfs import parent_of, set_process_name
 
 __all__ = ["start_watchdog"]
 
-# A healthy orphan exits within a tick (0.2 s) of its parent; give it that
-# and a margin before killing it, so the whole takes well under a second.
+# A healthy orphan exits within a tick (0.2 s) of its parent: that and a margin, well under a second.
 _GRACE_S = 0.4
 WATCHDOG_PROCESS_NAME = "replay-watchdog"
 _CHECK_S = 0.2
@@ -64,11 +59,9 @@ _keep: list[int] = []
 def _yield_to_everyone() -> None:
     """Run only when no other task wants a core (SCHED_IDLE; else the lowest nice).
 
-    It wakes, and exits, the moment its poller exits: while the poller's own
-    exit and the trainer reaping it are under way. At the default priority its
-    exit (freeing the pages it shared with the poller, ~1 ms) took a core from
-    them on a loaded 2-core machine. Its own duty, ending an orphan within
-    the 0.4 s grace, takes microseconds, and SCHED_IDLE still gets a share.
+    It exits with its poller, while the poller's exit and the trainer's reaping
+    are under way, and its exit (~1 ms freeing shared pages) took a core from
+    them on a loaded 2-core machine. Ending an orphan takes microseconds.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -92,9 +85,8 @@ def _close_fds_except(*keep: int) -> None:
 
 
 def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:
-    # Signals sent to the whole process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) must not
-    # end the watchdog before the poller: a poller ignoring SIGTERM then outlived them both.
-    # It exits with its poller anyway.
+    # Signals to the whole process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) must not end
+    # the watchdog before the poller: a poller ignoring SIGTERM then outlived them both.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     poll = select.poll()

@@ -1,10 +1,6 @@
-"""Exceptions with exact meanings.
+"""Exceptions with exact meanings (each class's docstring says which).
 
-``PollerError`` is the root. ``PollerStartupError`` means the poller never
-became ready; ``PollerCrashed`` means it died for good after it had been
-running; ``ProtocolError`` means a peer sent something the codec refuses.
-Where the failure happened in the poller process, the remote traceback rides
-on ``__cause__`` as a :class:`RemoteTraceback`.
+A failure in the poller process rides on ``__cause__`` as a :class:`RemoteTraceback`.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ class ProtocolError(PollerError):
 class RemoteTraceback(Exception):
     """The formatted traceback of an exception raised in another process.
 
-    Used as ``__cause__`` so that the remote stack prints under the local
-    one, the way :mod:`concurrent.futures.process` does it.
+    As ``__cause__``, the remote stack prints under the local one (as in :mod:`concurrent.futures.process`).
     """
 
     def __init__(self, exc_type: str, message: str, traceback_text: str) -> None:

@@ -1,17 +1,15 @@
 """The private pipe between a trainer and the poller process it spawned.
 
-The ZeroMQ stream carries data; this pipe carries the lifecycle, because it
-has two properties a socket lacks: the child sees EOF the moment the parent
-dies (even by SIGKILL), and the parent can read the child's start-up or fatal
-traceback without depending on the stream being connected.
-
-Each message is a typed record (:class:`Ready`, :class:`StartupError`,
-:class:`Fatal` from the child; :class:`StopRequest` from the parent), sent as
-a small JSON object ``{"kind": ..., <its fields>}`` (never pickle) and
-checked field by field when received. (The one exception is the start-up
-configuration a launched child reads first, see :mod:`buffer.launch`: its
-own parent wrote it.) Both ends are a :class:`Channel`, framing a message as
-a 4-byte big-endian length and the bytes.
+The ZeroMQ stream carries data; this pipe carries the lifecycle, because the
+child sees EOF the moment the parent dies (even by SIGKILL), and the parent
+reads the child's start-up or fatal traceback whether or not the stream is
+connected. Its records are named apart from the stream's messages
+(:class:`Started` is not the stream's READY): :class:`Started`,
+:class:`StartFailed` and :class:`Fatal` from the child, :class:`StopRequest`
+from the parent. Each is a small JSON object ``{"kind": ..., <its fields>}``
+(never pickle; the one exception is the configuration a launched child reads
+first, written by its own parent, see :mod:`buffer.launch`), checked field by
+field when received, framed as a 4-byte big-endian length and the bytes.
 """
 
 from __future__ import annotations
@@ -24,28 +22,28 @@ import traceback
 from typing import Any, NamedTuple, Union
 
 # The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
-# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and main()
-# then takes the parent's exact sys.path (and drops both variables).
+# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and the
+# child then takes the parent's exact sys.path (and drops both variables).
 PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
 # The directory an orphaned poller's watchdog removes (WorkerConfig.orphan_cleanup): the
 # watchdog is forked before the configuration is read from the lifeline.
 CLEANUP_VARIABLE = "REPLAY_POLLER_ORPHAN_CLEANUP"
 
-__all__ = ["Channel", "Ready", "StartupError", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",
+__all__ = ["Channel", "Started", "StartFailed", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",
            "failure"]
 
 _MAX_BYTES = 1024 * 1024
 _HEADER = struct.Struct("!i")
 
 
-class Ready(NamedTuple):
+class Started(NamedTuple):
     """The child built its source and connected: its stream epoch and pid."""
 
     epoch: int
     pid: int
 
 
-class StartupError(NamedTuple):
+class StartFailed(NamedTuple):
     """The child could not start; ``unavailable``: the store could not be reached (worth retrying)."""
 
     type: str
@@ -66,16 +64,15 @@ class StopRequest(NamedTuple):
     """The parent asks the child to stop (the close ladder's first rung)."""
 
 
-LifelineMessage = Union[Ready, StartupError, Fatal, StopRequest]
-_KINDS: dict[str, Any] = {"ready": Ready, "startup_error": StartupError, "fatal": Fatal, "stop": StopRequest}
-_NAMES = {record: kind for kind, record in _KINDS.items()}
+LifelineMessage = Union[Started, StartFailed, Fatal, StopRequest]
+_KINDS: dict[str, Any] = {record.__name__: record for record in (Started, StartFailed, Fatal, StopRequest)}
 _TYPES = {"epoch": int, "pid": int, "type": str, "message": str, "traceback": str, "unavailable": bool}
 
 
 class Channel:
     """One end of the lifeline over a connected stream socket's fd.
 
-    The framing is ``multiprocessing.connection``'s, without importing
+    ``multiprocessing.connection``'s framing, without importing
     ``multiprocessing`` into the poller (about 10 ms of start-up).
     """
 
@@ -133,7 +130,7 @@ class Channel:
 def send(conn: Channel, message: LifelineMessage) -> bool:
     """Send one message; False if the other end is gone."""
     try:
-        conn.send_bytes(json.dumps({"kind": _NAMES[type(message)], **message._asdict()}).encode())
+        conn.send_bytes(json.dumps({"kind": type(message).__name__, **message._asdict()}).encode())
         return True
     except (OSError, ValueError):
         return False
@@ -171,7 +168,7 @@ def _valid(value: Any, kind: type) -> bool:
     return isinstance(value, kind) and (isinstance(value, bool) == (kind is bool))
 
 
-def failure(exc: BaseException, record: type[Fatal] | type[StartupError] = Fatal, **extra: Any) -> Any:
-    """A :class:`Fatal` (or :class:`StartupError`) carrying ``exc``'s type, message and traceback."""
+def failure(exc: BaseException, record: type[Fatal] | type[StartFailed] = Fatal, **extra: Any) -> Any:
+    """A :class:`Fatal` (or :class:`StartFailed`) carrying ``exc``'s type, message and traceback."""
     return record(type(exc).__name__, str(exc),
                   "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), **extra)
