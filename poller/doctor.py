@@ -65,8 +65,18 @@ def diagnose() -> Diagnosis:
             _check_editable(package, editable_root, result)
         else:
             owners |= _check_recorded(dist, package, result)
-    if not result.healthy:
-        _advise(result, owners, editable_root, _installed_from(dist))
+    if result.healthy:
+        return result
+    if owners:
+        names = " ".join(sorted(owners))
+        result.problems.append(f"installed by another distribution as well: {names} (it also installs a top-level "
+                               f"package of that name; both cannot live in one environment)")
+        result.fixes.append(f"pip uninstall {names}   (or give it an environment of its own), then:")
+    if editable_root is not None:
+        result.fixes.append(f"pip install -e {editable_root}   (and remove what shadows it from sys.path)")
+    else:
+        result.fixes.append(f"pip install --force-reinstall --no-deps {_installed_from(dist)}   "
+                            f"(puts this distribution's files back)")
     return result
 
 
@@ -140,7 +150,7 @@ def _check_recorded(dist: importlib.metadata.Distribution, package: str, result:
     if imported != installed_dir:
         result.problems.append(f"{package} is imported from {imported}, but {DISTRIBUTION} installed it in "
                                f"{installed_dir}: another package named {package} comes first on sys.path")
-        return _owners_of(package, imported, dist)
+        return _owners_of(package, imported)
     if not any(f.hash is not None for f in recorded):
         # An .egg-info in a source tree (after a build there): it lists files without hashes.
         result.ok.append(f"{package} from {installed_dir} (a source tree: its record has no hashes to compare)")
@@ -155,16 +165,14 @@ def _check_recorded(dist: importlib.metadata.Distribution, package: str, result:
         elif _sha256(path) != file.hash.value:
             bad.append(f"{file} was changed")
     recorded_names = {PurePosixPath(*f.parts) for f in recorded}
-    strangers = sorted(str(PurePosixPath(package, *p.relative_to(installed_dir).parts))
-                       for p in installed_dir.rglob("*.py")
-                       if PurePosixPath(package, *p.relative_to(installed_dir).parts) not in recorded_names)
-    bad += [f"{name} is not one of {DISTRIBUTION}'s files" for name in strangers]
+    found = sorted(PurePosixPath(package, *p.relative_to(installed_dir).parts) for p in installed_dir.rglob("*.py"))
+    bad += [f"{name} is not one of {DISTRIBUTION}'s files" for name in found if name not in recorded_names]
     if not bad:
         checked = sum(1 for f in recorded if f.hash is not None)
         result.ok.append(f"{package} from {installed_dir} ({checked} files match the install record)")
         return set()
     result.problems.append(f"{package} in {installed_dir} is not what {DISTRIBUTION} installed: " + "; ".join(bad))
-    return _owners_of(package, installed_dir, dist)
+    return _owners_of(package, installed_dir)
 
 
 def _sha256(path: Path) -> str:
@@ -172,31 +180,13 @@ def _sha256(path: Path) -> str:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def _owners_of(package: str, directory: Path | None, ours: importlib.metadata.Distribution) -> set[str]:
+def _owners_of(package: str, directory: Path | None) -> set[str]:
     """Other installed distributions that record files of ``package`` in ``directory``."""
-    owners: set[str] = set()
     if directory is None:
-        return owners
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"] or "?"
-        if name == DISTRIBUTION:
-            continue
-        for file in dist.files or []:
-            if file.parts and file.parts[0] == package and \
-                    Path(str(dist.locate_file(file))).resolve().parent.is_relative_to(directory):
-                owners.add(name)
-                break
-    return owners
+        return set()
+    return {dist.metadata["Name"] or "?" for dist in importlib.metadata.distributions()
+            if dist.metadata["Name"] != DISTRIBUTION
+            and any(file.parts and file.parts[0] == package
+                    and Path(str(dist.locate_file(file))).resolve().parent.is_relative_to(directory)
+                    for file in dist.files or [])}
 
-
-def _advise(result: Diagnosis, owners: set[str], editable_root: Path | None, installed_from: str) -> None:
-    if owners:
-        names = " ".join(sorted(owners))
-        result.problems.append(f"installed by another distribution as well: {names} (it also installs a top-level "
-                               f"package of that name; both cannot live in one environment)")
-        result.fixes.append(f"pip uninstall {names}   (or give it an environment of its own), then:")
-    if editable_root is not None:
-        result.fixes.append(f"pip install -e {editable_root}   (and remove what shadows it from sys.path)")
-    else:
-        result.fixes.append(f"pip install --force-reinstall --no-deps {installed_from}   "
-                            f"(puts this distribution's files back)")

@@ -3,28 +3,22 @@
 A store without a change feed (TransferQueue) is listed in full on every poll,
 and its controller serves every rollout worker: unbounded, ``sync()`` or a
 waiting verl sampler (a listing every 0.02 s) would keep it listing for us
-nearly all the time (1M keys: ~5.8 s a listing). :class:`ListingDuty` decides
-*when* the next listing may start, never what it shows. Two rules:
+nearly all the time. :class:`ListingDuty` decides *when* the next listing may
+start, never what it shows; the measurements are in docs/transferqueue.md.
 
-- **A fixed share** in (0, 1] (default :data:`DEFAULT_LISTING_SHARE`, 0.15:
-  verl 0.9.1's sampler's own share at 100k TransferQueue keys): a listing that
-  took ``d`` seconds is followed by the next no sooner than ``d / share`` after
-  it started (1.0: no bound); with the poll schedule, ``max(poll_interval,
-  d / share)``. A store that lists in under ``0.15 x poll_interval`` is listed
-  every ``poll_interval``.
-- **verl's cycle** (:data:`VERL_CYCLE`, what ``buffer.verl`` passes): verl's
-  sampler lists (``d``), processes (``p``), then sleeps 2 s. A fixed share
-  cannot follow it across store sizes, so the next listing starts no sooner
-  than :data:`VERL_POLL_INTERVAL` + ``d`` + ``2p`` after the poll that took the
-  last one is done (:meth:`ListingDuty.poll_done`): a cycle of ``2d + 3p + 2 s``.
-  ``d`` and ``p`` count more than once because the poller takes a listing
-  quicker than verl's client while costing the controller the same; counted
-  once, it listed up to ~10% more often than verl's sampler.
+- **A fixed share** in (0, 1] (default 0.15, verl 0.9.1's sampler's own at 100k
+  TransferQueue keys): after a listing of ``d`` seconds the next starts no
+  sooner than ``d / share`` after it started (1.0: no bound), and the poll
+  schedule makes it ``max(poll_interval, d / share)``.
+- **verl's cycle** (:data:`VERL_CYCLE`, ``buffer.verl``'s): verl's sampler lists
+  (``d``), processes (``p``), then sleeps 2 s, a share no fixed one follows
+  across store sizes. The next listing starts no sooner than 2 s + ``d`` +
+  ``2p`` after the poll that took the last one is done: a cycle of
+  ``2d + 3p + 2 s``, since the poller takes a listing quicker than verl while
+  costing the controller the same (counted once, it listed ~10% more often).
 
-A call that stalls or fails (:meth:`ListingDuty.unanswered`) is not a
-listing: the store did not answer, so its duration counts neither in the share
-nor in the figures and never lengthens the next wait. The measurements behind
-these rules are in docs/transferqueue.md ("The listing share").
+A call that stalls or fails is not a listing: the store did not answer, so its
+duration counts neither in the share nor in the figures.
 """
 
 from __future__ import annotations
@@ -59,7 +53,6 @@ class ListingDuty:
         self._allowed_at = -math.inf
         # verl's cycle: the last listing's poll is not done yet, so its pause has not begun.
         self._poll_open = False
-        self._listing_ended = -math.inf
         self._recent: Deque[tuple[float, float]] = collections.deque(maxlen=_WINDOW)  # (start, seconds)
         # The start of the last listing brought forward by a change the watch saw (poller.polling).
         self._last_brought_forward = -math.inf
@@ -103,7 +96,6 @@ class ListingDuty:
         if self._verl:
             self._allowed_at = started + seconds + VERL_POLL_INTERVAL
             self._poll_open = True
-            self._listing_ended = started + seconds
         else:
             self._allowed_at = started + seconds / float(self.share)
 
@@ -129,7 +121,7 @@ class ListingDuty:
             return
         self._poll_open = False
         now = time.monotonic() if now is None else now
-        processing = max(0.0, now - self._listing_ended)
+        processing = max(0.0, now - sum(self._recent[-1]))  # since the listing ended
         self._allowed_at = max(self._allowed_at, now + VERL_POLL_INTERVAL + self.last_seconds + 2 * processing)
 
     def measured_share(self, now: float | None = None) -> float:

@@ -35,8 +35,7 @@ logger = logging.getLogger(__name__)
 #: How long a new connection may go without an ACK before it is dialled again (three heartbeats).
 ACK_TIMEOUT = 3.0
 
-# Handshake failures a client can see: the server refused our key (ZAP), or
-# the handshake broke (e.g. we hold the wrong server key).
+# The server refused our key (ZAP), or the handshake broke (e.g. we hold the wrong server key).
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
@@ -74,7 +73,7 @@ class Link:
             raise
         try:
             self.sock.connect(endpoint)
-        except BaseException:
+        except BaseException:  # a malformed endpoint
             self.close()
             raise
 
@@ -109,10 +108,10 @@ class Link:
         self._acks_seen = True
         self._probe_deadline = None
 
-    def check(self) -> bool:
-        """Dial again if a new connection went unanswered; True when it did."""
+    def check(self) -> None:
+        """Dial again if a new connection went unanswered."""
         if self._probe_deadline is None or time.monotonic() < self._probe_deadline:
-            return False
+            return
         logger.warning("poller %s: no answer from the buffer %.0fs after reconnecting (it may still hold the old "
                        "connection); dialling again", self.name, ACK_TIMEOUT)
         self._probe_deadline = None
@@ -121,7 +120,6 @@ class Link:
         except zmq.ZMQError:
             pass  # already gone
         self.sock.connect(self.endpoint)
-        return True
 
     def close(self) -> None:
         """Close the monitor, then the socket (its linger bounds the context's term)."""

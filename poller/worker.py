@@ -222,7 +222,7 @@ class _ControlLoop:
         # poller stuck in its factory at once (the close ladder's "terminated"), not only SIGKILL.
         previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
-        root.addHandler(self.outbox.log_handler)
+        root.addHandler(self.outbox)
         if self.embedded:  # its own process: the root level decides which records exist at all
             root.setLevel(self.config.log_level)
         ctx: zmq.Context | None = None
@@ -268,7 +268,7 @@ class _ControlLoop:
             if self.embedded:  # os._exit follows: handlers and the pipe go with the process
                 self._await_thread_end()
             else:
-                root.removeHandler(self.outbox.log_handler)
+                root.removeHandler(self.outbox)
                 self._restore_signals(previous_signals)
                 self.wake.close()
             if self.exit_code == ExitCode.ORPHANED and self.config.orphan_cleanup:
@@ -288,7 +288,7 @@ class _ControlLoop:
         outbox = self.outbox
         while self.stop_reason is None:
             outbox.pull_items()
-            outbox.flush(sock)
+            outbox.send_pending(sock)
             poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if outbox.pending else 0))
             wait = min(self.config.tick, max(0.0, next_heartbeat - time.monotonic()))
             events = dict(poller.poll(int(wait * 1000)))
@@ -340,11 +340,11 @@ class _ControlLoop:
                 outbox.pull_items()
                 if len(outbox.pending) == before:
                     break
-                outbox.flush(sock)
+                outbox.send_pending(sock)
             outbox.queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(outbox.seq, self.stop_reason or "")))
             deadline = time.monotonic() + self.config.linger
             while outbox.pending and time.monotonic() < deadline:
-                outbox.flush(sock)
+                outbox.send_pending(sock)
                 if outbox.pending:
                     sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
             logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)

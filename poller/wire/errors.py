@@ -5,13 +5,7 @@ A failure in the poller process rides on ``__cause__`` as a :class:`RemoteTraceb
 
 from __future__ import annotations
 
-__all__ = [
-    "PollerError",
-    "PollerStartupError",
-    "PollerCrashed",
-    "ProtocolError",
-    "RemoteTraceback",
-]
+__all__ = ["PollerError", "PollerStartupError", "PollerCrashed", "ProtocolError", "RemoteTraceback"]
 
 
 class PollerError(Exception):
@@ -21,12 +15,10 @@ class PollerError(Exception):
 class PollerStartupError(PollerError):
     """The poller process could not be started or never said READY.
 
-    Attributes:
-        unavailable: the source could not reach its store (its factory raised
-            ``ConnectionError`` or ``TimeoutError``, e.g. a probe that got no
-            answer) or no READY came in time: the same start may work later.
-            False for a poller that is broken (bad spec, import error, a
-            factory raising anything else, a crash while starting).
+    ``unavailable``: the same start may work later: the source's factory raised
+    ``ConnectionError`` or ``TimeoutError`` (its store did not answer), or no
+    READY came in time. False for a broken poller (bad spec, import error, any
+    other exception, a crash while starting).
     """
 
     def __init__(self, *args: object, unavailable: bool = False) -> None:

@@ -1,15 +1,12 @@
 """The private pipe between a trainer and the poller process it spawned.
 
-The ZeroMQ stream carries data; this pipe carries the lifecycle, because the
-child sees EOF the moment the parent dies (even by SIGKILL), and the parent
-reads the child's start-up or fatal traceback whether or not the stream is
-connected. Its records are named apart from the stream's messages
-(:class:`Started` is not the stream's READY): :class:`Started`,
-:class:`StartFailed` and :class:`Fatal` from the child, :class:`StopRequest`
-from the parent. Each is a small JSON object ``{"kind": ..., <its fields>}``
-(never pickle; the one exception is the configuration a launched child reads
-first, written by its own parent, see :mod:`buffer.launch`), checked field by
-field when received, framed as a 4-byte big-endian length and the bytes.
+The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF
+the moment the parent dies (even by SIGKILL), and the parent reads the child's
+start-up or fatal traceback whether or not the stream is connected. Its
+records (named apart from the stream's READY) are JSON objects
+``{"kind": <record name>, <its fields>}``, never pickle (but for the
+configuration a child reads first, from its own parent: :mod:`buffer.launch`),
+checked field by field, framed as a 4-byte big-endian length and the bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ import traceback
 from typing import Any, NamedTuple, Union
 
 # The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
-# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and the
-# child then takes the parent's exact sys.path (and drops both variables).
+# shows a short command: PYTHONPATH lets `-m` find this package, then the child takes the exact path.
 PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
 # The directory an orphaned poller's watchdog removes (WorkerConfig.orphan_cleanup): the
 # watchdog is forked before the configuration is read from the lifeline.
@@ -70,11 +66,7 @@ _TYPES = {"epoch": int, "pid": int, "type": str, "message": str, "traceback": st
 
 
 class Channel:
-    """One end of the lifeline over a connected stream socket's fd.
-
-    ``multiprocessing.connection``'s framing, without importing
-    ``multiprocessing`` into the poller (about 10 ms of start-up).
-    """
+    """One end of the lifeline over a connected stream socket's fd (not multiprocessing's: ~10 ms to import)."""
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
