@@ -22,19 +22,8 @@ if TYPE_CHECKING:
     from poller.wire.protocol import Limits
     from poller.wire.sources import Source, SourceStall, load_source
 
-__all__ = [
-    "PollerProcess",
-    "Source",
-    "SourceStall",
-    "load_source",
-    "Limits",
-    "CurveServer",
-    "PollerError",
-    "PollerStartupError",
-    "PollerCrashed",
-    "ProtocolError",
-    "RemoteTraceback",
-]
+__all__ = ["PollerProcess", "Source", "SourceStall", "load_source", "Limits", "CurveServer", "PollerError",
+           "PollerStartupError", "PollerCrashed", "ProtocolError", "RemoteTraceback"]
 
 # Imported on first use: `python -m poller.child` imports this package before it forks its
 # watchdog, which must happen before anything heavy is loaded (poller.child), and

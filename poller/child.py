@@ -3,24 +3,19 @@
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name (for ``ps`` only).
 The parent's modules, its ``__main__`` and ``multiprocessing`` stay out of the child.
 
-The poller notices its trainer's death itself (EOF on the lifeline, a changed
-parent pid), but only while its control loop runs: not while its source
-factory builds (a store client connecting forever), while it is wedged, or
-while it is stopped (SIGSTOP, a debugger). PR_SET_PDEATHSIG cannot help: it
-fires when the *thread* that spawned the child ends, and a trainer may start a
-buffer from any thread. So the poller first forks a watchdog::
+The poller notices its trainer's death itself (EOF on the lifeline, a changed parent pid),
+but only while its control loop runs: not while its source factory builds, while it is
+wedged or stopped (SIGSTOP). PR_SET_PDEATHSIG fires when the *thread* that spawned the child
+ends, and a trainer may start a buffer from any thread. So the poller first forks a watchdog::
 
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
-It only waits: for the poller to exit (EOF on the exit pipe: it exits too), or
-for the trainer to go (hang-up on the lifeline, or a changed parent pid of the
-poller); then it gives the poller a short grace, SIGKILLs it and removes the
-directory the trainer would have removed. It never reads the lifeline, so it
-takes no message meant for the poller. It is forked before anything heavy is
-imported (zmq, msgpack, pickle, the source): forked from a poller of ~20 MB,
-copying its page tables and then every page it wrote was most of an idle
-poller's kernel time (perf, 2-core VM).
+It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the
+lifeline, which it never reads, or a changed parent pid of the poller) it gives the poller a
+short grace, SIGKILLs it and removes the directory the trainer would have removed. It is
+forked before anything heavy is imported: forked from a poller of ~20 MB, the page tables
+and copies on write were most of an idle poller's kernel time (perf, 2-core VM).
 """
 
 from __future__ import annotations
@@ -41,8 +36,8 @@ WATCHDOG_PROCESS_NAME = "replay-watchdog"
 
 # A pickled WorkerConfig is a few hundred bytes; a callable source can be larger.
 _MAX_CONFIG_BYTES = 64 * 1024 * 1024
-# How often the watchdog checks the poller's parent; and its grace for an orphan, which exits
-# within a tick (0.2 s) of its parent when healthy: that and a margin, well under a second.
+# How often the watchdog checks the poller's parent; its grace for a healthy orphan, which
+# exits within a tick (0.2 s) of its parent: that and a margin.
 _CHECK_S = 0.2
 _GRACE_S = 0.4
 
@@ -100,9 +95,8 @@ def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
 def _yield_to_everyone() -> None:
     """Run only when no other task wants a core (SCHED_IDLE; else the lowest nice).
 
-    It exits with its poller, while the poller's exit and the trainer's reaping
-    are under way, and its exit (~1 ms freeing shared pages) took a core from
-    them on a loaded 2-core machine. Ending an orphan takes microseconds.
+    Its exit (~1 ms freeing shared pages) comes with its poller's and the
+    trainer's reaping, and took a core from them on a loaded 2-core machine.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

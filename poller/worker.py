@@ -48,17 +48,15 @@ _THREAD_END_S = 0.05
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
-    """Entry point of a poller spawned by :class:`~poller.PollerProcess` (after :func:`poller.child.main`).
+    """Run a poller spawned by :class:`~poller.PollerProcess` (from :func:`poller.child.main`).
 
-    Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
-    forever, and a normal interpreter shutdown would only slow the exit.
+    Ends with ``os._exit``: the source thread may be stuck in ``kv_list()`` forever.
     """
     code = ExitCode.CRASHED
     try:
         code = _ControlLoop(config, lifeline_conn).run()
     except BaseException as exc:
-        # A bug in the loop itself: os._exit below would swallow it, so the
-        # traceback goes to the parent, which raises it as PollerCrashed's cause.
+        # A bug in the loop itself: its traceback goes to the parent (PollerCrashed's cause).
         lifeline.send(lifeline_conn, lifeline.failure(exc))
     finally:
         logging.shutdown()
@@ -69,10 +67,8 @@ def run_standalone(config: WorkerConfig) -> int:
     """Run a poller in this process until STOP, SIGTERM or SIGINT; return its exit code.
 
     Raises:
-        PollerStartupError: the source could not be built or the endpoint
-            not connected; the original exception is the ``__cause__``.
-        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row
-            (exit code 3); the last exception is the ``__cause__``.
+        PollerStartupError: the source could not be built or the endpoint not connected (``__cause__``).
+        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row (the last one is the ``__cause__``).
         ValueError: a numeric field of ``config`` is out of range (e.g. ``interval=inf``).
     """
     check_worker_config(config)
@@ -120,8 +116,7 @@ class _ControlLoop:
         previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
                                            (signal.SIGINT, signal.getsignal(signal.SIGINT))]
         signal.signal(signal.SIGTERM, self._on_signal)
-        # Ctrl-C in a terminal reaches the whole process group: an embedded
-        # poller leaves it to the trainer, which then closes the buffer.
+        # Ctrl-C reaches the whole process group: an embedded poller leaves it to the trainer.
         signal.signal(signal.SIGINT, signal.SIG_IGN if self.embedded else self._on_signal)
         previous.append((-1, signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False)))
         return previous

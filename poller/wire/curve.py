@@ -10,7 +10,6 @@ cannot be talked into streaming to an impostor).
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,6 @@ import zmq
 import zmq.auth
 
 __all__ = ["CurveClient", "CurveServer", "make_keys", "load_public_key", "load_key_pair", "generate_pair"]
-
-logger = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 

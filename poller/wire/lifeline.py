@@ -143,15 +143,11 @@ def recv(conn: Channel) -> LifelineMessage:
     record = _KINDS.get(fields.pop("kind", None)) if isinstance(fields, dict) else None
     if record is None:
         raise ValueError("not a lifeline message of a known kind")
-    values = []
-    for name in record._fields:
-        if name not in fields and name in record._field_defaults:
-            values.append(record._field_defaults[name])
-        elif not _valid(fields.get(name), _TYPES[name]):
+    values = {name: fields.get(name, record._field_defaults.get(name)) for name in record._fields}
+    for name, value in values.items():
+        if not _valid(value, _TYPES[name]):
             raise ValueError(f"lifeline {record.__name__} without a valid {name!r}")
-        else:
-            values.append(fields[name])
-    message: LifelineMessage = record(*values)
+    message: LifelineMessage = record(**values)
     return message
 
 
