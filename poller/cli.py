@@ -19,7 +19,7 @@ from typing import Any, NoReturn, Sequence
 
 from poller._version import __version__
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_seconds, check_share
-from poller.wire.config import WorkerConfig
+from poller.wire.config import ExitCode, WorkerConfig
 from poller.wire.curve import CurveClient, make_keys
 from poller.wire.errors import PollerCrashed, PollerStartupError
 from poller.worker import run_standalone
@@ -81,7 +81,8 @@ def _number_or_word(text: str) -> float | str:
         return text
 
 
-def _error(args: argparse.Namespace, error: object, code: int = 2) -> int:
+def _error(args: argparse.Namespace, error: object, code: int = ExitCode.STARTUP_FAILED) -> int:
+    """Say ``error`` in one line on stderr, naming the command; return ``code`` (2: bad arguments)."""
     print(f"{args.command_name}: error: {error}", file=sys.stderr)
     return code
 
@@ -97,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     except PollerStartupError as exc:
         return _error(args, exc)
     except PollerCrashed as exc:  # the reason was logged at DEBUG only: say it here
-        return _error(args, exc, 3)
+        return _error(args, exc, ExitCode.SOURCE_FAILED)
 
 
 def _config_of(args: argparse.Namespace) -> tuple[WorkerConfig, int]:

@@ -103,11 +103,6 @@ def _imported_dir(package: str) -> Path | None:
     return Path(locations[0]).resolve() if locations else None
 
 
-def _has_init(package: str) -> bool:
-    spec = importlib.util.find_spec(package)
-    return spec is not None and spec.origin is not None and spec.origin.endswith("__init__.py")
-
-
 def _direct_url(dist: importlib.metadata.Distribution) -> tuple[str | None, bool]:
     """The local path this install came from (``direct_url.json``), if any, and whether it is editable."""
     try:
@@ -132,7 +127,8 @@ def _installed_from(dist: importlib.metadata.Distribution) -> str:
 
 def _check_editable(package: str, root: Path, result: Diagnosis) -> None:
     imported, expected = _imported_dir(package), root / package
-    if imported != expected or not _has_init(package):
+    spec = importlib.util.find_spec(package)  # a regular package, not a namespace one
+    if imported != expected or spec is None or not str(spec.origin).endswith("__init__.py"):
         result.problems.append(f"{package} is imported from {imported}, not from the editable install's "
                                f"source tree {expected}")
     else:
