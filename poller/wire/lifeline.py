@@ -145,15 +145,11 @@ def recv(conn: Channel) -> LifelineMessage:
         raise ValueError("not a lifeline message of a known kind")
     values = {name: fields.get(name, record._field_defaults.get(name)) for name in record._fields}
     for name, value in values.items():
-        if not _valid(value, _TYPES[name]):
+        # JSON's true is a Python bool, which is also an int: only a bool field takes one.
+        if not isinstance(value, _TYPES[name]) or isinstance(value, bool) != (_TYPES[name] is bool):
             raise ValueError(f"lifeline {record.__name__} without a valid {name!r}")
     message: LifelineMessage = record(**values)
     return message
-
-
-def _valid(value: Any, kind: type) -> bool:
-    # JSON's true is a Python bool, which is also an int: only a bool field takes one.
-    return isinstance(value, kind) and (isinstance(value, bool) == (kind is bool))
 
 
 def failure(exc: BaseException, record: type[Fatal] | type[StartFailed] = Fatal, **extra: Any) -> Any:
