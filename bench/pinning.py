@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Collection, Iterator
 
-from poller.wire.procfs import children_of
+from tests.helpers.processes import children_of
 
 
 @dataclass(frozen=True)

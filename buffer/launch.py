@@ -8,7 +8,7 @@ method keeps what makes spawn safe — a new interpreter, nothing inherited but
 what is passed — and skips the rest::
 
     parent                                   child: python -m poller.child FD NAME
-                                              forks its watchdog (poller.watchdog) first
+                                              forks its watchdog first
     Channel.pair() ── child end (pass_fds) ─▶ sys.path = the parent's (from the environment)
     os.pipe() ─────── write end (pass_fds) ─▶ held open until the process ends
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()

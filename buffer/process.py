@@ -2,7 +2,7 @@
 
 Start-up is a handshake with a deadline over a private pipe (the *lifeline*):
 the child builds its source, connects to the buffer's endpoint and answers
-``ready`` — or ``startup_error`` with its traceback. Closing is one
+``Started`` — or ``StartFailed`` with its traceback. Closing is one
 straight-line ladder with named stages::
 
     STOP ──wait──▶ "graceful"
@@ -188,10 +188,10 @@ class PollerProcess:
                 except (EOFError, ValueError):
                     message = None
                 match message:
-                    case lifeline.Ready(epoch=epoch):
+                    case lifeline.Started(epoch=epoch):
                         self.epoch = epoch
                         return
-                    case lifeline.StartupError(type=kind, message=text, traceback=trace, unavailable=unavailable):
+                    case lifeline.StartFailed(type=kind, message=text, traceback=trace, unavailable=unavailable):
                         raise PollerStartupError(f"poller for {spec} failed to start: {kind}: {text}",
                                                  unavailable=unavailable) from RemoteTraceback(kind, text, trace)
                 if message is None and (self._close_requested or wait([sentinel], 0)):

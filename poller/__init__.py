@@ -2,14 +2,10 @@
 to a :class:`buffer.ReplayBuffer` over ZeroMQ.
 
 Everything here runs in the poller process, except :mod:`poller.wire`, what
-both processes share. Public surface: the :class:`Source` protocol with
-:func:`load_source` and :class:`SourceStall`, the stream's :class:`Limits`,
-:class:`CurveServer`, the errors with :class:`RemoteTraceback` (the cause a
-crashed poller hands over), and :class:`PollerProcess` (start, READY
-handshake, close ladder), which runs in the trainer and lives in
-:mod:`buffer.process`: the name is resolved there on first use, so a poller
-process never loads :mod:`buffer`. ``python -m poller`` runs a standalone
-poller.
+both processes share. ``python -m poller`` runs a standalone poller.
+:class:`PollerProcess` (the trainer's launcher, :mod:`buffer.process`) stays
+importable from here for compatibility, resolved on first use, so a poller
+process never loads :mod:`buffer`.
 """
 
 from __future__ import annotations
@@ -26,25 +22,12 @@ if TYPE_CHECKING:
     from poller.wire.protocol import Limits
     from poller.wire.sources import Source, SourceStall, load_source
 
-__all__ = [
-    "PollerProcess",
-    "Source",
-    "SourceStall",
-    "load_source",
-    "Limits",
-    "CurveServer",
-    "PollerError",
-    "PollerStartupError",
-    "PollerCrashed",
-    "ProtocolError",
-    "RemoteTraceback",
-]
+__all__ = ["PollerProcess", "Source", "SourceStall", "load_source", "Limits", "CurveServer", "PollerError",
+           "PollerStartupError", "PollerCrashed", "ProtocolError", "RemoteTraceback"]
 
-# Imported on first use. A poller process starts as `python -m poller.child`, which imports this
-# package first, and forks its watchdog before anything heavy is loaded (zmq, msgpack, the
-# source): a small process forks fast and leaves the poller few pages to copy on write later.
-# poller.wire.curve pulls in zmq.auth and asyncio (~35 ms): never in a poller that does not use CURVE.
-# PollerProcess is the trainer's (buffer.process): kept importable from here for compatibility.
+# Imported on first use: `python -m poller.child` imports this package before it forks its
+# watchdog, which must happen before anything heavy is loaded (poller.child), and
+# poller.wire.curve pulls in zmq.auth and asyncio (~35 ms), needed only with CURVE.
 _LAZY = {"PollerProcess": "buffer.process", "Source": "poller.wire.sources", "SourceStall": "poller.wire.sources",
          "load_source": "poller.wire.sources", "Limits": "poller.wire.protocol", "CurveServer": "poller.wire.curve"}
 

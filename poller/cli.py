@@ -1,10 +1,9 @@
 """``python -m poller``: a standalone poller, CURVE key files, and ``doctor``.
 
-``main(argv) -> int`` does all the work, with nothing at module level, so
-tests can call it. Exit codes: 0 done, 2 bad arguments or a source that
-cannot be built, 3 the source failed for good, 1 ``doctor`` found a problem.
-Every error is one line on stderr that starts
-with the command as it was started (``python -m poller run`` or ``poller run``).
+``main(argv) -> int`` does all the work, so tests can call it. Exit codes: 0
+done, 2 bad arguments or a source that cannot be built, 3 the source failed for
+good, 1 ``doctor`` found a problem. Every error is one line on stderr that
+starts with the command as it was started (``python -m poller run`` or ``poller run``).
 """
 
 from __future__ import annotations
@@ -20,9 +19,10 @@ from typing import Any, NoReturn, Sequence
 
 from poller._version import __version__
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_seconds, check_share
+from poller.wire.config import ExitCode, WorkerConfig
 from poller.wire.curve import CurveClient, make_keys
 from poller.wire.errors import PollerCrashed, PollerStartupError
-from poller.worker import WorkerConfig, run_standalone
+from poller.worker import run_standalone
 
 __all__ = ["main", "main_entry"]
 
@@ -44,20 +44,28 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
     run.add_argument("--listing-share", type=_number_or_word, default=DEFAULT_LISTING_SHARE,
-                     help="the most of the wall clock spent listing a store without a change feed: a listing "
-                          "that took d seconds is followed by the next no sooner than max(interval, d/share) after "
-                          f"it started (0 < share <= 1, 1 = no bound; default {DEFAULT_LISTING_SHARE:g}, so a "
-                          f"listing under {DEFAULT_LISTING_SHARE:g} x interval never delays the next; "
-                          f"'{VERL_CYCLE}': verl's sampler's cycle, the next listing no sooner than 2 s + d + 2p "
-                          "after the poll that took the previous one is done)")
+                     help="the most of the wall clock spent listing a store without a change feed: after a "
+                          "listing of d seconds the next starts no sooner than max(interval, d/share) after it "
+                          f"started (0 < share <= 1, 1 = no bound; default {DEFAULT_LISTING_SHARE:g}); "
+                          f"'{VERL_CYCLE}': verl's sampler's cycle, 2 s + d + 2p after the poll that took it is done")
     run.add_argument("--name", default=None,
                      help="stream name; a restarted poller with the same name continues the same stream "
                           "(default: derived from host, source and kwargs)")
     run.add_argument("--log-level", default="WARNING", help="logging level on stderr (default WARNING)")
     run.add_argument("--fault", default=None, metavar="NAME[:key=value,...]",
                      help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
-    _add_curve_arguments(run)
-    _add_keys_command(commands)
+    curve = run.add_argument_group("CURVE authentication and encryption (both or neither; see SECURITY.md)")
+    curve.add_argument("--curve-secret", metavar="FILE", default=None,
+                       help="this poller's key pair, a NAME.key_secret file from 'python -m poller keys'")
+    curve.add_argument("--curve-server-key", metavar="FILE", default=None,
+                       help="the buffer's public key, its NAME.key file")
+    keys = commands.add_parser(
+        "keys", help="make a CURVE key pair (NAME.key public, NAME.key_secret private)",
+        description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) "
+                    "into DIR (created 0700). Make one pair for the buffer and one per poller host; the "
+                    "buffer allows the pollers' .key files.")
+    keys.add_argument("--out", required=True, metavar="DIR", help="directory for the key files")
+    keys.add_argument("--name", default=socket.gethostname(), help="file name stem (default: this host's name)")
     commands.add_parser("doctor", help="check that poller and buffer are this distribution's installed files",
                         description="Compare the poller and buffer packages Python would import with this "
                                     "distribution's install record; exit 1 and say how to fix it when they differ "
@@ -73,46 +81,44 @@ def _number_or_word(text: str) -> float | str:
         return text
 
 
+def _error(args: argparse.Namespace, error: object, code: int = ExitCode.STARTUP_FAILED) -> int:
+    """Say ``error`` in one line on stderr, naming the command; return ``code`` (2: bad arguments)."""
+    print(f"{args.command_name}: error: {error}", file=sys.stderr)
+    return code
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
-        kwargs = json.loads(args.source_kwargs)
-        if not isinstance(kwargs, dict):
-            raise ValueError("--source-kwargs must be a JSON object")
+        config, level = _config_of(args)
     except ValueError as exc:
-        print(f"{args.command_name}: error: bad --source-kwargs: {exc}", file=sys.stderr)
-        return 2
-    try:
-        spec, kwargs = _source_of(args, kwargs)
-    except ValueError as exc:
-        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        check_seconds("--interval", args.interval)
-        listing_share = check_share("--listing-share", args.listing_share)
-    except ValueError as exc:  # nan, inf, <= 0; a share outside (0, 1] that is not 'verl'
-        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
-        return 2
-    level = logging.getLevelName(args.log_level.upper())
-    if not isinstance(level, int):
-        print(f"{args.command_name}: error: unknown --log-level {args.log_level!r}", file=sys.stderr)
-        return 2
+        return _error(args, exc)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        curve = _curve_from_args(args)
-    except ValueError as exc:
-        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
-        return 2
-    name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
-    config = WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
-                          interval=args.interval, curve=curve, listing_share=listing_share)
     try:
         return run_standalone(config)
     except PollerStartupError as exc:
-        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(args, exc)
     except PollerCrashed as exc:  # the reason was logged at DEBUG only: say it here
-        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
-        return 3
+        return _error(args, exc, ExitCode.SOURCE_FAILED)
+
+
+def _config_of(args: argparse.Namespace) -> tuple[WorkerConfig, int]:
+    """The poller's configuration and log level; a ValueError names the first bad argument."""
+    try:
+        kwargs = json.loads(args.source_kwargs)
+    except ValueError as exc:
+        raise ValueError(f"bad --source-kwargs: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("bad --source-kwargs: --source-kwargs must be a JSON object")
+    spec, kwargs = _source_of(args, kwargs)
+    check_seconds("--interval", args.interval)  # nan, inf, <= 0
+    listing_share = check_share("--listing-share", args.listing_share)
+    level = logging.getLevelName(args.log_level.upper())
+    if not isinstance(level, int):
+        raise ValueError(f"unknown --log-level {args.log_level!r}")
+    curve = _curve_from_args(args)
+    name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
+    return WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
+                        interval=args.interval, curve=curve, listing_share=listing_share), level
 
 
 def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -126,14 +132,6 @@ def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, d
     return parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
 
 
-def _add_curve_arguments(run: argparse.ArgumentParser) -> None:
-    group = run.add_argument_group("CURVE authentication and encryption (both or neither; see SECURITY.md)")
-    group.add_argument("--curve-secret", metavar="FILE", default=None,
-                       help="this poller's key pair, a NAME.key_secret file from 'python -m poller keys'")
-    group.add_argument("--curve-server-key", metavar="FILE", default=None,
-                       help="the buffer's public key, its NAME.key file")
-
-
 def _curve_from_args(args: argparse.Namespace) -> CurveClient | None:
     if args.curve_secret is None and args.curve_server_key is None:
         return None
@@ -142,22 +140,11 @@ def _curve_from_args(args: argparse.Namespace) -> CurveClient | None:
     return CurveClient.from_files(args.curve_secret, args.curve_server_key)
 
 
-def _add_keys_command(commands: Any) -> None:
-    keys = commands.add_parser(
-        "keys", help="make a CURVE key pair (NAME.key public, NAME.key_secret private)",
-        description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) "
-                    "into DIR (created 0700). Make one pair for the buffer and one per poller host; the "
-                    "buffer allows the pollers' .key files.")
-    keys.add_argument("--out", required=True, metavar="DIR", help="directory for the key files")
-    keys.add_argument("--name", default=socket.gethostname(), help="file name stem (default: this host's name)")
-
-
 def _keys(args: argparse.Namespace) -> int:
     try:
         public, secret = make_keys(args.out, args.name)
     except (OSError, ValueError, RuntimeError) as exc:
-        print(f"{args.command_name}: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(args, exc)
     print(f"public key: {public}\nsecret key: {secret} (keep it private)")
     return 0
 

@@ -1,13 +1,11 @@
 """``python -m poller doctor``: are ``poller`` and ``buffer`` the files this distribution installed?
 
-The distribution installs two top-level packages, ``poller`` and ``buffer``. Another distribution
-on the public index also installs a top-level ``buffer``; installed after this one it overwrites
-``buffer/__init__.py`` (or shadows the whole package from an earlier ``sys.path`` entry), and
-``from buffer import ReplayBuffer`` breaks while ``pip check`` sees nothing wrong: pip checks
-requirements, not files. This check compares what Python would import with the installer's
-record (``RECORD``, via :mod:`importlib.metadata`): where each package is found, and the sha256 of
-every file recorded for it. Nothing is imported but this package, so a broken ``buffer`` cannot
-stop the check.
+Another distribution on the public index also installs a top-level ``buffer``; installed after
+this one it overwrites ``buffer/__init__.py`` (or shadows the package from an earlier ``sys.path``
+entry), and ``from buffer import ReplayBuffer`` breaks while ``pip check``, which checks
+requirements, not files, sees nothing. This compares where Python would import each package from
+and the sha256 of every file with the installer's ``RECORD``, importing neither package, so a
+broken ``buffer`` cannot stop the check.
 """
 
 from __future__ import annotations
@@ -67,8 +65,18 @@ def diagnose() -> Diagnosis:
             _check_editable(package, editable_root, result)
         else:
             owners |= _check_recorded(dist, package, result)
-    if not result.healthy:
-        _advise(result, owners, editable_root, _installed_from(dist))
+    if result.healthy:
+        return result
+    if owners:
+        names = " ".join(sorted(owners))
+        result.problems.append(f"installed by another distribution as well: {names} (it also installs a top-level "
+                               f"package of that name; both cannot live in one environment)")
+        result.fixes.append(f"pip uninstall {names}   (or give it an environment of its own), then:")
+    if editable_root is not None:
+        result.fixes.append(f"pip install -e {editable_root}   (and remove what shadows it from sys.path)")
+    else:
+        result.fixes.append(f"pip install --force-reinstall --no-deps {_installed_from(dist)}   "
+                            f"(puts this distribution's files back)")
     return result
 
 
@@ -95,41 +103,32 @@ def _imported_dir(package: str) -> Path | None:
     return Path(locations[0]).resolve() if locations else None
 
 
-def _has_init(package: str) -> bool:
-    spec = importlib.util.find_spec(package)
-    return spec is not None and spec.origin is not None and spec.origin.endswith("__init__.py")
+def _direct_url(dist: importlib.metadata.Distribution) -> tuple[str | None, bool]:
+    """The local path this install came from (``direct_url.json``), if any, and whether it is editable."""
+    try:
+        info = json.loads(dist.read_text("direct_url.json") or "{}")
+        url, editable = info.get("url", ""), bool(info.get("dir_info", {}).get("editable"))
+    except (ValueError, AttributeError):
+        return None, False
+    return (url[len("file://"):], editable) if url.startswith("file://") else (None, False)
 
 
 def _editable_root(dist: importlib.metadata.Distribution) -> Path | None:
     """The source tree of an editable install (``pip install -e``), whose record lists no package files."""
-    text = dist.read_text("direct_url.json")
-    if not text:
-        return None
-    try:
-        info = json.loads(text)
-    except ValueError:
-        return None
-    url = info.get("url", "")
-    if info.get("dir_info", {}).get("editable") and url.startswith("file://"):
-        return Path(url[len("file://"):]).resolve()
-    return None
+    path, editable = _direct_url(dist)
+    return Path(path).resolve() if path is not None and editable else None
 
 
 def _installed_from(dist: importlib.metadata.Distribution) -> str:
     """What to give ``pip install`` to put this install back: the local wheel or tree it came from, or the index."""
-    text = dist.read_text("direct_url.json")
-    try:
-        url = json.loads(text).get("url", "") if text else ""
-    except (ValueError, AttributeError):
-        url = ""
-    if url.startswith("file://") and Path(url[len("file://"):]).exists():
-        return url[len("file://"):]
-    return f"{DISTRIBUTION}=={__version__}"
+    path, _ = _direct_url(dist)
+    return path if path is not None and Path(path).exists() else f"{DISTRIBUTION}=={__version__}"
 
 
 def _check_editable(package: str, root: Path, result: Diagnosis) -> None:
     imported, expected = _imported_dir(package), root / package
-    if imported != expected or not _has_init(package):
+    spec = importlib.util.find_spec(package)  # a regular package, not a namespace one
+    if imported != expected or spec is None or not str(spec.origin).endswith("__init__.py"):
         result.problems.append(f"{package} is imported from {imported}, not from the editable install's "
                                f"source tree {expected}")
     else:
@@ -147,7 +146,7 @@ def _check_recorded(dist: importlib.metadata.Distribution, package: str, result:
     if imported != installed_dir:
         result.problems.append(f"{package} is imported from {imported}, but {DISTRIBUTION} installed it in "
                                f"{installed_dir}: another package named {package} comes first on sys.path")
-        return _owners_of(package, imported, dist)
+        return _owners_of(package, imported)
     if not any(f.hash is not None for f in recorded):
         # An .egg-info in a source tree (after a build there): it lists files without hashes.
         result.ok.append(f"{package} from {installed_dir} (a source tree: its record has no hashes to compare)")
@@ -162,16 +161,14 @@ def _check_recorded(dist: importlib.metadata.Distribution, package: str, result:
         elif _sha256(path) != file.hash.value:
             bad.append(f"{file} was changed")
     recorded_names = {PurePosixPath(*f.parts) for f in recorded}
-    strangers = sorted(str(PurePosixPath(package, *p.relative_to(installed_dir).parts))
-                       for p in installed_dir.rglob("*.py")
-                       if PurePosixPath(package, *p.relative_to(installed_dir).parts) not in recorded_names)
-    bad += [f"{name} is not one of {DISTRIBUTION}'s files" for name in strangers]
+    found = sorted(PurePosixPath(package, *p.relative_to(installed_dir).parts) for p in installed_dir.rglob("*.py"))
+    bad += [f"{name} is not one of {DISTRIBUTION}'s files" for name in found if name not in recorded_names]
     if not bad:
         checked = sum(1 for f in recorded if f.hash is not None)
         result.ok.append(f"{package} from {installed_dir} ({checked} files match the install record)")
         return set()
     result.problems.append(f"{package} in {installed_dir} is not what {DISTRIBUTION} installed: " + "; ".join(bad))
-    return _owners_of(package, installed_dir, dist)
+    return _owners_of(package, installed_dir)
 
 
 def _sha256(path: Path) -> str:
@@ -179,31 +176,13 @@ def _sha256(path: Path) -> str:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def _owners_of(package: str, directory: Path | None, ours: importlib.metadata.Distribution) -> set[str]:
+def _owners_of(package: str, directory: Path | None) -> set[str]:
     """Other installed distributions that record files of ``package`` in ``directory``."""
-    owners: set[str] = set()
     if directory is None:
-        return owners
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"] or "?"
-        if name == DISTRIBUTION:
-            continue
-        for file in dist.files or []:
-            if file.parts and file.parts[0] == package and \
-                    Path(str(dist.locate_file(file))).resolve().parent.is_relative_to(directory):
-                owners.add(name)
-                break
-    return owners
+        return set()
+    return {dist.metadata["Name"] or "?" for dist in importlib.metadata.distributions()
+            if dist.metadata["Name"] != DISTRIBUTION
+            and any(file.parts and file.parts[0] == package
+                    and Path(str(dist.locate_file(file))).resolve().parent.is_relative_to(directory)
+                    for file in dist.files or [])}
 
-
-def _advise(result: Diagnosis, owners: set[str], editable_root: Path | None, installed_from: str) -> None:
-    if owners:
-        names = " ".join(sorted(owners))
-        result.problems.append(f"installed by another distribution as well: {names} (it also installs a top-level "
-                               f"package of that name; both cannot live in one environment)")
-        result.fixes.append(f"pip uninstall {names}   (or give it an environment of its own), then:")
-    if editable_root is not None:
-        result.fixes.append(f"pip install -e {editable_root}   (and remove what shadows it from sys.path)")
-    else:
-        result.fixes.append(f"pip install --force-reinstall --no-deps {installed_from}   "
-                            f"(puts this distribution's files back)")

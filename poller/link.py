@@ -1,20 +1,19 @@
 """The poller's connection to the buffer: one DEALER socket and its recovery.
 
 ZeroMQ reconnects by itself, and that is the danger: a connection dropped
-while the buffer was stopped (SIGSTOP, a long GC pause, a debugger; the ZMTP
-heartbeat gives up after 3 s) takes every message queued on it along, and
-the buffer's ROUTER refuses the new connection as long as it still holds the
-old one under the same name. The poller would then stream into a connection
-nobody reads, for good. So the link watches its own connections:
+while the buffer was stopped (SIGSTOP, a GC pause, a debugger; the ZMTP
+heartbeat gives up after 3 s) takes what was queued on it along, and the
+buffer's ROUTER refuses the new connection while it still holds the old one
+under the same name: the poller would stream into nothing, for good. So:
 
-- every new connection after the first one means messages may be lost: the
-  owner asks its polling thread for a full snapshot (:meth:`Link.on_events`
-  returns True), and sends a heartbeat at once;
-- the buffer answers heartbeats that carry ``last_seq`` with ACK; on a new
-  connection, no ACK within :data:`ACK_TIMEOUT` means the buffer did not
-  admit it, and the link dials again (:meth:`Link.check`) until one is.
+- every new connection after the first may have lost messages:
+  :meth:`Link.on_events` returns True, and the owner asks for a full snapshot
+  and heartbeats at once;
+- the buffer answers heartbeats with ACK; a new connection without an ACK
+  within :data:`ACK_TIMEOUT` was not admitted, and :meth:`Link.check` dials
+  again until one is.
 
-Owned by the poller's control loop thread, which created the socket.
+Owned by the control loop's thread, which created the socket.
 """
 
 from __future__ import annotations
@@ -33,18 +32,15 @@ __all__ = ["Link", "ACK_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
-#: How long a new connection may go without an ACK before it is dialled again.
-#: Heartbeats come every second, so this is three of them.
+#: How long a new connection may go without an ACK before it is dialled again (three heartbeats).
 ACK_TIMEOUT = 3.0
 
-# Handshake failures a client can see: the server refused our key (ZAP), or
-# the handshake broke (e.g. we hold the wrong server key).
+# The server refused our key (ZAP), or the handshake broke (e.g. we hold the wrong server key).
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-# A monitor event's first frame: uint16 event, uint32 value, native order.
-# Parsed here rather than with zmq.utils.monitor, which imports asyncio
-# (~55 ms of every poller's start-up).
+# A monitor event's first frame: uint16 event, uint32 value, native order. Not parsed
+# with zmq.utils.monitor, which imports asyncio (~55 ms of every poller's start-up).
 _EVENT_FRAME = struct.Struct("=HI")
 
 
@@ -56,7 +52,6 @@ class Link:
         self.name = name
         self.endpoint = endpoint
         self.connections = 0
-        self.redials = 0
         self.handshake_failures = 0
         self._acks_seen = False
         self._probe_deadline: float | None = None
@@ -67,9 +62,8 @@ class Link:
             self.sock.setsockopt(zmq.SNDHWM, 1000)
             if curve is not None:
                 curve.apply(self.sock)
-            # Without these a connection whose far end vanished (link down, host
-            # gone) looks alive until TCP gives up, minutes later; with them the
-            # poller drops it after 3 s of silence and reconnects by itself.
+            # A connection whose far end vanished (link down, host gone) is dropped after 3 s
+            # of silence and dialled again, not minutes later when TCP gives up.
             self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
             self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -79,7 +73,7 @@ class Link:
             raise
         try:
             self.sock.connect(endpoint)
-        except BaseException:
+        except BaseException:  # a malformed endpoint
             self.close()
             raise
 
@@ -114,11 +108,10 @@ class Link:
         self._acks_seen = True
         self._probe_deadline = None
 
-    def check(self) -> bool:
-        """Dial again if a new connection went unanswered; True when it did."""
+    def check(self) -> None:
+        """Dial again if a new connection went unanswered."""
         if self._probe_deadline is None or time.monotonic() < self._probe_deadline:
-            return False
-        self.redials += 1
+            return
         logger.warning("poller %s: no answer from the buffer %.0fs after reconnecting (it may still hold the old "
                        "connection); dialling again", self.name, ACK_TIMEOUT)
         self._probe_deadline = None
@@ -127,7 +120,6 @@ class Link:
         except zmq.ZMQError:
             pass  # already gone
         self.sock.connect(self.endpoint)
-        return True
 
     def close(self) -> None:
         """Close the monitor, then the socket (its linger bounds the context's term)."""

@@ -1,13 +1,9 @@
 """The poller's outgoing messages: taken in from every thread, stamped, held for the one socket.
 
-The polling thread hands over its encoded bodies through a bounded queue, and
-WARNING+ log records from any thread wait in a :class:`ForwardingHandler`.
-The control loop (:mod:`poller.worker`) takes both in through its
-:class:`Outbox`, which stamps each message with the epoch and the next
-sequence number as it is taken in (one place, so BYE can name exactly the
-last message sent) and holds it until the socket takes it. The control loop
-decides when to send, stop and say BYE; this module is how a message gets
-from the thread that made it to the socket.
+The polling thread hands over encoded bodies through a bounded queue, and the
+:class:`Outbox`, a log handler, takes records from any thread to send as LOG.
+The control loop (:mod:`poller.worker`) stamps them with the epoch and the next
+sequence number in one place, so BYE can name exactly the last message sent.
 """
 
 from __future__ import annotations
@@ -24,17 +20,35 @@ from poller.wire.messages import Log
 from poller.wire.protocol import Kind, Limits, encode_body, encode_header, fit_text
 from poller.wire.wakeup import WakePipe
 
-__all__ = ["ForwardingHandler", "Outbox"]
+__all__ = ["Outbox"]
 
 
-class ForwardingHandler(logging.Handler):
-    """Queues WARNING+ records so the control loop can send them as LOG."""
+class Outbox(logging.Handler):
+    """The messages of one stream (``epoch``), stamped in order and held until the socket takes them.
 
-    def __init__(self, wake: WakePipe, level: int = logging.WARNING) -> None:
-        super().__init__(level)
+    Used from the control loop's thread, except :meth:`emit_from_thread` (the
+    polling thread) and, as a log handler, :meth:`emit` (any thread that logs);
+    both poke ``wake``.
+    """
+
+    # The most messages held for a socket that cannot take them yet; beyond
+    # this the source thread blocks: the back-pressure we want.
+    LIMIT = 16
+
+    def __init__(self, epoch: int, wake: WakePipe, *, limits: Limits | None, log_level: int) -> None:
+        super().__init__(log_level)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.epoch = epoch
+        self.seq = -1
+        # The seq of the first body of the latest full snapshot sent (-1: none yet).
+        self.snapshot_seq = -1
+        # Stamped messages (head and body frames) the socket has not taken yet.
+        self.pending: Deque[list[bytes]] = collections.deque()
+        # Bodies the polling thread handed over, and log records, not yet stamped.
+        self.items: "queue.Queue[tuple[Kind, bytes, bool]]" = queue.Queue(maxsize=64)
         self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
         self._wake = wake
-        self.setFormatter(logging.Formatter("%(message)s"))
+        self._limits = limits
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -42,32 +56,6 @@ class ForwardingHandler(logging.Handler):
             self._wake.poke()
         except Exception:  # a log call must never break the poller
             self.handleError(record)
-
-
-class Outbox:
-    """The messages of one stream (``epoch``), stamped in order and held until the socket takes them.
-
-    Used from the control loop's thread, except :meth:`emit_from_thread`
-    (the polling thread) and :attr:`log_handler` (any thread that logs);
-    both poke ``wake``.
-    """
-
-    # The most messages held for a socket that cannot take them yet; beyond
-    # this the source thread blocks, which is the back-pressure we want.
-    LIMIT = 16
-
-    def __init__(self, epoch: int, wake: WakePipe, *, limits: Limits | None, log_level: int) -> None:
-        self.epoch = epoch
-        self.seq = -1
-        # The seq of the first body of the latest full snapshot sent (-1: none yet).
-        self.snapshot_seq = -1
-        # Stamped messages (head and body frames) the socket has not taken yet.
-        self.pending: Deque[list[bytes]] = collections.deque()
-        # Bodies the polling thread handed over, not yet stamped.
-        self.items: "queue.Queue[tuple[Kind, bytes, bool]]" = queue.Queue(maxsize=64)
-        self.log_handler = ForwardingHandler(wake, log_level)
-        self._wake = wake
-        self._limits = limits
 
     def queue_message(self, kind: Kind, body: bytes) -> None:
         self.seq += 1
@@ -93,19 +81,18 @@ class Outbox:
             self.queue_message(kind, body)
             if starts_snapshot:
                 self.snapshot_seq = self.seq
-        while self.log_handler.records:
-            level, name, text = self.log_handler.records.popleft()
-            limits = self._limits
-            self.queue_message(Kind.LOG, encode_body(Kind.LOG, Log(level, fit_text(name, limits),
-                                                                   fit_text(text, limits))))
+        while self.records:
+            level, name, text = self.records.popleft()
+            log = Log(level, fit_text(name, self._limits), fit_text(text, self._limits))
+            self.queue_message(Kind.LOG, encode_body(Kind.LOG, log))
 
-    def flush(self, sock: zmq.Socket) -> None:
+    def send_pending(self, sock: zmq.Socket) -> None:
+        """Send what the socket takes now, in order, without blocking."""
         while self.pending:
             try:
-                # Copied, never zero-copy: pyzmq frees zero-copy frames through a
-                # second context and thread of its own, which the poller would then
-                # start on its first large body and tear down at every exit; a
-                # copy of a snapshot body (~300 kB) costs ~50 us.
+                # Copied: zero-copy frames are freed by a second pyzmq context and
+                # thread, started on the first large body and torn down at every
+                # exit; copying a snapshot body (~300 kB) costs ~50 us.
                 sock.send_multipart(self.pending[0], flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return

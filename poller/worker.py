@@ -10,9 +10,7 @@
 
 The control loop never calls the source, so STOP, SIGTERM and parent death
 are answered within milliseconds even while ``kv_list()`` is stuck. It owns
-the only socket and, through its :class:`~poller.outbox.Outbox`, stamps every
-message with the epoch and a sequence number, so BYE can name exactly the
-last message sent.
+the only socket; its :class:`~poller.outbox.Outbox` numbers every message.
 """
 
 from __future__ import annotations
@@ -33,33 +31,32 @@ from poller.wire import lifeline
 from poller.wire.arguments import check_worker_config
 from poller.wire.config import ExitCode, WorkerConfig
 from poller.wire.errors import PollerCrashed, PollerStartupError, ProtocolError
+from poller.wire.lifeline import Started, StartFailed, StopRequest
 from poller.wire.messages import Bye, Heartbeat, Ready
 from poller.wire.procfs import own_rss_bytes
 from poller.wire.protocol import Kind, decode, encode_body
 from poller.wire.sources import describe_spec, load_source
 from poller.wire.wakeup import WakePipe
 
-__all__ = ["WorkerConfig", "run_embedded", "run_standalone", "ExitCode"]
+__all__ = ["run_embedded", "run_standalone"]
 
 logger = logging.getLogger(__name__)
 
 # The most an embedded poller waits, before os._exit, for its woken polling thread to end
-# (it takes well under a millisecond; the bound is for a thread that began a poll meanwhile).
+# (well under a millisecond; the bound is for a thread that began a poll meanwhile).
 _THREAD_END_S = 0.05
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
-    """Entry point of a poller spawned by :class:`~poller.PollerProcess` (after :func:`poller.child.main`).
+    """Run a poller spawned by :class:`~poller.PollerProcess` (from :func:`poller.child.main`).
 
-    Ends with ``os._exit``: the source thread may be stuck in ``kv_list()``
-    forever, and a normal interpreter shutdown would only slow the exit.
+    Ends with ``os._exit``: the source thread may be stuck in ``kv_list()`` forever.
     """
     code = ExitCode.CRASHED
     try:
         code = _ControlLoop(config, lifeline_conn).run()
     except BaseException as exc:
-        # A bug in the loop itself: os._exit below would swallow it, so the
-        # traceback goes to the parent, which raises it as PollerCrashed's cause.
+        # A bug in the loop itself: its traceback goes to the parent (PollerCrashed's cause).
         lifeline.send(lifeline_conn, lifeline.failure(exc))
     finally:
         logging.shutdown()
@@ -70,10 +67,8 @@ def run_standalone(config: WorkerConfig) -> int:
     """Run a poller in this process until STOP, SIGTERM or SIGINT; return its exit code.
 
     Raises:
-        PollerStartupError: the source could not be built or the endpoint
-            not connected; the original exception is the ``__cause__``.
-        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row
-            (exit code 3); the last exception is the ``__cause__``.
+        PollerStartupError: the source could not be built or the endpoint not connected (``__cause__``).
+        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row (the last one is the ``__cause__``).
         ValueError: a numeric field of ``config`` is out of range (e.g. ``interval=inf``).
     """
     check_worker_config(config)
@@ -97,37 +92,33 @@ class _ControlLoop:
         self.config = config
         self.lifeline = lifeline_conn
         self.embedded = lifeline_conn is not None
-        # os.urandom, not secrets: the epoch need only be unpredictable enough
-        # not to repeat, and secrets (hashlib, random) costs start-up time.
-        # A buffer that spawned this poller chose the epoch itself (config.epoch).
+        # A spawning buffer chose the epoch itself. os.urandom, not secrets: it need only
+        # not repeat, and secrets (hashlib, random) costs start-up time.
         self.epoch = config.epoch or (int.from_bytes(os.urandom(8), "big") >> 2) + 1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK
         self.parent_pid = os.getppid()
-        self.data_wake = WakePipe()
-        self.signal_wake = WakePipe()
-        self.outbox = Outbox(self.epoch, self.data_wake, limits=config.limits, log_level=config.log_level)
+        # Poked by the polling thread, by any thread that logs, and by signals (set_wakeup_fd).
+        self.wake = WakePipe()
+        self.outbox = Outbox(self.epoch, self.wake, limits=config.limits, log_level=config.log_level)
         self.thread: PollingThread | None = None
         self.thread_woken = False  # told to stop while it waited for its next poll
         self.startup_error: BaseException | None = None
-        self.link: Link | None = None
         self.stalls_reported = 0
         self.quarantine_reported = 0  # Quarantine.changes last reported
-        # Set when the link came back on a new connection: heartbeat at once.
-        self.heartbeat_now = True
+        self.heartbeat_now = True  # at start, and on a new connection
 
-    # -- set-up ---------------------------------------------------------------
+    # -- signals --------------------------------------------------------------
 
     def _install_signals(self) -> list[tuple[int, Any]]:
         if threading.current_thread() is not threading.main_thread():
             return []  # signal handlers can only be set from the main thread
         previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
-                    (signal.SIGINT, signal.getsignal(signal.SIGINT))]
+                                           (signal.SIGINT, signal.getsignal(signal.SIGINT))]
         signal.signal(signal.SIGTERM, self._on_signal)
-        # Ctrl-C in a terminal reaches the whole process group: an embedded
-        # poller leaves it to the trainer, which then closes the buffer.
+        # Ctrl-C reaches the whole process group: an embedded poller leaves it to the trainer.
         signal.signal(signal.SIGINT, signal.SIG_IGN if self.embedded else self._on_signal)
-        previous.append((-1, signal.set_wakeup_fd(self.signal_wake.write_fd, warn_on_full_buffer=False)))
+        previous.append((-1, signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False)))
         return previous
 
     @staticmethod
@@ -149,34 +140,32 @@ class _ControlLoop:
         assert self.thread is not None
         return self.outbox.emit_from_thread(kind, body, starts_snapshot, self.thread.stopping)
 
-    def _heartbeat(self) -> None:
-        thread = self.thread
-        self.stalls_reported = thread.source_stalls if thread else 0
-        quarantine = thread.quarantine if thread else None
-        duty = thread.duty if thread else None
-        self.quarantine_reported = quarantine.changes if quarantine else 0
+    def _heartbeat(self, thread: PollingThread) -> None:
+        self.stalls_reported = thread.source_stalls
+        quarantine, duty = thread.quarantine, thread.duty
+        self.quarantine_reported = quarantine.changes
         self.outbox.queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
-            polls=thread.polls if thread else 0,
-            source_errors=thread.source_errors if thread else 0,
+            polls=thread.polls,
+            source_errors=thread.source_errors,
             rss=own_rss_bytes(),
-            stalled_s=thread.stalled_for() if thread else 0.0,
+            stalled_s=thread.stalled_for(),
             source_stalls=self.stalls_reported,
             # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
             last_seq=self.outbox.seq,
-            quarantined=len(quarantine.keys) if quarantine else 0,
-            quarantined_keys=quarantine.names() if quarantine else [],
-            listings=duty.listings if duty else 0,
-            listing_s=duty.last_seconds if duty else 0.0,
-            listing_total_s=duty.total_seconds if duty else 0.0,
-            listing_share=duty.measured_share() if duty else 0.0,
-            watch_reads=thread.watch_reads if thread else 0,
-            watch_listings=thread.watch_listings if thread else 0,
+            quarantined=len(quarantine.keys),
+            quarantined_keys=quarantine.names(),
+            listings=duty.listings,
+            listing_s=duty.last_seconds,
+            listing_total_s=duty.total_seconds,
+            listing_share=duty.measured_share(),
+            watch_reads=thread.watch_reads,
+            watch_listings=thread.watch_listings,
         )))
 
-    def _on_control(self, sock: zmq.Socket) -> None:
+    def _on_control(self, link: Link, thread: PollingThread) -> None:
         while True:
             try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+                frames = link.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -184,27 +173,25 @@ class _ControlLoop:
             except ProtocolError as exc:
                 logger.warning("poller %s ignored a malformed control message: %s", self.config.name, exc)
                 continue
+            body = message.body
             if message.kind is Kind.ACK:
-                assert self.link is not None
-                self.link.on_ack()
+                link.on_ack()
             elif message.kind is Kind.STOP:
-                self.stop_reason = self.stop_reason or f"STOP: {message.body.reason}"
-            elif message.kind is Kind.RESYNC and self.thread is not None:
-                after = message.body.after
-                if after is not None and message.epoch == self.epoch and self.outbox.snapshot_seq > after:
-                    # A snapshot started after what the buffer had received: it is the
-                    # answer, on its way (a trainer resumed from SIGSTOP asks while the
-                    # new connection's snapshot is already being sent; at 1M keys a
-                    # second one costs seconds).
+                self.stop_reason = self.stop_reason or f"STOP: {body.reason}"
+            elif message.kind is Kind.RESYNC:
+                if body.after is not None and message.epoch == self.epoch and self.outbox.snapshot_seq > body.after:
+                    # A snapshot started after what the buffer received answers it (a trainer
+                    # resumed from SIGSTOP asks while the new connection's snapshot is on its
+                    # way; at 1M keys a second one costs seconds).
                     logger.debug("resync requested (%s) after seq %d: the snapshot from seq %d answers it",
-                                 message.body.reason, after, self.outbox.snapshot_seq)
+                                 body.reason, body.after, self.outbox.snapshot_seq)
                 else:
-                    logger.debug("resync requested: %s", message.body.reason)
-                    self.thread.request_resync()
-            elif message.kind is Kind.SYNC and self.thread is not None:
-                self.thread.request_sync(message.body.token, message.body.partitions)
-            elif message.kind is Kind.WATCH and self.thread is not None:
-                self.thread.request_watch(message.body.partition, message.body.keys, message.body.seconds)
+                    logger.debug("resync requested: %s", body.reason)
+                    thread.request_resync()
+            elif message.kind is Kind.SYNC:
+                thread.request_sync(body.token, body.partitions)
+            elif message.kind is Kind.WATCH:
+                thread.request_watch(body.partition, body.keys, body.seconds)
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 
@@ -215,7 +202,7 @@ class _ControlLoop:
         except (EOFError, ValueError):
             self._orphaned("the lifeline pipe closed")
             return
-        if isinstance(message, lifeline.StopRequest):
+        if isinstance(message, StopRequest):
             self.stop_reason = self.stop_reason or "STOP"
 
     def _orphaned(self, why: str) -> None:
@@ -226,26 +213,26 @@ class _ControlLoop:
     # -- the run ------------------------------------------------------------------
 
     def run(self) -> int:
-        # Signals are taken over only once the source is built: until then
-        # SIGTERM keeps its default and ends a poller stuck in its factory at
-        # once (the close ladder's "terminated"), instead of only SIGKILL.
+        # Signals are taken over only once the source is built: until then SIGTERM ends a
+        # poller stuck in its factory at once (the close ladder's "terminated"), not only SIGKILL.
         previous_signals: list[tuple[int, Any]] = []
         root = logging.getLogger()
-        root.addHandler(self.outbox.log_handler)
+        root.addHandler(self.outbox)
         if self.embedded:  # its own process: the root level decides which records exist at all
             root.setLevel(self.config.log_level)
         ctx: zmq.Context | None = None
+        link: Link | None = None
         try:
             try:
                 source = load_source(self.config.source, self.config.source_kwargs)
                 ctx = zmq.Context()
-                self.link = Link(ctx, name=self.config.name, endpoint=self.config.endpoint,
-                                 linger=self.config.linger, curve=self.config.curve)
+                link = Link(ctx, name=self.config.name, endpoint=self.config.endpoint,
+                            linger=self.config.linger, curve=self.config.curve)
             except BaseException as exc:
                 if self.lifeline is not None:
                     # A store that cannot be reached now is worth retrying; a broken source is not.
                     lifeline.send(self.lifeline, lifeline.failure(
-                        exc, lifeline.StartupError, unavailable=isinstance(exc, (ConnectionError, TimeoutError))))
+                        exc, StartFailed, unavailable=isinstance(exc, (ConnectionError, TimeoutError))))
                 # Reported to the caller (lifeline or run_standalone), so not logged twice.
                 logger.debug("poller failed to start: %r", exc)
                 self.startup_error = exc
@@ -261,139 +248,115 @@ class _ControlLoop:
                 limits=self.config.limits, listing_share=self.config.listing_share)
             self.thread.start()
             if self.lifeline is not None:
-                lifeline.send(self.lifeline, lifeline.Ready(self.epoch, os.getpid()))
-            self._loop(self.link)
-            self._finish(self.link.sock)
+                lifeline.send(self.lifeline, Started(self.epoch, os.getpid()))
+            self._loop(link, self.thread)
+            self._finish(link.sock, self.thread)
             return self.exit_code
         finally:
             if self.thread is not None:
-                self._stop_thread()
-            if self.link is not None:
-                self.link.close()
+                self._stop_thread(self.thread)
+            if link is not None:
+                link.close()
             if ctx is not None:
                 # Bounded by the socket's linger; the source thread holds no socket.
                 ctx.term()
-            if self.embedded:
-                # os._exit follows (run_embedded): the log handler, the signal handlers and the
-                # wake-up pipes go with the process, and putting them back only delayed its exit.
+            if self.embedded:  # os._exit follows: handlers and the pipe go with the process
                 self._await_thread_end()
             else:
-                root.removeHandler(self.outbox.log_handler)
+                root.removeHandler(self.outbox)
                 self._restore_signals(previous_signals)
-                self.data_wake.close()
-                self.signal_wake.close()
+                self.wake.close()
             if self.exit_code == ExitCode.ORPHANED and self.config.orphan_cleanup:
                 import shutil  # rare path; kept out of start-up
 
                 shutil.rmtree(self.config.orphan_cleanup, ignore_errors=True)
 
-    def _loop(self, link: Link) -> None:
-        assert self.thread is not None
+    def _loop(self, link: Link, thread: PollingThread) -> None:
         sock = link.sock
         poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self.data_wake.read_fd, zmq.POLLIN)
-        poller.register(self.signal_wake.read_fd, zmq.POLLIN)
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
+        for watched in (sock, self.wake.read_fd, link.monitor):
+            poller.register(watched, zmq.POLLIN)
         if lifeline_fd is not None:
             poller.register(lifeline_fd, zmq.POLLIN)
-        poller.register(link.monitor, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         outbox = self.outbox
         while self.stop_reason is None:
             outbox.pull_items()
-            outbox.flush(sock)
+            outbox.send_pending(sock)
             poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if outbox.pending else 0))
             wait = min(self.config.tick, max(0.0, next_heartbeat - time.monotonic()))
             events = dict(poller.poll(int(wait * 1000)))
-            if self.signal_wake.read_fd in events:
-                self.signal_wake.drain()
-            if self.data_wake.read_fd in events:
-                self.data_wake.drain()
+            if self.wake.read_fd in events:
+                self.wake.drain()
             if lifeline_fd is not None and lifeline_fd in events:
                 self._on_lifeline()
             if events.get(sock, 0) & zmq.POLLIN:
-                self._on_control(sock)
+                self._on_control(link, thread)
             if link.monitor in events and link.on_events():
-                # A new connection replaced a lost one: what was queued on the
-                # old one is gone, so the buffer gets a full snapshot.
-                self.thread.request_resync()
+                # What was queued on the lost connection is gone: a full snapshot.
+                thread.request_resync()
                 self.heartbeat_now = True
             link.check()
             if self.embedded and os.getppid() != self.parent_pid:
                 self._orphaned("parent pid changed")
-            if not self.thread.is_alive() and self.thread.failed is not None and outbox.items.empty():
+            if not thread.is_alive() and thread.failed is not None and outbox.items.empty():
                 outbox.pull_items()  # the fatal ERROR itself
                 self.stop_reason = "source failed"
                 self.exit_code = ExitCode.SOURCE_FAILED
-            self.thread.check_stall()
+            thread.check_stall()
             # A new stall or quarantine is reported at once, not at the next heartbeat.
             if (self.heartbeat_now or time.monotonic() >= next_heartbeat
-                    or self.thread.source_stalls != self.stalls_reported
-                    or self.thread.quarantine.changes != self.quarantine_reported):
+                    or thread.source_stalls != self.stalls_reported
+                    or thread.quarantine.changes != self.quarantine_reported):
                 self.heartbeat_now = False
-                self._heartbeat()
+                self._heartbeat(thread)
                 next_heartbeat = time.monotonic() + self.config.heartbeat_interval
 
-    def _stop_thread(self) -> None:
-        assert self.thread is not None
+    def _stop_thread(self, thread: PollingThread) -> None:
         if self.embedded:
-            # Stopping, but not woken yet: this process ends in os._exit, and a woken
-            # thread would compete for the GIL with BYE going out (see _let_idle_thread_end).
-            self.thread.stopping.set()
+            # Not woken yet: it would compete for the GIL with BYE going out (see _finish).
+            thread.stopping.set()
         else:
-            self.thread.stop()
+            thread.stop()
 
-    def _let_idle_thread_end(self, idle: bool) -> None:
-        """Once BYE is out, wake a polling thread that was waiting for its next poll.
-
-        It ends while the context terminates (its listing stays referenced: it
-        frees nothing on its way out), and :meth:`_await_thread_end` lets it
-        finish. A thread in kv_list() or in the middle of a poll is left as it
-        is: it could only compete with the exit for the GIL and the cores.
-        """
-        assert self.thread is not None
+    def _finish(self, sock: zmq.Socket, thread: PollingThread) -> None:
+        """Send what is queued, then BYE, within the linger bound."""
+        idle = thread.idle  # before it is told to stop: waiting for its next poll
+        self._stop_thread(thread)
+        if self.exit_code == ExitCode.ORPHANED:
+            sock.setsockopt(zmq.LINGER, 0)
+        else:
+            if thread.failed is not None and self.lifeline is not None:
+                lifeline.send(self.lifeline, lifeline.failure(thread.failed))
+            outbox = self.outbox
+            while True:  # take everything the thread already handed over
+                before = len(outbox.pending)
+                outbox.pull_items()
+                if len(outbox.pending) == before:
+                    break
+                outbox.send_pending(sock)
+            outbox.queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(outbox.seq, self.stop_reason or "")))
+            deadline = time.monotonic() + self.config.linger
+            while outbox.pending and time.monotonic() < deadline:
+                outbox.send_pending(sock)
+                if outbox.pending:
+                    sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
+            logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)
         if self.embedded and idle:
-            self.thread.stop()
+            # Now wake a thread that was waiting for its next poll: it ends while the context
+            # terminates. One in kv_list() or mid-poll is left alone: it would only compete
+            # with the exit for the GIL and the cores.
+            thread.stop()
             self.thread_woken = True
 
     def _await_thread_end(self) -> None:
-        """Let a woken polling thread finish before the process exits.
+        """Let a woken polling thread finish, so os._exit ends a process of one thread.
 
-        The process then ends with its main thread alone: os._exit with the
-        polling thread alive made the kernel wake that thread to end it, and it
-        tore the address space down only once it got a core (0.07 ms on an idle
-        2-core machine, 0.6 ms on a loaded one). A thread in kv_list() cannot
-        end, and is not waited for.
+        With the thread alive the kernel must wake it to end it, and the exit
+        waits for it to get a core (0.6 ms on a loaded 2-core machine). A thread
+        in kv_list() cannot end, and is not waited for.
         """
         thread = self.thread
         if thread is not None and self.thread_woken and thread.call_started is None:
             thread.join(_THREAD_END_S)
-
-    def _finish(self, sock: zmq.Socket) -> None:
-        """Send what is queued, then BYE, within the linger bound."""
-        assert self.thread is not None
-        idle = self.thread.idle  # before it is told to stop: waiting for its next poll
-        self._stop_thread()
-        if self.exit_code == ExitCode.ORPHANED:
-            sock.setsockopt(zmq.LINGER, 0)
-            self._let_idle_thread_end(idle)
-            return
-        failed = self.thread.failed
-        if failed is not None and self.lifeline is not None:
-            lifeline.send(self.lifeline, lifeline.failure(failed))
-        outbox = self.outbox
-        while True:  # take everything the thread already handed over
-            before = len(outbox.pending)
-            outbox.pull_items()
-            if len(outbox.pending) == before:
-                break
-            outbox.flush(sock)
-        outbox.queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(outbox.seq, self.stop_reason or "")))
-        deadline = time.monotonic() + self.config.linger
-        while outbox.pending and time.monotonic() < deadline:
-            outbox.flush(sock)
-            if outbox.pending:
-                sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
-        self._let_idle_thread_end(idle)
-        logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)

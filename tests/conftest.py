@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from poller.wire.procfs import is_running
+from tests.helpers.processes import is_running
 from tests.helpers import leaks
 
 # Each run gets its own temporary directory (inherited by every child), so

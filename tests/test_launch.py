@@ -122,7 +122,7 @@ def _comm(pid: int) -> str:
 @pytest.mark.parametrize("pythonpath", [None, "/opt/the-users-own-path"])
 def test_the_poller_and_its_watchdog_have_names_a_person_recognises(monkeypatch: pytest.MonkeyPatch,
                                                                     pythonpath: str | None):
-    from poller.wire.procfs import children_of
+    from tests.helpers.processes import children_of
 
     if pythonpath is None:
         monkeypatch.delenv("PYTHONPATH", raising=False)

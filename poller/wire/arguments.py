@@ -1,11 +1,10 @@
-"""Checks of the numeric arguments of the public API.
+"""Checks of the numeric arguments of the public API, and the listing share's values.
 
-Every duration and count a caller passes is checked where it enters, with a
-``ValueError`` that names the argument and the value, so that a bad value
-never reaches a wait: ``nan`` compares false with everything (a deadline that
-never passes, a loop that spins a core), ``inf`` and very large durations make
-``Event.wait`` raise ``OverflowError`` in whatever thread waits, and a bool
-is an int to Python but never a count a person meant.
+Every duration and count is checked where it enters, each check raising a
+``ValueError`` that names the argument and the value, so a bad one never
+reaches a wait: ``nan`` compares false with everything (a deadline that never
+passes), ``inf`` makes ``Event.wait`` raise ``OverflowError`` in whatever
+thread waits, and a bool is an int to Python but never a count a person meant.
 """
 
 from __future__ import annotations
@@ -17,17 +16,15 @@ from typing import Any, Literal, Union
 __all__ = ["DEFAULT_LISTING_SHARE", "VERL_CYCLE", "VERL_POLL_INTERVAL", "ListingShare", "check_count",
            "check_optional_seconds", "check_seconds", "check_share", "check_worker_config"]
 
-#: verl's sampler's cycle instead of a fixed share: the next listing no sooner than ``VERL_POLL_INTERVAL`` + ``d``
-#: + ``2p`` after the poll that took the previous one is done, a share of ``d / (2d + 3p + 2 s)`` (module docstring).
+# The listing share's values, ruled by poller.duty.
+#: verl's sampler's cycle instead of a fixed share.
 VERL_CYCLE: Literal["verl"] = "verl"
 #: A fixed share of the wall clock (in (0, 1], 1.0: no bound), or :data:`VERL_CYCLE`.
 ListingShare = Union[float, Literal["verl"]]
-#: The generic buffer's and the standalone poller's share: verl's sampler's own at K=100k TransferQueue keys
-#: (module docstring). A listing that took ``d`` is followed by the next no sooner than ``d / 0.15`` after it began.
+#: The generic buffer's and the standalone poller's share: verl's sampler's own at 100k TransferQueue keys.
 DEFAULT_LISTING_SHARE = 0.15
 #: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
 VERL_POLL_INTERVAL = 2.0
-
 
 # The longest wait the threading primitives accept (OverflowError beyond it).
 MAX_SECONDS = float(threading.TIMEOUT_MAX)
@@ -38,11 +35,7 @@ def _is_number(value: Any) -> bool:
 
 
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    """``value`` as float seconds: a finite number, positive (or >= 0 with ``allow_zero``).
-
-    Raises:
-        ValueError: naming ``name`` and ``value``.
-    """
+    """``value`` as float seconds: a finite number, positive (or >= 0 with ``allow_zero``)."""
     return _seconds(name, value, allow_zero, "")
 
 
@@ -52,35 +45,24 @@ def check_optional_seconds(name: str, value: Any, *, allow_zero: bool = False) -
 
 
 def _seconds(name: str, value: Any, allow_zero: bool, or_none: str) -> float:
-    bound = ">= 0" if allow_zero else "> 0"
-    if not _is_number(value):
+    if not _is_number(value) or math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a number of seconds {bound}{or_none}, got {value!r}")
-    seconds = float(value)
-    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise ValueError(f"{name} must be a number of seconds {bound}{or_none}, got {value!r}")
-    if seconds > MAX_SECONDS:  # also inf
+    if value > MAX_SECONDS:  # also inf
         hint = " (None means no limit)" if or_none else ""
         raise ValueError(f"{name} must be finite, at most {MAX_SECONDS:.3g} seconds, got {value!r}{hint}")
-    return seconds
+    return float(value)
 
 
 def check_count(name: str, value: Any, *, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum`` (a bool is refused).
-
-    Raises:
-        ValueError: naming ``name`` and ``value``.
-    """
+    """``value`` as an int >= ``minimum`` (a bool is refused)."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
 def check_worker_config(config: Any) -> None:
-    """Check the numeric fields of a :class:`~poller.worker.WorkerConfig`.
-
-    Raises:
-        ValueError: naming the first bad field and its value.
-    """
+    """Check the numeric fields of a :class:`~poller.wire.config.WorkerConfig` (the first bad one raises)."""
     check_seconds("interval", config.interval)
     check_seconds("heartbeat_interval", config.heartbeat_interval)
     check_count("max_failures", config.max_failures, minimum=1)
@@ -93,15 +75,10 @@ def check_worker_config(config: Any) -> None:
 
 
 def check_share(name: str, value: Any) -> ListingShare:
-    """``value`` as a listing share: a number in (0, 1] (a bool is refused), or ``"verl"`` (verl's cycle).
-
-    Raises:
-        ValueError: naming ``name`` and ``value``.
-    """
+    """``value`` as a listing share: a number in (0, 1] (a bool is refused), or ``"verl"`` (verl's cycle)."""
     if value == VERL_CYCLE:
         return VERL_CYCLE
-    if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
-            or not 0 < value <= 1):
+    if not _is_number(value) or math.isnan(value) or not 0 < value <= 1:
         raise ValueError(f"{name} must be a share of the wall clock in (0, 1] (1: no bound), or {VERL_CYCLE!r} "
                          f"for verl's sampler's cycle, got {value!r}")
     return float(value)

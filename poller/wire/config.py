@@ -1,6 +1,6 @@
 """What a poller process is told, and how it ends: :class:`WorkerConfig` and :class:`ExitCode`.
 
-The parent pickles a :class:`WorkerConfig` to the child it launches (the
+A trainer pickles a :class:`WorkerConfig` to the child it launches (over the
 lifeline); a standalone poller builds one from its command line.
 """
 
@@ -13,9 +13,7 @@ from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from poller.wire.sources import SourceSpec
 
-if TYPE_CHECKING:
-    # Imported where used: poller.wire.curve pulls in zmq.auth and asyncio, ~35 ms
-    # of every poller's start-up, needed only when the stream uses CURVE.
+if TYPE_CHECKING:  # poller.wire.curve imports zmq.auth and asyncio (~35 ms): only for CURVE
     from poller.wire.curve import CurveClient
 
 __all__ = ["WorkerConfig", "ExitCode"]
@@ -43,31 +41,21 @@ class WorkerConfig(NamedTuple):
     max_failures: int = 5
     chunk_items: int = 4096
     max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes
-    linger: float = 1.0
-    # How often the control loop wakes with nothing to do: bounds how late
-    # it notices a dead parent that left no EOF (a forked sibling holding the
-    # pipe) and how stale a heartbeat can get.
+    linger: float = 1.0  # the most BYE and what precedes it may wait for the socket
+    # How often the control loop wakes with nothing to do: bounds how late it notices a dead
+    # parent that left no EOF (a forked sibling holding the pipe) and how stale a heartbeat gets.
     tick: float = 0.2
-    # A directory the parent would have removed on close (its private ipc
-    # directory); an orphaned poller removes it, since the parent cannot.
+    # The parent's private ipc directory: an orphaned poller removes it, since the parent cannot.
     orphan_cleanup: str | None = None
-    # The stream's epoch, when the parent chose it (so its receiver knows it
-    # before the first message and can refuse anyone else using the name).
+    # The epoch the parent chose, so its receiver knows it before the first message and can
+    # refuse anyone else using the name.
     epoch: int | None = None
-    # CURVE client keys when the buffer authenticates its peers.
-    curve: CurveClient | None = None
-    # A kv_list() call running longer than this is counted as a source stall
-    # (None: only stalls the source reports itself, by raising SourceStall).
+    curve: CurveClient | None = None  # when the buffer authenticates its peers
+    # A kv_list() call running longer is a source stall (None: only SourceStall raised by the source).
     stall_timeout: float | None = 30.0
-    # The receiver's decoding bounds, so tags it would refuse are refused
-    # here, as one clear source error (None: the defaults, max_frame_bytes above).
+    # The receiver's decoding bounds: tags it would refuse are refused here, as one clear
+    # source error (None: the defaults, max_frame_bytes above).
     limits: Limits | None = None
-    # Records from this level on are sent to the buffer (LOG), which re-emits them.
-    log_level: int = logging.WARNING
-    # The most of the wall clock spent in full listings of a source without
-    # a change feed (poller.duty: a listing that took d seconds is followed by
-    # the next no sooner than d / listing_share after it started, and polls
-    # start every `interval`); 1.0: no bound; "verl": verl's sampler's cycle,
-    # the next listing no sooner than 2 s + d + 2p after the poll that took
-    # the previous one is done, a share of d / (2d + 3p + 2 s).
+    log_level: int = logging.WARNING  # records from this level on are sent to the buffer as LOG
+    # The listing share of a source without a change feed, or "verl" (poller.duty).
     listing_share: ListingShare = DEFAULT_LISTING_SHARE

@@ -1,19 +1,15 @@
 """CurveZMQ keys: making key files, loading them, and configuring sockets.
 
-All cryptography is libzmq's (CurveZMQ); this module only moves keys between
-files and socket options. Key files are pyzmq's certificate format
-(:func:`zmq.auth.create_certificates`): ``NAME.key`` holds the public key and
-may be shared, ``NAME.key_secret`` holds both halves and must stay private.
-
-The buffer is the CURVE *server*: it has a key pair and a set of allowed
-poller public keys. Every poller is a *client*: it has its own key pair and
-knows the server's public key, so it cannot be talked into streaming to an
-impostor, and the buffer can refuse it.
+All cryptography is libzmq's; this module only moves keys between files and
+socket options. Key files are pyzmq's certificates: ``NAME.key`` holds the
+public key and may be shared, ``NAME.key_secret`` both halves, kept private.
+The buffer is the *server* (a key pair, and the poller public keys it allows);
+each poller a *client* (its own pair, and the server's public key, so it
+cannot be talked into streaming to an impostor).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +19,6 @@ import zmq
 import zmq.auth
 
 __all__ = ["CurveClient", "CurveServer", "make_keys", "load_public_key", "load_key_pair", "generate_pair"]
-
-logger = logging.getLogger(__name__)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -38,12 +32,10 @@ def _require_curve() -> None:
 
 
 def make_keys(out_dir: PathLike, name: str) -> tuple[Path, Path]:
-    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (0600) into ``out_dir`` (made 0700).
-
-    Returns the two paths. Refuses to overwrite an existing key pair.
+    """Write ``NAME.key`` (public) and ``NAME.key_secret`` (0600) into ``out_dir`` (made 0700); return both paths.
 
     Raises:
-        FileExistsError: ``NAME.key`` or ``NAME.key_secret`` already exists.
+        FileExistsError: ``NAME.key`` or ``NAME.key_secret`` already exists (a key is never overwritten).
         ValueError: ``name`` is empty or holds a path separator.
     """
     _require_curve()
@@ -55,8 +47,7 @@ def make_keys(out_dir: PathLike, name: str) -> tuple[Path, Path]:
     for path in (public, secret):
         if path.exists():
             raise FileExistsError(f"{path} exists; refusing to overwrite a key")
-    # Create the secret file empty and private first, so the key is never
-    # readable by others, not even between write and chmod.
+    # Under this umask the secret file is never readable by others, not even before the chmod.
     old_umask = os.umask(0o077)
     try:
         public_file, secret_file = zmq.auth.create_certificates(str(out), name)
@@ -67,31 +58,22 @@ def make_keys(out_dir: PathLike, name: str) -> tuple[Path, Path]:
     return Path(public_file), Path(secret_file)
 
 
-def load_public_key(path: PathLike) -> bytes:
-    """The z85 public key in a ``.key`` or ``.key_secret`` file.
-
-    Raises:
-        ValueError: the file holds no valid public key.
-    """
+def _load(path: PathLike, what: str) -> tuple[bytes | None, bytes | None]:
     _require_curve()
     try:
-        public, _ = zmq.auth.load_certificate(os.fspath(path))
+        return zmq.auth.load_certificate(os.fspath(path))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read a CURVE public key from {path}: {exc}") from exc
-    return _checked(public, path)
+        raise ValueError(f"cannot read a CURVE {what} from {path}: {exc}") from exc
+
+
+def load_public_key(path: PathLike) -> bytes:
+    """The z85 public key in a ``.key`` or ``.key_secret`` file; a ValueError if it holds none."""
+    return _checked(_load(path, "public key")[0], path)
 
 
 def load_key_pair(path: PathLike) -> tuple[bytes, bytes]:
-    """``(public, secret)`` z85 keys from a ``.key_secret`` file.
-
-    Raises:
-        ValueError: the file holds no secret key (a ``.key`` file was given?).
-    """
-    _require_curve()
-    try:
-        public, secret = zmq.auth.load_certificate(os.fspath(path))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read a CURVE key pair from {path}: {exc}") from exc
+    """``(public, secret)`` z85 keys from a ``.key_secret`` file; a ValueError if it holds no secret key."""
+    public, secret = _load(path, "key pair")
     if not secret:
         raise ValueError(f"{path} holds no secret key; pass the .key_secret file")
     return _checked(public, path), _checked(secret, path)
@@ -111,19 +93,13 @@ def _checked(key: bytes | None, path: PathLike) -> bytes:
 
 def _public_keys(allowed: PathLike | Iterable[PathLike | bytes]) -> frozenset[bytes]:
     """Public keys from a directory of ``.key`` files, or an iterable of files and z85 keys."""
-    if isinstance(allowed, (str, os.PathLike)) and Path(allowed).is_dir():
-        paths: list[PathLike | bytes] = list(sorted(Path(allowed).glob("*.key")))
-    elif isinstance(allowed, (str, os.PathLike)):
-        paths = [allowed]
+    items: Iterable[PathLike | bytes]
+    if isinstance(allowed, (str, os.PathLike)):
+        items = sorted(Path(allowed).glob("*.key")) if Path(allowed).is_dir() else [allowed]
     else:
-        paths = list(allowed)
-    keys = set()
-    for item in paths:
-        if isinstance(item, bytes):
-            keys.add(_checked(item, "an allowed key"))
-        else:
-            keys.add(load_public_key(item))
-    return frozenset(keys)
+        items = allowed
+    return frozenset(_checked(item, "an allowed key") if isinstance(item, bytes) else load_public_key(item)
+                     for item in items)
 
 
 @dataclass(frozen=True)

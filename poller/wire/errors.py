@@ -1,21 +1,11 @@
-"""Exceptions with exact meanings.
+"""Exceptions with exact meanings (each class's docstring says which).
 
-``PollerError`` is the root. ``PollerStartupError`` means the poller never
-became ready; ``PollerCrashed`` means it died for good after it had been
-running; ``ProtocolError`` means a peer sent something the codec refuses.
-Where the failure happened in the poller process, the remote traceback rides
-on ``__cause__`` as a :class:`RemoteTraceback`.
+A failure in the poller process rides on ``__cause__`` as a :class:`RemoteTraceback`.
 """
 
 from __future__ import annotations
 
-__all__ = [
-    "PollerError",
-    "PollerStartupError",
-    "PollerCrashed",
-    "ProtocolError",
-    "RemoteTraceback",
-]
+__all__ = ["PollerError", "PollerStartupError", "PollerCrashed", "ProtocolError", "RemoteTraceback"]
 
 
 class PollerError(Exception):
@@ -25,12 +15,10 @@ class PollerError(Exception):
 class PollerStartupError(PollerError):
     """The poller process could not be started or never said READY.
 
-    Attributes:
-        unavailable: the source could not reach its store (its factory raised
-            ``ConnectionError`` or ``TimeoutError``, e.g. a probe that got no
-            answer) or no READY came in time: the same start may work later.
-            False for a poller that is broken (bad spec, import error, a
-            factory raising anything else, a crash while starting).
+    ``unavailable``: the same start may work later: the source's factory raised
+    ``ConnectionError`` or ``TimeoutError`` (its store did not answer), or no
+    READY came in time. False for a broken poller (bad spec, import error, any
+    other exception, a crash while starting).
     """
 
     def __init__(self, *args: object, unavailable: bool = False) -> None:
@@ -49,8 +37,7 @@ class ProtocolError(PollerError):
 class RemoteTraceback(Exception):
     """The formatted traceback of an exception raised in another process.
 
-    Used as ``__cause__`` so that the remote stack prints under the local
-    one, the way :mod:`concurrent.futures.process` does it.
+    As ``__cause__``, the remote stack prints under the local one (as in :mod:`concurrent.futures.process`).
     """
 
     def __init__(self, exc_type: str, message: str, traceback_text: str) -> None:

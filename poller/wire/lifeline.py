@@ -1,17 +1,12 @@
 """The private pipe between a trainer and the poller process it spawned.
 
-The ZeroMQ stream carries data; this pipe carries the lifecycle, because it
-has two properties a socket lacks: the child sees EOF the moment the parent
-dies (even by SIGKILL), and the parent can read the child's start-up or fatal
-traceback without depending on the stream being connected.
-
-Each message is a typed record (:class:`Ready`, :class:`StartupError`,
-:class:`Fatal` from the child; :class:`StopRequest` from the parent), sent as
-a small JSON object ``{"kind": ..., <its fields>}`` (never pickle) and
-checked field by field when received. (The one exception is the start-up
-configuration a launched child reads first, see :mod:`buffer.launch`: its
-own parent wrote it.) Both ends are a :class:`Channel`, framing a message as
-a 4-byte big-endian length and the bytes.
+The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF
+the moment the parent dies (even by SIGKILL), and the parent reads the child's
+start-up or fatal traceback whether or not the stream is connected. Its
+records (named apart from the stream's READY) are JSON objects
+``{"kind": <record name>, <its fields>}``, never pickle (but for the
+configuration a child reads first, from its own parent: :mod:`buffer.launch`),
+checked field by field, framed as a 4-byte big-endian length and the bytes.
 """
 
 from __future__ import annotations
@@ -24,28 +19,27 @@ import traceback
 from typing import Any, NamedTuple, Union
 
 # The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
-# shows a short command a person recognises: PYTHONPATH lets `-m` find this package, and main()
-# then takes the parent's exact sys.path (and drops both variables).
+# shows a short command: PYTHONPATH lets `-m` find this package, then the child takes the exact path.
 PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
 # The directory an orphaned poller's watchdog removes (WorkerConfig.orphan_cleanup): the
 # watchdog is forked before the configuration is read from the lifeline.
 CLEANUP_VARIABLE = "REPLAY_POLLER_ORPHAN_CLEANUP"
 
-__all__ = ["Channel", "Ready", "StartupError", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",
+__all__ = ["Channel", "Started", "StartFailed", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",
            "failure"]
 
 _MAX_BYTES = 1024 * 1024
 _HEADER = struct.Struct("!i")
 
 
-class Ready(NamedTuple):
+class Started(NamedTuple):
     """The child built its source and connected: its stream epoch and pid."""
 
     epoch: int
     pid: int
 
 
-class StartupError(NamedTuple):
+class StartFailed(NamedTuple):
     """The child could not start; ``unavailable``: the store could not be reached (worth retrying)."""
 
     type: str
@@ -66,18 +60,13 @@ class StopRequest(NamedTuple):
     """The parent asks the child to stop (the close ladder's first rung)."""
 
 
-LifelineMessage = Union[Ready, StartupError, Fatal, StopRequest]
-_KINDS: dict[str, Any] = {"ready": Ready, "startup_error": StartupError, "fatal": Fatal, "stop": StopRequest}
-_NAMES = {record: kind for kind, record in _KINDS.items()}
+LifelineMessage = Union[Started, StartFailed, Fatal, StopRequest]
+_KINDS: dict[str, Any] = {record.__name__: record for record in (Started, StartFailed, Fatal, StopRequest)}
 _TYPES = {"epoch": int, "pid": int, "type": str, "message": str, "traceback": str, "unavailable": bool}
 
 
 class Channel:
-    """One end of the lifeline over a connected stream socket's fd.
-
-    The framing is ``multiprocessing.connection``'s, without importing
-    ``multiprocessing`` into the poller (about 10 ms of start-up).
-    """
+    """One end of the lifeline over a connected stream socket's fd (not multiprocessing's: ~10 ms to import)."""
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
@@ -133,7 +122,7 @@ class Channel:
 def send(conn: Channel, message: LifelineMessage) -> bool:
     """Send one message; False if the other end is gone."""
     try:
-        conn.send_bytes(json.dumps({"kind": _NAMES[type(message)], **message._asdict()}).encode())
+        conn.send_bytes(json.dumps({"kind": type(message).__name__, **message._asdict()}).encode())
         return True
     except (OSError, ValueError):
         return False
@@ -154,24 +143,16 @@ def recv(conn: Channel) -> LifelineMessage:
     record = _KINDS.get(fields.pop("kind", None)) if isinstance(fields, dict) else None
     if record is None:
         raise ValueError("not a lifeline message of a known kind")
-    values = []
-    for name in record._fields:
-        if name not in fields and name in record._field_defaults:
-            values.append(record._field_defaults[name])
-        elif not _valid(fields.get(name), _TYPES[name]):
+    values = {name: fields.get(name, record._field_defaults.get(name)) for name in record._fields}
+    for name, value in values.items():
+        # JSON's true is a Python bool, which is also an int: only a bool field takes one.
+        if not isinstance(value, _TYPES[name]) or isinstance(value, bool) != (_TYPES[name] is bool):
             raise ValueError(f"lifeline {record.__name__} without a valid {name!r}")
-        else:
-            values.append(fields[name])
-    message: LifelineMessage = record(*values)
+    message: LifelineMessage = record(**values)
     return message
 
 
-def _valid(value: Any, kind: type) -> bool:
-    # JSON's true is a Python bool, which is also an int: only a bool field takes one.
-    return isinstance(value, kind) and (isinstance(value, bool) == (kind is bool))
-
-
-def failure(exc: BaseException, record: type[Fatal] | type[StartupError] = Fatal, **extra: Any) -> Any:
-    """A :class:`Fatal` (or :class:`StartupError`) carrying ``exc``'s type, message and traceback."""
+def failure(exc: BaseException, record: type[Fatal] | type[StartFailed] = Fatal, **extra: Any) -> Any:
+    """A :class:`Fatal` (or :class:`StartFailed`) carrying ``exc``'s type, message and traceback."""
     return record(type(exc).__name__, str(exc),
                   "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), **extra)

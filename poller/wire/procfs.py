@@ -1,28 +1,25 @@
-"""Process facts read from Linux's /proc: state, parent and children; and a process's own name.
+"""Process facts read from Linux's /proc, and a process's own name.
 
-The watchdog needs a process's parent; leak checks and fault tests need a
-process's children and whether one is still running. One parser for all of
-them: ``/proc/PID/stat`` puts the command name in parentheses, and the name
-may itself hold spaces and parentheses, so fields are counted from the last
-``)``.
+The watchdog reads a process's parent, the buffer's ipc directories a pid's
+state and start time, heartbeats the poller's memory. ``/proc/PID/stat`` puts
+the command name in parentheses, and the name may itself hold spaces and
+parentheses, so fields are counted from the last ``)``.
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["state", "parent_of", "children_of", "is_running", "set_process_name", "start_time", "own_rss_bytes"]
+__all__ = ["state", "parent_of", "set_process_name", "start_time", "own_rss_bytes"]
 
 _COMM_LENGTH = 15  # the kernel keeps 16 bytes with the terminating NUL
 
 
 def set_process_name(name: str) -> bool:
-    """Set this process's name as ``ps -e``, ``top`` and ``pgrep`` show it (``/proc/self/comm``).
+    """Set this process's name as ``ps -e``, ``top`` and ``pgrep`` show it; False where it failed.
 
-    Written to ``/proc/thread-self/comm``, which is ``prctl(PR_SET_NAME)``: it names the calling
-    thread, which is the process's name when called from the main thread. Not through ctypes,
-    whose import (and libffi) cost the poller ~2 ms of start-up and a library more to unmap at
-    exit. Returns False where it failed.
+    ``/proc/thread-self/comm`` is ``prctl(PR_SET_NAME)`` for the calling thread: the process's
+    name from the main thread. Not through ctypes, whose import costs the poller ~2 ms.
     """
     try:
         with open("/proc/thread-self/comm", "wb") as f:
@@ -60,22 +57,6 @@ def start_time(pid: int) -> int | None:
     """
     fields = _fields(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
-
-
-def is_running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    return state(pid) not in (None, "Z")
-
-
-def children_of(pid: int) -> set[int]:
-    """Live (non-zombie) children of ``pid``."""
-    found = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _fields(int(entry))
-            if fields and fields[0] != "Z" and int(fields[1]) == pid:
-                found.add(int(entry))
-    return found
 
 
 def own_rss_bytes() -> int:

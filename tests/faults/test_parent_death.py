@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from poller.wire.procfs import children_of, state
+from poller.wire.procfs import state
+from tests.helpers.processes import children_of
 from tests.conftest import alive, wait_until
 
 REPO = Path(__file__).resolve().parents[2]

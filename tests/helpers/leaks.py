@@ -21,7 +21,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from poller.wire.procfs import children_of
+from tests.helpers.processes import children_of
 
 __all__ = ["Resources", "snapshot", "left_since", "kill"]
 

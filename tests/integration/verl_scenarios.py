@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, FRESH_VIEW_SECONDS, ReplayBuffer
 from poller.sources.transferqueue import source_kwargs
-from poller.wire.procfs import is_running
+from tests.helpers.processes import is_running
 
 POLL = 0.05
 _held: dict[str, Any] = {}
