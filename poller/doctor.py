@@ -11,12 +11,14 @@ broken ``buffer`` cannot stop the check.
 from __future__ import annotations
 
 import base64
+import csv
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 from poller._version import __version__
 
@@ -135,9 +137,34 @@ def _check_editable(package: str, root: Path, result: Diagnosis) -> None:
         result.ok.append(f"{package} from {imported} (editable install)")
 
 
+class _Recorded(NamedTuple):
+    path: PurePosixPath
+    sha256: str | None  # None: listed without one (RECORD itself, compiled files, a source tree's egg-info)
+
+
+def _recorded(dist: importlib.metadata.Distribution, package: str) -> list[_Recorded]:
+    """The files of ``package`` the install record lists, read from RECORD itself.
+
+    ``dist.files`` leaves out files that no longer exist on Python 3.12+, and a
+    missing file is one of the things looked for here.
+    """
+    text = dist.read_text("RECORD")
+    if text is None:  # an .egg-info: SOURCES.txt lists files without hashes
+        rows = [(str(PurePosixPath(*f.parts)), "") for f in dist.files or []]
+    else:
+        rows = [(row[0], row[1] if len(row) > 1 else "") for row in csv.reader(text.splitlines()) if row]
+    out = []
+    for name, digest in rows:
+        path = PurePosixPath(name)
+        mode, _, value = digest.partition("=")
+        if path.parts and path.parts[0] == package:
+            out.append(_Recorded(path, value if mode == "sha256" and value else None))
+    return out
+
+
 def _check_recorded(dist: importlib.metadata.Distribution, package: str, result: Diagnosis) -> set[str]:
     """Check one package against the record; return the other distributions found owning its files."""
-    recorded = [f for f in dist.files or [] if f.parts and f.parts[0] == package]
+    recorded = _recorded(dist, package)
     installed_dir = Path(str(dist.locate_file(package))).resolve()
     imported = _imported_dir(package)
     if not recorded:
@@ -147,25 +174,22 @@ def _check_recorded(dist: importlib.metadata.Distribution, package: str, result:
         result.problems.append(f"{package} is imported from {imported}, but {DISTRIBUTION} installed it in "
                                f"{installed_dir}: another package named {package} comes first on sys.path")
         return _owners_of(package, imported)
-    if not any(f.hash is not None for f in recorded):
-        # An .egg-info in a source tree (after a build there): it lists files without hashes.
+    hashed = [file for file in recorded if file.sha256 is not None]
+    if not hashed:
         result.ok.append(f"{package} from {installed_dir} (a source tree: its record has no hashes to compare)")
         return set()
     bad = []
-    for file in recorded:
-        if file.hash is None or file.hash.mode != "sha256":
-            continue  # RECORD itself, compiled files
-        path = Path(str(dist.locate_file(file)))
+    for file in hashed:
+        path = Path(str(dist.locate_file(str(file.path))))
         if not path.is_file():
-            bad.append(f"{file} is missing")
-        elif _sha256(path) != file.hash.value:
-            bad.append(f"{file} was changed")
-    recorded_names = {PurePosixPath(*f.parts) for f in recorded}
+            bad.append(f"{file.path} is missing")
+        elif _sha256(path) != file.sha256:
+            bad.append(f"{file.path} was changed")
+    recorded_names = {file.path for file in recorded}
     found = sorted(PurePosixPath(package, *p.relative_to(installed_dir).parts) for p in installed_dir.rglob("*.py"))
     bad += [f"{name} is not one of {DISTRIBUTION}'s files" for name in found if name not in recorded_names]
     if not bad:
-        checked = sum(1 for f in recorded if f.hash is not None)
-        result.ok.append(f"{package} from {installed_dir} ({checked} files match the install record)")
+        result.ok.append(f"{package} from {installed_dir} ({len(hashed)} files match the install record)")
         return set()
     result.problems.append(f"{package} in {installed_dir} is not what {DISTRIBUTION} installed: " + "; ".join(bad))
     return _owners_of(package, installed_dir)
