@@ -26,10 +26,9 @@ import zmq
 
 from buffer.access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
 from buffer.partitions import PartitionStore
-from buffer.peer_state import Peer
-from buffer.peers import PeerTable, Send
+from buffer.peers import Peer, PeerTable, Send
 from poller.wire.curve import CurveServer
-from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, encode_body, encode_header
+from poller.wire.protocol import DEFAULT_LIMITS, Limits, encode_body, encode_header
 from poller.wire.wakeup import WakePipe
 
 __all__ = ["StreamReceiver"]
@@ -90,10 +89,6 @@ class StreamReceiver:
         with self._events:
             self._events.notify_all()
 
-    def send_control(self, peer: str, kind: Kind, reason: str) -> None:
-        """Queue a STOP or RESYNC for ``peer``."""
-        self._command("send", peer.encode(), kind, reason)
-
     def send_sync(self, peer: str, token: int) -> None:
         """Queue a SYNC ``token`` for ``peer``: it polls at once and tags that listing with the token."""
         self._command("sync", peer.encode(), token)
@@ -103,26 +98,22 @@ class StreamReceiver:
         self._command("watch", peer.encode(), partition, keys, seconds)
 
     def expect(self, peer: str, epoch: int) -> None:
-        """From now on only ``epoch`` may speak as ``peer``; earlier epochs are dropped quietly.
+        """From now on only ``epoch`` may speak as ``peer`` (called before that process starts).
 
-        Called before the poller process with that epoch starts, so no message
-        of it can arrive first. Called directly, not through the command
-        queue: the table's two dicts are updated in single GIL-atomic steps.
+        Not through the command queue: the table's two dicts are updated in single GIL-atomic steps.
         """
         self.table.expect(peer.encode(), epoch)
 
     def stop_after_bye(self, peer: str, epoch: int | None, then: Callable[[], None] | None = None) -> None:
         """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
 
-        Closing the socket and context then overlaps the poller's exit
-        instead of following it, and so does ``then()``, which the thread
-        runs once the socket is closed (only when it ended on that BYE: nobody
-        needs the endpoint after it); :meth:`stop` still joins (or ends) the thread.
+        Closing the socket then overlaps the poller's exit instead of
+        following it, and so does ``then()``, run after the socket is closed
+        (only when the thread ended on that BYE); :meth:`stop` still joins the thread.
         """
         self._after_bye = then
-        # Set here, not through a command: the thread reads it after every message it
-        # applies, and waking it for the command cost the close ladder a GIL hand-off
-        # just before its STOP. Only a BYE applied before this call needs the wake-up.
+        # Set here, not through a command (whose wake-up cost the close ladder a GIL hand-off before
+        # its STOP): the thread reads it after every message. Only a BYE already applied needs the wake-up.
         self._last_bye = awaited = (peer.encode(), epoch)
         if self._bye_applied(*awaited):
             self._command("quit_after_bye", *awaited)
@@ -198,19 +189,13 @@ class StreamReceiver:
         try:
             gate = self._gate = Gatekeeper(ctx, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
-            # No ROUTER_HANDOVER: with it, a second connection using a name
-            # silently cut the first one off for good (its messages went
-            # nowhere). Without it the second one is refused while the first
-            # lives; a restarted poller connects after its predecessor's
-            # connection closed, the heartbeats below free the name of a
-            # peer that vanished without closing its connection, and a
-            # poller refused on reconnecting dials again (poller.link).
+            # No ROUTER_HANDOVER: with it, a second connection using a name cut the first off for good.
+            # Without it the second is refused while the first lives; the heartbeats below free the name
+            # of a peer that vanished, and a poller refused on reconnecting dials again (poller.link).
             sock.setsockopt(zmq.RCVHWM, 10000)
-            # libzmq drops (and disconnects) a sender of a bigger frame before
-            # buffering it whole; decode() checks the same bound again.
+            # libzmq drops a sender of a bigger frame before buffering it; decode() checks again.
             sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-            # ZMTP heartbeats drop connections whose far end vanished without a
-            # FIN (a cut link, a dead host), so they do not pile up.
+            # ZMTP heartbeats drop connections whose far end vanished without a FIN (a cut link, a dead host).
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(3000, int(self.stale_after * 1000)))
             gate.arm(sock)
@@ -237,9 +222,7 @@ class StreamReceiver:
             logger.exception("receiver thread failed")
         finally:
             self._close_socket(ctx, sock, gate)
-            # After the socket's close: a listening socket whose file was removed
-            # first took ~1 ms more to close (its context's term: 1.2 ms against 0.2,
-            # the removal after it 0.1 ms), all of it while the poller exits.
+            # After the socket's close: removing its file first made the close ~1 ms slower.
             if self._ended_on_bye:
                 self._run_after_bye()
             self._notify()
@@ -312,12 +295,9 @@ class StreamReceiver:
             elif command[0] == "sync":
                 _, identity, token = command
                 self._send_all(sock, [self.table.sync(identity, token, time.monotonic())])
-            elif command[0] == "watch":
-                _, identity, partition, keys, seconds = command
-                self._send_all(sock, [self.table.watch(identity, partition, keys, seconds)])
             else:
-                _, identity, kind, reason = command
-                self._send_all(sock, [self.table.control(identity, kind, reason)])
+                _, identity, partition, keys, seconds = command  # "watch"
+                self._send_all(sock, [self.table.watch(identity, partition, keys, seconds)])
 
     def _bye_applied(self, identity: bytes, epoch: int | None) -> bool:
         peer = self.table.peers.get(identity)
