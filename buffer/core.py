@@ -21,11 +21,10 @@ from typing import Any, Callable, Mapping
 from buffer.ipcdir import PrivateIpcDir, remove_stale
 from buffer.partitions import PartitionStore
 from buffer.process import PollerProcess, ShutdownReport
-from buffer.restarts import RestartBudget
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from buffer.stream import StreamReceiver
-from buffer.supervisor import Supervisor
+from buffer.supervisor import RestartBudget, Supervisor
 from buffer.sync import ListingSync
 from poller.wire.curve import CurveClient, CurveServer, generate_pair
 from poller.wire.protocol import DEFAULT_LIMITS, Limits

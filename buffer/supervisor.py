@@ -8,26 +8,27 @@
     switch() ── SwitchRequest + poke ──┘        └── a switch: the ladder, a new child (no budget)
 
 One thread at a time touches the child. A close that finds the thread only
-watching a running child takes the child over: the closing thread runs the
-ladder (:meth:`~poller.PollerProcess.close`) itself, so its STOP goes out
-without a hand-off between threads (~0.2 ms of an idle close of ~4), and
-the supervisor thread ends at once, restarting nothing. At any other moment
-(a start, a restart, its backoff) a close is a request, answered through a
-future once the thread has run the ladder, the way CPython's process-pool
-manager thread serves its executor; a request that arrives while a
-restarted child is still starting cuts that start short (the child is
-killed), so a close never waits out a start timeout.
+watching a running child takes the child over and runs the ladder itself, so
+its STOP goes out without a hand-off between threads; the thread then ends,
+restarting nothing. At any other moment (a start, a restart, its backoff) a
+close is a request answered through a future once the thread has run the
+ladder (as CPython's process-pool manager thread serves its executor), and it
+cuts a start under way short, so a close never waits out a start timeout.
 
-A switch (:meth:`Supervisor.switch`) is a deliberate restart: the running
-child is closed with the ladder and a new one is built (from the source as it
-is now: a replaced TransferQueue controller's new address) and started at
-once. It is no crash: it uses no restart budget, and a start it makes that is
-refused because the store cannot be reached is tried again with backoff, as
-a restart's is, still using none.
+Restarts are counted in a sliding window (:class:`RestartBudget`): a crash
+after hours of health finds the budget whole, a poller that dies again and
+again uses it up within seconds (then ``sample()`` raises
+:class:`~poller.PollerCrashed`). A start refused because the store could not
+be reached (:attr:`~poller.PollerStartupError.unavailable`) uses none: it is
+tried again with backoff (at most :data:`UNAVAILABLE_BACKOFF_CAP` seconds)
+until the store answers or the buffer is closed. A switch
+(:meth:`Supervisor.switch`) is a deliberate restart on the source as it is
+now (a replaced TransferQueue controller's new address): it uses no budget.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -36,15 +37,62 @@ from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
 from buffer.errors import BufferClosed
-from buffer.launch import wait
-from buffer.process import PollerProcess, ShutdownReport
-from buffer.restarts import RestartBudget
+from buffer.process import PollerProcess, ShutdownReport, wait
 from poller.wire.errors import PollerCrashed, PollerStartupError
 from poller.wire.wakeup import WakePipe
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "RestartBudget"]
 
 logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_BASE = 0.1
+RESTART_BACKOFF_CAP = 2.0
+UNAVAILABLE_BACKOFF_CAP = 5.0
+
+
+class RestartBudget:
+    """``max_restarts`` restarts per ``window`` seconds, and the waits between tries."""
+
+    def __init__(self, max_restarts: int, window: float) -> None:
+        self.max_restarts = max_restarts
+        self.window = window
+        # Every restart in the buffer's lifetime (stats()["restarts"], a Prometheus counter): it only grows.
+        self.total = 0
+        self._times: collections.deque[float] = collections.deque()
+        # The last restart counted was refunded (its store refused it): the next try is the same restart.
+        self._refunded = False
+
+    def recent(self) -> int:
+        """Restarts within the last ``window`` seconds."""
+        horizon = time.monotonic() - self.window
+        while self._times and self._times[0] <= horizon:
+            self._times.popleft()
+        return len(self._times)
+
+    def exhausted(self) -> bool:
+        return self.recent() >= self.max_restarts
+
+    def use(self) -> None:
+        """Count one restart now; tries after a :meth:`refund` are the same restart, counted once in :attr:`total`."""
+        self._times.append(time.monotonic())
+        if not self._refunded:
+            self.total += 1
+        self._refunded = False
+
+    def refund(self) -> None:
+        """Give back the budget of the restart just counted: the store refused it (:attr:`total` keeps it)."""
+        if self._times:
+            self._times.pop()
+            self._refunded = True
+
+    def backoff(self) -> float:
+        """The wait before the next restart: doubles with the restarts in the window."""
+        return min(RESTART_BACKOFF_BASE * 2 ** self.recent(), RESTART_BACKOFF_CAP)
+
+    @staticmethod
+    def unavailable_backoff(refused: int) -> float:
+        """The wait before try ``refused + 1`` at a store that could not be reached."""
+        return min(RESTART_BACKOFF_BASE * 2 ** max(0, refused - 1), UNAVAILABLE_BACKOFF_CAP)
 
 
 class _CloseRequest(NamedTuple):
@@ -72,12 +120,9 @@ class Supervisor:
 
     ``new_process()`` makes the next (unstarted) child; ``drained(process, final)``
     says, after its exit, whether everything it sent was applied (``final``:
-    the buffer's last child, closed with the buffer; otherwise one a switch
-    replaces); ``switched()`` is told once a switch closed the old child and
-    built the new one, before it starts; ``give_up(error)`` is told when the
-    budget is used up (:mod:`buffer.restarts`: restarts per window; a start-up
-    refused because the store is unreachable uses none and is tried again with
-    backoff).
+    the buffer's last child; otherwise one a switch replaces); ``switched()``
+    is told once a switch closed the old child and built the new one, before
+    it starts; ``give_up(error)`` once the budget is used up.
     """
 
     def __init__(self, name: str, new_process: Callable[[], PollerProcess], *, start_timeout: float,
@@ -124,9 +169,8 @@ class Supervisor:
                 if process is not None:
                     self._handed_over = True
             if process is not None:
-                # The thread wakes as the child exits (its sentinel) and ends; woken now, it
-                # took the GIL from this thread at every system call up to STOP. Woken after
-                # the ladder anyway, for a child whose exit it did not see.
+                # The thread is woken after the ladder, not before (it would take the GIL at every system
+                # call up to STOP); it also wakes as the child exits.
                 report: Future[ShutdownReport] = Future()
                 report.set_result(self._close(process, timeout))
                 self._wake.poke()
@@ -135,19 +179,16 @@ class Supervisor:
         self._requests.put(request)
         self._wake.poke()
         if threading.current_thread() is self._thread:
-            # A finalizer run by a garbage collection in this very thread
-            # cannot wait for this thread: it is served here, by the owner.
+            # A finalizer run by a garbage collection in this very thread cannot wait for it: served here.
             request.report.set_result(self._close_child(timeout))
         return request.report
 
     def switch(self, timeout: float) -> Future[ShutdownReport]:
         """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
 
-        The old child is closed with the ladder's ``timeout``; the future
-        holds its report once the new child is built and ``switched()`` was
-        told, and the new child starts right after. It raises
-        :class:`BufferClosed` when a close came first, or the
-        :class:`PollerCrashed` the supervisor gave up with.
+        The future holds the old child's close report once the new child is
+        built and ``switched()`` was told; it raises :class:`BufferClosed`
+        when a close came first, or the :class:`PollerCrashed` given up with.
         """
         request = _SwitchRequest(timeout, Future())
         self._requests.put(request)
@@ -162,10 +203,7 @@ class Supervisor:
         """
         deadline = time.monotonic() + timeout
         if threading.current_thread() is not self._thread:
-            # The thread ends right after it answers: waiting for its end is one
-            # wake-up of the caller, where waiting for the answer and then
-            # joining was two (0.9 ms of an idle close() of 7.3, medians of 31
-            # on a loaded 2-core machine).
+            # The thread ends right after it answers: one wake-up of the caller, not two (~0.9 ms of 7.3).
             self._thread.join(timeout)
         answer = report.result(max(0.0, deadline - time.monotonic()))
         if not self._thread.is_alive():
@@ -282,7 +320,7 @@ class Supervisor:
                 process = None
                 if not self._requests.empty():
                     return self._requests.get()
-                if exc.unavailable:  # retried without using the budget (buffer/restarts.py)
+                if exc.unavailable:  # retried without using the budget
                     if not free:
                         budget.refund()
                     refused += 1

@@ -1,4 +1,4 @@
-"""Entry point of a poller started by :mod:`buffer.launch`.
+"""Entry point of a poller started by :mod:`buffer.process`.
 
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name, which is there
 for ``ps`` only. Imports only what the poller itself needs: the parent's modules, its

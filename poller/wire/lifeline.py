@@ -9,7 +9,7 @@ Each message is a typed record (:class:`Ready`, :class:`StartupError`,
 :class:`Fatal` from the child; :class:`StopRequest` from the parent), sent as
 a small JSON object ``{"kind": ..., <its fields>}`` (never pickle) and
 checked field by field when received. (The one exception is the start-up
-configuration a launched child reads first, see :mod:`buffer.launch`: its
+configuration a launched child reads first, see :mod:`buffer.process`: its
 own parent wrote it.) Both ends are a :class:`Channel`, framing a message as
 a 4-byte big-endian length and the bytes.
 """
