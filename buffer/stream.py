@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
@@ -52,7 +52,9 @@ class StreamReceiver:
         self.stale_after = stale_after
         self._gate: Gatekeeper | None = None
         self.endpoint: str | None = None
-        self._commands: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
+        # What other threads ask the thread to send: each call makes the messages, in the thread.
+        self._commands: "queue.SimpleQueue[Callable[[], list[Send]]]" = queue.SimpleQueue()
+        self._quit = False
         self._wake = WakePipe()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
@@ -81,8 +83,8 @@ class StreamReceiver:
         assert self.endpoint is not None
         return self.endpoint
 
-    def _command(self, *command: Any) -> None:
-        self._commands.put(command)
+    def _command(self, make: Callable[[], list[Send]]) -> None:
+        self._commands.put(make)
         self._wake.poke()
 
     def _notify(self) -> None:
@@ -91,11 +93,13 @@ class StreamReceiver:
 
     def send_sync(self, peer: str, token: int) -> None:
         """Queue a SYNC ``token`` for ``peer``: it polls at once and tags that listing with the token."""
-        self._command("sync", peer.encode(), token)
+        identity = peer.encode()
+        self._command(lambda: [self.table.sync(identity, token, time.monotonic())])
 
     def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float) -> None:
         """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed (no keys: stop)."""
-        self._command("watch", peer.encode(), partition, keys, seconds)
+        identity = peer.encode()
+        self._command(lambda: [self.table.watch(identity, partition, keys, seconds)])
 
     def expect(self, peer: str, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``peer`` (called before that process starts).
@@ -112,11 +116,11 @@ class StreamReceiver:
         (only when the thread ended on that BYE); :meth:`stop` still joins the thread.
         """
         self._after_bye = then
-        # Set here, not through a command (whose wake-up cost the close ladder a GIL hand-off before
-        # its STOP): the thread reads it after every message. Only a BYE already applied needs the wake-up.
+        # The thread reads it after every message and wake-up: waking it for nothing cost the close
+        # ladder a GIL hand-off before its STOP. Only a BYE already applied needs the wake-up.
         self._last_bye = awaited = (peer.encode(), epoch)
         if self._bye_applied(*awaited):
-            self._command("quit_after_bye", *awaited)
+            self._wake.poke()
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
         """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""
@@ -171,7 +175,8 @@ class StreamReceiver:
         if self._stopped:
             return
         if self._thread.is_alive():
-            self._command("quit")
+            self._quit = True
+            self._wake.poke()
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("receiver thread did not stop within %ss", timeout)
@@ -262,7 +267,9 @@ class StreamReceiver:
             if monitor is not None and monitor in events:
                 self._gate.on_monitor()
             self._send_all(sock, table.tick(time.monotonic()))
-            if self._run_commands(sock):
+            while not self._commands.empty():
+                self._send_all(sock, self._commands.get_nowait()())
+            if self._ends_on_bye() or self._quit:
                 return
             if sock in events:
                 for _ in range(1000):  # bounded, so commands are never starved
@@ -273,31 +280,14 @@ class StreamReceiver:
                     identity = frames[0].bytes
                     self._send_all(sock, table.on_frames(identity, [f.buffer for f in frames[1:]],
                                                          time.monotonic()))
-                    if self._last_bye is not None and self._bye_applied(*self._last_bye):
-                        self._ended_on_bye = True
+                    if self._ends_on_bye():
                         return
 
-    def _run_commands(self, sock: zmq.Socket) -> bool:
-        """Run what other threads asked for; True to end the thread."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return False
-            if command[0] == "quit":
-                return True
-            if command[0] == "quit_after_bye":
-                _, identity, epoch = command
-                if self._bye_applied(identity, epoch):
-                    self._ended_on_bye = True
-                    return True
-                self._last_bye = (identity, epoch)
-            elif command[0] == "sync":
-                _, identity, token = command
-                self._send_all(sock, [self.table.sync(identity, token, time.monotonic())])
-            else:
-                _, identity, partition, keys, seconds = command  # "watch"
-                self._send_all(sock, [self.table.watch(identity, partition, keys, seconds)])
+    def _ends_on_bye(self) -> bool:
+        """Whether the BYE :meth:`stop_after_bye` awaits was applied (the thread then ends)."""
+        awaited = self._last_bye
+        self._ended_on_bye = awaited is not None and self._bye_applied(*awaited)
+        return self._ended_on_bye
 
     def _bye_applied(self, identity: bytes, epoch: int | None) -> bool:
         peer = self.table.peers.get(identity)

@@ -210,9 +210,6 @@ class Supervisor:
             self._wake.close()
         return answer
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     # -- the thread -----------------------------------------------------------------
 
     def _run(self) -> None:
