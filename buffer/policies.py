@@ -3,11 +3,11 @@
 A policy (:mod:`buffer.steps` for ``ReplayBuffer.sample``, :mod:`buffer.groups`
 for verl's groups) keeps its own index of the keys it samples from, updated
 from :meth:`Policy.on_change`, which the :class:`~buffer.partitions.PartitionStore`
-calls under its lock for every key that changed. :class:`AttachedPolicies` is
-how the store makes those calls: in the order the policies were attached, the
-keys a snapshot adds and the keys a poll changes in one call each to a policy
-that takes them so (:class:`BulkPolicy`), and a policy that raises contained,
-so a bug in one fails the store's waits instead of the receiver thread.
+calls under its lock for every key that changed. :class:`AttachedPolicies`
+makes those calls in the order the policies were attached, a snapshot's or
+a poll's keys in one call to a policy that takes them so (:class:`BulkPolicy`),
+and contains a policy that raises: a bug in one fails the store's waits
+instead of the receiver thread.
 """
 
 from __future__ import annotations
@@ -72,31 +72,25 @@ class AttachedPolicies:
 
     def added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """Tell every policy of keys new to the store, at once if it can take them so (a snapshot's thousands)."""
-        if not keys:
-            return
-        for policy in self._policies:
-            on_added = getattr(policy, "on_added", None)
-            if on_added is None:
-                for key, new in zip(keys, tags):
-                    self._tell(policy, partition_id, key, None, new)
-                continue
-            try:
-                on_added(partition_id, keys, tags)
-            except Exception as exc:
-                self._failed(policy, partition_id, keys[0], exc)
+        self._bulk("on_added", (tags,), partition_id, keys, [None] * len(keys), tags)
 
     def replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """Tell every policy that keys it held changed, at once if it can take them so (a poll's thousands)."""
+        self._bulk("on_replaced", (olds, news), partition_id, keys, olds, news)
+
+    def _bulk(self, method: str, arguments: tuple[list[Tags], ...], partition_id: str, keys: list[str],
+              olds: Sequence[Tags | None], news: list[Tags]) -> None:
+        """``method(partition_id, keys, *arguments)`` of each policy that has it, else on_change key by key."""
         if not keys:
             return
         for policy in self._policies:
-            on_replaced = getattr(policy, "on_replaced", None)
-            if on_replaced is None:
+            in_bulk = getattr(policy, method, None)
+            if in_bulk is None:
                 for key, old, new in zip(keys, olds, news):
                     self._tell(policy, partition_id, key, old, new)
                 continue
             try:
-                on_replaced(partition_id, keys, olds, news)
+                in_bulk(partition_id, keys, *arguments)
             except Exception as exc:
                 self._failed(policy, partition_id, keys[0], exc)
 
