@@ -22,7 +22,7 @@ from buffer.process import PollerProcess, ShutdownReport
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from buffer.stream import StreamReceiver
-from buffer.supervisor import RestartBudget, Supervisor
+from buffer.supervisor import RestartBudget, Supervisor, close_bound
 from buffer.sync import ListingSync
 from poller.wire.curve import CurveClient, CurveServer, generate_pair
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
@@ -33,8 +33,6 @@ __all__ = ["_Core"]
 logger = logging.getLogger(__name__)
 
 _FIRST_POLL_WAIT = 5.0
-# Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
-_CLOSE_MARGIN_S = 10.0
 
 
 # Buffers not closed yet, closed at interpreter exit *before* non-daemon threads are joined (the hook
@@ -197,7 +195,7 @@ class _Core:
             self.source_kwargs = {**self.source_kwargs, **changes}
             answer = self._supervisor.switch(self.close_timeout)
         # The ladder's two waits, the reap and the new child's spawn: bounded like close().
-        return answer.result(2 * self.close_timeout + _CLOSE_MARGIN_S)
+        return answer.result(close_bound(self.close_timeout))
 
     def _switched(self) -> None:
         """The old poller of a switch is closed and the new one built (its late messages are dropped from
@@ -260,8 +258,7 @@ class _Core:
         report = ShutdownReport("no-poller", 0.0, None, False)
         try:
             if supervisor is not None:
-                # The ladder's stages are each bounded, so this wait is too.
-                report = supervisor.wait_closed(supervisor.close(timeout), 2 * timeout + _CLOSE_MARGIN_S)
+                report = supervisor.close(timeout)  # bounded: each stage of the ladder is
         finally:
             # Also when the supervisor did not answer (a bug, raised to the caller).
             self.store.close()

@@ -41,13 +41,20 @@ from buffer.process import PollerProcess, ShutdownReport, wait
 from poller.wire.errors import PollerCrashed, PollerStartupError
 from poller.wire.wakeup import WakePipe
 
-__all__ = ["Supervisor", "RestartBudget"]
+__all__ = ["Supervisor", "RestartBudget", "close_bound"]
 
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_BASE = 0.1
+# Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
+_CLOSE_MARGIN_S = 10.0
 RESTART_BACKOFF_CAP = 2.0
 UNAVAILABLE_BACKOFF_CAP = 5.0
+
+
+def close_bound(timeout: float) -> float:
+    """How long a close (or a switch) with the ladder's ``timeout`` per stage may take."""
+    return 2 * timeout + _CLOSE_MARGIN_S
 
 
 class RestartBudget:
@@ -157,32 +164,6 @@ class Supervisor:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self, timeout: float) -> Future[ShutdownReport]:
-        """Close the child with the ladder's ``timeout``; the report comes in the future.
-
-        When the thread only watches a running child, the ladder runs here and
-        the future is done on return; otherwise the thread runs it.
-        """
-        if threading.current_thread() is not self._thread:
-            with self._state:
-                process = self._watched
-                if process is not None:
-                    self._handed_over = True
-            if process is not None:
-                # The thread is woken after the ladder, not before (it would take the GIL at every system
-                # call up to STOP); it also wakes as the child exits.
-                report: Future[ShutdownReport] = Future()
-                report.set_result(self._close(process, timeout))
-                self._wake.poke()
-                return report
-        request = _CloseRequest(timeout, Future())
-        self._requests.put(request)
-        self._wake.poke()
-        if threading.current_thread() is self._thread:
-            # A finalizer run by a garbage collection in this very thread cannot wait for it: served here.
-            request.report.set_result(self._close_child(timeout))
-        return request.report
-
     def switch(self, timeout: float) -> Future[ShutdownReport]:
         """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
 
@@ -195,17 +176,36 @@ class Supervisor:
         self._wake.poke()
         return request.report
 
-    def wait_closed(self, report: Future[ShutdownReport], timeout: float) -> ShutdownReport:
-        """Wait up to ``timeout`` for the answer to a close request, and for the thread to end.
+    def close(self, timeout: float) -> ShutdownReport:
+        """Close the child with the ladder's ``timeout``; how it ended.
+
+        When the thread only watches a running child, the ladder runs here;
+        otherwise the thread runs it, and this waits for its answer and its
+        end, bounded as the ladder is (``close_bound``).
 
         Raises:
-            concurrent.futures.TimeoutError: no answer within ``timeout`` (a bug).
+            concurrent.futures.TimeoutError: no answer within that bound (a bug).
         """
-        deadline = time.monotonic() + timeout
-        if threading.current_thread() is not self._thread:
-            # The thread ends right after it answers: one wake-up of the caller, not two (~0.9 ms of 7.3).
-            self._thread.join(timeout)
-        answer = report.result(max(0.0, deadline - time.monotonic()))
+        request = _CloseRequest(timeout, Future())
+        if threading.current_thread() is self._thread:
+            # A finalizer run by a garbage collection in this very thread cannot wait for it: served here.
+            self._requests.put(request)
+            self._wake.poke()
+            return self._close_child(timeout)
+        deadline = time.monotonic() + close_bound(timeout)
+        with self._state:
+            process = self._watched
+            if process is not None:
+                self._handed_over = True
+        if process is not None:
+            request.report.set_result(self._close(process, timeout))
+        else:
+            self._requests.put(request)
+        # After the ladder, not before (woken, the thread took the GIL at every system call up to STOP).
+        self._wake.poke()
+        # The thread ends right after it answers: one wake-up of the caller, not two (~0.9 ms of 7.3).
+        self._thread.join(close_bound(timeout))
+        answer = request.report.result(max(0.0, deadline - time.monotonic()))
         if not self._thread.is_alive():
             self._wake.close()
         return answer
