@@ -156,10 +156,9 @@ _REJECTED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_P
 
 
 class Gatekeeper:
-    """The ZAP authenticator and the handshake monitor of one ROUTER socket.
+    """The ZAP authenticator and the handshake monitor of one ROUTER socket, in the thread that owns it.
 
-    Created, used and closed by the thread that owns the socket. Without a
-    ``curve`` it only monitors (a NULL socket has no handshake to fail).
+    Without a ``curve`` it does nothing (a NULL socket has no handshake to fail).
     """
 
     def __init__(self, ctx: zmq.Context, curve: CurveServer | None) -> None:

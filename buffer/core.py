@@ -120,7 +120,7 @@ class _Core:
 
     @property
     def process(self) -> PollerProcess | None:
-        """The poller child now (owned by the supervisor; read-only here)."""
+        """The poller child now (owned by the supervisor)."""
         return self._supervisor.process if self._supervisor is not None else None
 
     @property

@@ -1,9 +1,8 @@
 """What a buffer reports about itself: ``stats()`` (typed) and ``metrics()`` (numbers only).
 
-``stats()`` mixes numbers with the endpoint, the poller's name and the list of stale peers: good
-to read, not fit for a tracker. ``metrics()`` gives only numbers, under dotted names that stay
-stable across releases (verl's trackers, wandb, MLflow take such a dict as it is);
-:mod:`buffer.prometheus` exports the same table to Prometheus.
+``stats()`` mixes numbers with names and lists: good to read, not fit for a tracker. ``metrics()``
+gives only numbers, under dotted names stable across releases (verl's trackers, wandb, MLflow take
+such a dict as it is); :mod:`buffer.prometheus` exports the same table.
 """
 
 from __future__ import annotations

@@ -30,16 +30,13 @@ class Policy(Protocol):
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         """Called with the store lock held after one key changed (old None: added; new None: dropped).
 
-        Must be cheap and must not call back into the store. Dicts must not be mutated.
+        Must be cheap, must not call back into the store, must not mutate the dicts.
         """
 
 
 class BulkPolicy(Policy, Protocol):
-    """A policy that can also take many keys' changes in one call (each method optional).
-
-    A poll's thousands of changed keys then cost the policy a few C-level
-    passes instead of a Python call each.
-    """
+    """A policy that can also take many keys' changes in one call (each method optional): a poll's
+    thousands of changed keys then cost a few C-level passes instead of a Python call each."""
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """Like :meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order, in one call."""
@@ -49,10 +46,9 @@ class BulkPolicy(Policy, Protocol):
 
 
 class AttachedPolicies:
-    """The policies attached to one store, told of each change in the order they were attached.
+    """The policies attached to one store, told of each change (under its lock) in the order attached.
 
-    Called with the store's lock held. ``failure`` is the first error a
-    policy raised (``None``: none did); the store raises it to its waiters.
+    ``failure`` is the first error a policy raised; the store raises it to its waiters.
     """
 
     def __init__(self) -> None:
@@ -101,8 +97,7 @@ class AttachedPolicies:
             self._failed(policy, partition_id, key, exc)
 
     def _failed(self, policy: Policy, partition_id: str, key: str, exc: Exception) -> None:
-        # A policy bug must not kill the receiver thread (which would leave
-        # every wait hanging): it fails the store, and waiters see it.
+        # A policy bug must not kill the receiver thread (every wait would hang): waiters see it instead.
         logger.error("policy %r failed on %r/%r", policy, partition_id, key, exc_info=exc)
         error = RuntimeError(f"sampling policy {type(policy).__name__} failed: {exc!r}")
         error.__cause__ = exc
@@ -113,8 +108,7 @@ def positions_that_differ(olds: Sequence[Mapping[str, Any]], news: Sequence[Mapp
                           names: Sequence[str]) -> Sequence[int]:
     """The positions whose old and new tags differ in any of the tags ``names`` (a tag absent reads ``None``).
 
-    In C-level passes (1000 keys, two names: ~0.15 us a key); a value whose
-    ``==`` is not a plain bool puts every position in.
+    In C-level passes (~0.15 us a key); a value whose ``==`` is not a plain bool puts every position in.
     """
     positions = range(len(olds))
     try:

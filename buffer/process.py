@@ -46,8 +46,7 @@ __all__ = ["PollerProcess", "ShutdownReport", "Stage", "wait"]
 
 logger = logging.getLogger(__name__)
 
-# "closing": returned only to a close() re-entered (from a signal handler)
-# in the thread whose close() it interrupted; that close goes on.
+# "closing": returned only to a close() re-entered by a signal handler in the closing thread.
 Stage = Literal["graceful", "terminated", "killed", "already-exited", "no-poller", "closing"]
 
 
@@ -68,18 +67,15 @@ class ShutdownReport(NamedTuple):
     drained: bool
 
 
-# Bound for the last stage: after SIGKILL only an unkillable (D-state) process
-# can take longer than this to be reaped.
+# After SIGKILL only an unkillable (D-state) process takes longer than this to be reaped.
 _KILL_REAP_TIMEOUT = 5.0
 
 
 def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
-    """The objects (fds or objects with ``fileno()``) readable within ``timeout``.
+    """The objects (fds or objects with ``fileno()``) readable, EOF or failed within ``timeout``.
 
-    Like ``multiprocessing.connection.wait``, without importing it. EOF and
-    errors count as readable.
+    Like ``multiprocessing.connection.wait``, without importing it.
     """
-    objects = list(objects)
     fds = {(o if isinstance(o, int) else o.fileno()): o for o in objects}
     poller = select.poll()
     for fd in fds:
@@ -165,15 +161,13 @@ class PollerProcess:
         """Spawn the child and wait until it says READY.
 
         ``abort_fd`` becoming readable gives up the wait at once (the child
-        is killed): how the thread that owns this process lets a close
-        request cut a start short.
+        is killed): how a close request cuts a start short.
 
         Raises:
             PollerStartupError: the child failed (its traceback is the
-                ``__cause__``), died, or gave no READY within ``timeout``.
-                The child is gone when this is raised. Its ``unavailable``
-                is true when the source could not reach its store (the
-                factory raised ``ConnectionError`` or ``TimeoutError``) or
+                ``__cause__``), died, or gave no READY within ``timeout``;
+                it is gone. ``unavailable`` is true when the source could not
+                reach its store (``ConnectionError``, ``TimeoutError``) or
                 gave no READY in time: trying again later may work.
             ValueError: ``timeout`` is not a finite number of seconds > 0.
         """
@@ -270,9 +264,8 @@ class PollerProcess:
                 self._died_starting(spec)
 
     def _died_starting(self, spec: str) -> None:
-        # A concurrent close() reaps the child itself: reaping it here too,
-        # from a second thread, could leave that close() without the exit
-        # status (its waitpid fails) and have it escalate against a dead pid.
+        # A concurrent close() reaps the child itself: reaped here too, that close() could miss the
+        # exit status (its waitpid fails) and escalate against a dead pid.
         if self._close_requested:
             raise PollerStartupError(f"poller for {spec} was closed while starting")
         self._reap(1.0)
@@ -281,22 +274,19 @@ class PollerProcess:
     def _discard(self) -> None:
         """Undo a failed start: the child and the pipe are gone afterwards."""
         with self._lock:
-            if self._report is None:  # else a concurrent close() already did it
-                self._discard_locked()
-
-    def _discard_locked(self) -> None:
-        if self._popen is not None:
-            if wait([self.sentinel], 0):
+            if self._report is not None:  # a concurrent close() already did it
+                return
+            if self._popen is not None:
+                if wait([self.sentinel], 0):
+                    self._reap(_KILL_REAP_TIMEOUT)
+                self._signal(signal.SIGKILL)
                 self._reap(_KILL_REAP_TIMEOUT)
-            self._signal(signal.SIGKILL)
-            self._reap(_KILL_REAP_TIMEOUT)
-        if self._conn is not None:
-            self._conn.close()
-        exitcode = self.exitcode
-        stage: Stage = "killed" if exitcode == -9 else "already-exited"
-        self._report = ShutdownReport(stage, 0.0, exitcode, False)
-        if exitcode is not None:
-            self._release()
+            if self._conn is not None:
+                self._conn.close()
+            exitcode = self.exitcode
+            self._report = ShutdownReport("killed" if exitcode == -9 else "already-exited", 0.0, exitcode, False)
+            if exitcode is not None:
+                self._release()
 
     # -- while running ------------------------------------------------------------
 
@@ -316,12 +306,11 @@ class PollerProcess:
 
     def close(self, timeout: float = 5.0, *,
               wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
-        """Stop the child: STOP, then ``terminate()``, then ``kill()``.
+        """Stop the child: STOP, then ``terminate()``, then ``kill()``, the first two waiting up to ``timeout``.
 
-        Each of the first two stages waits up to ``timeout`` seconds.
-        ``wait_drained(seconds)``, when given, is asked after the child has
-        exited whether everything it sent was applied. Idempotent and
-        thread-safe: every caller gets the same report.
+        ``wait_drained(seconds)`` is asked after the child has exited whether
+        everything it sent was applied. Idempotent and thread-safe: every
+        caller gets the same report.
 
         Raises:
             ValueError: ``timeout`` is not a finite number of seconds >= 0.

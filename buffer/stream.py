@@ -1,16 +1,11 @@
 """The receiver: one thread that owns the buffer's ROUTER socket.
 
 It moves frames between the socket and the peer state machine
-(:class:`~buffer.peers.PeerTable`: decoding, epochs, sequence numbers,
-resync, liveness, eviction, applying deltas to the store) and sends the
-control messages the state machine returns. Other threads talk to it only
-through a command queue and a wake-up pipe, so the socket is used by the
-thread that created it alone.
-
-Hostile input is bounded: decoding by :class:`~poller.wire.protocol.Limits`, the
-per-peer state by ``Limits.max_peers``, log output by
-:class:`~buffer.ratelimit.LogLimiter`, and with CURVE a peer without an
-allowed key never gets a frame to the decoder (:mod:`buffer.access`).
+(:class:`~buffer.peers.PeerTable`) and sends the messages that returns.
+Other threads reach it only through a command queue and a wake-up pipe, so
+the socket is used by the thread that created it alone. Hostile input is
+bounded by :class:`~poller.wire.protocol.Limits`, the rate-limited log
+(:mod:`buffer.ratelimit`) and, with CURVE, the gate (:mod:`buffer.access`).
 """
 
 from __future__ import annotations
@@ -38,9 +33,8 @@ logger = logging.getLogger(__name__)
 class StreamReceiver:
     """Binds ``endpoint`` and applies what pollers send to ``store``.
 
-    ``curve`` makes the socket a CURVE server admitting only its allowed
-    keys; ``pinned`` names peers never forgotten to make room for others (the
-    buffer's own poller).
+    ``curve`` admits only its allowed keys; ``pinned`` names peers never
+    forgotten to make room for others (the buffer's own poller).
     """
 
     def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
@@ -64,8 +58,7 @@ class StreamReceiver:
         self.table = PeerTable(store, limits=limits, stale_after=stale_after,
                                pinned=frozenset(name.encode() for name in pinned), on_change=self._notify)
         self._stopped = False
-        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread,
-        # and what to run once it has (the ipc directory's removal).
+        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread, and what to run then.
         self._last_bye: tuple[bytes, int | None] | None = None
         self._after_bye: Callable[[], None] | None = None
         self._ended_on_bye = False
@@ -109,11 +102,9 @@ class StreamReceiver:
         self.table.expect(peer.encode(), epoch)
 
     def stop_after_bye(self, peer: str, epoch: int | None, then: Callable[[], None] | None = None) -> None:
-        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
+        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied, then run ``then()``.
 
-        Closing the socket then overlaps the poller's exit instead of
-        following it, and so does ``then()``, run after the socket is closed
-        (only when the thread ended on that BYE); :meth:`stop` still joins the thread.
+        Closing the socket (and ``then()``) overlaps the poller's exit instead of following it.
         """
         self._after_bye = then
         # The thread reads it after every message and wake-up: waking it for nothing cost the close

@@ -4,26 +4,21 @@
 
     constructor ── started (future) ◀──┐
     close()  ── CloseRequest + poke ──▶ supervisor thread ── PollerProcess (start, sentinel, close ladder)
-             ◀── report (future) ──────┤        ├── restarts, then PollerCrashed to the store
-    switch() ── SwitchRequest + poke ──┘        └── a switch: the ladder, a new child (no budget)
+    switch() ── SwitchRequest + poke ──┘        ├── restarts, then PollerCrashed to the store
+                                                └── a switch: the ladder, a new child (no budget)
 
 One thread at a time touches the child. A close that finds the thread only
-watching a running child takes the child over and runs the ladder itself, so
-its STOP goes out without a hand-off between threads; the thread then ends,
-restarting nothing. At any other moment (a start, a restart, its backoff) a
-close is a request answered through a future once the thread has run the
-ladder (as CPython's process-pool manager thread serves its executor), and it
-cuts a start under way short, so a close never waits out a start timeout.
+watching a running child takes the child over and runs the ladder itself (its
+STOP goes out without a hand-off between threads); at any other moment (a
+start, a restart, its backoff) it asks the thread, as CPython's process-pool
+manager thread serves its executor, and cuts a start under way short.
 
 Restarts are counted in a sliding window (:class:`RestartBudget`): a crash
-after hours of health finds the budget whole, a poller that dies again and
-again uses it up within seconds (then ``sample()`` raises
-:class:`~poller.PollerCrashed`). A start refused because the store could not
-be reached (:attr:`~poller.PollerStartupError.unavailable`) uses none: it is
-tried again with backoff (at most :data:`UNAVAILABLE_BACKOFF_CAP` seconds)
-until the store answers or the buffer is closed. A switch
-(:meth:`Supervisor.switch`) is a deliberate restart on the source as it is
-now (a replaced TransferQueue controller's new address): it uses no budget.
+after hours of health finds the budget whole; a poller that dies again and
+again uses it up (then ``sample()`` raises :class:`~poller.PollerCrashed`).
+A start refused because the store could not be reached
+(:attr:`~poller.PollerStartupError.unavailable`), and a switch to the source
+as it is now (:meth:`Supervisor.switch`), use none.
 """
 
 from __future__ import annotations
@@ -144,18 +139,16 @@ class Supervisor:
         self._switched = switched
         #: The child now (read by stats() from any thread; written by the supervisor only).
         self.process: PollerProcess | None = None
-        #: Restarts refused by an unreachable store (they use no budget).
+        #: Restarts refused by an unreachable store, and switches (neither uses the budget).
         self.start_retries = 0
-        #: Deliberate switches to a new child (:meth:`switch`); no restarts.
         self.switches = 0
-        # What give_up() was told: a switch asked for later gets it.
-        self._given_up: PollerCrashed | None = None
+        self._given_up: PollerCrashed | None = None  # a switch asked for later gets it
         #: Done once the first child said READY (or failed to: PollerStartupError).
         self.started: Future[None] = Future()
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._wake = WakePipe()
-        # The running child the thread only watches (None at any other moment), and whether a
-        # closing thread took it over; both under the lock.
+        # The running child the thread only watches (None at any other moment), and whether a closing
+        # thread took it over; both under the lock.
         self._state = threading.Lock()
         self._watched: PollerProcess | None = None
         self._handed_over = False
@@ -177,11 +170,7 @@ class Supervisor:
         return request.report
 
     def close(self, timeout: float) -> ShutdownReport:
-        """Close the child with the ladder's ``timeout``; how it ended.
-
-        When the thread only watches a running child, the ladder runs here;
-        otherwise the thread runs it, and this waits for its answer and its
-        end, bounded as the ladder is (``close_bound``).
+        """Close the child with the ladder's ``timeout``; how it ended (within :func:`close_bound`).
 
         Raises:
             concurrent.futures.TimeoutError: no answer within that bound (a bug).
@@ -191,7 +180,7 @@ class Supervisor:
             # A finalizer run by a garbage collection in this very thread cannot wait for it: served here.
             self._requests.put(request)
             self._wake.poke()
-            return self._close_child(timeout)
+            return self._close(self.process, timeout)
         deadline = time.monotonic() + close_bound(timeout)
         with self._state:
             process = self._watched
@@ -227,7 +216,7 @@ class Supervisor:
             if isinstance(request, _SwitchRequest):
                 self._refuse(request)
             request = self._requests.get()
-        report = self._close_child(request.timeout)  # the ladder runs once; later calls get its report
+        report = self._close(self.process, request.timeout)  # the ladder runs once; later calls get its report
         if not request.report.done():
             request.report.set_result(report)
         self._answer_pending(report)  # later requests (there should be none) get the same answer
@@ -242,7 +231,7 @@ class Supervisor:
             if isinstance(request, _SwitchRequest):
                 self._refuse(request)
             elif not request.report.done():
-                request.report.set_result(report if report is not None else self._close_child(request.timeout))
+                request.report.set_result(report if report is not None else self._close(self.process, request.timeout))
 
     def _refuse(self, request: _SwitchRequest) -> None:
         if not request.report.done():
@@ -275,18 +264,14 @@ class Supervisor:
 
     def _switch(self, request: _SwitchRequest) -> PollerProcess | _Request | None:
         """Close the child, build and start a new one (no restart budget used); or the request that came first."""
-        old = self.process
-        report = (self._close(old, request.timeout, final=False) if old is not None
-                  else ShutdownReport("no-poller", 0.0, None, False))
+        report = self._close(self.process, request.timeout, final=False)
         self.switches += 1
-        # Built before switched() is told: from here on the old child's late messages are dropped, so none of
-        # them can make the view whole again before the new child's first complete listing.
+        # Built (its epoch expected) before switched() is told: the old child's late messages are dropped.
         process = self.process = self._new_process()
         self._switched()
         request.report.set_result(report)
         logger.info("poller %s switched to its new source (the old child ended %s)", self.name, report.stage)
-        # The switch's own poke may still be unread (its request was taken first): left, it would cut the
-        # new child's start short. A request queued meanwhile is served instead of the start.
+        # The switch's own poke, left unread, would cut the new child's start short.
         self._wake.drain()
         if not self._requests.empty():
             return self._requests.get()
@@ -296,8 +281,7 @@ class Supervisor:
                  switched: PollerProcess | None = None) -> PollerProcess | _Request | None:
         """A started new child; or the request that came first; or None once given up.
 
-        ``switched``: the new child of a switch, started at once; it, and the
-        tries after it while the store cannot be reached, use no budget.
+        ``switched``: the new child of a switch, started at once without using the budget.
         """
         budget = self._budget
         free = switched is not None
@@ -383,11 +367,7 @@ class Supervisor:
                 continue
             return None
 
-    def _close_child(self, timeout: float) -> ShutdownReport:
-        process = self.process
+    def _close(self, process: PollerProcess | None, timeout: float, final: bool = True) -> ShutdownReport:
         if process is None:
             return ShutdownReport("no-poller", 0.0, None, False)
-        return self._close(process, timeout)
-
-    def _close(self, process: PollerProcess, timeout: float, final: bool = True) -> ShutdownReport:
         return process.close(timeout, wait_drained=self._drained(process, final))
