@@ -110,13 +110,6 @@ class _SwitchRequest(NamedTuple):
 _Request = _CloseRequest | _SwitchRequest
 
 
-class _HandedOver:
-    """What the thread's watch ends with when a closing thread took the child over."""
-
-
-_HANDED_OVER = _HandedOver()
-
-
 class Supervisor:
     """Runs one poller child at a time for a buffer, restarting it within ``budget``.
 
@@ -202,14 +195,14 @@ class Supervisor:
     # -- the thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        request: _Request | _HandedOver | None = None
+        request: _Request | None = None
         try:
             request = self._own()
         except BaseException as exc:  # a bug here must not leave a close() waiting for ever
             logger.exception("the supervisor of poller %s failed", self.name)
             if not self.started.done():
                 self.started.set_exception(exc)
-        if isinstance(request, _HandedOver):
+        if self._handed_over:
             self._answer_pending(None)  # the closing thread runs the ladder
             return
         while not isinstance(request, _CloseRequest):  # given up (or never started): only a close is served
@@ -238,8 +231,11 @@ class Supervisor:
             request.report.set_exception(self._given_up if self._given_up is not None
                                          else BufferClosed("the replay buffer is closed"))
 
-    def _own(self) -> _CloseRequest | _HandedOver | None:
-        """Start, watch, restart and switch the child until a close comes; return its request (or the hand-over)."""
+    def _own(self) -> _Request | None:
+        """Start, watch, restart and switch the child until a close comes; return its request.
+
+        None: the start failed, the budget is used up, or a closing thread took the child over.
+        """
         process = self.process = self._new_process()
         try:
             process.start(self._start_timeout, abort_fd=self._wake.read_fd)
@@ -248,7 +244,9 @@ class Supervisor:
             return None
         self.started.set_result(None)
         while True:
-            outcome: PollerProcess | _Request | _HandedOver | None = self._watch(process)
+            outcome: PollerProcess | _Request | None = self._watch(process)
+            if self._handed_over:
+                return None
             if outcome is None:  # the child exited by itself
                 exitcode = process.join(5.0)
                 cause = process.fatal_error()
@@ -334,8 +332,8 @@ class Supervisor:
         self._give_up(error)
         return None
 
-    def _watch(self, process: PollerProcess) -> _Request | _HandedOver | None:
-        """Until the running ``process`` exits (None), a request comes, or a closing thread takes it over."""
+    def _watch(self, process: PollerProcess) -> _Request | None:
+        """Until the running ``process`` exits or a closing thread takes it over (None), or a request comes."""
         with self._state:
             self._watched = process
         try:
@@ -348,7 +346,7 @@ class Supervisor:
         if handed_over:
             if request is not None:
                 self._requests.put(request)  # answered once the closing thread is done (_answer_pending)
-            return _HANDED_OVER
+            return None
         return request
 
     def _wait(self, sentinel: int | None, timeout: float | None) -> _Request | None:
