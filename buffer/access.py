@@ -137,16 +137,6 @@ def restrict_ipc_socket(endpoint: str) -> None:
             logger.debug("could not chmod %s: %s", endpoint, exc)
 
 
-class _AllowedKeys:
-    """ZAP credentials callback: is this client's public key in the allowed set?"""
-
-    def __init__(self, allowed: frozenset[bytes]) -> None:
-        self.allowed = allowed
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.allowed
-
-
 # Every failed handshake, by its monitor event.
 _REJECTIONS = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE or no detail",
                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed, e.g. wrong server key",
@@ -170,7 +160,11 @@ class Gatekeeper:
             auth = ThreadAuthenticator(ctx, log=logging.getLogger(f"{__name__}.zap"))
             auth.start()
             self._auth = auth
-            auth.configure_curve_callback(ZAP_DOMAIN, _AllowedKeys(curve.allowed))
+            auth.configure_curve_callback(ZAP_DOMAIN, self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP's question: is this client's public key allowed?"""
+        return self.curve is not None and key in self.curve.allowed
 
     def arm(self, sock: zmq.Socket) -> None:
         """Configure ``sock`` (before bind) and start watching its handshakes."""

@@ -45,11 +45,6 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def _owner_record() -> dict[str, object]:
-    pid = os.getpid()
-    return {"pid": pid, "start": start_time(pid), "pidns": _pid_namespace()}
-
-
 class PrivateIpcDir:
     """A fresh 0700 directory for the buffer's ipc socket, removed by its owner only."""
 
@@ -68,7 +63,7 @@ class PrivateIpcDir:
         try:
             fd = os.open(os.path.join(path, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump(_owner_record(), f)
+                json.dump({"pid": os.getpid(), "start": start_time(os.getpid()), "pidns": _pid_namespace()}, f)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
