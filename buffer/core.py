@@ -77,8 +77,7 @@ class _Core:
         self.close_timeout = close_timeout
         self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
         self.store = PartitionStore()
-        # Only this process may stop the poller or remove the ipc directory:
-        # a forked child inherits this object and its finalizer.
+        # Only this process may stop the poller or remove the ipc directory (a forked child inherits the finalizer).
         self.owner_pid = os.getpid()
         self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         # Reentrant: a signal handler may call close() in the thread that is closing.
@@ -92,31 +91,23 @@ class _Core:
             self._ipc_dir = PrivateIpcDir.create()
             bind = self._ipc_dir.endpoint
         self.child_curve: CurveClient | None = None
-        self.receiver = self._secure_receiver(bind, curve, limits, stale_after)
+        if curve is not None and source is not None:
+            # An ephemeral key pair for the buffer's own poller, never in a file: the secret half reaches the
+            # child through its private pipe, the public half is allowed for this buffer's lifetime only.
+            public, secret = generate_pair()
+            self.child_curve = CurveClient(public, secret, curve.public_key)
+            curve = curve.allowing(public)
+        self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
+                                       stale_after=stale_after, pinned=frozenset({self.name}))
         self.endpoint: str | None = None
         self.listing_sync = ListingSync(self.store, self.receiver, self.name if source is not None else None)
         # What every sampling policy uses of this buffer, the step sampler behind sample() first.
         self.seam = SamplingSeam(self.store, self.listing_sync, self.receiver.table)
         self.steps = StepSampler(self.seam)
         if source is not None:
-            # No decision on a view that was never whole: sample() and the
-            # verl sampler wait for the poller's first complete listing.
+            # No decision on a view that was never whole: decisions wait for the poller's first complete listing.
             self.store.require(self.name)
         _OPEN_CORES.add(self)
-
-    def _secure_receiver(self, bind: str, curve: CurveServer | None, limits: Limits | None,
-                         stale_after: float) -> StreamReceiver:
-        """The receiver; with CURVE, the buffer's own poller gets an ephemeral key pair.
-
-        It never touches a file: the secret half reaches the child through its
-        private pipe, the public half is allowed for this buffer's lifetime only.
-        """
-        if curve is not None and self.source is not None:
-            public, secret = generate_pair()
-            self.child_curve = CurveClient(public, secret, curve.public_key)
-            curve = curve.allowing(public)
-        return StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
-                              stale_after=stale_after, pinned=frozenset({self.name}))
 
     @property
     def process(self) -> PollerProcess | None:
