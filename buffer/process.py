@@ -110,7 +110,7 @@ class PollerProcess:
         self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
                                    source_kwargs=dict(source_kwargs or {}), interval=interval, **options)
         check_worker_config(self.config)
-        self._popen: Any = None  # subprocess.Popen
+        self._popen: subprocess.Popen[bytes] | None = None
         # The read end of a pipe whose only write end the child holds: readable as the child's fds are
         # released at exit. A pidfd (Linux 5.3+) is readable once the child can be reaped, a little later.
         self._sentinel: int | None = None
