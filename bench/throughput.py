@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
@@ -23,6 +23,20 @@ from .workload import SyntheticSource, make_listing
 ITEM_BYTES_NOTE = "MB/s counts the bytes on the wire (msgpack) for the product and ceiling"
 
 
+def _ask_resync(core: Any) -> None:
+    """Have the buffer ask its poller for a RESYNC the way it does on a lost message: a gap in the sequence.
+
+    Returns once the request went out (at the poller's next message, a heartbeat within 1 s).
+    """
+    table = core.receiver.table
+    peer, asked = table.peers[core.name.encode()], table.resyncs_requested
+    while table.resyncs_requested == asked:
+        peer.next_seq -= 1  # written beside the receiver thread: a lost write is made again
+        deadline = time.monotonic() + 5.0
+        while table.resyncs_requested == asked and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
 def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
     keys = 100_000 if quick else 1_000_000
     reps = 3 if quick else 5
@@ -37,8 +51,8 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
         core = rb._core
         for _ in range(reps):
             before = rb.stats()
+            _ask_resync(core)
             started = time.perf_counter()
-            core.receiver.send_control(core.name, Kind.RESYNC, "benchmark")
             wait_for(lambda: rb.stats()["snapshots"] > before["snapshots"], 600, "no snapshot arrived")
             times.append(time.perf_counter() - started)
             sizes.append(rb.stats()["bytes_received"] - before["bytes_received"])

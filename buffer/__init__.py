@@ -1,11 +1,9 @@
 """The trainer side: an in-process replay buffer fed by an isolated poller.
 
-Public surface: :class:`ReplayBuffer`, :class:`BatchMeta`,
-:class:`ShutdownReport`, and the errors a trainer catches:
-:class:`BufferClosed` (you closed it), :class:`PollerCrashed` (the poller
-died for good), :class:`PollerStartupError` (it never started),
-:class:`InsecureBindError` (a network bind without authentication) and
-:class:`EndpointInUseError` (an ``ipc://`` path another live socket holds).
+Besides :class:`ReplayBuffer` and what it returns, the errors a trainer catches:
+:class:`BufferClosed` (you closed it), :class:`PollerCrashed` (the poller died
+for good), :class:`PollerStartupError` (it never started), :class:`InsecureBindError`
+(a network bind without authentication), :class:`EndpointInUseError` (an address in use).
 """
 
 from __future__ import annotations

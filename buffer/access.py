@@ -1,17 +1,14 @@
-"""Who may reach the buffer's endpoint: the bind policy and the CURVE gate.
+"""Who may reach the buffer's endpoint: the bind policy, ipc paths and the CURVE gate.
 
 Bind policy (:func:`check_bind`): ``ipc://`` and loopback ``tcp://`` reach
-only this host; ``tcp://:PORT`` (no host) means loopback. Any other address
-reaches the network, and binding it without CURVE is refused unless the
-caller says ``insecure=True``, which is logged as a warning. What is not
-recognised as loopback counts as network: the check fails closed.
+only this host; ``tcp://:PORT`` (no host) means loopback. Anything else
+counts as the network (the check fails closed), and binding it without CURVE
+is refused unless the caller says ``insecure=True`` (logged as a warning).
 
-The gate (:class:`Gatekeeper`) lives in the receiver thread. pyzmq's
-:class:`~zmq.auth.thread.ThreadAuthenticator` answers libzmq's ZAP requests
-from the allowed key set, so a peer without an allowed key never completes
-the handshake and none of its frames reach the decoder. A socket monitor
-counts every failed handshake — unknown key (ZAP refused), a client that
-knows the wrong server key, a client without CURVE — as ``auth_rejected``.
+The gate (:class:`Gatekeeper`) lives in the receiver thread: pyzmq's ZAP
+authenticator admits only allowed keys, so no frame of another peer reaches
+the decoder, and a socket monitor counts every failed handshake as
+``auth_rejected``.
 """
 
 from __future__ import annotations
@@ -95,12 +92,10 @@ def claim_ipc_path(endpoint: str) -> None:
     """Refuse an ``ipc://`` path another live socket listens on; clear a stale one.
 
     libzmq unlinks whatever sits at the path before it binds, so a second
-    buffer given the same path silently took the first one's stream (its
-    restarted poller connected to the newcomer). A socket file nobody
-    listens on is what a dead process left behind: it is removed and reused.
-    A path that is not a socket is never removed. (Between this check and
-    the bind another process could still bind the path: the check is for
-    mistakes, not for a race between two hostile binders.)
+    buffer given the same path silently took the first one's stream. A socket
+    file nobody listens on was left by a dead process: it is removed. A path
+    that is not a socket is never removed. (The check is for mistakes, not
+    for a race between two hostile binders.)
 
     Raises:
         EndpointInUseError: naming the path, when it is in use or not a socket.
@@ -142,30 +137,18 @@ def restrict_ipc_socket(endpoint: str) -> None:
             logger.debug("could not chmod %s: %s", endpoint, exc)
 
 
-class _AllowedKeys:
-    """ZAP credentials callback: is this client's public key in the allowed set?"""
-
-    def __init__(self, allowed: frozenset[bytes]) -> None:
-        self.allowed = allowed
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        ok = key in self.allowed
-        if not ok:
-            logger.debug("CURVE client key %r is not allowed", key)
-        return ok
-
-
-# Every failed handshake: no detail (e.g. a client without CURVE), protocol
-# (e.g. the wrong server key), auth (ZAP refused the client key).
+# Every failed handshake, by its monitor event.
+_REJECTIONS = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE or no detail",
+               zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed, e.g. wrong server key",
+               zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not allowed"}
 _REJECTED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
              | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class Gatekeeper:
-    """The ZAP authenticator and the handshake monitor of one ROUTER socket.
+    """The ZAP authenticator and the handshake monitor of one ROUTER socket, in the thread that owns it.
 
-    Created, used and closed by the thread that owns the socket. Without a
-    ``curve`` it only monitors (a NULL socket has no handshake to fail).
+    Without a ``curve`` it does nothing (a NULL socket has no handshake to fail).
     """
 
     def __init__(self, ctx: zmq.Context, curve: CurveServer | None) -> None:
@@ -177,7 +160,11 @@ class Gatekeeper:
             auth = ThreadAuthenticator(ctx, log=logging.getLogger(f"{__name__}.zap"))
             auth.start()
             self._auth = auth
-            auth.configure_curve_callback(ZAP_DOMAIN, _AllowedKeys(curve.allowed))
+            auth.configure_curve_callback(ZAP_DOMAIN, self)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP's question: is this client's public key allowed?"""
+        return self.curve is not None and key in self.curve.allowed
 
     def arm(self, sock: zmq.Socket) -> None:
         """Configure ``sock`` (before bind) and start watching its handshakes."""
@@ -201,13 +188,12 @@ class Gatekeeper:
             level = logging.WARNING if self.rejected <= 5 or self.rejected % 100 == 0 else logging.DEBUG
             logger.log(level, "rejected a peer without an allowed CURVE key on %s (#%d, %s)",
                        event.get("endpoint", b"").decode(errors="replace"), self.rejected,
-                       _event_name(event["event"]))
+                       _REJECTIONS.get(event["event"], event["event"]))
 
     def close(self, sock: zmq.Socket) -> None:
         """Close the monitor, then ``sock``, then the authenticator (joins its thread).
 
-        The socket goes before the authenticator: libzmq lets a CURVE client
-        in unchecked while no ZAP handler is bound.
+        The socket first: libzmq lets a CURVE client in unchecked while no ZAP handler is bound.
         """
         if self.monitor is not None:
             try:
@@ -221,9 +207,3 @@ class Gatekeeper:
             self._auth.stop()
             self._auth = None
 
-
-def _event_name(event: int) -> str:
-    names: dict[int, str] = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no CURVE or no detail",
-                             zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed, e.g. wrong server key",
-                             zmq.EVENT_HANDSHAKE_FAILED_AUTH: "client key not allowed"}
-    return names.get(event, str(event))

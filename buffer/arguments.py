@@ -1,15 +1,13 @@
 """Checks of what a trainer passes to the buffer, made once, where it enters.
 
 Bad input gets a clear error and changes nothing: ``add`` checks every item
-before it applies any (so it is all or nothing), and ``remove`` refuses a
-bare string, which would otherwise be taken as its characters
-(``remove("train", "uid1")`` removing the keys ``"u"``, ``"i"``, ``"d"``,
-``"1"``). Wrong types raise ``TypeError``, as the SQLite store's ``kv_*``
-methods do; numbers out of range raise ``ValueError`` (the number checks are
-:mod:`poller.wire.arguments`'). Options that arrive from config files as plain
-values (a buffer built through Hydra/OmegaConf, ``_target_:
-buffer.ReplayBuffer``, gets mappings, strings and numbers) are turned into
-what the buffer and its poller use. Inner layers trust what passed here.
+before it applies any, and ``remove`` refuses a bare string, which would
+otherwise be taken as its characters (``remove("train", "uid1")`` removing
+the keys ``"u"``, ``"i"``, ``"d"``, ``"1"``). Wrong types raise ``TypeError``,
+as the SQLite store's ``kv_*`` methods do; numbers out of range raise
+``ValueError`` (:mod:`poller.wire.arguments`). Options that arrive from
+config files as plain values (Hydra/OmegaConf, ``_target_: buffer.ReplayBuffer``)
+are turned into what the buffer uses. Inner layers trust what passed here.
 """
 
 from __future__ import annotations
@@ -18,13 +16,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from poller.wire.arguments import check_count, check_optional_seconds, check_seconds
+from poller.wire.arguments import check_count, check_optional_seconds, check_seconds, check_share
 from poller.wire.curve import CurveServer
 from poller.wire.protocol import Limits
 from poller.wire.vocabulary import Tags
 
-__all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample", "as_limits",
-           "check_stall_timeout", "check_log_level", "check_verl_call"]
+__all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample", "check_verl_call"]
+
 
 def check_partition(partition_id: Any) -> str:
     """Raises ``TypeError`` unless ``partition_id`` is a str."""
@@ -90,13 +88,22 @@ def check_sample(global_steps: Any, batch_size: Any, timeout: Any) -> float | No
 
 
 def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any, max_restarts: Any,
-                      restart_window: Any, stale_after: Any, curve: Any, limits: Any) -> None:
-    """Check the ``ReplayBuffer`` constructor's arguments.
+                      restart_window: Any, stale_after: Any, curve: Any, limits: Any, stall_timeout: Any,
+                      max_view_age: Any, log_level: Any, listing_share: Any) -> tuple[Limits | None, dict[str, Any]]:
+    """Check the ``ReplayBuffer`` constructor's arguments; return its limits and its poller's options.
+
+    ``limits`` may be a mapping of :class:`Limits` fields, and ``log_level`` a name.
 
     Raises:
-        ValueError: a number is out of range (``nan``, ``inf``, negative, a bool).
+        ValueError: a number is out of range (``nan``, ``inf``, negative, a bool), an unknown limit or level.
         TypeError: ``curve`` or ``limits`` has the wrong type.
     """
+    if isinstance(limits, Mapping):
+        fields = {str(name): value for name, value in limits.items()}
+        unknown = sorted(set(fields) - set(Limits._fields))
+        if unknown:
+            raise ValueError(f"unknown limits {unknown}; the fields of poller.Limits are {list(Limits._fields)}")
+        limits = Limits(**fields)
     check_seconds("poll_interval", poll_interval)
     check_seconds("start_timeout", start_timeout)
     check_seconds("close_timeout", close_timeout, allow_zero=True)
@@ -108,29 +115,13 @@ def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any
     if limits is not None and not isinstance(limits, Limits):
         raise TypeError(f"limits must be a poller.wire.protocol.Limits or a mapping of its fields, "
                         f"got {type(limits).__name__}")
-
-
-def as_limits(limits: Any) -> Any:
-    """A :class:`Limits` from a mapping of its fields (Hydra/OmegaConf ``_target_`` configs pass mappings)."""
-    if limits is None or isinstance(limits, Limits) or not isinstance(limits, Mapping):
-        return limits  # the type check follows in check_buffer_args
-    fields = {str(name): value for name, value in limits.items()}
-    unknown = sorted(set(fields) - set(Limits._fields))
-    if unknown:
-        raise ValueError(f"unknown limits {unknown}; the fields of poller.Limits are {list(Limits._fields)}")
-    return Limits(**fields)
-
-
-def check_stall_timeout(stall_timeout: Any) -> float | None:
-    # Finite too: an infinite stall timeout is None, said plainly.
-    return check_optional_seconds("stall_timeout", stall_timeout)
-
-
-def check_log_level(level: Any) -> int:
-    number = logging.getLevelName(level.upper()) if isinstance(level, str) else level
-    if not isinstance(number, int) or isinstance(number, bool) or number < 0:
-        raise ValueError(f"poller_log_level must be a logging level name or number, got {level!r}")
-    return number
+    stall = check_optional_seconds("stall_timeout", stall_timeout)  # finite: an infinite one is None, said plainly
+    level = logging.getLevelName(log_level.upper()) if isinstance(log_level, str) else log_level
+    if not isinstance(level, int) or isinstance(level, bool) or level < 0:
+        raise ValueError(f"poller_log_level must be a logging level name or number, got {log_level!r}")
+    share = check_share("listing_share", listing_share)
+    check_optional_seconds("max_view_age", max_view_age)
+    return limits, {"stall_timeout": stall, "log_level": level, "listing_share": share}
 
 
 def check_verl_call(name: str, global_steps: Any, partition_id: Any, count: Any = None,

@@ -2,22 +2,17 @@
 
 The default endpoint is a socket in a fresh 0700 directory. It is removed by
 the buffer's ``close()`` (or its finalizer, or interpreter exit), by the
-poller or its watchdog when the trainer died, and otherwise — a trainer killed
-by a signal while it had no poller (``source=None``: nobody was left to clean
-up) — by the next buffer that starts on this host, as a *stale* directory.
+poller or its watchdog when the trainer died, and otherwise (a trainer killed
+while it had no poller) by the next buffer that starts on this host, as a
+*stale* directory. Its file ``owner`` records the pid of the process that
+made it, that process's start time and its pid namespace.
 
-Each directory holds a file ``owner``: the pid of the process that made it,
-that process's start time and its pid namespace.
-
-* Only the owner removes it on close. A forked child inherits the buffer and
-  its finalizer; its normal exit must not delete the parent's directory (the
-  parent's next poller would stream into nothing). ``os.register_at_fork``
-  disarms every directory in the child, and the pid check covers a fork that
-  skipped the hook.
-* A directory is stale when its owner is gone: no such pid, or the pid now
-  belongs to a process that started at another time. A directory of another
-  user, without a readable owner file, or made in another pid namespace (a
-  container sharing ``/tmp``, whose pids mean nothing here) is never touched.
+* Only the owner removes it: a forked child inherits the buffer and its
+  finalizer, and its exit must not delete the parent's directory.
+* It is stale when its owner is gone: no such pid, or the pid now belongs to
+  a process that started at another time. A directory of another user,
+  without a readable owner file, or made in another pid namespace (a
+  container sharing ``/tmp``) is never touched.
 """
 
 from __future__ import annotations
@@ -29,7 +24,6 @@ import os
 import shutil
 import stat
 import tempfile
-import weakref
 
 from poller.wire.procfs import start_time, state
 
@@ -51,20 +45,13 @@ def _pid_namespace() -> str | None:
         return None
 
 
-def _owner_record() -> dict[str, object]:
-    pid = os.getpid()
-    return {"pid": pid, "start": start_time(pid), "pidns": _pid_namespace()}
-
-
 class PrivateIpcDir:
     """A fresh 0700 directory for the buffer's ipc socket, removed by its owner only."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.owner_pid = os.getpid()
-        self._disarmed = False
         self._removed = False
-        _live.add(self)
 
     @classmethod
     def create(cls) -> PrivateIpcDir:
@@ -76,7 +63,7 @@ class PrivateIpcDir:
         try:
             fd = os.open(os.path.join(path, OWNER_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump(_owner_record(), f)
+                json.dump({"pid": os.getpid(), "start": start_time(os.getpid()), "pidns": _pid_namespace()}, f)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
@@ -86,32 +73,11 @@ class PrivateIpcDir:
     def endpoint(self) -> str:
         return f"ipc://{self.path}/{_SOCKET_NAME}"
 
-    @property
-    def owned(self) -> bool:
-        """True in the process that made the directory; false in a forked child."""
-        return not self._disarmed and os.getpid() == self.owner_pid
-
-    def disarm(self) -> None:
-        """Never remove the directory from this process (it belongs to another one)."""
-        self._disarmed = True
-
     def remove(self) -> None:
-        """Remove the directory, in its owner process only; idempotent (and thread-safe)."""
-        if self.owned and not self._removed:
+        """Remove the directory, in its owner process only (not in a forked child); idempotent."""
+        if os.getpid() == self.owner_pid and not self._removed:
             shutil.rmtree(self.path, ignore_errors=True)
             self._removed = True
-
-
-# Every directory this process holds; a forked child disarms its copies.
-_live: weakref.WeakSet[PrivateIpcDir] = weakref.WeakSet()
-
-
-def _disarm_inherited() -> None:
-    for directory in list(_live):
-        directory.disarm()
-
-
-os.register_at_fork(after_in_child=_disarm_inherited)
 
 
 def _owner_gone(record: object) -> bool:

@@ -1,16 +1,15 @@
 """What a buffer reports about itself: ``stats()`` (typed) and ``metrics()`` (numbers only).
 
-``stats()`` mixes numbers with the endpoint, the poller's name and the list of stale peers: good
-to read, not fit for a tracker. ``metrics()`` gives only numbers, under dotted names that stay
-stable across releases (verl's trackers, wandb, MLflow take such a dict as it is);
-:mod:`buffer.prometheus` exports the same table to Prometheus.
+``stats()`` mixes numbers with names and lists: good to read, not fit for a tracker. ``metrics()``
+gives only numbers, under dotted names stable across releases (verl's trackers, wandb, MLflow take
+such a dict as it is); :mod:`buffer.prometheus` exports the same table.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable, Literal, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
     from buffer.core import _Core
@@ -114,78 +113,73 @@ def collect_stats(core: _Core) -> BufferStats:
 
 
 class Metric(NamedTuple):
-    """One metric: its stable dotted name, whether it only grows, what it means, how to read it."""
+    """One metric: its stable dotted name, whether it only grows, what it means, the ``stats()`` key it reads."""
 
     name: str
     kind: Literal["counter", "gauge"]
     help: str
-    read: Callable[[BufferStats], float]
+    key: str
 
-
-def _or_nan(value: float | None) -> float:
-    return math.nan if value is None else float(value)
+    def read(self, stats: BufferStats) -> float:
+        """The number: a flag as 0 or 1, a list by its length, nothing (``None``) as NaN."""
+        value = stats[self.key]  # type: ignore[literal-required]
+        if isinstance(value, list):
+            return float(len(value))
+        return math.nan if value is None else float(value)
 
 
 #: Every metric, in a fixed order. Names never change meaning; new ones may be added.
 METRICS: tuple[Metric, ...] = (
-    Metric("replay.keys", "gauge", "keys held by the buffer", lambda s: s["keys"]),
-    Metric("replay.poller.alive", "gauge", "1 while the buffer's own poller process runs",
-           lambda s: int(s["poller_alive"])),
-    Metric("replay.poller.restarts", "counter", "restarts of the buffer's own poller", lambda s: s["restarts"]),
-    Metric("replay.poller.polls", "counter", "complete listings applied from the buffer's own poller",
-           lambda s: s["polls"]),
-    Metric("replay.poller.snapshots", "counter", "full listings among the polls", lambda s: s["snapshots"]),
+    Metric("replay.keys", "gauge", "keys held by the buffer", "keys"),
+    Metric("replay.poller.alive", "gauge", "1 while the buffer's own poller process runs", "poller_alive"),
+    Metric("replay.poller.restarts", "counter", "restarts of the buffer's own poller", "restarts"),
+    Metric("replay.poller.polls", "counter", "complete listings applied from the buffer's own poller", "polls"),
+    Metric("replay.poller.snapshots", "counter", "full listings among the polls", "snapshots"),
     Metric("replay.poller.rss_bytes", "gauge", "resident memory of the buffer's own poller (NaN: not reported)",
-           lambda s: _or_nan(s["poller_rss"])),
-    Metric("replay.source.errors", "counter", "failed kv_list() calls reported by pollers",
-           lambda s: s["source_errors"]),
-    Metric("replay.source.stalls", "counter", "kv_list() calls past their deadline", lambda s: s["source_stalls"]),
-    Metric("replay.stream.messages", "counter", "messages received from pollers", lambda s: s["messages"]),
-    Metric("replay.stream.items", "counter", "keys received (upserts and deletes)", lambda s: s["items_received"]),
-    Metric("replay.stream.bytes", "counter", "bytes received from pollers", lambda s: s["bytes_received"]),
-    Metric("replay.stream.protocol_errors", "counter", "messages refused by the decoder",
-           lambda s: s["protocol_errors"]),
-    Metric("replay.stream.resyncs", "counter", "full snapshots asked of pollers after a gap", lambda s: s["resyncs"]),
+           "poller_rss"),
+    Metric("replay.source.errors", "counter", "failed kv_list() calls reported by pollers", "source_errors"),
+    Metric("replay.source.stalls", "counter", "kv_list() calls past their deadline", "source_stalls"),
+    Metric("replay.stream.messages", "counter", "messages received from pollers", "messages"),
+    Metric("replay.stream.items", "counter", "keys received (upserts and deletes)", "items_received"),
+    Metric("replay.stream.bytes", "counter", "bytes received from pollers", "bytes_received"),
+    Metric("replay.stream.protocol_errors", "counter", "messages refused by the decoder", "protocol_errors"),
+    Metric("replay.stream.resyncs", "counter", "full snapshots asked of pollers after a gap", "resyncs"),
     Metric("replay.stream.auth_rejected", "counter", "handshakes refused for want of an allowed CURVE key",
-           lambda s: s["auth_rejected"]),
-    Metric("replay.stream.peers", "gauge", "pollers connected that have not said BYE", lambda s: s["peers"]),
-    Metric("replay.stream.stale_peers", "gauge", "pollers silent longer than stale_after",
-           lambda s: len(s["stale_peers"])),
+           "auth_rejected"),
+    Metric("replay.stream.peers", "gauge", "pollers connected that have not said BYE", "peers"),
+    Metric("replay.stream.stale_peers", "gauge", "pollers silent longer than stale_after", "stale_peers"),
     Metric("replay.stream.last_message_age_seconds", "gauge", "seconds since the last message (NaN: none yet)",
-           lambda s: _or_nan(s["last_message_age_s"])),
+           "last_message_age_s"),
     Metric("replay.poller.start_retries", "counter",
-           "restarts of the buffer's own poller refused because its store could not be reached",
-           lambda s: s["start_retries"]),
+           "restarts of the buffer's own poller refused because its store could not be reached", "start_retries"),
     Metric("replay.stream.quarantined", "gauge",
            "keys left out of the stream because the wire cannot carry their tags (stats()['quarantined_keys'])",
-           lambda s: s["quarantined"]),
+           "quarantined"),
     Metric("replay.view.whole", "gauge",
-           "1 while every partition's view reflects complete listings (decisions are made only then)",
-           lambda s: int(s["view_whole"])),
+           "1 while every partition's view reflects complete listings (decisions are made only then)", "view_whole"),
     Metric("replay.view.fresh", "gauge",
            "1 while the store answers and its last complete listing is at most max_view_age old "
-           "(decisions need it too)", lambda s: int(s["view_fresh"])),
-    Metric("replay.source.listings", "counter", "full listings of the source by the buffer's own poller",
-           lambda s: s["listings"]),
+           "(decisions need it too)", "view_fresh"),
+    Metric("replay.source.listings", "counter", "full listings of the source by the buffer's own poller", "listings"),
     Metric("replay.source.last_listing_seconds", "gauge", "seconds the last full listing of the source took",
-           lambda s: s["listing_seconds"]),
+           "listing_seconds"),
     # A counter of seconds: Prometheus shows it as replay_source_listing_seconds_total.
     Metric("replay.source.listing_seconds", "counter", "seconds spent in full listings of the source",
-           lambda s: s["listing_seconds_total"]),
+           "listing_seconds_total"),
     Metric("replay.source.listing_share", "gauge",
            "share of the wall clock spent in full listings of the source lately (bounded by listing_share)",
-           lambda s: s["listing_share"]),
+           "listing_share"),
     Metric("replay.source.watch_reads", "counter",
            "targeted reads of the keys a waiting decision waits on (a source without a change feed that can)",
-           lambda s: s["watch_reads"]),
+           "watch_reads"),
     Metric("replay.source.watch_listings", "counter",
-           "listings of the source brought forward by a change the watch saw", lambda s: s["watch_listings"]),
+           "listings of the source brought forward by a change the watch saw", "watch_listings"),
     Metric("replay.poller.source_switches", "counter",
            "restarts of the buffer's own poller on a replaced store (switch_source; not counted in restarts)",
-           lambda s: s["source_switches"]),
+           "source_switches"),
 )
 
 
 def metrics_of(stats: BufferStats) -> dict[str, float]:
     """``{dotted name: number}`` for every metric in :data:`METRICS`."""
-    return {metric.name: float(metric.read(stats)) for metric in METRICS}
+    return {metric.name: metric.read(stats) for metric in METRICS}

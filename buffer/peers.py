@@ -4,9 +4,8 @@ No sockets here. :class:`PeerTable` takes what arrived (an identity and its
 frames) and the time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
 and returns the control messages to send back as :class:`Send` actions; the
 thread that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
-Each peer's state is a :class:`~buffer.peer_state.Peer`; the SYNCs asked of
-the pollers and not yet answered are kept in a
-:class:`~buffer.sync_requests.SyncRequests`.
+Each peer's state is a :class:`Peer`; the SYNCs asked and not yet answered
+are kept in :class:`SyncRequests`.
 
 Recovery rules (a stream must converge to its source, whatever was lost):
 
@@ -18,7 +17,7 @@ Recovery rules (a stream must converge to its source, whatever was lost):
 - heartbeats that carry ``last_seq`` are answered with ACK, which tells a
   poller on a new connection that it was admitted (:mod:`poller.link`), and
   a ``last_seq`` that does not match what was received is a gap;
-- an unanswered RESYNC is asked for again every :data:`RESYNC_RETRY_S`
+- an unanswered RESYNC or SYNC is asked for again every second
   (:meth:`PeerTable.tick`), because a request sent while the route was down
   is lost.
 """
@@ -26,24 +25,24 @@ Recovery rules (a stream must converge to its source, whatever was lost):
 from __future__ import annotations
 
 import logging
+import operator
 import time
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
 
 from buffer.partitions import PartitionStore
-from buffer.peer_state import Peer
 from buffer.ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
-from buffer.sync_requests import SyncRequests
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Stop, Watch
+from poller.wire.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Sync, Watch
 from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
 from poller.wire.tags import unpack_many_tags
 
-__all__ = ["PeerTable", "Send", "RESYNC_RETRY_S"]
+__all__ = ["PeerTable", "Peer", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
 
 logger = logging.getLogger(__name__)
 
-#: How long a RESYNC may stay unanswered before it is asked for again.
-RESYNC_RETRY_S = 1.0
+#: How long a RESYNC or a SYNC may stay unanswered before it is asked for again.
+RESYNC_RETRY_S = SYNC_RETRY_S = 1.0
 
 
 class Send(NamedTuple):
@@ -57,6 +56,129 @@ class Send(NamedTuple):
 
 def _snapshot_start(message: Message) -> bool:
     return isinstance(message.body, Delta) and message.body.full and message.body.reset
+
+
+@dataclass
+class ListingFigures:
+    """What a peer's full listings of its source cost (poller.duty), summed over its poller processes.
+
+    Each process counts from 0, so the totals of the earlier ones are kept: counters never go back.
+    """
+
+    listings: int = 0
+    total_s: float = 0.0
+    last_s: float = 0.0
+    share: float = 0.0
+    # The watch (poller.polling): targeted reads of waited-on keys, and listings a change seen there brought forward.
+    watch_reads: int = 0
+    watch_listings: int = 0
+    epoch: int | None = None
+    # (listings, total_s, watch_reads, watch_listings) of the earlier processes, and of the one now.
+    _earlier: tuple[float, ...] = (0, 0.0, 0, 0)
+    _now: tuple[float, ...] = (0, 0.0, 0, 0)
+
+    def report(self, epoch: int, listings: int, last_s: float, total_s: float, share: float,
+               watch_reads: int = 0, watch_listings: int = 0) -> None:
+        """One heartbeat's figures, from poller process ``epoch``."""
+        if epoch != self.epoch:
+            self._earlier = tuple(map(operator.add, self._earlier, self._now))
+            self.epoch, self._now = epoch, (0, 0.0, 0, 0)
+        # max(): a heartbeat never takes a counter back.
+        self._now = tuple(map(max, self._now, (listings, total_s, watch_reads, watch_listings)))
+        listed, self.total_s, reads, brought = map(operator.add, self._earlier, self._now)
+        self.listings, self.watch_reads, self.watch_listings = int(listed), int(reads), int(brought)
+        self.last_s, self.share = last_s, share
+
+
+@dataclass
+class Peer:
+    """One stream's state; ``stream`` is its name (the identity the poller connects with)."""
+
+    stream: str
+    epoch: int | None = None
+    next_seq: int = 0
+    awaiting_resync: bool = False
+    contiguous: bool = False
+    bye_seq: int | None = None
+    pid: int | None = None
+    rss: int = 0
+    polls_applied: int = 0
+    snapshots_applied: int = 0
+    # When the listing of its last complete poll began, on this process's time.monotonic() (None: no poll yet):
+    # the poller's stamp, never later than the poll was applied (_on_delta).
+    listed_at: float | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    resync_asked_at: float = 0.0
+    stale: bool = False
+    # The source-stall count this peer last reported, and in which epoch (each poller process counts from 0).
+    stalls: int = 0
+    stalls_epoch: int | None = None
+    # Keys this peer leaves out of the stream (poller.quarantine), as its last heartbeat said.
+    quarantined: int = 0
+    quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
+    listing: ListingFigures = field(default_factory=ListingFigures)
+
+    def report(self, epoch: int, beat: Heartbeat) -> int:
+        """Keep what heartbeat ``beat`` of poller process ``epoch`` says; return the source stalls new in it."""
+        self.rss = beat.rss
+        # None: a field older pollers do not send.
+        if beat.quarantined is not None:
+            self.quarantined = beat.quarantined
+            self.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
+        if beat.listings is not None:
+            self.listing.report(epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
+                                beat.listing_share or 0.0, beat.watch_reads or 0, beat.watch_listings or 0)
+        stalls = beat.source_stalls
+        if stalls is None:
+            return 0
+        if self.stalls_epoch != epoch:
+            self.stalls_epoch, self.stalls = epoch, 0
+        if stalls <= self.stalls:
+            return 0
+        new, self.stalls = stalls - self.stalls, stalls
+        return new
+
+
+class SyncRequests:
+    """Per poller identity: the highest SYNC token not yet answered, and the partitions every SYNC names.
+
+    ``ReplayBuffer.sync()`` (:mod:`buffer.sync`) asks for a listing through
+    the receiver thread. A SYNC sent while the route to the poller was down
+    is lost, so the highest token asked is kept until a complete poll
+    answers it, and sent again every :data:`SYNC_RETRY_S` meanwhile.
+    """
+
+    def __init__(self) -> None:
+        # identity -> (highest SYNC token asked of it and not yet answered, when it was last sent).
+        self._asked: dict[bytes, tuple[int, float]] = {}
+        self._partitions: dict[bytes, list[str]] = {}
+
+    def ask(self, identity: bytes, token: int, now: float) -> Sync:
+        """The SYNC to send ``identity`` at ``now``: ``token``, or a higher one it was asked and has not answered."""
+        wanted = self._asked.get(identity)
+        token = max(token, wanted[0]) if wanted else token
+        self._asked[identity] = (token, now)
+        return Sync(token, self._partitions.get(identity))
+
+    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
+        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
+
+        The poller lists them before it answers the token, whichever of its
+        processes gets it. Called directly, not through the receiver's
+        command queue: the dict entry is replaced in one GIL-atomic step.
+        """
+        held = self._partitions.get(identity, [])
+        self._partitions[identity] = held + sorted(set(partition_ids) - set(held))
+
+    def due(self, now: float, answered: Callable[[bytes], int]) -> list[tuple[bytes, int]]:
+        """The (identity, token) requests to send again at ``now``; those ``answered(identity)`` reached are dropped."""
+        due = []
+        for identity, (token, sent_at) in list(self._asked.items()):
+            if answered(identity) >= token:
+                del self._asked[identity]
+            elif now - sent_at > SYNC_RETRY_S:
+                due.append((identity, token))
+        return due
 
 
 class PeerTable:
@@ -116,29 +238,23 @@ class PeerTable:
         return sorted(p.stream for p in list(self.peers.values())
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
 
-    def control(self, identity: bytes, kind: Kind, reason: str) -> Send:
-        """A STOP or RESYNC for ``identity``, stamped with its current epoch."""
-        peer = self.peers.get(identity)
-        known = peer is not None and peer.epoch is not None
-        body = Stop(reason) if kind is Kind.STOP else Resync(reason, peer.next_seq - 1 if peer and known else None)
-        return Send(identity, kind, peer.epoch if peer and peer.epoch is not None else 0, body)
-
     def sync(self, identity: bytes, token: int, now: float) -> Send:
         """A SYNC for ``identity``: poll at once, and tag that listing with ``token``.
 
-        Sent again by :meth:`tick` every :data:`~buffer.sync_requests.SYNC_RETRY_S`
+        Sent again by :meth:`tick` every :data:`SYNC_RETRY_S`
         until a complete poll answers it, so a request lost on a reconnect is
         not waited on for ever.
         """
-        body = self.syncs.ask(identity, token, now)
-        peer = self.peers.get(identity)
-        return Send(identity, Kind.SYNC, peer.epoch if peer and peer.epoch is not None else 0, body)
+        return Send(identity, Kind.SYNC, self._epoch(identity), self.syncs.ask(identity, token, now))
 
     def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
         """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
+        return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds))
+
+    def _epoch(self, identity: bytes) -> int:
+        """The epoch a control message to ``identity`` is stamped with (0 before it spoke)."""
         peer = self.peers.get(identity)
-        return Send(identity, Kind.WATCH, peer.epoch if peer and peer.epoch is not None else 0,
-                    Watch(partition, keys, seconds))
+        return peer.epoch if peer is not None and peer.epoch is not None else 0
 
     # -- time -------------------------------------------------------------------
 
@@ -299,7 +415,8 @@ class PeerTable:
         peer.resync_asked_at = now
         if not retry:  # counts the resyncs needed, not the requests repeated while one is awaited
             self.resyncs_requested += 1
-        return self.control(identity, Kind.RESYNC, why)
+        last_seq = peer.next_seq - 1 if peer.epoch is not None else None
+        return Send(identity, Kind.RESYNC, self._epoch(identity), Resync(why, last_seq))
 
     # -- per kind -----------------------------------------------------------------
 

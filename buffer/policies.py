@@ -3,11 +3,11 @@
 A policy (:mod:`buffer.steps` for ``ReplayBuffer.sample``, :mod:`buffer.groups`
 for verl's groups) keeps its own index of the keys it samples from, updated
 from :meth:`Policy.on_change`, which the :class:`~buffer.partitions.PartitionStore`
-calls under its lock for every key that changed. :class:`AttachedPolicies` is
-how the store makes those calls: in the order the policies were attached, the
-keys a snapshot adds and the keys a poll changes in one call each to a policy
-that takes them so (:class:`BulkPolicy`), and a policy that raises contained,
-so a bug in one fails the store's waits instead of the receiver thread.
+calls under its lock for every key that changed. :class:`AttachedPolicies`
+makes those calls in the order the policies were attached, a snapshot's or
+a poll's keys in one call to a policy that takes them so (:class:`BulkPolicy`),
+and contains a policy that raises: a bug in one fails the store's waits
+instead of the receiver thread.
 """
 
 from __future__ import annotations
@@ -30,16 +30,13 @@ class Policy(Protocol):
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         """Called with the store lock held after one key changed (old None: added; new None: dropped).
 
-        Must be cheap and must not call back into the store. Dicts must not be mutated.
+        Must be cheap, must not call back into the store, must not mutate the dicts.
         """
 
 
 class BulkPolicy(Policy, Protocol):
-    """A policy that can also take many keys' changes in one call (each method optional).
-
-    A poll's thousands of changed keys then cost the policy a few C-level
-    passes instead of a Python call each.
-    """
+    """A policy that can also take many keys' changes in one call (each method optional): a poll's
+    thousands of changed keys then cost a few C-level passes instead of a Python call each."""
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """Like :meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order, in one call."""
@@ -49,10 +46,9 @@ class BulkPolicy(Policy, Protocol):
 
 
 class AttachedPolicies:
-    """The policies attached to one store, told of each change in the order they were attached.
+    """The policies attached to one store, told of each change (under its lock) in the order attached.
 
-    Called with the store's lock held. ``failure`` is the first error a
-    policy raised (``None``: none did); the store raises it to its waiters.
+    ``failure`` is the first error a policy raised; the store raises it to its waiters.
     """
 
     def __init__(self) -> None:
@@ -72,31 +68,25 @@ class AttachedPolicies:
 
     def added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """Tell every policy of keys new to the store, at once if it can take them so (a snapshot's thousands)."""
-        if not keys:
-            return
-        for policy in self._policies:
-            on_added = getattr(policy, "on_added", None)
-            if on_added is None:
-                for key, new in zip(keys, tags):
-                    self._tell(policy, partition_id, key, None, new)
-                continue
-            try:
-                on_added(partition_id, keys, tags)
-            except Exception as exc:
-                self._failed(policy, partition_id, keys[0], exc)
+        self._bulk("on_added", (tags,), partition_id, keys, [None] * len(keys), tags)
 
     def replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """Tell every policy that keys it held changed, at once if it can take them so (a poll's thousands)."""
+        self._bulk("on_replaced", (olds, news), partition_id, keys, olds, news)
+
+    def _bulk(self, method: str, arguments: tuple[list[Tags], ...], partition_id: str, keys: list[str],
+              olds: Sequence[Tags | None], news: list[Tags]) -> None:
+        """``method(partition_id, keys, *arguments)`` of each policy that has it, else on_change key by key."""
         if not keys:
             return
         for policy in self._policies:
-            on_replaced = getattr(policy, "on_replaced", None)
-            if on_replaced is None:
+            in_bulk = getattr(policy, method, None)
+            if in_bulk is None:
                 for key, old, new in zip(keys, olds, news):
                     self._tell(policy, partition_id, key, old, new)
                 continue
             try:
-                on_replaced(partition_id, keys, olds, news)
+                in_bulk(partition_id, keys, *arguments)
             except Exception as exc:
                 self._failed(policy, partition_id, keys[0], exc)
 
@@ -107,8 +97,7 @@ class AttachedPolicies:
             self._failed(policy, partition_id, key, exc)
 
     def _failed(self, policy: Policy, partition_id: str, key: str, exc: Exception) -> None:
-        # A policy bug must not kill the receiver thread (which would leave
-        # every wait hanging): it fails the store, and waiters see it.
+        # A policy bug must not kill the receiver thread (every wait would hang): waiters see it instead.
         logger.error("policy %r failed on %r/%r", policy, partition_id, key, exc_info=exc)
         error = RuntimeError(f"sampling policy {type(policy).__name__} failed: {exc!r}")
         error.__cause__ = exc
@@ -119,8 +108,7 @@ def positions_that_differ(olds: Sequence[Mapping[str, Any]], news: Sequence[Mapp
                           names: Sequence[str]) -> Sequence[int]:
     """The positions whose old and new tags differ in any of the tags ``names`` (a tag absent reads ``None``).
 
-    In C-level passes (1000 keys, two names: ~0.15 us a key); a value whose
-    ``==`` is not a plain bool puts every position in.
+    In C-level passes (~0.15 us a key); a value whose ``==`` is not a plain bool puts every position in.
     """
     positions = range(len(olds))
     try:

@@ -1,9 +1,18 @@
 """``PollerProcess``: start a poller process, wait for READY, stop it for sure.
 
-Start-up is a handshake with a deadline over a private pipe (the *lifeline*):
-the child builds its source, connects to the buffer's endpoint and answers
-``Started`` — or ``StartFailed`` with its traceback. Closing is one
-straight-line ladder with named stages::
+The child is a fresh interpreter, started without ``multiprocessing``::
+
+    parent                                   child: python -m poller.child FD NAME
+                                              forks its watchdog first
+    Channel.pair() ── child end (pass_fds) ─▶ sys.path = the parent's (from the environment)
+    os.pipe() ─────── write end (pass_fds) ─▶ held open until the process ends
+    send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
+
+Start-up is a handshake with a deadline over that private pipe (the
+*lifeline*): the child builds its source, connects to the buffer's endpoint
+and answers ``Started``, or ``StartFailed`` with its traceback. Pickle
+crosses only this pipe, from the parent to its own child; the ZeroMQ stream
+never carries it. Closing is one straight-line ladder with named stages::
 
     STOP ──wait──▶ "graceful"
       └─▶ terminate() ──wait──▶ "terminated"
@@ -17,23 +26,27 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
-from typing import Any, Callable, Literal, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
 
-from buffer.launch import ExecProcess, wait
 from poller.wire import lifeline
 from poller.wire.arguments import check_seconds, check_worker_config
 from poller.wire.config import WorkerConfig
 from poller.wire.errors import PollerError, PollerStartupError, RemoteTraceback
+from poller.wire.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE, Channel
 from poller.wire.sources import SourceSpec, describe_spec
 
-__all__ = ["PollerProcess", "ShutdownReport", "Stage"]
+__all__ = ["PollerProcess", "ShutdownReport", "Stage", "wait"]
 
 logger = logging.getLogger(__name__)
 
-# "closing": returned only to a close() re-entered (from a signal handler)
-# in the thread whose close() it interrupted; that close goes on.
+# "closing": returned only to a close() re-entered by a signal handler in the closing thread.
 Stage = Literal["graceful", "terminated", "killed", "already-exited", "no-poller", "closing"]
 
 
@@ -54,17 +67,31 @@ class ShutdownReport(NamedTuple):
     drained: bool
 
 
-# Bound for the last stage: after SIGKILL only an unkillable (D-state) process
-# can take longer than this to be reaped.
+# After SIGKILL only an unkillable (D-state) process takes longer than this to be reaped.
 _KILL_REAP_TIMEOUT = 5.0
+
+
+def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
+    """The objects (fds or objects with ``fileno()``) readable, EOF or failed within ``timeout``.
+
+    Like ``multiprocessing.connection.wait``, without importing it.
+    """
+    fds = {(o if isinstance(o, int) else o.fileno()): o for o in objects}
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    return [fds[fd] for fd, _ in poller.poll(ms)]
 
 
 class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
-    The child is a fresh interpreter running only the poller (see
-    :mod:`buffer.launch`): safe in processes that already hold threads or
-    CUDA, and it never re-imports the trainer's ``__main__``.
+    The child is a fresh interpreter running only the poller: safe in
+    processes that already hold threads or CUDA. ``multiprocessing``'s
+    ``spawn`` is as safe, but its child re-imports ``multiprocessing``,
+    unpickles the parent's preparation data and re-runs the trainer's
+    ``__main__`` (a script importing torch costs seconds there).
 
     Args:
         source: ``"package.module:attr"`` or a picklable callable (see
@@ -83,14 +110,18 @@ class PollerProcess:
         self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
                                    source_kwargs=dict(source_kwargs or {}), interval=interval, **options)
         check_worker_config(self.config)
-        self._process: ExecProcess | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        # The read end of a pipe whose only write end the child holds: readable as the child's fds are
+        # released at exit. A pidfd (Linux 5.3+) is readable once the child can be reaped, a little later.
+        self._sentinel: int | None = None
+        self._pidfd: int | None = None
+        self._fds_closed = False
         self._conn: lifeline.Channel | None = None
         self._lock = threading.Lock()
         self._report: ShutdownReport | None = None
         self._close_requested = False
         self._fatal: RemoteTraceback | None = None
         self.epoch: int | None = None
-        self._pid: int | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self._report else ("running" if self.is_alive() else "not running")
@@ -100,28 +131,28 @@ class PollerProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._pid
+        return self._popen.pid if self._popen is not None else None
 
     @property
     def sentinel(self) -> int:
         """A file descriptor that becomes readable when the process ends."""
-        if self._process is None:
+        if self._conn is None:
             raise PollerError("the poller has not been started")
-        return self._process.sentinel
+        if self._fds_closed or self._sentinel is None:
+            raise RuntimeError(f"poller child {self.name}: no sentinel (not started, or closed)")
+        return self._sentinel
 
     @property
     def exitcode(self) -> int | None:
-        if self._process is None:
-            return None
-        return self._process.exitcode
+        return self._popen.poll() if self._popen is not None else None
 
     def is_alive(self) -> bool:
-        return self._process is not None and self._process.is_alive()
+        return self._popen is not None and self._popen.poll() is None
 
     def join(self, timeout: float | None = None) -> int | None:
         """Wait up to ``timeout`` for the process to end; return its exit code."""
-        if self._process is not None and self._report is None:
-            self._process.join(timeout)
+        if self._report is None:
+            self._reap(timeout)
         return self.exitcode
 
     # -- start ------------------------------------------------------------------
@@ -130,31 +161,26 @@ class PollerProcess:
         """Spawn the child and wait until it says READY.
 
         ``abort_fd`` becoming readable gives up the wait at once (the child
-        is killed): how the thread that owns this process lets a close
-        request cut a start short.
+        is killed): how a close request cuts a start short.
 
         Raises:
             PollerStartupError: the child failed (its traceback is the
-                ``__cause__``), died, or gave no READY within ``timeout``.
-                The child is gone when this is raised. Its ``unavailable``
-                is true when the source could not reach its store (the
-                factory raised ``ConnectionError`` or ``TimeoutError``) or
+                ``__cause__``), died, or gave no READY within ``timeout``;
+                it is gone. ``unavailable`` is true when the source could not
+                reach its store (``ConnectionError``, ``TimeoutError``) or
                 gave no READY in time: trying again later may work.
             ValueError: ``timeout`` is not a finite number of seconds > 0.
         """
         timeout = check_seconds("timeout", timeout)
-        if self._process is not None:
+        if self._conn is not None:
             raise PollerError("a PollerProcess can be started only once")
-        parent_conn, child_conn = lifeline.Channel.pair()
-        process = self._process = ExecProcess(self.config, name=f"poller:{self.name}")
-        self._conn = parent_conn
+        self._conn, child_conn = lifeline.Channel.pair()
         try:
-            process.start_with(child_conn, parent_conn)
+            self._spawn(child_conn)
         except BaseException:
             child_conn.close()
             self._discard()
             raise
-        self._pid = process.pid
         # The parent must not hold the child's end, or it would never see EOF.
         child_conn.close()
         try:
@@ -164,11 +190,54 @@ class PollerProcess:
             raise
         logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
 
+    def _spawn(self, child_end: Channel) -> None:
+        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration.
+
+        Raises:
+            pickle.PicklingError, TypeError, AttributeError: the configuration
+                (a callable source) cannot be pickled; nothing was started.
+        """
+        assert self._conn is not None
+        try:
+            payload = pickle.dumps(self.config, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            # The same type, saying what could not be pickled: Python 3.13's own message no longer does.
+            raise type(exc)(f"the poller's configuration cannot be pickled for its process (a callable "
+                            f"source must be importable by name, or be given as a spec string): {exc}") from exc
+        sentinel_r, sentinel_w = os.pipe()
+        # -P (3.11+): no current directory in front of the parent's path.
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        argv = [sys.executable, *safe_path, "-m", "poller.child", str(child_end.fileno()), f"poller:{self.name}"]
+        path = os.pathsep.join(sys.path)
+        env = dict(os.environ, PYTHONPATH=path, **{PATH_VARIABLE: path})
+        if "PYTHONPATH" in os.environ:
+            env[PATH_VARIABLE + "_PYTHONPATH"] = os.environ["PYTHONPATH"]  # restored in the child
+        env.pop(CLEANUP_VARIABLE, None)
+        if self.config.orphan_cleanup:
+            env[CLEANUP_VARIABLE] = self.config.orphan_cleanup  # for the watchdog, forked before the config is read
+        try:
+            self._popen = subprocess.Popen(argv, pass_fds=(child_end.fileno(), sentinel_w),
+                                           stdin=subprocess.DEVNULL, close_fds=True, env=env)
+        except BaseException:
+            os.close(sentinel_r)
+            raise
+        finally:
+            os.close(sentinel_w)
+        self._sentinel = sentinel_r
+        try:  # our own unreaped child: its pid cannot be recycled yet
+            self._pidfd = os.pidfd_open(self._popen.pid)
+        except (AttributeError, OSError):  # not Linux, a kernel before 5.3, or a sandbox refusing it
+            pass
+        try:
+            self._conn.send_bytes(payload)
+        except OSError:
+            pass  # the child died at once; the start-up wait reports it
+
     def _await_ready(self, timeout: float, abort_fd: int | None = None) -> None:
-        assert self._conn is not None and self._process is not None
+        assert self._conn is not None
         deadline = time.monotonic() + timeout
         spec = describe_spec(self.config.source)
-        sentinel = self._process.sentinel  # read once: a concurrent close() may close the process object
+        sentinel = self.sentinel  # read once: a concurrent close() may release it
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -200,36 +269,29 @@ class PollerProcess:
                 self._died_starting(spec)
 
     def _died_starting(self, spec: str) -> None:
-        # A concurrent close() reaps the child itself: reaping it here too,
-        # from a second thread, could leave that close() without the exit
-        # status (its waitpid fails) and have it escalate against a dead pid.
+        # A concurrent close() reaps the child itself: reaped here too, that close() could miss the
+        # exit status (its waitpid fails) and escalate against a dead pid.
         if self._close_requested:
             raise PollerStartupError(f"poller for {spec} was closed while starting")
-        assert self._process is not None
-        self._process.join(1.0)
-        raise PollerStartupError(f"poller for {spec} died during start-up (exit code {self._process.exitcode})")
+        self._reap(1.0)
+        raise PollerStartupError(f"poller for {spec} died during start-up (exit code {self.exitcode})")
 
     def _discard(self) -> None:
         """Undo a failed start: the child and the pipe are gone afterwards."""
         with self._lock:
-            if self._report is None:  # else a concurrent close() already did it
-                self._discard_locked()
-
-    def _discard_locked(self) -> None:
-        process = self._process
-        if process is not None and process.pid is not None:
-            if wait([process.sentinel], 0):
-                process.join(_KILL_REAP_TIMEOUT)
-            if process.is_alive():
-                process.kill()
-            process.join(_KILL_REAP_TIMEOUT)
-        if self._conn is not None:
-            self._conn.close()
-        exitcode = process.exitcode if process is not None and process.pid is not None else None
-        stage: Stage = "killed" if exitcode == -9 else "already-exited"
-        self._report = ShutdownReport(stage, 0.0, exitcode, False)
-        if exitcode is not None and process is not None:
-            process.close()
+            if self._report is not None:  # a concurrent close() already did it
+                return
+            if self._popen is not None:
+                if wait([self.sentinel], 0):
+                    self._reap(_KILL_REAP_TIMEOUT)
+                self._signal(signal.SIGKILL)
+                self._reap(_KILL_REAP_TIMEOUT)
+            if self._conn is not None:
+                self._conn.close()
+            exitcode = self.exitcode
+            self._report = ShutdownReport("killed" if exitcode == -9 else "already-exited", 0.0, exitcode, False)
+            if exitcode is not None:
+                self._release()
 
     # -- while running ------------------------------------------------------------
 
@@ -249,12 +311,11 @@ class PollerProcess:
 
     def close(self, timeout: float = 5.0, *,
               wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
-        """Stop the child: STOP, then ``terminate()``, then ``kill()``.
+        """Stop the child: STOP, then ``terminate()``, then ``kill()``, the first two waiting up to ``timeout``.
 
-        Each of the first two stages waits up to ``timeout`` seconds.
-        ``wait_drained(seconds)``, when given, is asked after the child has
-        exited whether everything it sent was applied. Idempotent and
-        thread-safe: every caller gets the same report.
+        ``wait_drained(seconds)`` is asked after the child has exited whether
+        everything it sent was applied. Idempotent and thread-safe: every
+        caller gets the same report.
 
         Raises:
             ValueError: ``timeout`` is not a finite number of seconds >= 0.
@@ -268,32 +329,31 @@ class PollerProcess:
 
     def _close_ladder(self, timeout: float, wait_drained: Callable[[float], bool] | None) -> ShutdownReport:
         started = time.monotonic()
-        process = self._process
-        if process is None:
+        if self._popen is None:
             return ShutdownReport("no-poller", 0.0, None, False)
         stage: Stage
-        if wait([process.sentinel], 0):
+        if wait([self.sentinel], 0):
             # Its sentinel closes a moment before the child can be reaped.
-            process.join(_KILL_REAP_TIMEOUT)
-        if not process.is_alive():
+            self._reap(_KILL_REAP_TIMEOUT)
+        if not self.is_alive():
             stage = "already-exited"
         else:
             stage = "graceful"
             if self._conn is not None:
                 lifeline.send(self._conn, lifeline.StopRequest())
-            process.join(timeout)
-            if process.exitcode is None:
-                logger.warning("poller %s (pid %s) did not stop within %.3gs; terminating", self.name, process.pid,
+            self._reap(timeout)
+            if self.exitcode is None:
+                logger.warning("poller %s (pid %s) did not stop within %.3gs; terminating", self.name, self.pid,
                                timeout)
                 stage = "terminated"
-                process.terminate()
-                process.join(timeout)
-            if process.exitcode is None:
-                logger.warning("poller %s (pid %s) ignored SIGTERM for %.3gs; killing", self.name, process.pid, timeout)
+                self._signal(signal.SIGTERM)
+                self._reap(timeout)
+            if self.exitcode is None:
+                logger.warning("poller %s (pid %s) ignored SIGTERM for %.3gs; killing", self.name, self.pid, timeout)
                 stage = "killed"
-                process.kill()
-                process.join(_KILL_REAP_TIMEOUT)
-        exitcode = process.exitcode
+                self._signal(signal.SIGKILL)
+                self._reap(_KILL_REAP_TIMEOUT)
+        exitcode = self.exitcode
         drained = False
         if wait_drained is not None and stage in ("graceful", "terminated", "already-exited"):
             drained = wait_drained(max(0.05, min(1.0, timeout)))
@@ -301,15 +361,46 @@ class PollerProcess:
         if self._conn is not None:
             self._conn.close()
         if exitcode is not None:
-            process.close()  # releases the sentinel fd
+            self._release()
         else:
-            logger.error("poller %s (pid %s) survived SIGKILL for %ss", self.name, process.pid, _KILL_REAP_TIMEOUT)
+            logger.error("poller %s (pid %s) survived SIGKILL for %ss", self.name, self.pid, _KILL_REAP_TIMEOUT)
         report = ShutdownReport(stage, time.monotonic() - started, exitcode, drained)
         logger.debug("poller %s closed: %s", self.name, report)
         return report
 
+    def _reap(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` for the child to end, and reap it."""
+        if self._popen is None or self._popen.returncode is not None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # The pidfd is readable once the child is a zombie, so the reap below finds it at once; after the
+        # pipe (earlier), Popen.wait() polls with growing sleeps: 2.7 ms of an idle close() of 7.7 ms.
+        exit_fd = self._pidfd if self._pidfd is not None and not self._fds_closed else self.sentinel
+        if timeout is not None and not wait([exit_fd], timeout):
+            return
+        # Bounded: a child that closed its end of the sentinel itself has not exited at all.
+        try:
+            self._popen.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _signal(self, signum: int) -> None:
+        if self._popen is not None and self._popen.poll() is None:
+            try:
+                os.kill(self._popen.pid, signum)
+            except ProcessLookupError:
+                pass  # it just ended
+
+    def _release(self) -> None:
+        """Close the sentinel and the pidfd of the reaped child (idempotent)."""
+        if not self._fds_closed:
+            for fd in (self._sentinel, self._pidfd):
+                if fd is not None:
+                    os.close(fd)
+        self._fds_closed = True
+
     def __enter__(self) -> "PollerProcess":
-        if self._process is None:
+        if self._conn is None:
             self.start()
         return self
 

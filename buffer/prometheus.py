@@ -10,9 +10,8 @@ No server of ours: register the collector with the registry the trainer already 
     ...
     REGISTRY.unregister(collector)   # before or after rb.close(): a closed buffer reports nothing
 
-Each metric of :data:`buffer.metrics.METRICS` becomes one family, its dots turned into
-underscores (``replay.source.stalls`` -> ``replay_source_stalls_total``: counters end in
-``_total``), with the constant labels given here (e.g. ``{"trainer": "ppo-0"}``).
+Each metric of :data:`buffer.metrics.METRICS` becomes one family, dots turned into underscores
+(counters end in ``_total``), with the constant labels given (e.g. ``{"trainer": "ppo-0"}``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Rate-limited logging for what peers can make the trainer log.
 
 A peer decides how often the receiver logs a protocol error, a forwarded LOG
-or ERROR message, or a gap in its stream. :class:`LogLimiter` lets a burst
-through per category, then a steady trickle, and says how many records it
-dropped in the next one that passes, so a hostile or broken peer cannot
-flood the trainer's log while a real problem still shows.
+or ERROR, or a gap in its stream. :class:`LogLimiter` lets a burst through per
+category, then a trickle, and counts what it dropped in the next record that
+passes: a hostile peer cannot flood the log, and a real problem still shows.
 """
 
 from __future__ import annotations
@@ -23,9 +22,7 @@ def clamp_level(level: int) -> int:
     """A peer's log level, kept between DEBUG and ERROR.
 
     A peer claiming CRITICAL (or 50_000) must not outrank the trainer's own
-    errors; a level below DEBUG (0, negative) is not a level a handler
-    expects. Pollers forward from their ``poller_log_level`` on, WARNING by
-    default.
+    errors; a level below DEBUG is not one a handler expects.
     """
     return min(max(level, logging.DEBUG), logging.ERROR)
 
@@ -33,9 +30,8 @@ def clamp_level(level: int) -> int:
 class LogLimiter:
     """At most ``burst`` records per category at once, refilled at ``burst / per`` a second.
 
-    Categories are a few fixed names chosen by the code ("protocol", "log",
-    ...), never peer-supplied strings, so the state stays bounded. ``budgets``
-    gives some categories a ``(burst, per)`` of their own.
+    Categories are fixed names chosen by the code, never a peer's strings, so
+    the state stays bounded; ``budgets`` gives some a ``(burst, per)`` of their own.
     """
 
     def __init__(self, logger: logging.Logger, *, burst: int = 10, per: float = 60.0,

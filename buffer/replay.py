@@ -6,13 +6,9 @@
          │                                  ▲ policies: StepSampler (sample), ...
          │                                                   ▲ DELTA/HEARTBEAT/BYE
          └── _Core ── Supervisor thread ── PollerProcess ────┘ (child, DEALER)
-              close ─▶ (request)   (start, sentinel, restart or PollerCrashed, close ladder)
-                   ◀── report (future)
 
-The facade holds only ``_Core``; a finalizer closes the core when the facade
-is dropped or the interpreter exits, so nothing outlives a forgotten buffer.
-The child has one owner, :class:`~buffer.supervisor.Supervisor`: ``close()``
-asks it and waits for its answer.
+The facade holds only ``_Core`` (:mod:`buffer.core`), so a finalizer can
+close it when the facade is dropped: nothing outlives a forgotten buffer.
 """
 
 from __future__ import annotations
@@ -22,23 +18,14 @@ import weakref
 from typing import Any, Iterable, Mapping, TypeVar
 
 from buffer.access import check_bind
-from buffer.arguments import (
-    as_limits,
-    check_buffer_args,
-    check_items,
-    check_keys,
-    check_log_level,
-    check_partition,
-    check_sample,
-    check_stall_timeout,
-)
+from buffer.arguments import check_buffer_args, check_items, check_keys, check_partition, check_sample
 from buffer.core import _Core
 from buffer.errors import BufferClosed
 from buffer.metrics import BufferStats, collect_stats, metrics_of
 from buffer.process import ShutdownReport
 from buffer.seam import SamplingSeam
 from buffer.steps import BatchMeta
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare, check_optional_seconds, check_share
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare, check_optional_seconds
 from poller.wire.curve import CurveServer
 from poller.wire.protocol import Limits
 from poller.wire.sources import SourceSpec
@@ -50,20 +37,16 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-#: Seconds: the least ``max_view_age=None`` allows a view to age before ``sample()`` waits for a
-#: fresher one. Generous on purpose: it is the backstop for a poller that neither completes a
-#: poll nor reports a stall (a store that does not answer is caught sooner, at its first stalled
-#: or failed call); the slowest cycle measured, a TransferQueue of 1M keys listed within its
-#: share, is well under it.
+#: The least ``max_view_age=None`` lets a view age. Generous on purpose: the backstop for a poller
+#: that neither completes a poll nor reports a stall (a store that does not answer is caught at its
+#: first stalled or failed call); a TransferQueue of 1M keys listed within its share is well under it.
 DEFAULT_MAX_VIEW_AGE = 60.0
-#: With ``max_view_age=None``, a view may also be this many poll intervals old: a poller asked to
-#: list every 2 minutes is not waited for between two of its polls.
-_VIEW_AGE_POLLS = 3
 
 
 def default_max_view_age(poll_interval: float) -> float:
-    """What ``max_view_age=None`` bounds a view's age by: 60 s, or three poll intervals if longer."""
-    return max(DEFAULT_MAX_VIEW_AGE, _VIEW_AGE_POLLS * poll_interval)
+    """What ``max_view_age=None`` bounds a view's age by: 60 s, or three poll intervals if longer
+    (a poller asked to list every 2 minutes is not waited for between two of its polls)."""
+    return max(DEFAULT_MAX_VIEW_AGE, 3 * poll_interval)
 
 
 class ReplayBuffer:
@@ -76,9 +59,8 @@ class ReplayBuffer:
             pollers connecting to ``bind`` (and from :meth:`add`).
         source_kwargs: keyword arguments for the source factory.
         poll_interval: seconds from the start of one ``kv_list()`` to the
-            start of the next (a poll that takes longer is followed by a
-            pause of a tenth of ``poll_interval``; ``listing_share`` may
-            space expensive listings further).
+            start of the next (a longer poll is followed by a pause of a
+            tenth of it; ``listing_share`` may space listings further).
         bind: endpoint to bind; default a private ``ipc://`` path in a 0700
             directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
         start_timeout: seconds to wait for the poller's READY.
@@ -86,8 +68,8 @@ class ReplayBuffer:
         max_restarts: restarts of a dead poller within ``restart_window``
             seconds; the next death makes ``sample()`` raise
             :class:`~poller.PollerCrashed`. A restart refused because the
-            store cannot be reached uses none: it is tried again, with
-            backoff capped at 5 s, until the store answers.
+            store cannot be reached uses none: it is tried again (backoff
+            capped at 5 s) until the store answers.
         restart_window: seconds over which restarts are counted.
         curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key pair and
             the allowed poller public keys): only pollers holding an allowed
@@ -105,10 +87,9 @@ class ReplayBuffer:
         max_view_age: the oldest a view may be for :meth:`sample` to decide
             on it: seconds since the poller's last complete poll was applied.
             Past it, or while the store does not answer (a stalled or failed
-            call, a poller silent past ``stale_after``, until its next
-            complete poll), ``sample()`` waits, and its ``TimeoutError`` names
-            the store and for how long. ``None`` (the default): 60 s, or three
-            ``poll_interval`` if that is longer.
+            call, a poller silent past ``stale_after``), ``sample()`` waits,
+            and its ``TimeoutError`` names the store and for how long.
+            ``None``: 60 s, or three ``poll_interval`` if that is longer.
         poller_log_level: the level (name or number) from which the poller's
             log records are re-emitted in this process under the ``poller`` logger.
         listing_share: the most of the wall clock the poller spends in full
@@ -116,16 +97,10 @@ class ReplayBuffer:
             listing that took ``d`` seconds is followed by the next no sooner
             than ``max(poll_interval, d / listing_share)`` after it started;
             a ``sync()`` asked sooner is answered by that next listing. In
-            (0, 1]; 1 sets no bound. The default, 0.15 (verl's sampler's own
-            share at 100k TransferQueue keys), holds back only listings
-            longer than 0.15 x ``poll_interval``: a cheap store is listed
-            every ``poll_interval``. ``"verl"``: verl's sampler's cycle, the
-            next listing no sooner than 2 s + ``d`` + ``2p`` after the poll
-            that took the previous one is done (its listing, diff and
-            sending, ``p`` seconds after the listing), a share of
-            ``d / (2d + 3p + 2 s)``, as ``buffer.verl`` uses
-            (docs/using.md, "The listing share"). A call that stalls or
-            fails is not a listing: it never lengthens the next wait.
+            (0, 1]; 1 sets no bound. The default, 0.15, is verl's sampler's
+            own share at 100k TransferQueue keys. ``"verl"``: verl's
+            sampler's cycle, as ``buffer.verl`` uses (docs/using.md, "The
+            listing share"). A call that stalls or fails is not a listing.
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
@@ -143,13 +118,9 @@ class ReplayBuffer:
                  stall_timeout: float | None = 30.0, max_view_age: float | None = None,
                  poller_log_level: int | str = "WARNING",
                  listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
-        resolved_limits = as_limits(limits)
-        check_buffer_args(poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after,
-                          curve, resolved_limits)
-        poller_options = {"stall_timeout": check_stall_timeout(stall_timeout),
-                          "log_level": check_log_level(poller_log_level),
-                          "listing_share": check_share("listing_share", listing_share)}
-        check_optional_seconds("max_view_age", max_view_age)
+        resolved_limits, poller_options = check_buffer_args(
+            poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after, curve, limits,
+            stall_timeout, max_view_age, poller_log_level, listing_share)
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
@@ -224,11 +195,10 @@ class ReplayBuffer:
         """Read your writes: return once a listing that began after this call has been applied.
 
         Asks the buffer's own poller and every standalone poller streaming to
-        the buffer for a poll at once (their next polls are not waited for),
-        so everything written to their stores before the call is reflected
-        when this returns. Several concurrent calls may be answered by one
-        poll. A standalone poller that goes silent past ``stale_after`` or
-        says BYE meanwhile is not waited for.
+        it for a poll at once, so everything written to their stores before
+        the call is reflected when this returns. Several concurrent calls may
+        be answered by one poll. A standalone poller that goes silent past
+        ``stale_after`` or says BYE meanwhile is not waited for.
 
         Raises:
             TimeoutError: no such listing within ``timeout`` seconds (the
@@ -247,8 +217,7 @@ class ReplayBuffer:
 
         For a source built with a ``partition_ids`` list (the TransferQueue
         source): the listing that answers the next :meth:`sync` includes
-        them, and so does every later one, also after a poller restart.
-        A source that lists every partition is left as it is.
+        them, and so does every later one, also after a restart.
 
         Raises:
             TypeError: ``partition_ids`` is one string, or holds a non-str.
@@ -269,15 +238,14 @@ class ReplayBuffer:
             rb.switch_source(transferqueue.source_kwargs(tq.init(...)))
 
         Keys not given keep their values. The poller is closed (the ladder of
-        :meth:`close`, ``close_timeout`` per stage) and a new one starts on the
-        merged arguments. That is no crash: it uses no restart budget
-        (``stats()["source_switches"]`` counts it, ``restarts`` does not), and
-        a new poller refused because its store cannot be reached yet is tried
-        again with backoff, as a restart is. From the return on, no decision
-        (:meth:`sample`, a verl sampler's) is made until the new poller's first
-        complete listing is applied, which drops every key the old store
-        listed and the new one does not: no view mixes the two. Tags given to
-        :meth:`add` and keys given to :meth:`remove` stay as they were.
+        :meth:`close`) and a new one starts on the merged arguments. That is
+        no crash: it uses no restart budget (``stats()["source_switches"]``
+        counts it), and a new poller refused because its store cannot be
+        reached yet is tried again with backoff. From the return on, no
+        decision is made until the new poller's first complete listing is
+        applied, which drops every key the old store listed and the new one
+        does not: no view mixes the two. What :meth:`add` and :meth:`remove`
+        did stays.
 
         Returns:
             How the old poller ended (its close report).

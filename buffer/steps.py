@@ -5,9 +5,6 @@ and keeps, per partition, the keys ``"running"`` per step and the keys
 ``"success"`` (per step and overall) with their arrival numbers, so that a
 check of ``sample()`` costs what its answer holds, not the partition's size.
 :class:`StepSampler` waits on the store for a batch those indexes allow.
-
-Every index maps to atomic values (ints, or sets of strs), so the garbage
-collector has nothing of the store's to walk.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from buffer.seam import SamplingSeam
 from poller.wire.vocabulary import RUNNING, SUCCESS, Tags
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]
-
 
 
 class BatchMeta(NamedTuple):
@@ -52,13 +48,11 @@ def _classify(tags: Mapping[str, Any] | None) -> tuple[Any, Any]:
 
 @dataclass
 class _Partition:
-    # Every key's arrival number has one home: ``success`` for a "success" key,
-    # ``arrival`` for any other. A snapshot of 1M results then fills two dicts
-    # of a million (``success`` and its step's), not three.
+    # Every key's arrival number has one home: ``success`` for a "success" key, ``arrival`` for any
+    # other (a snapshot of 1M results fills two dicts of a million, not three).
     arrival: dict[str, int]
-    # Keys by step as dicts of None, not sets: a dict of atomic values is not
-    # tracked by the garbage collector, a set always is (1M running keys: ~64 ms
-    # added to every full collection).
+    # Dicts of None, not sets: a dict of atomic values is not tracked by the garbage collector, a set
+    # always is (1M running keys: ~64 ms added to every full collection).
     running_by_step: dict[Any, dict[str, None]]
     success_by_step: dict[Any, dict[str, int]]
     success: dict[str, int]
@@ -91,9 +85,8 @@ class StepIndex:
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """:meth:`on_change` of each key new to the store, in one call.
 
-        Keys are grouped by (status, step) and each group's indexes are
-        updated in C (``dict.update``), where a call per key cost ~4 us of
-        dict growth and calls (a 1M-key snapshot: seconds of the receiver's time).
+        Keys are grouped by (status, step) and each group's indexes updated in
+        C (``dict.update``): a call per key cost ~4 us (a 1M-key snapshot: seconds).
         """
         part = self.parts.get(partition_id)
         if part is None:
@@ -137,9 +130,8 @@ class StepIndex:
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """:meth:`on_change` of each key held before, in one call.
 
-        A poll's changed keys mostly keep their step and status (a reward
-        filled in, a score bumped): those are found in C-level passes and
-        cost nothing more; the others are re-indexed one by one.
+        A poll's changed keys mostly keep their step and status (a reward filled in): those are found in
+        C-level passes and cost nothing more; the others are re-indexed one by one.
         """
         for i in positions_that_differ(olds, news, ("status", "global_steps")):
             self.on_change(partition_id, keys[i], olds[i], news[i])

@@ -1,16 +1,11 @@
 """The receiver: one thread that owns the buffer's ROUTER socket.
 
 It moves frames between the socket and the peer state machine
-(:class:`~buffer.peers.PeerTable`: decoding, epochs, sequence numbers,
-resync, liveness, eviction, applying deltas to the store) and sends the
-control messages the state machine returns. Other threads talk to it only
-through a command queue and a wake-up pipe, so the socket is used by the
-thread that created it alone.
-
-Hostile input is bounded: decoding by :class:`~poller.wire.protocol.Limits`, the
-per-peer state by ``Limits.max_peers``, log output by
-:class:`~buffer.ratelimit.LogLimiter`, and with CURVE a peer without an
-allowed key never gets a frame to the decoder (:mod:`buffer.access`).
+(:class:`~buffer.peers.PeerTable`) and sends the messages that returns.
+Other threads reach it only through a command queue and a wake-up pipe, so
+the socket is used by the thread that created it alone. Hostile input is
+bounded by :class:`~poller.wire.protocol.Limits`, the rate-limited log
+(:mod:`buffer.ratelimit`) and, with CURVE, the gate (:mod:`buffer.access`).
 """
 
 from __future__ import annotations
@@ -20,16 +15,15 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
 from buffer.access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
 from buffer.partitions import PartitionStore
-from buffer.peer_state import Peer
-from buffer.peers import PeerTable, Send
+from buffer.peers import Peer, PeerTable, Send
 from poller.wire.curve import CurveServer
-from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, encode_body, encode_header
+from poller.wire.protocol import DEFAULT_LIMITS, Limits, encode_body, encode_header
 from poller.wire.wakeup import WakePipe
 
 __all__ = ["StreamReceiver"]
@@ -39,9 +33,8 @@ logger = logging.getLogger(__name__)
 class StreamReceiver:
     """Binds ``endpoint`` and applies what pollers send to ``store``.
 
-    ``curve`` makes the socket a CURVE server admitting only its allowed
-    keys; ``pinned`` names peers never forgotten to make room for others (the
-    buffer's own poller).
+    ``curve`` admits only its allowed keys; ``pinned`` names peers never
+    forgotten to make room for others (the buffer's own poller).
     """
 
     def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
@@ -53,7 +46,9 @@ class StreamReceiver:
         self.stale_after = stale_after
         self._gate: Gatekeeper | None = None
         self.endpoint: str | None = None
-        self._commands: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
+        # What other threads ask the thread to send: each call makes the messages, in the thread.
+        self._commands: "queue.SimpleQueue[Callable[[], list[Send]]]" = queue.SimpleQueue()
+        self._quit = False
         self._wake = WakePipe()
         self._bound = threading.Event()
         self._bind_error: BaseException | None = None
@@ -63,8 +58,7 @@ class StreamReceiver:
         self.table = PeerTable(store, limits=limits, stale_after=stale_after,
                                pinned=frozenset(name.encode() for name in pinned), on_change=self._notify)
         self._stopped = False
-        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread,
-        # and what to run once it has (the ipc directory's removal).
+        # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread, and what to run then.
         self._last_bye: tuple[bytes, int | None] | None = None
         self._after_bye: Callable[[], None] | None = None
         self._ended_on_bye = False
@@ -82,50 +76,42 @@ class StreamReceiver:
         assert self.endpoint is not None
         return self.endpoint
 
-    def _command(self, *command: Any) -> None:
-        self._commands.put(command)
+    def _command(self, make: Callable[[], list[Send]]) -> None:
+        self._commands.put(make)
         self._wake.poke()
 
     def _notify(self) -> None:
         with self._events:
             self._events.notify_all()
 
-    def send_control(self, peer: str, kind: Kind, reason: str) -> None:
-        """Queue a STOP or RESYNC for ``peer``."""
-        self._command("send", peer.encode(), kind, reason)
-
     def send_sync(self, peer: str, token: int) -> None:
         """Queue a SYNC ``token`` for ``peer``: it polls at once and tags that listing with the token."""
-        self._command("sync", peer.encode(), token)
+        identity = peer.encode()
+        self._command(lambda: [self.table.sync(identity, token, time.monotonic())])
 
     def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float) -> None:
         """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed (no keys: stop)."""
-        self._command("watch", peer.encode(), partition, keys, seconds)
+        identity = peer.encode()
+        self._command(lambda: [self.table.watch(identity, partition, keys, seconds)])
 
     def expect(self, peer: str, epoch: int) -> None:
-        """From now on only ``epoch`` may speak as ``peer``; earlier epochs are dropped quietly.
+        """From now on only ``epoch`` may speak as ``peer`` (called before that process starts).
 
-        Called before the poller process with that epoch starts, so no message
-        of it can arrive first. Called directly, not through the command
-        queue: the table's two dicts are updated in single GIL-atomic steps.
+        Not through the command queue: the table's two dicts are updated in single GIL-atomic steps.
         """
         self.table.expect(peer.encode(), epoch)
 
     def stop_after_bye(self, peer: str, epoch: int | None, then: Callable[[], None] | None = None) -> None:
-        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied.
+        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied, then run ``then()``.
 
-        Closing the socket and context then overlaps the poller's exit
-        instead of following it, and so does ``then()``, which the thread
-        runs once the socket is closed (only when it ended on that BYE: nobody
-        needs the endpoint after it); :meth:`stop` still joins (or ends) the thread.
+        Closing the socket (and ``then()``) overlaps the poller's exit instead of following it.
         """
         self._after_bye = then
-        # Set here, not through a command: the thread reads it after every message it
-        # applies, and waking it for the command cost the close ladder a GIL hand-off
-        # just before its STOP. Only a BYE applied before this call needs the wake-up.
+        # The thread reads it after every message and wake-up: waking it for nothing cost the close
+        # ladder a GIL hand-off before its STOP. Only a BYE already applied needs the wake-up.
         self._last_bye = awaited = (peer.encode(), epoch)
         if self._bye_applied(*awaited):
-            self._command("quit_after_bye", *awaited)
+            self._wake.poke()
 
     def wait_bye(self, peer: str, epoch: int | None, timeout: float) -> bool:
         """Wait until ``peer``'s BYE of ``epoch`` was applied; True if no gap came before it."""
@@ -180,7 +166,8 @@ class StreamReceiver:
         if self._stopped:
             return
         if self._thread.is_alive():
-            self._command("quit")
+            self._quit = True
+            self._wake.poke()
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("receiver thread did not stop within %ss", timeout)
@@ -198,19 +185,13 @@ class StreamReceiver:
         try:
             gate = self._gate = Gatekeeper(ctx, self._curve)
             sock.setsockopt(zmq.LINGER, 0)
-            # No ROUTER_HANDOVER: with it, a second connection using a name
-            # silently cut the first one off for good (its messages went
-            # nowhere). Without it the second one is refused while the first
-            # lives; a restarted poller connects after its predecessor's
-            # connection closed, the heartbeats below free the name of a
-            # peer that vanished without closing its connection, and a
-            # poller refused on reconnecting dials again (poller.link).
+            # No ROUTER_HANDOVER: with it, a second connection using a name cut the first off for good.
+            # Without it the second is refused while the first lives; the heartbeats below free the name
+            # of a peer that vanished, and a poller refused on reconnecting dials again (poller.link).
             sock.setsockopt(zmq.RCVHWM, 10000)
-            # libzmq drops (and disconnects) a sender of a bigger frame before
-            # buffering it whole; decode() checks the same bound again.
+            # libzmq drops a sender of a bigger frame before buffering it; decode() checks again.
             sock.setsockopt(zmq.MAXMSGSIZE, self.limits.max_frame_bytes)
-            # ZMTP heartbeats drop connections whose far end vanished without a
-            # FIN (a cut link, a dead host), so they do not pile up.
+            # ZMTP heartbeats drop connections whose far end vanished without a FIN (a cut link, a dead host).
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(3000, int(self.stale_after * 1000)))
             gate.arm(sock)
@@ -237,9 +218,7 @@ class StreamReceiver:
             logger.exception("receiver thread failed")
         finally:
             self._close_socket(ctx, sock, gate)
-            # After the socket's close: a listening socket whose file was removed
-            # first took ~1 ms more to close (its context's term: 1.2 ms against 0.2,
-            # the removal after it 0.1 ms), all of it while the poller exits.
+            # After the socket's close: removing its file first made the close ~1 ms slower.
             if self._ended_on_bye:
                 self._run_after_bye()
             self._notify()
@@ -279,7 +258,9 @@ class StreamReceiver:
             if monitor is not None and monitor in events:
                 self._gate.on_monitor()
             self._send_all(sock, table.tick(time.monotonic()))
-            if self._run_commands(sock):
+            while not self._commands.empty():
+                self._send_all(sock, self._commands.get_nowait()())
+            if self._ends_on_bye() or self._quit:
                 return
             if sock in events:
                 for _ in range(1000):  # bounded, so commands are never starved
@@ -290,34 +271,14 @@ class StreamReceiver:
                     identity = frames[0].bytes
                     self._send_all(sock, table.on_frames(identity, [f.buffer for f in frames[1:]],
                                                          time.monotonic()))
-                    if self._last_bye is not None and self._bye_applied(*self._last_bye):
-                        self._ended_on_bye = True
+                    if self._ends_on_bye():
                         return
 
-    def _run_commands(self, sock: zmq.Socket) -> bool:
-        """Run what other threads asked for; True to end the thread."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return False
-            if command[0] == "quit":
-                return True
-            if command[0] == "quit_after_bye":
-                _, identity, epoch = command
-                if self._bye_applied(identity, epoch):
-                    self._ended_on_bye = True
-                    return True
-                self._last_bye = (identity, epoch)
-            elif command[0] == "sync":
-                _, identity, token = command
-                self._send_all(sock, [self.table.sync(identity, token, time.monotonic())])
-            elif command[0] == "watch":
-                _, identity, partition, keys, seconds = command
-                self._send_all(sock, [self.table.watch(identity, partition, keys, seconds)])
-            else:
-                _, identity, kind, reason = command
-                self._send_all(sock, [self.table.control(identity, kind, reason)])
+    def _ends_on_bye(self) -> bool:
+        """Whether the BYE :meth:`stop_after_bye` awaits was applied (the thread then ends)."""
+        awaited = self._last_bye
+        self._ended_on_bye = awaited is not None and self._bye_applied(*awaited)
+        return self._ended_on_bye
 
     def _bye_applied(self, identity: bytes, epoch: int | None) -> bool:
         peer = self.table.peers.get(identity)

@@ -4,30 +4,26 @@
 
     constructor ── started (future) ◀──┐
     close()  ── CloseRequest + poke ──▶ supervisor thread ── PollerProcess (start, sentinel, close ladder)
-             ◀── report (future) ──────┤        ├── restarts, then PollerCrashed to the store
-    switch() ── SwitchRequest + poke ──┘        └── a switch: the ladder, a new child (no budget)
+    switch() ── SwitchRequest + poke ──┘        ├── restarts, then PollerCrashed to the store
+                                                └── a switch: the ladder, a new child (no budget)
 
 One thread at a time touches the child. A close that finds the thread only
-watching a running child takes the child over: the closing thread runs the
-ladder (:meth:`~poller.PollerProcess.close`) itself, so its STOP goes out
-without a hand-off between threads (~0.2 ms of an idle close of ~4), and
-the supervisor thread ends at once, restarting nothing. At any other moment
-(a start, a restart, its backoff) a close is a request, answered through a
-future once the thread has run the ladder, the way CPython's process-pool
-manager thread serves its executor; a request that arrives while a
-restarted child is still starting cuts that start short (the child is
-killed), so a close never waits out a start timeout.
+watching a running child takes the child over and runs the ladder itself (its
+STOP goes out without a hand-off between threads); at any other moment (a
+start, a restart, its backoff) it asks the thread, as CPython's process-pool
+manager thread serves its executor, and cuts a start under way short.
 
-A switch (:meth:`Supervisor.switch`) is a deliberate restart: the running
-child is closed with the ladder and a new one is built (from the source as it
-is now: a replaced TransferQueue controller's new address) and started at
-once. It is no crash: it uses no restart budget, and a start it makes that is
-refused because the store cannot be reached is tried again with backoff, as
-a restart's is, still using none.
+Restarts are counted in a sliding window (:class:`RestartBudget`): a crash
+after hours of health finds the budget whole; a poller that dies again and
+again uses it up (then ``sample()`` raises :class:`~poller.PollerCrashed`).
+A start refused because the store could not be reached
+(:attr:`~poller.PollerStartupError.unavailable`), and a switch to the source
+as it is now (:meth:`Supervisor.switch`), use none.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -36,15 +32,69 @@ from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
 from buffer.errors import BufferClosed
-from buffer.launch import wait
-from buffer.process import PollerProcess, ShutdownReport
-from buffer.restarts import RestartBudget
+from buffer.process import PollerProcess, ShutdownReport, wait
 from poller.wire.errors import PollerCrashed, PollerStartupError
 from poller.wire.wakeup import WakePipe
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "RestartBudget", "close_bound"]
 
 logger = logging.getLogger(__name__)
+
+RESTART_BACKOFF_BASE = 0.1
+# Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
+_CLOSE_MARGIN_S = 10.0
+RESTART_BACKOFF_CAP = 2.0
+UNAVAILABLE_BACKOFF_CAP = 5.0
+
+
+def close_bound(timeout: float) -> float:
+    """How long a close (or a switch) with the ladder's ``timeout`` per stage may take."""
+    return 2 * timeout + _CLOSE_MARGIN_S
+
+
+class RestartBudget:
+    """``max_restarts`` restarts per ``window`` seconds, and the waits between tries."""
+
+    def __init__(self, max_restarts: int, window: float) -> None:
+        self.max_restarts = max_restarts
+        self.window = window
+        # Every restart in the buffer's lifetime (stats()["restarts"], a Prometheus counter): it only grows.
+        self.total = 0
+        self._times: collections.deque[float] = collections.deque()
+        # The last restart counted was refunded (its store refused it): the next try is the same restart.
+        self._refunded = False
+
+    def recent(self) -> int:
+        """Restarts within the last ``window`` seconds."""
+        horizon = time.monotonic() - self.window
+        while self._times and self._times[0] <= horizon:
+            self._times.popleft()
+        return len(self._times)
+
+    def exhausted(self) -> bool:
+        return self.recent() >= self.max_restarts
+
+    def use(self) -> None:
+        """Count one restart now; tries after a :meth:`refund` are the same restart, counted once in :attr:`total`."""
+        self._times.append(time.monotonic())
+        if not self._refunded:
+            self.total += 1
+        self._refunded = False
+
+    def refund(self) -> None:
+        """Give back the budget of the restart just counted: the store refused it (:attr:`total` keeps it)."""
+        if self._times:
+            self._times.pop()
+            self._refunded = True
+
+    def backoff(self) -> float:
+        """The wait before the next restart: doubles with the restarts in the window."""
+        return min(RESTART_BACKOFF_BASE * 2 ** self.recent(), RESTART_BACKOFF_CAP)
+
+    @staticmethod
+    def unavailable_backoff(refused: int) -> float:
+        """The wait before try ``refused + 1`` at a store that could not be reached."""
+        return min(RESTART_BACKOFF_BASE * 2 ** max(0, refused - 1), UNAVAILABLE_BACKOFF_CAP)
 
 
 class _CloseRequest(NamedTuple):
@@ -60,24 +110,14 @@ class _SwitchRequest(NamedTuple):
 _Request = _CloseRequest | _SwitchRequest
 
 
-class _HandedOver:
-    """What the thread's watch ends with when a closing thread took the child over."""
-
-
-_HANDED_OVER = _HandedOver()
-
-
 class Supervisor:
     """Runs one poller child at a time for a buffer, restarting it within ``budget``.
 
     ``new_process()`` makes the next (unstarted) child; ``drained(process, final)``
     says, after its exit, whether everything it sent was applied (``final``:
-    the buffer's last child, closed with the buffer; otherwise one a switch
-    replaces); ``switched()`` is told once a switch closed the old child and
-    built the new one, before it starts; ``give_up(error)`` is told when the
-    budget is used up (:mod:`buffer.restarts`: restarts per window; a start-up
-    refused because the store is unreachable uses none and is tried again with
-    backoff).
+    the buffer's last child; otherwise one a switch replaces); ``switched()``
+    is told once a switch closed the old child and built the new one, before
+    it starts; ``give_up(error)`` once the budget is used up.
     """
 
     def __init__(self, name: str, new_process: Callable[[], PollerProcess], *, start_timeout: float,
@@ -92,18 +132,16 @@ class Supervisor:
         self._switched = switched
         #: The child now (read by stats() from any thread; written by the supervisor only).
         self.process: PollerProcess | None = None
-        #: Restarts refused by an unreachable store (they use no budget).
+        #: Restarts refused by an unreachable store, and switches (neither uses the budget).
         self.start_retries = 0
-        #: Deliberate switches to a new child (:meth:`switch`); no restarts.
         self.switches = 0
-        # What give_up() was told: a switch asked for later gets it.
-        self._given_up: PollerCrashed | None = None
+        self._given_up: PollerCrashed | None = None  # a switch asked for later gets it
         #: Done once the first child said READY (or failed to: PollerStartupError).
         self.started: Future[None] = Future()
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._wake = WakePipe()
-        # The running child the thread only watches (None at any other moment), and whether a
-        # closing thread took it over; both under the lock.
+        # The running child the thread only watches (None at any other moment), and whether a closing
+        # thread took it over; both under the lock.
         self._state = threading.Lock()
         self._watched: PollerProcess | None = None
         self._handed_over = False
@@ -112,87 +150,66 @@ class Supervisor:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self, timeout: float) -> Future[ShutdownReport]:
-        """Close the child with the ladder's ``timeout``; the report comes in the future.
-
-        When the thread only watches a running child, the ladder runs here and
-        the future is done on return; otherwise the thread runs it.
-        """
-        if threading.current_thread() is not self._thread:
-            with self._state:
-                process = self._watched
-                if process is not None:
-                    self._handed_over = True
-            if process is not None:
-                # The thread wakes as the child exits (its sentinel) and ends; woken now, it
-                # took the GIL from this thread at every system call up to STOP. Woken after
-                # the ladder anyway, for a child whose exit it did not see.
-                report: Future[ShutdownReport] = Future()
-                report.set_result(self._close(process, timeout))
-                self._wake.poke()
-                return report
-        request = _CloseRequest(timeout, Future())
-        self._requests.put(request)
-        self._wake.poke()
-        if threading.current_thread() is self._thread:
-            # A finalizer run by a garbage collection in this very thread
-            # cannot wait for this thread: it is served here, by the owner.
-            request.report.set_result(self._close_child(timeout))
-        return request.report
-
     def switch(self, timeout: float) -> Future[ShutdownReport]:
         """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
 
-        The old child is closed with the ladder's ``timeout``; the future
-        holds its report once the new child is built and ``switched()`` was
-        told, and the new child starts right after. It raises
-        :class:`BufferClosed` when a close came first, or the
-        :class:`PollerCrashed` the supervisor gave up with.
+        The future holds the old child's close report once the new child is
+        built and ``switched()`` was told; it raises :class:`BufferClosed`
+        when a close came first, or the :class:`PollerCrashed` given up with.
         """
         request = _SwitchRequest(timeout, Future())
         self._requests.put(request)
         self._wake.poke()
         return request.report
 
-    def wait_closed(self, report: Future[ShutdownReport], timeout: float) -> ShutdownReport:
-        """Wait up to ``timeout`` for the answer to a close request, and for the thread to end.
+    def close(self, timeout: float) -> ShutdownReport:
+        """Close the child with the ladder's ``timeout``; how it ended (within :func:`close_bound`).
 
         Raises:
-            concurrent.futures.TimeoutError: no answer within ``timeout`` (a bug).
+            concurrent.futures.TimeoutError: no answer within that bound (a bug).
         """
-        deadline = time.monotonic() + timeout
-        if threading.current_thread() is not self._thread:
-            # The thread ends right after it answers: waiting for its end is one
-            # wake-up of the caller, where waiting for the answer and then
-            # joining was two (0.9 ms of an idle close() of 7.3, medians of 31
-            # on a loaded 2-core machine).
-            self._thread.join(timeout)
-        answer = report.result(max(0.0, deadline - time.monotonic()))
+        request = _CloseRequest(timeout, Future())
+        if threading.current_thread() is self._thread:
+            # A finalizer run by a garbage collection in this very thread cannot wait for it: served here.
+            self._requests.put(request)
+            self._wake.poke()
+            return self._close(self.process, timeout)
+        deadline = time.monotonic() + close_bound(timeout)
+        with self._state:
+            process = self._watched
+            if process is not None:
+                self._handed_over = True
+        if process is not None:
+            request.report.set_result(self._close(process, timeout))
+        else:
+            self._requests.put(request)
+        # After the ladder, not before (woken, the thread took the GIL at every system call up to STOP).
+        self._wake.poke()
+        # The thread ends right after it answers: one wake-up of the caller, not two (~0.9 ms of 7.3).
+        self._thread.join(close_bound(timeout))
+        answer = request.report.result(max(0.0, deadline - time.monotonic()))
         if not self._thread.is_alive():
             self._wake.close()
         return answer
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
     # -- the thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        request: _Request | _HandedOver | None = None
+        request: _Request | None = None
         try:
             request = self._own()
         except BaseException as exc:  # a bug here must not leave a close() waiting for ever
             logger.exception("the supervisor of poller %s failed", self.name)
             if not self.started.done():
                 self.started.set_exception(exc)
-        if isinstance(request, _HandedOver):
+        if self._handed_over:
             self._answer_pending(None)  # the closing thread runs the ladder
             return
         while not isinstance(request, _CloseRequest):  # given up (or never started): only a close is served
             if isinstance(request, _SwitchRequest):
                 self._refuse(request)
             request = self._requests.get()
-        report = self._close_child(request.timeout)  # the ladder runs once; later calls get its report
+        report = self._close(self.process, request.timeout)  # the ladder runs once; later calls get its report
         if not request.report.done():
             request.report.set_result(report)
         self._answer_pending(report)  # later requests (there should be none) get the same answer
@@ -207,15 +224,18 @@ class Supervisor:
             if isinstance(request, _SwitchRequest):
                 self._refuse(request)
             elif not request.report.done():
-                request.report.set_result(report if report is not None else self._close_child(request.timeout))
+                request.report.set_result(report if report is not None else self._close(self.process, request.timeout))
 
     def _refuse(self, request: _SwitchRequest) -> None:
         if not request.report.done():
             request.report.set_exception(self._given_up if self._given_up is not None
                                          else BufferClosed("the replay buffer is closed"))
 
-    def _own(self) -> _CloseRequest | _HandedOver | None:
-        """Start, watch, restart and switch the child until a close comes; return its request (or the hand-over)."""
+    def _own(self) -> _Request | None:
+        """Start, watch, restart and switch the child until a close comes; return its request.
+
+        None: the start failed, the budget is used up, or a closing thread took the child over.
+        """
         process = self.process = self._new_process()
         try:
             process.start(self._start_timeout, abort_fd=self._wake.read_fd)
@@ -224,7 +244,9 @@ class Supervisor:
             return None
         self.started.set_result(None)
         while True:
-            outcome: PollerProcess | _Request | _HandedOver | None = self._watch(process)
+            outcome: PollerProcess | _Request | None = self._watch(process)
+            if self._handed_over:
+                return None
             if outcome is None:  # the child exited by itself
                 exitcode = process.join(5.0)
                 cause = process.fatal_error()
@@ -240,18 +262,14 @@ class Supervisor:
 
     def _switch(self, request: _SwitchRequest) -> PollerProcess | _Request | None:
         """Close the child, build and start a new one (no restart budget used); or the request that came first."""
-        old = self.process
-        report = (self._close(old, request.timeout, final=False) if old is not None
-                  else ShutdownReport("no-poller", 0.0, None, False))
+        report = self._close(self.process, request.timeout, final=False)
         self.switches += 1
-        # Built before switched() is told: from here on the old child's late messages are dropped, so none of
-        # them can make the view whole again before the new child's first complete listing.
+        # Built (its epoch expected) before switched() is told: the old child's late messages are dropped.
         process = self.process = self._new_process()
         self._switched()
         request.report.set_result(report)
         logger.info("poller %s switched to its new source (the old child ended %s)", self.name, report.stage)
-        # The switch's own poke may still be unread (its request was taken first): left, it would cut the
-        # new child's start short. A request queued meanwhile is served instead of the start.
+        # The switch's own poke, left unread, would cut the new child's start short.
         self._wake.drain()
         if not self._requests.empty():
             return self._requests.get()
@@ -261,8 +279,7 @@ class Supervisor:
                  switched: PollerProcess | None = None) -> PollerProcess | _Request | None:
         """A started new child; or the request that came first; or None once given up.
 
-        ``switched``: the new child of a switch, started at once; it, and the
-        tries after it while the store cannot be reached, use no budget.
+        ``switched``: the new child of a switch, started at once without using the budget.
         """
         budget = self._budget
         free = switched is not None
@@ -282,7 +299,7 @@ class Supervisor:
                 process = None
                 if not self._requests.empty():
                     return self._requests.get()
-                if exc.unavailable:  # retried without using the budget (buffer/restarts.py)
+                if exc.unavailable:  # retried without using the budget
                     if not free:
                         budget.refund()
                     refused += 1
@@ -315,8 +332,8 @@ class Supervisor:
         self._give_up(error)
         return None
 
-    def _watch(self, process: PollerProcess) -> _Request | _HandedOver | None:
-        """Until the running ``process`` exits (None), a request comes, or a closing thread takes it over."""
+    def _watch(self, process: PollerProcess) -> _Request | None:
+        """Until the running ``process`` exits or a closing thread takes it over (None), or a request comes."""
         with self._state:
             self._watched = process
         try:
@@ -329,7 +346,7 @@ class Supervisor:
         if handed_over:
             if request is not None:
                 self._requests.put(request)  # answered once the closing thread is done (_answer_pending)
-            return _HANDED_OVER
+            return None
         return request
 
     def _wait(self, sentinel: int | None, timeout: float | None) -> _Request | None:
@@ -348,11 +365,7 @@ class Supervisor:
                 continue
             return None
 
-    def _close_child(self, timeout: float) -> ShutdownReport:
-        process = self.process
+    def _close(self, process: PollerProcess | None, timeout: float, final: bool = True) -> ShutdownReport:
         if process is None:
             return ShutdownReport("no-poller", 0.0, None, False)
-        return self._close(process, timeout)
-
-    def _close(self, process: PollerProcess, timeout: float, final: bool = True) -> ShutdownReport:
         return process.close(timeout, wait_drained=self._drained(process, final))

@@ -109,7 +109,7 @@ class ListingSync:
         The later of two lower bounds: the start of the latest :meth:`wait`
         that returned (the listing that answered it began later), and the
         start of the own poller's latest complete listing, as the poller
-        stamped it (:attr:`~buffer.peer_state.Peer.listed_at`: never later
+        stamped it (:attr:`~buffer.peers.Peer.listed_at`: never later
         than the poll was applied). A sync answered by a listing the listing
         share held back for seconds is dated by that listing, not by the
         request: a request 2.02 s before the listing that answered it made a

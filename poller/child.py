@@ -1,4 +1,4 @@
-"""How a poller launched by :mod:`buffer.launch` begins, and the watchdog that ends it as an orphan.
+"""How a poller launched by :mod:`buffer.process` begins, and the watchdog that ends it as an orphan.
 
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name (for ``ps`` only).
 The parent's modules, its ``__main__`` and ``multiprocessing`` stay out of the child.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from buffer import ReplayBuffer
-from buffer.launch import wait
+from buffer.process import wait
 from poller import PollerProcess, PollerStartupError
 from poller.wire.errors import RemoteTraceback
 from tests.conftest import alive as _alive

@@ -97,7 +97,7 @@ def test_a_close_takes_the_watched_poller_over_and_the_supervisor_ends_restartin
     pid = rb.stats()["poller_pid"]
     report = rb.close()
     assert report.stage == "graceful" and report.exitcode == 0 and report.drained
-    assert not supervisor.is_alive() and supervisor.process is not None and supervisor.process.pid == pid
+    assert not supervisor._thread.is_alive() and supervisor.process is not None and supervisor.process.pid == pid
     assert not _alive(pid)
 
 def test_a_close_racing_the_pollers_own_death_restarts_nothing(db):
@@ -108,7 +108,7 @@ def test_a_close_racing_the_pollers_own_death_restarts_nothing(db):
     report = rb.close(timeout=5)  # before, or just after, the supervisor sees the death
     # Reaped by the ladder's first wait, or found dead: either way the SIGKILL's exit code.
     assert report.stage in ("graceful", "already-exited") and report.exitcode == -signal.SIGKILL
-    assert not supervisor.is_alive() and supervisor.process is not None and supervisor.process.pid == pid
+    assert not supervisor._thread.is_alive() and supervisor.process is not None and supervisor.process.pid == pid
 
 # -- start-up failures -----------------------------------------------------------
 

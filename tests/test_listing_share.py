@@ -31,6 +31,7 @@ from poller.wire.errors import ProtocolError
 from poller.wire.messages import Heartbeat, Sync
 from poller.wire.protocol import Kind, Message, decode, encode, encode_header
 from tests.conftest import wait_until
+from tests.helpers.gaps import lose_a_message
 from tests.helpers.sources import TimedListing, listing_starts
 
 TIMED = "tests.helpers.sources:TimedListing"
@@ -429,7 +430,7 @@ def test_a_buffer_repaired_by_a_resync_holds_the_last_poll_while_the_share_holds
                       listing_share=0.001) as rb:
         assert wait_until(lambda: rb.stats()["polls"] == 1, timeout=10)
         before = rb.stats()["snapshots"]
-        rb._core.receiver.send_control(rb._core.name, Kind.RESYNC, "test")
+        lose_a_message(rb)  # the buffer asks a RESYNC
         # Answered at once, ~50 s before the share would allow a listing.
         assert wait_until(lambda: rb.stats()["snapshots"] == before + 1, timeout=10)
         assert rb.snapshot() == {"train": {"train-key": {"global_steps": 1, "status": "success"}}}

@@ -11,8 +11,8 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller.sources.sqlite import SqliteSource
-from poller.wire.protocol import Kind
 from tests.conftest import wait_until
+from tests.helpers.gaps import lose_a_message
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,8 +47,7 @@ def test_the_buffer_equals_the_store_at_100k_keys_after_start_changes_and_a_resy
         # A resync re-lists everything; the buffer already holds it but must end equal all the same.
         store.kv_batch_put(changed[:50], "train", tags=[{"status": "success"}] * 50)
         snapshots = rb.stats()["snapshots"]
-        core = rb._core
-        core.receiver.send_control(core.name, Kind.RESYNC, "test")
+        lose_a_message(rb)
         assert wait_until(lambda: rb.stats()["snapshots"] > snapshots, timeout=120)
         rb.sync(timeout=60)
         assert rb.snapshot() == store.kv_list()

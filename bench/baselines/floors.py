@@ -43,5 +43,5 @@ def poller_kill(rb: object) -> float:
     process = rb._core.process  # type: ignore[attr-defined]
     started = time.perf_counter()
     os.kill(process.pid, signal.SIGKILL)
-    process._process.join(5)
+    process.join(5)
     return time.perf_counter() - started

@@ -5,7 +5,7 @@ the moment the parent dies (even by SIGKILL), and the parent reads the child's
 start-up or fatal traceback whether or not the stream is connected. Its
 records (named apart from the stream's READY) are JSON objects
 ``{"kind": <record name>, <its fields>}``, never pickle (but for the
-configuration a child reads first, from its own parent: :mod:`buffer.launch`),
+configuration a child reads first, from its own parent: :mod:`buffer.process`),
 checked field by field, framed as a 4-byte big-endian length and the bytes.
 """
 
