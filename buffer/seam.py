@@ -1,52 +1,59 @@
-"""The one seam between a buffer and its sampling policies.
+"""The one seam between a buffer and its sampling policies, and the helper threads of their waits.
 
 A sampling policy (the step sampler behind ``ReplayBuffer.sample``, the verl
 sampler in :mod:`buffer.verl`) keeps its own index from the store's changes
-and decides on it. Everything it may use of the buffer is here, and nothing
-else of the buffer is reached into:
-
-* :meth:`SamplingSeam.attach` — the policy's index sees every change, under the store's lock;
-* :meth:`SamplingSeam.decide` — an event-driven wait, with a deadline, for a
-  decision made on a *whole* view of one partition (never on a listing
-  applied half-way), re-run only when what it depends on changed, optionally
-  logging progress, asking the poller for listings more often while it waits
-  and having it watch the keys the decision waits on;
-* :meth:`SamplingSeam.look` — the same lock, no wait (for counts and stats);
-* :meth:`SamplingSeam.tags` — copies of held tags;
-* :meth:`SamplingSeam.sync` — read your writes (a listing of every poller that began after the call is applied);
-* :meth:`SamplingSeam.view_age` — how long ago the store was last known to be listed into the view;
-* :meth:`SamplingSeam.remove` — clearing keys from the buffer's view, as ``ReplayBuffer.remove``;
-* :meth:`SamplingSeam.quarantined` — the keys of a partition the poller leaves out.
+and decides on it through :class:`SamplingSeam`, and reaches nothing else of
+the buffer. The seam knows no transport: what it asks of the pollers feeding
+the store (a listing, a watch, their quarantined keys) goes through
+:class:`Listings`, which the buffer's core provides (:class:`buffer.sync.ListingSync`),
+so sampling means the same on every source and stream.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
-from typing import Callable, Hashable, Iterable, TypeVar
+from typing import Callable, Hashable, Iterable, Protocol, TypeVar
 
 from buffer.partitions import PartitionStore
-from buffer.peers import PeerTable
 from buffer.policies import Policy
-from buffer.sync import ListingSync, PollWhileWaiting, WatchWhileWaiting
 from poller.wire.vocabulary import Tags
 
-__all__ = ["SamplingSeam"]
+__all__ = ["Listings", "PollWhileWaiting", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
+class Listings(Protocol):
+    """What the seam asks of the pollers streaming to the store; without them (a bare store) it asks nothing."""
+
+    @property
+    def has_own_poller(self) -> bool:
+        """Whether the buffer has a poller of its own to ask (standalone pollers keep their own schedule)."""
+
+    def wait(self, timeout: float | None, standalone: bool = True) -> None:
+        """Return once a listing that began after the call is applied, from the own poller (and standalone ones)."""
+
+    def watch(self, partition: str, keys: list[str], seconds: float) -> None:
+        """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop)."""
+
+    def fresh_since(self) -> float | None:
+        """A ``time.monotonic()`` after which the store was listed whole into the view; None: not yet."""
+
+    def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
+        """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
+
+
 class SamplingSeam:
     """What a sampling policy uses of a buffer: its store under lock, read-your-writes, deadline waits, clearing."""
 
-    def __init__(self, store: PartitionStore, listing_sync: ListingSync | None = None,
-                 table: PeerTable | None = None) -> None:
+    def __init__(self, store: PartitionStore, listings: Listings | None = None) -> None:
         self._store = store
-        self._listing_sync = listing_sync
-        self._table = table
+        self._listings = listings
 
     def attach(self, policy: Policy) -> None:
         """Attach ``policy``; it first sees every key held as an addition."""
@@ -83,9 +90,8 @@ class SamplingSeam:
             return describe() + self._quarantine_note(partition_id)
 
         watcher = None
-        if watch is not None and timeout != 0 and self._listing_sync is not None \
-                and self._listing_sync.has_own_poller:
-            watcher = WatchWhileWaiting(self._listing_sync.watch, partition_id)
+        if watch is not None and timeout != 0 and self._listings is not None and self._listings.has_own_poller:
+            watcher = WatchWhileWaiting(self._listings.watch, partition_id)
             attempt = _watching(attempt, watch, watcher)
         if version is not None:
             attempt = _when_changed(attempt, version)
@@ -108,8 +114,8 @@ class SamplingSeam:
             pass
         deadline = None if timeout is None else time.monotonic() + timeout
         hurry = None
-        if poll_every is not None and self._listing_sync is not None and self._listing_sync.has_own_poller:
-            hurry = PollWhileWaiting(self._listing_sync.wait, poll_every, on_poll or (lambda: None))
+        if poll_every is not None and self._listings is not None and self._listings.has_own_poller:
+            hurry = PollWhileWaiting(self._listings.wait, poll_every, on_poll or (lambda: None))
         started = last_log = time.monotonic()
         try:
             while True:
@@ -141,18 +147,18 @@ class SamplingSeam:
     def sync(self, timeout: float | None) -> None:
         """Return once a listing that began after the call is applied, from every poller streaming to the buffer."""
         self._store.check_open()
-        if self._listing_sync is not None:
-            self._listing_sync.wait(timeout)
+        if self._listings is not None:
+            self._listings.wait(timeout)
 
     def view_age(self) -> float:
-        """Seconds since the store was last known to be listed whole into the view (:meth:`ListingSync.fresh_since`).
+        """Seconds since the store was last known to be listed whole into the view (:meth:`Listings.fresh_since`).
 
         ``inf`` before the first complete poll; 0 without an own poller
         (standalone pollers only: nothing to ask).
         """
-        if self._listing_sync is None or not self._listing_sync.has_own_poller:
+        if self._listings is None or not self._listings.has_own_poller:
             return 0.0
-        since = self._listing_sync.fresh_since()
+        since = self._listings.fresh_since()
         return math.inf if since is None else time.monotonic() - since
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
@@ -160,11 +166,8 @@ class SamplingSeam:
         self._store.remove(partition_id, keys)
 
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
-        """``(key, reason)`` of the keys of ``partition_id`` pollers leave out (the first few named)."""
-        if self._table is None:
-            return []
-        _, named = self._table.quarantined()
-        return [(key, why) for partition, key, why in named if partition == partition_id]
+        """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
+        return self._listings.quarantined(partition_id) if self._listings is not None else []
 
     def _quarantine_note(self, partition_id: str) -> str:
         named = self.quarantined(partition_id)
@@ -212,3 +215,118 @@ def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashabl
         return result
 
     return gated
+
+
+class SyncAhead:
+    """``sync(timeout)`` in a thread, started right after a decision's last write.
+
+    The listing it waits for runs while the trainer trains on the batch, so
+    the next decision usually finds it applied instead of waiting one listing.
+    """
+
+    def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(sync, timeout), name="replay-sync-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, sync: Callable[[float | None], None], timeout: float) -> None:
+        try:
+            sync(timeout)
+        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
+            self.error = exc
+
+    def done(self, timeout: float | None) -> bool:
+        """True once the sync succeeded (waiting up to ``timeout``)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive() and self.error is None
+
+
+class PollWhileWaiting:
+    """Asks for a listing every ``gap`` seconds (``sync``) while a decision waits; ``stop()`` when it ends.
+
+    Between decisions the poller lists on its own schedule; a decision that
+    has to wait would otherwise see its last change up to one poll interval
+    late. ``on_poll`` is called after each listing asked for was applied.
+    """
+
+    # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
+    _BOUND = 2.0
+
+    def __init__(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sync, gap, on_poll), name="replay-wait-poll",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
+        while not self._stopped.is_set():
+            started = time.monotonic()
+            try:
+                sync(self._BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
+            except TimeoutError:
+                continue  # a stall or a restart: the waiter's own deadline and log cover it
+            except BaseException:  # closed or crashed: the waiting decision raises it itself
+                return
+            on_poll()
+            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
+        self._stopped.set()
+
+
+class WatchWhileWaiting:
+    """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
+
+    :meth:`update` gives the keys (the decision computes them under the
+    store's lock each time what it reads changed, so this never blocks);
+    a thread sends them in a WATCH at once when they differ from the last
+    sent, and again every :data:`RENEW` seconds: the poller forgets a watch
+    not renewed for :data:`LASTS` seconds, so a trainer that stopped or
+    died leaves nothing read on its behalf, and a restarted poller gets the
+    keys within a second. :meth:`stop` ends the watch in the poller.
+    """
+
+    #: Seconds between two WATCHes of the same keys.
+    RENEW = 1.0
+    #: How long the poller keeps watching after a WATCH (a few renewals may be lost).
+    LASTS = 3.0
+
+    def __init__(self, send: Callable[[str, list[str], float], None], partition: str) -> None:
+        self._send = send
+        self._partition = partition
+        self._keys: list[str] | None = None
+        self._changed = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self, keys: list[str]) -> None:
+        """The keys the decision waits on now (at most ``MAX_WATCH_KEYS``); no keys: nothing to watch."""
+        if keys == self._keys:
+            return
+        self._keys = keys
+        self._changed.set()
+        if self._thread is None and keys:
+            self._thread = threading.Thread(target=self._run, name="replay-watch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        sent: list[str] | None = None
+        while not self._stopped.is_set():
+            keys = self._keys
+            self._changed.clear()
+            if keys or (keys is not None and sent):  # new keys or a renewal; or none now, after some: stop
+                self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
+                sent = keys
+            self._changed.wait(self.RENEW)
+            # A stop wakes the wait too (below), and ends the loop before another WATCH.
+        if sent:
+            self._send(self._partition, [], 0.0)
+
+    def stop(self) -> None:
+        """End the watch (the poller is told); waits for the thread briefly (it never blocks on the store)."""
+        self._stopped.set()
+        self._changed.set()
+        if self._thread is not None:
+            self._thread.join(1.0)

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from buffer.group_rules import (
+from buffer.verl.config import SamplerConfig
+from buffer.verl.groups import GroupIndex, uid_of
+from buffer.verl.rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
     DrainState,
     accumulate_metrics,
@@ -17,8 +19,6 @@ from buffer.group_rules import (
     plan_sync,
     sampleable_count,
 )
-from buffer.groups import GroupIndex, uid_of
-from buffer.verl_config import SamplerConfig
 from poller.wire.vocabulary import FINISHED
 
 

@@ -27,8 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffer.groups import GroupPartition
-from buffer.verl_config import SamplerConfig
+from buffer.verl.config import SamplerConfig
+from buffer.verl.groups import GroupPartition
 from poller.wire.vocabulary import FAILURE, FINISHED, PENDING, RUNNING
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "Plan", "DrainState", "accumulate_metrics",
@@ -208,7 +208,7 @@ def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, g
     reasons = _reasons(part, config, partition_id, global_steps)
     plan = _eviction_plan(part, partition_id, global_steps, reasons)
     if plan.evict:
-        plan.refill = len(plan.evict) if config.has_refill else 0
+        plan.refill = len(plan.evict) if config.refill_fn is not None else 0
         return plan
     if config.max_off_policy_strategy == "wait" and config.max_off_policy_threshold is not None:
         # Dropless: not ready while an in-flight prompt has reached the threshold (span >= threshold).

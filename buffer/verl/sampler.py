@@ -1,28 +1,4 @@
-"""A drop-in sampler for verl's v1 trainers, fed by the isolated poller.
-
-::
-
-    trainer.v1.sampler.custom_sampler.path: pkg://buffer.verl
-    trainer.v1.sampler.custom_sampler.name: ReplayBuffer
-    trainer.v1.sampler.sampler_kwargs: {poll_interval: 0.05}   # optional
-
-verl's own sampler lists the whole store with ``kv_list()`` in the trainer's
-thread, rebuilds its state from it and sleeps ``poll_interval`` between
-tries. Here the poller lists the store in its own process and streams what
-changed; a :class:`~buffer.groups.GroupIndex` attached to the buffer's store
-keeps the groups from those changes; each decision of the rules
-(:mod:`buffer.group_rules`) looks at one consistent view under the store's
-lock, and a wait wakes on the change that completes it::
-
-    sample() ── decide (store lock) ─▶ Plan ── clear / refill_fn / read DAPO metrics (no lock)
-       ▲                                │        then sync(): the next view reflects them
-       └──── wake on change ◀── store ◀─┘◀── poller process (kv_list, diff) ◀── TransferQueue
-
-The poller starts on the first ``sample`` / ``wait_for_sampleable`` /
-``get_sampleable_count``: constructing the sampler does no I/O, so a trainer
-whose constructor fails after building it leaks nothing
-(:mod:`buffer.verl_lifecycle` starts and stops it).
-"""
+"""verl's sampler classes: each call decides on the group index under the store's lock, then does its I/O."""
 
 from __future__ import annotations
 
@@ -30,10 +6,13 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from buffer import verl_client
 from buffer.arguments import check_verl_call
-from buffer.group_rules import (
-    DAPO_FILTERED_REWARD_COUNTS_KEY,
+from buffer.process import ShutdownReport
+from buffer.seam import SyncAhead
+from buffer.verl.config import VERL_ATTRIBUTES, SamplerConfig
+from buffer.verl.groups import GroupIndex, GroupPartition
+from buffer.verl.lifecycle import SamplerLifecycle
+from buffer.verl.rules import (
     DrainState,
     Plan,
     accumulate_metrics,
@@ -42,14 +21,8 @@ from buffer.group_rules import (
     plan_sync,
     sampleable_count,
 )
-from buffer.groups import GroupIndex, GroupPartition
-from buffer.process import ShutdownReport
-from buffer.sync import SyncAhead
-from buffer.verl_client import VerlBatch
-from buffer.verl_config import VERL_ATTRIBUTES, SamplerConfig, VerlConfigError
-from buffer.verl_lifecycle import SamplerLifecycle
 
-__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]
+__all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync"]
 
 _R = TypeVar("_R")
 
@@ -57,11 +30,11 @@ _R = TypeVar("_R")
 # (with its own deadline).
 _FRESH_VIEW_AHEAD_TIMEOUT = 60.0
 
-#: With no listings between calls, a call first asks for one unless the store was listed this recently:
 #: The most prompts a waiting call has its poller watch (poller.polling), the newest first: a read of them costs
 #: TransferQueue's controller ~0.3 ms (one key: ~0.26 ms; 256: ~0.6 ms), a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 
+#: With no listings between calls, a call first asks for one unless the store was listed this recently:
 #: verl's own sampler decides on a listing up to its poll_interval (2 s) and one listing old.
 FRESH_VIEW_SECONDS = 2.0
 
@@ -71,7 +44,7 @@ class ReplayBuffer:
 
     Takes verl's constructor (keywords, or positions as verl's built-in
     class); verl's options may also come in ``sampler_kwargs``, with this
-    sampler's own (:data:`~buffer.verl_config.SAMPLER_KWARGS`: ``sample_timeout``,
+    sampler's own (:data:`~buffer.verl.config.SAMPLER_KWARGS`: ``sample_timeout``,
     ``log_interval``, ``wait_poll_interval``, ``source``, ``source_kwargs``,
     and the buffer's ``start_timeout``, ``close_timeout``, ``max_restarts``).
 
@@ -300,7 +273,7 @@ class ReplayBuffer:
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
         started = self._lifecycle.start()
-        verl_client.clear_keys(started.client, partition_id, keys, started.verify_clears)
+        started.store.clear(partition_id, keys)
         started.seam.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
@@ -309,7 +282,7 @@ class ReplayBuffer:
         """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
         started = self._lifecycle.started
         assert self._config.filter_groups_metric is not None and started is not None
-        classes = verl_client.classify_groups(started.client, partition_id, groups, self._config.filter_groups_metric)
+        classes = started.store.classify(partition_id, groups, self._config.filter_groups_metric)
         self._fetched.setdefault(partition_id, {}).update(classes)
 
     def _record_fetched(self, partition_id: str) -> None:
@@ -318,17 +291,16 @@ class ReplayBuffer:
             self._index.record_metric(partition_id, uid, keys, value)
 
     def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
-        seam = self._lifecycle.start().seam
-        held = seam.tags(partition_id, keys)
+        started = self._lifecycle.start()
+        held = started.seam.tags(partition_id, keys)
         keys = [key for key in keys if key in held]
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
         # It also settles the clear: a key removed here is hidden until a listing no longer shows it, so
         # that listing must come before the store could hold the key again.
-        self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
-        on_tq = verl_client.is_transferqueue(self._config.source)
-        return verl_client.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)
+        self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
+        return started.store.batch(partition_id, keys, [held[key] for key in keys])
 
     def _group_counts(self) -> dict[str, dict[str, int]]:
         return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}

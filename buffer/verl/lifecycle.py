@@ -1,28 +1,13 @@
 """The verl sampler's buffer and store client: started on its first call, shut down together.
 
-Constructing :class:`buffer.verl.ReplayBuffer` does no I/O, so a trainer
-whose constructor fails after building it leaks nothing. The sampler's first
-``sample`` / ``wait_for_sampleable`` / ``get_sampleable_count`` calls
-:meth:`SamplerLifecycle.start`: it starts the buffer (its poller), attaches
-the sampler's :class:`~buffer.groups.GroupIndex`, and opens the client of the
-sampler's own clears and reads (:mod:`buffer.verl_client`). verl never calls
-``close()``: a finalizer shuts both down when the sampler is dropped, or at
-the interpreter's exit.
+Constructing the sampler does no I/O, so a trainer whose constructor fails
+after building it leaks nothing; verl never calls ``close()``, so a finalizer
+shuts both down when the sampler is dropped, or at the interpreter's exit.
 
-On TransferQueue the poller lists only the partitions the sampler is asked
-about, which join the set one call at a time (:meth:`SamplerLifecycle.include`),
-and, as verl's own sampler, only when a call needs it: the poller's own
-schedule is :data:`QUIET_POLL_INTERVAL` and the sampler asks for every
-listing it needs (:attr:`SamplerLifecycle.lists_between_calls`).
-
-On TransferQueue the poller follows the controller of the trainer's
-TransferQueue client, as verl's own sampler does (it lists through the
-``transfer_queue`` module's current client on every call): each call first
-asks :meth:`SamplerLifecycle.follow`, which compares that client's controller
-address with the one the poller lists, two attribute reads, and on a
-difference (the trainer ran ``tq.close()`` and ``tq.init()``: a new
-controller on a new port) moves the poller there
-(:meth:`buffer.ReplayBuffer.switch_source`: no crash, no restart budget).
+On TransferQueue the poller lists, as verl's own sampler does, only when a
+call needs it (:data:`QUIET_POLL_INTERVAL`), only the partitions the sampler
+is asked about (:meth:`SamplerLifecycle.include`), and the controller the
+trainer's TransferQueue client uses now (:meth:`SamplerLifecycle.follow`).
 """
 
 from __future__ import annotations
@@ -33,13 +18,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from buffer import verl_client
 from buffer.errors import BufferClosed
-from buffer.groups import GroupIndex
 from buffer.process import ShutdownReport
 from buffer.replay import ReplayBuffer
 from buffer.seam import SamplingSeam
-from buffer.verl_config import SamplerConfig
+from buffer.verl.config import SamplerConfig
+from buffer.verl.groups import GroupIndex
+from buffer.verl.store import TRANSFERQUEUE, StoreCalls, is_transferqueue, transferqueue_kwargs
+from poller.wire.sources import SourceSpec
 
 __all__ = ["QUIET_POLL_INTERVAL", "SamplerLifecycle", "Started"]
 
@@ -49,16 +35,17 @@ logger = logging.getLogger(__name__)
 #: they need (a SYNC), and the store is not listed while the trainer trains.
 QUIET_POLL_INTERVAL = 3600.0
 
+#: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
+CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
+
 
 @dataclass
 class Started:
-    """A started sampler: its buffer, the buffer's seam, and the store client of its own clears and reads."""
+    """A started sampler: its buffer, the buffer's seam, and the client of its own clears and reads."""
 
     buffer: ReplayBuffer
     seam: SamplingSeam
-    client: Any
-    # Whether a clear must be checked by listing (verl_client.clear_is_all_or_nothing).
-    verify_clears: bool = False
+    store: StoreCalls
 
 
 class SamplerLifecycle:
@@ -73,8 +60,9 @@ class SamplerLifecycle:
         self._lock = threading.Lock()
         # A store without a change feed (TransferQueue) is listed whole each time, and its controller is
         # shared by every rollout worker: verl's own sampler lists it only inside its calls.
+        self._follows = is_transferqueue(config.source)
         self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
-                                    else not verl_client.is_transferqueue(config.source))
+                                    else not self._follows)
         self.started: Started | None = None
         self.closed = False
         self._finalizer: weakref.finalize | None = None
@@ -82,15 +70,13 @@ class SamplerLifecycle:
         self._listed: set[str] | None = None
         # On TransferQueue: the controller address the poller lists, and the client's controller info last
         # compared with it (the same object again needs no comparison).
-        self._follows = verl_client.is_transferqueue(config.source)
         self._address: str | None = None
         self._compared: Any = None
 
     def start(self, partition_id: str | None = None) -> Started:
         """The buffer and client, started on first use; the poller lists ``partition_id`` (see :meth:`include`).
 
-        verl's calls start it through the sampler's decisions, which name the
-        partition; started without one, the poller lists every partition.
+        Started without a partition, the poller lists every partition.
 
         Raises:
             BufferClosed: the sampler was closed.
@@ -101,30 +87,27 @@ class SamplerLifecycle:
             if self.started is not None:
                 return self.started
             config = self._config
-            spec, kwargs, chosen = verl_client.poller_source(config.source, config.source_kwargs, partition_id)
+            spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
             self._listed = {partition_id} if chosen and partition_id is not None else None
             self._address = kwargs.get("address") if self._follows else None
-            client, owned = verl_client.open_client(config.source, config.source_kwargs,
-                                                    need_fields=config.filter_groups_metric is not None)
+            store = StoreCalls(config.source, config.source_kwargs, need_fields=config.filter_groups_metric is not None)
             try:
                 interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
                 buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
             except BaseException:
-                verl_client.shut_down(None, client, owned)
+                store.close()
                 raise
             # Tied to this object, which only the sampler holds (its arguments hold neither): dropping
             # the sampler runs it.
-            self._finalizer = weakref.finalize(self, verl_client.shut_down, buffer, client, owned)
+            self._finalizer = weakref.finalize(self, _shut_down, buffer, store)
             try:
                 buffer.seam.attach(self._index)
             except BaseException:
                 self._finalizer()
                 raise
-            started = self.started = Started(buffer, buffer.seam, client)
-            started.verify_clears = verl_client.clear_is_all_or_nothing(client,
-                                                                        verl_client.is_transferqueue(config.source))
+            self.started = Started(buffer, buffer.seam, store)
             logger.debug("verl sampler started: %r", buffer)
-            return started
+            return self.started
 
     def running(self) -> Started | None:
         """What was started (``None``: nothing yet), without starting it.
@@ -140,12 +123,14 @@ class SamplerLifecycle:
     def follow(self) -> bool:
         """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
 
-        A no-op (two attribute reads) while that client is the one compared
-        before, or names the controller the poller lists; also without a
-        client (after ``tq.close()``, before the next ``tq.init()``: the poller
-        keeps its controller and its listings stall). On a new controller the
-        poller is switched to it (:meth:`buffer.ReplayBuffer.switch_source`):
-        once this returns no decision is made until the new controller's first
+        verl's own sampler lists through that client on every call, so after
+        ``tq.close()`` and ``tq.init()`` (a new controller on a new port) it
+        lists the new one. A no-op (two attribute reads) while the client is the
+        one compared before or names the listed controller, and without a
+        client (the poller keeps its controller and its listings stall). On a
+        new controller the poller is switched to it
+        (:meth:`buffer.ReplayBuffer.switch_source`: no crash, no restart
+        budget), and no decision is made until the new controller's first
         complete listing is applied, which drops every key of the old one.
         True when it moved: the caller's next decision must wait for a listing.
 
@@ -155,12 +140,13 @@ class SamplerLifecycle:
         started = self.started
         if started is None or not self._follows:
             return False
-        info = verl_client.live_controller(started.client)
+        info = started.store.controller()
         with self._lock:
             if info is None or info is self._compared:
                 return False
             self._compared = info
-            changes = verl_client.controller_kwargs(info)
+            kwargs = transferqueue_kwargs(info)
+            changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
             if changes["address"] == self._address:
                 return False
             old, self._address = self._address, changes["address"]
@@ -196,3 +182,29 @@ class SamplerLifecycle:
         if finalizer is not None:
             finalizer()
         return report
+
+
+def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
+                   partition_id: str | None) -> tuple[SourceSpec, dict[str, Any], bool]:
+    """The spec and kwargs the poller lists, and whether the sampler chose the partitions it lists.
+
+    On TransferQueue the poller lists only ``partition_id`` (``None``: every
+    partition) unless ``kwargs`` name their own ``partition_ids``; with
+    options only (``call_timeout``, ...) the address is the live controller's.
+    """
+    given = dict(kwargs or {})
+    if not is_transferqueue(source):
+        assert source is not None
+        return source, given, False
+    chosen = given.get("partition_ids") is None and partition_id is not None
+    if chosen:
+        given["partition_ids"] = [partition_id]
+    return TRANSFERQUEUE, given if "address" in given else transferqueue_kwargs(None, **given), chosen
+
+
+def _shut_down(buffer: ReplayBuffer, store: StoreCalls) -> None:
+    """The sampler's finalizer: close its buffer, then the client it built (no reference to the sampler)."""
+    try:
+        buffer.close()
+    finally:
+        store.close()

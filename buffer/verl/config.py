@@ -16,7 +16,7 @@ from typing import Any
 from poller.wire.arguments import VERL_CYCLE, check_count, check_optional_seconds, check_seconds, check_share
 from poller.wire.sources import SourceSpec
 
-__all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VerlConfigError"]
+__all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VERL_ATTRIBUTES", "VerlConfigError"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +66,6 @@ def _wait_poll_interval(value: Any, poll_interval: Any) -> Any:
     return poll_interval / 10
 
 
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    check_count(name, value, minimum=1)
-
-
-def _seconds(name: str, value: Any, allow_none: bool) -> None:
-    if allow_none:
-        check_optional_seconds(name, value)
-    else:
-        check_seconds(name, value)
-
-
 #: verl's sampler attributes, read from the options record (``ReplayBuffer.__getattr__``).
 VERL_ATTRIBUTES = frozenset({"trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy", "refill_fn",
                              "poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
@@ -109,10 +96,6 @@ class SamplerConfig:
     # Whether the poller keeps listing between verl's calls; None: not on TransferQueue (as verl's
     # own sampler, which lists only inside its calls), yes on a store with a change feed.
     list_between_calls: bool | None = None
-
-    @property
-    def has_refill(self) -> bool:
-        return self.refill_fn is not None
 
     def dapo_on(self, partition_id: str) -> bool:
         """Whether DAPO group filtering applies to ``partition_id`` (never to validation)."""
@@ -177,12 +160,12 @@ class SamplerConfig:
         return config
 
     def _check(self) -> None:
-        _seconds("poll_interval", self.poll_interval, allow_none=False)
-        _seconds("sample_timeout", self.sample_timeout, allow_none=True)
-        _seconds("log_interval", self.log_interval, allow_none=False)
-        _seconds("wait_poll_interval", self.wait_poll_interval, allow_none=False)
-        _seconds("start_timeout", self.buffer_kwargs["start_timeout"], allow_none=False)
-        _seconds("close_timeout", self.buffer_kwargs["close_timeout"], allow_none=False)
+        check_seconds("poll_interval", self.poll_interval)
+        check_optional_seconds("sample_timeout", self.sample_timeout)
+        for name, seconds in (("log_interval", self.log_interval), ("wait_poll_interval", self.wait_poll_interval),
+                              ("start_timeout", self.buffer_kwargs["start_timeout"]),
+                              ("close_timeout", self.buffer_kwargs["close_timeout"])):
+            check_seconds(name, seconds)
         check_count("max_restarts", self.buffer_kwargs["max_restarts"])
         check_share("listing_share", self.buffer_kwargs["listing_share"])
         metric = self.filter_groups_metric
@@ -192,8 +175,9 @@ class SamplerConfig:
             raise VerlConfigError(f"list_between_calls must be a bool or None, got {self.list_between_calls!r}")
         if not isinstance(self.sync_refill_failed_groups, bool):
             raise VerlConfigError(f"sync_refill_failed_groups must be a bool, got {self.sync_refill_failed_groups!r}")
-        _positive_int("train_batch_size", self.train_batch_size, allow_none=True)
-        _positive_int("gen_batch_size", self.gen_batch_size, allow_none=True)
+        for name, size in (("train_batch_size", self.train_batch_size), ("gen_batch_size", self.gen_batch_size)):
+            if size is not None:
+                check_count(name, size, minimum=1)
         if metric is not None and self.refill_fn is None:
             raise VerlConfigError("Group filtering (filter_groups_metric) requires refill_fn to replace evicted groups")
         if self.sync_refill_failed_groups and self.refill_fn is None:
