@@ -69,16 +69,15 @@ class SamplingSeam:
         ``attempt`` runs under the store's lock and must not block. With
         ``version`` (read under the lock too: a value that changes whenever
         anything ``attempt`` reads does), a wake-up that finds the version
-        ``attempt`` last ran on does not run it again. With
-        ``log_every``, the wait logs ``describe()`` at INFO that often; with
-        ``poll_every``, the poller is asked for a listing that often while the
-        wait lasts (``on_poll`` after each one applied), so the change that
-        completes it shows a fraction of a poll interval after it happened.
-        With ``watch`` (run under the lock after each attempt that found
-        nothing: the keys of ``partition_id`` the decision waits on, at most
-        :data:`~poller.wire.messages.MAX_WATCH_KEYS`), the poller reads those keys
-        cheaply while the wait lasts and lists as soon as one changed, on a
-        source that can (:mod:`poller.polling`; elsewhere it changes nothing).
+        ``attempt`` last ran on does not run it again. With ``log_every``, the
+        wait logs ``describe()`` at INFO that often. With ``poll_every``, the
+        own poller is asked for a listing that often while the wait lasts
+        (``on_poll`` after each one applied), so the change that completes it
+        shows a fraction of a poll interval after it happened. With ``watch``
+        (run under the lock after each attempt that found nothing: the keys the
+        decision waits on, at most :data:`~poller.wire.messages.MAX_WATCH_KEYS`),
+        the poller reads those keys cheaply while the wait lasts and lists as
+        soon as one changed, on a source that can (:mod:`poller.polling`).
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the
@@ -89,35 +88,27 @@ class SamplingSeam:
         def described() -> str:
             return describe() + self._quarantine_note(partition_id)
 
-        watcher = None
-        if watch is not None and timeout != 0 and self._listings is not None and self._listings.has_own_poller:
-            watcher = WatchWhileWaiting(self._listings.watch, partition_id)
-            attempt = _watching(attempt, watch, watcher)
-        if version is not None:
-            attempt = _when_changed(attempt, version)
-
-        try:
-            return self._wait(attempt, partition_id, timeout, described, log_every, what, poll_every, on_poll)
-        finally:
-            if watcher is not None:
-                watcher.stop()
-
-    def _wait(self, attempt: Callable[[], T | None], partition_id: str, timeout: float | None,
-              described: Callable[[], str], log_every: float | None, what: str, poll_every: float | None,
-              on_poll: Callable[[], None] | None) -> T:
         if timeout == 0:
-            return self._store.wait_until(attempt, timeout=0, describe=described, view=partition_id)
-        try:
-            # The first look builds no message: it is never shown.
-            return self._store.wait_until(attempt, timeout=0, describe=str, view=partition_id)
-        except TimeoutError:
-            pass
-        deadline = None if timeout is None else time.monotonic() + timeout
+            return self._store.wait_until(_when_changed(attempt, version), timeout=0, describe=described,
+                                          view=partition_id)
+        # Only the buffer's own poller is asked to hurry or watch: standalone ones keep their own schedule.
+        own = self._listings if self._listings is not None and self._listings.has_own_poller else None
+        watcher = None
+        if watch is not None and own is not None:
+            watcher = WatchWhileWaiting(own.watch, partition_id)
+            attempt = _watching(attempt, watch, watcher)
+        attempt = _when_changed(attempt, version)
         hurry = None
-        if poll_every is not None and self._listings is not None and self._listings.has_own_poller:
-            hurry = PollWhileWaiting(self._listings.wait, poll_every, on_poll or (lambda: None))
-        started = last_log = time.monotonic()
         try:
+            try:
+                # The first look builds no message: it is never shown.
+                return self._store.wait_until(attempt, timeout=0, describe=str, view=partition_id)
+            except TimeoutError:
+                pass
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if poll_every is not None and own is not None:
+                hurry = PollWhileWaiting(own.wait, poll_every, on_poll or (lambda: None))
+            started = last_log = time.monotonic()
             while True:
                 now = time.monotonic()
                 wait = None if deadline is None else deadline - now
@@ -133,8 +124,9 @@ class SamplingSeam:
                     last_log = time.monotonic()
                     logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
         finally:
-            if hurry is not None:
-                hurry.stop()
+            for helper in (hurry, watcher):
+                if helper is not None:
+                    helper.stop()
 
     def look(self, read: Callable[[], T]) -> T:
         """``read()`` under the store's lock, at once (no wait, whole view or not)."""
@@ -191,19 +183,18 @@ def _watching(attempt: Callable[[], T | None], watch: Callable[[], list[str]],
     return watched
 
 
-def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable]) -> Callable[[], T | None]:
+def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable] | None) -> Callable[[], T | None]:
     """``attempt`` that returns None at once while ``version()`` is the one its last run saw.
 
-    Why: every applied poll wakes a waiting decision, and while ``sample()``
-    waits the poller lists every ``wait_poll_interval`` (20 ms by default), so
-    most wake-ups find nothing new in the partition (``python -m bench --only
-    verl``, bench/results/verl.md: 32 polls per sample() at every K; the rule
-    ran ~34 times per sample() before this, 6 after). Both reads run
-    under the store's lock inside :meth:`PartitionStore.wait_until`, and a
-    change takes the same lock and then notifies, so a change after the check
-    still wakes the wait (no lost wake-up); a view that is not whole runs no
-    attempt and records no version, so the first whole view after it decides.
+    Every applied poll wakes a waiting decision, and while verl's ``sample()``
+    waits the poller lists every 20 ms, so most wake-ups find nothing new
+    (bench/results/verl.md: the rule ran ~34 times per sample() before this,
+    6 after). Both reads run under the store's lock, and a change takes the
+    same lock and then notifies, so no wake-up is lost; a view that is not
+    whole runs no attempt and records no version.
     """
+    if version is None:
+        return attempt
     seen: list[Hashable] = []  # the version of the last run; empty: never ran
 
     def gated() -> T | None:
@@ -245,9 +236,8 @@ class SyncAhead:
 class PollWhileWaiting:
     """Asks for a listing every ``gap`` seconds (``sync``) while a decision waits; ``stop()`` when it ends.
 
-    Between decisions the poller lists on its own schedule; a decision that
-    has to wait would otherwise see its last change up to one poll interval
-    late. ``on_poll`` is called after each listing asked for was applied.
+    Otherwise a waiting decision would see its last change up to one poll
+    interval late. ``on_poll`` is called after each listing asked for was applied.
     """
 
     # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
@@ -279,13 +269,12 @@ class PollWhileWaiting:
 class WatchWhileWaiting:
     """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
 
-    :meth:`update` gives the keys (the decision computes them under the
-    store's lock each time what it reads changed, so this never blocks);
-    a thread sends them in a WATCH at once when they differ from the last
-    sent, and again every :data:`RENEW` seconds: the poller forgets a watch
-    not renewed for :data:`LASTS` seconds, so a trainer that stopped or
-    died leaves nothing read on its behalf, and a restarted poller gets the
-    keys within a second. :meth:`stop` ends the watch in the poller.
+    :meth:`update` (called under the store's lock, so it never blocks) gives
+    the keys; a thread sends them in a WATCH at once when they changed, and
+    again every :data:`RENEW` seconds: the poller forgets a watch not renewed
+    for :data:`LASTS` seconds, so a trainer that stopped or died leaves
+    nothing read on its behalf, and a restarted poller gets the keys within a
+    second. :meth:`stop` ends the watch in the poller.
     """
 
     #: Seconds between two WATCHes of the same keys.

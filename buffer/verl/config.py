@@ -33,15 +33,18 @@ _OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None
         "listing_share": VERL_CYCLE, "list_between_calls": None}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
+#: The options the sampler passes on to its buffer.
+_BUFFER_OPTIONS = ("start_timeout", "close_timeout", "max_restarts", "listing_share")
+#: verl's sampler attributes, read from the options record (``ReplayBuffer.__getattr__``).
+VERL_ATTRIBUTES = frozenset(_SHARED) | {"trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy",
+                                        "refill_fn"}
 
 
 class VerlConfigError(ValueError, AssertionError):
     """A sampler option verl (or this sampler) refuses, worded as verl 0.9.1 words it.
 
     verl 0.9.1 ``assert``s its threshold and strategy and raises ``ValueError``
-    for the rest, so its tests expect ``AssertionError`` where callers of this
-    sampler may expect ``ValueError``: this class is both, and every
-    configuration error of the sampler is one.
+    for the rest: this class is both, and every configuration error of the sampler is one.
     """
 
 
@@ -64,12 +67,6 @@ def _wait_poll_interval(value: Any, poll_interval: Any) -> Any:
     if value is not None or isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)):
         return value
     return poll_interval / 10
-
-
-#: verl's sampler attributes, read from the options record (``ReplayBuffer.__getattr__``).
-VERL_ATTRIBUTES = frozenset({"trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy", "refill_fn",
-                             "poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
-                             "max_inflight_gen_batches", "sync_refill_failed_groups"})
 
 
 @dataclass(frozen=True)
@@ -136,27 +133,19 @@ class SamplerConfig:
         if refill_fn is not None and not callable(refill_fn):
             raise TypeError(f"refill_fn must be callable, got {type(refill_fn).__name__}")
         options = {name: _pick(name, default, given.get(name, default), kwargs) for name, default in _SHARED.items()}
-        own = {name: kwargs.get(name, default) for name, default in _OWN.items()}
-        poll_interval = DEFAULT_POLL_INTERVAL if options["poll_interval"] is None else options["poll_interval"]
-        config = cls(
-            trainer_mode=trainer_mode, asynchronous=asynchronous,
-            max_off_policy_threshold=max_off_policy_threshold, max_off_policy_strategy=max_off_policy_strategy,
-            refill_fn=refill_fn,
-            poll_interval=poll_interval,
-            filter_groups_metric=options["filter_groups_metric"], train_batch_size=options["train_batch_size"],
-            gen_batch_size=options["gen_batch_size"], max_inflight_gen_batches=options["max_inflight_gen_batches"],
-            sync_refill_failed_groups=options["sync_refill_failed_groups"],
-            sample_timeout=own["sample_timeout"], log_interval=own["log_interval"],
-            wait_poll_interval=_wait_poll_interval(own["wait_poll_interval"], poll_interval), source=own["source"],
-            source_kwargs=own["source_kwargs"], list_between_calls=own["list_between_calls"],
-            buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts",
-                                                        "listing_share")})
+        options.update((name, kwargs.get(name, default)) for name, default in _OWN.items())
+        if options["poll_interval"] is None:
+            options["poll_interval"] = DEFAULT_POLL_INTERVAL
+        options["wait_poll_interval"] = _wait_poll_interval(options["wait_poll_interval"], options["poll_interval"])
+        buffer_kwargs = {name: options.pop(name) for name in _BUFFER_OPTIONS}
+        config = cls(trainer_mode=trainer_mode, asynchronous=asynchronous,
+                     max_off_policy_threshold=max_off_policy_threshold,
+                     max_off_policy_strategy=max_off_policy_strategy, refill_fn=refill_fn,
+                     buffer_kwargs=buffer_kwargs, **options)
         try:
             config._check()
-        except VerlConfigError:
-            raise
-        except ValueError as exc:  # poller.wire.arguments' checks: one class for every configuration error
-            raise VerlConfigError(str(exc)) from None
+        except ValueError as exc:  # poller.wire.arguments' checks too: one class for every configuration error
+            raise exc if isinstance(exc, VerlConfigError) else VerlConfigError(str(exc)) from None
         return config
 
     def _check(self) -> None:

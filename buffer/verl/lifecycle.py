@@ -74,9 +74,7 @@ class SamplerLifecycle:
         self._compared: Any = None
 
     def start(self, partition_id: str | None = None) -> Started:
-        """The buffer and client, started on first use; the poller lists ``partition_id`` (see :meth:`include`).
-
-        Started without a partition, the poller lists every partition.
+        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition).
 
         Raises:
             BufferClosed: the sampler was closed.
@@ -123,16 +121,13 @@ class SamplerLifecycle:
     def follow(self) -> bool:
         """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
 
-        verl's own sampler lists through that client on every call, so after
-        ``tq.close()`` and ``tq.init()`` (a new controller on a new port) it
-        lists the new one. A no-op (two attribute reads) while the client is the
-        one compared before or names the listed controller, and without a
-        client (the poller keeps its controller and its listings stall). On a
-        new controller the poller is switched to it
-        (:meth:`buffer.ReplayBuffer.switch_source`: no crash, no restart
-        budget), and no decision is made until the new controller's first
-        complete listing is applied, which drops every key of the old one.
-        True when it moved: the caller's next decision must wait for a listing.
+        As verl's own sampler, which lists through that client on every call,
+        follows ``tq.close()`` and ``tq.init()`` (a new controller on a new
+        port). Two attribute reads while nothing changed; without a client the
+        poller keeps its controller. A move is
+        :meth:`buffer.ReplayBuffer.switch_source` (no crash, no restart budget):
+        no decision is made until the new controller's first complete listing
+        drops every key of the old one. True when it moved.
 
         Raises:
             BufferClosed, PollerCrashed: from the switch.
@@ -159,10 +154,8 @@ class SamplerLifecycle:
         """Have the poller list ``partition_id`` too, when the sampler chose the partitions it lists.
 
         verl 0.9.1 names its partitions only in its calls (``"train"``, and
-        ``"val"`` while it validates), so the poller starts with the first
-        call's partition and each new one joins the set here. True when it
-        joined: the sampler's next decision must then wait for a listing that
-        includes it (read your writes).
+        ``"val"`` while it validates). True when it joined: the next decision
+        must wait for a listing that includes it.
         """
         if self._listed is None or partition_id in self._listed:
             return False
@@ -188,9 +181,8 @@ def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
                    partition_id: str | None) -> tuple[SourceSpec, dict[str, Any], bool]:
     """The spec and kwargs the poller lists, and whether the sampler chose the partitions it lists.
 
-    On TransferQueue the poller lists only ``partition_id`` (``None``: every
-    partition) unless ``kwargs`` name their own ``partition_ids``; with
-    options only (``call_timeout``, ...) the address is the live controller's.
+    On TransferQueue: only ``partition_id`` unless ``kwargs`` name their own
+    ``partition_ids``; without an ``address``, the live controller's.
     """
     given = dict(kwargs or {})
     if not is_transferqueue(source):

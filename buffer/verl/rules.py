@@ -192,8 +192,7 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
         if dapo:
             # Sync stays bufferless: what is terminal beyond the batch is discarded.
             chosen = set(plan.select or ())
-            plan.surplus = {uid for status in TERMINAL for uid in part.uids(status)
-                            if uid not in chosen and uid not in plan.evict}
+            plan.surplus = {uid for uid in part.uids(*TERMINAL) if uid not in chosen and uid not in plan.evict}
             plan.surplus_keys = [*plan.surplus, *part.trajectory_keys(plan.surplus)]
         return plan
     return plan if plan.evict else None
@@ -222,7 +221,7 @@ def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, g
     if select:
         _select(part, plan, target)
     else:
-        plan.sampleable = {uid for status in TERMINAL for uid in part.uids(status)}
+        plan.sampleable = set(part.uids(*TERMINAL))
     return plan
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Union, cast
 
 from buffer.arguments import check_verl_call
 from buffer.process import ShutdownReport
@@ -24,7 +24,8 @@ from buffer.verl.rules import (
 
 __all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync"]
 
-_R = TypeVar("_R")
+#: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
+Decision = Union[Plan, int]
 
 # A read-your-writes wait started ahead gives up after this long; the next call then waits itself
 # (with its own deadline).
@@ -128,16 +129,10 @@ class ReplayBuffer:
             PollerCrashed, BufferClosed: the poller is dead for good / the sampler was closed.
         """
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        deadline = self._deadline()
-        metrics: dict[str, Any] = {}
         state = DrainState()
-        while True:
-            plan = self._decide(what, partition_id, deadline,
-                                lambda part: plan_sync(part, self._config, partition_id, global_steps,
-                                                       batch_size, state))
-            if not self._carry_out(plan, partition_id, metrics, deadline):
-                break
-        assert plan.select is not None
+        plan, metrics = self._run(what, partition_id, lambda part: plan_sync(part, self._config, partition_id,
+                                                                             global_steps, batch_size, state))
+        assert isinstance(plan, Plan) and plan.select is not None
         if plan.surplus:
             self._clear(partition_id, plan.surplus_keys)
             key = f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"
@@ -152,15 +147,10 @@ class ReplayBuffer:
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
         what = check_verl_call("get_sampleable_count", global_steps, partition_id)
-        deadline = self._deadline()
-        def count(part: GroupPartition) -> Plan | int:
-            return sampleable_count(part, self._config, partition_id, global_steps)
-
-        while True:
-            result = cast("Plan | int", self._decide(what, partition_id, deadline, count))
-            if isinstance(result, int):
-                return result
-            self._carry_out(result, partition_id, {}, deadline)
+        count, _ = self._run(what, partition_id,
+                             lambda part: sampleable_count(part, self._config, partition_id, global_steps))
+        assert isinstance(count, int)
+        return count
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; idempotent. verl never calls it: the finalizer does."""
@@ -188,12 +178,19 @@ class ReplayBuffer:
 
     # -- deciding and carrying out ------------------------------------------------------------
 
-    def _deadline(self) -> float | None:
+    def _run(self, what: str, partition_id: str,
+             rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:
+        """Decide and carry out plans until one hands out, is ready or is a count; with the eviction metrics."""
         timeout = self._config.sample_timeout
-        return None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        metrics: dict[str, Any] = {}
+        while True:
+            result = self._decide(what, partition_id, deadline, rule)
+            if isinstance(result, int) or not self._carry_out(result, partition_id, metrics, deadline):
+                return result, metrics
 
     def _decide(self, what: str, partition_id: str, deadline: float | None,
-                rule: Callable[[GroupPartition], _R | None]) -> _R:
+                rule: Callable[[GroupPartition], Decision | None]) -> Decision:
         """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed.
 
         While it waits, the poller lists every ``wait_poll_interval``, and the
@@ -222,7 +219,7 @@ class ReplayBuffer:
                                       and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)
 
-        def attempt() -> _R | None:
+        def attempt() -> Decision | None:
             self._record_fetched(partition_id)
             self._counters["decisions"] += 1
             return rule(self._index.partition(partition_id))
@@ -232,12 +229,13 @@ class ReplayBuffer:
 
         config = self._config
         try:
-            return seam.decide(attempt, partition_id=partition_id,
-                               timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
-                               describe=lambda: self._index.partition(partition_id).describe(partition_id),
-                               log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
-                               on_poll=counted_poll, version=lambda: self._index.version(partition_id),
-                               watch=lambda: self._index.partition(partition_id).in_flight(WATCHED_PROMPTS))
+            return cast(Decision, seam.decide(
+                attempt, partition_id=partition_id,
+                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                describe=lambda: self._index.partition(partition_id).describe(partition_id),
+                log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
+                on_poll=counted_poll, version=lambda: self._index.version(partition_id),
+                watch=lambda: self._index.partition(partition_id).in_flight(WATCHED_PROMPTS)))
         except TimeoutError as exc:
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
 
@@ -318,24 +316,16 @@ class ReplayBufferAsync(ReplayBuffer):
         Returns their uids and the eviction metrics; nothing is consumed.
         """
         what = check_verl_call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
-        plan, metrics = self._wait(what, global_steps, partition_id, target_count, select=False)
+        plan, metrics = self._run(what, partition_id, lambda part: plan_async(part, self._config, partition_id,
+                                                                              global_steps, target_count, False))
+        assert isinstance(plan, Plan)
         return plan.sampleable, metrics
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        plan, metrics = self._wait(what, global_steps, partition_id, batch_size, select=True)
-        assert plan.select is not None
+        plan, metrics = self._run(what, partition_id, lambda part: plan_async(part, self._config, partition_id,
+                                                                              global_steps, batch_size, True))
+        assert isinstance(plan, Plan) and plan.select is not None
         return self._materialize(partition_id, plan.select, plan.select_keys), metrics
 
     sample.__doc__ = ReplayBuffer.sample.__doc__
-
-    def _wait(self, what: str, global_steps: int, partition_id: str, target: int,
-              select: bool) -> tuple[Plan, dict[str, Any]]:
-        deadline = self._deadline()
-        metrics: dict[str, Any] = {}
-        while True:
-            plan = self._decide(what, partition_id, deadline,
-                                lambda part: plan_async(part, self._config, partition_id, global_steps, target,
-                                                        select))
-            if not self._carry_out(plan, partition_id, metrics, deadline):
-                return plan, metrics

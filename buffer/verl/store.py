@@ -102,12 +102,10 @@ class StoreCalls:
     def controller(self) -> Any | None:
         """The controller info (a ``ZMQServerInfo``) of the ``transfer_queue`` module's current client, or None.
 
-        The sampler's own calls, as verl's sampler's, go through the client the
-        last ``tq.init()`` made, so its controller is the one to list. Two
-        attribute reads, no I/O. TransferQueue (0.1.8-0.1.11) keeps the info in
-        the client's ``_controller`` and offers no public accessor; a client
-        without it gives None, and the poller stays on the controller it started
-        on. After ``tq.close()`` and before the next ``tq.init()``, None.
+        The client the last ``tq.init()`` made: the sampler's own calls go
+        through it, so its controller is the one to list. TransferQueue
+        (0.1.8-0.1.11) keeps the info in the private ``_controller``; None
+        without it, and between ``tq.close()`` and the next ``tq.init()``.
         """
         get_client = getattr(self.client, "get_client", None)
         if not callable(get_client):
@@ -121,12 +119,10 @@ class StoreCalls:
     def clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
 
-        TransferQueue 0.1.9 made ``kv_clear`` idempotent. On 0.1.8 a clear that
-        names a key already gone (the trainer or another reader may have cleared
-        one this sampler's view still holds) clears nothing at all, and an empty
-        list raises. With ``verify_clears``, and after any failed clear, the
-        partition is listed once and the keys still present are cleared again;
-        a store that cannot clear what it holds still raises.
+        On TransferQueue 0.1.8 (0.1.9 made it idempotent) a clear naming a key
+        already gone clears nothing at all. So with ``verify_clears``, and after
+        any failed clear, the partition is listed once and the keys still
+        present are cleared again; a store that cannot clear them still raises.
         """
         if not keys:
             return
@@ -167,11 +163,9 @@ class StoreCalls:
     def _read_metric(self, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
         """Each key's DAPO value (None where it is missing).
 
-        ``"reward"``: the key's ``rm_scores`` summed (verl 0.9.1's canonical
-        pre-KL reward), by the value's own ``.sum()`` (a tensor on
-        TransferQueue: the trainer side imports no torch for it) or ``sum()``
-        of a plain list (the SQLite store's JSON). Any other name:
-        ``extra_fields["reward_extra_info"][metric]``.
+        ``"reward"``: the key's ``rm_scores`` summed (verl 0.9.1's pre-KL
+        reward) by its own ``.sum()`` (a tensor: no torch import here) or as a
+        list. Any other name: ``extra_fields["reward_extra_info"][metric]``.
         """
         if not keys:
             return []
