@@ -1,12 +1,11 @@
 """The one seam between a buffer and its sampling policies, and the helper threads of their waits.
 
-A sampling policy (the step sampler behind ``ReplayBuffer.sample``, the verl
-sampler in :mod:`buffer.verl`) keeps its own index from the store's changes
-and decides on it through :class:`SamplingSeam`, and reaches nothing else of
-the buffer. The seam knows no transport: what it asks of the pollers feeding
-the store (a listing, a watch, their quarantined keys) goes through
-:class:`Listings`, which the buffer's core provides (:class:`buffer.sync.ListingSync`),
-so sampling means the same on every source and stream.
+A sampling policy (the step sampler behind ``ReplayBuffer.sample``,
+:mod:`buffer.verl`) keeps its own index from the store's changes and decides
+on it through :class:`SamplingSeam`, reaching nothing else of the buffer. The
+seam knows no transport: it asks the pollers for listings, watches and their
+quarantined keys through :class:`Listings` (:class:`buffer.sync.ListingSync`
+over the stream), so sampling means the same on every source.
 """
 
 from __future__ import annotations
@@ -66,18 +65,16 @@ class SamplingSeam:
                watch: Callable[[], list[str]] | None = None) -> T:
         """``attempt()``'s first non-None result, on a whole view of ``partition_id``, waking on every change.
 
-        ``attempt`` runs under the store's lock and must not block. With
-        ``version`` (read under the lock too: a value that changes whenever
-        anything ``attempt`` reads does), a wake-up that finds the version
-        ``attempt`` last ran on does not run it again. With ``log_every``, the
-        wait logs ``describe()`` at INFO that often. With ``poll_every``, the
-        own poller is asked for a listing that often while the wait lasts
-        (``on_poll`` after each one applied), so the change that completes it
-        shows a fraction of a poll interval after it happened. With ``watch``
-        (run under the lock after each attempt that found nothing: the keys the
-        decision waits on, at most :data:`~poller.wire.messages.MAX_WATCH_KEYS`),
-        the poller reads those keys cheaply while the wait lasts and lists as
-        soon as one changed, on a source that can (:mod:`poller.polling`).
+        ``attempt`` runs under the store's lock and must not block. ``version``
+        (read under the lock: a value that changes whenever anything
+        ``attempt`` reads does) skips wake-ups that find the version of the
+        last run. ``log_every``: log ``describe()`` at INFO that often.
+        ``poll_every``: ask the own poller for a listing that often while
+        waiting (``on_poll`` after each), so the completing change shows
+        sooner. ``watch`` (run under the lock after each attempt that found
+        nothing: at most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the
+        decision waits on): the poller reads those keys cheaply while waiting
+        and lists as soon as one changed, on a source that can (:mod:`poller.polling`).
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the
@@ -143,10 +140,9 @@ class SamplingSeam:
             self._listings.wait(timeout)
 
     def view_age(self) -> float:
-        """Seconds since the store was last known to be listed whole into the view (:meth:`Listings.fresh_since`).
+        """Seconds since the store was last known to be listed whole into the view.
 
-        ``inf`` before the first complete poll; 0 without an own poller
-        (standalone pollers only: nothing to ask).
+        ``inf`` before the first complete poll; 0 without an own poller (standalone pollers only: nothing to ask).
         """
         if self._listings is None or not self._listings.has_own_poller:
             return 0.0
@@ -211,8 +207,7 @@ def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashabl
 class SyncAhead:
     """``sync(timeout)`` in a thread, started right after a decision's last write.
 
-    The listing it waits for runs while the trainer trains on the batch, so
-    the next decision usually finds it applied instead of waiting one listing.
+    The listing it waits for runs while the trainer trains, so the next decision usually finds it applied.
     """
 
     def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
@@ -234,10 +229,9 @@ class SyncAhead:
 
 
 class PollWhileWaiting:
-    """Asks for a listing every ``gap`` seconds (``sync``) while a decision waits; ``stop()`` when it ends.
+    """Asks for a listing every ``gap`` seconds (``sync``, then ``on_poll``) while a decision waits, until :meth:`stop`.
 
-    Otherwise a waiting decision would see its last change up to one poll
-    interval late. ``on_poll`` is called after each listing asked for was applied.
+    Otherwise the decision would see its last change up to a poll interval late.
     """
 
     # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().

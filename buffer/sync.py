@@ -7,14 +7,12 @@ carrying our token (or a later one) is applied, the buffer reflects every
 write the store had finished before the call. Concurrent callers each send a
 token and the next listing answers all of them.
 
-Standalone pollers streaming to the buffer are asked too, with the same
-token: a key cleared in the store and still listed by one of them would
-otherwise stay in the view until its next poll. One that goes silent past
-``stale_after`` or says BYE during the wait is not waited for any more.
-A poller process that restarts during the wait never got the token: the
-request is sent again to every new process. (The receiver also sends an
-unanswered request again every second: one sent while the stream
-reconnected is lost.)
+Standalone pollers streaming to the buffer are asked too (a key cleared in
+the store and still listed by one would stay in the view until its next
+poll), unless silent past ``stale_after`` or gone (BYE). A poller process that
+restarts during the wait never got the token: each new process is asked
+again. (The receiver also repeats an unanswered request every second: one
+sent while the stream reconnected is lost.)
 """
 
 from __future__ import annotations
@@ -33,8 +31,10 @@ __all__ = ["ListingSync"]
 
 
 class ListingSync:
-    """Issues SYNC tokens to the pollers streaming to a buffer, waits for the listings that answer them (:meth:`wait`),
-    and passes the seam's watches and quarantine questions to the receiver."""
+    """Issues SYNC tokens to the pollers streaming to a buffer and waits for the listings that answer them.
+
+    It also passes the seam's watches and quarantine questions to the receiver.
+    """
 
     def __init__(self, store: PartitionStore, receiver: StreamReceiver, stream: str | None) -> None:
         self._store = store
@@ -48,8 +48,7 @@ class ListingSync:
         """Ask for a poll now and wait until one that began after this call is applied, from every poller.
 
         Every poller: the buffer's own, and (with ``standalone``) each
-        standalone poller streaming now. ``timeout`` was checked by
-        ``ReplayBuffer.sync()``.
+        standalone poller streaming now.
 
         Raises:
             TimeoutError: no such listing within ``timeout`` (the source stalls
@@ -105,24 +104,17 @@ class ListingSync:
     def fresh_since(self) -> float | None:
         """A ``time.monotonic()`` after which the store was listed whole into the buffer; None: not yet.
 
-        The later of two lower bounds: the start of the latest :meth:`wait`
-        that returned (the listing that answered it began later), and the
-        start of the own poller's latest complete listing, as the poller
-        stamped it (:attr:`~buffer.peer_state.Peer.listed_at`: never later
-        than the poll was applied). So a sync answered by a listing the
-        listing share held back for seconds is dated by that listing, not by
-        the request (dated by the request, a fresh view looked 2 s old and
-        verl's sampler asked for a listing more: ``docs/verl.md``).
+        The later of the start of the latest :meth:`wait` that returned and the
+        start of the own poller's latest complete listing as the poller stamped
+        it (:attr:`~buffer.peer_state.Peer.listed_at`), so a sync answered by a
+        listing the listing share held back is dated by that listing (dated by
+        the request, a fresh view looked 2 s old: ``docs/verl.md``).
         """
         with self._lock:
             answered = self._answered
-        if self._stream is None:
-            return answered
-        peer = self._receiver.peer_info(self._stream)
+        peer = self._receiver.peer_info(self._stream) if self._stream is not None else None
         listed = peer.listed_at if peer is not None and peer.polls_applied > 0 else None
-        if listed is None:
-            return answered
-        return listed if answered is None else max(answered, listed)
+        return max((since for since in (answered, listed) if since is not None), default=None)
 
     def _describe(self, timeout: float | None, started: float, asked: dict[str, list[int | None]],
                   token: int) -> str:

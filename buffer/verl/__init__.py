@@ -18,9 +18,8 @@ change that completes it::
        ▲                                │        then sync(): the next view reflects them
        └──── wake on change ◀── store ◀─┘◀── poller process (kv_list, diff) ◀── TransferQueue
 
-The sampler (:mod:`.sampler`) takes its options through :mod:`.config`,
-starts its buffer on the first call (:mod:`.lifecycle`) and makes its own
-clears and reads through :mod:`.store`.
+The sampler (:mod:`.sampler`) takes its options through :mod:`.config`, and
+starts its buffer and makes its own clears and reads through :mod:`.store`.
 """
 
 from buffer.verl.config import VerlConfigError

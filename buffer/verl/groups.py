@@ -93,8 +93,11 @@ class GroupPartition:
         return list(islice((uid for uid in self.uids(*statuses) if uid not in skipped), max(0, n)))
 
     def in_flight(self, limit: int) -> list[str]:
-        """Up to ``limit`` prompts not yet terminal, newest first: those a waiting decision is likeliest to see
-        finish soonest, which the poller watches; a prompt of a step abandoned long ago is the first left out."""
+        """Up to ``limit`` prompts not yet terminal, newest ``global_steps`` and latest arrival first.
+
+        Those a waiting decision is likeliest to see finish soonest, which the
+        poller watches; a prompt of a step abandoned long ago is left out first.
+        """
         return list(islice(self.uids(PENDING, RUNNING, newest_first=True), limit))
 
     def older_than(self, status: str, step: int) -> list[str]:

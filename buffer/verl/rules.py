@@ -1,13 +1,11 @@
-"""verl's sampling rules over a :class:`~buffer.groups.GroupPartition`: one decision per view.
+"""verl's sampling rules over a :class:`~buffer.verl.groups.GroupPartition`: one decision per view.
 
-Every function here runs with the store lock held and does no I/O: it looks
-at one consistent view of a partition's groups and returns a :class:`Plan`
-(what to clear, how many prompts to refill, which groups to hand out) or
-``None`` (nothing to do until something changes). The adapter
-(:mod:`buffer.verl`) carries a plan out with the lock released — clearing
-keys in the store, calling ``refill_fn``, reading DAPO metrics — and then
-decides again on a fresh view. That is verl's loop, with its
-``sleep(poll_interval)`` replaced by a wait that wakes on the change.
+Every function here runs with the store lock held and does no I/O: it
+returns a :class:`Plan` (what to clear, how many prompts to refill, which
+groups to hand out) or ``None`` (nothing to do until something changes). The
+sampler carries a plan out with the lock released and decides again on a
+fresh view: verl's loop, with its ``sleep(poll_interval)`` replaced by a wait
+that wakes on the change.
 
 Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
 
@@ -82,30 +80,24 @@ class _Reasons:
     stale: set[str] = field(default_factory=set)
     dapo: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
-    dapo_counts: Counter[float] = field(default_factory=Counter)
 
     @property
     def evicted(self) -> set[str]:
         return self.stale | self.dapo | self.failed
 
 
-def _check(part: GroupPartition, config: SamplerConfig, partition_id: str) -> Plan | None:
-    """A plan that must come first: a malformed prompt, or DAPO metrics to read."""
+def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | _Reasons:
+    """Why groups are evicted now, or a plan that must come first: a malformed prompt, or DAPO metrics to read."""
     if part.invalid:
         return Plan(error=ValueError(f"Unknown status or malformed prompt in partition {partition_id!r}: "
                                      + "; ".join(list(part.invalid.values())[:5])))
     if config.dapo_on(partition_id) and part.unclassified:
         return Plan(fetch={uid: list(part.trajectories.get(uid, ())) for uid in part.unclassified})
-    return None
-
-
-def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> _Reasons:
     reasons = _Reasons()
     if partition_id == "val":
         return reasons
     if config.dapo_on(partition_id):
         reasons.dapo = set(part.filtered)
-        reasons.dapo_counts = Counter(part.filtered.values())
     if config.asynchronous:
         if config.max_off_policy_strategy == "drop" and config.max_off_policy_threshold is not None:
             # Span global_steps - step + 1 above the threshold: step < global_steps + 1 - threshold.
@@ -133,7 +125,7 @@ def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, r
         })
     if reasons.dapo:
         plan.metrics[f"{prefix}/filter_groups/evicted_samples"] = len(reasons.dapo)
-        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(reasons.dapo_counts)
+        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(Counter(part.filtered[uid] for uid in reasons.dapo))
     if reasons.failed:
         plan.metrics[f"{prefix}/rollout_failure/evicted_samples"] = len(reasons.failed)
     return plan
@@ -150,20 +142,18 @@ def _select(part: GroupPartition, plan: Plan, n: int) -> None:
 
 def sampleable_count(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | int:
     """Terminal groups the rules would not evict (or a plan to read DAPO metrics first)."""
-    first = _check(part, config, partition_id)
-    if first is not None:
-        return first
     reasons = _reasons(part, config, partition_id, global_steps)
+    if isinstance(reasons, Plan):
+        return reasons
     return _terminal_count(part) - len(reasons.evicted)
 
 
 def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, batch_size: int,
               state: DrainState) -> Plan | None:
     """One step of verl's synchronous ``sample()``; ``state`` carries DAPO's refill credit."""
-    first = _check(part, config, partition_id)
-    if first is not None:
-        return first
     reasons = _reasons(part, config, partition_id, global_steps)
+    if isinstance(reasons, Plan):
+        return reasons
     plan = _eviction_plan(part, partition_id, global_steps, reasons)
     has_enough = _terminal_count(part) - len(plan.evict) >= batch_size
     inflight = part.count(PENDING) + part.count(RUNNING)
@@ -201,10 +191,9 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
 def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, target: int,
                select: bool) -> Plan | None:
     """One step of verl's ``wait_for_sampleable()`` (and, with ``select``, of ``sample()``)."""
-    first = _check(part, config, partition_id)
-    if first is not None:
-        return first
     reasons = _reasons(part, config, partition_id, global_steps)
+    if isinstance(reasons, Plan):
+        return reasons
     plan = _eviction_plan(part, partition_id, global_steps, reasons)
     if plan.evict:
         plan.refill = len(plan.evict) if config.refill_fn is not None else 0

@@ -11,7 +11,6 @@ from buffer.process import ShutdownReport
 from buffer.seam import SyncAhead
 from buffer.verl.config import VERL_ATTRIBUTES, SamplerConfig
 from buffer.verl.groups import GroupIndex, GroupPartition
-from buffer.verl.lifecycle import SamplerLifecycle
 from buffer.verl.rules import (
     DrainState,
     Plan,
@@ -21,6 +20,7 @@ from buffer.verl.rules import (
     plan_sync,
     sampleable_count,
 )
+from buffer.verl.store import SamplerLifecycle
 
 __all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync"]
 
@@ -92,8 +92,6 @@ class ReplayBuffer:
         self._lifecycle = SamplerLifecycle(config, self._index)
         self._needs_fresh_view = False
         self._fresh_view_ahead: SyncAhead | None = None
-        # DAPO metrics read outside the lock, recorded in the index by the next decision.
-        self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0,
                           "wait_polls": 0}
 
@@ -167,7 +165,7 @@ class ReplayBuffer:
                                "lists_between_calls": self._lifecycle.lists_between_calls}
         if started is not None:
             out.update(started.buffer.stats())
-            out["groups"] = started.buffer.seam.look(self._group_counts)
+            out["groups"] = started.seam.look(self._group_counts)
         return out
 
     def __enter__(self) -> ReplayBuffer:
@@ -202,11 +200,9 @@ class ReplayBuffer:
         switched = self._lifecycle.follow()
         if switched:
             # The new controller's first complete listing began after this call and no decision is made
-            # before it is applied: that view is fresh. What concerned the old one is dropped: its sync ahead
-            # (it settled clears there; the new poller answers it, or close() ends it) and the DAPO metrics
-            # read there.
+            # before it is applied: that view is fresh. The sync ahead settled clears on the old one: dropped
+            # (the new poller answers it, or close() ends it).
             self._needs_fresh_view = False
-            self._fetched.clear()
         elif ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._needs_fresh_view = not ahead.done(remaining)
@@ -220,7 +216,6 @@ class ReplayBuffer:
             self._read_your_writes(what, deadline)
 
         def attempt() -> Decision | None:
-            self._record_fetched(partition_id)
             self._counters["decisions"] += 1
             return rule(self._index.partition(partition_id))
 
@@ -271,22 +266,22 @@ class ReplayBuffer:
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
         started = self._lifecycle.start()
-        started.store.clear(partition_id, keys)
+        started.clear(partition_id, keys)
         started.seam.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
-        """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
-        started = self._lifecycle.started
-        assert self._config.filter_groups_metric is not None and started is not None
-        classes = started.store.classify(partition_id, groups, self._config.filter_groups_metric)
-        self._fetched.setdefault(partition_id, {}).update(classes)
+        """Read the DAPO metric of newly finished groups (outside the lock) and record it in the index."""
+        started = self._lifecycle.start()
+        assert self._config.filter_groups_metric is not None
+        classes = started.classify(partition_id, groups, self._config.filter_groups_metric)
 
-    def _record_fetched(self, partition_id: str) -> None:
-        fetched = self._fetched.pop(partition_id, None)
-        for uid, (keys, value) in (fetched or {}).items():
-            self._index.record_metric(partition_id, uid, keys, value)
+        def record() -> None:  # refused for a group whose trajectories changed since: it is read again
+            for uid, (keys, value) in classes.items():
+                self._index.record_metric(partition_id, uid, keys, value)
+
+        started.seam.look(record)
 
     def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
         started = self._lifecycle.start()
@@ -298,7 +293,7 @@ class ReplayBuffer:
         # It also settles the clear: a key removed here is hidden until a listing no longer shows it, so
         # that listing must come before the store could hold the key again.
         self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
-        return started.store.batch(partition_id, keys, [held[key] for key in keys])
+        return started.batch(partition_id, keys, [held[key] for key in keys])
 
     def _group_counts(self) -> dict[str, dict[str, int]]:
         return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}

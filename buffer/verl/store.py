@@ -1,10 +1,17 @@
-"""The verl sampler's own calls to the store, made in the trainer: clears, DAPO metric reads, its batch.
+"""The verl sampler's link to its store: the buffer whose poller lists it, and the client of its own calls.
 
-The poller lists the store in its own process; the few writes and reads the
-sampler makes itself run here: on TransferQueue (the default source) through
-``transfer_queue``'s module functions, in the trainer process that
-initialised it; on any other source (the SQLite store in tests and the
-example) through an instance built from the same spec and kwargs.
+Constructing the sampler does no I/O, so a trainer whose constructor fails
+after building it leaks nothing: :class:`SamplerLifecycle` starts both on the
+first call, and a finalizer shuts both down when the sampler is dropped
+(verl never calls ``close()``). The sampler's own clears and DAPO reads
+(:class:`StoreLink`) go through ``transfer_queue``'s module functions on
+TransferQueue (the default source), in the trainer that initialised it, and
+elsewhere through an instance built from the same spec and kwargs.
+
+On TransferQueue the poller lists, as verl's own sampler does, only when a
+call needs it (:data:`QUIET_POLL_INTERVAL`), only the partitions the sampler
+is asked about (:meth:`SamplerLifecycle.include`), and the controller the
+trainer's client uses now (:meth:`SamplerLifecycle.follow`).
 """
 
 from __future__ import annotations
@@ -13,14 +20,21 @@ import importlib
 import importlib.metadata
 import logging
 import sys
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from buffer.errors import BufferClosed
+from buffer.process import ShutdownReport
+from buffer.replay import ReplayBuffer
+from buffer.verl.config import SamplerConfig
+from buffer.verl.groups import GroupIndex
 from buffer.verl.rules import classify
 from poller.wire.sources import SourceSpec, describe_spec, load_source
 from poller.wire.sources import _resolve as resolve_spec
 
-__all__ = ["TRANSFERQUEUE", "StoreCalls", "VerlBatch", "is_transferqueue", "transferqueue_kwargs"]
+__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "SamplerLifecycle", "StoreLink", "VerlBatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,23 +42,15 @@ logger = logging.getLogger(__name__)
 TRANSFERQUEUE = "poller.sources.transferqueue:TransferQueueSource"
 #: Its source arguments from the trainer's live TransferQueue (the public ``source_kwargs(conf, **options)``).
 _TRANSFERQUEUE_KWARGS = "poller.sources.transferqueue:source_kwargs"
+#: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
+CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
+
+#: The poller's own schedule when it does not list between calls: the calls ask for every listing
+#: they need (a SYNC), and the store is not listed while the trainer trains.
+QUIET_POLL_INTERVAL = 3600.0
 
 #: The DAPO metric read from the ``rm_scores`` field (verl 0.9.1's FILTER_GROUPS_REWARD_METRIC).
 REWARD_METRIC = "reward"
-
-
-def is_transferqueue(source: SourceSpec | None) -> bool:
-    return source is None or source == TRANSFERQUEUE
-
-
-def transferqueue_kwargs(conf: Any, **options: Any) -> dict[str, Any]:
-    """The poller's TransferQueue source arguments, the controller's address looked up here, in the trainer.
-
-    Raises:
-        ValueError: ``conf`` holds no controller address.
-    """
-    kwargs: dict[str, Any] = resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)
-    return kwargs
 
 
 @dataclass
@@ -65,39 +71,28 @@ class VerlBatch:
         return len(self.keys)
 
 
-class StoreCalls:
-    """The trainer-side client of the sampler's clears and reads; :meth:`close` closes it if it built it.
+class StoreLink:
+    """A started sampler's buffer and the client of its own clears and reads; :meth:`close` closes both.
 
-    Raises:
-        TypeError: the client lacks ``kv_clear`` or ``kv_list`` (or ``kv_batch_get`` when DAPO needs it).
+    Holds no reference to the sampler, so the sampler's finalizer can close it.
     """
 
-    def __init__(self, source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> None:
-        self.transferqueue = is_transferqueue(source)
-        self.owned = False
-        if source is None or self.transferqueue:
-            # Imported here, in the trainer that initialised it: import_module keeps type checkers out of it.
-            self.client: Any = importlib.import_module("transfer_queue")
-        else:
-            self.client = load_source(source, kwargs)
-            # load_source hands back a ready-made source object as it is: that one is not ours to close.
-            self.owned = self.client is not (resolve_spec(source) if isinstance(source, str) else source)
-            wanted = ["kv_clear", "kv_list"] + (["kv_batch_get"] if need_fields else [])
-            missing = [name for name in wanted if not callable(getattr(self.client, name, None))]
-            if missing:
-                self.close()
-                raise TypeError(f"source {describe_spec(source)} built {type(self.client).__name__}, which has no "
-                                f"{' or '.join(missing)}: the sampler clears keys"
-                                + (" and reads DAPO metrics" if need_fields else "") + " through it")
+    def __init__(self, buffer: ReplayBuffer, client: Any, owned: bool, transferqueue: bool) -> None:
+        self.buffer = buffer
+        self.seam = buffer.seam
+        self.client = client
+        self._owned = owned  # whether the client was built here (and is closed here)
+        self._transferqueue = transferqueue
         # Whether a kv_clear naming a key already gone may clear nothing (TransferQueue 0.1.8): then every
         # clear is checked by listing.
-        self.verify_clears = _tq_version() == "0.1.8" if self.transferqueue else \
-            bool(getattr(self.client, "clear_is_all_or_nothing", False))
+        self.verify_clears = _tq_version() == "0.1.8" if transferqueue else \
+            bool(getattr(client, "clear_is_all_or_nothing", False))
 
     def close(self) -> None:
-        close = getattr(self.client, "close", None)
-        if self.owned and callable(close):
-            close()
+        try:
+            self.buffer.close()
+        finally:
+            _close_client(self.client, self._owned)
 
     def controller(self) -> Any | None:
         """The controller info (a ``ZMQServerInfo``) of the ``transfer_queue`` module's current client, or None.
@@ -185,10 +180,194 @@ class StoreCalls:
 
     def batch(self, partition_id: str, keys: list[str], tags: list[dict[str, Any]]) -> Any:
         """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
-        if self.transferqueue or "transfer_queue" in sys.modules:
+        if self._transferqueue or "transfer_queue" in sys.modules:
             meta = importlib.import_module("transfer_queue").KVBatchMeta
             return meta(partition_id=partition_id, keys=keys, tags=tags)
         return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
+
+
+class SamplerLifecycle:
+    """Starts a verl sampler's buffer (``index`` attached) and client on first use; shuts both down once."""
+
+    def __init__(self, config: SamplerConfig, index: GroupIndex) -> None:
+        self._config = config
+        self._index = index
+        self._lock = threading.Lock()
+        # A store without a change feed (TransferQueue) is listed whole each time, and its controller is
+        # shared by every rollout worker: verl's own sampler lists it only inside its calls.
+        self._follows = _is_transferqueue(config.source)
+        self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
+                                    else not self._follows)
+        self.started: StoreLink | None = None
+        self.closed = False
+        self._finalizer: weakref.finalize | None = None
+        # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
+        self._listed: set[str] | None = None
+        # On TransferQueue: the controller address the poller lists, and the client's controller info last
+        # compared with it (the same object again needs no comparison).
+        self._address: str | None = None
+        self._compared: Any = None
+
+    def start(self, partition_id: str | None = None) -> StoreLink:
+        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition).
+
+        Raises:
+            BufferClosed: the sampler was closed.
+        """
+        with self._lock:
+            if self.closed:
+                raise BufferClosed("the sampler is closed")
+            if self.started is not None:
+                return self.started
+            config = self._config
+            spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
+            self._listed = {partition_id} if chosen and partition_id is not None else None
+            self._address = kwargs.get("address") if self._follows else None
+            client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
+            try:
+                interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
+                buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
+            except BaseException:
+                _close_client(client, owned)
+                raise
+            link = StoreLink(buffer, client, owned, self._follows)
+            # Tied to this object, which only the sampler holds: dropping the sampler runs it.
+            self._finalizer = weakref.finalize(self, link.close)
+            try:
+                buffer.seam.attach(self._index)
+            except BaseException:
+                self._finalizer()
+                raise
+            self.started = link
+            logger.debug("verl sampler started: %r", buffer)
+            return link
+
+    def running(self) -> StoreLink | None:
+        """What was started (``None``: nothing yet), without starting it.
+
+        Raises:
+            BufferClosed: the sampler was closed.
+        """
+        with self._lock:
+            if self.closed:
+                raise BufferClosed("the sampler is closed")
+            return self.started
+
+    def follow(self) -> bool:
+        """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
+
+        As verl's own sampler, which lists through that client on every call,
+        follows ``tq.close()`` and ``tq.init()`` (a new controller on a new
+        port). Two attribute reads while nothing changed; without a client the
+        poller keeps its controller. A move is
+        :meth:`buffer.ReplayBuffer.switch_source` (no crash, no restart budget):
+        no decision is made until the new controller's first complete listing
+        drops every key of the old one. True when it moved.
+
+        Raises:
+            BufferClosed, PollerCrashed: from the switch.
+        """
+        started = self.started
+        if started is None or not self._follows:
+            return False
+        info = started.controller()
+        with self._lock:
+            if info is None or info is self._compared:
+                return False
+            self._compared = info
+            kwargs = _transferqueue_kwargs(info)
+            changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
+            if changes["address"] == self._address:
+                return False
+            old, self._address = self._address, changes["address"]
+        logger.info("the trainer's TransferQueue client uses the controller at %s: the poller moves there from %s",
+                    changes["address"], old)
+        started.buffer.switch_source(changes)
+        return True
+
+    def include(self, partition_id: str) -> bool:
+        """Have the poller list ``partition_id`` too, when the sampler chose the partitions it lists.
+
+        verl 0.9.1 names its partitions only in its calls (``"train"``, and
+        ``"val"`` while it validates). True when it joined: the next decision
+        must wait for a listing that includes it.
+        """
+        if self._listed is None or partition_id in self._listed:
+            return False
+        assert self.started is not None  # _listed is set as the buffer starts
+        self.started.buffer.include_partitions([partition_id])
+        self._listed.add(partition_id)
+        return True
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        """Stop the poller and close the client; idempotent. Nothing started: a ``no-poller`` report."""
+        with self._lock:
+            self.closed = True
+            started, finalizer = self.started, self._finalizer
+        if started is None:
+            return ShutdownReport("no-poller", 0.0, None, False)
+        report = started.buffer.close(timeout)
+        if finalizer is not None:
+            finalizer()
+        return report
+
+
+def _is_transferqueue(source: SourceSpec | None) -> bool:
+    return source is None or source == TRANSFERQUEUE
+
+
+def _transferqueue_kwargs(conf: Any, **options: Any) -> dict[str, Any]:
+    """The TransferQueue source's arguments, the controller's address looked up here, in the trainer.
+
+    Raises:
+        ValueError: ``conf`` holds no controller address.
+    """
+    kwargs: dict[str, Any] = resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)
+    return kwargs
+
+
+def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
+                   partition_id: str | None) -> tuple[SourceSpec, dict[str, Any], bool]:
+    """The spec and kwargs the poller lists, and whether the sampler chose the partitions it lists.
+
+    On TransferQueue: only ``partition_id`` unless ``kwargs`` name their own
+    ``partition_ids``; without an ``address``, the live controller's.
+    """
+    given = dict(kwargs or {})
+    if source is not None and not _is_transferqueue(source):
+        return source, given, False
+    chosen = given.get("partition_ids") is None and partition_id is not None
+    if chosen:
+        given["partition_ids"] = [partition_id]
+    return TRANSFERQUEUE, given if "address" in given else _transferqueue_kwargs(None, **given), chosen
+
+
+def _open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:
+    """The trainer-side client and whether it was built here (and must be closed here).
+
+    Raises:
+        TypeError: the client lacks ``kv_clear`` or ``kv_list`` (or ``kv_batch_get`` when DAPO needs it).
+    """
+    if source is None or _is_transferqueue(source):
+        # Imported here, in the trainer that initialised it: import_module keeps type checkers out of it.
+        return importlib.import_module("transfer_queue"), False
+    client = load_source(source, kwargs)
+    # load_source hands back a ready-made source object as it is: that one is not ours to close.
+    owned = client is not (resolve_spec(source) if isinstance(source, str) else source)
+    wanted = ["kv_clear", "kv_list"] + (["kv_batch_get"] if need_fields else [])
+    missing = [name for name in wanted if not callable(getattr(client, name, None))]
+    if missing:
+        _close_client(client, owned)
+        raise TypeError(f"source {describe_spec(source)} built {type(client).__name__}, which has no "
+                        f"{' or '.join(missing)}: the sampler clears keys"
+                        + (" and reads DAPO metrics" if need_fields else "") + " through it")
+    return client, owned
+
+
+def _close_client(client: Any, owned: bool) -> None:
+    close = getattr(client, "close", None)
+    if owned and callable(close):
+        close()
 
 
 def _summed(scores: Any) -> float | None:
