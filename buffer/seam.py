@@ -28,7 +28,7 @@ T = TypeVar("T")
 
 
 class Listings(Protocol):
-    """What the seam asks of the pollers streaming to the store; without them (a bare store) it asks nothing."""
+    """What the seam asks of the pollers streaming to the store (the transport side implements it)."""
 
     @property
     def has_own_poller(self) -> bool:
@@ -182,12 +182,10 @@ def _watching(attempt: Callable[[], T | None], watch: Callable[[], list[str]],
 def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable] | None) -> Callable[[], T | None]:
     """``attempt`` that returns None at once while ``version()`` is the one its last run saw.
 
-    Every applied poll wakes a waiting decision, and while verl's ``sample()``
-    waits the poller lists every 20 ms, so most wake-ups find nothing new
-    (bench/results/verl.md: the rule ran ~34 times per sample() before this,
-    6 after). Both reads run under the store's lock, and a change takes the
-    same lock and then notifies, so no wake-up is lost; a view that is not
-    whole runs no attempt and records no version.
+    Every applied poll wakes a waiting decision, and most find nothing new
+    (verl's rule ran ~34 times per ``sample()`` before this, 6 after:
+    bench/results/verl.md). Both reads run under the store's lock, which a
+    change takes before it notifies, so no wake-up is lost.
     """
     if version is None:
         return attempt
@@ -197,8 +195,7 @@ def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashabl
         if seen and seen[0] == version():
             return None
         result = attempt()
-        # Read after the run: the attempt may update what it depends on (buffer.verl records DAPO metrics first).
-        seen[:] = [version()]
+        seen[:] = [version()]  # read after the run: an attempt may update what it depends on
         return result
 
     return gated
@@ -263,12 +260,11 @@ class PollWhileWaiting:
 class WatchWhileWaiting:
     """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
 
-    :meth:`update` (called under the store's lock, so it never blocks) gives
-    the keys; a thread sends them in a WATCH at once when they changed, and
-    again every :data:`RENEW` seconds: the poller forgets a watch not renewed
-    for :data:`LASTS` seconds, so a trainer that stopped or died leaves
-    nothing read on its behalf, and a restarted poller gets the keys within a
-    second. :meth:`stop` ends the watch in the poller.
+    :meth:`update` (under the store's lock: it never blocks) gives the keys; a
+    thread sends them in a WATCH when they changed and every :data:`RENEW`
+    seconds, because the poller forgets a watch after :data:`LASTS` seconds (a
+    trainer that died leaves nothing read on its behalf, and a restarted
+    poller gets the keys within a second).
     """
 
     #: Seconds between two WATCHes of the same keys.

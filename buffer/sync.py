@@ -47,14 +47,8 @@ class ListingSync:
     def wait(self, timeout: float | None, standalone: bool = True) -> None:
         """Ask for a poll now and wait until one that began after this call is applied, from every poller.
 
-        Every poller: the buffer's own, and (with ``standalone``) each
-        standalone poller streaming now.
-
-        Raises:
-            TimeoutError: no such listing within ``timeout`` (the source stalls
-                or fails, or the poller cannot restart); the message says which.
-            PollerCrashed: the poller is dead for good.
-            BufferClosed: the buffer was closed, possibly while waiting.
+        Every poller: the buffer's own, and (with ``standalone``) each standalone
+        poller streaming now. A ``TimeoutError`` says why none was applied.
         """
         token = next(self._tokens)
         started = time.monotonic()

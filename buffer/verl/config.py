@@ -57,18 +57,6 @@ def plain(value: Any) -> Any:
     return value
 
 
-def _wait_poll_interval(value: Any, poll_interval: Any) -> Any:
-    """The gap between listings asked for while a decision waits; default a tenth of ``poll_interval``.
-
-    A waiting trainer thread is idle, and what it waits for is the listing
-    that shows its last group: polling faster only while it waits brings
-    the batch sooner without costing the trainer anything between waits.
-    """
-    if value is not None or isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)):
-        return value
-    return poll_interval / 10
-
-
 @dataclass(frozen=True)
 class SamplerConfig:
     """Everything the sampler was configured with, checked."""
@@ -102,12 +90,9 @@ class SamplerConfig:
     def resolve(cls, *, asynchronous: bool, trainer_mode: Any, max_off_policy_threshold: Any,
                 max_off_policy_strategy: Any, sampler_kwargs: Any, refill_fn: Any,
                 given: Mapping[str, Any]) -> SamplerConfig:
-        """Check and merge. ``given`` holds the shared options as the constructor received them.
+        """Check and merge (raising as :class:`~buffer.verl.ReplayBuffer` documents).
 
-        Raises:
-            VerlConfigError: any option is out of range, unknown, or given twice with different values
-                (a ``ValueError`` and an ``AssertionError``).
-            TypeError: ``sampler_kwargs`` is not a mapping, ``refill_fn`` not callable.
+        ``given`` holds the shared options as the constructor received them.
         """
         if not isinstance(trainer_mode, str) or not trainer_mode:
             raise VerlConfigError(f"trainer_mode must be a non-empty string such as 'sync', got {trainer_mode!r}")
@@ -136,7 +121,11 @@ class SamplerConfig:
         options.update((name, kwargs.get(name, default)) for name, default in _OWN.items())
         if options["poll_interval"] is None:
             options["poll_interval"] = DEFAULT_POLL_INTERVAL
-        options["wait_poll_interval"] = _wait_poll_interval(options["wait_poll_interval"], options["poll_interval"])
+        poll = options["poll_interval"]
+        if options["wait_poll_interval"] is None and isinstance(poll, (int, float)) and not isinstance(poll, bool):
+            # A waiting trainer thread is idle: listing ten times as often only while it waits brings the
+            # batch sooner and costs the trainer nothing between waits.
+            options["wait_poll_interval"] = poll / 10
         buffer_kwargs = {name: options.pop(name) for name in _BUFFER_OPTIONS}
         config = cls(trainer_mode=trainer_mode, asynchronous=asynchronous,
                      max_off_policy_threshold=max_off_policy_threshold,

@@ -241,9 +241,7 @@ class GroupIndex:
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """:meth:`on_change` of each key held before, in one call.
 
-        A key whose ``is_prompt``, ``status`` and ``global_steps`` all read the
-        same before and after changed no group (found in C-level passes); the
-        others go through :meth:`on_change` one by one.
+        Keys whose group tags kept their values (found in C-level passes) changed no group.
         """
         moved = positions_that_differ(olds, news, _GROUP_TAGS)
         self.changes += len(keys) - len(moved)

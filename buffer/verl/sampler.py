@@ -165,7 +165,8 @@ class ReplayBuffer:
                                "lists_between_calls": self._lifecycle.lists_between_calls}
         if started is not None:
             out.update(started.buffer.stats())
-            out["groups"] = started.seam.look(self._group_counts)
+            out["groups"] = started.seam.look(lambda: {pid: self._index.partition(pid).counts()
+                                                       for pid in self._index.partition_ids()})
         return out
 
     def __enter__(self) -> ReplayBuffer:
@@ -294,9 +295,6 @@ class ReplayBuffer:
         # that listing must come before the store could hold the key again.
         self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
         return started.batch(partition_id, keys, [held[key] for key in keys])
-
-    def _group_counts(self) -> dict[str, dict[str, int]]:
-        return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}
 
 
 class ReplayBufferAsync(ReplayBuffer):

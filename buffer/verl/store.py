@@ -3,15 +3,12 @@
 Constructing the sampler does no I/O, so a trainer whose constructor fails
 after building it leaks nothing: :class:`SamplerLifecycle` starts both on the
 first call, and a finalizer shuts both down when the sampler is dropped
-(verl never calls ``close()``). The sampler's own clears and DAPO reads
-(:class:`StoreLink`) go through ``transfer_queue``'s module functions on
-TransferQueue (the default source), in the trainer that initialised it, and
-elsewhere through an instance built from the same spec and kwargs.
-
+(verl never calls ``close()``). The sampler's own clears and DAPO reads go
+through ``transfer_queue``'s module functions on TransferQueue (the default
+source), elsewhere through an instance built from the same spec and kwargs.
 On TransferQueue the poller lists, as verl's own sampler does, only when a
-call needs it (:data:`QUIET_POLL_INTERVAL`), only the partitions the sampler
-is asked about (:meth:`SamplerLifecycle.include`), and the controller the
-trainer's client uses now (:meth:`SamplerLifecycle.follow`).
+call needs it, only the partitions it was asked about, and the controller
+the trainer's client uses now.
 """
 
 from __future__ import annotations
@@ -72,10 +69,7 @@ class VerlBatch:
 
 
 class StoreLink:
-    """A started sampler's buffer and the client of its own clears and reads; :meth:`close` closes both.
-
-    Holds no reference to the sampler, so the sampler's finalizer can close it.
-    """
+    """A started sampler's buffer and the client of its own clears and reads (no reference to the sampler)."""
 
     def __init__(self, buffer: ReplayBuffer, client: Any, owned: bool, transferqueue: bool) -> None:
         self.buffer = buffer
@@ -97,10 +91,8 @@ class StoreLink:
     def controller(self) -> Any | None:
         """The controller info (a ``ZMQServerInfo``) of the ``transfer_queue`` module's current client, or None.
 
-        The client the last ``tq.init()`` made: the sampler's own calls go
-        through it, so its controller is the one to list. TransferQueue
-        (0.1.8-0.1.11) keeps the info in the private ``_controller``; None
-        without it, and between ``tq.close()`` and the next ``tq.init()``.
+        TransferQueue (0.1.8-0.1.11) keeps it in the private ``_controller``;
+        None without it, and between ``tq.close()`` and the next ``tq.init()``.
         """
         get_client = getattr(self.client, "get_client", None)
         if not callable(get_client):
@@ -209,11 +201,7 @@ class SamplerLifecycle:
         self._compared: Any = None
 
     def start(self, partition_id: str | None = None) -> StoreLink:
-        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition).
-
-        Raises:
-            BufferClosed: the sampler was closed.
-        """
+        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition)."""
         with self._lock:
             if self.closed:
                 raise BufferClosed("the sampler is closed")
@@ -243,11 +231,7 @@ class SamplerLifecycle:
             return link
 
     def running(self) -> StoreLink | None:
-        """What was started (``None``: nothing yet), without starting it.
-
-        Raises:
-            BufferClosed: the sampler was closed.
-        """
+        """What was started (``None``: nothing yet), without starting it."""
         with self._lock:
             if self.closed:
                 raise BufferClosed("the sampler is closed")
@@ -256,16 +240,11 @@ class SamplerLifecycle:
     def follow(self) -> bool:
         """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
 
-        As verl's own sampler, which lists through that client on every call,
-        follows ``tq.close()`` and ``tq.init()`` (a new controller on a new
-        port). Two attribute reads while nothing changed; without a client the
-        poller keeps its controller. A move is
-        :meth:`buffer.ReplayBuffer.switch_source` (no crash, no restart budget):
-        no decision is made until the new controller's first complete listing
-        drops every key of the old one. True when it moved.
-
-        Raises:
-            BufferClosed, PollerCrashed: from the switch.
+        verl's own sampler lists through that client, so it follows
+        ``tq.close()`` and ``tq.init()`` (a new controller, a new port); so does
+        this, by :meth:`buffer.ReplayBuffer.switch_source`, after which no
+        decision is made until the new controller's first complete listing
+        dropped the old one's keys. True when it moved.
         """
         started = self.started
         if started is None or not self._follows:
@@ -286,11 +265,9 @@ class SamplerLifecycle:
         return True
 
     def include(self, partition_id: str) -> bool:
-        """Have the poller list ``partition_id`` too, when the sampler chose the partitions it lists.
+        """Have the poller list ``partition_id`` too (verl names its partitions only in its calls).
 
-        verl 0.9.1 names its partitions only in its calls (``"train"``, and
-        ``"val"`` while it validates). True when it joined: the next decision
-        must wait for a listing that includes it.
+        True when it joined: the next decision must wait for a listing that includes it.
         """
         if self._listed is None or partition_id in self._listed:
             return False
@@ -317,11 +294,7 @@ def _is_transferqueue(source: SourceSpec | None) -> bool:
 
 
 def _transferqueue_kwargs(conf: Any, **options: Any) -> dict[str, Any]:
-    """The TransferQueue source's arguments, the controller's address looked up here, in the trainer.
-
-    Raises:
-        ValueError: ``conf`` holds no controller address.
-    """
+    """The TransferQueue source's arguments, the controller's address looked up here, in the trainer."""
     kwargs: dict[str, Any] = resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)
     return kwargs
 
@@ -343,11 +316,7 @@ def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
 
 
 def _open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:
-    """The trainer-side client and whether it was built here (and must be closed here).
-
-    Raises:
-        TypeError: the client lacks ``kv_clear`` or ``kv_list`` (or ``kv_batch_get`` when DAPO needs it).
-    """
+    """The trainer-side client, and whether it was built here (and must be closed here)."""
     if source is None or _is_transferqueue(source):
         # Imported here, in the trainer that initialised it: import_module keeps type checkers out of it.
         return importlib.import_module("transfer_queue"), False
