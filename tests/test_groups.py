@@ -245,12 +245,12 @@ def test_classify_and_accumulate_follow_verl() -> None:
                              "training/off_policy/evicted_samples_staleness/mean": 6.0,
                              "training/off_policy/evicted_samples_staleness/max": 6.0,
                              "training/off_policy/evicted_samples_staleness/min": 6.0,
-                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 3}}, stale_count=1)
+                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 3}})
     accumulate_metrics(acc, {"training/off_policy/evicted_samples": 3,
                              "training/off_policy/evicted_samples_staleness/mean": 2.0,
                              "training/off_policy/evicted_samples_staleness/max": 3.0,
                              "training/off_policy/evicted_samples_staleness/min": 1.0,
-                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1, 1.0: 2}}, stale_count=3)
+                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1, 1.0: 2}})
     assert acc == {"training/off_policy/evicted_samples": 4,
                    "training/off_policy/evicted_samples_staleness/mean": pytest.approx(3.0),
                    "training/off_policy/evicted_samples_staleness/max": 6.0,

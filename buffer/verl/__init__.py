@@ -6,13 +6,12 @@
     trainer.v1.sampler.custom_sampler.name: ReplayBuffer
     trainer.v1.sampler.sampler_kwargs: {poll_interval: 0.05}   # optional
 
-verl's own sampler lists the whole store with ``kv_list()`` in the trainer's
-thread, rebuilds its state from it and sleeps ``poll_interval`` between
-tries. Here the poller lists the store in its own process and streams what
-changed; a group index attached to the buffer's store keeps the groups from
-those changes (:mod:`.groups`); each decision of the rules (:mod:`.rules`)
-looks at one consistent view under the store's lock, and a wait wakes on the
-change that completes it::
+verl's own sampler lists the whole store in the trainer's thread, rebuilds
+its state and sleeps ``poll_interval`` between tries. Here the poller lists
+the store in its own process and streams what changed; a group index on the
+buffer's store keeps the groups (:mod:`.groups`), each decision of the rules
+(:mod:`.rules`) sees one consistent view under the store's lock, and a wait
+wakes on the change that completes it::
 
     sample() ── decide (store lock) ─▶ Plan ── clear / refill_fn / read DAPO metrics (no lock)
        ▲                                │        then sync(): the next view reflects them

@@ -7,17 +7,12 @@ verl writes two kinds of keys into one partition::
 
 A prompt's ``status`` moves pending -> running -> finished | failure; a
 group (the prompt and its trajectories) is *terminal* once its prompt is
-finished or failure. :class:`GroupIndex` is a policy of the partition store
-(:class:`buffer.policies.Policy`): the store tells it every key that changed,
-under its lock, and it updates only what that key touches, so keeping it costs
-work in proportion to change, never a rebuild. The rules (:mod:`.rules`) read
-it under the same lock. Prompts are bucketed per status by ``global_steps``,
-so "the oldest n terminal groups" or "finished groups older than the
-threshold" touch only the buckets they need.
-
-Each partition's *version* (:meth:`GroupIndex.version`) moves with every
-change of what the rules read in it, and only then: a waiting decision whose
-partition kept its version would decide the same again, so it is not re-run.
+finished or failure. :class:`GroupIndex`, a store policy, is told every key
+that changed under the store's lock and updates only what that key touches:
+work in proportion to change. Prompts are bucketed per status by
+``global_steps``, so the rules (:mod:`.rules`) touch only the buckets they
+need. Each partition's *version* moves with every change of what the rules
+read in it, and only then: a waiting decision is re-run only on a new one.
 """
 
 from __future__ import annotations

@@ -62,7 +62,6 @@ class Plan:
     evict: set[str] = field(default_factory=set)
     evict_keys: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
-    stale_count: int = 0
     refill: int = 0
     #: sampleable groups reached the target (wait_for_sampleable).
     ready: bool = False
@@ -110,7 +109,7 @@ def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, glo
 
 def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, reasons: _Reasons) -> Plan:
     evicted = reasons.evicted
-    plan = Plan(evict=evicted, stale_count=len(reasons.stale))
+    plan = Plan(evict=evicted)
     if not evicted:
         return plan
     plan.evict_keys = [*evicted, *part.trajectory_keys(evicted)]
@@ -224,14 +223,15 @@ def classify(values: list[float]) -> float | None:
     return None
 
 
-def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any], stale_count: int) -> None:
+def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any]) -> None:
     """Fold one decision's eviction metrics into ``acc`` the way verl does.
 
-    Counts add up; the staleness mean stays a per-sample mean (weighted by
-    ``stale_count``), max/min stay extremes, and the DAPO value table merges.
+    Counts add up; the staleness mean stays a per-sample mean (weighted by the
+    stale samples evicted), max/min stay extremes, and the DAPO value table merges.
     """
     stale_key = next((key for key in new if key.endswith("/off_policy/evicted_samples")), None)
     before = acc.get(stale_key, 0) if stale_key else 0
+    stale_count = new[stale_key] if stale_key else 0
     for key, value in new.items():
         if key.endswith("/evicted_samples_staleness/mean"):
             total = before + stale_count

@@ -244,7 +244,7 @@ class ReplayBuffer:
             raise plan.error
         if plan.evict:
             self._clear(partition_id, plan.evict_keys)
-            accumulate_metrics(metrics, plan.metrics, plan.stale_count)
+            accumulate_metrics(metrics, plan.metrics)
         if plan.refill:
             assert self._config.refill_fn is not None
             self._counters["refills"] += 1
