@@ -11,7 +11,6 @@ over the stream), so sampling means the same on every source.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from typing import Callable, Hashable, Iterable, Protocol, TypeVar
@@ -40,8 +39,8 @@ class Listings(Protocol):
     def watch(self, partition: str, keys: list[str], seconds: float) -> None:
         """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop)."""
 
-    def fresh_since(self) -> float | None:
-        """A ``time.monotonic()`` after which the store was listed whole into the view; None: not yet."""
+    def view_age(self) -> float:
+        """Seconds since the store was last known to be listed whole into the view (``inf``: never)."""
 
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
         """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
@@ -140,14 +139,8 @@ class SamplingSeam:
             self._listings.wait(timeout)
 
     def view_age(self) -> float:
-        """Seconds since the store was last known to be listed whole into the view.
-
-        ``inf`` before the first complete poll; 0 without an own poller (standalone pollers only: nothing to ask).
-        """
-        if self._listings is None or not self._listings.has_own_poller:
-            return 0.0
-        since = self._listings.fresh_since()
-        return math.inf if since is None else time.monotonic() - since
+        """Seconds since the store was last known to be listed whole into the view (0: nobody to ask)."""
+        return self._listings.view_age() if self._listings is not None else 0.0
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
         """Drop keys from the buffer's view; a poll still listing them does not bring them back."""

@@ -18,6 +18,7 @@ sent while the stream reconnected is lost.)
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -95,20 +96,24 @@ class ListingSync:
     def has_own_poller(self) -> bool:
         return self._stream is not None
 
-    def fresh_since(self) -> float | None:
-        """A ``time.monotonic()`` after which the store was listed whole into the buffer; None: not yet.
+    def view_age(self) -> float:
+        """Seconds since the store was last known to be listed whole into the buffer.
 
-        The later of the start of the latest :meth:`wait` that returned and the
-        start of the own poller's latest complete listing as the poller stamped
-        it (:attr:`~buffer.peer_state.Peer.listed_at`), so a sync answered by a
-        listing the listing share held back is dated by that listing (dated by
-        the request, a fresh view looked 2 s old: ``docs/verl.md``).
+        Since the later of the start of the latest :meth:`wait` that returned and
+        the start of the own poller's latest complete listing as the poller
+        stamped it (:attr:`~buffer.peer_state.Peer.listed_at`), so a sync
+        answered by a listing the listing share held back is dated by that
+        listing (dated by the request, a fresh view looked 2 s old:
+        ``docs/verl.md``). ``inf`` before the first; 0 without an own poller.
         """
+        if self._stream is None:
+            return 0.0
         with self._lock:
             answered = self._answered
-        peer = self._receiver.peer_info(self._stream) if self._stream is not None else None
+        peer = self._receiver.peer_info(self._stream)
         listed = peer.listed_at if peer is not None and peer.polls_applied > 0 else None
-        return max((since for since in (answered, listed) if since is not None), default=None)
+        since = max((since for since in (answered, listed) if since is not None), default=None)
+        return math.inf if since is None else time.monotonic() - since
 
     def _describe(self, timeout: float | None, started: float, asked: dict[str, list[int | None]],
                   token: int) -> str:
