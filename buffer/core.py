@@ -102,7 +102,7 @@ class _Core:
         self.endpoint: str | None = None
         self.listing_sync = ListingSync(self.store, self.receiver, self.name if source is not None else None)
         # What every sampling policy uses of this buffer, the step sampler behind sample() first.
-        self.seam = SamplingSeam(self.store, self.listing_sync, self.receiver.table)
+        self.seam = SamplingSeam(self.store, self.listing_sync)
         self.steps = StepSampler(self.seam)
         if source is not None:
             # No decision on a view that was never whole: decisions wait for the poller's first complete listing.

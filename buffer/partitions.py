@@ -2,7 +2,7 @@
 
 Pure in-process state, no ZeroMQ, and no sampling rules: those are *policies*
 (:mod:`buffer.policies`: :mod:`buffer.steps` for ``ReplayBuffer.sample``,
-:mod:`buffer.groups` for verl's groups) that keep their own indexes from
+:mod:`buffer.verl.groups` for verl's groups) that keep their own indexes from
 :meth:`~buffer.policies.Policy.on_change`, called under the lock for every key
 that changed (a poll's keys in one call, where a policy takes them so), and
 wait for what they need with :meth:`PartitionStore.wait_until`.

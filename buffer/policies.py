@@ -1,6 +1,6 @@
 """Sampling policies over the store: what a policy implements, and how the store tells them.
 
-A policy (:mod:`buffer.steps` for ``ReplayBuffer.sample``, :mod:`buffer.groups`
+A policy (:mod:`buffer.steps` for ``ReplayBuffer.sample``, :mod:`buffer.verl.groups`
 for verl's groups) keeps its own index of the keys it samples from, updated
 from :meth:`Policy.on_change`, which the :class:`~buffer.partitions.PartitionStore`
 calls under its lock for every key that changed. :class:`AttachedPolicies`

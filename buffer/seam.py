@@ -1,52 +1,57 @@
-"""The one seam between a buffer and its sampling policies.
+"""The one seam between a buffer and its sampling policies, and the helper threads of their waits.
 
-A sampling policy (the step sampler behind ``ReplayBuffer.sample``, the verl
-sampler in :mod:`buffer.verl`) keeps its own index from the store's changes
-and decides on it. Everything it may use of the buffer is here, and nothing
-else of the buffer is reached into:
-
-* :meth:`SamplingSeam.attach` — the policy's index sees every change, under the store's lock;
-* :meth:`SamplingSeam.decide` — an event-driven wait, with a deadline, for a
-  decision made on a *whole* view of one partition (never on a listing
-  applied half-way), re-run only when what it depends on changed, optionally
-  logging progress, asking the poller for listings more often while it waits
-  and having it watch the keys the decision waits on;
-* :meth:`SamplingSeam.look` — the same lock, no wait (for counts and stats);
-* :meth:`SamplingSeam.tags` — copies of held tags;
-* :meth:`SamplingSeam.sync` — read your writes (a listing of every poller that began after the call is applied);
-* :meth:`SamplingSeam.view_age` — how long ago the store was last known to be listed into the view;
-* :meth:`SamplingSeam.remove` — clearing keys from the buffer's view, as ``ReplayBuffer.remove``;
-* :meth:`SamplingSeam.quarantined` — the keys of a partition the poller leaves out.
+A sampling policy (the step sampler behind ``ReplayBuffer.sample``,
+:mod:`buffer.verl`) keeps its own index from the store's changes and decides
+on it through :class:`SamplingSeam`, reaching nothing else of the buffer. The
+seam knows no transport: it asks the pollers for listings, watches and their
+quarantined keys through :class:`Listings` (:class:`buffer.sync.ListingSync`
+over the stream), so sampling means the same on every source.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import threading
 import time
-from typing import Callable, Hashable, Iterable, TypeVar
+from typing import Callable, Hashable, Iterable, Protocol, TypeVar
 
 from buffer.partitions import PartitionStore
-from buffer.peers import PeerTable
 from buffer.policies import Policy
-from buffer.sync import ListingSync, PollWhileWaiting, WatchWhileWaiting
 from poller.wire.vocabulary import Tags
 
-__all__ = ["SamplingSeam"]
+__all__ = ["Listings", "PollWhileWaiting", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
+class Listings(Protocol):
+    """What the seam asks of the pollers streaming to the store (the transport side implements it)."""
+
+    @property
+    def has_own_poller(self) -> bool:
+        """Whether the buffer has a poller of its own to ask (standalone pollers keep their own schedule)."""
+
+    def wait(self, timeout: float | None, standalone: bool = True) -> None:
+        """Return once a listing that began after the call is applied, from the own poller (and standalone ones)."""
+
+    def watch(self, partition: str, keys: list[str], seconds: float) -> None:
+        """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop)."""
+
+    def view_age(self) -> float:
+        """Seconds since the store was last known to be listed whole into the view (``inf``: never)."""
+
+    def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
+        """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
+
+
 class SamplingSeam:
     """What a sampling policy uses of a buffer: its store under lock, read-your-writes, deadline waits, clearing."""
 
-    def __init__(self, store: PartitionStore, listing_sync: ListingSync | None = None,
-                 table: PeerTable | None = None) -> None:
+    def __init__(self, store: PartitionStore, listings: Listings | None = None) -> None:
         self._store = store
-        self._listing_sync = listing_sync
-        self._table = table
+        self._listings = listings
 
     def attach(self, policy: Policy) -> None:
         """Attach ``policy``; it first sees every key held as an addition."""
@@ -59,19 +64,16 @@ class SamplingSeam:
                watch: Callable[[], list[str]] | None = None) -> T:
         """``attempt()``'s first non-None result, on a whole view of ``partition_id``, waking on every change.
 
-        ``attempt`` runs under the store's lock and must not block. With
-        ``version`` (read under the lock too: a value that changes whenever
-        anything ``attempt`` reads does), a wake-up that finds the version
-        ``attempt`` last ran on does not run it again. With
-        ``log_every``, the wait logs ``describe()`` at INFO that often; with
-        ``poll_every``, the poller is asked for a listing that often while the
-        wait lasts (``on_poll`` after each one applied), so the change that
-        completes it shows a fraction of a poll interval after it happened.
-        With ``watch`` (run under the lock after each attempt that found
-        nothing: the keys of ``partition_id`` the decision waits on, at most
-        :data:`~poller.wire.messages.MAX_WATCH_KEYS`), the poller reads those keys
-        cheaply while the wait lasts and lists as soon as one changed, on a
-        source that can (:mod:`poller.polling`; elsewhere it changes nothing).
+        ``attempt`` runs under the store's lock and must not block. ``version``
+        (read under the lock: a value that changes whenever anything
+        ``attempt`` reads does) skips wake-ups that find the version of the
+        last run. ``log_every``: log ``describe()`` at INFO that often.
+        ``poll_every``: ask the own poller for a listing that often while
+        waiting (``on_poll`` after each), so the completing change shows
+        sooner. ``watch`` (run under the lock after each attempt that found
+        nothing: at most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the
+        decision waits on): the poller reads those keys cheaply while waiting
+        and lists as soon as one changed, on a source that can (:mod:`poller.polling`).
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the
@@ -82,36 +84,27 @@ class SamplingSeam:
         def described() -> str:
             return describe() + self._quarantine_note(partition_id)
 
-        watcher = None
-        if watch is not None and timeout != 0 and self._listing_sync is not None \
-                and self._listing_sync.has_own_poller:
-            watcher = WatchWhileWaiting(self._listing_sync.watch, partition_id)
-            attempt = _watching(attempt, watch, watcher)
-        if version is not None:
-            attempt = _when_changed(attempt, version)
-
-        try:
-            return self._wait(attempt, partition_id, timeout, described, log_every, what, poll_every, on_poll)
-        finally:
-            if watcher is not None:
-                watcher.stop()
-
-    def _wait(self, attempt: Callable[[], T | None], partition_id: str, timeout: float | None,
-              described: Callable[[], str], log_every: float | None, what: str, poll_every: float | None,
-              on_poll: Callable[[], None] | None) -> T:
         if timeout == 0:
-            return self._store.wait_until(attempt, timeout=0, describe=described, view=partition_id)
-        try:
-            # The first look builds no message: it is never shown.
-            return self._store.wait_until(attempt, timeout=0, describe=str, view=partition_id)
-        except TimeoutError:
-            pass
-        deadline = None if timeout is None else time.monotonic() + timeout
+            return self._store.wait_until(_when_changed(attempt, version), timeout=0, describe=described,
+                                          view=partition_id)
+        # Only the buffer's own poller is asked to hurry or watch: standalone ones keep their own schedule.
+        own = self._listings if self._listings is not None and self._listings.has_own_poller else None
+        watcher = None
+        if watch is not None and own is not None:
+            watcher = WatchWhileWaiting(own.watch, partition_id)
+            attempt = _watching(attempt, watch, watcher)
+        attempt = _when_changed(attempt, version)
         hurry = None
-        if poll_every is not None and self._listing_sync is not None and self._listing_sync.has_own_poller:
-            hurry = PollWhileWaiting(self._listing_sync.wait, poll_every, on_poll or (lambda: None))
-        started = last_log = time.monotonic()
         try:
+            try:
+                # The first look builds no message: it is never shown.
+                return self._store.wait_until(attempt, timeout=0, describe=str, view=partition_id)
+            except TimeoutError:
+                pass
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if poll_every is not None and own is not None:
+                hurry = PollWhileWaiting(own.wait, poll_every, on_poll or (lambda: None))
+            started = last_log = time.monotonic()
             while True:
                 now = time.monotonic()
                 wait = None if deadline is None else deadline - now
@@ -127,8 +120,9 @@ class SamplingSeam:
                     last_log = time.monotonic()
                     logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
         finally:
-            if hurry is not None:
-                hurry.stop()
+            for helper in (hurry, watcher):
+                if helper is not None:
+                    helper.stop()
 
     def look(self, read: Callable[[], T]) -> T:
         """``read()`` under the store's lock, at once (no wait, whole view or not)."""
@@ -141,30 +135,20 @@ class SamplingSeam:
     def sync(self, timeout: float | None) -> None:
         """Return once a listing that began after the call is applied, from every poller streaming to the buffer."""
         self._store.check_open()
-        if self._listing_sync is not None:
-            self._listing_sync.wait(timeout)
+        if self._listings is not None:
+            self._listings.wait(timeout)
 
     def view_age(self) -> float:
-        """Seconds since the store was last known to be listed whole into the view (:meth:`ListingSync.fresh_since`).
-
-        ``inf`` before the first complete poll; 0 without an own poller
-        (standalone pollers only: nothing to ask).
-        """
-        if self._listing_sync is None or not self._listing_sync.has_own_poller:
-            return 0.0
-        since = self._listing_sync.fresh_since()
-        return math.inf if since is None else time.monotonic() - since
+        """Seconds since the store was last known to be listed whole into the view (0: nobody to ask)."""
+        return self._listings.view_age() if self._listings is not None else 0.0
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
         """Drop keys from the buffer's view; a poll still listing them does not bring them back."""
         self._store.remove(partition_id, keys)
 
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
-        """``(key, reason)`` of the keys of ``partition_id`` pollers leave out (the first few named)."""
-        if self._table is None:
-            return []
-        _, named = self._table.quarantined()
-        return [(key, why) for partition, key, why in named if partition == partition_id]
+        """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
+        return self._listings.quarantined(partition_id) if self._listings is not None else []
 
     def _quarantine_note(self, partition_id: str) -> str:
         named = self.quarantined(partition_id)
@@ -188,27 +172,133 @@ def _watching(attempt: Callable[[], T | None], watch: Callable[[], list[str]],
     return watched
 
 
-def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable]) -> Callable[[], T | None]:
+def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable] | None) -> Callable[[], T | None]:
     """``attempt`` that returns None at once while ``version()`` is the one its last run saw.
 
-    Why: every applied poll wakes a waiting decision, and while ``sample()``
-    waits the poller lists every ``wait_poll_interval`` (20 ms by default), so
-    most wake-ups find nothing new in the partition (``python -m bench --only
-    verl``, bench/results/verl.md: 32 polls per sample() at every K; the rule
-    ran ~34 times per sample() before this, 6 after). Both reads run
-    under the store's lock inside :meth:`PartitionStore.wait_until`, and a
-    change takes the same lock and then notifies, so a change after the check
-    still wakes the wait (no lost wake-up); a view that is not whole runs no
-    attempt and records no version, so the first whole view after it decides.
+    Every applied poll wakes a waiting decision, and most find nothing new
+    (verl's rule ran ~34 times per ``sample()`` before this, 6 after:
+    bench/results/verl.md). Both reads run under the store's lock, which a
+    change takes before it notifies, so no wake-up is lost.
     """
+    if version is None:
+        return attempt
     seen: list[Hashable] = []  # the version of the last run; empty: never ran
 
     def gated() -> T | None:
         if seen and seen[0] == version():
             return None
         result = attempt()
-        # Read after the run: the attempt may update what it depends on (buffer.verl records DAPO metrics first).
-        seen[:] = [version()]
+        seen[:] = [version()]  # read after the run: an attempt may update what it depends on
         return result
 
     return gated
+
+
+class SyncAhead:
+    """``sync(timeout)`` in a thread, started right after a decision's last write.
+
+    The listing it waits for runs while the trainer trains, so the next decision usually finds it applied.
+    """
+
+    def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(sync, timeout), name="replay-sync-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, sync: Callable[[float | None], None], timeout: float) -> None:
+        try:
+            sync(timeout)
+        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
+            self.error = exc
+
+    def done(self, timeout: float | None) -> bool:
+        """True once the sync succeeded (waiting up to ``timeout``)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive() and self.error is None
+
+
+class PollWhileWaiting:
+    """Asks for a listing every ``gap`` seconds (``sync``, then ``on_poll``) while a decision waits, until :meth:`stop`.
+
+    Otherwise the decision would see its last change up to a poll interval late.
+    """
+
+    # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
+    _BOUND = 2.0
+
+    def __init__(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sync, gap, on_poll), name="replay-wait-poll",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
+        while not self._stopped.is_set():
+            started = time.monotonic()
+            try:
+                sync(self._BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
+            except TimeoutError:
+                continue  # a stall or a restart: the waiter's own deadline and log cover it
+            except BaseException:  # closed or crashed: the waiting decision raises it itself
+                return
+            on_poll()
+            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
+
+    def stop(self) -> None:
+        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
+        self._stopped.set()
+
+
+class WatchWhileWaiting:
+    """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
+
+    :meth:`update` (under the store's lock: it never blocks) gives the keys; a
+    thread sends them in a WATCH when they changed and every :data:`RENEW`
+    seconds, because the poller forgets a watch after :data:`LASTS` seconds (a
+    trainer that died leaves nothing read on its behalf, and a restarted
+    poller gets the keys within a second).
+    """
+
+    #: Seconds between two WATCHes of the same keys.
+    RENEW = 1.0
+    #: How long the poller keeps watching after a WATCH (a few renewals may be lost).
+    LASTS = 3.0
+
+    def __init__(self, send: Callable[[str, list[str], float], None], partition: str) -> None:
+        self._send = send
+        self._partition = partition
+        self._keys: list[str] | None = None
+        self._changed = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def update(self, keys: list[str]) -> None:
+        """The keys the decision waits on now (at most ``MAX_WATCH_KEYS``); no keys: nothing to watch."""
+        if keys == self._keys:
+            return
+        self._keys = keys
+        self._changed.set()
+        if self._thread is None and keys:
+            self._thread = threading.Thread(target=self._run, name="replay-watch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        sent: list[str] | None = None
+        while not self._stopped.is_set():
+            keys = self._keys
+            self._changed.clear()
+            if keys or (keys is not None and sent):  # new keys or a renewal; or none now, after some: stop
+                self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
+                sent = keys
+            self._changed.wait(self.RENEW)
+            # A stop wakes the wait too (below), and ends the loop before another WATCH.
+        if sent:
+            self._send(self._partition, [], 0.0)
+
+    def stop(self) -> None:
+        """End the watch (the poller is told); waits for the thread briefly (it never blocks on the store)."""
+        self._stopped.set()
+        self._changed.set()
+        if self._thread is not None:
+            self._thread.join(1.0)

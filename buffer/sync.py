@@ -1,4 +1,4 @@
-"""Read-your-writes: wait for a listing of the buffer's own poller that began after a call.
+"""Read-your-writes over the stream: the transport side of the seam's :class:`~buffer.seam.Listings`.
 
 ``ReplayBuffer.sync()`` sends its poller a SYNC with a fresh token. The
 poller polls at once, and every DELTA of a poll carries the highest token the
@@ -7,40 +7,35 @@ carrying our token (or a later one) is applied, the buffer reflects every
 write the store had finished before the call. Concurrent callers each send a
 token and the next listing answers all of them.
 
-Standalone pollers streaming to the buffer are asked too, with the same
-token: a key cleared in the store and still listed by one of them would
-otherwise stay in the view until its next poll. One that goes silent past
-``stale_after`` or says BYE during the wait is not waited for any more (a
-view's decisions go on without it too).
-
-A poller process that restarts during the wait never got the token (or got
-it and died): the request is sent again to every new process, which is seen
-when its first complete poll arrives. (The receiver also sends an unanswered
-request again every second: one sent while the stream reconnected is lost.)
-
-Two helper threads build on it for samplers that wait (:mod:`buffer.seam`,
-:mod:`buffer.verl`): :class:`SyncAhead` starts the sync a decision will
-need while the trainer is busy elsewhere, and :class:`PollWhileWaiting` asks
-for listings more often while a decision waits; :class:`WatchWhileWaiting`
-has the poller watch the keys that decision waits on, on a source that can
-read a few keys cheaply (TransferQueue), and list as soon as one changed.
+Standalone pollers streaming to the buffer are asked too (a key cleared in
+the store and still listed by one would stay in the view until its next
+poll), unless silent past ``stale_after`` or gone (BYE). A poller process that
+restarts during the wait never got the token: each new process is asked
+again. (The receiver also repeats an unanswered request every second: one
+sent while the stream reconnected is lost.)
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from buffer.partitions import PartitionStore
-from buffer.stream import StreamReceiver
 
-__all__ = ["ListingSync", "SyncAhead", "PollWhileWaiting", "WatchWhileWaiting"]
+if TYPE_CHECKING:  # the receiver is handed in by the core: only its type is named here
+    from buffer.stream import StreamReceiver
+
+__all__ = ["ListingSync"]
 
 
 class ListingSync:
-    """Issues SYNC tokens to the pollers streaming to a buffer and waits for the listings that answer them."""
+    """Issues SYNC tokens to the pollers streaming to a buffer and waits for the listings that answer them.
+
+    It also passes the seam's watches and quarantine questions to the receiver.
+    """
 
     def __init__(self, store: PartitionStore, receiver: StreamReceiver, stream: str | None) -> None:
         self._store = store
@@ -53,15 +48,8 @@ class ListingSync:
     def wait(self, timeout: float | None, standalone: bool = True) -> None:
         """Ask for a poll now and wait until one that began after this call is applied, from every poller.
 
-        Every poller: the buffer's own, and (with ``standalone``) each
-        standalone poller streaming now. ``timeout`` was checked by
-        ``ReplayBuffer.sync()``.
-
-        Raises:
-            TimeoutError: no such listing within ``timeout`` (the source stalls
-                or fails, or the poller cannot restart); the message says which.
-            PollerCrashed: the poller is dead for good.
-            BufferClosed: the buffer was closed, possibly while waiting.
+        Every poller: the buffer's own, and (with ``standalone``) each standalone
+        poller streaming now. A ``TimeoutError`` says why none was applied.
         """
         token = next(self._tokens)
         started = time.monotonic()
@@ -99,32 +87,33 @@ class ListingSync:
         if self._stream is not None:
             self._receiver.send_watch(self._stream, partition, keys, seconds)
 
+    def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
+        """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
+        _, named = self._receiver.table.quarantined()
+        return [(key, why) for partition, key, why in named if partition == partition_id]
+
     @property
     def has_own_poller(self) -> bool:
         return self._stream is not None
 
-    def fresh_since(self) -> float | None:
-        """A ``time.monotonic()`` after which the store was listed whole into the buffer; None: not yet.
+    def view_age(self) -> float:
+        """Seconds since the store was last known to be listed whole into the buffer.
 
-        The later of two lower bounds: the start of the latest :meth:`wait`
-        that returned (the listing that answered it began later), and the
-        start of the own poller's latest complete listing, as the poller
-        stamped it (:attr:`~buffer.peers.Peer.listed_at`: never later
-        than the poll was applied). A sync answered by a listing the listing
-        share held back for seconds is dated by that listing, not by the
-        request: a request 2.02 s before the listing that answered it made a
-        view 0.01 s old look 2.03 s old, and verl's sampler asked for one
-        more listing, a whole cycle later (``docs/verl.md``).
+        Since the later of the start of the latest :meth:`wait` that returned and
+        the start of the own poller's latest complete listing as the poller
+        stamped it (:attr:`~buffer.peers.Peer.listed_at`), so a sync
+        answered by a listing the listing share held back is dated by that
+        listing (dated by the request, a fresh view looked 2 s old:
+        ``docs/verl.md``). ``inf`` before the first; 0 without an own poller.
         """
+        if self._stream is None:
+            return 0.0
         with self._lock:
             answered = self._answered
-        if self._stream is None:
-            return answered
         peer = self._receiver.peer_info(self._stream)
         listed = peer.listed_at if peer is not None and peer.polls_applied > 0 else None
-        if listed is None:
-            return answered
-        return listed if answered is None else max(answered, listed)
+        since = max((since for since in (answered, listed) if since is not None), default=None)
+        return math.inf if since is None else time.monotonic() - since
 
     def _describe(self, timeout: float | None, started: float, asked: dict[str, list[int | None]],
                   token: int) -> str:
@@ -148,118 +137,3 @@ class ListingSync:
         if counters.source_errors:
             why.append(f"kv_list() failed {counters.source_errors} time(s)")
         return "; ".join(why)
-
-
-class SyncAhead:
-    """``sync(timeout)`` in a thread, started right after a decision's last write.
-
-    The listing it waits for runs while the trainer trains on the batch, so
-    the next decision usually finds it applied instead of waiting one listing.
-    """
-
-    def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(sync, timeout), name="replay-sync-ahead",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, sync: Callable[[float | None], None], timeout: float) -> None:
-        try:
-            sync(timeout)
-        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
-            self.error = exc
-
-    def done(self, timeout: float | None) -> bool:
-        """True once the sync succeeded (waiting up to ``timeout``)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive() and self.error is None
-
-
-class PollWhileWaiting:
-    """Asks for a listing every ``gap`` seconds (``sync``) while a decision waits; ``stop()`` when it ends.
-
-    Between decisions the poller lists on its own schedule; a decision that
-    has to wait would otherwise see its last change up to one poll interval
-    late. ``on_poll`` is called after each listing asked for was applied.
-    """
-
-    # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
-    _BOUND = 2.0
-
-    def __init__(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(sync, gap, on_poll), name="replay-wait-poll",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
-        while not self._stopped.is_set():
-            started = time.monotonic()
-            try:
-                sync(self._BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
-            except TimeoutError:
-                continue  # a stall or a restart: the waiter's own deadline and log cover it
-            except BaseException:  # closed or crashed: the waiting decision raises it itself
-                return
-            on_poll()
-            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
-
-    def stop(self) -> None:
-        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
-        self._stopped.set()
-
-
-class WatchWhileWaiting:
-    """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
-
-    :meth:`update` gives the keys (the decision computes them under the
-    store's lock each time what it reads changed, so this never blocks);
-    a thread sends them in a WATCH at once when they differ from the last
-    sent, and again every :data:`RENEW` seconds: the poller forgets a watch
-    not renewed for :data:`LASTS` seconds, so a trainer that stopped or
-    died leaves nothing read on its behalf, and a restarted poller gets the
-    keys within a second. :meth:`stop` ends the watch in the poller.
-    """
-
-    #: Seconds between two WATCHes of the same keys.
-    RENEW = 1.0
-    #: How long the poller keeps watching after a WATCH (a few renewals may be lost).
-    LASTS = 3.0
-
-    def __init__(self, send: Callable[[str, list[str], float], None], partition: str) -> None:
-        self._send = send
-        self._partition = partition
-        self._keys: list[str] | None = None
-        self._changed = threading.Event()
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def update(self, keys: list[str]) -> None:
-        """The keys the decision waits on now (at most ``MAX_WATCH_KEYS``); no keys: nothing to watch."""
-        if keys == self._keys:
-            return
-        self._keys = keys
-        self._changed.set()
-        if self._thread is None and keys:
-            self._thread = threading.Thread(target=self._run, name="replay-watch", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        sent: list[str] | None = None
-        while not self._stopped.is_set():
-            keys = self._keys
-            self._changed.clear()
-            if keys or (keys is not None and sent):  # new keys or a renewal; or none now, after some: stop
-                self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
-                sent = keys
-            self._changed.wait(self.RENEW)
-            # A stop wakes the wait too (below), and ends the loop before another WATCH.
-        if sent:
-            self._send(self._partition, [], 0.0)
-
-    def stop(self) -> None:
-        """End the watch (the poller is told); waits for the thread briefly (it never blocks on the store)."""
-        self._stopped.set()
-        self._changed.set()
-        if self._thread is not None:
-            self._thread.join(1.0)

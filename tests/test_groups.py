@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from buffer.group_rules import (
+from buffer.verl.config import SamplerConfig
+from buffer.verl.groups import GroupIndex, uid_of
+from buffer.verl.rules import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
     DrainState,
     accumulate_metrics,
@@ -17,8 +19,6 @@ from buffer.group_rules import (
     plan_sync,
     sampleable_count,
 )
-from buffer.groups import GroupIndex, uid_of
-from buffer.verl_config import SamplerConfig
 from poller.wire.vocabulary import FINISHED
 
 
@@ -245,12 +245,12 @@ def test_classify_and_accumulate_follow_verl() -> None:
                              "training/off_policy/evicted_samples_staleness/mean": 6.0,
                              "training/off_policy/evicted_samples_staleness/max": 6.0,
                              "training/off_policy/evicted_samples_staleness/min": 6.0,
-                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 3}}, stale_count=1)
+                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 3}})
     accumulate_metrics(acc, {"training/off_policy/evicted_samples": 3,
                              "training/off_policy/evicted_samples_staleness/mean": 2.0,
                              "training/off_policy/evicted_samples_staleness/max": 3.0,
                              "training/off_policy/evicted_samples_staleness/min": 1.0,
-                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1, 1.0: 2}}, stale_count=3)
+                             DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1, 1.0: 2}})
     assert acc == {"training/off_policy/evicted_samples": 4,
                    "training/off_policy/evicted_samples_staleness/mean": pytest.approx(3.0),
                    "training/off_policy/evicted_samples_staleness/max": 6.0,

@@ -20,7 +20,7 @@ import msgpack
 import pytest
 
 from buffer import BufferClosed, ReplayBuffer
-from buffer.verl_config import SamplerConfig, VerlConfigError
+from buffer.verl.config import SamplerConfig, VerlConfigError
 from poller.changes import ListingReader
 from poller.cli import main as poller_main
 from poller.duty import ListingDuty

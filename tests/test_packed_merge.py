@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from buffer.groups import GroupIndex
 from buffer.partitions import PartitionStore
 from buffer.steps import StepIndex
+from buffer.verl.groups import GroupIndex
 from poller.wire.tags import pack_tags, unpack_many_tags
 
 PART = "train"

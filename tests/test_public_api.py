@@ -253,7 +253,7 @@ def test_buffer_verl_surface() -> None:
         ["self", "global_steps", "partition_id", "target_count"]
     assert [f for f in verl.VerlBatch.__dataclass_fields__] == ["keys", "tags", "partition_id", "fields",
                                                                 "extra_info"]
-    from buffer.verl_config import SAMPLER_KWARGS
+    from buffer.verl.config import SAMPLER_KWARGS
 
     assert SAMPLER_KWARGS == {"poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
                               "max_inflight_gen_batches", "sync_refill_failed_groups", "sample_timeout",

@@ -152,7 +152,7 @@ def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: st
     """A trainer that stops renewing (stopped, dead) leaves nothing read on its behalf for long."""
     store.kv_put("p", "train", tag={"status": "running"})
     with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-        rb.seam._listing_sync.watch("train", ["p"], 1.0)  # one WATCH, never renewed
+        rb.seam._listings.watch("train", ["p"], 1.0)  # one WATCH, never renewed
         assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
         time.sleep(2.5)  # the watch lapsed; the last heartbeat counted every read
         reads = rb.stats()["watch_reads"]

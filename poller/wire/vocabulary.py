@@ -4,7 +4,7 @@ A source lists ``{partition_id: {key: tags}}``; tags are a small map of tag
 names to plain values. The statuses are those verl's rollout workers write
 (``pending`` -> ``running`` -> ``finished`` | ``failure`` on a prompt,
 ``success`` on a trajectory); ``ReplayBuffer.sample`` reads ``running`` and
-``success``, :mod:`buffer.groups` the prompt statuses.
+``success``, :mod:`buffer.verl.groups` the prompt statuses.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 from poller.wire.arguments import VERL_CYCLE, check_count, check_optional_seconds, check_seconds, check_share
 from poller.wire.sources import SourceSpec
 
-__all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VerlConfigError"]
+__all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VERL_ATTRIBUTES", "VerlConfigError"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +33,18 @@ _OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None
         "listing_share": VERL_CYCLE, "list_between_calls": None}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
+#: The options the sampler passes on to its buffer.
+_BUFFER_OPTIONS = ("start_timeout", "close_timeout", "max_restarts", "listing_share")
+#: verl's sampler attributes, read from the options record (``ReplayBuffer.__getattr__``).
+VERL_ATTRIBUTES = frozenset(_SHARED) | {"trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy",
+                                        "refill_fn"}
 
 
 class VerlConfigError(ValueError, AssertionError):
     """A sampler option verl (or this sampler) refuses, worded as verl 0.9.1 words it.
 
     verl 0.9.1 ``assert``s its threshold and strategy and raises ``ValueError``
-    for the rest, so its tests expect ``AssertionError`` where callers of this
-    sampler may expect ``ValueError``: this class is both, and every
-    configuration error of the sampler is one.
+    for the rest: this class is both, and every configuration error of the sampler is one.
     """
 
 
@@ -52,37 +55,6 @@ def plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
         return [plain(item) for item in value]
     return value
-
-
-def _wait_poll_interval(value: Any, poll_interval: Any) -> Any:
-    """The gap between listings asked for while a decision waits; default a tenth of ``poll_interval``.
-
-    A waiting trainer thread is idle, and what it waits for is the listing
-    that shows its last group: polling faster only while it waits brings
-    the batch sooner without costing the trainer anything between waits.
-    """
-    if value is not None or isinstance(poll_interval, bool) or not isinstance(poll_interval, (int, float)):
-        return value
-    return poll_interval / 10
-
-
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    check_count(name, value, minimum=1)
-
-
-def _seconds(name: str, value: Any, allow_none: bool) -> None:
-    if allow_none:
-        check_optional_seconds(name, value)
-    else:
-        check_seconds(name, value)
-
-
-#: verl's sampler attributes, read from the options record (``ReplayBuffer.__getattr__``).
-VERL_ATTRIBUTES = frozenset({"trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy", "refill_fn",
-                             "poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
-                             "max_inflight_gen_batches", "sync_refill_failed_groups"})
 
 
 @dataclass(frozen=True)
@@ -110,10 +82,6 @@ class SamplerConfig:
     # own sampler, which lists only inside its calls), yes on a store with a change feed.
     list_between_calls: bool | None = None
 
-    @property
-    def has_refill(self) -> bool:
-        return self.refill_fn is not None
-
     def dapo_on(self, partition_id: str) -> bool:
         """Whether DAPO group filtering applies to ``partition_id`` (never to validation)."""
         return partition_id != "val" and self.filter_groups_metric is not None
@@ -122,12 +90,9 @@ class SamplerConfig:
     def resolve(cls, *, asynchronous: bool, trainer_mode: Any, max_off_policy_threshold: Any,
                 max_off_policy_strategy: Any, sampler_kwargs: Any, refill_fn: Any,
                 given: Mapping[str, Any]) -> SamplerConfig:
-        """Check and merge. ``given`` holds the shared options as the constructor received them.
+        """Check and merge (raising as :class:`~buffer.verl.ReplayBuffer` documents).
 
-        Raises:
-            VerlConfigError: any option is out of range, unknown, or given twice with different values
-                (a ``ValueError`` and an ``AssertionError``).
-            TypeError: ``sampler_kwargs`` is not a mapping, ``refill_fn`` not callable.
+        ``given`` holds the shared options as the constructor received them.
         """
         if not isinstance(trainer_mode, str) or not trainer_mode:
             raise VerlConfigError(f"trainer_mode must be a non-empty string such as 'sync', got {trainer_mode!r}")
@@ -153,36 +118,32 @@ class SamplerConfig:
         if refill_fn is not None and not callable(refill_fn):
             raise TypeError(f"refill_fn must be callable, got {type(refill_fn).__name__}")
         options = {name: _pick(name, default, given.get(name, default), kwargs) for name, default in _SHARED.items()}
-        own = {name: kwargs.get(name, default) for name, default in _OWN.items()}
-        poll_interval = DEFAULT_POLL_INTERVAL if options["poll_interval"] is None else options["poll_interval"]
-        config = cls(
-            trainer_mode=trainer_mode, asynchronous=asynchronous,
-            max_off_policy_threshold=max_off_policy_threshold, max_off_policy_strategy=max_off_policy_strategy,
-            refill_fn=refill_fn,
-            poll_interval=poll_interval,
-            filter_groups_metric=options["filter_groups_metric"], train_batch_size=options["train_batch_size"],
-            gen_batch_size=options["gen_batch_size"], max_inflight_gen_batches=options["max_inflight_gen_batches"],
-            sync_refill_failed_groups=options["sync_refill_failed_groups"],
-            sample_timeout=own["sample_timeout"], log_interval=own["log_interval"],
-            wait_poll_interval=_wait_poll_interval(own["wait_poll_interval"], poll_interval), source=own["source"],
-            source_kwargs=own["source_kwargs"], list_between_calls=own["list_between_calls"],
-            buffer_kwargs={name: own[name] for name in ("start_timeout", "close_timeout", "max_restarts",
-                                                        "listing_share")})
+        options.update((name, kwargs.get(name, default)) for name, default in _OWN.items())
+        if options["poll_interval"] is None:
+            options["poll_interval"] = DEFAULT_POLL_INTERVAL
+        poll = options["poll_interval"]
+        if options["wait_poll_interval"] is None and isinstance(poll, (int, float)) and not isinstance(poll, bool):
+            # A waiting trainer thread is idle: listing ten times as often only while it waits brings the
+            # batch sooner and costs the trainer nothing between waits.
+            options["wait_poll_interval"] = poll / 10
+        buffer_kwargs = {name: options.pop(name) for name in _BUFFER_OPTIONS}
+        config = cls(trainer_mode=trainer_mode, asynchronous=asynchronous,
+                     max_off_policy_threshold=max_off_policy_threshold,
+                     max_off_policy_strategy=max_off_policy_strategy, refill_fn=refill_fn,
+                     buffer_kwargs=buffer_kwargs, **options)
         try:
             config._check()
-        except VerlConfigError:
-            raise
-        except ValueError as exc:  # poller.wire.arguments' checks: one class for every configuration error
-            raise VerlConfigError(str(exc)) from None
+        except ValueError as exc:  # poller.wire.arguments' checks too: one class for every configuration error
+            raise exc if isinstance(exc, VerlConfigError) else VerlConfigError(str(exc)) from None
         return config
 
     def _check(self) -> None:
-        _seconds("poll_interval", self.poll_interval, allow_none=False)
-        _seconds("sample_timeout", self.sample_timeout, allow_none=True)
-        _seconds("log_interval", self.log_interval, allow_none=False)
-        _seconds("wait_poll_interval", self.wait_poll_interval, allow_none=False)
-        _seconds("start_timeout", self.buffer_kwargs["start_timeout"], allow_none=False)
-        _seconds("close_timeout", self.buffer_kwargs["close_timeout"], allow_none=False)
+        check_seconds("poll_interval", self.poll_interval)
+        check_optional_seconds("sample_timeout", self.sample_timeout)
+        for name, seconds in (("log_interval", self.log_interval), ("wait_poll_interval", self.wait_poll_interval),
+                              ("start_timeout", self.buffer_kwargs["start_timeout"]),
+                              ("close_timeout", self.buffer_kwargs["close_timeout"])):
+            check_seconds(name, seconds)
         check_count("max_restarts", self.buffer_kwargs["max_restarts"])
         check_share("listing_share", self.buffer_kwargs["listing_share"])
         metric = self.filter_groups_metric
@@ -192,8 +153,9 @@ class SamplerConfig:
             raise VerlConfigError(f"list_between_calls must be a bool or None, got {self.list_between_calls!r}")
         if not isinstance(self.sync_refill_failed_groups, bool):
             raise VerlConfigError(f"sync_refill_failed_groups must be a bool, got {self.sync_refill_failed_groups!r}")
-        _positive_int("train_batch_size", self.train_batch_size, allow_none=True)
-        _positive_int("gen_batch_size", self.gen_batch_size, allow_none=True)
+        for name, size in (("train_batch_size", self.train_batch_size), ("gen_batch_size", self.gen_batch_size)):
+            if size is not None:
+                check_count(name, size, minimum=1)
         if metric is not None and self.refill_fn is None:
             raise VerlConfigError("Group filtering (filter_groups_metric) requires refill_fn to replace evicted groups")
         if self.sync_refill_failed_groups and self.refill_fn is None:

@@ -1,13 +1,11 @@
-"""verl's sampling rules over a :class:`~buffer.groups.GroupPartition`: one decision per view.
+"""verl's sampling rules over a :class:`~buffer.verl.groups.GroupPartition`: one decision per view.
 
-Every function here runs with the store lock held and does no I/O: it looks
-at one consistent view of a partition's groups and returns a :class:`Plan`
-(what to clear, how many prompts to refill, which groups to hand out) or
-``None`` (nothing to do until something changes). The adapter
-(:mod:`buffer.verl`) carries a plan out with the lock released — clearing
-keys in the store, calling ``refill_fn``, reading DAPO metrics — and then
-decides again on a fresh view. That is verl's loop, with its
-``sleep(poll_interval)`` replaced by a wait that wakes on the change.
+Every function here runs with the store lock held and does no I/O: it
+returns a :class:`Plan` (what to clear, how many prompts to refill, which
+groups to hand out) or ``None`` (nothing to do until something changes). The
+sampler carries a plan out with the lock released and decides again on a
+fresh view: verl's loop, with its ``sleep(poll_interval)`` replaced by a wait
+that wakes on the change.
 
 Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
 
@@ -27,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from buffer.groups import GroupPartition
-from buffer.verl_config import SamplerConfig
+from buffer.verl.config import SamplerConfig
+from buffer.verl.groups import GroupPartition
 from poller.wire.vocabulary import FAILURE, FINISHED, PENDING, RUNNING
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "Plan", "DrainState", "accumulate_metrics",
@@ -64,7 +62,6 @@ class Plan:
     evict: set[str] = field(default_factory=set)
     evict_keys: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
-    stale_count: int = 0
     refill: int = 0
     #: sampleable groups reached the target (wait_for_sampleable).
     ready: bool = False
@@ -82,30 +79,24 @@ class _Reasons:
     stale: set[str] = field(default_factory=set)
     dapo: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
-    dapo_counts: Counter[float] = field(default_factory=Counter)
 
     @property
     def evicted(self) -> set[str]:
         return self.stale | self.dapo | self.failed
 
 
-def _check(part: GroupPartition, config: SamplerConfig, partition_id: str) -> Plan | None:
-    """A plan that must come first: a malformed prompt, or DAPO metrics to read."""
+def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | _Reasons:
+    """Why groups are evicted now, or a plan that must come first: a malformed prompt, or DAPO metrics to read."""
     if part.invalid:
         return Plan(error=ValueError(f"Unknown status or malformed prompt in partition {partition_id!r}: "
                                      + "; ".join(list(part.invalid.values())[:5])))
     if config.dapo_on(partition_id) and part.unclassified:
         return Plan(fetch={uid: list(part.trajectories.get(uid, ())) for uid in part.unclassified})
-    return None
-
-
-def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> _Reasons:
     reasons = _Reasons()
     if partition_id == "val":
         return reasons
     if config.dapo_on(partition_id):
         reasons.dapo = set(part.filtered)
-        reasons.dapo_counts = Counter(part.filtered.values())
     if config.asynchronous:
         if config.max_off_policy_strategy == "drop" and config.max_off_policy_threshold is not None:
             # Span global_steps - step + 1 above the threshold: step < global_steps + 1 - threshold.
@@ -118,7 +109,7 @@ def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, glo
 
 def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, reasons: _Reasons) -> Plan:
     evicted = reasons.evicted
-    plan = Plan(evict=evicted, stale_count=len(reasons.stale))
+    plan = Plan(evict=evicted)
     if not evicted:
         return plan
     plan.evict_keys = [*evicted, *part.trajectory_keys(evicted)]
@@ -133,7 +124,7 @@ def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, r
         })
     if reasons.dapo:
         plan.metrics[f"{prefix}/filter_groups/evicted_samples"] = len(reasons.dapo)
-        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(reasons.dapo_counts)
+        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(Counter(part.filtered[uid] for uid in reasons.dapo))
     if reasons.failed:
         plan.metrics[f"{prefix}/rollout_failure/evicted_samples"] = len(reasons.failed)
     return plan
@@ -150,20 +141,18 @@ def _select(part: GroupPartition, plan: Plan, n: int) -> None:
 
 def sampleable_count(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | int:
     """Terminal groups the rules would not evict (or a plan to read DAPO metrics first)."""
-    first = _check(part, config, partition_id)
-    if first is not None:
-        return first
     reasons = _reasons(part, config, partition_id, global_steps)
+    if isinstance(reasons, Plan):
+        return reasons
     return _terminal_count(part) - len(reasons.evicted)
 
 
 def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, batch_size: int,
               state: DrainState) -> Plan | None:
     """One step of verl's synchronous ``sample()``; ``state`` carries DAPO's refill credit."""
-    first = _check(part, config, partition_id)
-    if first is not None:
-        return first
     reasons = _reasons(part, config, partition_id, global_steps)
+    if isinstance(reasons, Plan):
+        return reasons
     plan = _eviction_plan(part, partition_id, global_steps, reasons)
     has_enough = _terminal_count(part) - len(plan.evict) >= batch_size
     inflight = part.count(PENDING) + part.count(RUNNING)
@@ -192,8 +181,7 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
         if dapo:
             # Sync stays bufferless: what is terminal beyond the batch is discarded.
             chosen = set(plan.select or ())
-            plan.surplus = {uid for status in TERMINAL for uid in part.uids(status)
-                            if uid not in chosen and uid not in plan.evict}
+            plan.surplus = {uid for uid in part.uids(*TERMINAL) if uid not in chosen and uid not in plan.evict}
             plan.surplus_keys = [*plan.surplus, *part.trajectory_keys(plan.surplus)]
         return plan
     return plan if plan.evict else None
@@ -202,13 +190,12 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
 def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, target: int,
                select: bool) -> Plan | None:
     """One step of verl's ``wait_for_sampleable()`` (and, with ``select``, of ``sample()``)."""
-    first = _check(part, config, partition_id)
-    if first is not None:
-        return first
     reasons = _reasons(part, config, partition_id, global_steps)
+    if isinstance(reasons, Plan):
+        return reasons
     plan = _eviction_plan(part, partition_id, global_steps, reasons)
     if plan.evict:
-        plan.refill = len(plan.evict) if config.has_refill else 0
+        plan.refill = len(plan.evict) if config.refill_fn is not None else 0
         return plan
     if config.max_off_policy_strategy == "wait" and config.max_off_policy_threshold is not None:
         # Dropless: not ready while an in-flight prompt has reached the threshold (span >= threshold).
@@ -222,7 +209,7 @@ def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, g
     if select:
         _select(part, plan, target)
     else:
-        plan.sampleable = {uid for status in TERMINAL for uid in part.uids(status)}
+        plan.sampleable = set(part.uids(*TERMINAL))
     return plan
 
 
@@ -236,14 +223,15 @@ def classify(values: list[float]) -> float | None:
     return None
 
 
-def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any], stale_count: int) -> None:
+def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any]) -> None:
     """Fold one decision's eviction metrics into ``acc`` the way verl does.
 
-    Counts add up; the staleness mean stays a per-sample mean (weighted by
-    ``stale_count``), max/min stay extremes, and the DAPO value table merges.
+    Counts add up; the staleness mean stays a per-sample mean (weighted by the
+    stale samples evicted), max/min stay extremes, and the DAPO value table merges.
     """
     stale_key = next((key for key in new if key.endswith("/off_policy/evicted_samples")), None)
     before = acc.get(stale_key, 0) if stale_key else 0
+    stale_count = new[stale_key] if stale_key else 0
     for key, value in new.items():
         if key.endswith("/evicted_samples_staleness/mean"):
             total = before + stale_count

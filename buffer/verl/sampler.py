@@ -1,39 +1,17 @@
-"""A drop-in sampler for verl's v1 trainers, fed by the isolated poller.
-
-::
-
-    trainer.v1.sampler.custom_sampler.path: pkg://buffer.verl
-    trainer.v1.sampler.custom_sampler.name: ReplayBuffer
-    trainer.v1.sampler.sampler_kwargs: {poll_interval: 0.05}   # optional
-
-verl's own sampler lists the whole store with ``kv_list()`` in the trainer's
-thread, rebuilds its state from it and sleeps ``poll_interval`` between
-tries. Here the poller lists the store in its own process and streams what
-changed; a :class:`~buffer.groups.GroupIndex` attached to the buffer's store
-keeps the groups from those changes; each decision of the rules
-(:mod:`buffer.group_rules`) looks at one consistent view under the store's
-lock, and a wait wakes on the change that completes it::
-
-    sample() ── decide (store lock) ─▶ Plan ── clear / refill_fn / read DAPO metrics (no lock)
-       ▲                                │        then sync(): the next view reflects them
-       └──── wake on change ◀── store ◀─┘◀── poller process (kv_list, diff) ◀── TransferQueue
-
-The poller starts on the first ``sample`` / ``wait_for_sampleable`` /
-``get_sampleable_count``: constructing the sampler does no I/O, so a trainer
-whose constructor fails after building it leaks nothing
-(:mod:`buffer.verl_lifecycle` starts and stops it).
-"""
+"""verl's sampler classes: each call decides on the group index under the store's lock, then does its I/O."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from typing import Any, Union, cast
 
-from buffer import verl_client
 from buffer.arguments import check_verl_call
-from buffer.group_rules import (
-    DAPO_FILTERED_REWARD_COUNTS_KEY,
+from buffer.process import ShutdownReport
+from buffer.seam import SyncAhead
+from buffer.verl.config import VERL_ATTRIBUTES, SamplerConfig
+from buffer.verl.groups import GroupIndex, GroupPartition
+from buffer.verl.rules import (
     DrainState,
     Plan,
     accumulate_metrics,
@@ -42,26 +20,22 @@ from buffer.group_rules import (
     plan_sync,
     sampleable_count,
 )
-from buffer.groups import GroupIndex, GroupPartition
-from buffer.process import ShutdownReport
-from buffer.sync import SyncAhead
-from buffer.verl_client import VerlBatch
-from buffer.verl_config import VERL_ATTRIBUTES, SamplerConfig, VerlConfigError
-from buffer.verl_lifecycle import SamplerLifecycle
+from buffer.verl.store import SamplerLifecycle
 
-__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]
+__all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync"]
 
-_R = TypeVar("_R")
+#: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
+Decision = Union[Plan, int]
 
 # A read-your-writes wait started ahead gives up after this long; the next call then waits itself
 # (with its own deadline).
 _FRESH_VIEW_AHEAD_TIMEOUT = 60.0
 
-#: With no listings between calls, a call first asks for one unless the store was listed this recently:
 #: The most prompts a waiting call has its poller watch (poller.polling), the newest first: a read of them costs
 #: TransferQueue's controller ~0.3 ms (one key: ~0.26 ms; 256: ~0.6 ms), a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 
+#: With no listings between calls, a call first asks for one unless the store was listed this recently:
 #: verl's own sampler decides on a listing up to its poll_interval (2 s) and one listing old.
 FRESH_VIEW_SECONDS = 2.0
 
@@ -71,7 +45,7 @@ class ReplayBuffer:
 
     Takes verl's constructor (keywords, or positions as verl's built-in
     class); verl's options may also come in ``sampler_kwargs``, with this
-    sampler's own (:data:`~buffer.verl_config.SAMPLER_KWARGS`: ``sample_timeout``,
+    sampler's own (:data:`~buffer.verl.config.SAMPLER_KWARGS`: ``sample_timeout``,
     ``log_interval``, ``wait_poll_interval``, ``source``, ``source_kwargs``,
     and the buffer's ``start_timeout``, ``close_timeout``, ``max_restarts``).
 
@@ -118,8 +92,6 @@ class ReplayBuffer:
         self._lifecycle = SamplerLifecycle(config, self._index)
         self._needs_fresh_view = False
         self._fresh_view_ahead: SyncAhead | None = None
-        # DAPO metrics read outside the lock, recorded in the index by the next decision.
-        self._fetched: dict[str, dict[str, tuple[list[str], float | None]]] = {}
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0,
                           "wait_polls": 0}
 
@@ -155,16 +127,10 @@ class ReplayBuffer:
             PollerCrashed, BufferClosed: the poller is dead for good / the sampler was closed.
         """
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        deadline = self._deadline()
-        metrics: dict[str, Any] = {}
         state = DrainState()
-        while True:
-            plan = self._decide(what, partition_id, deadline,
-                                lambda part: plan_sync(part, self._config, partition_id, global_steps,
-                                                       batch_size, state))
-            if not self._carry_out(plan, partition_id, metrics, deadline):
-                break
-        assert plan.select is not None
+        plan, metrics = self._run(what, partition_id, lambda part: plan_sync(part, self._config, partition_id,
+                                                                             global_steps, batch_size, state))
+        assert isinstance(plan, Plan) and plan.select is not None
         if plan.surplus:
             self._clear(partition_id, plan.surplus_keys)
             key = f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"
@@ -179,15 +145,10 @@ class ReplayBuffer:
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
         what = check_verl_call("get_sampleable_count", global_steps, partition_id)
-        deadline = self._deadline()
-        def count(part: GroupPartition) -> Plan | int:
-            return sampleable_count(part, self._config, partition_id, global_steps)
-
-        while True:
-            result = cast("Plan | int", self._decide(what, partition_id, deadline, count))
-            if isinstance(result, int):
-                return result
-            self._carry_out(result, partition_id, {}, deadline)
+        count, _ = self._run(what, partition_id,
+                             lambda part: sampleable_count(part, self._config, partition_id, global_steps))
+        assert isinstance(count, int)
+        return count
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; idempotent. verl never calls it: the finalizer does."""
@@ -204,7 +165,8 @@ class ReplayBuffer:
                                "lists_between_calls": self._lifecycle.lists_between_calls}
         if started is not None:
             out.update(started.buffer.stats())
-            out["groups"] = started.buffer.seam.look(self._group_counts)
+            out["groups"] = started.seam.look(lambda: {pid: self._index.partition(pid).counts()
+                                                       for pid in self._index.partition_ids()})
         return out
 
     def __enter__(self) -> ReplayBuffer:
@@ -215,12 +177,19 @@ class ReplayBuffer:
 
     # -- deciding and carrying out ------------------------------------------------------------
 
-    def _deadline(self) -> float | None:
+    def _run(self, what: str, partition_id: str,
+             rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:
+        """Decide and carry out plans until one hands out, is ready or is a count; with the eviction metrics."""
         timeout = self._config.sample_timeout
-        return None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        metrics: dict[str, Any] = {}
+        while True:
+            result = self._decide(what, partition_id, deadline, rule)
+            if isinstance(result, int) or not self._carry_out(result, partition_id, metrics, deadline):
+                return result, metrics
 
     def _decide(self, what: str, partition_id: str, deadline: float | None,
-                rule: Callable[[GroupPartition], _R | None]) -> _R:
+                rule: Callable[[GroupPartition], Decision | None]) -> Decision:
         """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed.
 
         While it waits, the poller lists every ``wait_poll_interval``, and the
@@ -232,11 +201,9 @@ class ReplayBuffer:
         switched = self._lifecycle.follow()
         if switched:
             # The new controller's first complete listing began after this call and no decision is made
-            # before it is applied: that view is fresh. What concerned the old one is dropped: its sync ahead
-            # (it settled clears there; the new poller answers it, or close() ends it) and the DAPO metrics
-            # read there.
+            # before it is applied: that view is fresh. The sync ahead settled clears on the old one: dropped
+            # (the new poller answers it, or close() ends it).
             self._needs_fresh_view = False
-            self._fetched.clear()
         elif ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._needs_fresh_view = not ahead.done(remaining)
@@ -249,8 +216,7 @@ class ReplayBuffer:
                                       and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)
 
-        def attempt() -> _R | None:
-            self._record_fetched(partition_id)
+        def attempt() -> Decision | None:
             self._counters["decisions"] += 1
             return rule(self._index.partition(partition_id))
 
@@ -259,12 +225,13 @@ class ReplayBuffer:
 
         config = self._config
         try:
-            return seam.decide(attempt, partition_id=partition_id,
-                               timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
-                               describe=lambda: self._index.partition(partition_id).describe(partition_id),
-                               log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
-                               on_poll=counted_poll, version=lambda: self._index.version(partition_id),
-                               watch=lambda: self._index.partition(partition_id).in_flight(WATCHED_PROMPTS))
+            return cast(Decision, seam.decide(
+                attempt, partition_id=partition_id,
+                timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                describe=lambda: self._index.partition(partition_id).describe(partition_id),
+                log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
+                on_poll=counted_poll, version=lambda: self._index.version(partition_id),
+                watch=lambda: self._index.partition(partition_id).in_flight(WATCHED_PROMPTS)))
         except TimeoutError as exc:
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
 
@@ -277,7 +244,7 @@ class ReplayBuffer:
             raise plan.error
         if plan.evict:
             self._clear(partition_id, plan.evict_keys)
-            accumulate_metrics(metrics, plan.metrics, plan.stale_count)
+            accumulate_metrics(metrics, plan.metrics)
         if plan.refill:
             assert self._config.refill_fn is not None
             self._counters["refills"] += 1
@@ -300,38 +267,34 @@ class ReplayBuffer:
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
         started = self._lifecycle.start()
-        verl_client.clear_keys(started.client, partition_id, keys, started.verify_clears)
+        started.clear(partition_id, keys)
         started.seam.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
-        """Read the DAPO metric of newly finished groups (recorded by the next decision)."""
-        started = self._lifecycle.started
-        assert self._config.filter_groups_metric is not None and started is not None
-        classes = verl_client.classify_groups(started.client, partition_id, groups, self._config.filter_groups_metric)
-        self._fetched.setdefault(partition_id, {}).update(classes)
+        """Read the DAPO metric of newly finished groups (outside the lock) and record it in the index."""
+        started = self._lifecycle.start()
+        assert self._config.filter_groups_metric is not None
+        classes = started.classify(partition_id, groups, self._config.filter_groups_metric)
 
-    def _record_fetched(self, partition_id: str) -> None:
-        fetched = self._fetched.pop(partition_id, None)
-        for uid, (keys, value) in (fetched or {}).items():
-            self._index.record_metric(partition_id, uid, keys, value)
+        def record() -> None:  # refused for a group whose trajectories changed since: it is read again
+            for uid, (keys, value) in classes.items():
+                self._index.record_metric(partition_id, uid, keys, value)
+
+        started.seam.look(record)
 
     def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
-        seam = self._lifecycle.start().seam
-        held = seam.tags(partition_id, keys)
+        started = self._lifecycle.start()
+        held = started.seam.tags(partition_id, keys)
         keys = [key for key in keys if key in held]
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
         # It also settles the clear: a key removed here is hidden until a listing no longer shows it, so
         # that listing must come before the store could hold the key again.
-        self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
-        on_tq = verl_client.is_transferqueue(self._config.source)
-        return verl_client.make_batch(partition_id, keys, [held[key] for key in keys], on_tq)
-
-    def _group_counts(self) -> dict[str, dict[str, int]]:
-        return {pid: self._index.partition(pid).counts() for pid in self._index.partition_ids()}
+        self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
+        return started.batch(partition_id, keys, [held[key] for key in keys])
 
 
 class ReplayBufferAsync(ReplayBuffer):
@@ -346,24 +309,16 @@ class ReplayBufferAsync(ReplayBuffer):
         Returns their uids and the eviction metrics; nothing is consumed.
         """
         what = check_verl_call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
-        plan, metrics = self._wait(what, global_steps, partition_id, target_count, select=False)
+        plan, metrics = self._run(what, partition_id, lambda part: plan_async(part, self._config, partition_id,
+                                                                              global_steps, target_count, False))
+        assert isinstance(plan, Plan)
         return plan.sampleable, metrics
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        plan, metrics = self._wait(what, global_steps, partition_id, batch_size, select=True)
-        assert plan.select is not None
+        plan, metrics = self._run(what, partition_id, lambda part: plan_async(part, self._config, partition_id,
+                                                                              global_steps, batch_size, True))
+        assert isinstance(plan, Plan) and plan.select is not None
         return self._materialize(partition_id, plan.select, plan.select_keys), metrics
 
     sample.__doc__ = ReplayBuffer.sample.__doc__
-
-    def _wait(self, what: str, global_steps: int, partition_id: str, target: int,
-              select: bool) -> tuple[Plan, dict[str, Any]]:
-        deadline = self._deadline()
-        metrics: dict[str, Any] = {}
-        while True:
-            plan = self._decide(what, partition_id, deadline,
-                                lambda part: plan_async(part, self._config, partition_id, global_steps, target,
-                                                        select))
-            if not self._carry_out(plan, partition_id, metrics, deadline):
-                return plan, metrics

@@ -7,28 +7,18 @@ verl writes two kinds of keys into one partition::
 
 A prompt's ``status`` moves pending -> running -> finished | failure; a
 group (the prompt and its trajectories) is *terminal* once its prompt is
-finished or failure. :class:`GroupIndex` is a policy of the partition store
-(:class:`buffer.policies.Policy`): the store calls :meth:`GroupIndex.on_change`
-with the lock held for every key that changed, and the index updates only
-what that key touches, so keeping it costs work in proportion to change, never
-a rebuild of the partition. The group rules (:mod:`buffer.group_rules`) read
-it, under the same lock, to decide.
-
-Prompts are bucketed per status by their ``global_steps``, so "the oldest n
-terminal groups", "any in-flight prompt at least this old" and "finished
-groups older than the threshold" touch only the buckets they need.
-
-Each partition also has a *version* (:meth:`GroupIndex.version`) that moves
-with every change of what the rules read in it, and only then: a waiting
-decision whose partition kept its version would decide the same again, so it
-is not re-run (a trajectory's tags, a prompt's other tags and every other
-partition leave it alone).
+finished or failure. :class:`GroupIndex`, a store policy, is told every key
+that changed under the store's lock and updates only what that key touches:
+work in proportion to change. Prompts are bucketed per status by
+``global_steps``, so the rules (:mod:`.rules`) touch only the buckets they
+need. Each partition's *version* moves with every change of what the rules
+read in it, and only then: a waiting decision is re-run only on a new one.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
+from itertools import chain, islice
 from typing import Any
 
 from buffer.policies import positions_that_differ
@@ -37,7 +27,6 @@ from poller.wire.vocabulary import FAILURE, FINISHED, PENDING, PROMPT_STATUSES, 
 __all__ = ["GroupIndex", "GroupPartition", "uid_of"]
 
 _STATUS_SET = frozenset(PROMPT_STATUSES)
-
 
 
 def uid_of(key: str) -> str:
@@ -77,7 +66,7 @@ class GroupPartition:
 
     def describe(self, partition_id: str) -> str:
         """Counts by status and the oldest prompts in flight (for timeouts and progress logs)."""
-        inflight = list(itertools.islice(itertools.chain(self.uids(RUNNING), self.uids(PENDING)), 5))
+        inflight = list(islice(chain(self.uids(RUNNING), self.uids(PENDING)), 5))
         return (f"partition {partition_id!r} holds {self.count(PENDING)} pending, {self.count(RUNNING)} running, "
                 f"{self.count(FINISHED)} finished and {self.count(FAILURE)} failure prompt(s)"
                 + (f"; in flight: {', '.join(inflight)}" if inflight else ""))
@@ -85,45 +74,26 @@ class GroupPartition:
     def count(self, status: str) -> int:
         return sum(len(uids) for uids in self.buckets[status].values())
 
-    def uids(self, status: str) -> Iterator[str]:
-        """uids of ``status``, oldest ``global_steps`` first."""
-        bucket = self.buckets[status]
-        for step in sorted(bucket):
-            yield from bucket[step]
+    def uids(self, *statuses: str, newest_first: bool = False) -> Iterator[str]:
+        """uids of ``statuses``, oldest ``global_steps`` first, each step's in arrival order (or all reversed)."""
+        buckets = [self.buckets[status] for status in statuses]
+        for step in sorted({step for bucket in buckets for step in bucket}, reverse=newest_first):
+            for bucket in buckets:
+                uids = bucket.get(step, {})
+                yield from reversed(uids) if newest_first else uids
 
     def oldest(self, statuses: Iterable[str], n: int, exclude: Iterable[str] = ()) -> list[str]:
         """Up to ``n`` uids of ``statuses``, oldest prompt ``global_steps`` first, skipping ``exclude``."""
         skipped = set(exclude)
-        buckets = [self.buckets[status] for status in statuses]
-        chosen: list[str] = []
-        if n <= 0:
-            return chosen
-        for step in sorted({step for bucket in buckets for step in bucket}):
-            for bucket in buckets:
-                for uid in bucket.get(step, ()):
-                    if uid not in skipped:
-                        chosen.append(uid)
-                        if len(chosen) == n:
-                            return chosen
-        return chosen
+        return list(islice((uid for uid in self.uids(*statuses) if uid not in skipped), max(0, n)))
 
     def in_flight(self, limit: int) -> list[str]:
-        """Up to ``limit`` prompt keys not yet terminal (pending, running), the newest ``global_steps`` first.
+        """Up to ``limit`` prompts not yet terminal, newest ``global_steps`` and latest arrival first.
 
-        Within a step the latest to arrive comes first: the prompts a waiting
-        decision is likeliest to see finish soonest, which the poller
-        watches (:meth:`buffer.seam.SamplingSeam.decide`); a prompt of a
-        step abandoned long ago is the first left out.
+        Those a waiting decision is likeliest to see finish soonest, which the
+        poller watches; a prompt of a step abandoned long ago is left out first.
         """
-        buckets = [self.buckets[PENDING], self.buckets[RUNNING]]
-        chosen: list[str] = []
-        for step in sorted({step for bucket in buckets for step in bucket}, reverse=True):
-            for bucket in buckets:
-                for uid in reversed(bucket.get(step, {})):
-                    chosen.append(uid)
-                    if len(chosen) == limit:
-                        return chosen
-        return chosen
+        return list(islice(self.uids(PENDING, RUNNING, newest_first=True), limit))
 
     def older_than(self, status: str, step: int) -> list[str]:
         """uids of ``status`` whose prompt ``global_steps`` is below ``step``."""
@@ -157,7 +127,7 @@ class GroupPartition:
     # -- maintenance (GroupIndex.on_change) -------------------------------------
 
     def _forget_metric(self, uid: str) -> None:
-        # A finished group's trajectories changed: what was read of them is stale.
+        # A group's trajectories changed: what was read of them is stale (a finished group's is read again).
         self.metric.pop(uid, None)
         self.filtered.pop(uid, None)
         if self.status.get(uid) == FINISHED:
@@ -195,8 +165,7 @@ class GroupPartition:
             if not uids:
                 del bucket[step]
             self.unclassified.pop(key, None)
-            self.metric.pop(key, None)
-            self.filtered.pop(key, None)
+            self._forget_metric(key)  # no longer a prompt: not unclassified again
             return
         uid = uid_of(key)
         keys = self.trajectories.get(uid)
@@ -222,7 +191,7 @@ def _prompt_class(tags: Tags) -> tuple[Any, Any, Any] | None:
     return True, tags.get("status"), tags.get("global_steps")
 
 
-# What of a key's tags its group depends on (see _prompt_class).
+# What of a key's tags its group depends on.
 _GROUP_TAGS = ("is_prompt", "status", "global_steps")
 
 _EMPTY = GroupPartition()
@@ -248,12 +217,8 @@ class GroupIndex:
 
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         self.changes += 1
-        if old is not None and new is not None:
-            old_class = _prompt_class(old)
-            if old_class is None and _prompt_class(new) is None:
-                return  # a trajectory's tags changed: its group did not
-            if old_class is not None and old_class == _prompt_class(new):
-                return  # a prompt's other tags changed
+        if old is not None and new is not None and _prompt_class(old) == _prompt_class(new):
+            return  # a trajectory's tags, or a prompt's other tags, changed: no group did
         part = self._parts.get(partition_id)
         if part is None:
             if new is None:
@@ -271,9 +236,7 @@ class GroupIndex:
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """:meth:`on_change` of each key held before, in one call.
 
-        A key whose ``is_prompt``, ``status`` and ``global_steps`` all read the
-        same before and after changed no group (found in C-level passes); the
-        others go through :meth:`on_change` one by one.
+        Keys whose group tags kept their values (found in C-level passes) changed no group.
         """
         moved = positions_that_differ(olds, news, _GROUP_TAGS)
         self.changes += len(keys) - len(moved)
@@ -287,7 +250,7 @@ class GroupIndex:
     def version(self, partition_id: str) -> int:
         """A number that changes whenever the groups of ``partition_id`` change (0: it has none); under the lock.
 
-        Equal versions mean an equal view for every rule of :mod:`buffer.group_rules`.
+        Equal versions mean an equal view for every rule of :mod:`.rules`.
         """
         return self._versions.get(partition_id, 0)
 

@@ -1,0 +1,31 @@
+"""A drop-in sampler for verl's v1 trainers, fed by the isolated poller (runs in the trainer process).
+
+::
+
+    trainer.v1.sampler.custom_sampler.path: pkg://buffer.verl
+    trainer.v1.sampler.custom_sampler.name: ReplayBuffer
+    trainer.v1.sampler.sampler_kwargs: {poll_interval: 0.05}   # optional
+
+verl's own sampler lists the whole store in the trainer's thread, rebuilds
+its state and sleeps ``poll_interval`` between tries. Here the poller lists
+the store in its own process and streams what changed; a group index on the
+buffer's store keeps the groups (:mod:`.groups`), each decision of the rules
+(:mod:`.rules`) sees one consistent view under the store's lock, and a wait
+wakes on the change that completes it::
+
+    sample() ── decide (store lock) ─▶ Plan ── clear / refill_fn / read DAPO metrics (no lock)
+       ▲                                │        then sync(): the next view reflects them
+       └──── wake on change ◀── store ◀─┘◀── poller process (kv_list, diff) ◀── TransferQueue
+
+The sampler (:mod:`.sampler`) takes its options through :mod:`.config`, and
+starts its buffer and makes its own clears and reads through :mod:`.store`.
+"""
+
+from buffer.verl.config import VerlConfigError
+from buffer.verl.rules import DAPO_FILTERED_REWARD_COUNTS_KEY
+from buffer.verl.sampler import FRESH_VIEW_SECONDS as FRESH_VIEW_SECONDS
+from buffer.verl.sampler import WATCHED_PROMPTS as WATCHED_PROMPTS
+from buffer.verl.sampler import ReplayBuffer, ReplayBufferAsync
+from buffer.verl.store import VerlBatch
+
+__all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]

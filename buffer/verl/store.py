@@ -1,0 +1,353 @@
+"""The verl sampler's link to its store: the buffer whose poller lists it, and the client of its own calls.
+
+Constructing the sampler does no I/O, so a trainer whose constructor fails
+after building it leaks nothing: :class:`SamplerLifecycle` starts both on the
+first call, and a finalizer shuts both down when the sampler is dropped
+(verl never calls ``close()``). The sampler's own clears and DAPO reads go
+through ``transfer_queue``'s module functions on TransferQueue (the default
+source), elsewhere through an instance built from the same spec and kwargs.
+On TransferQueue the poller lists, as verl's own sampler does, only when a
+call needs it, only the partitions it was asked about, and the controller
+the trainer's client uses now.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from buffer.errors import BufferClosed
+from buffer.process import ShutdownReport
+from buffer.replay import ReplayBuffer
+from buffer.verl.config import SamplerConfig
+from buffer.verl.groups import GroupIndex
+from buffer.verl.rules import classify
+from poller.wire.sources import SourceSpec, describe_spec, load_source
+from poller.wire.sources import _resolve as resolve_spec
+
+__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "SamplerLifecycle", "StoreLink", "VerlBatch"]
+
+logger = logging.getLogger(__name__)
+
+#: The poller's TransferQueue source, named by spec: the trainer imports no poller module but the wire.
+TRANSFERQUEUE = "poller.sources.transferqueue:TransferQueueSource"
+#: Its source arguments from the trainer's live TransferQueue (the public ``source_kwargs(conf, **options)``).
+_TRANSFERQUEUE_KWARGS = "poller.sources.transferqueue:source_kwargs"
+#: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
+CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
+
+#: The poller's own schedule when it does not list between calls: the calls ask for every listing
+#: they need (a SYNC), and the store is not listed while the trainer trains.
+QUIET_POLL_INTERVAL = 3600.0
+
+#: The DAPO metric read from the ``rm_scores`` field (verl 0.9.1's FILTER_GROUPS_REWARD_METRIC).
+REWARD_METRIC = "reward"
+
+
+@dataclass
+class VerlBatch:
+    """A batch shaped like ``transfer_queue.KVBatchMeta``, used when TransferQueue is not loaded."""
+
+    keys: list[str] = field(default_factory=list)
+    tags: list[dict[str, Any]] = field(default_factory=list)
+    partition_id: str | None = None
+    fields: list[str] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
+
+
+class StoreLink:
+    """A started sampler's buffer and the client of its own clears and reads (no reference to the sampler)."""
+
+    def __init__(self, buffer: ReplayBuffer, client: Any, owned: bool, transferqueue: bool) -> None:
+        self.buffer = buffer
+        self.seam = buffer.seam
+        self.client = client
+        self._owned = owned  # whether the client was built here (and is closed here)
+        self._transferqueue = transferqueue
+        # Whether a kv_clear naming a key already gone may clear nothing (TransferQueue 0.1.8): then every
+        # clear is checked by listing.
+        self.verify_clears = _tq_version() == "0.1.8" if transferqueue else \
+            bool(getattr(client, "clear_is_all_or_nothing", False))
+
+    def close(self) -> None:
+        try:
+            self.buffer.close()
+        finally:
+            _close_client(self.client, self._owned)
+
+    def controller(self) -> Any | None:
+        """The controller info (a ``ZMQServerInfo``) of the ``transfer_queue`` module's current client, or None.
+
+        TransferQueue (0.1.8-0.1.11) keeps it in the private ``_controller``;
+        None without it, and between ``tq.close()`` and the next ``tq.init()``.
+        """
+        get_client = getattr(self.client, "get_client", None)
+        if not callable(get_client):
+            return None
+        try:
+            current = get_client()
+        except AssertionError:  # TransferQueue's words for "not initialised" (after tq.close())
+            return None
+        return getattr(current, "_controller", None)
+
+    def clear(self, partition_id: str, keys: list[str]) -> None:
+        """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
+
+        On TransferQueue 0.1.8 (0.1.9 made it idempotent) a clear naming a key
+        already gone clears nothing at all. So with ``verify_clears``, and after
+        any failed clear, the partition is listed once and the keys still
+        present are cleared again; a store that cannot clear them still raises.
+        """
+        if not keys:
+            return
+        try:
+            self.client.kv_clear(keys=keys, partition_id=partition_id)
+            if not self.verify_clears:
+                return
+        except Exception as exc:
+            logger.debug("kv_clear of %d keys in %r failed (%s): clearing those still there", len(keys),
+                         partition_id, exc)
+        held = (self.client.kv_list(partition_id) or {}).get(partition_id, {})
+        present = [key for key in keys if key in held]
+        if present:
+            self.client.kv_clear(keys=present, partition_id=partition_id)
+
+    def classify(self, partition_id: str, groups: dict[str, list[str]],
+                 metric: str) -> dict[str, tuple[list[str], float | None]]:
+        """uid -> (the trajectory keys read, the value DAPO filters on or None), for finished groups.
+
+        Raises:
+            RuntimeError: a group has no trajectory, or one without the metric (verl's error).
+        """
+        keys = [key for group_keys in groups.values() for key in group_keys]
+        values = iter(self._read_metric(partition_id, keys, metric))
+        classes: dict[str, tuple[list[str], float | None]] = {}
+        missing = []
+        for uid, group_keys in groups.items():
+            group_values = [next(values) for _ in group_keys]
+            present = [value for value in group_values if value is not None]
+            if not group_values or len(present) != len(group_values):
+                missing.append(uid)
+            else:
+                classes[uid] = (group_keys, classify(present))
+        if missing:
+            raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
+        return classes
+
+    def _read_metric(self, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
+        """Each key's DAPO value (None where it is missing).
+
+        ``"reward"``: the key's ``rm_scores`` summed (verl 0.9.1's pre-KL
+        reward) by its own ``.sum()`` (a tensor: no torch import here) or as a
+        list. Any other name: ``extra_fields["reward_extra_info"][metric]``.
+        """
+        if not keys:
+            return []
+        field_name = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
+        data = self.client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[field_name])
+        column = list(data[field_name])
+        if len(column) != len(keys):
+            raise RuntimeError(f"kv_batch_get returned {len(column)} {field_name} for {len(keys)} keys")
+        if field_name == "rm_scores":
+            return [_summed(scores) for scores in column]
+        values: list[float | None] = []
+        for extra in column:
+            extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
+            info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
+            values.append(float(info[metric]) if isinstance(info, dict) and metric in info else None)
+        return values
+
+    def batch(self, partition_id: str, keys: list[str], tags: list[dict[str, Any]]) -> Any:
+        """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
+        if self._transferqueue or "transfer_queue" in sys.modules:
+            meta = importlib.import_module("transfer_queue").KVBatchMeta
+            return meta(partition_id=partition_id, keys=keys, tags=tags)
+        return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
+
+
+class SamplerLifecycle:
+    """Starts a verl sampler's buffer (``index`` attached) and client on first use; shuts both down once."""
+
+    def __init__(self, config: SamplerConfig, index: GroupIndex) -> None:
+        self._config = config
+        self._index = index
+        self._lock = threading.Lock()
+        # A store without a change feed (TransferQueue) is listed whole each time, and its controller is
+        # shared by every rollout worker: verl's own sampler lists it only inside its calls.
+        self._follows = _is_transferqueue(config.source)
+        self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
+                                    else not self._follows)
+        self.started: StoreLink | None = None
+        self.closed = False
+        self._finalizer: weakref.finalize | None = None
+        # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
+        self._listed: set[str] | None = None
+        # On TransferQueue: the controller address the poller lists, and the client's controller info last
+        # compared with it (the same object again needs no comparison).
+        self._address: str | None = None
+        self._compared: Any = None
+
+    def start(self, partition_id: str | None = None) -> StoreLink:
+        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition)."""
+        with self._lock:
+            if self.closed:
+                raise BufferClosed("the sampler is closed")
+            if self.started is not None:
+                return self.started
+            config = self._config
+            spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
+            self._listed = {partition_id} if chosen and partition_id is not None else None
+            self._address = kwargs.get("address") if self._follows else None
+            client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
+            try:
+                interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
+                buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
+            except BaseException:
+                _close_client(client, owned)
+                raise
+            link = StoreLink(buffer, client, owned, self._follows)
+            # Tied to this object, which only the sampler holds: dropping the sampler runs it.
+            self._finalizer = weakref.finalize(self, link.close)
+            try:
+                buffer.seam.attach(self._index)
+            except BaseException:
+                self._finalizer()
+                raise
+            self.started = link
+            logger.debug("verl sampler started: %r", buffer)
+            return link
+
+    def running(self) -> StoreLink | None:
+        """What was started (``None``: nothing yet), without starting it."""
+        with self._lock:
+            if self.closed:
+                raise BufferClosed("the sampler is closed")
+            return self.started
+
+    def follow(self) -> bool:
+        """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
+
+        verl's own sampler lists through that client, so it follows
+        ``tq.close()`` and ``tq.init()`` (a new controller, a new port); so does
+        this, by :meth:`buffer.ReplayBuffer.switch_source`, after which no
+        decision is made until the new controller's first complete listing
+        dropped the old one's keys. True when it moved.
+        """
+        started = self.started
+        if started is None or not self._follows:
+            return False
+        info = started.controller()
+        with self._lock:
+            if info is None or info is self._compared:
+                return False
+            self._compared = info
+            kwargs = _transferqueue_kwargs(info)
+            changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
+            if changes["address"] == self._address:
+                return False
+            old, self._address = self._address, changes["address"]
+        logger.info("the trainer's TransferQueue client uses the controller at %s: the poller moves there from %s",
+                    changes["address"], old)
+        started.buffer.switch_source(changes)
+        return True
+
+    def include(self, partition_id: str) -> bool:
+        """Have the poller list ``partition_id`` too (verl names its partitions only in its calls).
+
+        True when it joined: the next decision must wait for a listing that includes it.
+        """
+        if self._listed is None or partition_id in self._listed:
+            return False
+        assert self.started is not None  # _listed is set as the buffer starts
+        self.started.buffer.include_partitions([partition_id])
+        self._listed.add(partition_id)
+        return True
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        """Stop the poller and close the client; idempotent. Nothing started: a ``no-poller`` report."""
+        with self._lock:
+            self.closed = True
+            started, finalizer = self.started, self._finalizer
+        if started is None:
+            return ShutdownReport("no-poller", 0.0, None, False)
+        report = started.buffer.close(timeout)
+        if finalizer is not None:
+            finalizer()
+        return report
+
+
+def _is_transferqueue(source: SourceSpec | None) -> bool:
+    return source is None or source == TRANSFERQUEUE
+
+
+def _transferqueue_kwargs(conf: Any, **options: Any) -> dict[str, Any]:
+    """The TransferQueue source's arguments, the controller's address looked up here, in the trainer."""
+    kwargs: dict[str, Any] = resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)
+    return kwargs
+
+
+def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
+                   partition_id: str | None) -> tuple[SourceSpec, dict[str, Any], bool]:
+    """The spec and kwargs the poller lists, and whether the sampler chose the partitions it lists.
+
+    On TransferQueue: only ``partition_id`` unless ``kwargs`` name their own
+    ``partition_ids``; without an ``address``, the live controller's.
+    """
+    given = dict(kwargs or {})
+    if source is not None and not _is_transferqueue(source):
+        return source, given, False
+    chosen = given.get("partition_ids") is None and partition_id is not None
+    if chosen:
+        given["partition_ids"] = [partition_id]
+    return TRANSFERQUEUE, given if "address" in given else _transferqueue_kwargs(None, **given), chosen
+
+
+def _open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:
+    """The trainer-side client, and whether it was built here (and must be closed here)."""
+    if source is None or _is_transferqueue(source):
+        # Imported here, in the trainer that initialised it: import_module keeps type checkers out of it.
+        return importlib.import_module("transfer_queue"), False
+    client = load_source(source, kwargs)
+    # load_source hands back a ready-made source object as it is: that one is not ours to close.
+    owned = client is not (resolve_spec(source) if isinstance(source, str) else source)
+    wanted = ["kv_clear", "kv_list"] + (["kv_batch_get"] if need_fields else [])
+    missing = [name for name in wanted if not callable(getattr(client, name, None))]
+    if missing:
+        _close_client(client, owned)
+        raise TypeError(f"source {describe_spec(source)} built {type(client).__name__}, which has no "
+                        f"{' or '.join(missing)}: the sampler clears keys"
+                        + (" and reads DAPO metrics" if need_fields else "") + " through it")
+    return client, owned
+
+
+def _close_client(client: Any, owned: bool) -> None:
+    close = getattr(client, "close", None)
+    if owned and callable(close):
+        close()
+
+
+def _summed(scores: Any) -> float | None:
+    if scores is None:
+        return None
+    total = scores.sum() if callable(getattr(scores, "sum", None)) else sum(scores)
+    return float(total)  # float() of a 0-d tensor or numpy scalar is its value (.item())
+
+
+def _tq_version() -> str | None:
+    try:
+        return importlib.metadata.version("transferqueue")
+    except importlib.metadata.PackageNotFoundError:
+        return None
