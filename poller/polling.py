@@ -16,23 +16,24 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from poller.changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
-from poller.deltas import iter_encode_delta, iter_encode_pieces
+from poller.changes import ListingReader
+from poller.diff import Diff, Sent
 from poller.duty import ListingDuty
-from poller.listing import Listing, RawSnapshot, commit_listing
-from poller.pieces import ScreenedPieces
 from poller.quarantine import Quarantine
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
-from poller.wire.errors import ProtocolError
 from poller.wire.messages import Error
-from poller.wire.protocol import Kind, Limits, encode_body, fit_text
+from poller.wire.protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta
 from poller.wire.sources import Source, SourceStall, WatchRead, watch_reader
-from poller.wire.tags import unpack_tags
+from poller.wire.tags import thaw
 
-__all__ = ["PollingThread", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX", "WATCH_TIMEOUT"]
+__all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX",
+           "WATCH_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
+#: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
+BACKOFF_BASE = 0.1
+BACKOFF_CAP = 5.0
 #: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``;
 #: PollingThread). TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
 WATCH_INTERVAL = 0.3
@@ -91,22 +92,17 @@ class PollingThread(threading.Thread):
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
-                 backoff_base: float = 0.1, backoff_cap: float = 5.0,
                  stall_timeout: float | None = None, limits: Limits | None = None,
-                 reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
                  listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
-        self._reader = ListingReader(source, reconcile_interval=reconcile_interval, listing_share=listing_share,
-                                     stall_timeout=stall_timeout)
+        self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._emit = emit
         self.interval = interval
         self.max_failures = max_failures
         self.chunk_items = chunk_items
         self.max_frame_bytes = max_frame_bytes
         self.limits = limits
-        self.backoff_base = backoff_base
-        self.backoff_cap = backoff_cap
         self.stopping = threading.Event()
         self._wake = threading.Event()
         self._resync = threading.Event()
@@ -129,7 +125,7 @@ class PollingThread(threading.Thread):
         self.idle = False
         # What was sent last, kept here rather than in the polling loop's frame: a thread that
         # ends at STOP then frees nothing on its way out (K dicts, ~0.1 s at 1M keys).
-        self.sent: Listing = {}
+        self.sent: Sent = {}
         # The last poll sent whole: its wall-clock start, monotonic start and the sync token
         # it answered. Without a change feed a RESYNC sends ``sent`` again under its number.
         self._last_poll: tuple[float, float, int] | None = None
@@ -338,12 +334,7 @@ class PollingThread(threading.Thread):
         held = self.sent.get(partition, {})
         for key in keys:
             sent = held.get(key)
-            if isinstance(sent, (bytes, bytearray)):  # kept packed (poller.listing.commit_listing)
-                try:
-                    sent = unpack_tags(sent, self._screen_limits)
-                except ProtocolError:
-                    return False  # packed as the wire takes it, so never; and no telling
-            if sent is None or tags.get(key) != sent:
+            if sent is None or tags.get(key) != thaw(sent):
                 return True
         return False
 
@@ -356,16 +347,17 @@ class PollingThread(threading.Thread):
         share (1M keys: no listing, no packing to compare, ~0.5 s of the
         poller's time less). The store's changes since then come with the
         next poll, when it is due. (With a change feed the reader answers
-        from ``sent`` plus the feed's changes: :meth:`ListingReader.read_to_send`.)
+        from ``sent`` plus the feed's changes: :meth:`ListingReader.read`.)
         """
         return self._last_poll is not None and not self._reader.feed
 
-    def _resend(self, sent: Listing) -> bool:
+    def _resend(self, sent: Sent) -> bool:
         """Send ``sent`` as a full snapshot of the last poll; False once the poller is stopping."""
         assert self._last_poll is not None
         started, began, covered = self._last_poll
         # Screened and packed when it was first sent: encoded as it is.
-        if not self._send(iter_encode_delta(sent, {}, poll=self.polls, started=started, full=True,
+        held = Diff((), sent, full=True, limits=self._screen_limits, size=self.chunk_items, held=sent)
+        if not self._send(iter_encode_delta(held, {}, poll=self.polls, started=started, full=True,
                                             chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
                                             sync=covered), full=True):
             return False
@@ -452,26 +444,23 @@ class PollingThread(threading.Thread):
             wanted = self._partitions_wanted  # read after the token (see request_sync)
             self._calls += 1
             call = self._calls
-            diff = None
+            diff: Diff | None = None
             try:
                 if wanted != self._partitions_included:
                     self._reader.include(wanted)
                     self._partitions_included = wanted
                 self._current = (call, began)
                 try:
-                    diff = self._reader.read_to_send(sent, full)
+                    diff = self._reader.read(sent, full, limits=self._screen_limits, size=self.chunk_items)
                 finally:
                     self._current = None
                 self._answered()
-                # Screened, packed and encoded one piece at a time, each sent before
-                # the next is made: the trainer applies a snapshot while it is packed.
-                # A key the receiver would refuse is left out (quarantined)
-                # instead of failing the poll. Packed once: for the wire, and (a
-                # change feed's poller) to keep as what was sent.
-                pieces = ScreenedPieces(diff, sent, full, self._screen_limits, self.chunk_items)
-                if not self._send(iter_encode_pieces(pieces, pieces.deletes, poll=self.polls + 1, started=started,
-                                                     full=full, chunk_items=self.chunk_items,
-                                                     max_frame_bytes=self.max_frame_bytes, sync=covered), full):
+                # Diffed, screened, packed and encoded one piece at a time, each sent before the next is
+                # made: the trainer applies a snapshot while it is packed. A key the receiver would refuse
+                # is left out (quarantined) instead of failing the poll.
+                if not self._send(iter_encode_delta(diff, diff.deletes, poll=self.polls + 1, started=started,
+                                                    full=full, chunk_items=self.chunk_items,
+                                                    max_frame_bytes=self.max_frame_bytes, sync=covered), full):
                     return
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
@@ -492,26 +481,23 @@ class PollingThread(threading.Thread):
                 if not self._emit(Kind.ERROR, body, False) or fatal:
                     return
                 self._reader.duty.poll_done()
-                self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
+                self._sleep(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))
                 continue
             finally:
-                if isinstance(diff, RawSnapshot):
+                if diff is not None:
                     # A store read in pieces holds a read transaction until its
                     # iterator ends: a poll cut short must not keep it.
                     diff.close()
             failures = 0
-            # What was sent is kept packed: nothing the source owns is kept, a
-            # resync sends it without packing it again, and a million keys take
-            # ~200 MB instead of ~670 MB as dicts.
-            commit_listing(sent, pieces.diff, full, pieces.packed)
+            assert diff is not None
+            diff.commit(sent)
             if self._reader.last_complete:
-                self.quarantine.replace(pieces.refused)
+                self.quarantine.replace(diff.refused)
             else:
-                self.quarantine.update(pieces.refused, pieces.keys_sent(), self._reader.last_deletes)
+                self.quarantine.update(diff.refused, diff.keys_sent(), self._reader.last_deletes)
             self._reader.commit()
-            # Not kept until the next poll: after a snapshot of a million keys the
-            # diff holds every listed tag dict (~300 MB).
-            del diff, pieces
+            # Not kept until the next poll: after a snapshot of a million keys it holds every key sent.
+            del diff
             full = False
             self.polls += 1
             self._last_poll = (started, began, covered)

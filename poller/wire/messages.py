@@ -1,11 +1,10 @@
 """One record type per message kind: each field's name, type and check live here only.
 
-:mod:`poller.wire.protocol` packs a record's fields as a msgpack map and checks a
-decoded map against the record before building it, so a field is named in
-one place. A field with a default was added after its kind was first
-defined: a peer that predates it leaves it out (and a record leaves out
-such a field while it is ``None``, so an older receiver is not shown a
-``nil`` it would refuse). Extra fields in a received map are ignored
+:mod:`poller.wire.protocol` packs a record's fields as a msgpack map and checks
+a decoded map against the record before building it. A field with a default
+was added after its kind was first defined: a peer that predates it leaves it
+out (and a record leaves it out while ``None``, so an older receiver is not
+shown a ``nil`` it would refuse). Extra fields in a received map are ignored
 (forward compatibility within one protocol version).
 """
 
@@ -18,9 +17,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 from poller.wire.errors import ProtocolError
 
 __all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Watch",
-           "Body", "MAX_WATCH_KEYS",
-           "RECORDS", "DELTA_BULKY_FIELDS",
-           "check_body", "to_record", "as_map"]
+           "Body", "MAX_WATCH_KEYS", "RECORDS", "check_body", "to_record", "as_map"]
 
 
 class Kind(enum.IntEnum):
@@ -47,7 +44,6 @@ class Kind(enum.IntEnum):
 Count = int          # a non-negative integer
 Token = int          # a positive integer
 LastSeq = int        # a sequence number, or -1 before the first message
-Upserts = dict       # {partition: {key: tags}}
 Packed = dict        # {partition: [[key, ...], [packed tags, ...]]}
 Named = list         # [[partition, key, reason], ...]: keys a poller names
 Deletes = dict       # {partition: [key, ...]}
@@ -67,28 +63,25 @@ class Ready(NamedTuple):
 
 
 class Delta(NamedTuple):
-    """One part of a poll: ``full`` (a snapshot), ``reset`` (its first part), ``end`` (the poll's last part)."""
+    """One part of a poll: ``full`` (a snapshot), ``reset`` (its first part), ``end`` (the poll's last part).
+
+    ``packed``: per partition, its keys and each key's tags packed alone
+    (:mod:`poller.wire.tags`). The receiver keeps those bytes as they arrived,
+    so a key whose bytes it holds already costs a comparison, not a decode.
+    On the wire a body also carries ``"upserts": {}``, a field protocol 2's
+    first buffers require; anything but empty there is refused.
+    """
 
     poll: int
     t: float
     full: bool
     reset: bool
     end: bool
-    upserts: Upserts
+    packed: Packed
     deletes: Deletes
     # The highest SYNC token the poller had received when this poll's
     # listing began (0: none), so the buffer knows which sync() it answers.
     sync: Count | None = None
-    # Upserts as a poller sends them: per partition, its keys and each key's
-    # tags packed alone (msgpack). The receiver keeps those bytes as they
-    # arrived, so a key whose bytes it already holds costs a comparison, not a
-    # decode (a resync at C speed). ``upserts`` carries plain tags (a hand-made
-    # peer's); a body may hold both.
-    packed: Packed | None = None
-
-
-#: The fields a DELTA body packs once per piece as its payload (the rest are packed from the record).
-DELTA_BULKY_FIELDS = ("upserts", "deletes", "packed")
 
 
 class Heartbeat(NamedTuple):
@@ -177,24 +170,16 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _partitions_ok(value: Any) -> bool:
-    """``{partition: {key: tags-dict}}`` with str names."""
-    return isinstance(value, dict) and all(
-        isinstance(partition, str) and isinstance(items, dict)
-        and all(isinstance(key, str) and isinstance(tags, dict) for key, tags in items.items())
-        for partition, items in value.items())
-
-
 _STR_ONLY = frozenset({str})
 _BYTES_ONLY = frozenset({bytes})
 
 
 def _packed_ok(value: Any) -> bool:
-    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, bytes blobs, one blob per key.
+    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, one bytes blob per key.
 
-    Checked in C-level passes (a resync carries every key). What each blob
-    holds is checked where it is unpacked, when the receiver does not already
-    hold the same bytes (:func:`poller.wire.tags.unpack_tags`).
+    Checked in C-level passes (a resync carries every key). What a blob holds
+    is checked where it is unpacked, if the receiver does not hold the same
+    bytes already (:func:`poller.wire.tags.unpack_many_tags`).
     """
     if type(value) is not dict:
         return False
@@ -259,7 +244,6 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "Count": lambda v: _is_int(v) and v >= 0,
     "Token": lambda v: _is_int(v) and v > 0,
     "LastSeq": lambda v: _is_int(v) and v >= -1,
-    "Upserts": _partitions_ok,
     "Packed": _packed_ok,
     "Deletes": _deletes_ok,
     "Named": _named_ok,
