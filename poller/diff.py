@@ -169,16 +169,15 @@ class Diff:
         blobs: list[Any] = values if decode is not None else pack_many_tags(values)
         same = list(map(eq, helds, blobs))
         matched = len(keys) - helds.count(_UNSENT)
-        # A full poll sends unchanged keys too, as the very bytes sent.
-        out: dict[str, bytes] = dict(compress(zip(keys, helds), same)) if self.full else {}
         todo = list(compress(range(len(keys)), map(not_, same)))
-        if not todo:
-            return list(out), list(out.values()), matched
+        if not todo:  # nothing changed: a full poll sends the very bytes sent
+            return (keys, helds, matched) if self.full else ([], [], matched)
         todo_keys = [keys[i] for i in todo]
         todo_blobs = [blobs[i] for i in todo]
         tags = decode(todo_blobs) if decode is not None else [values[i] for i in todo]
         before = len(self.refused)
-        if set(map(type, todo_keys)) <= _STR and set(map(type, tags)) <= _DICT:
+        plain = set(map(type, todo_keys)) <= _STR and set(map(type, tags)) <= _DICT
+        if plain:
             changed = dict(zip(todo_keys, tags))  # the usual case (a first listing: every key), in C
         else:
             changed = {}
@@ -194,19 +193,29 @@ class Diff:
                                                 if isinstance(one, UnreadableValue)
                                                 else f"tags are {type(one).__name__}, not a mapping"))
         touched = screen({partition: changed}, self.refused, self._limits)
-        if decode is None and not touched and len(changed) == len(todo) and None not in todo_blobs:
-            out.update(zip(todo_keys, todo_blobs))  # packed once already: it differs from what was sent
+        if plain and decode is None and not touched and None not in todo_blobs:
+            send_keys, send_blobs = todo_keys, todo_blobs  # packed once already: it differs from what was sent
         else:
             # Converted by the screen, packed by another encoder, or unpackable before the screen:
-            # packed here, and not sent when those bytes were sent already.
-            new_keys, new_blobs = list(changed), list[Any](pack_many_tags(changed.values()))
-            fresh = list(map(ne, map(held.get, new_keys), new_blobs)) if held and not self.full else None
-            out.update(compress(zip(new_keys, new_blobs), fresh) if fresh is not None else zip(new_keys, new_blobs))
+            # packed here, and not sent again when those are the bytes sent.
+            send_keys, send_blobs = list(changed), pack_many_tags(changed.values())
+            if held and not self.full:
+                fresh = list(map(ne, map(held.get, send_keys), send_blobs))
+                send_keys, send_blobs = list(compress(send_keys, fresh)), list(compress(send_blobs, fresh))
         if not self.full:
             dropped = [r.key for r in self.refused[before:] if r.key in held]
             if dropped:
                 self.deletes.setdefault(partition, []).extend(dropped)
-        return list(out), list(out.values()), matched
+            return send_keys, send_blobs, matched
+        if len(todo) == len(keys) and len(send_keys) == len(keys):
+            return send_keys, send_blobs, matched  # every key sent anew (a first snapshot)
+        # A full poll sends the keys unchanged too, as the very bytes sent, all in the listing's order.
+        keep, merged = same, helds
+        where = dict(zip(todo_keys, todo))
+        for key, blob in zip(send_keys, send_blobs):
+            keep[where[key]] = True
+            merged[where[key]] = blob
+        return list(compress(keys, keep)), list(compress(merged, keep)), matched
 
 
 def _checked_deletes(deletes: Any) -> Mapping[Any, Any]:

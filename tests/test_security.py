@@ -14,7 +14,6 @@ import signal
 import socket
 import stat
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Iterator
 

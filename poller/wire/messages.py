@@ -284,6 +284,9 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
     Raises:
         ProtocolError: a required field is missing, or a field has the wrong type or value.
     """
+    if kind is Kind.DELTA and body.get("upserts", {}) != {}:
+        raise ProtocolError("DELTA upserts must be empty: since protocol 2 tags travel packed per key in "
+                            "'packed' (a poller writes 'upserts' empty, for the first protocol 2 buffers)")
     for name, check, required in _SCHEMAS[kind]:
         if name not in body:
             if required:

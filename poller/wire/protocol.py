@@ -311,10 +311,7 @@ def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
 
 
 def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
-    """What :func:`~poller.wire.messages.check_body` leaves to a DELTA: ``upserts``, keys per message, nesting."""
-    if body.get("upserts", {}) != {}:
-        raise ProtocolError("DELTA upserts must be empty: since protocol 2 tags travel packed per key in "
-                            "'packed' (a poller writes 'upserts' empty, for the first protocol 2 buffers)")
+    """What :func:`~poller.wire.messages.check_body` leaves to a DELTA: keys per message, nesting."""
     deletes, packed = body["deletes"], body["packed"]
     count = len(deletes) + sum(map(len, deletes.values())) + len(packed) + sum(len(keys) for keys, _ in packed.values())
     if count > limits.max_keys_per_message:
