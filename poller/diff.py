@@ -93,6 +93,8 @@ class Diff:
                 raise TypeError(f"the source listed a {type(listing).__name__}, expected a mapping of partitions")
             for partition, items in listing.items():
                 yield from self._partition(partition, items)
+            if not isinstance(self._listings, (list, tuple)):
+                yield {}  # a piece the store read: sent now, while the next is read
         if self._complete and not self.full:
             for partition, held in self._sent.items():
                 if held and partition not in self._listed:

@@ -178,7 +178,8 @@ def iter_encode_delta(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
     The first body of a full snapshot carries ``reset``; the last body of
     every poll carries ``end`` (the poll is complete). A piece is taken only
     when the body before it was handed on, so the trainer applies a snapshot
-    while the poller still diffs and packs it; ``deletes`` is read once the
+    while the poller still diffs and packs it (an empty piece sends what came
+    before it at once, short of ``chunk_items``); ``deletes`` is read once the
     pieces are exhausted (it may fill as they go) and fills the last body
     first. A ProtocolError can come after some bodies were sent: the poll
     then has no ``end`` and is sent again, which the receiver tolerates.
@@ -213,6 +214,9 @@ def _batches(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
     n = 0
     yielded = False
     for piece in pieces:
+        if not piece and n:  # an empty piece: what came before it goes now
+            yield batch, {}
+            batch, n, yielded = {}, 0, True
         for partition, (keys, blobs) in piece.items():
             i = 0
             while i < len(keys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, NamedTuple
 
 from buffer.partitions import PartitionStore
+from poller.changes import ListingReader
 from poller.diff import Diff, Sent
 from poller.faults.peer import packed_delta
 from poller.quarantine import Refused
@@ -70,3 +71,18 @@ def delta_tags(delta: Delta, limits: Limits = DEFAULT_LIMITS) -> dict[str, dict[
     """A decoded DELTA's upserts as tags, checked as the buffer unpacks them."""
     return {partition: dict(zip(keys, unpack_many_tags(blobs, limits))) for partition, (keys, blobs)
             in delta.packed.items()}
+
+
+def read(reader: ListingReader, sent: Sent, full: bool, *, commit: bool = False) -> Polled:
+    """One poll's read and diff as the polling thread takes them; with ``commit``, sent and committed."""
+    diff = reader.read(sent, full, limits=DEFAULT_LIMITS, size=4096)
+    got = Polled(sent_tags(diff), diff.deletes, diff.refused, diff)
+    if commit:
+        diff.commit(sent)
+        reader.commit()
+    return got
+
+
+def held_tags(sent: Sent) -> dict[str, dict[str, Any]]:
+    """What a poller holds as sent, as tags."""
+    return {partition: dict(zip(items, thaw_many(list(items.values())))) for partition, items in sent.items()}
