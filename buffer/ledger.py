@@ -1,60 +1,43 @@
 """The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
 
-A *stream* is what one poller sends, named by the poller's stream name (the
-ZeroMQ identity it connects with; ``stats()["poller_name"]`` for the
-buffer's own), the same name across code, stats and docs.
-
+A *stream* is what one poller sends, named by its stream name (the ZeroMQ
+identity it connects with; ``stats()["poller_name"]`` for the buffer's own).
 Pure bookkeeping: no tags, no locks, no policies, no sockets. The
 :class:`~buffer.partitions.PartitionStore` owns one, calls it under its lock
-for every event of the stream and of the trainer, and applies the decisions
-it returns (which listed keys to merge, which keys to drop). Tested on its
-own against a plain model (``tests/test_ledger.py``).
+for every event of the streams and of the trainer, and applies the decisions
+it returns (which listed keys to merge, which to drop). Tested on its own
+against a plain model (``tests/test_ledger.py``).
 
-Why it exists: the store must tell
+It tells a key that vanished from the store (drop it) from a key the trainer
+removed while a poll already under way still lists it (a *tombstone*: ignore
+that record while the source lists it). A tombstone hides the record *as it
+was when removed* (the versions of the key each stream listed, as the bytes
+they arrived in, and what the store held), never the key's name: the same
+version listed again stays hidden at any listing rate, while another version
+is a new record. Listed by a poll that began after the removal, it ends the
+tombstone and is shown at once; listed by a poll that may have begun before
+it, it is in doubt, hidden until the first complete poll that began after the
+removal, which shows it if its stream still lists it at a version not
+removed. A tombstone also ends when no stream lists the key any more; a
+removal of a key no source lists leaves a *pending* tombstone, ended by the
+first complete poll past the removal that does not list it.
 
-* a key that vanished from the store (drop it), from
-* a key the trainer removed while a poll already under way still lists it
-  (a *tombstone*: ignore that record of the key while the source lists it).
+"Began after the removal" is told by poll numbers, never by clocks (the
+trainer's and a poller's host may disagree by any amount): at a removal the
+ledger notes per stream the highest poll it has received anything of, ``m``
+(the *horizon*); poll ``m + 1`` may be listing already, and poll ``m + 2`` or
+later began after ``m + 1`` was sent whole, so after the removal. Nothing is
+kept for a partition without keys: memory follows the keys held and the
+tombstones in flight.
 
-A tombstone hides the record *as it was when removed*, never the key's name:
-it keeps the *versions* of the key removed (the tags each stream listed, as
-the bytes they arrived in, and what the store held). The same version listed
-again stays hidden, at any listing rate: no resurrection. A listing of the key
-with another version is a new record (updated in place, or cleared and put
-again between two listings): listed by a poll that began after the removal,
-it ends the tombstone and is shown at once. Listed by a poll that may have
-begun before the removal, it is in doubt (the store may have held it before
-the removal, and the trainer may be clearing it): it stays hidden until the
-first complete poll that began after the removal, which shows it if that
-poll's stream still lists it at a version not removed, and ends the
-tombstone otherwise if it lists the key no more.
-
-Whether a poll began before the removal is told by the source's poll numbers,
-never by clocks (the trainer's and a poller's host may disagree by any
-amount). At the removal the ledger notes, per stream, the highest poll it has
-received any message of, ``m`` (the removal's *horizon*); poll ``m + 1`` may
-already be listing, and a poll numbered ``m + 2`` or later began after poll
-``m + 1`` was sent whole, so after the removal unless the receiver was a whole
-poll behind its poller.
-
-A tombstone ends when no stream lists the key any more, or when a poll past
-the horizon lists a new version. A removal of a key no source lists leaves a
-*pending* tombstone: a poll that began before the removal may still list the
-key. The first *complete* poll past the horizon that does not list it ends it.
-
-Nothing is kept for a partition without keys: the ledger's memory follows the
-keys held and the tombstones in flight, not every partition ever seen.
-
-A view is *whole* when every key reflects complete listings: the sources
-the view requires (the buffer's own poller) have had a first complete poll
-applied, and no source listing the partition is half-way through a full
-listing or awaiting a resync after a loss. A whole view is also *fresh*
-while each required source answers: no stalled or failed call and no silence
-of its poller reported since its last complete poll, which was applied at
-most ``max_age`` seconds ago (:meth:`Ledger.bound_age`). A decision is made
-only on a view that is whole and fresh; a store that stopped answering is
-named, never served as if it still answered. The times are the trainer's
-``time.monotonic()``, given by the caller.
+A view is *whole* when every key reflects complete listings: the streams it
+requires (the buffer's own poller) had a first complete poll applied, and no
+stream listing the partition is half-way through a full listing or awaiting
+a resync. A whole view is also *fresh* while each required stream answers
+(no stalled or failed call or silent poller since its last complete poll,
+applied at most ``max_age`` seconds ago). A decision is made only on a view
+that is whole and fresh. Times are the trainer's ``time.monotonic()``, given
+by the caller.
 """
 
 from __future__ import annotations
@@ -93,11 +76,9 @@ class Ledger:
         self._listed: dict[str, dict[str, dict[str, Version]]] = {}
         # stream -> partitions the full listing being received has listed so far.
         self._snapshots: dict[str, set[str]] = {}
-        # stream -> partition -> keys listed before that full listing and not listed by it
-        # yet: a copy taken as it begins, each key crossed off as it comes again, so what
-        # is left at its end has vanished. A resync of K keys costs one C-level pop per key
-        # (1M: ~0.2 s), where an update of the listed keys, a set of the listing's and a
-        # difference cost ~1 s.
+        # stream -> partition -> keys listed before that full listing and not by it yet: a copy
+        # taken as it begins, each key crossed off as it comes again (one C-level pop a key: 1M
+        # ~0.2 s, where sets and a difference cost ~1 s); what is left at its end has vanished.
         self._unseen: dict[str, dict[str, dict[str, Version]]] = {}
         # Tombstones of keys some source listed when removed (or listed since), by partition.
         self._tomb_listed: dict[str, dict[str, _Tomb]] = {}
@@ -141,9 +122,8 @@ class Ledger:
             snapshot.add(partition)
             unseen = self._unseen[stream].get(partition)
         if unseen:
-            # Keys listed before are crossed off (they have not vanished), and only the versions that
-            # changed are written: a resync of 1M keys mostly unchanged costs C-level passes (pop,
-            # compare) instead of 1M pairs stored again (~0.2 s).
+            # Keys listed before are crossed off, and only the versions that changed are written
+            # (a resync of 1M keys mostly unchanged: C-level passes, not 1M pairs stored again).
             changed = list(map(ne, map(unseen.pop, keys, repeat(None)), versions))
             if any(changed):
                 listed.update(zip(compress(keys, changed), compress(versions, changed)))
@@ -231,9 +211,6 @@ class Ledger:
         self.abandon_snapshot(stream)  # one begun before and never ended: what it listed stays listed
         self._snapshots[stream] = set()
         self._unseen[stream] = {partition: keys.copy() for partition, keys in self._listed.get(stream, {}).items()}
-
-    def in_snapshot(self, stream: str) -> bool:
-        return stream in self._snapshots
 
     def end_snapshot(self, stream: str) -> list[tuple[str, list[str]]]:
         """The full listing is complete: ``(partition, keys)`` to drop, those it did not list."""
@@ -380,7 +357,6 @@ class Ledger:
                 what = "being applied" if stream in self._snapshots else f"awaited ({self._broken[stream]})"
                 return f"a full listing of poller {stream}, which lists this partition, is {what}"
         return None
-
 
     def _stale(self, stream: str, now: float) -> str | None:
         """Why ``stream``'s part of a whole view is not fresh at ``now``; None if it is."""

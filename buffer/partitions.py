@@ -1,25 +1,21 @@
-"""The shared partition store: ``partition -> {key -> tags}`` under one lock.
+"""The shared partition store: ``partition -> {key -> tags}`` under one lock, in the trainer process.
 
-Pure in-process state, no ZeroMQ, and no sampling rules: those are *policies*
-(:mod:`buffer.policies`: :mod:`buffer.steps` for ``ReplayBuffer.sample``,
-:mod:`buffer.groups` for verl's groups) that keep their own indexes from
+No ZeroMQ and no sampling rules: those are *policies* (:mod:`buffer.policies`:
+:mod:`buffer.steps`, :mod:`buffer.groups`) that keep their own indexes from
 :meth:`~buffer.policies.Policy.on_change`, called under the lock for every key
 that changed (a poll's keys in one call, where a policy takes them so), and
-wait for what they need with :meth:`PartitionStore.wait_until`.
+wait with :meth:`PartitionStore.wait_until`. Two kinds of writers feed it: the
+trainer (``add``/``remove``) and the pollers' streams, one DELTA at a time
+(:meth:`PartitionStore.apply`). Which stream lists which key, tombstones, poll
+horizons and whole views are the :class:`~buffer.ledger.Ledger`'s, consulted
+under the lock; the store applies its decisions.
 
-Two kinds of writers feed the store: the trainer (``add``/``remove``) and the
-pollers' streams, one DELTA at a time (:meth:`PartitionStore.apply`, called by
-the receiver). Which stream lists which key, removed-key tombstones, poll
-horizons and whether a view is whole are kept by the :class:`~buffer.ledger.Ledger`,
-pure bookkeeping the store consults under its lock; the store applies its decisions.
-
-Tags are held packed (msgpack ``bytes``; :func:`~poller.wire.tags.freeze`) in
-containers of atomic values, so the garbage collector has nothing to traverse
-(a full ``gc.collect()`` with 1M keys held: a few ms, where 1M tag dicts cost
-tens). A poller's tags are held as the bytes they arrived in, so a resync that
-lists a key unchanged costs one comparison of bytes. Tags msgpack cannot hold
-exactly (the trainer's own tuples, in ``add``) stay dicts. Each partition's
-dict is in arrival order (a removed key that comes back arrives anew).
+Tags are held packed (:func:`~poller.wire.tags.freeze`) in containers of atomic
+values, so the garbage collector has nothing to traverse (a full collection
+with 1M keys held: a few ms, where 1M tag dicts cost tens). A poller's tags
+are held as the bytes they arrived in, so a resync listing a key unchanged
+costs one comparison of bytes. Tags msgpack cannot hold exactly (the
+trainer's tuples, in ``add``) stay dicts. Each partition is in arrival order.
 """
 
 from __future__ import annotations
@@ -82,11 +78,9 @@ class PartitionStore:
                    describe: Callable[[], str], view: str | None = None) -> T:
         """Under the lock: call ``attempt()`` now and after every change until it returns non-None.
 
-        With ``view``, ``attempt`` decides on that partition, and is called
-        only while the partition's view is whole (:meth:`view_gap`): no
-        answer ever comes from a listing applied half-way.
-
-        ``timeout`` was checked by the public method that waits (finite, >= 0, or None).
+        With ``view``, ``attempt`` decides on that partition and is called
+        only while its view is whole and fresh (:meth:`view_gap`). ``timeout``
+        was checked by the public method that waits (finite, >= 0, or None).
 
         Raises:
             TimeoutError: ``describe()`` as the message, at the deadline.
@@ -221,10 +215,9 @@ class PartitionStore:
                       unpack: Callable[[list[bytes]], list[Tags]]) -> bool:
         """Merge what ``stream`` lists, each key's tags packed alone (lock held); True if a key changed.
 
-        A key whose bytes the store holds already is unchanged: found by C-level
-        passes, with no decode (100k unchanged: ~20 ms where unpacking every key
-        cost ~100 ms). The others are unpacked at once before anything of the
-        partition changes; a key merged whole is held as the bytes it arrived in.
+        A key whose bytes are held already is unchanged, found in C-level passes
+        with no decode (100k unchanged: ~20 ms, not ~100). The others are
+        unpacked at once, before anything of the partition changes.
         """
         items = self._parts.get(partition_id)
         olds = list(map(items.get, keys)) if items else [None] * len(keys)
@@ -262,11 +255,10 @@ class PartitionStore:
                         blobs: list[bytes], news: list[Tags]) -> None:
         """``_merge`` of keys held packed, with their new tags and bytes, all at once (lock held).
 
-        C-level passes, not a Python merge each (1000 keys changed a poll: ~3.3
-        us a key down to ~2.3): a key whose new tags hold every name of its old
-        ones (the usual case: a poller lists whole tags) is held as the bytes
-        that arrived, and the policies are told in one call
-        (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
+        C-level passes, not a Python merge each (~3.3 us a key down to ~2.3): a
+        key whose new tags hold every name of its old ones (a poller lists
+        whole tags) is held as the bytes that arrived, and the policies are told
+        in one call (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
         """
         olds = thaw_many(old_blobs)
         covered = list(map(le, map(dict.keys, olds), map(dict.keys, news)))
@@ -309,10 +301,8 @@ class PartitionStore:
     def replaced(self, stream: str) -> None:
         """``stream``'s store was replaced (a switch): drop what only it listed; not whole until its next snapshot ends.
 
-        Each key it lists goes as if unlisted (a key another source lists
-        stays): no tag of the old store merges into the new one's key of the
-        same name, the view holds no key the new store may not hold, and a
-        key the trainer removed from the old store is a new record in the new
+        No tag of the old store merges into the new one's key of the same
+        name, and a key removed from the old store is a new record in the new
         one (:meth:`Ledger.replaced`).
         """
         with self._cond:

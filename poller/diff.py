@@ -194,7 +194,7 @@ class Diff:
                     self.refused.append(Refused(partition, key, f"its tags could not be read: {one.reason}"
                                                 if isinstance(one, UnreadableValue)
                                                 else f"tags are {type(one).__name__}, not a mapping"))
-        touched = screen({partition: changed}, self.refused, self._limits)
+        touched = screen(partition, changed, self.refused, self._limits)
         if plain and decode is None and not touched and None not in todo_blobs:
             send_keys, send_blobs = todo_keys, todo_blobs  # packed once already: it differs from what was sent
         else:

@@ -1,10 +1,10 @@
-"""The source side of the poller: read the source (:mod:`poller.changes`), diff, encode.
+"""The poller's polling thread: read the source (:mod:`poller.changes`), diff (:mod:`poller.diff`), encode.
 
-This runs in a helper thread of the poller process, off the control path:
-``kv_list()`` may block forever (TransferQueue's client has no timeout), and
-the control loop in :mod:`poller.worker` must still answer STOP at once.
-The thread only produces encoded DELTA/ERROR bodies; the control loop owns the
-socket and stamps sequence numbers.
+A helper thread of the poller process, off the control path: ``kv_list()``
+may block forever (TransferQueue's client has no timeout), and the control
+loop in :mod:`poller.worker` must still answer STOP at once. The thread only
+produces encoded DELTA/ERROR bodies; the control loop owns the socket and
+stamps sequence numbers.
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ logger = logging.getLogger(__name__)
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
-#: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``;
-#: PollingThread). TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
+#: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``).
+#: TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
 WATCH_INTERVAL = 0.3
 #: What a second of watching may cost the store, in listings: a read of ``r`` seconds is followed by the next
 #: ``(r / d) / WATCH_BUDGET`` seconds after it began (``d``: the last listing), within WATCH_INTERVAL and
-#: WATCH_INTERVAL_MAX. Where a listing costs several reads (TransferQueue at 10k keys, ~5 ms against a read's
-#: ~1 ms) reads are spaced ~0.6 s; at 100k keys (~100 ms a listing), every WATCH_INTERVAL.
+#: WATCH_INTERVAL_MAX.
 WATCH_BUDGET = 0.25
 #: The most seconds between two reads, however cheap a listing (a few keys: reads cost next to nothing either).
 WATCH_INTERVAL_MAX = 0.6
@@ -63,31 +62,22 @@ class PollingThread(threading.Thread):
 
     ``emit(kind, body, starts_snapshot)`` hands a message to the control
     loop and returns False once the poller is stopping; ``starts_snapshot``
-    marks the first body of a full snapshot. The thread is a daemon: if
-    ``kv_list()`` never returns, the process exits without it.
+    marks the first body of a full snapshot. A daemon: if ``kv_list()``
+    never returns, the process exits without it.
 
-    A *source stall* is a ``kv_list()`` call that passed its deadline: either
-    the source gave up itself (it raised :class:`~poller.wire.sources.SourceStall`)
-    or the call has been running longer than ``stall_timeout``, which the
-    control loop checks with :meth:`check_stall`. Each stalled call counts
-    once in ``source_stalls``; a stall is not a failure (polling goes on and
-    it never makes the poller give up). One WARNING is logged per *episode*,
-    from the first stalled call until ``kv_list()`` answers again.
+    A *source stall* is a call past its deadline: the source gave up itself
+    (:class:`~poller.wire.sources.SourceStall`) or it has run longer than
+    ``stall_timeout`` (:meth:`check_stall`, from the control loop). Each
+    counts once in ``source_stalls``, is not a failure, and one WARNING is
+    logged per episode, until ``kv_list()`` answers again.
 
-    Polls start every ``interval``, start to start; a poll that took
-    longer is followed by a pause of a tenth of ``interval``. Listings of a source
-    without a change feed also keep within ``listing_share`` of the wall
-    clock (:mod:`poller.duty`; by default a listing of ``d`` seconds is
-    followed by the next no sooner than ``d / 0.15`` after it started, so a
-    cheap store is listed every ``interval``; ``"verl"``: verl's cycle): a
-    SYNC wakes the thread at once and is answered by the next listing the
-    share allows, never dropped; STOP ends the wait at once. A RESYNC needs
-    no listing: what the last poll sent is sent again at once
-    (:meth:`_resends`). (With a change feed only the periodic reconciliation
-    keeps to the share: :mod:`poller.changes`.) After a stalled call the
-    next comes ``interval`` after it gave up, after a failed one the
-    backoff (sooner when a SYNC asks, within the share): neither counts as
-    a listing.
+    Polls start every ``interval``, start to start (a tenth of it after a
+    slower poll). Listings of a source without a change feed also keep within
+    ``listing_share`` of the wall clock (:mod:`poller.duty`): a SYNC wakes the
+    thread and is answered by the next listing the share allows, never
+    dropped; STOP ends any wait; a RESYNC sends the last poll again at once
+    (:meth:`_resends`). After a stalled call the next comes ``interval``
+    after it gave up, after a failed one the backoff: neither is a listing.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
@@ -106,15 +96,13 @@ class PollingThread(threading.Thread):
         self.stopping = threading.Event()
         self._wake = threading.Event()
         self._resync = threading.Event()
-        # Read by the control loop for heartbeats; plain ints are safe to read
-        # across threads under the GIL.
+        # Read by the control loop for heartbeats (plain ints, safe under the GIL).
         self.polls = 0
         self.source_errors = 0
         self.source_stalls = 0
         self.stall_timeout = stall_timeout
-        # (call number, monotonic start) of the kv_list() under way, set in
-        # one assignment so the control loop never pairs one call's number
-        # with another call's start.
+        # (call number, monotonic start) of the call under way, in one assignment: never one call's
+        # number with another's start.
         self._current: tuple[int, float] | None = None
         self._calls = 0
         self._stall_lock = threading.Lock()
@@ -123,17 +111,15 @@ class PollingThread(threading.Thread):
         self.failed: BaseException | None = None
         # True while the thread waits for its next poll (read by the control loop at STOP).
         self.idle = False
-        # What was sent last, kept here rather than in the polling loop's frame: a thread that
-        # ends at STOP then frees nothing on its way out (K dicts, ~0.1 s at 1M keys).
+        # What was sent (poller.diff.Sent), kept here rather than in the loop's frame: a thread
+        # that ends at STOP then frees nothing on its way out (~0.1 s at 1M keys).
         self.sent: Sent = {}
-        # The last poll sent whole: its wall-clock start, monotonic start and the sync token
-        # it answered. Without a change feed a RESYNC sends ``sent`` again under its number.
+        # The last poll sent whole: wall-clock start, monotonic start, the sync token it answered.
         self._last_poll: tuple[float, float, int] | None = None
-        # The highest SYNC token received; written by the control loop before
-        # it wakes this thread, read here when a listing begins.
+        # The highest SYNC token received (written by the control loop, then it wakes this thread).
         self.sync_received = 0
-        # Partitions SYNCs asked to be listed (a set that only grows, replaced
-        # whole by the control loop), and those the source was told of.
+        # Partitions SYNCs asked to be listed (only grows, replaced whole by the control loop), and
+        # those the source was told of.
         self._partitions_wanted: frozenset[str] = frozenset()
         self._partitions_included: frozenset[str] = frozenset()
         # The keys left out of the stream; read by the control loop for heartbeats.
@@ -341,13 +327,11 @@ class PollingThread(threading.Thread):
     def _resends(self) -> bool:
         """Whether a snapshot now is ``sent`` again rather than a listing: a RESYNC, without a change feed.
 
-        ``sent`` is what the last poll listed, whole: sent again under that
-        poll's number, start and sync token, it repairs a receiver that lost
-        messages at once, at no cost to the store and outside the listing
-        share (1M keys: no listing, no packing to compare, ~0.5 s of the
-        poller's time less). The store's changes since then come with the
-        next poll, when it is due. (With a change feed the reader answers
-        from ``sent`` plus the feed's changes: :meth:`ListingReader.read`.)
+        Sent again under the last poll's number, start and sync token, it
+        repairs a receiver that lost messages at once, at no cost to the store
+        and outside the share (1M keys: ~0.5 s of the poller's time less); the
+        store's changes come with the next poll. (With a change feed the reader
+        answers from ``sent`` plus the feed's changes: :meth:`ListingReader.read`.)
         """
         return self._last_poll is not None and not self._reader.feed
 
@@ -408,10 +392,9 @@ class PollingThread(threading.Thread):
         try:
             self._poll_until_stopped()
         except BaseException as exc:  # noqa: BLE001 - reported below, never swallowed
-            # A source raising SystemExit or KeyboardInterrupt, or a bug here
-            # (Event.wait(inf) raised OverflowError): without this the thread
-            # died unseen while heartbeats went on. Now the control loop ends
-            # the poller with this fatal ERROR, and the buffer restarts it.
+            # A source raising SystemExit or KeyboardInterrupt, or a bug here (Event.wait(inf) raised
+            # OverflowError) must not end the thread unseen: the control loop ends the poller with this
+            # fatal ERROR, and the buffer restarts it.
             self.failed = exc
             self.source_errors += 1
             logger.error("the polling thread died: %r", exc)

@@ -177,9 +177,8 @@ _BYTES_ONLY = frozenset({bytes})
 def _packed_ok(value: Any) -> bool:
     """``{partition: [keys, blobs]}``: str partitions and keys, each key once, one bytes blob per key.
 
-    Checked in C-level passes (a resync carries every key). What a blob holds
-    is checked where it is unpacked, if the receiver does not hold the same
-    bytes already (:func:`poller.wire.tags.unpack_many_tags`).
+    Checked in C-level passes (a resync carries every key); what a blob holds
+    is checked as it is unpacked (:func:`poller.wire.tags.unpack_many_tags`).
     """
     if type(value) is not dict:
         return False
@@ -209,17 +208,8 @@ def _named_ok(value: Any) -> bool:
 MAX_PARTITION_IDS = 1024
 
 
-def _partition_ids_ok(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= MAX_PARTITION_IDS and all(
-        isinstance(partition, str) and partition for partition in value)
-
-
-def _seconds_ok(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
-
-
-def _share_ok(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _deletes_ok(value: Any) -> bool:
@@ -232,13 +222,9 @@ def _deletes_ok(value: Any) -> bool:
 MAX_WATCH_KEYS = 256
 
 
-def _watch_keys_ok(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= MAX_WATCH_KEYS and all(isinstance(key, str) for key in value)
-
-
 _CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": _is_int,
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "float": _is_number,
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
     "Count": lambda v: _is_int(v) and v >= 0,
@@ -247,10 +233,11 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
     "Packed": _packed_ok,
     "Deletes": _deletes_ok,
     "Named": _named_ok,
-    "Seconds": _seconds_ok,
-    "Share": _share_ok,
-    "PartitionIds": _partition_ids_ok,
-    "WatchKeys": _watch_keys_ok,
+    "Seconds": lambda v: _is_number(v) and 0 <= v < math.inf,
+    "Share": lambda v: _is_number(v) and 0 <= v <= 1,
+    "PartitionIds": lambda v: isinstance(v, list) and len(v) <= MAX_PARTITION_IDS and all(
+        isinstance(partition, str) and partition for partition in v),
+    "WatchKeys": lambda v: isinstance(v, list) and len(v) <= MAX_WATCH_KEYS and all(isinstance(key, str) for key in v),
 }
 
 
@@ -295,7 +282,7 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
         if not check(body[name]):
             value = body[name]
             if (_is_int(value) and name in _BOUNDED[kind]) or (  # a number out of its bounds
-                    isinstance(value, (int, float)) and not isinstance(value, bool) and name in _BOUNDED_REAL[kind]):
+                    _is_number(value) and name in _BOUNDED_REAL[kind]):
                 raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
 

@@ -29,22 +29,10 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 import msgpack
 
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import Body, Delta, Kind, as_map, check_body, to_record
+from poller.wire.messages import Body, Delta, Kind, _is_int, as_map, check_body, to_record
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Kind",
-    "Limits",
-    "Message",
-    "encode",
-    "encode_body",
-    "encode_header",
-    "iter_encode_delta",
-    "Piece",
-    "decode",
-    "packed_size",
-    "fit_text",
-]
+__all__ = ["PROTOCOL_VERSION", "Kind", "Limits", "Message", "Piece", "encode", "encode_body", "encode_header",
+           "iter_encode_delta", "decode", "packed_size", "fit_text"]
 
 # 2: DELTA upserts travel packed per key (``Delta.packed``).
 PROTOCOL_VERSION = 2
@@ -133,10 +121,7 @@ def encode_body(kind: Kind, body: Body | Mapping[str, Any]) -> bytes:
 
 def encode(message: Message) -> list[bytes]:
     """Encode a whole message into its two frames."""
-    return [
-        encode_header(message.kind, message.epoch, message.seq),
-        encode_body(message.kind, message.body),
-    ]
+    return [encode_header(message.kind, message.epoch, message.seq), encode_body(message.kind, message.body)]
 
 
 def packed_size(value: Any) -> int:
@@ -327,20 +312,8 @@ def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
 
 def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
     try:
-        return msgpack.unpackb(
-            frame,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_str_len,
-            max_array_len=limits.max_items,
-            max_map_len=limits.max_items,
-            max_ext_len=0,
-        )
+        return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True, max_str_len=limits.max_str_len,
+                               max_bin_len=limits.max_str_len, max_array_len=limits.max_items,
+                               max_map_len=limits.max_items, max_ext_len=0)
     except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
         raise ProtocolError(f"malformed {what}: {type(exc).__name__}: {exc}") from exc
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
