@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterator, Mapping, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from poller.diff import Diff, Sent
 from poller.duty import ListingDuty
@@ -60,10 +60,6 @@ class ListingReader:
         self._cursor: Any = None
         self._pending: Any = None
         self._listed_at = time.monotonic()
-        # What the last read was: a complete listing (every key the store
-        # holds), or a change set and the deletions it reported.
-        self.last_complete = True
-        self.last_deletes: Mapping[str, Any] = {}
 
     def wait_for(self, full: bool) -> float:
         """Seconds to wait before this poll's read (0: now), to keep listings within the share.
@@ -86,7 +82,6 @@ class ListingReader:
             Exception: whatever the source raised, or TypeError for a malformed answer.
         """
         self._pending = None
-        self.last_complete, self.last_deletes = True, {}
         if not self.feed:
             return Diff([self._listing(self._list)], sent, full=full, limits=limits, size=size)
         due = (self.reconcile_interval is not None
@@ -98,14 +93,14 @@ class ListingReader:
                 cursor, upserts, deletes = changes
                 self._pending = (cursor, False)
                 diff = Diff([upserts], sent, full=False, complete=False, deletes=deletes, limits=limits, size=size)
-                self.last_complete, self.last_deletes = False, deletes or {}
                 if not full:
                     return diff
                 for _ in diff:  # a change set is small: applied to a copy of what was sent, sent whole
                     pass
                 whole = {partition: dict(items) for partition, items in sent.items()}
                 diff.commit(whole)
-                snapshot = Diff((), sent, full=True, limits=limits, size=size, held=whole)
+                snapshot = Diff((), sent, full=True, complete=False, deletes=deletes, limits=limits, size=size,
+                                held=whole)
                 snapshot.refused = diff.refused
                 return snapshot
             # Listed at once, within the share or not: a feed that lost its cursor has nothing else to offer.

@@ -60,11 +60,12 @@ class Diff:
         self._listings = listings
         self._sent = sent
         self.full = full
-        self._complete = complete
+        #: A complete listing (every key the store holds), or a change set and the deletes it gave.
+        self.complete = complete
         self._limits = limits
         self._size = size
         self._held = held
-        self._gone = _checked_deletes(deletes)
+        self.gone = _checked_deletes(deletes)
         self._listed: dict[str, Mapping[Any, Any]] = {}
         self.refused: list[Refused] = []
         self.deletes: dict[str, list[str]] = {}
@@ -95,11 +96,11 @@ class Diff:
                 yield from self._partition(partition, items)
             if not isinstance(self._listings, (list, tuple)):
                 yield {}  # a piece the store read: sent now, while the next is read
-        if self._complete and not self.full:
+        if self.complete and not self.full:
             for partition, held in self._sent.items():
                 if held and partition not in self._listed:
                     self.deletes[partition] = list(held)
-        for partition, keys in self._gone.items():
+        for partition, keys in self.gone.items():
             sent = self._sent.get(partition) if isinstance(partition, str) else None
             if sent:
                 listed = self._listed.get(partition, {})
@@ -149,7 +150,7 @@ class Diff:
             matched += matches
             if send_keys:
                 yield self._sending(partition, send_keys, blobs)
-        if self._complete and not self.full and matched < len(held):
+        if self.complete and not self.full and matched < len(held):
             gone = list(filterfalse(items.__contains__, held))
             if gone:
                 self.deletes[partition] = gone + self.deletes.get(partition, [])

@@ -474,10 +474,10 @@ class PollingThread(threading.Thread):
             failures = 0
             assert diff is not None
             diff.commit(sent)
-            if self._reader.last_complete:
+            if diff.complete:
                 self.quarantine.replace(diff.refused)
             else:
-                self.quarantine.update(diff.refused, diff.keys_sent(), self._reader.last_deletes)
+                self.quarantine.update(diff.refused, diff.keys_sent(), diff.gone)
             self._reader.commit()
             # Not kept until the next poll: after a snapshot of a million keys it holds every key sent.
             del diff

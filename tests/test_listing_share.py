@@ -365,7 +365,7 @@ def test_a_reconciliation_of_a_change_feed_waits_for_the_share(store, share: flo
     store.kv_put("k1", "train", tag={"status": "running"})
     diff = read(reader, sent, False)
     # At share 1e-6 the next full listing may start only ~10^6 listings' time later: the feed is read instead.
-    assert reader.last_complete is reconciled
+    assert diff.diff.complete is reconciled
     assert diff.upserts == {"train": {"k1": {"status": "running"}}}
     assert reader.duty.listings == (2 if reconciled else 1)
 
