@@ -177,13 +177,8 @@ class Ledger:
             del self._listed[stream][partition]
         return drop
 
-    def settle(self, stream: str, epoch: int, poll: int) -> list[tuple[str, str, Version]]:
-        """Poll ``poll`` of ``stream``/``epoch`` was applied whole: the new records it settles.
-
-        A tombstone in doubt whose key this poll, begun after the removal,
-        still lists at a version not removed ends: ``(partition, key,
-        version)`` to show. Call it before :meth:`poll_completed`.
-        """
+    def _settle(self, stream: str, epoch: int, poll: int) -> list[tuple[str, str, Version]]:
+        """The new records a complete poll settles: tombstones in doubt whose key it still lists, not removed."""
         shown = []
         for partition, key in list(self._in_doubt):
             tomb = self._tomb_listed[partition][key]
@@ -212,7 +207,7 @@ class Ledger:
         self._snapshots[stream] = set()
         self._unseen[stream] = {partition: keys.copy() for partition, keys in self._listed.get(stream, {}).items()}
 
-    def end_snapshot(self, stream: str) -> list[tuple[str, list[str]]]:
+    def _end_snapshot(self, stream: str) -> list[tuple[str, list[str]]]:
         """The full listing is complete: ``(partition, keys)`` to drop, those it did not list."""
         if self._snapshots.pop(stream, None) is None:
             return []
@@ -228,20 +223,23 @@ class Ledger:
         self._snapshots.pop(stream, None)
         self._unseen.pop(stream, None)
 
-    def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None,
-                       now: float | None = None) -> bool:
-        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``; True when waiters should look again.
+    def poll_completed(self, stream: str, epoch: int, poll: int, *, full: bool, sync: int | None,
+                       now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
+        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``.
 
-        ``sync`` is the highest sync token the poller had received when the
-        poll's listing began. Waiters look again when a sync is answered, a
-        new poller process completes its first poll, or a view that was not
-        fresh is fresh again.
+        ``drops``: what a full poll did not list (vanished); ``shown``: the new
+        records of removed keys it settles (``(partition, key, version)``: a key
+        in doubt this poll, begun after the removal, still lists at a version
+        not removed); ``wake``: waiters should look again (a sync answered, a
+        new poller process's first poll, a view fresh again). ``sync`` is the
+        highest sync token the poller had received when its listing began.
         """
-        wake = self._silent.pop(stream, None) is not None
-        if now is not None:
-            last = self._completed_at.get(stream)
-            wake = wake or (self._max_age is not None and last is not None and now - last > self._max_age)
-            self._completed_at[stream] = now
+        drops = self._end_snapshot(stream) if full else []
+        shown = self._settle(stream, epoch, poll)
+        last = self._completed_at.get(stream)
+        wake = self._silent.pop(stream, None) is not None or (
+            self._max_age is not None and last is not None and now - last > self._max_age)
+        self._completed_at[stream] = now
         if (sync is not None and sync > self._synced.get(stream, 0)) or self._completed_epoch.get(stream) != epoch:
             # Answered, or a new poller process to ask again.
             self._synced[stream] = max(sync or 0, self._synced.get(stream, 0))
@@ -252,7 +250,7 @@ class Ledger:
                        if _after(tomb.horizon, stream, epoch, poll) and not self.is_listed(*pk)]
             for pk in expired:
                 del self._tomb_pending[pk]
-        return wake
+        return drops, shown, wake
 
     def synced(self, stream: str) -> int:
         """The highest sync token a complete poll of ``stream`` answered (0: none)."""

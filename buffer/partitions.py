@@ -194,22 +194,17 @@ class PartitionStore:
                 for key in ledger.unlisted(stream, partition_id, keys):
                     self._drop(partition_id, key)
                     changed = True
-            if delta.end:
-                changed = self._poll_completed(stream, epoch, delta) or changed
+            if delta.end:  # the poll was applied whole: a snapshot's vanished keys go, settled records show
+                drops, shown, wake = ledger.poll_completed(stream, epoch, delta.poll, full=delta.full,
+                                                           sync=delta.sync, now=time.monotonic())
+                for partition_id, keys in drops:
+                    for key in keys:
+                        self._drop(partition_id, key)
+                for partition_id, key, version in shown:
+                    self._merge(partition_id, key, thaw(version), blob=version if type(version) is bytes else None)
+                changed = changed or wake or bool(shown) or delta.full
             if changed:  # what a waiter could see: keys, a whole view, a sync answered, a new poller
                 self._cond.notify_all()
-
-    def _poll_completed(self, stream: str, epoch: int, delta: Delta) -> bool:
-        """The poll ``delta`` ends was applied whole: a snapshot's vanished keys go, settled records show."""
-        if delta.full:
-            for partition_id, keys in self.ledger.end_snapshot(stream):
-                for key in keys:
-                    self._drop(partition_id, key)
-        shown = self.ledger.settle(stream, epoch, delta.poll)
-        for partition_id, key, version in shown:  # new records of removed keys: now beyond doubt
-            self._merge(partition_id, key, thaw(version), blob=version if type(version) is bytes else None)
-        woken = self.ledger.poll_completed(stream, epoch, delta.poll, delta.sync, time.monotonic())
-        return woken or bool(shown) or delta.full
 
     def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes],
                       unpack: Callable[[list[bytes]], list[Tags]]) -> bool:

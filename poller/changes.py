@@ -1,21 +1,16 @@
 """Reading the source for one poll: by its change feed when it has one, else by a full listing.
 
-A source with :class:`~poller.wire.sources.ChangeFeed` (the embedded SQLite
-store) is listed in full only for a snapshot (start, RESYNC), when it cannot
-serve the cursor, and once every :data:`RECONCILE_INTERVAL`; every other poll
-reads what changed since the last committed cursor, so a poll costs in
-proportion to the change, not to the store (100k SQLite keys: a listing
-~390 ms, a change read of a few hundred keys ~1 ms). The reconciliation is a
-safety net, not part of correctness: a full listing diffed against what was
-sent catches what the feed could miss through no fault of the poller (rows
-edited with the store's triggers dropped, a deletion log trimmed by hand) at
-the cost of one listing per interval (1M keys: ~4 s every 10 min).
+Runs on the poller's polling thread. A source with a change feed (the SQLite
+store) is listed in full only for a snapshot, when it cannot serve the cursor,
+and every :data:`RECONCILE_INTERVAL`; other polls read what changed since the
+committed cursor, so a poll costs in proportion to the change (100k keys: a
+listing ~390 ms, a change read ~1 ms). The reconciliation is a safety net: it
+catches what the feed could miss through no fault of the poller (triggers
+dropped, a deletion log trimmed by hand) for one listing per interval.
 
 Every full listing the store answers is timed into the listing share
-(:class:`~poller.duty.ListingDuty`); a call that fails, gives up at its own
-deadline or runs past ``stall_timeout`` is unanswered, and its duration
-counts nowhere (the store did not spend that time listing for us). Change
-reads (and RESYNCs answered from them) are not held.
+(:class:`~poller.duty.ListingDuty`); a call that fails, gives up or runs past
+``stall_timeout`` is unanswered and counts nowhere. Change reads are not held.
 """
 
 from __future__ import annotations

@@ -127,10 +127,9 @@ class PollingThread(threading.Thread):
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
         # A SYNC, RESYNC or STOP arrived since the last hold began (_hold): a pause between polls ends.
         self._poll_asked = False
-        # The watch: kv_watch, if the source offers one; the keys to watch (partition, keys, until), replaced
-        # whole by the control loop; the last read's fingerprint, with its (partition, keys) (None: the next
-        # read compares tags with what was sent); when the next read is due; whether a read showed a change
-        # since the last listing began.
+        # The watch: kv_watch if the source has one; the keys to watch (partition, keys, until), replaced whole
+        # by the control loop; the last read's (partition, keys) and fingerprint (None: the next read compares
+        # with what was sent); when the next read is due; whether a read saw a change since the last listing.
         self._watch_read = watch_reader(source)
         self._watch: tuple[str, tuple[str, ...], float] | None = None
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
@@ -169,9 +168,8 @@ class PollingThread(threading.Thread):
         if partitions and not self._partitions_wanted.issuperset(partitions):
             # Before the token: a listing that reads the token sees these too.
             self._partitions_wanted = self._partitions_wanted.union(partitions)
-        # A token already received is the buffer asking again (its request
-        # may have been lost on a reconnect): the poll it asked for is
-        # already due, and waking again would only add a listing.
+        # A token already received is the buffer asking again (a request lost on a reconnect): the
+        # poll it asked for is due already, and waking again would only add a listing.
         if token > self.sync_received:
             self.sync_received = token
             self._poll_asked = True
@@ -438,9 +436,8 @@ class PollingThread(threading.Thread):
                 finally:
                     self._current = None
                 self._answered()
-                # Diffed, screened, packed and encoded one piece at a time, each sent before the next is
-                # made: the trainer applies a snapshot while it is packed. A key the receiver would refuse
-                # is left out (quarantined) instead of failing the poll.
+                # Diffed, screened, packed and encoded a piece at a time, each sent before the next is made:
+                # the trainer applies a snapshot while it is packed.
                 if not self._send(iter_encode_delta(diff, diff.deletes, poll=self.polls + 1, started=started,
                                                     full=full, chunk_items=self.chunk_items,
                                                     max_frame_bytes=self.max_frame_bytes, sync=covered), full):
@@ -468,8 +465,7 @@ class PollingThread(threading.Thread):
                 continue
             finally:
                 if diff is not None:
-                    # A store read in pieces holds a read transaction until its
-                    # iterator ends: a poll cut short must not keep it.
+                    # A store read in pieces holds a read transaction: a poll cut short must not keep it.
                     diff.close()
             failures = 0
             assert diff is not None
@@ -486,8 +482,7 @@ class PollingThread(threading.Thread):
             self._last_poll = (started, began, covered)
             # The poll is over (its listing, diff, screen and sending): verl's cycle's pause starts now (poller.duty).
             self._reader.duty.poll_done()
-            # A fixed schedule, start to start: a change waits interval/2 on
-            # average whatever a poll costs. A poll slower than the interval
-            # still leaves the store a tenth of it to breathe.
+            # Start to start: a change waits interval/2 on average whatever a poll costs; a poll slower
+            # than the interval still leaves the store a tenth of it to breathe.
             elapsed = time.monotonic() - began
             self._sleep(max(self.interval - elapsed, self.interval * 0.1))

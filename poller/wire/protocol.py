@@ -1,25 +1,15 @@
 """The wire format: pure functions between messages and ZeroMQ frames; no sockets.
 
-Both sides import this module, the one place that knows the stream's format
-(:mod:`poller.sources.tq_protocol` speaks TransferQueue's own). A message is
-two frames::
+Both sides import this module, the one place that knows the stream's format.
+A message is two frames: ``header = msgpack [version, kind, epoch, seq]`` and
+``body = msgpack map`` shaped by ``kind``. ``epoch`` is new each time a poller
+process starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means
+something was lost, and the receiver asks for a RESYNC instead of diverging.
 
-    header = msgpack [version, kind, epoch, seq]
-    body   = msgpack map, whose shape depends on ``kind``
-
-``epoch`` is chosen anew each time a poller process starts; ``seq`` counts the
-messages of one epoch from 0 (READY) upward. A receiver that sees a gap in
-``seq`` has lost something and asks for a RESYNC (a full snapshot) instead of
-silently diverging.
-
-Decoding is strict and bounded: frame sizes are capped, every field is
-type-checked, unknown kinds and versions are refused. Every failure is a
-:class:`~poller.wire.errors.ProtocolError`; no other exception escapes
-:func:`decode`. Pickle is never used.
-
-DELTA, the one bulky kind, is encoded by :func:`iter_encode_delta`: a poll's
-pieces in bodies of at most ``chunk_items`` keys, split until each fits the
-frame limit, each body made only when the one before it was handed on.
+Decoding is strict and bounded: frame sizes capped, every field type-checked,
+unknown kinds and versions refused, every failure a
+:class:`~poller.wire.errors.ProtocolError`. Pickle is never used. DELTA, the
+one bulky kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
 """
 
 from __future__ import annotations
@@ -160,14 +150,13 @@ def iter_encode_delta(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
                       full: bool, chunk_items: int, max_frame_bytes: int, sync: int = 0) -> Iterator[bytes]:
     """A poll as DELTA bodies of at most ``chunk_items`` keys, each under ``max_frame_bytes``, one at a time.
 
-    The first body of a full snapshot carries ``reset``; the last body of
-    every poll carries ``end`` (the poll is complete). A piece is taken only
-    when the body before it was handed on, so the trainer applies a snapshot
-    while the poller still diffs and packs it (an empty piece sends what came
-    before it at once, short of ``chunk_items``); ``deletes`` is read once the
-    pieces are exhausted (it may fill as they go) and fills the last body
-    first. A ProtocolError can come after some bodies were sent: the poll
-    then has no ``end`` and is sent again, which the receiver tolerates.
+    The first body of a full snapshot carries ``reset``, the last of every
+    poll ``end``. A piece is taken only when the body before it was handed on,
+    so the trainer applies a snapshot while the poller still makes it (an
+    empty piece sends what came before it at once); ``deletes`` is read once
+    the pieces are exhausted and fills the last body first. After a
+    ProtocolError the poll has no ``end`` and is sent again, which the
+    receiver tolerates.
 
     Raises:
         ProtocolError: one key whose tags alone exceed ``max_frame_bytes`` (the screen lets none through).
