@@ -157,17 +157,15 @@ class PartitionStore:
 
     # -- source side (called by the stream receiver) ----------------------------
 
-    def poll_seen(self, stream: str, epoch: int, poll: int) -> None:
-        """A message of poll number ``poll`` of ``stream``'s process ``epoch`` arrived (one :meth:`apply` ignores)."""
-        with self._cond:
-            self.ledger.poll_seen(stream, epoch, poll)
-
-    def apply(self, stream: str, epoch: int, delta: Delta, unpack: Callable[[list[bytes]], list[Tags]]) -> None:
+    def apply(self, stream: str, epoch: int, delta: Delta, unpack: Callable[[list[bytes]], list[Tags]], *,
+              superseded: bool = False) -> None:
         """Apply one DELTA of ``stream``'s process ``epoch``: its keys, its deletes and, at its ``end``, the poll.
 
         A full poll's first part begins a snapshot, and its end drops what
         the snapshot did not list. Tags are unpacked with ``unpack`` only
-        where the store does not hold their bytes already.
+        where the store does not hold their bytes already. A ``superseded``
+        DELTA (a resync is awaited) only counts as received: its poll number
+        still bounds the horizon of a removal.
 
         Raises:
             ProtocolError: (from ``unpack``) tags the decoder refuses. What the
@@ -177,7 +175,7 @@ class PartitionStore:
         with self._cond:
             ledger = self.ledger
             ledger.poll_seen(stream, epoch, delta.poll)
-            if self._closed:
+            if self._closed or superseded:
                 return
             if delta.full and delta.reset:
                 ledger.begin_snapshot(stream)

@@ -311,8 +311,9 @@ class PeerTable:
                   actions: list[Send]) -> None:
         if peer.awaiting_resync:
             if not _snapshot_start(message):
-                self._store.poll_seen(peer.stream, message.epoch, body.poll)
-                return  # superseded by the snapshot asked for; tick() asks again if it is lost
+                # Superseded by the snapshot asked for (tick() asks again if it is lost).
+                self._store.apply(peer.stream, message.epoch, body, self._unpack_tags, superseded=True)
+                return
             peer.awaiting_resync = False
         if body.full and body.reset:
             # Whatever was lost before it, the snapshot replaces: from here
