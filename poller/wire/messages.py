@@ -241,28 +241,19 @@ _CHECKS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _fields(record: Any) -> list[tuple[str, Callable[[Any], bool], bool]]:
-    """(name, check, required) of each field of ``record``, from its annotations."""
+def _fields(record: Any) -> list[tuple[str, str, bool]]:
+    """(name, type name, required) of each field of ``record``, from its annotations."""
     out = []
     for name in record._fields:
         hint = record.__annotations__[name]
         annotation = str(getattr(hint, "__forward_arg__", hint))  # NamedTuple keeps them as ForwardRef
-        out.append((name, _CHECKS[annotation.split(" | ")[0]], name not in record._field_defaults))
+        out.append((name, annotation.split(" | ")[0], name not in record._field_defaults))
     return out
 
 
 _SCHEMAS = {kind: _fields(record) for kind, record in RECORDS.items()}
-
-
-def _typed(record: Any, names: tuple[str, ...]) -> set[str]:
-    return {name for name in record._fields
-            if str(getattr(record.__annotations__[name], "__forward_arg__", "")).split(" | ")[0] in names}
-
-
-# Fields whose type is a bounded int (Count, LastSeq): an int there can still be a wrong value.
-_BOUNDED = {kind: _typed(record, ("Count", "LastSeq", "Token")) for kind, record in RECORDS.items()}
-# Fields whose type is a bounded real (Seconds, Share): so can any number there.
-_BOUNDED_REAL = {kind: _typed(record, ("Seconds", "Share")) for kind, record in RECORDS.items()}
+# Bounded number types: a number of the right kind there can still be a wrong value.
+_BOUNDED = {"Count": _is_int, "LastSeq": _is_int, "Token": _is_int, "Seconds": _is_number, "Share": _is_number}
 
 
 def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
@@ -274,15 +265,14 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
     if kind is Kind.DELTA and body.get("upserts", {}) != {}:
         raise ProtocolError("DELTA upserts must be empty: since protocol 2 tags travel packed per key in "
                             "'packed' (a poller writes 'upserts' empty, for the first protocol 2 buffers)")
-    for name, check, required in _SCHEMAS[kind]:
+    for name, type_name, required in _SCHEMAS[kind]:
         if name not in body:
             if required:
                 raise ProtocolError(f"{kind.name} body lacks field {name!r}")
             continue
-        if not check(body[name]):
-            value = body[name]
-            if (_is_int(value) and name in _BOUNDED[kind]) or (  # a number out of its bounds
-                    _is_number(value) and name in _BOUNDED_REAL[kind]):
+        value = body[name]
+        if not _CHECKS[type_name](value):
+            if type_name in _BOUNDED and _BOUNDED[type_name](value):  # a number out of its bounds
                 raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
 
