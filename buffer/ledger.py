@@ -261,9 +261,8 @@ class Ledger:
     def removed(self, partition: str, held: Mapping[str, Version | None]) -> None:
         """The trainer removed the keys of ``held`` (each with the version the store held, or None).
 
-        No record of them as they are now comes back: neither what the
-        store held nor what any stream lists of them. A new version listed
-        by a poll that began after the removal does.
+        Neither what the store held nor what any stream lists of them comes
+        back; a new version listed by a poll begun after the removal does.
         """
         horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}  # shared by the keys
         tombs = self._tomb_listed.get(partition)

@@ -159,11 +159,9 @@ class PollingThread(threading.Thread):
     def request_sync(self, token: int, partitions: list[str] | None = None) -> None:
         """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
 
-        That listing (and every later one) includes ``partitions``, when the
-        source lists a chosen set of them. Called by the control loop only.
-        Several requests that arrive while a listing is under way, or while
-        the listing share holds the next one back, are all answered by the
-        next one.
+        That listing and every later one include ``partitions`` (a source that
+        lists a chosen set of them). Requests that arrive while a listing is
+        under way or held back are all answered by the next one.
         """
         if partitions and not self._partitions_wanted.issuperset(partitions):
             # Before the token: a listing that reads the token sees these too.
@@ -200,10 +198,9 @@ class PollingThread(threading.Thread):
         return 0.0 if started is None else time.monotonic() - started
 
     def check_stall(self) -> None:
-        """Count the call under way as stalled once it passes ``stall_timeout``.
+        """Count the call under way as stalled once it passes ``stall_timeout`` (the control loop, each tick).
 
-        Called by the control loop on every tick, so a source that blocks
-        forever (and can never raise) is still reported.
+        So a source that blocks forever (and can never raise) is still reported.
         """
         current = self._current
         if current is None or self.stall_timeout is None:
@@ -357,12 +354,11 @@ class PollingThread(threading.Thread):
         return True
 
     def _hold(self, full: bool) -> bool | None:
-        """Wait until the listing share allows this poll's read; return ``full`` as it then is.
+        """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
-        Only STOP ends the wait (``None``): SYNC and RESYNC requests are
-        recorded meanwhile and served by the read that follows. A RESYNC that
-        arrives during the wait makes that read a snapshot. A change the
-        watch saw lets the read start when :meth:`ListingDuty.wait_for_change` allows.
+        SYNC and RESYNC requests meanwhile are served by the read that follows
+        (a RESYNC makes it a snapshot); a change the watch saw lets it start
+        when :meth:`ListingDuty.wait_for_change` allows.
         """
         while True:
             # Every request seen from here on is answered by the coming read (or resend);

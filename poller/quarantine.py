@@ -27,8 +27,9 @@ import time
 from itertools import chain, repeat
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from poller.wire.protocol import Limits, packed_size
+from poller.wire.protocol import _SCALAR_TYPES, Limits, packed_size
 from poller.wire.sources import UnreadableValue
+from poller.wire.tags import _TAGS_DEPTH
 
 __all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
 
@@ -42,11 +43,8 @@ _NAME_CHARS = 200
 # msgpack's integer range: uint64 above, int64 below.
 _INT_MAX = 2**64 - 1
 _INT_MIN = -(2**63)
-_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
 _STR = frozenset({str})
-# body -> upserts -> partition -> tags: a DELTA's tags sit at depth 4.
-_TAGS_DEPTH = 4
-# What encode_delta puts around one key in the worst case, beyond its tags.
+# What iter_encode_delta puts around one key in the worst case, beyond its tags.
 _FRAME_SLACK = 1024
 
 
@@ -228,11 +226,9 @@ def screen(partition: str, items: dict[str, Any], refused: list[Refused], limits
 class Quarantine:
     """What the poller left out of the stream, for its heartbeats and its log.
 
-    :meth:`replace` after a complete listing (the refused keys are exactly
-    those it refused), :meth:`update` after a change set (refused keys join,
-    keys sent or deleted leave). Keys are held as the source named them
-    (a key that is not a ``str`` too, so that its delete finds it) and
-    shown with :func:`display_name`.
+    :meth:`replace` after a complete listing, :meth:`update` after a change
+    set. Keys are held as the source named them (a key that is not a ``str``
+    too, so that its delete finds it) and shown with :func:`display_name`.
     """
 
     def __init__(self, *, warnings_per_minute: int = 20) -> None:
@@ -253,12 +249,10 @@ class Quarantine:
                deleted: Mapping[Any, Iterable[Any]]) -> None:
         """Refused keys join; keys sent or deleted leave.
 
-        ``deleted`` is the change set's deletes as the source gave them. A
-        delete of a key or in a partition that is not a ``str`` can only be of
-        a record this poller never streamed: it lets the record go if it was
-        quarantined, and is otherwise ignored and counted
-        (:attr:`ignored_deletes`), like an upsert of one is refused, never an
-        error of the poll.
+        ``deleted``: the change set's deletes as the source gave them. A delete
+        of a name no stream carries (not a ``str``) lets the record go if it
+        was quarantined, and is otherwise ignored and counted
+        (:attr:`ignored_deletes`), never an error of the poll.
         """
         entered = []
         for r in refused:
