@@ -498,11 +498,13 @@ def test_a_bad_record_is_refused_alone_and_the_rest_is_listed(raw: Any, refused:
     assert [key for items in diff.upserts.values() for key in items] == ["a"]
 
 
-def test_a_listing_maps_none() -> None:
+def test_a_listing_maps_none_and_leaves_the_sources_tags_alone() -> None:
     assert _listed(None) == {}
     assert _listed({}) == {}
-    raw = {"train": {"k1": {"status": "running"}, "k2": None}, "empty": {}, "gone": None}
-    assert _listed(raw) == {"train": {"k1": {"status": "running"}, "k2": {}}}
+    source_tags = {"status": "running", "pair": (1, 2)}
+    raw = {"train": {"k1": source_tags, "k2": None}, "empty": {}, "gone": None}
+    assert _listed(raw) == {"train": {"k1": {"status": "running", "pair": [1, 2]}, "k2": {}}}
+    assert source_tags == {"status": "running", "pair": (1, 2)}  # the screen converts a copy
 
 
 def test_diff_finds_changed_new_and_vanished() -> None:
