@@ -1,43 +1,33 @@
 """The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
 
-A *stream* is what one poller sends, named by its stream name (the ZeroMQ
-identity it connects with; ``stats()["poller_name"]`` for the buffer's own).
-Pure bookkeeping: no tags, no locks, no policies, no sockets. The
-:class:`~buffer.partitions.PartitionStore` owns one, calls it under its lock
-for every event of the streams and of the trainer, and applies the decisions
-it returns (which listed keys to merge, which to drop). Tested on its own
-against a plain model (``tests/test_ledger.py``).
+A *stream* is what one poller sends, named by its ZeroMQ identity
+(``stats()["poller_name"]`` for the buffer's own). Pure bookkeeping (no tags,
+locks, policies or sockets): the :class:`~buffer.partitions.PartitionStore`
+calls it under its lock and applies what it decides (which listed keys to
+merge, which to drop). ``tests/test_ledger.py`` checks it against a model.
 
-It tells a key that vanished from the store (drop it) from a key the trainer
-removed while a poll already under way still lists it (a *tombstone*: ignore
-that record while the source lists it). A tombstone hides the record *as it
-was when removed* (the versions of the key each stream listed, as the bytes
-they arrived in, and what the store held), never the key's name: the same
-version listed again stays hidden at any listing rate, while another version
-is a new record. Listed by a poll that began after the removal, it ends the
-tombstone and is shown at once; listed by a poll that may have begun before
-it, it is in doubt, hidden until the first complete poll that began after the
-removal, which shows it if its stream still lists it at a version not
-removed. A tombstone also ends when no stream lists the key any more; a
-removal of a key no source lists leaves a *pending* tombstone, ended by the
-first complete poll past the removal that does not list it.
+It tells a key that vanished (drop it) from one the trainer removed while a
+poll under way still lists it (a *tombstone*: ignore that record). A
+tombstone hides the record *as removed* (the versions each stream listed, as
+the bytes they arrived in, and what the store held), never the name: the
+same version listed again stays hidden; another version listed by a poll
+begun after the removal is a new record, shown at once, and one listed by a
+poll that may have begun before is in doubt until the first complete poll
+begun after, which shows it if still listed. A tombstone also ends when no
+stream lists the key; a removal of a key no stream lists is *pending* until
+the first complete poll past it that does not list it.
 
-"Began after the removal" is told by poll numbers, never by clocks (the
-trainer's and a poller's host may disagree by any amount): at a removal the
-ledger notes per stream the highest poll it has received anything of, ``m``
-(the *horizon*); poll ``m + 1`` may be listing already, and poll ``m + 2`` or
-later began after ``m + 1`` was sent whole, so after the removal. Nothing is
-kept for a partition without keys: memory follows the keys held and the
+"Began after" is told by poll numbers, never by clocks (hosts may disagree
+by any amount): a removal notes per stream the highest poll received, ``m``
+(its *horizon*); poll ``m + 1`` may be listing already, poll ``m + 2`` began
+after ``m + 1`` was sent whole. Memory follows the keys held and the
 tombstones in flight.
 
-A view is *whole* when every key reflects complete listings: the streams it
-requires (the buffer's own poller) had a first complete poll applied, and no
-stream listing the partition is half-way through a full listing or awaiting
-a resync. A whole view is also *fresh* while each required stream answers
-(no stalled or failed call or silent poller since its last complete poll,
-applied at most ``max_age`` seconds ago). A decision is made only on a view
-that is whole and fresh. Times are the trainer's ``time.monotonic()``, given
-by the caller.
+A view is *whole* when the streams it requires (the buffer's own poller) had
+a first complete poll applied and no stream listing the partition is half-way
+through a full listing or awaiting a resync; *fresh* while each required
+stream answers and its last complete poll is at most ``max_age`` s old. A
+decision needs both. Times are the trainer's ``time.monotonic()``.
 """
 
 from __future__ import annotations

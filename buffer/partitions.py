@@ -1,21 +1,19 @@
 """The shared partition store: ``partition -> {key -> tags}`` under one lock, in the trainer process.
 
-No ZeroMQ and no sampling rules: those are *policies* (:mod:`buffer.policies`:
-:mod:`buffer.steps`, :mod:`buffer.groups`) that keep their own indexes from
-:meth:`~buffer.policies.Policy.on_change`, called under the lock for every key
-that changed (a poll's keys in one call, where a policy takes them so), and
-wait with :meth:`PartitionStore.wait_until`. Two kinds of writers feed it: the
-trainer (``add``/``remove``) and the pollers' streams, one DELTA at a time
-(:meth:`PartitionStore.apply`). Which stream lists which key, tombstones, poll
-horizons and whole views are the :class:`~buffer.ledger.Ledger`'s, consulted
-under the lock; the store applies its decisions.
+No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`) keep
+their own indexes from ``on_change`` (a poll's keys in one call, where a
+policy takes them so) and wait with :meth:`PartitionStore.wait_until`. The
+trainer writes with ``add``/``remove``, the pollers' streams one DELTA at a
+time (:meth:`PartitionStore.apply`); the :class:`~buffer.ledger.Ledger`
+decides, under the lock, what a listing merges or drops and whether a view
+is whole.
 
-Tags are held packed (:func:`~poller.wire.tags.freeze`) in containers of atomic
-values, so the garbage collector has nothing to traverse (a full collection
-with 1M keys held: a few ms, where 1M tag dicts cost tens). A poller's tags
-are held as the bytes they arrived in, so a resync listing a key unchanged
-costs one comparison of bytes. Tags msgpack cannot hold exactly (the
-trainer's tuples, in ``add``) stay dicts. Each partition is in arrival order.
+Tags are held packed (:func:`~poller.wire.tags.freeze`) in containers of
+atomic values, so the garbage collector has nothing to traverse (1M keys: a
+full collection in a few ms, not tens), and a poller's as the bytes they
+arrived in, so a resync of an unchanged key costs one comparison. Tags msgpack
+cannot hold exactly (the trainer's tuples) stay dicts. Partitions keep
+arrival order.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """One poll's diff: what changed since it was sent, screened and packed, piece by piece.
 
-Runs in the poller process, on its polling thread (:mod:`poller.polling`).
-``sent`` is what the receiver holds of this poller: each key's tags as the
-bytes sent. A listed key changed when its tags, packed, are not those bytes
-(packed by the source where it can, :class:`~poller.wire.sources.PackedItems`,
-so an unchanged key is not even decoded): decided once, here, in C-level
-passes. Only changed tags are screened (:func:`poller.quarantine.screen`:
-converted, or refused and named) and packed again where the screen converted
-them or another encoder packed them; bytes equal to those sent then are not
-sent again. What is sent is kept packed: nothing the source owns is kept, a
-resync sends it as it is, and 1M keys take ~200 MB instead of ~670 MB as dicts.
+Runs on the poller's polling thread (:mod:`poller.polling`). ``sent`` holds
+each key's tags as the bytes sent; a listed key changed when its tags, packed
+(by the source where it can, :class:`~poller.wire.sources.PackedItems`, so an
+unchanged key is not even decoded), are not those bytes: decided once, here,
+in C-level passes. Only changed tags are screened (:func:`poller.quarantine.screen`)
+and, where the screen converted them or another encoder packed them, packed
+again (bytes equal to those sent are then not sent). What is sent is kept
+packed: nothing the source owns is kept, and 1M keys take ~200 MB, not ~670.
 """
 
 from __future__ import annotations
@@ -36,19 +34,16 @@ _DICT = frozenset({dict})
 class Diff:
     """One poll against ``sent``: iterating yields its pieces, each made only when the one before was sent.
 
-    ``listings``: what the source answered, one listing or a snapshot read in
-    pieces (``kv_snapshot_pieces()``), each ``{partition: {key: tags} |
-    PackedItems}``; ``None`` means nothing stored. With ``full`` every listed
-    key is sent (an unchanged one as the bytes sent) and nothing is deleted:
-    after a restart this side no longer knows what it had sent, and the
-    receiver works out what vanished. ``complete=False`` (a change set): keys
-    not listed are kept, and ``deletes`` are the change set's. ``held`` (a
-    snapshot of what is held, no listing): its keys are sent as they are.
-
-    A key, partition id or tags the stream cannot carry is refused
-    (:attr:`refused`), never an error of the poll; unless ``full``, a refused
-    key that was sent is deleted. Once iterated, :attr:`deletes` is whole and
-    :meth:`commit` makes ``sent`` what the receiver then holds.
+    ``listings``: one listing, or a snapshot read in pieces, each
+    ``{partition: {key: tags} | PackedItems}`` (``None``: nothing stored).
+    ``full``: every listed key is sent (an unchanged one as the bytes sent)
+    and nothing is deleted; the receiver works out what vanished.
+    ``complete=False``: a change set, whose ``deletes`` are given. ``held``:
+    a snapshot of what is held, sent as it is. A key, partition id or tags
+    the stream cannot carry is refused (:attr:`refused`), never an error of
+    the poll, and unless ``full`` deleted if it was sent. Once iterated,
+    :attr:`deletes` is whole and :meth:`commit` makes ``sent`` what the
+    receiver holds.
 
     Raises:
         TypeError: (building it) change-set deletes that are not ``{partition: [key, ...]}``;

@@ -60,24 +60,19 @@ def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits |
 class PollingThread(threading.Thread):
     """Polls the source every ``interval`` and emits encoded messages.
 
-    ``emit(kind, body, starts_snapshot)`` hands a message to the control
-    loop and returns False once the poller is stopping; ``starts_snapshot``
-    marks the first body of a full snapshot. A daemon: if ``kv_list()``
-    never returns, the process exits without it.
+    ``emit(kind, body, starts_snapshot)`` hands a message to the control loop
+    and returns False once the poller is stopping. A daemon: if ``kv_list()``
+    never returns, the process exits without it. A *source stall* is a call
+    past its deadline (the source raised :class:`~poller.wire.sources.SourceStall`,
+    or :meth:`check_stall` found it past ``stall_timeout``): counted once, not
+    a failure, one WARNING per episode.
 
-    A *source stall* is a call past its deadline: the source gave up itself
-    (:class:`~poller.wire.sources.SourceStall`) or it has run longer than
-    ``stall_timeout`` (:meth:`check_stall`, from the control loop). Each
-    counts once in ``source_stalls``, is not a failure, and one WARNING is
-    logged per episode, until ``kv_list()`` answers again.
-
-    Polls start every ``interval``, start to start (a tenth of it after a
-    slower poll). Listings of a source without a change feed also keep within
-    ``listing_share`` of the wall clock (:mod:`poller.duty`): a SYNC wakes the
-    thread and is answered by the next listing the share allows, never
-    dropped; STOP ends any wait; a RESYNC sends the last poll again at once
-    (:meth:`_resends`). After a stalled call the next comes ``interval``
-    after it gave up, after a failed one the backoff: neither is a listing.
+    Polls start every ``interval``, start to start. Listings of a source
+    without a change feed keep within ``listing_share`` of the wall clock
+    (:mod:`poller.duty`): a SYNC wakes the thread and is answered by the next
+    listing the share allows; STOP ends any wait; a RESYNC sends the last
+    poll again at once (:meth:`_resends`). After a stalled call the next comes
+    ``interval`` later, after a failed one the backoff: neither is a listing.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
