@@ -17,16 +17,17 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from poller.deltas import iter_encode_delta
 from poller.wire import protocol
 from poller.wire.messages import check_body
-from poller.wire.protocol import DEFAULT_LIMITS, Kind, decode, encode_header
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, decode, encode_header, iter_encode_delta
+from poller.wire.tags import pack_many_tags
 
 
 def _frames(keys: int) -> list[bytes]:
     items = {"train": {f"key-{i:06d}": {"global_steps": i // 64, "status": "success", "reward": 0.5}
                        for i in range(keys)}}
-    body, = iter_encode_delta(items, {}, poll=1, started=0.0, full=False, chunk_items=keys + 1,
+    pieces = [{p: (list(tags), pack_many_tags(tags.values())) for p, tags in items.items()}]
+    body, = iter_encode_delta(pieces, {}, poll=1, started=0.0, full=False, chunk_items=keys + 1,  # type: ignore[arg-type]
                               max_frame_bytes=DEFAULT_LIMITS.max_frame_bytes)
     return [encode_header(Kind.DELTA, 1, 1), body]
 

@@ -9,9 +9,8 @@ from buffer import ReplayBuffer
 from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
-from poller.deltas import iter_encode_delta
-from poller.listing import diff_raw_listing
-from poller.wire.protocol import Kind, decode, encode_header
+from poller.diff import Diff
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, decode, encode_header, iter_encode_delta
 from poller.wire.tags import unpack_many_tags
 
 from .baselines import ceiling
@@ -107,20 +106,17 @@ def snapshot(progress: Callable[[str], None], quick: bool) -> Table:
 def _trainer_share(keys: int) -> float:
     """What the trainer must do per resync: decode the bodies, apply them to a store holding the keys."""
     listing = make_listing(keys)
-    diff = diff_raw_listing({}, listing, True)
-    bodies = list(iter_encode_delta(diff.upserts, diff.deletes, poll=1, started=0.0, full=True,
-                                   chunk_items=4096, max_frame_bytes=64 * 1024 * 1024))
+    diff = Diff([listing], {}, full=True, limits=DEFAULT_LIMITS, size=4096)
+    bodies = list(iter_encode_delta(diff, diff.deletes, poll=1, started=0.0, full=True,
+                                    chunk_items=4096, max_frame_bytes=64 * 1024 * 1024))
     del listing, diff
     frames = [[encode_header(Kind.DELTA, 1, i), body] for i, body in enumerate(bodies)]
     store = PartitionStore()
     StepSampler(SamplingSeam(store))  # the policy ReplayBuffer attaches: its indexing is part of the cost
 
     def apply() -> None:
-        store.begin_snapshot("bench")
         for frame in frames:
-            for partition, (names, blobs) in (decode(frame).body.packed or {}).items():
-                store.merge_packed("bench", partition, names, blobs, unpack_many_tags)
-        store.end_snapshot("bench")
+            store.apply("bench", 1, decode(frame).body, unpack_many_tags)
 
     apply()  # the first snapshot: every key new
     started = time.perf_counter()

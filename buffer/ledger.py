@@ -1,60 +1,33 @@
 """The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
 
-A *stream* is what one poller sends, named by the poller's stream name (the
-ZeroMQ identity it connects with; ``stats()["poller_name"]`` for the
-buffer's own), the same name across code, stats and docs.
+A *stream* is what one poller sends, named by its ZeroMQ identity
+(``stats()["poller_name"]`` for the buffer's own). Pure bookkeeping (no tags,
+locks, policies or sockets): the :class:`~buffer.partitions.PartitionStore`
+calls it under its lock and applies what it decides (which listed keys to
+merge, which to drop). ``tests/test_ledger.py`` checks it against a model.
 
-Pure bookkeeping: no tags, no locks, no policies, no sockets. The
-:class:`~buffer.partitions.PartitionStore` owns one, calls it under its lock
-for every event of the stream and of the trainer, and applies the decisions
-it returns (which listed keys to merge, which keys to drop). Tested on its
-own against a plain model (``tests/test_ledger.py``).
+It tells a key that vanished (drop it) from one the trainer removed while a
+poll under way still lists it (a *tombstone*: ignore that record). A
+tombstone hides the record *as removed* (the versions each stream listed, as
+the bytes they arrived in, and what the store held), never the name: the
+same version listed again stays hidden; another version listed by a poll
+begun after the removal is a new record, shown at once, and one listed by a
+poll that may have begun before is in doubt until the first complete poll
+begun after, which shows it if still listed. A tombstone also ends when no
+stream lists the key; a removal of a key no stream lists is *pending* until
+the first complete poll past it that does not list it.
 
-Why it exists: the store must tell
+"Began after" is told by poll numbers, never by clocks (hosts may disagree
+by any amount): a removal notes per stream the highest poll received, ``m``
+(its *horizon*); poll ``m + 1`` may be listing already, poll ``m + 2`` began
+after ``m + 1`` was sent whole. Memory follows the keys held and the
+tombstones in flight.
 
-* a key that vanished from the store (drop it), from
-* a key the trainer removed while a poll already under way still lists it
-  (a *tombstone*: ignore that record of the key while the source lists it).
-
-A tombstone hides the record *as it was when removed*, never the key's name:
-it keeps the *versions* of the key removed (the tags each stream listed, as
-the bytes they arrived in, and what the store held). The same version listed
-again stays hidden, at any listing rate: no resurrection. A listing of the key
-with another version is a new record (updated in place, or cleared and put
-again between two listings): listed by a poll that began after the removal,
-it ends the tombstone and is shown at once. Listed by a poll that may have
-begun before the removal, it is in doubt (the store may have held it before
-the removal, and the trainer may be clearing it): it stays hidden until the
-first complete poll that began after the removal, which shows it if that
-poll's stream still lists it at a version not removed, and ends the
-tombstone otherwise if it lists the key no more.
-
-Whether a poll began before the removal is told by the source's poll numbers,
-never by clocks (the trainer's and a poller's host may disagree by any
-amount). At the removal the ledger notes, per stream, the highest poll it has
-received any message of, ``m`` (the removal's *horizon*); poll ``m + 1`` may
-already be listing, and a poll numbered ``m + 2`` or later began after poll
-``m + 1`` was sent whole, so after the removal unless the receiver was a whole
-poll behind its poller.
-
-A tombstone ends when no stream lists the key any more, or when a poll past
-the horizon lists a new version. A removal of a key no source lists leaves a
-*pending* tombstone: a poll that began before the removal may still list the
-key. The first *complete* poll past the horizon that does not list it ends it.
-
-Nothing is kept for a partition without keys: the ledger's memory follows the
-keys held and the tombstones in flight, not every partition ever seen.
-
-A view is *whole* when every key reflects complete listings: the sources
-the view requires (the buffer's own poller) have had a first complete poll
-applied, and no source listing the partition is half-way through a full
-listing or awaiting a resync after a loss. A whole view is also *fresh*
-while each required source answers: no stalled or failed call and no silence
-of its poller reported since its last complete poll, which was applied at
-most ``max_age`` seconds ago (:meth:`Ledger.bound_age`). A decision is made
-only on a view that is whole and fresh; a store that stopped answering is
-named, never served as if it still answered. The times are the trainer's
-``time.monotonic()``, given by the caller.
+A view is *whole* when the streams it requires (the buffer's own poller) had
+a first complete poll applied and no stream listing the partition is half-way
+through a full listing or awaiting a resync; *fresh* while each required
+stream answers and its last complete poll is at most ``max_age`` s old. A
+decision needs both. Times are the trainer's ``time.monotonic()``.
 """
 
 from __future__ import annotations
@@ -93,11 +66,9 @@ class Ledger:
         self._listed: dict[str, dict[str, dict[str, Version]]] = {}
         # stream -> partitions the full listing being received has listed so far.
         self._snapshots: dict[str, set[str]] = {}
-        # stream -> partition -> keys listed before that full listing and not listed by it
-        # yet: a copy taken as it begins, each key crossed off as it comes again, so what
-        # is left at its end has vanished. A resync of K keys costs one C-level pop per key
-        # (1M: ~0.2 s), where an update of the listed keys, a set of the listing's and a
-        # difference cost ~1 s.
+        # stream -> partition -> keys listed before that full listing and not by it yet: a copy
+        # taken as it begins, each key crossed off as it comes again (one C-level pop a key: 1M
+        # ~0.2 s, where sets and a difference cost ~1 s); what is left at its end has vanished.
         self._unseen: dict[str, dict[str, dict[str, Version]]] = {}
         # Tombstones of keys some source listed when removed (or listed since), by partition.
         self._tomb_listed: dict[str, dict[str, _Tomb]] = {}
@@ -141,9 +112,8 @@ class Ledger:
             snapshot.add(partition)
             unseen = self._unseen[stream].get(partition)
         if unseen:
-            # Keys listed before are crossed off (they have not vanished), and only the versions that
-            # changed are written: a resync of 1M keys mostly unchanged costs C-level passes (pop,
-            # compare) instead of 1M pairs stored again (~0.2 s).
+            # Keys listed before are crossed off, and only the versions that changed are written
+            # (a resync of 1M keys mostly unchanged: C-level passes, not 1M pairs stored again).
             changed = list(map(ne, map(unseen.pop, keys, repeat(None)), versions))
             if any(changed):
                 listed.update(zip(compress(keys, changed), compress(versions, changed)))
@@ -197,13 +167,8 @@ class Ledger:
             del self._listed[stream][partition]
         return drop
 
-    def settle(self, stream: str, epoch: int, poll: int) -> list[tuple[str, str, Version]]:
-        """Poll ``poll`` of ``stream``/``epoch`` was applied whole: the new records it settles.
-
-        A tombstone in doubt whose key this poll, begun after the removal,
-        still lists at a version not removed ends: ``(partition, key,
-        version)`` to show. Call it before :meth:`poll_completed`.
-        """
+    def _settle(self, stream: str, epoch: int, poll: int) -> list[tuple[str, str, Version]]:
+        """The new records a complete poll settles: tombstones in doubt whose key it still lists, not removed."""
         shown = []
         for partition, key in list(self._in_doubt):
             tomb = self._tomb_listed[partition][key]
@@ -232,10 +197,7 @@ class Ledger:
         self._snapshots[stream] = set()
         self._unseen[stream] = {partition: keys.copy() for partition, keys in self._listed.get(stream, {}).items()}
 
-    def in_snapshot(self, stream: str) -> bool:
-        return stream in self._snapshots
-
-    def end_snapshot(self, stream: str) -> list[tuple[str, list[str]]]:
+    def _end_snapshot(self, stream: str) -> list[tuple[str, list[str]]]:
         """The full listing is complete: ``(partition, keys)`` to drop, those it did not list."""
         if self._snapshots.pop(stream, None) is None:
             return []
@@ -251,20 +213,23 @@ class Ledger:
         self._snapshots.pop(stream, None)
         self._unseen.pop(stream, None)
 
-    def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None,
-                       now: float | None = None) -> bool:
-        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``; True when waiters should look again.
+    def poll_completed(self, stream: str, epoch: int, poll: int, *, full: bool, sync: int | None,
+                       now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
+        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``.
 
-        ``sync`` is the highest sync token the poller had received when the
-        poll's listing began. Waiters look again when a sync is answered, a
-        new poller process completes its first poll, or a view that was not
-        fresh is fresh again.
+        ``drops``: what a full poll did not list (vanished); ``shown``: the new
+        records of removed keys it settles (``(partition, key, version)``: a key
+        in doubt this poll, begun after the removal, still lists at a version
+        not removed); ``wake``: waiters should look again (a sync answered, a
+        new poller process's first poll, a view fresh again). ``sync`` is the
+        highest sync token the poller had received when its listing began.
         """
-        wake = self._silent.pop(stream, None) is not None
-        if now is not None:
-            last = self._completed_at.get(stream)
-            wake = wake or (self._max_age is not None and last is not None and now - last > self._max_age)
-            self._completed_at[stream] = now
+        drops = self._end_snapshot(stream) if full else []
+        shown = self._settle(stream, epoch, poll)
+        last = self._completed_at.get(stream)
+        wake = self._silent.pop(stream, None) is not None or (
+            self._max_age is not None and last is not None and now - last > self._max_age)
+        self._completed_at[stream] = now
         if (sync is not None and sync > self._synced.get(stream, 0)) or self._completed_epoch.get(stream) != epoch:
             # Answered, or a new poller process to ask again.
             self._synced[stream] = max(sync or 0, self._synced.get(stream, 0))
@@ -275,7 +240,7 @@ class Ledger:
                        if _after(tomb.horizon, stream, epoch, poll) and not self.is_listed(*pk)]
             for pk in expired:
                 del self._tomb_pending[pk]
-        return wake
+        return drops, shown, wake
 
     def synced(self, stream: str) -> int:
         """The highest sync token a complete poll of ``stream`` answered (0: none)."""
@@ -286,9 +251,8 @@ class Ledger:
     def removed(self, partition: str, held: Mapping[str, Version | None]) -> None:
         """The trainer removed the keys of ``held`` (each with the version the store held, or None).
 
-        No record of them as they are now comes back: neither what the
-        store held nor what any stream lists of them. A new version listed
-        by a poll that began after the removal does.
+        Neither what the store held nor what any stream lists of them comes
+        back; a new version listed by a poll begun after the removal does.
         """
         horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}  # shared by the keys
         tombs = self._tomb_listed.get(partition)
@@ -380,7 +344,6 @@ class Ledger:
                 what = "being applied" if stream in self._snapshots else f"awaited ({self._broken[stream]})"
                 return f"a full listing of poller {stream}, which lists this partition, is {what}"
         return None
-
 
     def _stale(self, stream: str, now: float) -> str | None:
         """Why ``stream``'s part of a whole view is not fresh at ``now``; None if it is."""

@@ -1,27 +1,19 @@
-"""The shared partition store: ``partition -> {key -> tags}`` under one lock.
+"""The shared partition store: ``partition -> {key -> tags}`` under one lock, in the trainer process.
 
-Pure in-process state, no ZeroMQ, and no sampling rules: those are *policies*
-(:mod:`buffer.policies`: :mod:`buffer.steps` for ``ReplayBuffer.sample``,
-:mod:`buffer.verl.groups` for verl's groups) that keep their own indexes from
-:meth:`~buffer.policies.Policy.on_change`, called under the lock for every key
-that changed (a poll's keys in one call, where a policy takes them so), and
-wait for what they need with :meth:`PartitionStore.wait_until`.
+No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`; verl's groups are :mod:`buffer.verl.groups`) keep
+their own indexes from ``on_change`` (a poll's keys in one call, where a
+policy takes them so) and wait with :meth:`PartitionStore.wait_until`. The
+trainer writes with ``add``/``remove``, the pollers' streams one DELTA at a
+time (:meth:`PartitionStore.apply`); the :class:`~buffer.ledger.Ledger`
+decides, under the lock, what a listing merges or drops and whether a view
+is whole.
 
-Two kinds of writers feed the store: the trainer (``add``/``remove``) and
-sources, through the stream receiver (``merge_listed``/``unlist``/snapshots).
-Which source lists which key, removed-key tombstones, poll horizons and
-whether a view is whole are kept by the :class:`~buffer.ledger.Ledger`, pure
-bookkeeping the store consults under its lock; the store applies its decisions.
-
-Tags are held packed (msgpack ``bytes``), and every per-key container maps to
-atomic values, so the garbage collector finds nothing to traverse in them: a
-full ``gc.collect()`` with 1M keys held is then a few milliseconds, where a
-dict of 1M tag dicts costs tens (see ``python -m bench``). A poller's tags are
-held as the bytes they arrived in (:meth:`PartitionStore.merge_packed`), so a
-resync that lists a key unchanged costs one comparison of bytes. Tags msgpack
-cannot hold exactly (the trainer's own objects, tuples, in ``add``) stay
-dicts. Each partition's dict is in arrival order (a removed key that comes
-back arrives anew).
+Tags are held packed (:func:`~poller.wire.tags.freeze`) in containers of
+atomic values, so the garbage collector has nothing to traverse (1M keys: a
+full collection in a few ms, not tens), and a poller's as the bytes they
+arrived in, so a resync of an unchanged key costs one comparison. Tags msgpack
+cannot hold exactly (the trainer's tuples) stay dicts. Partitions keep
+arrival order.
 """
 
 from __future__ import annotations
@@ -35,7 +27,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 from buffer.errors import BufferClosed
 from buffer.ledger import Ledger
 from buffer.policies import AttachedPolicies, Policy
-from poller.wire.tags import freeze, thaw, unpack_held, unpack_held_many
+from poller.wire.errors import ProtocolError
+from poller.wire.messages import Delta
+from poller.wire.tags import freeze, thaw, thaw_many
 from poller.wire.vocabulary import Tags
 
 __all__ = ["PartitionStore", "Tags"]
@@ -49,10 +43,6 @@ def _kept(mask: Iterable[Any], *columns: Sequence[Any]) -> list[list[Any]]:
     """Each column's entries where ``mask`` is true (in C-level passes)."""
     mask = list(mask)
     return [list(compress(column, mask)) for column in columns]
-
-
-
-
 
 
 class PartitionStore:
@@ -86,11 +76,9 @@ class PartitionStore:
                    describe: Callable[[], str], view: str | None = None) -> T:
         """Under the lock: call ``attempt()`` now and after every change until it returns non-None.
 
-        With ``view``, ``attempt`` decides on that partition, and is called
-        only while the partition's view is whole (:meth:`view_gap`): no
-        answer ever comes from a listing applied half-way.
-
-        ``timeout`` was checked by the public method that waits (finite, >= 0, or None).
+        With ``view``, ``attempt`` decides on that partition and is called
+        only while its view is whole and fresh (:meth:`view_gap`). ``timeout``
+        was checked by the public method that waits (finite, >= 0, or None).
 
         Raises:
             TimeoutError: ``describe()`` as the message, at the deadline.
@@ -117,11 +105,6 @@ class PartitionStore:
                                            f"{view!r} is {gap}")
                     raise TimeoutError(describe())
                 self._cond.wait(remaining)
-
-    def notify(self) -> None:
-        """Wake every waiter to re-run its attempt (for state kept outside the store)."""
-        with self._cond:
-            self._cond.notify_all()
 
     def read(self, read: Callable[[], T]) -> T:
         """``read()`` under the lock (it must not block)."""
@@ -172,84 +155,103 @@ class PartitionStore:
 
     # -- source side (called by the stream receiver) ----------------------------
 
-    def poll_seen(self, stream: str, epoch: int, poll: int) -> None:
-        """A message of poll number ``poll`` of ``stream``'s process ``epoch`` arrived."""
-        with self._cond:
-            self.ledger.poll_seen(stream, epoch, poll)
+    def apply(self, stream: str, epoch: int, delta: Delta, unpack: Callable[[list[bytes]], list[Tags]], *,
+              superseded: bool = False) -> None:
+        """Apply one DELTA of ``stream``'s process ``epoch``: its keys, its deletes and, at its ``end``, the poll.
 
-    def merge_listed(self, stream: str, partition_id: str, items: Mapping[str, Tags]) -> None:
-        """Merge what ``stream`` lists; tombstoned keys are ignored."""
-        with self._cond:
-            if self._closed:
-                return
-            keys = list(items)
-            merge = self.ledger.listed(stream, partition_id, keys, [freeze(items[key]) for key in keys])
-            resync = self.ledger.in_snapshot(stream)
-            for key in (items if merge is None else merge):
-                self._merge(partition_id, key, items[key], resync)
-            self._cond.notify_all()
-
-    def merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes],
-                     unpack: Callable[[list[bytes]], list[Tags]]) -> None:
-        """Merge what ``stream`` lists, each key's tags packed alone (a DELTA's ``packed``).
-
-        A key whose bytes the store holds already is unchanged: found by C-level
-        passes over the whole list, with no decode (K=100k unchanged: ~20 ms
-        where unpacking every key cost ~100 ms). The others are unpacked with
-        ``unpack`` (all at once) before anything is changed, so a refused one changes nothing
-        of this partition; a key merged whole is held as the bytes it arrived in.
+        A full poll's first part begins a snapshot, and its end drops what
+        the snapshot did not list. Tags are unpacked with ``unpack`` only
+        where the store does not hold their bytes already. A ``superseded``
+        DELTA (a resync is awaited) only counts as received: its poll number
+        still bounds the horizon of a removal.
 
         Raises:
-            ProtocolError: (from ``unpack``) tags the decoder refuses.
+            ProtocolError: (from ``unpack``) tags the decoder refuses. What the
+                DELTA carried before them is applied, so the stream is broken
+                (no whole view) until a resync replaces it.
         """
         with self._cond:
-            if self._closed:
+            ledger = self.ledger
+            ledger.poll_seen(stream, epoch, delta.poll)
+            if self._closed or superseded:
                 return
-            items = self._parts.get(partition_id)
-            olds = list(map(items.get, keys)) if items else [None] * len(keys)
-            changed = list(compress(range(len(keys)), map(ne, olds, blobs)))
-            decoded = unpack([blobs[i] for i in changed]) if changed else []
-            merge = self.ledger.listed(stream, partition_id, keys, blobs)
-            if not changed:
-                return  # nothing a waiter could see changed
-            if items is None:
-                items = self._parts[partition_id] = {}
-            if merge is None and len(changed) == len(keys) and not any(olds):
-                # Every key new (a first snapshot): stored and told in C-level passes.
-                items.update(zip(keys, blobs))
-                self._policies.added(partition_id, list(keys), decoded)
+            if delta.full and delta.reset:
+                ledger.begin_snapshot(stream)
+            changed = False
+            try:
+                for partition_id, (keys, blobs) in delta.packed.items():
+                    changed = self._merge_packed(stream, partition_id, keys, blobs, unpack) or changed
+            except ProtocolError:
+                ledger.abandon_snapshot(stream)
+                ledger.mark_broken(stream)
                 self._cond.notify_all()
-                return
-            # The changed keys, with what the store held of each, their bytes and their tags.
-            columns: list[list[Any]] = [list(map(keys.__getitem__, changed)), list(map(olds.__getitem__, changed)),
-                                        list(map(blobs.__getitem__, changed)), decoded]
-            if merge is not None:  # a removal in flight: its keys stay removed
-                columns = _kept(map(set(merge).__contains__, columns[0]), *columns)
-            kinds = list(map(type, columns[1]))
-            new_keys, _, new_blobs, new_tags = _kept(map(is_, kinds, repeat(type(None))), *columns)
-            items.update(zip(new_keys, new_blobs))
-            packed = list(map(is_, kinds, repeat(bytes)))
-            if any(packed):
-                self._replace_packed(partition_id, items, *_kept(packed, *columns))
-            if len(new_keys) + packed.count(True) < len(kinds):  # the trainer's own tags, held as dicts
-                for key, old, blob, tags in zip(*columns):
-                    if old is not None and type(old) is not bytes:
-                        self._merge(partition_id, key, tags, blob=blob)
-            self._policies.added(partition_id, new_keys, new_tags)
-            self._cond.notify_all()
+                raise
+            for partition_id, keys in delta.deletes.items():
+                for key in ledger.unlisted(stream, partition_id, keys):
+                    self._drop(partition_id, key)
+                    changed = True
+            if delta.end:  # the poll was applied whole: a snapshot's vanished keys go, settled records show
+                drops, shown, wake = ledger.poll_completed(stream, epoch, delta.poll, full=delta.full,
+                                                           sync=delta.sync, now=time.monotonic())
+                for partition_id, keys in drops:
+                    for key in keys:
+                        self._drop(partition_id, key)
+                for partition_id, key, version in shown:
+                    self._merge(partition_id, key, thaw(version), blob=version if type(version) is bytes else None)
+                changed = changed or wake or bool(shown) or delta.full
+            if changed:  # what a waiter could see: keys, a whole view, a sync answered, a new poller
+                self._cond.notify_all()
+
+    def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes],
+                      unpack: Callable[[list[bytes]], list[Tags]]) -> bool:
+        """Merge what ``stream`` lists, each key's tags packed alone (lock held); True if a key changed.
+
+        A key whose bytes are held already is unchanged, found in C-level passes
+        with no decode (100k unchanged: ~20 ms, not ~100). The others are
+        unpacked at once, before anything of the partition changes.
+        """
+        items = self._parts.get(partition_id)
+        olds = list(map(items.get, keys)) if items else [None] * len(keys)
+        changed = list(compress(range(len(keys)), map(ne, olds, blobs)))
+        decoded = unpack([blobs[i] for i in changed]) if changed else []
+        merge = self.ledger.listed(stream, partition_id, keys, blobs)
+        if not changed:
+            return False
+        if items is None:
+            items = self._parts[partition_id] = {}
+        if merge is None and len(changed) == len(keys) and not any(olds):
+            # Every key new (a first snapshot): stored and told in C-level passes.
+            items.update(zip(keys, blobs))
+            self._policies.added(partition_id, list(keys), decoded)
+            return True
+        # The changed keys, with what the store held of each, their bytes and their tags.
+        columns: list[list[Any]] = [list(map(keys.__getitem__, changed)), list(map(olds.__getitem__, changed)),
+                                    list(map(blobs.__getitem__, changed)), decoded]
+        if merge is not None:  # a removal in flight: its keys stay removed
+            columns = _kept(map(set(merge).__contains__, columns[0]), *columns)
+        kinds = list(map(type, columns[1]))
+        new_keys, _, new_blobs, new_tags = _kept(map(is_, kinds, repeat(type(None))), *columns)
+        items.update(zip(new_keys, new_blobs))
+        packed = list(map(is_, kinds, repeat(bytes)))
+        if any(packed):
+            self._replace_packed(partition_id, items, *_kept(packed, *columns))
+        if len(new_keys) + packed.count(True) < len(kinds):  # the trainer's own tags, held as dicts
+            for key, old, blob, tags in zip(*columns):
+                if old is not None and type(old) is not bytes:
+                    self._merge(partition_id, key, tags, blob=blob)
+        self._policies.added(partition_id, new_keys, new_tags)
+        return True
 
     def _replace_packed(self, partition_id: str, items: dict[str, _Held], keys: list[str], old_blobs: list[bytes],
                         blobs: list[bytes], news: list[Tags]) -> None:
         """``_merge`` of keys held packed, with their new tags and bytes, all at once (lock held).
 
-        A poll's changed keys cost C-level passes, not a Python merge each
-        (K=100k, 1000 keys changed a poll: :meth:`merge_packed` ~3.3 us a key
-        down to ~2.3): the old tags unpacked by one unpacker, a key whose new
-        tags hold every name of its old ones (the usual case: a poller lists
-        whole tags) held as the bytes that arrived, and the policies told in
-        one call (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
+        C-level passes, not a Python merge each (~3.3 us a key down to ~2.3): a
+        key whose new tags hold every name of its old ones (a poller lists
+        whole tags) is held as the bytes that arrived, and the policies are told
+        in one call (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
         """
-        olds = unpack_held_many(old_blobs)
+        olds = thaw_many(old_blobs)
         covered = list(map(le, map(dict.keys, olds), map(dict.keys, news)))
         if all(covered):
             items.update(zip(keys, blobs))
@@ -267,47 +269,10 @@ class PartitionStore:
                     merged.append(current)
         self._policies.replaced(partition_id, keys, olds, merged)
 
-    def unlist(self, stream: str, partition_id: str, keys: Iterable[str]) -> None:
-        """``stream`` no longer lists ``keys``: drop them unless another source does."""
-        with self._cond:
-            if self._closed:
-                return
-            for key in self.ledger.unlisted(stream, partition_id, keys):
-                self._drop(partition_id, key)
-            self._cond.notify_all()
-
-    def begin_snapshot(self, stream: str) -> None:
-        """A full listing from ``stream`` starts; what it omits has vanished."""
-        with self._cond:
-            self.ledger.begin_snapshot(stream)
-
-    def end_snapshot(self, stream: str) -> None:
-        """The full listing is complete: drop what it did not contain."""
-        with self._cond:
-            if self._closed:
-                self.ledger.abandon_snapshot(stream)
-                return
-            for partition_id, keys in self.ledger.end_snapshot(stream):
-                for key in keys:
-                    self._drop(partition_id, key)
-            self._cond.notify_all()
-
     def abandon_snapshot(self, stream: str) -> None:
         """A snapshot was cut short (gap, new epoch): forget what it saw."""
         with self._cond:
             self.ledger.abandon_snapshot(stream)
-
-    def poll_completed(self, stream: str, epoch: int, poll: int, sync: int | None = None) -> None:
-        """Poll ``poll`` of ``stream``'s process ``epoch`` has been applied whole (see :class:`Ledger`)."""
-        with self._cond:
-            shown = self.ledger.settle(stream, epoch, poll)
-            for partition_id, key, version in shown:  # new records of removed keys: now beyond doubt
-                if type(version) is bytes:
-                    self._merge(partition_id, key, unpack_held(version), blob=version)
-                else:
-                    self._merge(partition_id, key, version)
-            if self.ledger.poll_completed(stream, epoch, poll, sync, time.monotonic()) or shown:
-                self._cond.notify_all()  # wakes sync() waiters: answered, or a new poller to ask again
 
     def synced(self, stream: str) -> int:
         """The highest sync token a complete poll of ``stream`` answered (0: none)."""
@@ -327,10 +292,8 @@ class PartitionStore:
     def replaced(self, stream: str) -> None:
         """``stream``'s store was replaced (a switch): drop what only it listed; not whole until its next snapshot ends.
 
-        Each key it lists goes as if unlisted (a key another source lists
-        stays): no tag of the old store merges into the new one's key of the
-        same name, the view holds no key the new store may not hold, and a
-        key the trainer removed from the old store is a new record in the new
+        No tag of the old store merges into the new one's key of the same
+        name, and a key removed from the old store is a new record in the new
         one (:meth:`Ledger.replaced`).
         """
         with self._cond:
@@ -401,8 +364,7 @@ class PartitionStore:
         if self._closed:
             raise BufferClosed("the replay buffer is closed")
 
-    def _merge(self, partition_id: str, key: str, new: Mapping[str, Any], resync: bool = False,
-               blob: bytes | None = None) -> None:
+    def _merge(self, partition_id: str, key: str, new: Mapping[str, Any], blob: bytes | None = None) -> None:
         """``tags.update(new)`` for one key; ``blob``: ``new`` as it arrived packed (then ``new`` is ours)."""
         items = self._parts.get(partition_id)
         if items is None:
@@ -414,11 +376,7 @@ class PartitionStore:
             current = new if blob is not None and isinstance(new, dict) else dict(new)
             items[key] = freeze(current) if blob is None else blob
         else:
-            # During a snapshot most tags come back unchanged: equal bytes
-            # (0.3 us) skip the thaw and re-freeze (1 us). A delta changed them.
-            if resync and blob is None and type(new) is dict and freeze(new) == held:
-                return
-            current = unpack_held(held) if type(held) is bytes else held
+            current = thaw(held) if type(held) is bytes else held
             if self._policies:
                 old = dict(current)
             current.update(new)

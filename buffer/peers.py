@@ -426,41 +426,29 @@ class PeerTable:
 
     def _on_delta(self, identity: bytes, peer: Peer, message: Message, body: Delta, now: float,
                   actions: list[Send]) -> None:
-        self._store.poll_seen(peer.stream, message.epoch, body.poll)
         if peer.awaiting_resync:
             if not _snapshot_start(message):
-                return  # superseded by the snapshot asked for; tick() asks again if it is lost
+                # Superseded by the snapshot asked for (tick() asks again if it is lost).
+                self._store.apply(peer.stream, message.epoch, body, self._unpack_tags, superseded=True)
+                return
             peer.awaiting_resync = False
         if body.full and body.reset:
-            self._store.begin_snapshot(peer.stream)
             # Whatever was lost before it, the snapshot replaces: from here
             # the stream is whole again (close() reports drained=True).
             peer.contiguous = True
-        for partition_id, items in body.upserts.items():
-            self.items_received += len(items)
-            self._store.merge_listed(peer.stream, partition_id, items)
-        for partition_id, (keys, blobs) in (body.packed or {}).items():
-            self.items_received += len(keys)
-            try:
-                self._store.merge_packed(peer.stream, partition_id, keys, blobs, self._unpack_tags)
-            except ProtocolError as exc:
-                # Tags the decoder refuses, found as they are unpacked: what the
-                # message carried before them is applied, so the stream is
-                # treated as broken (no whole view) until a resync replaces it.
-                self.protocol_error(identity, f"{exc} (key of partition {partition_id!r}); asking for a resync")
-                self._store.abandon_snapshot(peer.stream)
-                self._store.mark_broken(peer.stream)
-                peer.contiguous = False
-                actions.append(self._request_resync(identity, peer, "undecodable tags", now))
-                return
-        for partition_id, keys in body.deletes.items():
-            self.items_received += len(keys)
-            self._store.unlist(peer.stream, partition_id, keys)
+        self.items_received += sum(len(keys) for keys, _ in body.packed.values()) + sum(map(len, body.deletes.values()))
+        try:
+            self._store.apply(peer.stream, message.epoch, body, self._unpack_tags)
+        except ProtocolError as exc:
+            # Tags the decoder refuses, found as they are unpacked: the store
+            # applied what came before them and holds the stream broken.
+            self.protocol_error(identity, f"{exc}; asking for a resync")
+            peer.contiguous = False
+            actions.append(self._request_resync(identity, peer, "undecodable tags", now))
+            return
         if body.end:
             if body.full:
-                self._store.end_snapshot(peer.stream)
                 peer.snapshots_applied += 1
-            self._store.poll_completed(peer.stream, message.epoch, body.poll, body.sync)
             peer.polls_applied += 1
             # The poller stamps a poll with its wall clock as the listing begins (the buffer's own child shares
             # this machine's): its age now, moved to the monotonic clock. A stamp from the future (a clock set

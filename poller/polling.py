@@ -1,10 +1,10 @@
-"""The source side of the poller: read the source (:mod:`poller.changes`), diff, encode.
+"""The poller's polling thread: read the source (:mod:`poller.changes`), diff (:mod:`poller.diff`), encode.
 
-This runs in a helper thread of the poller process, off the control path:
-``kv_list()`` may block forever (TransferQueue's client has no timeout), and
-the control loop in :mod:`poller.worker` must still answer STOP at once.
-The thread only produces encoded DELTA/ERROR bodies; the control loop owns the
-socket and stamps sequence numbers.
+A helper thread of the poller process, off the control path: ``kv_list()``
+may block forever (TransferQueue's client has no timeout), and the control
+loop in :mod:`poller.worker` must still answer STOP at once. The thread only
+produces encoded DELTA/ERROR bodies; the control loop owns the socket and
+stamps sequence numbers.
 """
 
 from __future__ import annotations
@@ -16,30 +16,30 @@ import time
 import traceback
 from typing import Callable, Iterator
 
-from poller.changes import DEFAULT_RECONCILE_INTERVAL, ListingReader
-from poller.deltas import iter_encode_delta, iter_encode_pieces
+from poller.changes import ListingReader
+from poller.diff import Diff, Sent
 from poller.duty import ListingDuty
-from poller.listing import Listing, RawSnapshot, commit_listing
-from poller.pieces import ScreenedPieces
 from poller.quarantine import Quarantine
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
-from poller.wire.errors import ProtocolError
 from poller.wire.messages import Error
-from poller.wire.protocol import Kind, Limits, encode_body, fit_text
+from poller.wire.protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta
 from poller.wire.sources import Source, SourceStall, WatchRead, watch_reader
-from poller.wire.tags import unpack_tags
+from poller.wire.tags import thaw
 
-__all__ = ["PollingThread", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX", "WATCH_TIMEOUT"]
+__all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX",
+           "WATCH_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
-#: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``;
-#: PollingThread). TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
+#: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
+BACKOFF_BASE = 0.1
+BACKOFF_CAP = 5.0
+#: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``).
+#: TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
 WATCH_INTERVAL = 0.3
 #: What a second of watching may cost the store, in listings: a read of ``r`` seconds is followed by the next
 #: ``(r / d) / WATCH_BUDGET`` seconds after it began (``d``: the last listing), within WATCH_INTERVAL and
-#: WATCH_INTERVAL_MAX. Where a listing costs several reads (TransferQueue at 10k keys, ~5 ms against a read's
-#: ~1 ms) reads are spaced ~0.6 s; at 100k keys (~100 ms a listing), every WATCH_INTERVAL.
+#: WATCH_INTERVAL_MAX.
 WATCH_BUDGET = 0.25
 #: The most seconds between two reads, however cheap a listing (a few keys: reads cost next to nothing either).
 WATCH_INTERVAL_MAX = 0.6
@@ -60,65 +60,44 @@ def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits |
 class PollingThread(threading.Thread):
     """Polls the source every ``interval`` and emits encoded messages.
 
-    ``emit(kind, body, starts_snapshot)`` hands a message to the control
-    loop and returns False once the poller is stopping; ``starts_snapshot``
-    marks the first body of a full snapshot. The thread is a daemon: if
-    ``kv_list()`` never returns, the process exits without it.
+    ``emit(kind, body, starts_snapshot)`` hands a message to the control loop
+    and returns False once the poller is stopping. A daemon: if ``kv_list()``
+    never returns, the process exits without it. A *source stall* is a call
+    past its deadline (the source raised :class:`~poller.wire.sources.SourceStall`,
+    or :meth:`check_stall` found it past ``stall_timeout``): counted once, not
+    a failure, one WARNING per episode.
 
-    A *source stall* is a ``kv_list()`` call that passed its deadline: either
-    the source gave up itself (it raised :class:`~poller.wire.sources.SourceStall`)
-    or the call has been running longer than ``stall_timeout``, which the
-    control loop checks with :meth:`check_stall`. Each stalled call counts
-    once in ``source_stalls``; a stall is not a failure (polling goes on and
-    it never makes the poller give up). One WARNING is logged per *episode*,
-    from the first stalled call until ``kv_list()`` answers again.
-
-    Polls start every ``interval``, start to start; a poll that took
-    longer is followed by a pause of a tenth of ``interval``. Listings of a source
-    without a change feed also keep within ``listing_share`` of the wall
-    clock (:mod:`poller.duty`; by default a listing of ``d`` seconds is
-    followed by the next no sooner than ``d / 0.15`` after it started, so a
-    cheap store is listed every ``interval``; ``"verl"``: verl's cycle): a
-    SYNC wakes the thread at once and is answered by the next listing the
-    share allows, never dropped; STOP ends the wait at once. A RESYNC needs
-    no listing: what the last poll sent is sent again at once
-    (:meth:`_resends`). (With a change feed only the periodic reconciliation
-    keeps to the share: :mod:`poller.changes`.) After a stalled call the
-    next comes ``interval`` after it gave up, after a failed one the
-    backoff (sooner when a SYNC asks, within the share): neither counts as
-    a listing.
+    Polls start every ``interval``, start to start. Listings of a source
+    without a change feed keep within ``listing_share`` of the wall clock
+    (:mod:`poller.duty`): a SYNC wakes the thread and is answered by the next
+    listing the share allows; STOP ends any wait; a RESYNC sends the last
+    poll again at once (:meth:`_resends`). After a stalled call the next comes
+    ``interval`` later, after a failed one the backoff: neither is a listing.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
-                 backoff_base: float = 0.1, backoff_cap: float = 5.0,
                  stall_timeout: float | None = None, limits: Limits | None = None,
-                 reconcile_interval: float | None = DEFAULT_RECONCILE_INTERVAL,
                  listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._source = source
-        self._reader = ListingReader(source, reconcile_interval=reconcile_interval, listing_share=listing_share,
-                                     stall_timeout=stall_timeout)
+        self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._emit = emit
         self.interval = interval
         self.max_failures = max_failures
         self.chunk_items = chunk_items
         self.max_frame_bytes = max_frame_bytes
         self.limits = limits
-        self.backoff_base = backoff_base
-        self.backoff_cap = backoff_cap
         self.stopping = threading.Event()
         self._wake = threading.Event()
         self._resync = threading.Event()
-        # Read by the control loop for heartbeats; plain ints are safe to read
-        # across threads under the GIL.
+        # Read by the control loop for heartbeats (plain ints, safe under the GIL).
         self.polls = 0
         self.source_errors = 0
         self.source_stalls = 0
         self.stall_timeout = stall_timeout
-        # (call number, monotonic start) of the kv_list() under way, set in
-        # one assignment so the control loop never pairs one call's number
-        # with another call's start.
+        # (call number, monotonic start) of the call under way, in one assignment: never one call's
+        # number with another's start.
         self._current: tuple[int, float] | None = None
         self._calls = 0
         self._stall_lock = threading.Lock()
@@ -127,17 +106,15 @@ class PollingThread(threading.Thread):
         self.failed: BaseException | None = None
         # True while the thread waits for its next poll (read by the control loop at STOP).
         self.idle = False
-        # What was sent last, kept here rather than in the polling loop's frame: a thread that
-        # ends at STOP then frees nothing on its way out (K dicts, ~0.1 s at 1M keys).
-        self.sent: Listing = {}
-        # The last poll sent whole: its wall-clock start, monotonic start and the sync token
-        # it answered. Without a change feed a RESYNC sends ``sent`` again under its number.
+        # What was sent (poller.diff.Sent), kept here rather than in the loop's frame: a thread
+        # that ends at STOP then frees nothing on its way out (~0.1 s at 1M keys).
+        self.sent: Sent = {}
+        # The last poll sent whole: wall-clock start, monotonic start, the sync token it answered.
         self._last_poll: tuple[float, float, int] | None = None
-        # The highest SYNC token received; written by the control loop before
-        # it wakes this thread, read here when a listing begins.
+        # The highest SYNC token received (written by the control loop, then it wakes this thread).
         self.sync_received = 0
-        # Partitions SYNCs asked to be listed (a set that only grows, replaced
-        # whole by the control loop), and those the source was told of.
+        # Partitions SYNCs asked to be listed (only grows, replaced whole by the control loop), and
+        # those the source was told of.
         self._partitions_wanted: frozenset[str] = frozenset()
         self._partitions_included: frozenset[str] = frozenset()
         # The keys left out of the stream; read by the control loop for heartbeats.
@@ -145,10 +122,9 @@ class PollingThread(threading.Thread):
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
         # A SYNC, RESYNC or STOP arrived since the last hold began (_hold): a pause between polls ends.
         self._poll_asked = False
-        # The watch: kv_watch, if the source offers one; the keys to watch (partition, keys, until), replaced
-        # whole by the control loop; the last read's fingerprint, with its (partition, keys) (None: the next
-        # read compares tags with what was sent); when the next read is due; whether a read showed a change
-        # since the last listing began.
+        # The watch: kv_watch if the source has one; the keys to watch (partition, keys, until), replaced whole
+        # by the control loop; the last read's (partition, keys) and fingerprint (None: the next read compares
+        # with what was sent); when the next read is due; whether a read saw a change since the last listing.
         self._watch_read = watch_reader(source)
         self._watch: tuple[str, tuple[str, ...], float] | None = None
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
@@ -178,18 +154,15 @@ class PollingThread(threading.Thread):
     def request_sync(self, token: int, partitions: list[str] | None = None) -> None:
         """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
 
-        That listing (and every later one) includes ``partitions``, when the
-        source lists a chosen set of them. Called by the control loop only.
-        Several requests that arrive while a listing is under way, or while
-        the listing share holds the next one back, are all answered by the
-        next one.
+        That listing and every later one include ``partitions`` (a source that
+        lists a chosen set of them). Requests that arrive while a listing is
+        under way or held back are all answered by the next one.
         """
         if partitions and not self._partitions_wanted.issuperset(partitions):
             # Before the token: a listing that reads the token sees these too.
             self._partitions_wanted = self._partitions_wanted.union(partitions)
-        # A token already received is the buffer asking again (its request
-        # may have been lost on a reconnect): the poll it asked for is
-        # already due, and waking again would only add a listing.
+        # A token already received is the buffer asking again (a request lost on a reconnect): the
+        # poll it asked for is due already, and waking again would only add a listing.
         if token > self.sync_received:
             self.sync_received = token
             self._poll_asked = True
@@ -220,10 +193,9 @@ class PollingThread(threading.Thread):
         return 0.0 if started is None else time.monotonic() - started
 
     def check_stall(self) -> None:
-        """Count the call under way as stalled once it passes ``stall_timeout``.
+        """Count the call under way as stalled once it passes ``stall_timeout`` (the control loop, each tick).
 
-        Called by the control loop on every tick, so a source that blocks
-        forever (and can never raise) is still reported.
+        So a source that blocks forever (and can never raise) is still reported.
         """
         current = self._current
         if current is None or self.stall_timeout is None:
@@ -338,34 +310,28 @@ class PollingThread(threading.Thread):
         held = self.sent.get(partition, {})
         for key in keys:
             sent = held.get(key)
-            if isinstance(sent, (bytes, bytearray)):  # kept packed (poller.listing.commit_listing)
-                try:
-                    sent = unpack_tags(sent, self._screen_limits)
-                except ProtocolError:
-                    return False  # packed as the wire takes it, so never; and no telling
-            if sent is None or tags.get(key) != sent:
+            if sent is None or tags.get(key) != thaw(sent):
                 return True
         return False
 
     def _resends(self) -> bool:
         """Whether a snapshot now is ``sent`` again rather than a listing: a RESYNC, without a change feed.
 
-        ``sent`` is what the last poll listed, whole: sent again under that
-        poll's number, start and sync token, it repairs a receiver that lost
-        messages at once, at no cost to the store and outside the listing
-        share (1M keys: no listing, no packing to compare, ~0.5 s of the
-        poller's time less). The store's changes since then come with the
-        next poll, when it is due. (With a change feed the reader answers
-        from ``sent`` plus the feed's changes: :meth:`ListingReader.read_to_send`.)
+        Sent again under the last poll's number, start and sync token, it
+        repairs a receiver that lost messages at once, at no cost to the store
+        and outside the share (1M keys: ~0.5 s of the poller's time less); the
+        store's changes come with the next poll. (With a change feed the reader
+        answers from ``sent`` plus the feed's changes: :meth:`ListingReader.read`.)
         """
         return self._last_poll is not None and not self._reader.feed
 
-    def _resend(self, sent: Listing) -> bool:
+    def _resend(self, sent: Sent) -> bool:
         """Send ``sent`` as a full snapshot of the last poll; False once the poller is stopping."""
         assert self._last_poll is not None
         started, began, covered = self._last_poll
         # Screened and packed when it was first sent: encoded as it is.
-        if not self._send(iter_encode_delta(sent, {}, poll=self.polls, started=started, full=True,
+        held = Diff((), sent, full=True, limits=self._screen_limits, size=self.chunk_items, held=sent)
+        if not self._send(iter_encode_delta(held, {}, poll=self.polls, started=started, full=True,
                                             chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
                                             sync=covered), full=True):
             return False
@@ -383,12 +349,11 @@ class PollingThread(threading.Thread):
         return True
 
     def _hold(self, full: bool) -> bool | None:
-        """Wait until the listing share allows this poll's read; return ``full`` as it then is.
+        """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
-        Only STOP ends the wait (``None``): SYNC and RESYNC requests are
-        recorded meanwhile and served by the read that follows. A RESYNC that
-        arrives during the wait makes that read a snapshot. A change the
-        watch saw lets the read start when :meth:`ListingDuty.wait_for_change` allows.
+        SYNC and RESYNC requests meanwhile are served by the read that follows
+        (a RESYNC makes it a snapshot); a change the watch saw lets it start
+        when :meth:`ListingDuty.wait_for_change` allows.
         """
         while True:
             # Every request seen from here on is answered by the coming read (or resend);
@@ -416,10 +381,9 @@ class PollingThread(threading.Thread):
         try:
             self._poll_until_stopped()
         except BaseException as exc:  # noqa: BLE001 - reported below, never swallowed
-            # A source raising SystemExit or KeyboardInterrupt, or a bug here
-            # (Event.wait(inf) raised OverflowError): without this the thread
-            # died unseen while heartbeats went on. Now the control loop ends
-            # the poller with this fatal ERROR, and the buffer restarts it.
+            # A source raising SystemExit or KeyboardInterrupt, or a bug here (Event.wait(inf) raised
+            # OverflowError) must not end the thread unseen: the control loop ends the poller with this
+            # fatal ERROR, and the buffer restarts it.
             self.failed = exc
             self.source_errors += 1
             logger.error("the polling thread died: %r", exc)
@@ -452,26 +416,22 @@ class PollingThread(threading.Thread):
             wanted = self._partitions_wanted  # read after the token (see request_sync)
             self._calls += 1
             call = self._calls
-            diff = None
+            diff: Diff | None = None
             try:
                 if wanted != self._partitions_included:
                     self._reader.include(wanted)
                     self._partitions_included = wanted
                 self._current = (call, began)
                 try:
-                    diff = self._reader.read_to_send(sent, full)
+                    diff = self._reader.read(sent, full, limits=self._screen_limits, size=self.chunk_items)
                 finally:
                     self._current = None
                 self._answered()
-                # Screened, packed and encoded one piece at a time, each sent before
-                # the next is made: the trainer applies a snapshot while it is packed.
-                # A key the receiver would refuse is left out (quarantined)
-                # instead of failing the poll. Packed once: for the wire, and (a
-                # change feed's poller) to keep as what was sent.
-                pieces = ScreenedPieces(diff, sent, full, self._screen_limits, self.chunk_items)
-                if not self._send(iter_encode_pieces(pieces, pieces.deletes, poll=self.polls + 1, started=started,
-                                                     full=full, chunk_items=self.chunk_items,
-                                                     max_frame_bytes=self.max_frame_bytes, sync=covered), full):
+                # Diffed, screened, packed and encoded a piece at a time, each sent before the next is made:
+                # the trainer applies a snapshot while it is packed.
+                if not self._send(iter_encode_delta(diff, diff.deletes, poll=self.polls + 1, started=started,
+                                                    full=full, chunk_items=self.chunk_items,
+                                                    max_frame_bytes=self.max_frame_bytes, sync=covered), full):
                     return
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
@@ -492,33 +452,28 @@ class PollingThread(threading.Thread):
                 if not self._emit(Kind.ERROR, body, False) or fatal:
                     return
                 self._reader.duty.poll_done()
-                self._sleep(min(self.backoff_base * 2 ** (failures - 1), self.backoff_cap))
+                self._sleep(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))
                 continue
             finally:
-                if isinstance(diff, RawSnapshot):
-                    # A store read in pieces holds a read transaction until its
-                    # iterator ends: a poll cut short must not keep it.
+                if diff is not None:
+                    # A store read in pieces holds a read transaction: a poll cut short must not keep it.
                     diff.close()
             failures = 0
-            # What was sent is kept packed: nothing the source owns is kept, a
-            # resync sends it without packing it again, and a million keys take
-            # ~200 MB instead of ~670 MB as dicts.
-            commit_listing(sent, pieces.diff, full, pieces.packed)
-            if self._reader.last_complete:
-                self.quarantine.replace(pieces.refused)
+            assert diff is not None
+            diff.commit(sent)
+            if diff.complete:
+                self.quarantine.replace(diff.refused)
             else:
-                self.quarantine.update(pieces.refused, pieces.keys_sent(), self._reader.last_deletes)
+                self.quarantine.update(diff.refused, diff.keys_sent(), diff.gone)
             self._reader.commit()
-            # Not kept until the next poll: after a snapshot of a million keys the
-            # diff holds every listed tag dict (~300 MB).
-            del diff, pieces
+            # Not kept until the next poll: after a snapshot of a million keys it holds every key sent.
+            del diff
             full = False
             self.polls += 1
             self._last_poll = (started, began, covered)
             # The poll is over (its listing, diff, screen and sending): verl's cycle's pause starts now (poller.duty).
             self._reader.duty.poll_done()
-            # A fixed schedule, start to start: a change waits interval/2 on
-            # average whatever a poll costs. A poll slower than the interval
-            # still leaves the store a tenth of it to breathe.
+            # Start to start: a change waits interval/2 on average whatever a poll costs; a poll slower
+            # than the interval still leaves the store a tenth of it to breathe.
             elapsed = time.monotonic() - began
             self._sleep(max(self.interval - elapsed, self.interval * 0.1))

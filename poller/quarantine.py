@@ -1,24 +1,23 @@
 """Keys the wire cannot carry: screened out of each diff, named, counted, and let back in.
 
-The unit of failure is the record, not the listing. A key whose tags the
-receiver's strict decoder would refuse (a tag name that is not a ``str``, a
-string over ``max_str_len``, nesting deeper than ``max_depth``, an int that
-fits no msgpack int, a value that is not plain data, one key over
-``max_frame_bytes``), or whose key or partition id is not a ``str``, is
-*quarantined*: left out of the stream (and deleted from the receiver if it
-was sent before), named in a rate-limited WARNING and counted, while every
-other key keeps flowing. It comes back as soon as its tags become valid, and
-leaves the quarantine when the store clears it.
+Runs in the poller process. The unit of failure is the record, not the
+listing: a key whose tags the receiver's strict decoder would refuse (a tag
+name not a ``str``, a string over ``max_str_len``, nesting deeper than
+``max_depth``, an int no msgpack int holds, a value that is not plain data,
+one key over ``max_frame_bytes``), or whose key or partition id is not a
+``str``, is *quarantined*: left out of the stream (and deleted from the
+receiver if it was sent), named in a rate-limited WARNING and counted, while
+every other key flows. It comes back once its tags are valid, and leaves the
+quarantine when the store clears it.
 
-Values with one faithful plain form are converted instead of refused: numpy
-and torch scalars (and 0-d tensors) become ``int`` / ``float`` / ``bool``,
-their arrays and tensors nested lists, tuples lists (as the TransferQueue
-source reads them off its wire, :mod:`poller.sources.tq_values`). Neither
-numpy nor torch is imported for that: such a value is recognised by its
-type's module and read with its own ``item()`` / ``tolist()``.
+Values with one faithful plain form are converted instead: numpy and torch
+scalars (and 0-d tensors) to ``int`` / ``float`` / ``bool``, their arrays
+nested lists, tuples lists (as :mod:`poller.sources.tq_values` reads them).
+Neither numpy nor torch is imported: such a value is recognised by its type's
+module and read with its own ``item()`` / ``tolist()``.
 
-:func:`screen` is pure (tests call it directly); :class:`Quarantine` is the
-poller's memory of what it refused, reported in its heartbeats.
+:func:`screen` is pure; :class:`Quarantine` is the poller's memory of what
+it refused, reported in its heartbeats.
 """
 
 from __future__ import annotations
@@ -28,8 +27,9 @@ import time
 from itertools import chain, repeat
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from poller.wire.protocol import Limits, packed_size
+from poller.wire.protocol import _SCALAR_TYPES, Limits, packed_size
 from poller.wire.sources import UnreadableValue
+from poller.wire.tags import _TAGS_DEPTH
 
 __all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
 
@@ -43,11 +43,8 @@ _NAME_CHARS = 200
 # msgpack's integer range: uint64 above, int64 below.
 _INT_MAX = 2**64 - 1
 _INT_MIN = -(2**63)
-_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
 _STR = frozenset({str})
-# body -> upserts -> partition -> tags: a DELTA's tags sit at depth 4.
-_TAGS_DEPTH = 4
-# What encode_delta puts around one key in the worst case, beyond its tags.
+# What iter_encode_delta puts around one key in the worst case, beyond its tags.
 _FRAME_SLACK = 1024
 
 
@@ -201,44 +198,37 @@ def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
     return plain
 
 
-def screen(upserts: dict[str, dict[str, Any]], refused: list[Refused], limits: Limits) -> list[str]:
-    """Convert what converts and move what the receiver would refuse from ``upserts`` to ``refused``.
+def screen(partition: str, items: dict[str, Any], refused: list[Refused], limits: Limits) -> bool:
+    """Convert what converts and move what the receiver would refuse from ``items`` to ``refused``.
 
-    ``upserts`` (a diff's, holding fresh dicts) is changed in place; a
-    partition left with no key stays, empty. Cost follows the keys sent,
-    not the store, and the common case runs at C speed. Returns the
-    partitions whose entries may have changed (none, in the common case).
+    ``items`` (the diff's own dict of changed keys) is changed in place.
+    Cost follows the keys changed, and the common case runs at C speed.
+    Returns whether an entry may have changed (not in the common case).
     """
-    touched: list[str] = []
-    for partition, items in upserts.items():
-        if len(partition) * 4 > limits.max_str_len or not partition.isascii():
-            try:
-                _plain(partition, limits, _TAGS_DEPTH, [1])
-            except _Refuse as exc:
-                refused.extend(Refused(partition, key, f"partition id: {exc}") for key in items)
-                items.clear()
-                touched.append(partition)
-                continue
-        if _plainly_fine(items, limits):
-            continue
-        touched.append(partition)
-        for key in list(items):
-            try:
-                items[key] = _screen_tags(key, items[key], limits)
-            except _Refuse as exc:
-                del items[key]
-                refused.append(Refused(partition, key, str(exc)))
-    return touched
+    if len(partition) * 4 > limits.max_str_len or not partition.isascii():
+        try:
+            _plain(partition, limits, _TAGS_DEPTH, [1])
+        except _Refuse as exc:
+            refused.extend(Refused(partition, key, f"partition id: {exc}") for key in items)
+            items.clear()
+            return True
+    if _plainly_fine(items, limits):
+        return False
+    for key in list(items):
+        try:
+            items[key] = _screen_tags(key, items[key], limits)
+        except _Refuse as exc:
+            del items[key]
+            refused.append(Refused(partition, key, str(exc)))
+    return True
 
 
 class Quarantine:
     """What the poller left out of the stream, for its heartbeats and its log.
 
-    :meth:`replace` after a complete listing (the refused keys are exactly
-    those it refused), :meth:`update` after a change set (refused keys join,
-    keys sent or deleted leave). Keys are held as the source named them
-    (a key that is not a ``str`` too, so that its delete finds it) and
-    shown with :func:`display_name`.
+    :meth:`replace` after a complete listing, :meth:`update` after a change
+    set. Keys are held as the source named them (a key that is not a ``str``
+    too, so that its delete finds it) and shown with :func:`display_name`.
     """
 
     def __init__(self, *, warnings_per_minute: int = 20) -> None:
@@ -259,12 +249,10 @@ class Quarantine:
                deleted: Mapping[Any, Iterable[Any]]) -> None:
         """Refused keys join; keys sent or deleted leave.
 
-        ``deleted`` is the change set's deletes as the source gave them. A
-        delete of a key or in a partition that is not a ``str`` can only be of
-        a record this poller never streamed: it lets the record go if it was
-        quarantined, and is otherwise ignored and counted
-        (:attr:`ignored_deletes`), like an upsert of one is refused, never an
-        error of the poll.
+        ``deleted``: the change set's deletes as the source gave them. A delete
+        of a name no stream carries (not a ``str``) lets the record go if it
+        was quarantined, and is otherwise ignored and counted
+        (:attr:`ignored_deletes`), never an error of the poll.
         """
         entered = []
         for r in refused:

@@ -12,13 +12,15 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from poller.changes import ListingReader, diff_changes
+from poller.changes import ListingReader
+from poller.diff import Sent
 from poller.faults.store import backup as store_backup
 from poller.faults.store import delete, restore
-from poller.polling import Listing, PollingThread, commit_listing
+from poller.polling import PollingThread
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import Kind
 from poller.wire.sources import ChangeFeed, has_change_feed
+from tests.helpers.deltas import Polled, held_tags, packed_sent, polled, read
 from tests.conftest import wait_until
 from tests.helpers.sqlite_writers import open_and_put, random_ops, random_writer
 
@@ -185,15 +187,13 @@ def test_the_change_feed_and_the_full_listing_send_the_same_content(db: Path, se
         _set_keep(db, 64)  # small enough that some bursts outrun the log: the fallback is exercised too
         feed, listed = ListingReader(store), ListingReader(_ListingOnly(store))
         assert feed.feed and not listed.feed
-        sent_feed: Listing = {}
-        sent_listed: Listing = {}
+        sent_feed: Sent = {}
+        sent_listed: Sent = {}
         for poll in range(60):
             full = poll == 0 or rng.random() < 0.05
             for reader, sent in ((feed, sent_feed), (listed, sent_listed)):
-                diff = reader.read(sent, full)
-                commit_listing(sent, diff, full)
-                reader.commit()
-            assert sent_feed == sent_listed == store.kv_list(), f"poll {poll}"
+                read(reader, sent, full, commit=True)
+            assert held_tags(sent_feed) == held_tags(sent_listed) == store.kv_list(), f"poll {poll}"
             random_ops(store, rng, rng.choice([0, 1, 3, 10, 10, 80]))
         assert store.calls["kv_changes"] > 30 and store.unservable > 0
 
@@ -201,32 +201,32 @@ def test_the_change_feed_and_the_full_listing_send_the_same_content(db: Path, se
 def test_a_change_read_that_was_not_committed_is_read_again(db: Path) -> None:
     with SqliteSource(db) as store:
         reader = ListingReader(store)
-        sent: Listing = {}
-        commit_listing(sent, reader.read(sent, True), True)
-        reader.commit()
+        sent: Sent = {}
+        read(reader, sent, True, commit=True)
         store.kv_put("a", "p", tag={"v": 1})
-        assert reader.read(sent, False).upserts == {"p": {"a": {"v": 1}}}
+        assert read(reader, sent, False).upserts == {"p": {"a": {"v": 1}}}
         # Not committed (say, the encoding failed): the next poll still has it.
-        diff = reader.read(sent, False)
-        assert diff.upserts == {"p": {"a": {"v": 1}}}
-        commit_listing(sent, diff, False)
-        reader.commit()
-        assert reader.read(sent, False).upserts == {}
+        assert read(reader, sent, False, commit=True).upserts == {"p": {"a": {"v": 1}}}
+        assert read(reader, sent, False).upserts == {}
 
 
-def test_diff_changes_skips_what_was_sent_and_refuses_garbage() -> None:
-    sent: Listing = {"p": {"same": {"v": 1}, "gone": {}}}
-    diff = diff_changes(sent, {"p": {"same": {"v": 1}, "new": None}}, {"p": ["gone", "never-sent"], "q": ["x"]})
+def test_a_change_set_skips_what_was_sent_and_refuses_garbage() -> None:
+    sent = packed_sent({"p": {"same": {"v": 1}, "gone": {}}})
+
+    def diff_changes(upserts: Any, deletes: Any) -> Polled:
+        return polled(sent, upserts, full=False, complete=False, deletes=deletes)
+
+    diff = diff_changes({"p": {"same": {"v": 1}, "new": None}}, {"p": ["gone", "never-sent"], "q": ["x"]})
     assert diff.upserts == {"p": {"new": {}}} and diff.deletes == {"p": ["gone"]}
     for upserts, deletes, match in [({}, {"p": "k"}, "expected a list"), ({}, [], "expected a mapping")]:
         with pytest.raises(TypeError, match=match):
-            diff_changes(sent, upserts, deletes)
+            diff_changes(upserts, deletes)
     # A delete of a name no stream carries was never sent: skipped (the poller's quarantine lets it go).
-    diff = diff_changes(sent, {}, {"p": [b"gone", 1, ["x"], "gone"], b"p": ["gone"], 2: [b"k"]})
+    diff = diff_changes({}, {"p": [b"gone", 1, ["x"], "gone"], b"p": ["gone"], 2: [b"k"]})
     assert diff.upserts == {} and diff.deletes == {"p": ["gone"]}
     # One bad record is refused alone (quarantined by the poller), not the change set.
     for upserts, reason in [({1: {"k": {}}}, "partition id 1 is int"), ({"p": {"k": 3}}, "tags are int")]:
-        diff = diff_changes(sent, {**upserts, "p2": {"fine": {}}}, {})
+        diff = diff_changes({**upserts, "p2": {"fine": {}}}, {})
         assert [r.reason for r in diff.refused] == [f"{reason}, not str" if "partition" in reason
                                                    else f"{reason}, not a mapping"]
         assert diff.upserts["p2"] == {"fine": {}}
@@ -431,12 +431,11 @@ def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) 
     stores = {interval: _CountingSqliteSource(db) for interval in (3600.0, 0.0)}
     try:
         # No listing share: a reconciliation due is taken at once (the share's deferral: test_listing_share.py).
-        readers = {interval: ListingReader(stores[interval], reconcile_interval=interval, listing_share=1.0)
-                   for interval in stores}
-        sent = {interval: {} for interval in readers}  # type: dict[float, Listing]
+        readers = {interval: ListingReader(stores[interval], listing_share=1.0) for interval in stores}
+        sent = {interval: {} for interval in readers}  # type: dict[float, Sent]
         for interval, reader in readers.items():
-            commit_listing(sent[interval], reader.read(sent[interval], True), True)
-            reader.commit()
+            reader.reconcile_interval = interval
+            read(reader, sent[interval], True, commit=True)
         conn = sqlite3.connect(db)  # an edit the triggers do not see
         try:
             with conn:
@@ -444,8 +443,8 @@ def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) 
                 conn.execute("UPDATE kv SET tags = '{\"v\": 2}' WHERE key = 'a'")
         finally:
             conn.close()
-        assert readers[3600.0].read(sent[3600.0], False).upserts == {}
-        assert readers[0.0].read(sent[0.0], False).upserts == {"p": {"a": {"v": 2}}}
+        assert read(readers[3600.0], sent[3600.0], False).upserts == {}
+        assert read(readers[0.0], sent[0.0], False).upserts == {"p": {"a": {"v": 2}}}
         assert stores[0.0].calls["kv_snapshot"] == 2 and stores[3600.0].calls["kv_changes"] == 1
     finally:
         for counting in stores.values():
@@ -464,19 +463,20 @@ def test_a_resync_with_a_change_feed_sends_what_was_sent_plus_the_changes_withou
         source.kv_batch_put([f"k{i}" for i in range(50)], "p", tags=[{"v": i} for i in range(50)])
         source.kv_put("x", "q", tag={"v": 0})
         reader = ListingReader(source)
-        sent: Listing = {}
-        commit_listing(sent, reader.read(sent, True), True)
-        reader.commit()
+        sent: Sent = {}
+        read(reader, sent, True, commit=True)
         source.kv_put("k1", "p", tag={"v": 100})
         source.kv_clear(["k2"], "p")
         source.kv_clear(["x"], "q")
         source.kv_put("new", "r", tag={})
-        diff = reader.read(sent, True)
+        held = sent["p"]["k3"]
+        diff = read(reader, sent, True)
         assert diff.upserts == source.kv_list() and diff.deletes == {}
-        assert diff.upserts["p"]["k3"] is sent["p"]["k3"]  # unchanged keys are the dicts sent (not screened again)
-        commit_listing(sent, diff, True)
+        # Unchanged keys are sent as the very bytes sent (not screened or packed again).
+        assert diff.diff.packed["p"][1][diff.diff.packed["p"][0].index("k3")] is held
+        diff.diff.commit(sent)
         reader.commit()
-        assert sent == source.kv_list()
+        assert held_tags(sent) == source.kv_list()
         assert source.calls["kv_snapshot"] == 1 and source.calls["kv_changes"] == 1
     finally:
         source.close()

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from buffer.partitions import PartitionStore
+from tests.helpers.deltas import apply
 
 KEYS = st.sampled_from(["a", "b", "c", "d", "e"])
 SOURCE = "own"
@@ -89,9 +90,9 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.in_flight is not None
         poll, listing = self.in_flight
         self._seen(poll)
-        self.store.merge_listed(SOURCE, PART, {key: {"v": version} for key, version in sorted(listing.items())
-                                               if self.sent.get(key) != version})
-        self.store.unlist(SOURCE, PART, sorted(self.sent.keys() - listing.keys()))
+        apply(self.store, SOURCE, {PART: {key: {"v": version} for key, version in sorted(listing.items())
+                                          if self.sent.get(key) != version}},
+              {PART: sorted(self.sent.keys() - listing.keys())}, epoch=self.epoch, poll=poll, end=True)
         self._completed(poll, listing)
 
     @precondition(lambda self: self.in_flight is not None)
@@ -103,16 +104,16 @@ class LedgerMachine(RuleBasedStateMachine):
         keys = sorted(listing)
         first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
         self._seen(poll)
-        self.store.begin_snapshot(SOURCE)
-        self.store.merge_listed(SOURCE, PART, {key: {"v": listing[key]} for key in first})
+        apply(self.store, SOURCE, {PART: {key: {"v": listing[key]} for key in first}}, epoch=self.epoch, poll=poll,
+              full=True, reset=True)
         if removed is not None:
             # Listed now: by the last poll, or by the first part of this one (then at its version).
             listed = {self.sent[removed]} if removed in self.sent else set()
             if removed in first:
                 listed.add(listing[removed])
             self._remove(removed, listed)
-        self.store.merge_listed(SOURCE, PART, {key: {"v": listing[key]} for key in second})
-        self.store.end_snapshot(SOURCE)
+        apply(self.store, SOURCE, {PART: {key: {"v": listing[key]} for key in second}}, epoch=self.epoch, poll=poll,
+              full=True, end=True)
         self.broken = False
         self._completed(poll, listing)
 
@@ -145,11 +146,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.removals[key] = _Removal(self.epoch, self.seen_poll + 1, bool(listed), versions)
 
     def _seen(self, poll: int) -> None:
-        self.store.poll_seen(SOURCE, self.epoch, poll)
         self.seen_poll = max(self.seen_poll, poll)
 
     def _completed(self, poll: int, listing: dict[str, int]) -> None:
-        self.store.poll_completed(SOURCE, self.epoch, poll)
         began_after = {key: removal.began_after(self.epoch, poll) for key, removal in self.removals.items()}
         for key, removal in list(self.removals.items()):
             if key in listing:

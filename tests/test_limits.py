@@ -12,8 +12,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from buffer import ReplayBuffer
+from poller.faults.peer import packed_delta
 from poller.wire.errors import ProtocolError
-from poller.wire.protocol import Kind, Limits, Message, decode, encode
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode, encode
+from poller.wire.tags import unpack_many_tags
 from tests.conftest import wait_until
 from tests.test_stream import Peer
 
@@ -26,8 +28,15 @@ def _nested(depth: int) -> Any:
 
 
 def _delta(upserts: dict[str, Any], deletes: dict[str, Any] | None = None) -> list[bytes]:
-    return encode(Message(Kind.DELTA, 1, 1, {"poll": 1, "t": 0.0, "full": False, "reset": False, "end": True,
-                                             "upserts": upserts, "deletes": deletes or {}}))
+    return encode(Message(Kind.DELTA, 1, 1, packed_delta(upserts, deletes)))
+
+
+def _received(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> None:
+    """What the buffer checks of a message: its frames, then (a DELTA) each key's packed tags as it unpacks them."""
+    message = decode(frames, limits)
+    if message.kind is Kind.DELTA:
+        for _, blobs in message.body.packed.values():
+            unpack_many_tags(blobs, limits)
 
 
 def test_limits_validate_their_values() -> None:
@@ -44,24 +53,22 @@ def test_keys_per_message_counts_partitions_upserts_and_deletes() -> None:
 
 
 @pytest.mark.parametrize("kind, body", [
-    (Kind.DELTA, lambda v: {"poll": 1, "t": 0.0, "full": False, "reset": False, "end": True,
-                            "upserts": {"p": {"k": {"deep": v}}}, "deletes": {}}),
-    (Kind.DELTA, lambda v: {"poll": 1, "t": 0.0, "full": False, "reset": False, "end": True,
-                            "upserts": {}, "deletes": {}, "extra": v}),
+    (Kind.DELTA, lambda v: packed_delta({"p": {"k": {"deep": v}}})),
+    (Kind.DELTA, lambda v: {**packed_delta({}, sync=0)._asdict(), "extra": v}),
     (Kind.HEARTBEAT, lambda v: {"polls": 1, "source_errors": 0, "rss": 0, "stalled_s": 0.0, "extra": v}),
 ])
 def test_nesting_is_bounded_in_every_body(kind: Kind, body: Any) -> None:
     limits = Limits(max_depth=8)
-    decode(encode(Message(kind, 1, 1, body(_nested(3)))), limits)
+    _received(encode(Message(kind, 1, 1, body(_nested(3)))), limits)
     with pytest.raises(ProtocolError, match="deeper than 8"):
-        decode(encode(Message(kind, 1, 1, body(_nested(9)))), limits)
+        _received(encode(Message(kind, 1, 1, body(_nested(9)))), limits)
 
 
 def test_default_nesting_bound_keeps_snapshot_safe() -> None:
     # msgpack itself would accept ~1000 levels, enough to break deepcopy in snapshot().
     frames = _delta({"p": {"k": {"v": _nested(200)}}})
     with pytest.raises(ProtocolError, match="deeper than 32"):
-        decode(frames)
+        _received(frames)
 
 
 @pytest.fixture
@@ -78,8 +85,9 @@ def test_the_buffer_applies_its_configured_limits(limited: ReplayBuffer) -> None
     peer = Peer(limited.endpoint)
     try:
         peer.ready()
+        # Too deep: found as its tags are unpacked (the first message, in sequence), it asks for a resync.
+        peer.delta({"p": {"k": {"v": _nested(10)}}})
         peer.delta({"p": {f"k{i}": {} for i in range(4)}}, full=True, reset=True)   # 5 > 4
-        peer.delta({"p": {"k": {"v": _nested(10)}}})                                # too deep
         peer.delta({"p": {"k": {"v": "x" * 100}}})                                  # string too long
         assert wait_until(lambda: limited.stats()["protocol_errors"] == 3)
         peer.delta({"p": {"lost": {"v": 1}}})

@@ -24,13 +24,13 @@ from buffer.verl.config import SamplerConfig, VerlConfigError
 from poller.changes import ListingReader
 from poller.cli import main as poller_main
 from poller.duty import ListingDuty
-from poller.listing import commit_listing
 from poller.polling import PollingThread
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, VERL_POLL_INTERVAL
 from poller.wire.errors import ProtocolError
 from poller.wire.messages import Heartbeat, Sync
 from poller.wire.protocol import Kind, Message, decode, encode, encode_header
 from tests.conftest import wait_until
+from tests.helpers.deltas import read
 from tests.helpers.gaps import lose_a_message
 from tests.helpers.sources import TimedListing, listing_starts
 
@@ -206,7 +206,7 @@ def test_a_call_answered_past_stall_timeout_is_a_stall_not_a_listing(tmp_path: P
     # a share of 0.001 would hold the next one back 300 s.
     reader = ListingReader(TimedListing(str(tmp_path / "listings.log"), seconds=0.3), listing_share=0.001,
                            stall_timeout=0.2)
-    assert reader.read({}, full=True).upserts == {"train": {"train-key": {"global_steps": 1, "status": "success"}}}
+    assert read(reader, {}, True).upserts == {"train": {"train-key": {"global_steps": 1, "status": "success"}}}
     assert reader.duty.listings == 0 and reader.wait_for(full=False) == 0
 
 
@@ -358,15 +358,15 @@ def test_the_decoder_refuses_bad_listing_fields(kind: Kind, body: dict[str, obje
 @pytest.mark.parametrize("share, reconciled", [(1.0, True), (1e-6, False)])
 def test_a_reconciliation_of_a_change_feed_waits_for_the_share(store, share: float, reconciled: bool) -> None:
     store.kv_put("k0", "train", tag={"status": "running"})
-    reader = ListingReader(store, reconcile_interval=0.0, listing_share=share)  # a reconciliation always due
+    reader = ListingReader(store, listing_share=share)
+    reader.reconcile_interval = 0.0  # a reconciliation always due
     sent: dict = {}
-    commit_listing(sent, reader.read(sent, full=True), full=True)
-    reader.commit()
+    read(reader, sent, True, commit=True)
     assert reader.wait_for(full=False) == 0 and reader.wait_for(full=True) == 0  # a feed is never held
     store.kv_put("k1", "train", tag={"status": "running"})
-    diff = reader.read(sent, full=False)
+    diff = read(reader, sent, False)
     # At share 1e-6 the next full listing may start only ~10^6 listings' time later: the feed is read instead.
-    assert reader.last_complete is reconciled
+    assert diff.diff.complete is reconciled
     assert diff.upserts == {"train": {"k1": {"status": "running"}}}
     assert reader.duty.listings == (2 if reconciled else 1)
 

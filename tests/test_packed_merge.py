@@ -3,11 +3,10 @@
 Two real stores get the same random history: a source's polls (new keys,
 changed keys, keys no longer listed), the trainer's own tags beside the
 source's (some msgpack cannot hold exactly, so they stay dicts), and
-removals. One store takes each poll as a DELTA's ``packed`` carries it
-(:meth:`PartitionStore.merge_packed`, whose changed keys are merged all at
-once); the other as tag dicts (:meth:`PartitionStore.merge_listed`, a merge
-per key). Both must hold the same tags, and their step and group indexes
-must agree.
+removals. One store takes each poll as one DELTA (:meth:`PartitionStore.apply`,
+whose changed keys are merged all at once); the other takes each key of it
+as a DELTA of its own. Both must hold the same tags, and their step and
+group indexes must agree.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ import pytest
 from buffer.partitions import PartitionStore
 from buffer.steps import StepIndex
 from buffer.verl.groups import GroupIndex
-from poller.wire.tags import pack_tags, unpack_many_tags
+from poller.wire.tags import pack_tags
+from tests.helpers.deltas import apply, apply_blobs
 
 PART = "train"
 STREAM = "own"
@@ -53,13 +53,10 @@ class _Pair:
             store.attach(self.groups[id(store)])
 
     def poll(self, items: dict[str, dict[str, Any]], unlisted: list[str]) -> None:
-        keys = list(items)
-        blobs = [pack_tags(tags) for tags in items.values()]
-        assert None not in blobs
-        self.bulk.merge_packed(STREAM, PART, keys, blobs, unpack_many_tags)  # type: ignore[arg-type]
-        self.each.merge_listed(STREAM, PART, items)
-        for store in (self.bulk, self.each):
-            store.unlist(STREAM, PART, unlisted)
+        apply(self.bulk, STREAM, {PART: items}, {PART: unlisted})
+        for key, tags in items.items():
+            apply(self.each, STREAM, {PART: {key: tags}})
+        apply(self.each, STREAM, {}, {PART: unlisted})
 
     def both(self, method: str, *args: Any) -> None:
         for store in (self.bulk, self.each):
@@ -116,9 +113,9 @@ def test_a_poll_replacing_every_tag_keeps_the_bytes_that_arrived() -> None:
     store.attach(StepIndex())
     keys = [f"k{i}" for i in range(100)]
     first = [pack_tags({"status": "running", "global_steps": 1, "reward": 0.0}) for _ in keys]
-    store.merge_packed(STREAM, PART, keys, first, unpack_many_tags)  # type: ignore[arg-type]
+    apply_blobs(store, STREAM, PART, keys, first)
     second = [pack_tags({"status": "success", "global_steps": 1, "reward": i / 100}) for i in range(100)]
-    store.merge_packed(STREAM, PART, keys, second, unpack_many_tags)  # type: ignore[arg-type]
+    apply_blobs(store, STREAM, PART, keys, second)
     held = store._parts[PART]
     assert all(held[key] is blob for key, blob in zip(keys, second))
 
@@ -133,8 +130,6 @@ def test_a_policy_without_bulk_methods_is_told_each_changed_key() -> None:
 
     store, recorder = PartitionStore(), Recorder()
     store.attach(recorder)
-    store.merge_packed(STREAM, PART, ["a", "b"], [pack_tags({"v": 1}), pack_tags({"v": 1})],  # type: ignore[list-item]
-                       unpack_many_tags)
-    store.merge_packed(STREAM, PART, ["a", "b"], [pack_tags({"v": 2}), pack_tags({"v": 1})],  # type: ignore[list-item]
-                       unpack_many_tags)
+    apply(store, STREAM, {PART: {"a": {"v": 1}, "b": {"v": 1}}})
+    apply(store, STREAM, {PART: {"a": {"v": 2}, "b": {"v": 1}}})
     assert recorder.calls == [("a", None, {"v": 1}), ("b", None, {"v": 1}), ("a", {"v": 1}, {"v": 2})]

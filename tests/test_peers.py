@@ -14,6 +14,7 @@ import pytest
 from buffer.partitions import PartitionStore
 from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
+from poller.faults.peer import packed_delta
 from poller.wire.messages import Ack, Delta, Heartbeat, Log, Ready
 from poller.wire.protocol import Kind, Limits, Message, encode
 from poller.wire.tags import unpack_many_tags
@@ -28,7 +29,7 @@ def ready(seq: int = 0, epoch: int = EPOCH) -> Message:
 
 def delta(seq: int, upserts: dict[str, Any], *, full: bool = False, reset: bool = False, end: bool = True,
           deletes: dict[str, list[str]] | None = None, epoch: int = EPOCH) -> Message:
-    return Message(Kind.DELTA, epoch, seq, Delta(seq, 1.0, full, reset, end, upserts, deletes or {}))
+    return Message(Kind.DELTA, epoch, seq, packed_delta(upserts, deletes, poll=seq, full=full, reset=reset, end=end))
 
 
 def heartbeat(seq: int, last_seq: int | None = None, epoch: int = EPOCH) -> Message:
@@ -187,15 +188,15 @@ def test_clamp_level(level: int, clamped: int) -> None:
     assert clamp_level(level) == clamped
 
 
-def packed_delta(seq: int, packed: dict[str, Any], *, full: bool = False, reset: bool = False,
-                 end: bool = True) -> Message:
-    return Message(Kind.DELTA, EPOCH, seq, Delta(seq, 1.0, full, reset, end, {}, {}, packed=packed))
+def blobs_delta(seq: int, packed: dict[str, Any], *, full: bool = False, reset: bool = False,
+                end: bool = True) -> Message:
+    return Message(Kind.DELTA, EPOCH, seq, Delta(seq, 1.0, full, reset, end, packed, {}))
 
 
-def test_packed_upserts_are_applied_as_plain_ones(table: PeerTable) -> None:
+def test_packed_upserts_are_held_as_they_arrived(table: PeerTable) -> None:
     started(table)
     blob = msgpack.packb({"v": 2, "s": "ok"})
-    assert table.on_message(ID, packed_delta(2, {"p": [["b"], [blob]], "q": [["c"], [msgpack.packb({})]]}),
+    assert table.on_message(ID, blobs_delta(2, {"p": [["b"], [blob]], "q": [["c"], [msgpack.packb({})]]}),
                             0.1) == []
     assert snapshot(table) == {"p": {"a": {"v": 1}, "b": {"v": 2, "s": "ok"}}, "q": {"c": {}}}
     assert table._store._parts["p"]["b"] is blob  # held as it arrived: a resync compares these bytes
@@ -206,12 +207,12 @@ def test_undecodable_packed_tags_break_the_view_and_ask_for_a_resync(table: Peer
     good, bad = msgpack.packb({"v": 3}), msgpack.packb({"deep": [[[[[[[[[[1]]]]]]]]]]})
     table.limits = Limits(max_depth=8)
     table._unpack_tags = lambda blobs: unpack_many_tags(blobs, table.limits)
-    actions = table.on_message(ID, packed_delta(2, {"p": [["ok", "deep"], [good, bad]]}), 0.1)
+    actions = table.on_message(ID, blobs_delta(2, {"p": [["ok", "deep"], [good, bad]]}), 0.1)
     assert kinds(actions) == [Kind.RESYNC] and table.protocol_errors == 1
     assert "a" in snapshot(table)["p"] and "ok" not in snapshot(table)["p"]  # nothing of that partition changed
     assert table._store.view_gap("p") is not None  # no decision on this stream until the resync
     # Deltas are ignored until the snapshot asked for; the snapshot makes the view whole again.
-    assert table.on_message(ID, packed_delta(3, {"p": [["x"], [good]]}), 0.2) == []
+    assert table.on_message(ID, blobs_delta(3, {"p": [["x"], [good]]}), 0.2) == []
     assert "x" not in snapshot(table)["p"]
-    assert table.on_message(ID, packed_delta(4, {"p": [["ok"], [good]]}, full=True, reset=True), 0.3) == []
+    assert table.on_message(ID, blobs_delta(4, {"p": [["ok"], [good]]}, full=True, reset=True), 0.3) == []
     assert snapshot(table) == {"p": {"ok": {"v": 3}}} and table._store.view_gap("p") is None

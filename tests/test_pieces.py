@@ -1,4 +1,4 @@
-"""A poll sent piece by piece (poller.pieces.ScreenedPieces): the same stream as the whole diff, made lazily."""
+"""A poll sent piece by piece (poller.diff.Diff): the same stream as the whole diff at once, made lazily."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 
-from poller.deltas import iter_encode_pieces
-from poller.listing import Listing, ListingDiff, RawSnapshot, commit_listing, diff_raw_listing
-from poller.pieces import ScreenedPieces, screen_diff
-from poller.wire.protocol import Kind, Limits, decode, encode_header
-from poller.wire.tags import delta_upserts, pack_tags
+from poller.diff import Diff, Sent
+from poller.wire.protocol import Kind, Limits, decode, encode_header, iter_encode_delta
+from poller.wire.tags import pack_tags
+from tests.helpers.deltas import delta_tags
 
 LIMITS = Limits(max_str_len=64, max_depth=8)
 
@@ -64,7 +63,7 @@ def _received(bodies: list[bytes]) -> tuple[dict[str, dict[str, Any]], dict[str,
     ends = []
     for seq, body in enumerate(bodies):
         delta = decode([encode_header(Kind.DELTA, 1, seq), body], LIMITS).body
-        for partition, items in delta_upserts(delta, LIMITS).items():
+        for partition, items in delta_tags(delta, LIMITS).items():
             upserts.setdefault(partition, {}).update(items)
         for partition, keys in delta.deletes.items():
             deletes.setdefault(partition, []).extend(keys)
@@ -72,11 +71,10 @@ def _received(bodies: list[bytes]) -> tuple[dict[str, dict[str, Any]], dict[str,
     return upserts, deletes, ends
 
 
-def _send(given: ListingDiff | RawSnapshot, sent: Listing, full: bool,
-          size: int) -> tuple[ScreenedPieces, list[bytes]]:
-    pieces = ScreenedPieces(given, sent, full, LIMITS, size)
-    bodies = list(iter_encode_pieces(pieces, pieces.deletes, poll=1, started=0.0, full=full, chunk_items=size,
-                                     max_frame_bytes=LIMITS.max_frame_bytes))
+def _send(listing: Any, sent: Sent, full: bool, size: int, chunk_items: int | None = None) -> tuple[Diff, list[bytes]]:
+    pieces = Diff([listing], sent, full=full, limits=LIMITS, size=size)
+    bodies = list(iter_encode_delta(pieces, pieces.deletes, poll=1, started=0.0, full=full,
+                                    chunk_items=chunk_items or size, max_frame_bytes=LIMITS.max_frame_bytes))
     return pieces, bodies
 
 
@@ -96,19 +94,19 @@ def _apply(state: dict[str, dict[str, Any]], upserts: dict[str, dict[str, Any]],
 def test_a_poll_sent_in_pieces_leaves_the_receiver_what_the_whole_diff_leaves(seed: int) -> None:
     rng = random.Random(seed)
     size = rng.choice([1, 3, 7, 64])
-    sent_pieces: Listing = {}
-    sent_whole: Listing = {}
+    sent_pieces: Sent = {}
+    sent_whole: Sent = {}
     held_pieces: dict[str, dict[str, Any]] = {}
     held_whole: dict[str, dict[str, Any]] = {}
     listing = _listing(rng, rng.randrange(0, 150))
     for poll in range(5):
         full = poll in (0, 2)  # a first snapshot, a poll, a resync, two polls
-        whole = screen_diff(diff_raw_listing(sent_whole, listing, full), sent_whole, full, LIMITS)
-        given = RawSnapshot(listing) if full else diff_raw_listing(sent_pieces, listing, full)
-        pieces, bodies = _send(given, sent_pieces, full, size)
+        whole, whole_bodies = _send(listing, sent_whole, full, 10**6, chunk_items=10**6)
+        whole_upserts, whole_deletes, _ = _received(whole_bodies)
+        pieces, bodies = _send(listing, sent_pieces, full, size)
         upserts, deletes, ends = _received(bodies)
         _apply(held_pieces, upserts, deletes, full)
-        _apply(held_whole, whole.upserts, whole.deletes, full)
+        _apply(held_whole, whole_upserts, whole_deletes, full)
 
         assert {p: items for p, items in held_pieces.items() if items} == \
             {p: items for p, items in held_whole.items() if items}
@@ -118,10 +116,10 @@ def test_a_poll_sent_in_pieces_leaves_the_receiver_what_the_whole_diff_leaves(se
                                                           LIMITS).body.packed.values()) for b in bodies]
         assert all(n <= size for n in key_counts)
         if full:  # a poll does not send again tags converted to what was sent
-            assert upserts == {p: items for p, items in whole.upserts.items() if items}
+            assert upserts == {p: items for p, items in whole_upserts.items() if items}
 
-        commit_listing(sent_pieces, pieces.diff, full, pieces.packed)
-        commit_listing(sent_whole, whole, full)
+        pieces.commit(sent_pieces)
+        whole.commit(sent_whole)
         assert {p: set(items) for p, items in sent_pieces.items() if items} == \
             {p: set(items) for p, items in sent_whole.items() if items}
         listing = _changed(rng, listing)
@@ -129,10 +127,10 @@ def test_a_poll_sent_in_pieces_leaves_the_receiver_what_the_whole_diff_leaves(se
 
 def test_a_snapshot_is_diffed_and_screened_only_as_far_as_its_pieces_were_taken() -> None:
     listing = {"a": {f"k{i}": {"v": i} for i in range(8)}, "b": {"bad": {"s": "x" * 100}, "ok": {"v": 1}}}
-    pieces = ScreenedPieces(RawSnapshot(listing), {}, True, LIMITS, 4)
+    pieces = Diff([listing], {}, full=True, limits=LIMITS, size=4)
     taken = iter(pieces)
     first = next(taken)
-    assert first == {"a": {f"k{i}": first["a"][f"k{i}"] for i in range(4)}}
+    assert first == {"a": ([f"k{i}" for i in range(4)], [pack_tags({"v": i}) for i in range(4)])}
     assert pieces.refused == []  # partition b's bad key not looked at yet
     rest = list(taken)
     assert [sorted(p) for p in rest] == [["a"], ["b"]]
@@ -141,10 +139,10 @@ def test_a_snapshot_is_diffed_and_screened_only_as_far_as_its_pieces_were_taken(
 
 
 def test_a_resync_screens_only_the_tags_that_changed_since_they_were_sent() -> None:
-    sent: Listing = {}
+    sent: Sent = {}
     listing: dict[str, dict[str, Any]] = {"p": {f"k{i}": {"v": i} for i in range(10)}}
-    pieces, _ = _send(RawSnapshot(listing), sent, True, 4)
-    commit_listing(sent, pieces.diff, True, pieces.packed)
+    pieces, _ = _send(listing, sent, True, 4)
+    pieces.commit(sent)
     assert sent == {"p": {f"k{i}": pack_tags({"v": i}) for i in range(10)}}
     # A resync lists the same tags again: they are sent as they were packed,
     # not screened (an entry of sent changed behind the diff's back shows
@@ -153,8 +151,7 @@ def test_a_resync_screens_only_the_tags_that_changed_since_they_were_sent() -> N
     held["k0"] = pack_tags({"s": "x" * 100})
     listing["p"]["k0"] = {"s": "x" * 100}
     listing["p"]["new"] = {"s": "y" * 100}
-    assert RawSnapshot(listing).diff(sent).fresh == {"p": ["new"]}
-    pieces = ScreenedPieces(RawSnapshot(listing), sent, True, LIMITS, 4)
-    packed = [key for piece in pieces for key in piece["p"]]
+    pieces = Diff([listing], sent, full=True, limits=LIMITS, size=4)
+    packed = [key for piece in pieces for key in piece["p"][0]]
     assert [(r.partition, r.key) for r in pieces.refused] == [("p", "new")]
     assert sorted(packed) == sorted(f"k{i}" for i in range(10))

@@ -8,22 +8,22 @@ from typing import Any
 import msgpack
 import pytest
 
-from poller.deltas import iter_encode_delta
-from poller.listing import ListingDiff, diff_raw_listing
 from poller.wire.errors import PollerError, ProtocolError
 from poller.wire.messages import RECORDS, Delta, to_record
-from poller.wire.protocol import PROTOCOL_VERSION, Kind, Limits, Message, decode, encode, encode_body, encode_header
-from poller.wire.tags import delta_upserts, unpack_many_tags, unpack_tags
+from poller.wire.protocol import (PROTOCOL_VERSION, Kind, Limits, Message, decode, encode, encode_body, encode_header,
+                                  iter_encode_delta)
+from poller.wire.tags import unpack_many_tags, unpack_tags
+from tests.helpers.deltas import delta_tags, packed_sent, pieces_of, polled
 
 
-def _encoded(diff: ListingDiff, **options: Any) -> list[bytes]:
-    """Every body the poller's encoder yields for ``diff``."""
-    return list(iter_encode_delta(diff.upserts, diff.deletes, **options))
+def _encoded(upserts: dict[str, dict[str, Any]], deletes: dict[str, list[str]], **options: Any) -> list[bytes]:
+    """Every body the poller's encoder yields for these upserts (packed) and deletes."""
+    return list(iter_encode_delta(pieces_of(upserts), deletes, **options))
 
 
 def _listed(raw: Any) -> dict[str, Any]:
-    """``raw`` checked and copied, as the poller's first (full) poll takes it."""
-    return diff_raw_listing({}, raw, full=True).upserts
+    """``raw`` checked, as the poller's first (full) poll sends it."""
+    return polled({}, raw, full=True).upserts
 
 
 # One valid body per kind, with the types the schema demands.
@@ -31,8 +31,8 @@ BODIES: dict[Kind, dict[str, Any]] = {
     Kind.READY: {"pid": 1234, "name": "poller-a", "interval": 0.5, "source": "m:attr", "host": "h"},
     Kind.DELTA: {
         "poll": 3, "t": 1700000000.25, "full": True, "reset": True, "end": False,
-        "upserts": {"train": {"k1": {"global_steps": 1, "status": "running"}, "k2": {}},
-                    "eval": {"ü-key": {"nested": {"a": [1, 2.5, None, "x"]}}}},
+        "packed": {"train": [["k1", "k2"], [msgpack.packb({"global_steps": 1, "status": "running"}), b"\x80"]],
+                   "eval": [["ü-key"], [msgpack.packb({"nested": {"a": [1, 2.5, None, "x"]}})]]},
         "deletes": {"train": ["k0", "k-1"]},
     },
     Kind.HEARTBEAT: {"polls": 10, "source_errors": 0, "rss": 123456, "stalled_s": 0.0},
@@ -77,15 +77,23 @@ def test_round_trip_of_every_kind(kind: Kind) -> None:
 def test_round_trip_of_a_delta_built_from_its_parts() -> None:
     upserts = {"train": {"k": {"status": "success", "global_steps": 4}}}
     deletes = {"train": ["gone"]}
-    raw, = iter_encode_delta(upserts, deletes, poll=9, started=12.5, full=False, chunk_items=10,
-                             max_frame_bytes=10**6, sync=4)
+    raw, = _encoded(upserts, deletes, poll=9, started=12.5, full=False, chunk_items=10, max_frame_bytes=10**6,
+                    sync=4)
+    # Upserts travel packed, each key's tags alone; ``upserts`` is written empty, for older buffers.
+    assert msgpack.unpackb(raw)["upserts"] == {}
     message = decode([encode_header(Kind.DELTA, 1, 3), raw])
-    # A poller's upserts travel packed, each key's tags alone.
-    assert message.body.upserts == {} and message.body.packed == {
-        "train": [["k"], [msgpack.packb({"status": "success", "global_steps": 4})]]}
-    assert delta_upserts(message.body) == upserts
-    assert message.body._replace(packed=None) == Delta(poll=9, t=12.5, full=False, reset=False, end=True,
-                                                       upserts={}, deletes=deletes, sync=4)
+    assert message.body.packed == {"train": [["k"], [msgpack.packb({"status": "success", "global_steps": 4})]]}
+    assert delta_tags(message.body) == upserts
+    assert message.body._replace(packed={}) == Delta(poll=9, t=12.5, full=False, reset=False, end=True, packed={},
+                                                     deletes=deletes, sync=4)
+
+
+def test_a_delta_with_upserts_is_refused() -> None:
+    """Protocol 2's first form, tags as plain maps in ``upserts``: refused, and the message says why."""
+    frames = [header(kind=int(Kind.DELTA)), body(dict(BODIES[Kind.DELTA], upserts={"p": {"k": {"v": 1}}}))]
+    with pytest.raises(ProtocolError, match="upserts must be empty.*packed"):
+        decode(frames)
+    decode([header(kind=int(Kind.DELTA)), body(dict(BODIES[Kind.DELTA], upserts={}))])  # empty: accepted
 
 
 @pytest.mark.parametrize("kind, field, value", [(Kind.SYNC, "token", 0), (Kind.SYNC, "token", "1"),
@@ -213,10 +221,10 @@ def test_mistyped_field(kind: Kind, name: str, value: Any) -> None:
     ({"train": ["k"]}, {}),
     ([], {}),
     (None, {}),
-    ({"train": {}}, {"train": "k"}),
-    ({"train": {}}, {"train": [1]}),
-    ({"train": {}}, ["k"]),
-    ({"train": {}}, None),
+    ({}, {"train": "k"}),
+    ({}, {"train": [1]}),
+    ({}, ["k"]),
+    ({}, None),
 ], ids=lambda v: repr(v))
 def test_delta_items_are_checked(upserts: Any, deletes: Any) -> None:
     broken = dict(BODIES[Kind.DELTA], upserts=upserts, deletes=deletes)
@@ -307,7 +315,7 @@ def test_string_and_item_limits() -> None:
     frames = encode(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="y" * 100)))
     with pytest.raises(ProtocolError):
         decode(frames, Limits(max_str_len=50))
-    many = dict(BODIES[Kind.DELTA], upserts={"train": {f"k{i}": {} for i in range(20)}})
+    many = dict(BODIES[Kind.DELTA], packed={"train": [[f"k{i}" for i in range(20)], [b"\x80"] * 20]})
     frames = encode(Message(Kind.DELTA, 1, 0, many))
     with pytest.raises(ProtocolError):
         decode(frames, Limits(max_items=10))
@@ -361,12 +369,11 @@ def test_fuzzed_frames_raise_only_protocol_error() -> None:
 def test_encode_body_of_an_unencodable_value() -> None:
     with pytest.raises(ProtocolError, match="LOG"):
         encode_body(Kind.LOG, dict(BODIES[Kind.LOG], extra=object()))
-    bad_delta = dict(BODIES[Kind.DELTA], upserts={"train": {"k": {"when": object()}}})
+    bad_delta = dict(BODIES[Kind.DELTA], extra={"when": object()})
     with pytest.raises(ProtocolError):
         encode_body(Kind.DELTA, bad_delta)
-    with pytest.raises(ProtocolError):
-        list(iter_encode_delta({"train": {"k": {"s": {1, 2}}}}, {}, poll=1, started=0.0, full=True, chunk_items=10,
-                               max_frame_bytes=10**6))
+    # Tags msgpack cannot encode never reach the encoder: the poller's diff refuses them.
+    assert [r.key for r in polled({}, {"train": {"k": {"s": {1, 2}}}}, full=True).refused] == ["k"]
     with pytest.raises(ProtocolError):
         encode_body(Kind.HEARTBEAT, dict(BODIES[Kind.HEARTBEAT], rss=2**70))
     assert issubclass(ProtocolError, PollerError)
@@ -382,17 +389,17 @@ def test_encode_body_checks_the_schema() -> None:
 def _decode_bodies(bodies: list[bytes], max_frame_bytes: int) -> list[dict[str, Any]]:
     limits = Limits(max_frame_bytes=max_frame_bytes)
     decoded = [decode([encode_header(Kind.DELTA, 1, i), b], limits).body for i, b in enumerate(bodies)]
-    return [{**body._asdict(), "upserts": delta_upserts(body, limits)} for body in decoded]
+    return [{**body._asdict(), "upserts": delta_tags(body, limits)} for body in decoded]
 
 
-def _big_diff() -> ListingDiff:
+def _big_diff() -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
     upserts = {
         "train": {f"train-{i:04d}": {"global_steps": i // 10, "status": "success", "pad": "p" * 40}
                   for i in range(200)},
         "eval": {f"eval-{i:03d}": {"status": "running"} for i in range(30)},
     }
     deletes = {"train": [f"old-{i}" for i in range(50)], "eval": ["e-old"]}
-    return ListingDiff(upserts, deletes)
+    return upserts, deletes
 
 
 def _merge_bodies(decoded: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
@@ -410,9 +417,9 @@ def _merge_bodies(decoded: list[dict[str, Any]]) -> tuple[dict[str, dict[str, An
 
 @pytest.mark.parametrize("full", [True, False])
 def test_encode_diff_splits_by_size(full: bool) -> None:
-    diff = _big_diff()
+    diff_upserts, diff_deletes = _big_diff()
     limit = 2000
-    bodies = _encoded(diff, poll=4, started=99.5, full=full, chunk_items=100_000, max_frame_bytes=limit)
+    bodies = _encoded(diff_upserts, diff_deletes, poll=4, started=99.5, full=full, chunk_items=100_000, max_frame_bytes=limit)
     assert len(bodies) > 3
     assert all(len(b) <= limit for b in bodies)
     decoded = _decode_bodies(bodies, limit)
@@ -420,13 +427,13 @@ def test_encode_diff_splits_by_size(full: bool) -> None:
     assert [b["end"] for b in decoded] == [False] * (len(decoded) - 1) + [True]
     assert all(b["full"] is full and b["poll"] == 4 and b["t"] == 99.5 for b in decoded)
     upserts, deletes = _merge_bodies(decoded)
-    assert upserts == diff.upserts
-    assert {p: sorted(k) for p, k in deletes.items()} == {p: sorted(k) for p, k in diff.deletes.items()}
+    assert upserts == diff_upserts
+    assert {p: sorted(k) for p, k in deletes.items()} == {p: sorted(k) for p, k in diff_deletes.items()}
 
 
 def test_encode_diff_splits_by_item_count() -> None:
-    diff = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {"p": ["x", "y"]})
-    bodies = _encoded(diff, poll=1, started=0.0, full=True, chunk_items=3, max_frame_bytes=10**6)
+    diff_upserts, diff_deletes = {"p": {f"k{i}": {"i": i} for i in range(10)}}, {"p": ["x", "y"]}
+    bodies = _encoded(diff_upserts, diff_deletes, poll=1, started=0.0, full=True, chunk_items=3, max_frame_bytes=10**6)
     decoded = _decode_bodies(bodies, 10**6)
     assert len(decoded) >= 4
     assert all(sum(map(len, b["upserts"].values())) + sum(map(len, b["deletes"].values())) <= 3
@@ -434,41 +441,39 @@ def test_encode_diff_splits_by_item_count() -> None:
     assert decoded[0]["reset"] and not any(b["reset"] for b in decoded[1:])
     assert decoded[-1]["end"] and not any(b["end"] for b in decoded[:-1])
     upserts, deletes = _merge_bodies(decoded)
-    assert upserts == diff.upserts and deletes == diff.deletes
+    assert upserts == diff_upserts and deletes == diff_deletes
 
 
 def test_encode_diff_of_a_small_or_empty_diff_is_one_body() -> None:
-    for diff in (ListingDiff({}, {}), ListingDiff({"p": {"k": {"s": 1}}}, {})):
-        bodies = _encoded(diff, poll=2, started=1.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+    for diff_upserts in ({}, {"p": {"k": {"s": 1}}}):
+        bodies = _encoded(diff_upserts, {}, poll=2, started=1.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
         assert len(bodies) == 1
         (only,) = _decode_bodies(bodies, 10**6)
         assert only["reset"] and only["end"] and only["full"]
-        assert only["upserts"] == diff.upserts and only["deletes"] == {}
+        assert only["upserts"] == diff_upserts and only["deletes"] == {}
 
 
 def test_encode_diff_sends_no_empty_bodies() -> None:
-    by_count = ListingDiff({"p": {f"k{i}": {"i": i} for i in range(10)}}, {})
-    bodies = _encoded(by_count, poll=1, started=0.0, full=True, chunk_items=5, max_frame_bytes=10**6)
+    by_count = {"p": {f"k{i}": {"i": i} for i in range(10)}}
+    bodies = _encoded(by_count, {}, poll=1, started=0.0, full=True, chunk_items=5, max_frame_bytes=10**6)
     assert len(bodies) == 2
-    by_size = ListingDiff({"p": {f"k{i:03d}": {"pad": "x" * 40} for i in range(64)}}, {})
-    decoded = _decode_bodies(_encoded(by_size, poll=1, started=0.0, full=True, chunk_items=4096,
+    by_size = {"p": {f"k{i:03d}": {"pad": "x" * 40} for i in range(64)}}
+    decoded = _decode_bodies(_encoded(by_size, {}, poll=1, started=0.0, full=True, chunk_items=4096,
                                          max_frame_bytes=1000), 1000)
     assert all(b["upserts"] or b["deletes"] for b in decoded)
 
 
 def test_encode_diff_refuses_one_entry_over_the_limit() -> None:
-    diff = ListingDiff({"p": {"small": {"s": 1}, "huge": {"blob": "x" * 5000}}}, {})
     with pytest.raises(ProtocolError, match="frame limit"):
-        _encoded(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=1000)
+        _encoded({"p": {"small": {"s": 1}, "huge": {"blob": "x" * 5000}}}, {}, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=1000)
 
 
-def test_encode_diff_refuses_unencodable_tags() -> None:
-    diff = ListingDiff({"p": {"k": {"bad": object()}}}, {})
-    with pytest.raises(ProtocolError):
-        _encoded(diff, poll=1, started=0.0, full=True, chunk_items=4096, max_frame_bytes=10**6)
+def test_unencodable_tags_are_refused_before_they_are_encoded() -> None:
+    got = polled({}, {"p": {"k": {"bad": object()}, "ok": {}}}, full=True)
+    assert got.upserts == {"p": {"ok": {}}} and [r.key for r in got.refused] == ["k"]
 
 
-# -- diff_raw_listing -------------------------------------------------------------
+# -- the diff (poller.diff) -------------------------------------------------------------
 
 @pytest.mark.parametrize("raw", [
     [("train", {})],
@@ -488,40 +493,39 @@ def test_a_listing_of_garbage_is_refused(raw: Any) -> None:
     ({"bad": ["k1", "k2"], "train": {"a": {}}}, [("bad", "*", "the partition's entry is list, not a mapping of keys")]),
 ], ids=repr)
 def test_a_bad_record_is_refused_alone_and_the_rest_is_listed(raw: Any, refused: list[Any]) -> None:
-    diff = diff_raw_listing({}, raw, full=True)
+    diff = polled({}, raw, full=True)
     assert [tuple(r) for r in diff.refused] == refused
     assert [key for items in diff.upserts.values() for key in items] == ["a"]
 
 
-def test_a_listing_maps_none_and_is_copied() -> None:
+def test_a_listing_maps_none_and_leaves_the_sources_tags_alone() -> None:
     assert _listed(None) == {}
     assert _listed({}) == {}
-    source_tags = {"status": "running"}
+    source_tags = {"status": "running", "pair": (1, 2)}
     raw = {"train": {"k1": source_tags, "k2": None}, "empty": {}, "gone": None}
-    listing = _listed(raw)
-    assert listing == {"train": {"k1": {"status": "running"}, "k2": {}}}
-    listing["train"]["k1"]["status"] = "changed"
-    assert source_tags == {"status": "running"}  # fresh dicts, the source's are untouched
+    assert _listed(raw) == {"train": {"k1": {"status": "running", "pair": [1, 2]}, "k2": {}}}
+    assert source_tags == {"status": "running", "pair": (1, 2)}  # the screen converts a copy
 
 
 def test_diff_finds_changed_new_and_vanished() -> None:
-    sent = {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
+    sent = packed_sent({"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}})
+    before = {partition: dict(items) for partition, items in sent.items()}
     listing = {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
-    diff = diff_raw_listing(sent, listing, full=False)
+    diff = polled(sent, listing, full=False)
     assert diff.upserts == {"train": {"b": {"s": 20}, "c": {"s": 3}}, "new": {"n": {}}}
     assert {p: sorted(k) for p, k in diff.deletes.items()} == {"train": ["d"], "old": ["x"]}
-    assert diff.item_count() == 5
-    assert sent == {"train": {"a": {"s": 1}, "b": {"s": 2}, "d": {"s": 4}}, "old": {"x": {}}}
+    assert sent == before  # not modified before the commit
+    diff.diff.commit(sent)
+    assert sent == packed_sent(listing)
 
 
 def test_diff_full_sends_everything_and_deletes_nothing() -> None:
-    sent = {"train": {"a": {"s": 1}, "gone": {}}}
+    sent = packed_sent({"train": {"a": {"s": 1}, "gone": {}}})
     listing = {"train": {"a": {"s": 1}, "b": {}}}
-    diff = diff_raw_listing(sent, listing, full=True)
+    diff = polled(sent, listing, full=True)
     assert diff.upserts == listing and diff.deletes == {}
 
 
 def test_diff_of_identical_listings_is_empty() -> None:
-    listing = {"train": {"a": {"s": 1}}}
-    diff = diff_raw_listing(listing, {"train": {"a": {"s": 1}}}, full=False)
-    assert diff.upserts == {} and diff.deletes == {} and diff.item_count() == 0
+    diff = polled(packed_sent({"train": {"a": {"s": 1}}}), {"train": {"a": {"s": 1}}}, full=False)
+    assert diff.upserts == {} and diff.deletes == {} and diff.refused == []

@@ -14,7 +14,6 @@ import signal
 import socket
 import stat
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,6 +23,7 @@ import zmq
 from buffer import ReplayBuffer
 from buffer.access import InsecureBindError, is_local_endpoint, normalize_bind
 from poller.cli import main
+from poller.faults.peer import packed_delta
 from poller.sources.sqlite import SqliteSource
 from poller.wire.curve import CurveClient, CurveServer, generate_pair, load_key_pair, load_public_key, make_keys
 from poller.wire.protocol import Kind, Message, encode
@@ -186,9 +186,8 @@ class _Dealer:
 
     def send_snapshot(self, items: dict[str, Any], epoch: int = 5) -> None:
         self.sock.send_multipart(encode(Message(Kind.READY, epoch, 0, {"pid": 1, "name": "x", "interval": 0.1})))
-        self.sock.send_multipart(encode(Message(Kind.DELTA, epoch, 1, {
-            "poll": 1, "t": time.time(), "full": True, "reset": True, "end": True,
-            "upserts": {"p": items}, "deletes": {}})))
+        self.sock.send_multipart(encode(Message(Kind.DELTA, epoch, 1, packed_delta({"p": items}, full=True,
+                                                                                   reset=True))))
 
     def close(self) -> None:
         self.sock.close(0)

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from poller.changes import ListingReader
-from poller.listing import RawSnapshot
-from poller.polling import Listing, PollingThread
+from poller.diff import Sent
+from poller.polling import PollingThread
 from poller.sources.sqlite import SqliteSource
-from poller.wire.protocol import Kind
+from poller.wire.protocol import DEFAULT_LIMITS, Kind
 
 JOIN_TIMEOUT = 60.0
 
@@ -117,7 +117,7 @@ def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_han
         emitted.append(kind)
         return True
 
-    thread = PollingThread(store, emit, interval=0.01, max_failures=3, backoff_base=0.01)
+    thread = PollingThread(store, emit, interval=0.01, max_failures=3)
     thread.start()
     try:
         thread.join(JOIN_TIMEOUT)
@@ -135,10 +135,8 @@ def test_the_reader_times_a_listing_read_in_pieces_once_it_is_read(db: Path) -> 
     with SqliteSource(str(db)) as store:
         _fill(store, 300)
         reader = ListingReader(store)
-        sent: Listing = {}
-        snapshot = reader.read_to_send(sent, True)
-        assert isinstance(snapshot, RawSnapshot)
+        sent: Sent = {}
+        snapshot = reader.read(sent, True, limits=DEFAULT_LIMITS, size=4096)
         assert reader.duty.listings == 0  # nothing read yet but the cursor
-        diff = snapshot.diff(sent)
-        assert sum(map(len, diff.upserts.values())) == 400
+        assert sum(len(keys) for piece in snapshot for keys, _ in piece.values()) == 400
         assert reader.duty.listings == 1

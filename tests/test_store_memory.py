@@ -11,8 +11,9 @@ import pytest
 from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
-from poller.listing import commit_listing, diff_raw_listing
+from poller.wire.messages import Delta
 from poller.wire.tags import unpack_many_tags
+from tests.helpers.deltas import apply, apply_blobs
 
 
 class _Store(PartitionStore):
@@ -50,9 +51,9 @@ def test_merging_an_object_msgpack_cannot_hold_keeps_merge_semantics():
 
 def test_a_resync_of_the_same_tags_changes_nothing():
     store = _Store()
-    store.merge_listed("src", "train", {"k": {"global_steps": 1, "status": "running"}})
-    store.merge_listed("src", "train", {"k": {"global_steps": 1, "status": "running"}})
-    store.merge_listed("src", "train", {"k": {"status": "success"}})
+    apply(store, "src", {"train": {"k": {"global_steps": 1, "status": "running"}}})
+    apply(store, "src", {"train": {"k": {"global_steps": 1, "status": "running"}}})
+    apply(store, "src", {"train": {"k": {"status": "success"}}})
     assert store.sample("train", global_steps=1).tags == [{"global_steps": 1, "status": "success"}]
 
 
@@ -60,31 +61,15 @@ def test_after_one_full_collection_the_big_containers_are_not_tracked():
     store = _Store()
     items = {f"k{i}": {"global_steps": i % 3, "status": ("success", "running")[i % 2], "r": i / 7}
              for i in range(20_000)}
-    store.merge_listed("src", "train", items)
+    apply(store, "src", {"train": items})
     gc.collect()
     items = store._parts["train"]
     index = store.steps.index.parts["train"]
     untracked = [items, index.arrival, index.success, store.ledger._listed["src"]["train"],
                  *index.running_by_step.values(), *index.success_by_step.values()]
     assert not any(gc.is_tracked(c) for c in untracked)
-    store.merge_listed("src", "train", {"k1": {"status": "running"}, "new": {"status": "success"}})
+    apply(store, "src", {"train": {"k1": {"status": "running"}, "new": {"status": "success"}}})
     assert not gc.is_tracked(items)  # packed values never make it tracked again
-
-
-def test_diff_raw_listing_copies_only_what_changed_and_commits_after():
-    source_tags = {"s": 1}
-    sent = diff_raw_listing({}, {"train": {"a": source_tags, "b": {"s": 2}}, "old": {"x": {}}}, full=True).upserts
-    held_a = sent["train"]["a"]
-    raw = {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": None}, "old": {}}
-    diff = diff_raw_listing(sent, raw, full=False)
-    assert diff.upserts == {"train": {"b": {"s": 20}, "c": {}}}
-    assert diff.deletes == {"old": ["x"]}
-    assert sent["train"]["b"] == {"s": 2}  # not modified before the commit
-    commit_listing(sent, diff, full=False)
-    assert sent == {"train": {"a": {"s": 1}, "b": {"s": 20}, "c": {}}}
-    assert sent["train"]["a"] is held_a and sent["train"]["a"] is not source_tags
-    full = diff_raw_listing(sent, raw, full=True)
-    assert full.upserts == sent and full.deletes == {}
 
 
 class _Counting:
@@ -106,7 +91,7 @@ def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy():
     policy = _Counting()
     store.attach(policy)
     items = {f"k{i}": {"global_steps": i, "status": "success"} for i in range(100)}
-    store.merge_packed("src", "train", *_packed(items), unpack_many_tags)
+    apply_blobs(store, "src", "train", *_packed(items))
     assert len(policy.changes) == 100 and store.snapshot("train") == items
     unpacked: list[bytes] = []
 
@@ -115,9 +100,7 @@ def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy():
         return unpack_many_tags(blobs)
 
     items["k7"] = {"global_steps": 7, "status": "failure"}
-    store.begin_snapshot("src")
-    store.merge_packed("src", "train", *_packed(items), counting_unpack)
-    store.end_snapshot("src")
+    store.apply("src", 1, Delta(2, 0.0, True, True, True, {"train": [*_packed(items)]}, {}), counting_unpack)
     assert unpacked == [msgpack.packb(items["k7"])]  # only the changed key was unpacked
     assert policy.changes[100:] == [("k7", {"global_steps": 7, "status": "success"}, items["k7"])]
     assert store.snapshot("train") == items
@@ -126,22 +109,22 @@ def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy():
 def test_packed_tags_merge_into_the_trainers_own():
     store = PartitionStore()
     store.add("train", {"k": {"global_steps": 2, "status": "running"}, "t": {"pair": (1, 2)}})
-    store.merge_packed("src", "train", *_packed({"k": {"status": "success"}, "t": {"r": 1.5}}), unpack_many_tags)
+    apply_blobs(store, "src", "train", *_packed({"k": {"status": "success"}, "t": {"r": 1.5}}))
     assert store.snapshot("train") == {"k": {"global_steps": 2, "status": "success"}, "t": {"pair": (1, 2), "r": 1.5}}
     assert type(store.snapshot("train")["t"]["pair"]) is tuple  # msgpack would make it a list: kept as a dict
     # The same listing again changes nothing: the held bytes are the merge, not what arrived.
     policy = _Counting()
     store.attach(policy)
-    store.merge_packed("src", "train", *_packed({"k": {"status": "success"}, "t": {"r": 1.5}}), unpack_many_tags)
+    apply_blobs(store, "src", "train", *_packed({"k": {"status": "success"}, "t": {"r": 1.5}}))
     assert store.snapshot("train")["k"] == {"global_steps": 2, "status": "success"}
     assert all(old == new for _, old, new in policy.changes[2:])
 
 
 def test_a_removed_key_is_not_brought_back_by_packed_tags():
     store = PartitionStore()
-    store.merge_packed("src", "train", *_packed({"a": {"v": 1}, "b": {"v": 2}}), unpack_many_tags)
+    apply_blobs(store, "src", "train", *_packed({"a": {"v": 1}, "b": {"v": 2}}))
     store.remove("train", ["a"])
-    store.merge_packed("src", "train", *_packed({"a": {"v": 1}, "b": {"v": 3}}), unpack_many_tags)
+    apply_blobs(store, "src", "train", *_packed({"a": {"v": 1}, "b": {"v": 3}}))
     assert store.snapshot("train") == {"b": {"v": 3}}
 
 
@@ -153,8 +136,9 @@ def test_a_snapshot_told_at_once_indexes_as_key_by_key(unhashable_steps: bool):
     items["running-no-step"] = {"status": "running"}
     items["bare"] = {}
     bulk, one_by_one = _Store(), _Store()
-    bulk.merge_packed("src", "train", *_packed(items), unpack_many_tags)  # the index's on_added
-    one_by_one.merge_listed("src", "train", items)  # on_change per key
+    apply(bulk, "src", {"train": items})  # the index's on_added
+    for key, tags in items.items():
+        apply(one_by_one, "src", {"train": {key: tags}})  # on_change per key
     assert bulk.steps.index.parts == one_by_one.steps.index.parts
     assert bulk.steps.index._arrivals == one_by_one.steps.index._arrivals == len(items)
     assert bulk.sample("train", batch_size=40, timeout=0).keys == one_by_one.sample("train", batch_size=40, timeout=0).keys

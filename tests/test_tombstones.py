@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from poller.faults.peer import RoguePeer
+from poller.faults.peer import RoguePeer, packed_delta
 from poller.faults.store import replace
 from poller.wire.protocol import Kind
 from tests.conftest import wait_until
@@ -72,8 +72,7 @@ def peer(rb):
 def _poll(rb: ReplayBuffer, peer: RoguePeer, number: int, started: float, upserts: dict[str, Any]) -> None:
     """Send poll ``number`` (begun at ``started`` on the peer's clock) whole; wait until it is applied."""
     marker = f"poll-{number}"
-    peer.send(Kind.DELTA, {"poll": number, "t": started, "full": False, "reset": False, "end": True,
-                           "upserts": {**upserts, "marks": {marker: {}}}, "deletes": {}})
+    peer.send(Kind.DELTA, packed_delta({**upserts, "marks": {marker: {}}}, poll=number)._replace(t=started))
     assert wait_until(lambda: marker in rb.snapshot("marks"))
 
 

@@ -14,10 +14,12 @@ import struct
 import msgpack
 import pytest
 
-from poller.listing import ListingDiff, RawSnapshot, commit_listing, diff_raw_listing
+from poller.diff import Diff
 from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
 from poller.wire.sources import PackedItems, packed_listing
+from poller.wire.protocol import DEFAULT_LIMITS
 from poller.wire.tags import pack_tags
+from tests.helpers.deltas import polled
 from tests.test_transferqueue_source import GOOD, REPLIES, _reply, typed
 
 
@@ -148,9 +150,10 @@ def _blob(tags: object, rng: random.Random) -> bytes:
     return msgpack.packb(tags, use_bin_type=True, use_single_float=rng.random() < 0.1)
 
 
-def _same_diff(a: ListingDiff, b: ListingDiff) -> bool:
-    return (typed(a.upserts), a.deletes, sorted(map(repr, a.refused)), a.fresh) == \
-        (typed(b.upserts), b.deletes, sorted(map(repr, b.refused)), b.fresh)
+def _sent(listing: dict, sent: dict, full: bool, size: int) -> tuple[list, Diff]:
+    """The pieces a poll of ``listing`` sends against ``sent``, and its diff."""
+    diff = Diff([listing], sent, full=full, limits=DEFAULT_LIMITS, size=size)
+    return [{p: dict(zip(*entry)) for p, entry in piece.items()} for piece in diff], diff
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -175,26 +178,18 @@ def test_a_diff_of_packed_tags_is_the_diff_of_decoded_tags_and_decodes_only_what
         packed = {p: PackedItems(dict(items), decode) for p, items in blobs.items() if rng.random() < 0.9}
         plain = {p: dict(store[p]) for p in packed}
         full = poll == 0 or rng.random() < 0.1
-        if full and rng.random() < 0.5:  # a snapshot sent in pieces
-            expected = list(RawSnapshot(plain, copy=False).pieces(sent_plain, 7))
-            got = list(RawSnapshot(packed, copy=False).pieces(sent_packed, 7))
-            assert len(got) == len(expected) and all(map(_same_diff, got, expected))
-            expected_diff = RawSnapshot(plain, copy=False).diff(sent_plain)
-            got_diff = RawSnapshot(packed, copy=False).diff(sent_packed)
-        else:
-            expected_diff = diff_raw_listing(sent_plain, plain, full, copy=False)
-            got_diff = diff_raw_listing(sent_packed, packed, full, copy=False)
-        assert _same_diff(got_diff, expected_diff)
-        if not full:
-            # Only keys whose bytes are not those sent were decoded.
-            differing = sum(1 for p, items in packed.items() for key, blob in items.items.items()
-                            if sent_packed.get(p, {}).get(key) != blob)
-            assert decode.blobs == differing
-        for sent, diff in ((sent_plain, expected_diff), (sent_packed, got_diff)):
-            # As the poller commits: the upserts packed as they go on the wire.
-            wire = {p: (list(items), [tags if type(tags) is bytes else pack_tags(tags) for tags in items.values()])
-                    for p, items in diff.upserts.items()}
-            commit_listing(sent, diff, full, wire)
+        size = 7 if rng.random() < 0.5 else 4096  # sent in pieces, or at once
+        # Only keys whose bytes are not those sent are decoded.
+        differing = sum(1 for p, items in packed.items() for key, blob in items.items.items()
+                        if sent_packed.get(p, {}).get(key) != blob)
+        expected, expected_diff = _sent(plain, sent_plain, full, size)
+        got, got_diff = _sent(packed, sent_packed, full, size)
+        assert got == expected  # the same keys and the same bytes, piece by piece
+        assert (got_diff.deletes, sorted(map(repr, got_diff.refused))) == \
+            (expected_diff.deletes, sorted(map(repr, expected_diff.refused)))
+        assert decode.blobs == differing
+        expected_diff.commit(sent_plain)
+        got_diff.commit(sent_packed)
         assert sent_packed == sent_plain
 
 
@@ -202,12 +197,10 @@ def test_unchanged_packed_tags_are_not_decoded_at_all():
     decode = _Counting()
     sent: dict = {}
     items = {f"k{n}": pack_tags({"status": "success", "n": n}) for n in range(100)}
-    first = diff_raw_listing(sent, {"p": PackedItems(dict(items), decode)}, False)
-    commit_listing(sent, first, False, {"p": (list(first.upserts["p"]),
-                                              [pack_tags(t) for t in first.upserts["p"].values()])})
+    polled(sent, {"p": PackedItems(dict(items), decode)}, full=False).diff.commit(sent)
     assert decode.blobs == 100
     items["k7"] = pack_tags({"status": "success", "n": -7})
-    again = diff_raw_listing(sent, {"p": PackedItems(dict(items), decode)}, False)
+    again = polled(sent, {"p": PackedItems(dict(items), decode)}, full=False)
     assert again.upserts == {"p": {"k7": {"status": "success", "n": -7}}} and decode.blobs == 101
 
 

@@ -22,6 +22,7 @@ from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
 from buffer.verl import ReplayBuffer as VerlSampler
 from poller.sources.sqlite import SqliteSource
+from tests.helpers.deltas import apply
 from tests.conftest import wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -78,30 +79,25 @@ def test_a_resync_half_applied_is_not_decided_on() -> None:
     store = PartitionStore()
     steps = StepSampler(SamplingSeam(store))
     store.require("own")
-    store.begin_snapshot("own")
-    store.merge_listed("own", "train", {"a": {"global_steps": 1, "status": "success"}})
-    store.end_snapshot("own")
-    store.poll_completed("own", 1, 1)
+    apply(store, "own", {"train": {"a": {"global_steps": 1, "status": "success"}}}, full=True, reset=True)
+    apply(store, "own", full=True, end=True)
     assert steps.sample("train", global_steps=1, timeout=0).keys == ["a"]
     # A resync: the new listing arrives in parts; until its end the view mixes old and new.
     store.mark_broken("own")
     with pytest.raises(TimeoutError, match="lost messages: its next full listing is awaited"):
         steps.sample("train", global_steps=1, timeout=0)
-    store.begin_snapshot("own")
-    store.merge_listed("own", "train", {"b": {"global_steps": 1, "status": "success"}})
+    apply(store, "own", {"train": {"b": {"global_steps": 1, "status": "success"}}}, poll=2, full=True, reset=True)
     with pytest.raises(TimeoutError, match=r"a full listing \(resync\) of poller own is being applied"):
         steps.sample("train", global_steps=1, timeout=0)
-    store.end_snapshot("own")  # "a" was not listed again: it vanished with the snapshot
-    store.poll_completed("own", 1, 2)
+    apply(store, "own", poll=2, full=True, end=True)  # "a" was not listed again: it vanished with the snapshot
     assert steps.sample("train", global_steps=1, timeout=0).keys == ["b"]
 
 
 def test_a_standalone_pollers_snapshot_holds_only_its_partitions() -> None:
     store = PartitionStore()
     steps = StepSampler(SamplingSeam(store))
-    store.merge_listed("other", "val", {"v": {"global_steps": 1, "status": "success"}})
-    store.begin_snapshot("standalone")
-    store.merge_listed("standalone", "train", {"a": {"global_steps": 1, "status": "success"}})
+    apply(store, "other", {"val": {"v": {"global_steps": 1, "status": "success"}}})
+    apply(store, "standalone", {"train": {"a": {"global_steps": 1, "status": "success"}}}, full=True, reset=True)
     with pytest.raises(TimeoutError, match="poller standalone, which lists this partition"):
         steps.sample("train", global_steps=1, timeout=0)
     assert steps.sample("val", global_steps=1, timeout=0).keys == ["v"]

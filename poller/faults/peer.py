@@ -18,9 +18,11 @@ from typing import Any, Sequence
 
 import zmq
 
+from poller.wire.messages import Delta
 from poller.wire.protocol import Kind, Message, decode, encode, encode_header
+from poller.wire.tags import pack_tags
 
-__all__ = ["RoguePeer", "WIRE_FAULTS"]
+__all__ = ["RoguePeer", "WIRE_FAULTS", "packed_delta"]
 
 
 def _bad_version() -> list[bytes]:
@@ -46,6 +48,15 @@ WIRE_FAULTS: dict[str, Any] = {
 }
 
 
+def packed_delta(upserts: dict[str, Any], deletes: dict[str, Any] | None = None, *, poll: int = 1,
+                 full: bool = False, reset: bool = False, end: bool = True, sync: int | None = None) -> Delta:
+    """A DELTA of ``{partition: {key: tags}}``, each key's tags packed alone as a poller packs them."""
+    packed = {partition: [list(items), [pack_tags(tags) for tags in items.values()]]
+              for partition, items in upserts.items()}
+    return Delta(poll=poll, t=time.time(), full=full, reset=reset, end=end, packed=packed, deletes=deletes or {},
+                 sync=sync)
+
+
 class RoguePeer:
     """A scripted poller on ``endpoint`` with the identity ``name``."""
 
@@ -58,7 +69,7 @@ class RoguePeer:
         self.epoch = epoch
         self.seq = 0
 
-    def send(self, kind: Kind, body: dict[str, Any], seq: int | None = None, epoch: int | None = None) -> None:
+    def send(self, kind: Kind, body: Any, seq: int | None = None, epoch: int | None = None) -> None:
         """A well-formed message; ``seq`` defaults to the next one."""
         seq = self.seq if seq is None else seq
         self.sock.send_multipart(encode(Message(kind, self.epoch if epoch is None else epoch, seq, body)))
@@ -72,8 +83,8 @@ class RoguePeer:
 
     def delta(self, upserts: dict[str, Any], deletes: dict[str, Any] | None = None, *, full: bool = False,
               reset: bool = False, seq: int | None = None) -> None:
-        self.send(Kind.DELTA, {"poll": 1, "t": time.time(), "full": full, "reset": reset, "end": True,
-                               "upserts": upserts, "deletes": deletes or {}}, seq=seq)
+        """A whole poll, ``{partition: {key: tags}}`` packed as a poller packs them."""
+        self.send(Kind.DELTA, packed_delta(upserts, deletes, full=full, reset=reset), seq=seq)
 
     def recv(self, timeout: float = 5.0) -> Message | None:
         """The next control message for this peer, or None after ``timeout``."""

@@ -1,11 +1,10 @@
 """One record type per message kind: each field's name, type and check live here only.
 
-:mod:`poller.wire.protocol` packs a record's fields as a msgpack map and checks a
-decoded map against the record before building it, so a field is named in
-one place. A field with a default was added after its kind was first
-defined: a peer that predates it leaves it out (and a record leaves out
-such a field while it is ``None``, so an older receiver is not shown a
-``nil`` it would refuse). Extra fields in a received map are ignored
+:mod:`poller.wire.protocol` packs a record's fields as a msgpack map and checks
+a decoded map against the record before building it. A field with a default
+was added after its kind was first defined: a peer that predates it leaves it
+out (and a record leaves it out while ``None``, so an older receiver is not
+shown a ``nil`` it would refuse). Extra fields in a received map are ignored
 (forward compatibility within one protocol version).
 """
 
@@ -18,9 +17,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 from poller.wire.errors import ProtocolError
 
 __all__ = ["Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync", "Ack", "Watch",
-           "Body", "MAX_WATCH_KEYS",
-           "RECORDS", "DELTA_BULKY_FIELDS",
-           "check_body", "to_record", "as_map"]
+           "Body", "MAX_WATCH_KEYS", "RECORDS", "check_body", "to_record", "as_map"]
 
 
 class Kind(enum.IntEnum):
@@ -47,7 +44,6 @@ class Kind(enum.IntEnum):
 Count = int          # a non-negative integer
 Token = int          # a positive integer
 LastSeq = int        # a sequence number, or -1 before the first message
-Upserts = dict       # {partition: {key: tags}}
 Packed = dict        # {partition: [[key, ...], [packed tags, ...]]}
 Named = list         # [[partition, key, reason], ...]: keys a poller names
 Deletes = dict       # {partition: [key, ...]}
@@ -67,28 +63,25 @@ class Ready(NamedTuple):
 
 
 class Delta(NamedTuple):
-    """One part of a poll: ``full`` (a snapshot), ``reset`` (its first part), ``end`` (the poll's last part)."""
+    """One part of a poll: ``full`` (a snapshot), ``reset`` (its first part), ``end`` (the poll's last part).
+
+    ``packed``: per partition, its keys and each key's tags packed alone
+    (:mod:`poller.wire.tags`). The receiver keeps those bytes as they arrived,
+    so a key whose bytes it holds already costs a comparison, not a decode.
+    On the wire a body also carries ``"upserts": {}``, a field protocol 2's
+    first buffers require; anything but empty there is refused.
+    """
 
     poll: int
     t: float
     full: bool
     reset: bool
     end: bool
-    upserts: Upserts
+    packed: Packed
     deletes: Deletes
     # The highest SYNC token the poller had received when this poll's
     # listing began (0: none), so the buffer knows which sync() it answers.
     sync: Count | None = None
-    # Upserts as a poller sends them: per partition, its keys and each key's
-    # tags packed alone (msgpack). The receiver keeps those bytes as they
-    # arrived, so a key whose bytes it already holds costs a comparison, not a
-    # decode (a resync at C speed). ``upserts`` carries plain tags (a hand-made
-    # peer's); a body may hold both.
-    packed: Packed | None = None
-
-
-#: The fields a DELTA body packs once per piece as its payload (the rest are packed from the record).
-DELTA_BULKY_FIELDS = ("upserts", "deletes", "packed")
 
 
 class Heartbeat(NamedTuple):
@@ -177,24 +170,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _partitions_ok(value: Any) -> bool:
-    """``{partition: {key: tags-dict}}`` with str names."""
-    return isinstance(value, dict) and all(
-        isinstance(partition, str) and isinstance(items, dict)
-        and all(isinstance(key, str) and isinstance(tags, dict) for key, tags in items.items())
-        for partition, items in value.items())
-
-
 _STR_ONLY = frozenset({str})
 _BYTES_ONLY = frozenset({bytes})
 
 
 def _packed_ok(value: Any) -> bool:
-    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, bytes blobs, one blob per key.
+    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, one bytes blob per key.
 
-    Checked in C-level passes (a resync carries every key). What each blob
-    holds is checked where it is unpacked, when the receiver does not already
-    hold the same bytes (:func:`poller.wire.tags.unpack_tags`).
+    Checked in C-level passes (a resync carries every key); what a blob holds
+    is checked as it is unpacked (:func:`poller.wire.tags.unpack_many_tags`).
     """
     if type(value) is not dict:
         return False
@@ -224,17 +208,8 @@ def _named_ok(value: Any) -> bool:
 MAX_PARTITION_IDS = 1024
 
 
-def _partition_ids_ok(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= MAX_PARTITION_IDS and all(
-        isinstance(partition, str) and partition for partition in value)
-
-
-def _seconds_ok(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
-
-
-def _share_ok(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _deletes_ok(value: Any) -> bool:
@@ -247,51 +222,38 @@ def _deletes_ok(value: Any) -> bool:
 MAX_WATCH_KEYS = 256
 
 
-def _watch_keys_ok(value: Any) -> bool:
-    return isinstance(value, list) and len(value) <= MAX_WATCH_KEYS and all(isinstance(key, str) for key in value)
-
-
 _CHECKS: dict[str, Callable[[Any], bool]] = {
     "int": _is_int,
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "float": _is_number,
     "str": lambda v: isinstance(v, str),
     "bool": lambda v: isinstance(v, bool),
     "Count": lambda v: _is_int(v) and v >= 0,
     "Token": lambda v: _is_int(v) and v > 0,
     "LastSeq": lambda v: _is_int(v) and v >= -1,
-    "Upserts": _partitions_ok,
     "Packed": _packed_ok,
     "Deletes": _deletes_ok,
     "Named": _named_ok,
-    "Seconds": _seconds_ok,
-    "Share": _share_ok,
-    "PartitionIds": _partition_ids_ok,
-    "WatchKeys": _watch_keys_ok,
+    "Seconds": lambda v: _is_number(v) and 0 <= v < math.inf,
+    "Share": lambda v: _is_number(v) and 0 <= v <= 1,
+    "PartitionIds": lambda v: isinstance(v, list) and len(v) <= MAX_PARTITION_IDS and all(
+        isinstance(partition, str) and partition for partition in v),
+    "WatchKeys": lambda v: isinstance(v, list) and len(v) <= MAX_WATCH_KEYS and all(isinstance(key, str) for key in v),
 }
 
 
-def _fields(record: Any) -> list[tuple[str, Callable[[Any], bool], bool]]:
-    """(name, check, required) of each field of ``record``, from its annotations."""
+def _fields(record: Any) -> list[tuple[str, str, bool]]:
+    """(name, type name, required) of each field of ``record``, from its annotations."""
     out = []
     for name in record._fields:
         hint = record.__annotations__[name]
         annotation = str(getattr(hint, "__forward_arg__", hint))  # NamedTuple keeps them as ForwardRef
-        out.append((name, _CHECKS[annotation.split(" | ")[0]], name not in record._field_defaults))
+        out.append((name, annotation.split(" | ")[0], name not in record._field_defaults))
     return out
 
 
 _SCHEMAS = {kind: _fields(record) for kind, record in RECORDS.items()}
-
-
-def _typed(record: Any, names: tuple[str, ...]) -> set[str]:
-    return {name for name in record._fields
-            if str(getattr(record.__annotations__[name], "__forward_arg__", "")).split(" | ")[0] in names}
-
-
-# Fields whose type is a bounded int (Count, LastSeq): an int there can still be a wrong value.
-_BOUNDED = {kind: _typed(record, ("Count", "LastSeq", "Token")) for kind, record in RECORDS.items()}
-# Fields whose type is a bounded real (Seconds, Share): so can any number there.
-_BOUNDED_REAL = {kind: _typed(record, ("Seconds", "Share")) for kind, record in RECORDS.items()}
+# Bounded number types: a number of the right kind there can still be a wrong value.
+_BOUNDED = {"Count": _is_int, "LastSeq": _is_int, "Token": _is_int, "Seconds": _is_number, "Share": _is_number}
 
 
 def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
@@ -300,15 +262,17 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
     Raises:
         ProtocolError: a required field is missing, or a field has the wrong type or value.
     """
-    for name, check, required in _SCHEMAS[kind]:
+    if kind is Kind.DELTA and body.get("upserts", {}) != {}:
+        raise ProtocolError("DELTA upserts must be empty: since protocol 2 tags travel packed per key in "
+                            "'packed' (a poller writes 'upserts' empty, for the first protocol 2 buffers)")
+    for name, type_name, required in _SCHEMAS[kind]:
         if name not in body:
             if required:
                 raise ProtocolError(f"{kind.name} body lacks field {name!r}")
             continue
-        if not check(body[name]):
-            value = body[name]
-            if (_is_int(value) and name in _BOUNDED[kind]) or (  # a number out of its bounds
-                    isinstance(value, (int, float)) and not isinstance(value, bool) and name in _BOUNDED_REAL[kind]):
+        value = body[name]
+        if not _CHECKS[type_name](value):
+            if type_name in _BOUNDED and _BOUNDED[type_name](value):  # a number out of its bounds
                 raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
 

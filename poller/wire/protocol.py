@@ -1,48 +1,28 @@
-"""The wire format: pure functions between messages and ZeroMQ frames.
+"""The wire format: pure functions between messages and ZeroMQ frames; no sockets.
 
-Nothing here touches a socket. Both sides of the stream import this module,
-which with :mod:`poller.deltas` (DELTA bodies and packed tags, the encoding
-of the bulky kind) is the one place that knows the stream's format
-(:mod:`poller.sources.tq_protocol` speaks TransferQueue's own).
+Both sides import this module, the one place that knows the stream's format.
+A message is two frames: ``header = msgpack [version, kind, epoch, seq]`` and
+``body = msgpack map`` shaped by ``kind``. ``epoch`` is new each time a poller
+process starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means
+something was lost, and the receiver asks for a RESYNC instead of diverging.
 
-A message is two frames::
-
-    header = msgpack [version, kind, epoch, seq]
-    body   = msgpack map, whose shape depends on ``kind``
-
-``epoch`` is chosen anew each time a poller process starts; ``seq`` counts the
-messages of one epoch from 0 (READY) upward. A receiver that sees a gap in
-``seq`` has lost something and asks for a RESYNC (a full snapshot) instead of
-silently diverging.
-
-Decoding is strict and bounded: frame sizes are capped, every field is
-type-checked, unknown kinds and versions are refused. Every failure is a
-:class:`~poller.wire.errors.ProtocolError`; no other exception escapes
-:func:`decode`. Pickle is never used.
+Decoding is strict and bounded: frame sizes capped, every field type-checked,
+unknown kinds and versions refused, every failure a
+:class:`~poller.wire.errors.ProtocolError`. Pickle is never used. DELTA, the
+one bulky kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
 """
 
 from __future__ import annotations
 
-from itertools import chain
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import msgpack
 
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import DELTA_BULKY_FIELDS, Body, Kind, as_map, check_body, to_record
+from poller.wire.messages import Body, Delta, Kind, _is_int, as_map, check_body, to_record
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "Kind",
-    "Limits",
-    "Message",
-    "encode",
-    "encode_body",
-    "encode_header",
-    "decode",
-    "packed_size",
-    "fit_text",
-]
+__all__ = ["PROTOCOL_VERSION", "Kind", "Limits", "Message", "Piece", "encode", "encode_body", "encode_header",
+           "iter_encode_delta", "decode", "packed_size", "fit_text"]
 
 # 2: DELTA upserts travel packed per key (``Delta.packed``).
 PROTOCOL_VERSION = 2
@@ -131,10 +111,7 @@ def encode_body(kind: Kind, body: Body | Mapping[str, Any]) -> bytes:
 
 def encode(message: Message) -> list[bytes]:
     """Encode a whole message into its two frames."""
-    return [
-        encode_header(message.kind, message.epoch, message.seq),
-        encode_body(message.kind, message.body),
-    ]
+    return [encode_header(message.kind, message.epoch, message.seq), encode_body(message.kind, message.body)]
 
 
 def packed_size(value: Any) -> int:
@@ -158,6 +135,100 @@ def fit_text(text: str, limits: Limits | None) -> str:
     if len(raw) <= limits.max_str_len:
         return text
     return raw[:limits.max_str_len].decode(errors="ignore")
+
+
+#: A poll's upserts, or a part of them: per partition, its keys and each key's packed tags (a DELTA's ``packed``).
+Piece = dict[str, tuple[list[str], list[bytes]]]
+
+# The fields a DELTA body packs once as its payload (the rest are packed from the record before it),
+# and an upper bound of what goes before them.
+_DELTA_BULKY_FIELDS = ("upserts", "packed", "deletes")
+_DELTA_HEAD_BYTES = 64
+
+
+def iter_encode_delta(pieces: Iterable[Piece], deletes: Mapping[str, list[str]], *, poll: int, started: float,
+                      full: bool, chunk_items: int, max_frame_bytes: int, sync: int = 0) -> Iterator[bytes]:
+    """A poll as DELTA bodies of at most ``chunk_items`` keys, each under ``max_frame_bytes``, one at a time.
+
+    The first body of a full snapshot carries ``reset``, the last of every
+    poll ``end``. A piece is taken only when the body before it was handed on,
+    so the trainer applies a snapshot while the poller still makes it (an
+    empty piece sends what came before it at once); ``deletes`` is read once
+    the pieces are exhausted and fills the last body first. After a
+    ProtocolError the poll has no ``end`` and is sent again, which the
+    receiver tolerates.
+
+    Raises:
+        ProtocolError: one key whose tags alone exceed ``max_frame_bytes`` (the screen lets none through).
+    """
+    head = Delta(poll=poll, t=float(started), full=full, reset=full, end=False, packed={}, deletes={}, sync=sync)
+    previous: bytes | None = None
+    for payload in _payloads(_batches(pieces, deletes, chunk_items), max_frame_bytes):
+        if previous is not None:
+            yield _delta_body(head, previous)
+            head = head._replace(reset=False)
+        previous = payload
+    assert previous is not None  # _batches yields at least one batch
+    yield _delta_body(head._replace(end=True), previous)
+
+
+def _delta_body(head: Delta, payload: bytes) -> bytes:
+    """``head``'s own fields before ``payload``: a msgpack map is its keys and values, concatenated."""
+    packer = msgpack.Packer(use_bin_type=True)
+    fields = {name: value for name, value in as_map(Kind.DELTA, head).items() if name not in _DELTA_BULKY_FIELDS}
+    return packer.pack_map_header(len(fields) + len(_DELTA_BULKY_FIELDS)) + b"".join(
+        packer.pack(name) + packer.pack(value) for name, value in fields.items()) + payload
+
+
+def _batches(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
+             size: int) -> Iterator[tuple[Piece, dict[str, list[str]]]]:
+    """The pieces' keys in batches of at most ``size``, then the deletes, filling the last batch first."""
+    batch: Piece = {}
+    removals: dict[str, list[str]] = {}
+    n = 0
+    yielded = False
+    for piece in pieces:
+        if not piece and n:  # an empty piece: what came before it goes now
+            yield batch, {}
+            batch, n, yielded = {}, 0, True
+        for partition, (keys, blobs) in piece.items():
+            i = 0
+            while i < len(keys):
+                if n >= size:
+                    yield batch, {}
+                    batch, n, yielded = {}, 0, True
+                j = min(i + size - n, len(keys))
+                held = batch.get(partition)
+                batch[partition] = (held[0] + keys[i:j], held[1] + blobs[i:j]) if held else (keys[i:j], blobs[i:j])
+                n += j - i
+                i = j
+    for partition, gone in deletes.items():
+        i = 0
+        while i < len(gone):
+            if n >= size:
+                yield batch, removals
+                batch, removals, n, yielded = {}, {}, 0, True
+            part = gone[i:i + size - n]
+            removals[partition] = part
+            n += len(part)
+            i += len(part)
+    if n or not yielded:  # an empty poll is still one (empty) message
+        yield batch, removals
+
+
+def _payloads(batches: Iterable[tuple[Piece, dict[str, list[str]]]], max_frame_bytes: int) -> Iterator[bytes]:
+    for upserts, deletes in batches:
+        packer = msgpack.Packer(use_bin_type=True)
+        payload = (packer.pack("upserts") + packer.pack({}) + packer.pack("packed") + packer.pack(upserts)
+                   + packer.pack("deletes") + packer.pack(deletes))
+        if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
+            yield payload
+            continue
+        n = sum(len(keys) for keys, _ in upserts.values()) + sum(map(len, deletes.values()))
+        if n <= 1:
+            raise ProtocolError(
+                f"one entry encodes to {len(payload)} bytes, over the {max_frame_bytes}-byte frame limit")
+        yield from _payloads(_batches([upserts], deletes, (n + 1) // 2), max_frame_bytes)
 
 
 def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -218,58 +289,20 @@ def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
 
 
 def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
-    """Keys per message and nesting of a DELTA already checked by :func:`~poller.wire.messages.check_body`."""
-    upserts, deletes, packed = body["upserts"], body["deletes"], body.get("packed") or {}
-    count = len(upserts) + len(deletes) + sum(len(v) for v in upserts.values()) + sum(len(v) for v in deletes.values())
-    count += len(packed) + sum(len(keys) for keys, _ in packed.values())
+    """What :func:`~poller.wire.messages.check_body` leaves to a DELTA: keys per message, nesting."""
+    deletes, packed = body["deletes"], body["packed"]
+    count = len(deletes) + sum(map(len, deletes.values())) + len(packed) + sum(len(keys) for keys, _ in packed.values())
     if count > limits.max_keys_per_message:
         raise ProtocolError(f"DELTA holds {count} partitions and keys, more than {limits.max_keys_per_message}")
-    # The structure is body -> upserts -> partition -> tags (depth 4); only
-    # tag values can nest further, so only they are walked.
-    limit = limits.max_depth
-    for items in upserts.values():
-        # Tag values are almost always scalars: one pass at C speed over the
-        # types of all of them, and a walk only where a container shows up.
-        if _SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, items.values())))):
-            continue
-        for tags in items.values():
-            if _deeper_than(tags, limit, 4):
-                raise ProtocolError(f"DELTA tags nest deeper than {limit}")
-    others = {k: v for k, v in body.items() if k not in DELTA_BULKY_FIELDS}
-    if _deeper_than(others, limits.max_depth):
+    # Tags are checked as they are unpacked (poller.wire.tags.unpack_many_tags); deletes are flat.
+    if _deeper_than({k: v for k, v in body.items() if k not in _DELTA_BULKY_FIELDS}, limits.max_depth):
         raise ProtocolError(f"DELTA body nests deeper than {limits.max_depth}")
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
     try:
-        return msgpack.unpackb(
-            frame,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=limits.max_str_len,
-            max_bin_len=limits.max_str_len,
-            max_array_len=limits.max_items,
-            max_map_len=limits.max_items,
-            max_ext_len=0,
-        )
+        return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True, max_str_len=limits.max_str_len,
+                               max_bin_len=limits.max_str_len, max_array_len=limits.max_items,
+                               max_map_len=limits.max_items, max_ext_len=0)
     except Exception as exc:  # msgpack raises a zoo of types; all mean "malformed"
         raise ProtocolError(f"malformed {what}: {type(exc).__name__}: {exc}") from exc
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -16,17 +16,15 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller.cli import main
-from poller.deltas import iter_encode_delta
+from poller.diff import Diff
 from poller.faults import parse_fault, raise_
 from poller.faults.peer import RoguePeer
 from poller.faults.shapes import nested
 from poller.faults.store import delete
-from poller.listing import commit_listing, diff_raw_listing
-from poller.pieces import screen_diff
 from poller.sources.sqlite import SqliteSource
-from poller.wire.protocol import Kind, Limits, decode, encode_header
-from poller.wire.tags import delta_upserts
+from poller.wire.protocol import Kind, Limits, decode, encode_header, iter_encode_delta
 from tests.conftest import wait_until
+from tests.helpers.deltas import delta_tags, packed_sent, polled
 
 ROOT = Path(__file__).resolve().parents[2]
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -78,22 +76,20 @@ _Array.__module__ = "numpy"
     ({"z": _Scalar(1 + 2j)}, "holds a complex, not a number"),
 ])
 def test_tags_the_receiver_would_refuse_are_quarantined_and_the_rest_flows(tags, problem):
-    diff = diff_raw_listing({}, {"p": {"k": tags, "good": {"global_steps": 1}}}, full=True)
-    diff = screen_diff(diff, {}, True, Limits())
+    diff = Diff([{"p": {"k": tags, "good": {"global_steps": 1}}}], {}, full=True, limits=Limits(), size=10)
+    bodies = list(iter_encode_delta(diff, diff.deletes, poll=1, started=0.0, full=True, chunk_items=10,
+                                    max_frame_bytes=64 * 2**20))
     assert [(r.partition, r.key) for r in diff.refused] == [("p", "k")]
     assert problem in diff.refused[0].reason
-    bodies = list(iter_encode_delta(diff.upserts, diff.deletes, poll=1, started=0.0, full=True, chunk_items=10,
-                                    max_frame_bytes=64 * 2**20))
     sent = decode([encode_header(Kind.DELTA, 1, 0), bodies[0]]).body
-    assert delta_upserts(sent) == {"p": {"good": {"global_steps": 1}}}
+    assert delta_tags(sent) == {"p": {"good": {"global_steps": 1}}}
 
 
 def test_a_structure_shared_with_itself_exponentially_is_refused_in_bounded_time():
     shared: list = [1]
     for _ in range(22):  # 2**22 leaves if walked naively; within max_depth
         shared = [shared, shared]
-    diff = screen_diff(diff_raw_listing({}, {"p": {"k": {"v": shared}, "ok": {"v": 1}}}, full=True), {}, True,
-                       Limits())
+    diff = polled({}, {"p": {"k": {"v": shared}, "ok": {"v": 1}}}, full=True, limits=Limits())
     assert [(r.key, r.reason) for r in diff.refused] == [("k", "more than max_items=1000000 values in all")]
     assert diff.upserts == {"p": {"ok": {"v": 1}}}
 
@@ -101,21 +97,19 @@ def test_a_structure_shared_with_itself_exponentially_is_refused_in_bounded_time
 def test_tags_the_receiver_accepts_pass_the_screen_and_plain_scalars_convert():
     tags = {"s": "x" * 1024 * 1024, "b": b"y", "l": [1, 2.5, None, True], "d": {"a": {}}, "t": (1, "two"),
             "np": _Scalar(3), "big": 2**64 - 1, "neg": -(2**63), "arr": _Array([1, 2])}
-    diff = screen_diff(diff_raw_listing({}, {"p": {"k": tags}}, full=True), {}, True, Limits())
+    diff = polled({}, {"p": {"k": tags}}, full=True, limits=Limits())
     assert diff.refused == []
     assert diff.upserts["p"]["k"] == {**tags, "t": [1, "two"], "np": 3, "arr": [1, 2]}
     assert type(diff.upserts["p"]["k"]["np"]) is int
 
 
 def test_a_key_that_turns_bad_is_deleted_from_the_receiver_and_comes_back_when_valid():
-    sent = {"p": {"k": {"v": 1}, "other": {"v": 1}}}
-    diff = screen_diff(diff_raw_listing(sent, {"p": {"k": {"v": 2**70}, "other": {"v": 1}}}, full=False), sent,
-                       False, Limits())
-    assert diff.upserts == {"p": {}} and diff.deletes == {"p": ["k"]} and len(diff.refused) == 1
-    commit_listing(sent, diff, False)
-    assert sent == {"p": {"other": {"v": 1}}}
-    diff = screen_diff(diff_raw_listing(sent, {"p": {"k": {"v": 3}, "other": {"v": 1}}}, full=False), sent,
-                       False, Limits())
+    sent = packed_sent({"p": {"k": {"v": 1}, "other": {"v": 1}}})
+    diff = polled(sent, {"p": {"k": {"v": 2**70}, "other": {"v": 1}}}, full=False, limits=Limits())
+    assert diff.upserts == {} and diff.deletes == {"p": ["k"]} and len(diff.refused) == 1
+    diff.diff.commit(sent)
+    assert sent == packed_sent({"p": {"other": {"v": 1}}})
+    diff = polled(sent, {"p": {"k": {"v": 3}, "other": {"v": 1}}}, full=False, limits=Limits())
     assert diff.upserts == {"p": {"k": {"v": 3}}} and diff.refused == []
 
 
