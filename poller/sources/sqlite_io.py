@@ -1,4 +1,4 @@
-"""The SQLite store's connections, and the checks and JSON encoding of its keys, tags and fields.
+"""The SQLite store's connections and rows: reading them whatever wrote them, and checking and encoding what is put.
 
 Only values that come back from JSON unchanged are accepted, so what a
 reader gets equals what was put.
@@ -66,15 +66,11 @@ def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) ->
 def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[list[Any]]:
     """The rows of ``sql`` in lists of at most ``size``; a TEXT value that is not UTF-8 comes as its bytes.
 
-    sqlite3 decodes TEXT in C, and one value that is not UTF-8 (another
-    tool wrote it) fails the fetch with an OperationalError: one row would
-    fail every row after it. A Python ``text_factory`` that keeps such a
-    value as bytes costs ~0.3 us a value (a snapshot of 1M keys ~0.3 s more),
-    so the rows are read in C until one fails, then read again with that
-    factory, skipping those already given. ``sql`` must order its rows
-    (``ORDER BY`` the primary key costs nothing), and the call must run in
-    one read transaction, so that the second read gives the same rows in the
-    same order.
+    sqlite3 decodes TEXT in C, and one value that is not UTF-8 fails the
+    fetch, and every row after it. A ``text_factory`` that keeps it as bytes
+    costs ~0.3 s per 1M keys, so the rows are read in C until one fails, then
+    again with that factory, skipping those given. ``sql`` must order its
+    rows and the call run in one read transaction, so both reads agree.
     """
     rows = conn.execute(sql)
     given = 0
@@ -129,8 +125,11 @@ def tag_rows(keys: list[str], tags: Any) -> list[Tags]:
     if len(rows) != len(keys):
         raise ValueError(f"got {len(rows)} tags for {len(keys)} keys")
     for key, tag in zip(keys, rows):
-        check_tags(key, tag)
+        if not isinstance(tag, dict):
+            raise TypeError(f"tags of key {key!r} must be a dict, got {type(tag).__name__}")
+        check_json(tag, f"tags of key {key!r}")
     return rows
+
 
 def check_str(name: str, value: Any) -> None:
     if not isinstance(value, str):
@@ -175,12 +174,6 @@ def field_rows(keys: list[str], fields: Any) -> list[Tags]:
     return rows
 
 
-def check_tags(key: str, tags: Any) -> None:
-    if not isinstance(tags, dict):
-        raise TypeError(f"tags of key {key!r} must be a dict, got {type(tags).__name__}")
-    check_json(tags, f"tags of key {key!r}")
-
-
 def check_json(value: Any, where: str) -> None:
     """Refuse what would not come back from JSON unchanged.
 
@@ -211,19 +204,16 @@ def dumps(tags: Tags) -> str:
     return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-# json.loads checks each row for surrounding whitespace (two regex matches and a call more);
-# a row this module wrote has none, so the decoder's raw_decode reads it, ~40% faster (~1.5 ms
-# of a 1000-key snapshot, which a starting buffer waits for). Any other text goes to json.loads,
-# which decides, and words its error, exactly as before.
+# A row this module wrote has no surrounding whitespace for json.loads to check: raw_decode reads
+# it ~40% faster. Any other text goes to json.loads, which decides and words its error.
 _raw_decode = json.JSONDecoder().raw_decode
 
 
 def read_tags(text: Any) -> Tags | UnreadableValue:
     """A stored tags (or fields) value as a dict, or an :class:`~poller.wire.sources.UnreadableValue` saying why not.
 
-    A value another tool wrote may be no JSON object: not JSON, JSON of
-    something else, or TEXT that is not UTF-8 (read as bytes, see
-    :func:`fetch_batches`). A BLOB holding a JSON object in UTF-8 is read.
+    Another tool may have written no JSON object, or TEXT that is not UTF-8
+    (read as bytes); a BLOB holding a JSON object in UTF-8 is read.
     """
     if type(text) is str:
         try:
@@ -285,10 +275,8 @@ def open_connection(path: str, timeout: float,
     directory = os.path.dirname(os.path.abspath(path))
     if path != ":memory:" and not path.startswith("file:"):
         os.makedirs(directory, exist_ok=True)
-    # isolation_level=None: the sqlite3 module must not open transactions
-    # behind our back; _transaction() issues BEGIN/COMMIT itself.
-    # check_same_thread=False: the poller calls kv_list() from a helper
-    # thread; self._lock serializes all use.
+    # isolation_level=None: the store issues BEGIN/COMMIT itself. check_same_thread=False:
+    # the poller lists from a helper thread; the store's lock serializes all use.
     conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
                            check_same_thread=False, uri=path.startswith("file:"))
     try:
@@ -298,9 +286,8 @@ def open_connection(path: str, timeout: float,
         mode = _retry_busy(timeout, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
         if mode != "wal":
             logger.debug("%s: journal_mode is %s, not wal", path, mode)
-        # NORMAL is durable against process crashes in WAL mode; only a
-        # power loss can drop the last transactions, which a replay
-        # buffer's metadata can afford.
+        # NORMAL survives process crashes in WAL mode; a power loss may drop the last
+        # transactions, which a replay buffer's metadata can afford.
         conn.execute("PRAGMA synchronous = NORMAL")
         _retry_busy(timeout, lambda: conn.execute(_SCHEMA))
         _retry_busy(timeout, lambda: conn.execute(_FIELDS_SCHEMA))
@@ -316,10 +303,9 @@ def open_connection(path: str, timeout: float,
 def _retry_busy(timeout: float, call: Callable[[], _T]) -> _T:
     """Run ``call``, retrying "database is locked" until ``timeout`` seconds pass.
 
-    Switching a fresh file to WAL needs an exclusive lock and SQLite does
-    not run the busy handler for it: with several processes opening a new
-    file at once, some got SQLITE_BUSY at once (7 of 200 trials with 6
-    processes) instead of waiting.
+    Switching a fresh file to WAL needs an exclusive lock, for which SQLite
+    runs no busy handler: processes opening a new file at once got
+    SQLITE_BUSY at once (7 of 200 trials with 6 processes).
     """
     deadline = time.monotonic() + timeout
     delay = 0.001

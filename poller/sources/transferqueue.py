@@ -1,4 +1,4 @@
-"""A source that lists a running TransferQueue controller, without Ray.
+"""A source that lists a running TransferQueue controller, without Ray (the poller process; source_kwargs: the trainer).
 
 ::
 
@@ -7,20 +7,15 @@
     source_kwargs(conf) ── address ───────▶   DEALER ── KV_LIST ──▶ controller's ROUTER
                                               (a deadline on every call)
 
-The trainer owns TransferQueue: it called ``tq.init()`` and is the only
-process that may call ``tq.close()`` (from any other process that kills the
-shared controller for everybody). The poller only needs the controller's
-request address, which :func:`source_kwargs` reads from the trainer's live
-TransferQueue as plain, picklable (and JSON-able) keyword arguments.
-
-Inside the poller this source speaks the controller's request protocol
-itself (:mod:`poller.sources.tq_protocol`) over a socket of its own, so the
-poller imports neither ``transfer_queue``, Ray nor torch (seconds of import
-and hundreds of MB per poller), and every ``kv_list()`` has a deadline,
-which TransferQueue's own client lacks: a call past it raises
-:class:`~poller.wire.sources.SourceStall`, which the poller counts and logs once
-per episode while it keeps polling. The source never calls TransferQueue's
-``close()``; its own :meth:`TransferQueueSource.close` closes its socket only.
+The trainer owns TransferQueue: only it may call ``tq.close()`` (from any
+other process that kills the shared controller for everybody). The poller
+needs only the controller's request address, which :func:`source_kwargs`
+reads in the trainer as plain, picklable keyword arguments. The source speaks
+the controller's protocol itself (:mod:`poller.sources.tq_protocol`), so the
+poller imports neither ``transfer_queue``, Ray nor torch, and every call has a
+deadline, which TransferQueue's own client lacks: past it,
+:class:`~poller.wire.sources.SourceStall`. :meth:`TransferQueueSource.close`
+closes its own socket only.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ from poller.sources.tq_protocol import (
     KV_RETRIEVE_META,
     LIST_PARTITIONS,
     TransferQueueReplyError,
-    check_version,
     decode_listing_reply,
     decode_reply,
     decode_watch_reply,
@@ -122,11 +116,11 @@ class TransferQueueSource:
             # The probe ran in the thread that builds the source; kv_list()
             # runs in another one, which opens a socket of its own.
             self._drop_socket()
-        if controller_version is not None and not check_version(controller_version) \
-                and controller_version not in _WARNED:
+        warning = unknown_version_warning(controller_version, probe_timeout is not None)
+        if warning is not None and controller_version not in _WARNED:
             # Once per process: a restarted poller builds its source again.
-            _WARNED.add(controller_version)
-            logger.warning("%s", unknown_version_warning(controller_version, probe_timeout is not None))
+            _WARNED.add(controller_version)  # type: ignore[arg-type]  # not None: it has a warning
+            logger.warning("%s", warning)
 
     def __repr__(self) -> str:
         return (f"<TransferQueueSource {self.address} partitions={self.partition_ids or 'all'} "
@@ -145,9 +139,8 @@ class TransferQueueSource:
     def kv_list_packed(self) -> dict[str, Any]:
         """:meth:`kv_list`, each partition's tags left as the reply packed them (``PackedItems``).
 
-        What the poller calls: it decodes only the keys whose bytes changed
-        since it last sent them. A reply of another shape comes back decoded,
-        as from :meth:`kv_list` (see :func:`~poller.sources.tq_protocol.decode_listing_reply`).
+        A reply of another shape comes back decoded, as from :meth:`kv_list`
+        (:func:`~poller.sources.tq_protocol.decode_listing_reply`).
 
         Raises:
             SourceStall, TransferQueueReplyError: as :meth:`kv_list`.
@@ -167,15 +160,11 @@ class TransferQueueSource:
         """``keys`` of ``partition_id`` as the controller holds them now (None: no fingerprint to be had).
 
         One ``KV_RETRIEVE_META`` request, which reads only the keys named
-        (K=100k keys: ~0.35 ms of the controller's CPU for up to ~100 keys,
-        ~1.7 ms for 1,000, against ~37 ms for a listing of the partition) and
-        changes nothing there (``create`` is false: no key or partition is
-        made, nothing is marked consumed; a key not found is logged by the
-        controller at WARNING). The fingerprint differs from the last call's
-        once a tag or a field of one of the keys changed, or one was removed
-        or put again (:func:`~poller.sources.tq_protocol.decode_watch_reply`). What
-        the poller calls while a decision waits on those keys (the watch:
-        :class:`poller.polling.PollingThread`).
+        (~0.35 ms of the controller's CPU for 100 keys against ~37 ms for a
+        listing of 100k) and changes nothing there (``create`` is false; a key
+        not found is logged by the controller at WARNING). The fingerprint
+        changes once a tag or field of one of the keys changed, or one was
+        removed or put again (:func:`~poller.sources.tq_protocol.decode_watch_reply`).
 
         Raises:
             SourceStall: no answer within ``timeout`` (default ``call_timeout``).
