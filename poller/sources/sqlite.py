@@ -25,33 +25,16 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from poller.sources import sqlite_io
 from poller.sources.sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot, snapshot_pieces
-from poller.sources.sqlite_io import (
-    StoredListing,
-    check_keys,
-    check_str,
-    dumps,
-    fetch_all,
-    field_rows,
-    open_connection,
-    read_tags,
-    select_json,
-    tag_rows,
-)
 
 __all__ = ["SqliteSource"]
 
 logger = logging.getLogger(__name__)
 
-_FIELDS_UPSERT = (
-    "INSERT INTO kv_fields (partition_id, key, fields) VALUES (?, ?, ?)"
-    " ON CONFLICT (partition_id, key) DO UPDATE SET fields = excluded.fields"
-)
-
-_UPSERT = (
-    "INSERT INTO kv (partition_id, key, tags) VALUES (?, ?, ?)"
-    " ON CONFLICT (partition_id, key) DO UPDATE SET tags = excluded.tags"
-)
+_UPSERTS = {table: f"INSERT INTO {table} (partition_id, key, {column}) VALUES (?, ?, ?)"
+                   f" ON CONFLICT (partition_id, key) DO UPDATE SET {column} = excluded.{column}"
+            for table, column in (("kv", "tags"), ("kv_fields", "fields"))}
 
 # Connections inherited through fork() are parked here and never touched
 # again: SQLite forbids using a connection across fork, and closing one in the
@@ -130,7 +113,7 @@ class SqliteSource:
 
     def kv_put(self, key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None) -> None:
         """Store one key, merging ``tag`` into its tags and ``fields`` into its fields (:meth:`kv_batch_put`)."""
-        check_str("key", key)
+        sqlite_io.check_str("key", key)
         if fields is not None and not isinstance(fields, Mapping):
             raise TypeError(f"fields must be a dict of field name -> value, got {type(fields).__name__}")
         self.kv_batch_put([key], partition_id, None if fields is None else [dict(fields)],
@@ -156,26 +139,24 @@ class SqliteSource:
                 be read (nothing to merge into: nothing is written).
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        check_str("partition_id", partition_id)
-        key_list = check_keys(keys)
-        tag_list = tag_rows(key_list, tags)
-        field_list = None if fields is None else field_rows(key_list, fields)
+        sqlite_io.check_str("partition_id", partition_id)
+        key_list = sqlite_io.check_keys(keys)
+        tag_list = [{} for _ in key_list] if tags is None else sqlite_io.json_rows("tags", key_list, tags)
+        field_list = None if fields is None else sqlite_io.json_rows("fields", key_list, fields)
         if not key_list:
             return
         with self._transaction() as conn:
-            merged = select_json(conn, partition_id, key_list)
-            for key, tag in zip(key_list, tag_list):
-                merged.setdefault(key, {}).update(tag)
-            # Values were checked above; dumping cannot fail half-way through.
-            conn.executemany(_UPSERT, [(partition_id, key, dumps(merged[key])) for key in dict.fromkeys(key_list)])
-            if field_list is not None:
-                stored = select_json(conn, partition_id, key_list, table="kv_fields")
-                for key, row in zip(key_list, field_list):
-                    stored.setdefault(key, {}).update(row)
-                conn.executemany(_FIELDS_UPSERT, [(partition_id, key, dumps(stored[key]))
-                                                  for key in dict.fromkeys(key_list)])
+            for table, updates in (("kv", tag_list), ("kv_fields", field_list)):
+                if updates is None:
+                    continue
+                merged = sqlite_io.select_json(conn, partition_id, key_list, table=table)
+                for key, update in zip(key_list, updates):
+                    merged.setdefault(key, {}).update(update)
+                # Values were checked above; dumping cannot fail half-way through.
+                conn.executemany(_UPSERTS[table], [(partition_id, key, sqlite_io.dumps(merged[key]))
+                                                   for key in dict.fromkeys(key_list)])
 
-    def kv_list(self, partition_id: str | None = None) -> StoredListing:
+    def kv_list(self, partition_id: str | None = None) -> sqlite_io.StoredListing:
         """Everything stored (or only ``partition_id``'s) as fresh ``{partition_id: {key: tags}}`` dicts.
 
         One ``SELECT``: a consistent snapshot while others write. A row another
@@ -188,24 +169,21 @@ class SqliteSource:
             TypeError: ``partition_id`` is neither None nor a str.
         """
         if partition_id is not None:
-            check_str("partition_id", partition_id)
+            sqlite_io.check_str("partition_id", partition_id)
         with self._connection() as conn:
             if partition_id is None:
-                rows = fetch_all(conn, "SELECT partition_id, key, tags FROM kv")
+                rows = sqlite_io.fetch_all(conn, "SELECT partition_id, key, tags FROM kv")
             else:
-                rows = fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE partition_id = ?",
+                rows = sqlite_io.fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE partition_id = ?",
                                   (partition_id,))
-        listing: StoredListing = {}
-        for partition, key, text in rows:
-            listing.setdefault(partition, {})[key] = read_tags(text)
-        return listing
+        return sqlite_io.listing_of(rows)
 
-    def kv_snapshot(self) -> tuple[Cursor, StoredListing]:
+    def kv_snapshot(self) -> tuple[Cursor, sqlite_io.StoredListing]:
         """Everything stored, as :meth:`kv_list`, and the change cursor right after it."""
         with self._change_log() as conn:
             return read_snapshot(conn)
 
-    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[StoredListing]]:
+    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[sqlite_io.StoredListing]]:
         """:meth:`kv_snapshot` in listings of at most ``size`` rows, each parsed only when taken.
 
         A million keys are then applied by the trainer as they are read, not
@@ -219,7 +197,7 @@ class SqliteSource:
         with self._change_log() as conn:
             yield from snapshot_pieces(conn, size)
 
-    def kv_changes(self, cursor: Any) -> tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None:
+    def kv_changes(self, cursor: Any) -> tuple[Cursor, sqlite_io.StoredListing, dict[Any, list[Any]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
 
         ``None``: the cursor is from another file, another history of this one
@@ -239,8 +217,8 @@ class SqliteSource:
             TypeError: a key or the partition id is not a str.
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        check_str("partition_id", partition_id)
-        key_list = check_keys(keys)
+        sqlite_io.check_str("partition_id", partition_id)
+        key_list = sqlite_io.check_keys(keys)
         if not key_list:
             return
         with self._transaction() as conn:
@@ -261,13 +239,14 @@ class SqliteSource:
             ValueError: a key's stored tags or fields cannot be read (another
                 tool wrote them), naming the key.
         """
-        check_str("partition_id", partition_id)
-        key_list = check_keys(keys)
-        names = None if select_fields is None else check_keys([select_fields] if isinstance(select_fields, str)
-                                                               else select_fields)
+        sqlite_io.check_str("partition_id", partition_id)
+        key_list = sqlite_io.check_keys(keys)
+        if isinstance(select_fields, str):
+            select_fields = [select_fields]
+        names = None if select_fields is None else sqlite_io.check_keys(select_fields)
         with self._connection() as conn:
-            present = select_json(conn, partition_id, key_list)
-            stored = select_json(conn, partition_id, key_list, table="kv_fields")
+            present = sqlite_io.select_json(conn, partition_id, key_list)
+            stored = sqlite_io.select_json(conn, partition_id, key_list, table="kv_fields")
         missing = [key for key in key_list if key not in present]
         if missing:
             raise KeyError(f"{len(missing)} key(s) not stored in partition {partition_id!r}: {missing[:5]}")
@@ -317,7 +296,7 @@ class SqliteSource:
             if self._conn is not None:
                 self._check_file()
             if self._conn is None:
-                self._conn = open_connection(self._path, self._timeout, migrate=ensure_change_log)
+                self._conn = sqlite_io.open_connection(self._path, self._timeout, migrate=ensure_change_log)
                 self._conn_pid = pid
                 self._conn_file = self._file_id()
             yield self._conn
@@ -365,21 +344,6 @@ class SqliteSource:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
-
-        IMMEDIATE takes the write lock up front, so a read-modify-write cannot
-        go stale (DEFERRED would fail with SQLITE_BUSY on upgrade, not wait).
-        """
-        with self._connection() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                # Also after a failed COMMIT: a transaction left open would
-                # make every later BEGIN on this connection fail.
-                try:
-                    conn.execute("ROLLBACK")
-                except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
-                    pass
-                raise
+        """A ``BEGIN IMMEDIATE`` transaction on this process's connection (:func:`.sqlite_io.immediate`)."""
+        with self._connection() as conn, sqlite_io.immediate(conn):
+            yield conn

@@ -29,9 +29,10 @@ that many changes and misses none.
 from __future__ import annotations
 
 import sqlite3
+from contextlib import contextmanager
 from typing import Any, Iterator
 
-from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_batches, read_tags
+from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_batches, immediate, listing_of
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "ensure_change_log", "read_changes", "read_snapshot"]
 
@@ -122,26 +123,19 @@ def ensure_change_log(conn: sqlite3.Connection) -> None:
     """
     if _complete(conn):
         return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        if not _complete(conn):  # another process may have migrated it while this one waited for the lock
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(kv)")}
-            if "version" not in columns:
-                conn.execute("ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
-            for statement in _TABLES:
-                conn.execute(statement)
-            for name, statement in _WRITE_TRIGGERS.items():
-                conn.execute(f"DROP TRIGGER IF EXISTS {name}")
-                conn.execute(statement)
-            for statement in _TRIGGERS:
-                conn.execute(statement)
-        conn.execute("COMMIT")
-    except BaseException:
-        try:
-            conn.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-        raise
+    with immediate(conn):
+        if _complete(conn):  # another process migrated it while this one waited for the lock
+            return
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(kv)")}
+        if "version" not in columns:
+            conn.execute("ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+        for statement in _TABLES:
+            conn.execute(statement)
+        for name, statement in _WRITE_TRIGGERS.items():
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+            conn.execute(statement)
+        for statement in _TRIGGERS:
+            conn.execute(statement)
 
 
 def _complete(conn: sqlite3.Connection) -> bool:
@@ -167,10 +161,7 @@ def snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
         store_id, _ = _clock(conn)
         yield (store_id, *_last_version(conn))
         for batch in fetch_batches(conn, "SELECT partition_id, key, tags FROM kv ORDER BY partition_id, key", size):
-            listing: StoredListing = {}
-            for partition, key, text in batch:
-                listing.setdefault(partition, {})[key] = read_tags(text)
-            yield listing
+            yield listing_of(batch)
 
 
 def read_changes(conn: sqlite3.Connection, cursor: Any) -> (
@@ -194,13 +185,10 @@ def read_changes(conn: sqlite3.Connection, cursor: Any) -> (
         last = _last_version(conn)
         rows = fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE version > ?", (since,))
         gone = fetch_all(conn, "SELECT partition_id, key FROM kv_deleted WHERE version > ?", (since,))
-    upserts: StoredListing = {}
-    for partition, key, text in rows:
-        upserts.setdefault(partition, {})[key] = read_tags(text)
     deletes: dict[Any, list[Any]] = {}
     for partition, key in gone:
         deletes.setdefault(partition, []).append(key)
-    return (store_id, *last), upserts, deletes
+    return (store_id, *last), listing_of(rows), deletes
 
 
 def _clock(conn: sqlite3.Connection) -> tuple[str, int]:
@@ -215,18 +203,16 @@ def _last_version(conn: sqlite3.Connection) -> tuple[int, int]:
     return int(version), int(stamp)
 
 
-class _read:
+@contextmanager
+def _read(conn: sqlite3.Connection) -> Iterator[None]:
     """A read transaction: every SELECT in it sees the same snapshot (WAL)."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    def __enter__(self) -> None:
-        self._conn.execute("BEGIN")
-
-    def __exit__(self, *exc: object) -> None:
+    conn.execute("BEGIN")
+    try:
+        yield
+    except BaseException:
         try:
-            self._conn.execute("COMMIT")
+            conn.execute("COMMIT")
         except sqlite3.Error:
-            if exc[0] is None:
-                raise
+            pass
+        raise
+    conn.execute("COMMIT")

@@ -14,6 +14,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 from poller.wire.sources import UnreadableValue
@@ -50,6 +51,34 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
         for key, text in rows:
             found[key] = loads(partition_id, key, text)
     return found
+
+
+def listing_of(rows: Iterable[Any]) -> StoredListing:
+    """``{partition_id: {key: tags}}`` of ``(partition_id, key, tags)`` rows, each read by :func:`read_tags`."""
+    listing: StoredListing = {}
+    for partition, key, text in rows:
+        listing.setdefault(partition, {})[key] = read_tags(text)
+    return listing
+
+
+@contextmanager
+def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
+
+    IMMEDIATE takes the write lock up front, so a read-modify-write cannot
+    go stale (DEFERRED would fail with SQLITE_BUSY on upgrade, not wait).
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        # Also after a failed COMMIT: a transaction left open would make every later BEGIN fail.
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
+            pass
+        raise
 
 
 def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) -> list[Any]:
@@ -115,22 +144,6 @@ def _text_as_bytes_where_not_utf8(conn: sqlite3.Connection) -> Iterator[None]:
         conn.text_factory = str
 
 
-def tag_rows(keys: list[str], tags: Any) -> list[Tags]:
-    """``tags`` of kv_batch_put as one checked dict per key (``None``: ``{}`` each)."""
-    if tags is None:
-        return [{} for _ in keys]
-    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable):
-        raise TypeError(f"tags must be a list of dicts, got {type(tags).__name__}")
-    rows = list(tags)
-    if len(rows) != len(keys):
-        raise ValueError(f"got {len(rows)} tags for {len(keys)} keys")
-    for key, tag in zip(keys, rows):
-        if not isinstance(tag, dict):
-            raise TypeError(f"tags of key {key!r} must be a dict, got {type(tag).__name__}")
-        check_json(tag, f"tags of key {key!r}")
-    return rows
-
-
 def check_str(name: str, value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}: {value!r}")
@@ -147,12 +160,11 @@ def check_keys(keys: Any) -> list[str]:
     return key_list
 
 
-def field_rows(keys: list[str], fields: Any) -> list[Tags]:
-    """``fields`` of kv_batch_put as one checked dict per key."""
-    if isinstance(fields, Mapping):
-        columns = dict(fields)
+def json_rows(what: str, keys: list[str], given: Any) -> list[Tags]:
+    """``tags`` or ``fields`` of kv_batch_put as one checked dict per key (fields: or columns ``{name: [values]}``)."""
+    if what == "fields" and isinstance(given, Mapping):
         rows: list[Tags] = [{} for _ in keys]
-        for name, column in columns.items():
+        for name, column in dict(given).items():
             check_str("field name", name)
             if isinstance(column, (str, bytes, Mapping)) or not isinstance(column, Iterable):
                 raise TypeError(f"field {name!r} must be a list with one value per key, got {type(column).__name__}")
@@ -161,16 +173,17 @@ def field_rows(keys: list[str], fields: Any) -> list[Tags]:
                 raise ValueError(f"field {name!r} has {len(values)} values for {len(keys)} keys")
             for row, value in zip(rows, values):
                 row[name] = value
-    elif isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
-        raise TypeError(f"fields must be a list of dicts or a dict of columns, got {type(fields).__name__}")
+    elif isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable):
+        shapes = "a list of dicts or a dict of columns" if what == "fields" else "a list of dicts"
+        raise TypeError(f"{what} must be {shapes}, got {type(given).__name__}")
     else:
-        rows = list(fields)
+        rows = list(given)
         if len(rows) != len(keys):
-            raise ValueError(f"got {len(rows)} field rows for {len(keys)} keys")
+            raise ValueError(f"got {len(rows)} {'tags' if what == 'tags' else 'field rows'} for {len(keys)} keys")
     for key, row in zip(keys, rows):
         if not isinstance(row, dict):
-            raise TypeError(f"fields of key {key!r} must be a dict, got {type(row).__name__}")
-        check_json(row, f"fields of key {key!r}")
+            raise TypeError(f"{what} of key {key!r} must be a dict, got {type(row).__name__}")
+        check_json(row, f"{what} of key {key!r}")
     return rows
 
 
@@ -248,25 +261,11 @@ def loads(partition_id: Any, key: Any, text: Any) -> Tags:
     return tags
 
 
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS kv ("
-    " partition_id TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " tags TEXT NOT NULL,"
-    " PRIMARY KEY (partition_id, key)"
-    ") WITHOUT ROWID"
-)
-
-# A table of its own, so files written before fields were kept need no migration.
-_FIELDS_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS kv_fields ("
-    " partition_id TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " fields TEXT NOT NULL,"
-    " PRIMARY KEY (partition_id, key)"
-    ") WITHOUT ROWID"
-)
-
+# Tags in kv; fields in a table of their own, so files written before fields were kept need no migration.
+_SCHEMA = tuple(
+    f"CREATE TABLE IF NOT EXISTS {table} (partition_id TEXT NOT NULL, key TEXT NOT NULL, {column} TEXT NOT NULL,"
+    " PRIMARY KEY (partition_id, key)) WITHOUT ROWID"
+    for table, column in (("kv", "tags"), ("kv_fields", "fields")))
 
 
 def open_connection(path: str, timeout: float,
@@ -289,8 +288,8 @@ def open_connection(path: str, timeout: float,
         # NORMAL survives process crashes in WAL mode; a power loss may drop the last
         # transactions, which a replay buffer's metadata can afford.
         conn.execute("PRAGMA synchronous = NORMAL")
-        _retry_busy(timeout, lambda: conn.execute(_SCHEMA))
-        _retry_busy(timeout, lambda: conn.execute(_FIELDS_SCHEMA))
+        for table in _SCHEMA:
+            _retry_busy(timeout, partial(conn.execute, table))
         if migrate is not None:
             _retry_busy(timeout, lambda: migrate(conn))
     except BaseException:

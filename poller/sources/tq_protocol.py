@@ -160,13 +160,10 @@ class _ValueReader:
 
 
 def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: str | None = None) -> dict[str, Any]:
-    """The body of the controller's reply to a ``request_type`` request.
+    """The body of the reply to a ``request_type`` request, its tag values read (:mod:`~poller.sources.tq_values`).
 
-    Tag values are read as the module docstring says: a value this side
-    cannot read becomes an :class:`~poller.wire.sources.UnreadableValue` in its
-    place, and the rest of the reply is unaffected. With ``probe_address``,
-    the reply is the start-up probe's and its shape is checked first
-    (:func:`check_probe_reply`).
+    With ``probe_address``, the reply is the start-up probe's and its shape
+    is checked first (:func:`check_probe_reply`).
 
     Raises:
         TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply
@@ -185,17 +182,12 @@ def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: s
 
 
 def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
-    """:func:`decode_reply` of a ``KV_LIST`` reply, each partition's tags left packed.
+    """:func:`decode_reply` of a ``KV_LIST`` reply, each partition's tags left packed (as ``PackedItems``).
 
-    The body's ``partition_info`` maps each partition id to a
-    :class:`~poller.wire.sources.PackedItems`: every key's tags are the bytes
-    the reply holds for them, read by the item's ``decode`` as
-    :func:`decode_reply` reads them. Walking a reply costs about a quarter
-    of decoding it (K=100k plain tags: ~25 ms against ~90 ms), and the
-    poller decodes only the keys whose bytes changed. A reply of any other
-    shape (pickled whole, a partition id or key that is not a ``str``, an
-    extension value outside the tags, a malformed one) is read by
-    :func:`decode_reply`, whose answer or error it then is.
+    Walking a reply costs about a quarter of decoding it (100k keys: ~25 ms
+    against ~90 ms). A reply of any other shape (pickled whole, a key or
+    partition id that is not a ``str``, an extension value outside the tags,
+    a malformed one) is read by :func:`decode_reply`, whose answer or error it is.
 
     Raises:
         TransferQueueReplyError: as :func:`decode_reply`.
@@ -212,15 +204,10 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
 def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRead | None:
     """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.wire.sources.WatchRead`).
 
-    The controller pickles a ``BatchMeta`` of the keys found (their global
-    indexes, production status, field schema and tags) into one extension
-    value of the reply. Its bytes are the fingerprint: the same as long as
-    nothing about those keys changed, different once a tag, a field or the
-    set of keys found did. What it holds of them is read through the
-    restricted unpickler (:func:`~poller.sources.tq_values.batch_meta_tags`)
-    only when asked for (``WatchRead.held``): each key's tags can be named
-    when every key was found. None: a reply the controller
-    had to pickle whole (a value broke msgpack), whose bytes hold the
+    The controller pickles a ``BatchMeta`` of the keys found (indexes,
+    production status, field schema, tags) into one extension value: its
+    bytes are the fingerprint. Its tags are read (restricted unpickler) only
+    when ``held`` is called. None: a reply pickled whole, whose bytes hold the
     message's own id and time, so no fingerprint is to be had.
 
     Raises:

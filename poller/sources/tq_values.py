@@ -262,6 +262,10 @@ def _from_buffer(what: str, dtype: str, shape: Sequence[int], data: bytes | byte
 
 # -- the restricted unpickler ---------------------------------------------------------------------
 
+def _ignore(*_: Any, **__: Any) -> None:
+    pass
+
+
 class _Refused:
     """A stand-in for a pickled global this side does not resolve: building or filling one does nothing."""
 
@@ -270,24 +274,8 @@ class _Refused:
     def __new__(cls, *args: Any, **kwargs: Any) -> "_Refused":
         return object.__new__(cls)
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    # What pickle may call on an object it built: state, list items, dict items, set items.
-    def __setstate__(self, state: Any) -> None:
-        pass
-
-    def append(self, item: Any) -> None:
-        pass
-
-    def extend(self, items: Any) -> None:
-        pass
-
-    def add(self, item: Any) -> None:
-        pass
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
+    # What pickle may call on an object it built: construction, state, list, dict and set items.
+    __init__ = __setstate__ = __setitem__ = append = extend = add = _ignore
 
 
 class _DType:

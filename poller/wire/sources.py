@@ -1,35 +1,20 @@
 """The source contract: what a store must and may offer, checked once when the source is loaded.
 
 Both processes use it: the poller builds its source from an importable spec
-(so the trainer never pickles a live store client into the child), and
+(the trainer never pickles a live store client into the child), and
 ``buffer.verl`` builds a store client from the same spec in the trainer.
-
-One :class:`~typing.Protocol` per capability:
-
-- :class:`Source` (required): ``kv_list()``, the whole store as
-  ``{partition_id: {key: tags}}`` (``None``: nothing stored);
-- :class:`PackedListing`: ``kv_list_packed()``, the same listing with each
-  partition's tags left as the store packed them (:class:`PackedItems`), so
-  the poller decodes only keys whose bytes changed (TransferQueue);
-- :class:`ChangeFeed`: ``kv_snapshot()`` and ``kv_changes(cursor)``, so each
-  poll reads only what changed (the SQLite store); optionally
-  ``kv_snapshot_pieces()``;
-- :class:`Watch`: ``kv_watch(partition_id, keys, timeout)``, a cheap read of a
-  few named keys the poller repeats while a decision waits on them, to list
-  as soon as they change (TransferQueue's ``KV_RETRIEVE_META``);
-- :class:`StoreClient` and :class:`FieldReads`: what ``buffer.verl`` calls on
-  the store from the trainer (clears, DAPO metric reads).
+One :class:`~typing.Protocol` per capability: :class:`Source` (``kv_list``,
+required), :class:`PackedListing`, :class:`ChangeFeed`, :class:`Watch`, and
+the trainer's :class:`StoreClient` / :class:`FieldReads`.
 
 :func:`load_source` checks the contract once (:func:`capabilities`): a
-malformed source (a ``kv_changes`` without ``kv_snapshot``, an attribute of
-one of these names that is not callable) fails the poller's start-up with a
-``TypeError`` naming what is wrong. What the source offers is then read from
-the :class:`Capabilities` record, never by looking at the source again.
-
-Any call may raise :class:`SourceStall` when the store did not answer within
-the source's own deadline: the poller counts a stall and polls again instead
-of failing. A tag value the source cannot read stands in its listing as an
-:class:`UnreadableValue`, and the poller quarantines that key alone.
+malformed source (half a change feed, an attribute of one of these names
+that is not callable) fails the poller's start-up with a ``TypeError``
+naming it, and what the source offers is then read from the
+:class:`Capabilities` record. Any call may raise :class:`SourceStall` past the
+source's own deadline (counted, then polled again); a tag value a source
+cannot read stands in its listing as an :class:`UnreadableValue`, and the
+poller quarantines that key alone.
 """
 
 from __future__ import annotations
@@ -126,7 +111,7 @@ class Source(Protocol):
 
 
 class PackedListing(Protocol):
-    """``kv_list()`` with each partition as :class:`PackedItems` (or as ``kv_list()`` puts it, where not packed).
+    """``kv_list()`` with each partition as :class:`PackedItems`: the poller decodes only changed keys (TransferQueue).
 
     Used only where it stands for the ``kv_list()`` in effect: a subclass
     that overrides ``kv_list()`` (to log, filter or add to a listing)
@@ -139,7 +124,7 @@ class PackedListing(Protocol):
 
 @runtime_checkable
 class ChangeFeed(Protocol):
-    """What changed since a cursor, an opaque value the source hands out and takes back.
+    """What changed since a cursor (an opaque value the source hands out and takes back): each poll reads only that.
 
     A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``:
     :meth:`kv_snapshot` as an iterator of listings, each read only when it is
@@ -176,7 +161,7 @@ class ChangeFeed(Protocol):
 
 
 class Watch(Protocol):
-    """A cheap read of named keys, repeated every ``watch_interval`` while a decision waits on them.
+    """A cheap read of named keys, repeated every ``watch_interval`` while a decision waits on them (TransferQueue).
 
     The poller lists the store as soon as the fingerprint changes: a schedule
     that decides *when* to list, never what the listing shows. It must
