@@ -1,35 +1,28 @@
 """TransferQueue's tag values, turned into plain ones without numpy or torch (poller process).
 
-The controller's codec (``transfer_queue.utils.serial_utils``: msgspec's
-msgpack with an encoding hook) carries tag values so, as found on real
-KV_LIST replies of 0.1.11 (``tests/data/tq_kv_list_replies.msgpack``, made by
-``tests/integration/capture_tq_replies.py``); each becomes:
+How the controller's codec (msgspec's msgpack with a hook) carries each kind
+of value, as found on real 0.1.11 replies (``tests/data/tq_kv_list_replies.msgpack``,
+made by ``tests/integration/capture_tq_replies.py``), and what it becomes:
 
-- str, int, float, bool, None, lists, maps: plain msgpack, kept (tuples and
-  sets are msgpack arrays; a naive datetime, date, UUID or Decimal a
-  string; int tag names and partition ids int map keys). A datetime with a
-  time zone is msgpack's timestamp (extension type -1): unreadable.
-- numpy scalars: extension type 1, a pickle of numpy's scalar constructor
-  over ``numpy.dtype("i8")`` and raw bytes -> ``bool``/``int``/``float``
-  (float16 and float32 widened exactly, as ``.item()`` does). Any other
-  pickled class (object arrays too): unreadable.
-- numpy arrays (type 5) and tensors (type 3): a pickled ``(dtype name, shape,
-  frame index)`` and the raw elements in that extra reply frame -> the
-  scalar for shape ``()``, else nested lists as ``.tolist()`` gives. Bool,
-  int, uint and float dtypes (torch's bfloat16 too) only, up to
-  :data:`MAX_ELEMENTS`; nested tensors (type 4) and cloudpickled callables
-  (type 2): unreadable.
-- an int no msgpack int holds (``2**70``) makes msgspec fail, and the whole
-  reply is pickled instead (``[b"\\xc1\\xfe\\xed", pickle]``): tuples stay
-  tuples, arrays are numpy's ``_frombuffer``, tensors torch's
-  ``_rebuild_tensor_v2`` of a storage in the legacy ``torch.save`` format.
-  :func:`restricted_loads` reads the same scalars, arrays and dense tensors
-  from it, so one such record does not make the rest unreadable.
+- plain msgpack (tuples and sets as arrays; a naive datetime, UUID or Decimal
+  as a string; int tag names and partition ids as int keys): kept. A
+  datetime with a time zone (msgpack timestamp, ext -1): unreadable.
+- numpy scalars: ext 1, a pickle of numpy's scalar constructor over a dtype
+  and raw bytes -> ``bool``/``int``/``float``, as ``.item()`` gives. Any
+  other pickled class (object arrays too): unreadable.
+- numpy arrays (ext 5) and tensors (ext 3): a pickled ``(dtype, shape, frame
+  index)``, the raw elements in that extra frame -> the scalar for shape
+  ``()``, else nested lists as ``.tolist()`` gives; bool, int, uint and float
+  dtypes (bfloat16 too), up to :data:`MAX_ELEMENTS`. Nested tensors (ext 4)
+  and cloudpickled callables (ext 2): unreadable.
+- an int no msgpack int holds (``2**70``) makes the controller pickle the
+  whole reply (``[b"\xc1\xfe\xed", pickle]``): :func:`restricted_loads`
+  reads the same scalars, arrays (numpy's ``_frombuffer``) and dense tensors
+  (torch's legacy storage format) from it, so one such record spoils no other.
 
 An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue`
-in its place (the poller quarantines that key alone); a map key that cannot
-be read an :class:`UnreadableKey`. Nothing is unpickled but through the
-restricted unpickler, which resolves no global by import.
+in its place (the poller quarantines that key alone), an unreadable map key
+an :class:`UnreadableKey`. The restricted unpickler resolves no global by import.
 """
 
 from __future__ import annotations
