@@ -318,7 +318,7 @@ def load_capabilities(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None)
     try:
         return capabilities(source)
     except TypeError as exc:
-        raise TypeError(f"source {describe_spec(spec)} gave {exc}") from None
+        raise TypeError(f"source {describe_spec(spec)}: {exc}") from None
 
 
 def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
