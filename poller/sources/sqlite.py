@@ -36,9 +36,8 @@ _UPSERTS = {table: f"INSERT INTO {table} (partition_id, key, {column}) VALUES (?
                    f" ON CONFLICT (partition_id, key) DO UPDATE SET {column} = excluded.{column}"
             for table, column in (("kv", "tags"), ("kv_fields", "fields"))}
 
-# Connections inherited through fork() are parked here and never touched
-# again: SQLite forbids using a connection across fork, and closing one in the
-# child counts as use (it may checkpoint or delete the parent's WAL file).
+# Connections inherited through fork() are parked here, never touched again: SQLite forbids using one
+# across fork, and closing one in the child counts as use (it may checkpoint or delete the parent's WAL).
 _INHERITED: list[sqlite3.Connection] = []
 
 
@@ -60,10 +59,9 @@ class SqliteSource:
     transaction, so concurrent merges never lose each other's tags.
 
     Args:
-        path: the database file; it (and its directory) is created on first
-            use if missing.
+        path: the database file, created (with its directory) on first use.
         timeout: seconds to wait for another process's write lock before
-            raising :class:`sqlite3.OperationalError` ("database is locked").
+            :class:`sqlite3.OperationalError` ("database is locked").
 
     Example:
         >>> with SqliteSource(tmp / "kv.db") as store:  # doctest: +SKIP
@@ -170,12 +168,9 @@ class SqliteSource:
         """
         if partition_id is not None:
             sqlite_io.check_str("partition_id", partition_id)
+        where, params = ("", ()) if partition_id is None else (" WHERE partition_id = ?", (partition_id,))
         with self._connection() as conn:
-            if partition_id is None:
-                rows = sqlite_io.fetch_all(conn, "SELECT partition_id, key, tags FROM kv")
-            else:
-                rows = sqlite_io.fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE partition_id = ?",
-                                  (partition_id,))
+            rows = sqlite_io.fetch_all(conn, "SELECT partition_id, key, tags FROM kv" + where, params)
         return sqlite_io.listing_of(rows)
 
     def kv_snapshot(self) -> tuple[Cursor, sqlite_io.StoredListing]:
@@ -211,12 +206,7 @@ class SqliteSource:
             return read_changes(conn, cursor)
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
-        """Delete ``keys`` from ``partition_id``; missing keys are fine.
-
-        Raises:
-            TypeError: a key or the partition id is not a str.
-            sqlite3.OperationalError: the write lock was not had in time.
-        """
+        """Delete ``keys`` (and their fields) from ``partition_id``; missing keys are fine."""
         sqlite_io.check_str("partition_id", partition_id)
         key_list = sqlite_io.check_keys(keys)
         if not key_list:
@@ -234,10 +224,8 @@ class SqliteSource:
         has); a key without a field gets ``None`` in that column.
 
         Raises:
-            TypeError: a key, the partition id or a field name is not a str.
             KeyError: some keys are not stored (the first few are named).
-            ValueError: a key's stored tags or fields cannot be read (another
-                tool wrote them), naming the key.
+            ValueError: stored tags or fields another tool wrote cannot be read (the key is named).
         """
         sqlite_io.check_str("partition_id", partition_id)
         key_list = sqlite_io.check_keys(keys)
