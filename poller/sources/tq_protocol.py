@@ -114,17 +114,6 @@ def encode_request(request_type: str, body: dict[str, Any], *, sender_id: str, r
     }, use_bin_type=True)]
 
 
-def _decode_message(frames: Sequence[bytes]) -> Any:
-    """The controller's message in ``frames``, its tag values read (:mod:`poller.sources.tq_values`)."""
-    if bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
-        # The whole message pickled (some value broke msgpack): [marker, pickle].
-        if len(frames) != 2 or bytes(frames[0]) != _PICKLED_MARKER:
-            raise TransferQueueReplyError(f"a pickled reply of {len(frames)} frames, "
-                                          f"expected the marker and one pickle")
-        return plain(restricted_loads(frames[1]))
-    return _ValueReader(frames).read(frames[0])
-
-
 class _ValueReader:
     """Reads msgpack of one reply as the controller's codec wrote it: its extension values and timestamps."""
 
@@ -172,10 +161,12 @@ def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: s
     """
     if not frames or not frames[0]:
         raise TransferQueueReplyError("empty reply from the TransferQueue controller")
+    pickled = bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER
+    # The whole message pickled (some value broke msgpack) comes as [marker, pickle].
+    if pickled and (len(frames) != 2 or bytes(frames[0]) != _PICKLED_MARKER):
+        raise TransferQueueReplyError(f"a pickled reply of {len(frames)} frames, expected the marker and one pickle")
     try:
-        message = _decode_message(frames)
-    except TransferQueueReplyError:
-        raise
+        message = plain(restricted_loads(frames[1])) if pickled else _ValueReader(frames).read(frames[0])
     except Exception as exc:  # msgpack and pickle raise a zoo of types; all mean "malformed"
         raise _malformed(exc) from exc
     return _body(request_type, message, probe_address)
@@ -303,7 +294,7 @@ class _ListingWalk:
         return partitions
 
     def _decode(self, blobs: list[bytes]) -> list[Any]:
-        """Each key's tags, read as :func:`_decode_message` reads the whole reply."""
+        """Each key's tags, read as :func:`decode_reply` reads the whole reply."""
         try:
             return list(map(self.reader.read, blobs))
         except Exception as exc:

@@ -213,12 +213,12 @@ class TransferQueueSource:
         sock = self._sock
         frames = encode_request(request_type, body, sender_id=self._sender_id, receiver_id=self.controller_id)
         try:
-            if not self._wait(sock, zmq.POLLOUT, deadline):
-                raise self._stall(what, timeout)
-            sock.send_multipart(frames, zmq.NOBLOCK)
-            if not self._wait(sock, zmq.POLLIN, deadline):
-                raise self._stall(what, timeout)
-            return sock.recv_multipart(zmq.NOBLOCK)
+            if self._wait(sock, zmq.POLLOUT, deadline):
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                if self._wait(sock, zmq.POLLIN, deadline):
+                    return sock.recv_multipart(zmq.NOBLOCK)
+            raise SourceStall(f"no answer from the TransferQueue controller at {self.address} to {what} "
+                              f"within {timeout:g}s")
         except BaseException:
             self._drop_socket()
             raise
@@ -227,10 +227,6 @@ class TransferQueueSource:
     def _wait(sock: zmq.Socket, event: int, deadline: float) -> bool:
         remaining = deadline - time.monotonic()
         return remaining > 0 and bool(sock.poll(max(1, int(remaining * 1000)), event))
-
-    def _stall(self, what: str, timeout: float) -> SourceStall:
-        return SourceStall(f"no answer from the TransferQueue controller at {self.address} to "
-                           f"{what} within {timeout:g}s")
 
 
 def source_kwargs(conf: Any = None, *, partition_ids: Sequence[str] | None = None, call_timeout: float = 10.0,
