@@ -20,7 +20,6 @@ poller quarantines that key alone.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence, Union, runtime_checkable
 
 from poller.wire.vocabulary import Listing
@@ -202,9 +201,11 @@ def missing_calls(obj: object, protocol: type) -> list[str]:
     return [name for name in _CALLS[protocol] if not callable(getattr(obj, name, None))]
 
 
-@dataclass(frozen=True)
-class Capabilities:
-    """What one source offers, checked once (:func:`capabilities`): its bound methods, None where not offered."""
+class Capabilities(NamedTuple):
+    """What one source offers, checked once (:func:`capabilities`): its bound methods, None where not offered.
+
+    A NamedTuple, not a dataclass: the poller process does not import ``dataclasses`` (tests/test_launch.py).
+    """
 
     source: Any
     kv_list: Callable[[], Any]
