@@ -118,6 +118,7 @@ def test_a_close_racing_the_pollers_own_death_restarts_nothing(db):
     ("not-a-spec", {}, "not of the form"),
     (f"{HELPERS}:failing_factory", {"url": "x"}, "cannot connect to store"),
     ("os:getcwd", {}, "has no kv_list"),
+    (f"{HELPERS}:HalfChangeFeed", {}, "a change feed needs kv_snapshot and kv_changes"),
 ])
 def test_startup_failure_raises_with_the_child_traceback_and_leaves_nothing(source, kwargs, match):
     with pytest.raises(PollerStartupError, match=match) as info:

@@ -13,10 +13,8 @@ import time
 import msgpack
 import pytest
 
-from poller.sources.tq_elements import MAX_ELEMENTS
-from poller.sources.tq_pickles import restricted_loads
 from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_reply
-from poller.sources.tq_values import UnreadableKey, plain
+from poller.sources.tq_values import MAX_ELEMENTS, UnreadableKey, plain, restricted_loads
 from poller.wire.sources import UnreadableValue
 from tests.test_transferqueue_source import GOOD, _reply, typed
 

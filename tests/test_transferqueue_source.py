@@ -372,9 +372,9 @@ def test_reading_every_captured_reply_imports_neither_numpy_nor_torch():
 
 
 def test_numpy_scalars_read_the_same_with_and_without_the_unpickler(monkeypatch):
-    from poller.sources import tq_pickles
+    from poller.sources import tq_values
 
     replies = [*REPLIES["cases"].values(), REPLIES["all_at_once"]]
     fast = [decode_reply(KV_LIST, frames) for frames in replies]
-    monkeypatch.setattr(tq_pickles, "_fast_numpy_scalar", lambda data: None)
+    monkeypatch.setattr(tq_values, "_fast_numpy_scalar", lambda data: None)
     assert typed(fast) == typed([decode_reply(KV_LIST, frames) for frames in replies])

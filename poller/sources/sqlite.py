@@ -1,22 +1,17 @@
-"""The embedded default store: a tags-only key-value store in one SQLite file.
+"""The embedded default store: a key-value store of tags (and JSON fields) in one SQLite file.
 
 It speaks TransferQueue's KV API (``kv_put``, ``kv_batch_put``, ``kv_list``,
-``kv_clear``) so that the poller, the demo and the tests need no Ray, no
-torch and no running controller. Any number of processes may use the same
-file at once::
+``kv_clear``, ``kv_batch_get``), so the poller, the demo and the tests need no
+Ray, torch or controller, and offers the change feed
+(:mod:`poller.sources.sqlite_changes`). Any number of processes share a file::
 
-    writer processes ──kv_batch_put──▶ kv.db (WAL) ◀──kv_list()── poller thread
+    writer processes ──kv_batch_put──▶ kv.db (WAL) ◀──kv_changes()── poller thread
     trainer ─────────────kv_clear────▶
 
-The poller builds it from the spec ``"poller.sources.sqlite:SqliteSource"``
-with ``{"path": ...}``, so the constructor only records its arguments: the
-connection is opened on first use, in the process (and after a fork, anew in
-the child) that uses it.
-
-Tags live in one table, ``fields`` (TransferQueue's per-key payload) in a
-second one, as JSON: only JSON values can be stored there (not tensors),
-which is what verl's DAPO metric, ``extra_fields.reward_extra_info``, is.
-``kv_batch_get`` reads them back.
+Built from a spec in any process, so the constructor only records its
+arguments: the connection opens on first use, in the process that uses it
+(anew after a fork). Fields are JSON only (not tensors), which verl's DAPO
+metric, ``extra_fields.reward_extra_info``, is.
 """
 
 from __future__ import annotations
@@ -30,34 +25,19 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from poller.sources import sqlite_io
 from poller.sources.sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot, snapshot_pieces
-from poller.sources.sqlite_io import StoredListing, open_connection
-from poller.sources.sqlite_io import check_keys as _check_keys
-from poller.sources.sqlite_io import check_str as _check_str
-from poller.sources.sqlite_io import dumps as _dumps
-from poller.sources.sqlite_io import fetch_all as _fetch_all
-from poller.sources.sqlite_io import field_rows as _field_rows
-from poller.sources.sqlite_io import read_tags as _read_tags
-from poller.sources.sqlite_io import select_json as _select_json
-from poller.sources.sqlite_io import tag_rows as _tag_rows
 
 __all__ = ["SqliteSource"]
 
 logger = logging.getLogger(__name__)
 
-_FIELDS_UPSERT = (
-    "INSERT INTO kv_fields (partition_id, key, fields) VALUES (?, ?, ?)"
-    " ON CONFLICT (partition_id, key) DO UPDATE SET fields = excluded.fields"
-)
+_UPSERTS = {table: f"INSERT INTO {table} (partition_id, key, {column}) VALUES (?, ?, ?)"
+                   f" ON CONFLICT (partition_id, key) DO UPDATE SET {column} = excluded.{column}"
+            for table, column in (("kv", "tags"), ("kv_fields", "fields"))}
 
-_UPSERT = (
-    "INSERT INTO kv (partition_id, key, tags) VALUES (?, ?, ?)"
-    " ON CONFLICT (partition_id, key) DO UPDATE SET tags = excluded.tags"
-)
-
-# Connections inherited through fork() are parked here and never touched
-# again: SQLite forbids using a connection across fork, and closing one in the
-# child counts as use (it may checkpoint or delete the parent's WAL file).
+# Connections inherited through fork() are parked here, never touched again: SQLite forbids using one
+# across fork, and closing one in the child counts as use (it may checkpoint or delete the parent's WAL).
 _INHERITED: list[sqlite3.Connection] = []
 
 
@@ -73,17 +53,15 @@ def _started(pieces: Generator[Any, None, None]) -> tuple[Cursor, Iterator[Any]]
 class SqliteSource:
     """A key-value store of ``{partition_id: {key: tags}}`` in a SQLite file.
 
-    Safe to share between processes (each opens its own connection, WAL mode
-    lets readers run alongside one writer) and between the threads of one
-    process (one connection per instance, guarded by a lock). Every
-    read-modify-write runs in a ``BEGIN IMMEDIATE`` transaction, so merges
-    from concurrent processes never lose each other's tags.
+    Safe to share between processes (one connection each; WAL lets readers
+    run alongside one writer) and threads (one connection per instance, under
+    a lock). Every read-modify-write runs in a ``BEGIN IMMEDIATE``
+    transaction, so concurrent merges never lose each other's tags.
 
     Args:
-        path: the database file; it (and its directory) is created on first
-            use if missing.
+        path: the database file, created (with its directory) on first use.
         timeout: seconds to wait for another process's write lock before
-            raising :class:`sqlite3.OperationalError` ("database is locked").
+            :class:`sqlite3.OperationalError` ("database is locked").
 
     Example:
         >>> with SqliteSource(tmp / "kv.db") as store:  # doctest: +SKIP
@@ -132,26 +110,8 @@ class SqliteSource:
     # -- public API (TransferQueue's KV signatures) ---------------------------
 
     def kv_put(self, key: str, partition_id: str, fields: Any = None, tag: dict[str, Any] | None = None) -> None:
-        """Store one key, merging ``tag`` into the tags it already has.
-
-        Merging is ``dict.update`` on the top level: keys in ``tag`` replace
-        the stored ones, the others stay. A missing key is created with
-        ``tag or {}``.
-
-        Args:
-            key: the key.
-            partition_id: its partition.
-            fields: ``{name: value}`` merged into the key's stored fields
-                (values must be JSON); ``None`` leaves them alone.
-            tag: tags to merge in; ``None`` leaves existing tags unchanged.
-
-        Raises:
-            TypeError: ``key`` or ``partition_id`` is not a str, or ``tag``
-                is not a dict with str keys and JSON values.
-            ValueError: ``tag`` holds a value JSON cannot carry (e.g. NaN).
-            sqlite3.OperationalError: the write lock was not had in time.
-        """
-        _check_str("key", key)
+        """Store one key, merging ``tag`` into its tags and ``fields`` into its fields (:meth:`kv_batch_put`)."""
+        sqlite_io.check_str("key", key)
         if fields is not None and not isinstance(fields, Mapping):
             raise TypeError(f"fields must be a dict of field name -> value, got {type(fields).__name__}")
         self.kv_batch_put([key], partition_id, None if fields is None else [dict(fields)],
@@ -159,101 +119,72 @@ class SqliteSource:
 
     def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None,
                      tags: list[dict[str, Any]] | None = None) -> None:
-        """Store many keys in one transaction, merging each key's tags.
+        """Store many keys in one transaction (all or none), merging each key's tags and fields.
 
-        Either every key is written or none is. A key listed twice gets both
-        updates, in order.
+        Merging is ``dict.update`` on the top level; a missing key starts from
+        ``{}``, and a key listed twice gets both updates, in order.
 
         Args:
-            keys: the keys.
-            partition_id: their partition.
+            tags: one dict per key (``None``: ``{}`` each), JSON values only.
             fields: one ``{name: value}`` dict per key, or columns
-                ``{name: [value per key]}`` (the shape of TransferQueue's
-                TensorDict); merged as in :meth:`kv_put`.
-            tags: one dict per key, merged as in :meth:`kv_put`; ``None``
-                means ``{}`` for each.
+                ``{name: [value per key]}`` (TransferQueue's TensorDict shape);
+                ``None`` leaves the fields alone.
 
         Raises:
-            TypeError: a key, the partition id or a tag has the wrong type.
-            ValueError: ``len(tags) != len(keys)``, a tag value JSON
-                cannot carry, or a key's stored tags or fields cannot be read
-                (another tool wrote them, :meth:`kv_list`): there is nothing
-                to merge into, and nothing is written.
+            TypeError: a key, the partition id, a tag or a field has the wrong type.
+            ValueError: ``len(tags) != len(keys)``, a value JSON cannot carry
+                (NaN), or stored tags or fields another tool wrote that cannot
+                be read (nothing to merge into: nothing is written).
             sqlite3.OperationalError: the write lock was not had in time.
         """
-        _check_str("partition_id", partition_id)
-        key_list = _check_keys(keys)
-        tag_list = _tag_rows(key_list, tags)
-        field_list = None if fields is None else _field_rows(key_list, fields)
+        sqlite_io.check_str("partition_id", partition_id)
+        key_list = sqlite_io.check_keys(keys)
+        tag_list = [{} for _ in key_list] if tags is None else sqlite_io.json_rows("tags", key_list, tags)
+        field_list = None if fields is None else sqlite_io.json_rows("fields", key_list, fields)
         if not key_list:
             return
         with self._transaction() as conn:
-            merged = _select_json(conn, partition_id, key_list)
-            for key, tag in zip(key_list, tag_list):
-                merged.setdefault(key, {}).update(tag)
-            # Values were checked above; dumping cannot fail half-way through.
-            conn.executemany(_UPSERT, [(partition_id, key, _dumps(merged[key])) for key in dict.fromkeys(key_list)])
-            if field_list is not None:
-                stored = _select_json(conn, partition_id, key_list, table="kv_fields")
-                for key, row in zip(key_list, field_list):
-                    stored.setdefault(key, {}).update(row)
-                conn.executemany(_FIELDS_UPSERT, [(partition_id, key, _dumps(stored[key]))
-                                                  for key in dict.fromkeys(key_list)])
+            for table, updates in (("kv", tag_list), ("kv_fields", field_list)):
+                if updates is None:
+                    continue
+                merged = sqlite_io.select_json(conn, partition_id, key_list, table=table)
+                for key, update in zip(key_list, updates):
+                    merged.setdefault(key, {}).update(update)
+                # Values were checked above; dumping cannot fail half-way through.
+                conn.executemany(_UPSERTS[table], [(partition_id, key, sqlite_io.dumps(merged[key]))
+                                                   for key in dict.fromkeys(key_list)])
 
-    def kv_list(self, partition_id: str | None = None) -> StoredListing:
-        """Everything stored, as ``{partition_id: {key: tags}}``.
+    def kv_list(self, partition_id: str | None = None) -> sqlite_io.StoredListing:
+        """Everything stored (or only ``partition_id``'s) as fresh ``{partition_id: {key: tags}}`` dicts.
 
-        One ``SELECT``, so the result is a consistent snapshot even while
-        other processes write. Partitions without keys do not appear.
-
-        Every row is listed, also one another tool wrote that this class
-        would not: tags that are no JSON object (not JSON, JSON of another
-        type, TEXT that is not UTF-8) are an
-        :class:`~poller.wire.sources.UnreadableValue` naming why, in place of the
-        tags dict; a key or partition id that is a BLOB or TEXT that is not
-        UTF-8 is ``bytes``. Such a row never fails the listing (a poller
-        quarantines it alone); check for it where a row may come from
-        elsewhere.
-
-        Args:
-            partition_id: list only this partition (``{}`` if it is empty).
-
-        Returns:
-            Fresh dicts, safe for the caller to change (:data:`~poller.sources.sqlite_io.StoredListing`).
+        One ``SELECT``: a consistent snapshot while others write. A row another
+        tool wrote is listed too and never fails the listing: tags that are no
+        JSON object are an :class:`~poller.wire.sources.UnreadableValue`
+        naming why, and a key or partition id that is a BLOB or not UTF-8 is
+        ``bytes`` (:data:`~poller.sources.sqlite_io.StoredListing`).
 
         Raises:
             TypeError: ``partition_id`` is neither None nor a str.
         """
         if partition_id is not None:
-            _check_str("partition_id", partition_id)
+            sqlite_io.check_str("partition_id", partition_id)
+        where, params = ("", ()) if partition_id is None else (" WHERE partition_id = ?", (partition_id,))
         with self._connection() as conn:
-            if partition_id is None:
-                rows = _fetch_all(conn, "SELECT partition_id, key, tags FROM kv")
-            else:
-                rows = _fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE partition_id = ?",
-                                  (partition_id,))
-        listing: StoredListing = {}
-        for partition, key, text in rows:
-            listing.setdefault(partition, {})[key] = _read_tags(text)
-        return listing
+            rows = sqlite_io.fetch_all(conn, "SELECT partition_id, key, tags FROM kv" + where, params)
+        return sqlite_io.listing_of(rows)
 
-    def kv_snapshot(self) -> tuple[Cursor, StoredListing]:
-        """Everything stored and the change cursor it corresponds to (see :class:`~poller.wire.sources.ChangeFeed`).
-
-        Rows another tool wrote are listed as by :meth:`kv_list`.
-        """
+    def kv_snapshot(self) -> tuple[Cursor, sqlite_io.StoredListing]:
+        """Everything stored, as :meth:`kv_list`, and the change cursor right after it."""
         with self._change_log() as conn:
             return read_snapshot(conn)
 
-    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[StoredListing]]:
-        """:meth:`kv_snapshot` read in listings of at most ``size`` rows, each parsed only when it is taken.
+    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[sqlite_io.StoredListing]]:
+        """:meth:`kv_snapshot` in listings of at most ``size`` rows, each parsed only when taken.
 
-        A poller sends each piece while the next is read, so a store of a
-        million keys is applied by the trainer as it is read instead of after
-        (the JSON parsing is most of a listing's ~5 s). Every piece comes from
-        the one read transaction the cursor belongs to, which stays open, and
-        this store's lock held, until the iterator is exhausted or closed:
-        the caller must ``close()`` it when it stops early.
+        A million keys are then applied by the trainer as they are read, not
+        after (parsing is most of a listing's ~5 s). Every piece comes from
+        the cursor's read transaction, which, and this store's lock, stay held
+        until the iterator is exhausted or closed: close it when stopping early.
         """
         return _started(self._snapshot_pieces(size))
 
@@ -261,15 +192,12 @@ class SqliteSource:
         with self._change_log() as conn:
             yield from snapshot_pieces(conn, size)
 
-    def kv_changes(self, cursor: Any) -> tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None:
+    def kv_changes(self, cursor: Any) -> tuple[Cursor, sqlite_io.StoredListing, dict[Any, list[Any]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
 
-        ``None`` means the cursor is from another file (the store was
-        deleted or replaced) or another history of this one (restored from
-        a backup), or older than the pruned logs: take :meth:`kv_snapshot`
-        instead. See :mod:`poller.sources.sqlite_changes`.
-        Rows another tool wrote are listed as by :meth:`kv_list` (a deleted
-        key too: ``bytes`` where it was not UTF-8 text).
+        ``None``: the cursor is from another file, another history of this one
+        (restored from a backup) or older than the pruned logs
+        (:mod:`poller.sources.sqlite_changes`). Rows read as by :meth:`kv_list`.
 
         Raises:
             TypeError: ``cursor`` did not come from this store.
@@ -278,14 +206,9 @@ class SqliteSource:
             return read_changes(conn, cursor)
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
-        """Delete ``keys`` from ``partition_id``; missing keys are fine.
-
-        Raises:
-            TypeError: a key or the partition id is not a str.
-            sqlite3.OperationalError: the write lock was not had in time.
-        """
-        _check_str("partition_id", partition_id)
-        key_list = _check_keys(keys)
+        """Delete ``keys`` (and their fields) from ``partition_id``; missing keys are fine."""
+        sqlite_io.check_str("partition_id", partition_id)
+        key_list = sqlite_io.check_keys(keys)
         if not key_list:
             return
         with self._transaction() as conn:
@@ -295,28 +218,23 @@ class SqliteSource:
 
     def kv_batch_get(self, keys: list[str], partition_id: str,
                      select_fields: list[str] | str | None = None) -> dict[str, list[Any]]:
-        """The stored fields of ``keys``, as columns ``{name: [value per key]}`` in the order of ``keys``.
+        """The stored fields of ``keys`` (which must exist), as columns ``{name: [value per key]}``.
 
-        Args:
-            keys: keys that must exist in ``partition_id``.
-            partition_id: their partition.
-            select_fields: the fields to read (a name or a list); ``None``:
-                every field any of the keys has. A key without a field
-                gets ``None`` in that column.
+        ``select_fields``: a name or a list (``None``: every field any key
+        has); a key without a field gets ``None`` in that column.
 
         Raises:
-            TypeError: a key, the partition id or a field name is not a str.
             KeyError: some keys are not stored (the first few are named).
-            ValueError: a key's stored tags or fields cannot be read (another
-                tool wrote them), naming the key.
+            ValueError: stored tags or fields another tool wrote cannot be read (the key is named).
         """
-        _check_str("partition_id", partition_id)
-        key_list = _check_keys(keys)
-        names = None if select_fields is None else _check_keys([select_fields] if isinstance(select_fields, str)
-                                                               else select_fields)
+        sqlite_io.check_str("partition_id", partition_id)
+        key_list = sqlite_io.check_keys(keys)
+        if isinstance(select_fields, str):
+            select_fields = [select_fields]
+        names = None if select_fields is None else sqlite_io.check_keys(select_fields)
         with self._connection() as conn:
-            present = _select_json(conn, partition_id, key_list)
-            stored = _select_json(conn, partition_id, key_list, table="kv_fields")
+            present = sqlite_io.select_json(conn, partition_id, key_list)
+            stored = sqlite_io.select_json(conn, partition_id, key_list, table="kv_fields")
         missing = [key for key in key_list if key not in present]
         if missing:
             raise KeyError(f"{len(missing)} key(s) not stored in partition {partition_id!r}: {missing[:5]}")
@@ -325,10 +243,7 @@ class SqliteSource:
         return {name: [stored.get(key, {}).get(name) for key in key_list] for name in names}
 
     def close(self) -> None:
-        """Close this instance's connection. Idempotent.
-
-        A later call on this instance opens a new connection.
-        """
+        """Close this instance's connection (idempotent); a later call opens a new one."""
         with self._checked_lock():
             conn, self._conn = self._conn, None
             if conn is None:
@@ -369,19 +284,17 @@ class SqliteSource:
             if self._conn is not None:
                 self._check_file()
             if self._conn is None:
-                self._conn = open_connection(self._path, self._timeout, migrate=ensure_change_log)
+                self._conn = sqlite_io.open_connection(self._path, self._timeout, migrate=ensure_change_log)
                 self._conn_pid = pid
                 self._conn_file = self._file_id()
             yield self._conn
 
     @contextmanager
     def _change_log(self) -> Iterator[sqlite3.Connection]:
-        """:meth:`_connection`, its file's change log checked first.
+        """:meth:`_connection`, the change log checked first (~15 us).
 
-        A file restored in place from a backup made before this version's
-        log (or edited by hand) is the same file to :meth:`_check_file`, so
-        each read of the change feed checks the log (one read of the schema,
-        ~15 us) and migrates it again where needed.
+        A file restored in place from a backup older than the log (or edited
+        by hand) is the same file to :meth:`_check_file`.
         """
         with self._connection() as conn:
             ensure_change_log(conn)
@@ -399,9 +312,8 @@ class SqliteSource:
     def _check_file(self) -> None:
         """Drop a connection whose file was deleted or replaced since it was opened.
 
-        SQLite keeps reading an unlinked file through its open descriptor:
-        without this check a deleted store would go on listing its old rows
-        forever while writers fill a new file at the same path.
+        SQLite keeps reading an unlinked file through its descriptor: a deleted
+        store would list its old rows forever while writers fill a new file.
 
         Raises:
             FileNotFoundError: the file is gone; the next call starts a new one.
@@ -420,22 +332,6 @@ class SqliteSource:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
-
-        IMMEDIATE takes the write lock up front, so the read of a
-        read-modify-write cannot go stale before the write (a DEFERRED
-        transaction would fail with SQLITE_BUSY on upgrade instead of waiting).
-        """
-        with self._connection() as conn:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                # Also after a failed COMMIT: a transaction left open would
-                # make every later BEGIN on this connection fail.
-                try:
-                    conn.execute("ROLLBACK")
-                except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
-                    pass
-                raise
+        """A ``BEGIN IMMEDIATE`` transaction on this process's connection (:func:`.sqlite_io.immediate`)."""
+        with self._connection() as conn, sqlite_io.immediate(conn):
+            yield conn

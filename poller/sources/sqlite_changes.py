@@ -1,47 +1,38 @@
 """The SQLite store's change feed: what changed since a cursor, without listing the store.
 
-Every write to ``kv`` appends one row to the version log, ``kv_versions``:
-its rowid is the write's version, and it holds a random ``stamp``. The
-version is stored in the written row (``kv.version``, indexed); every delete
-is logged in ``kv_deleted`` with its version. SQLite triggers do all of it,
-so they run inside the writer's own ``BEGIN IMMEDIATE`` transaction, whatever
-code wrote (also an older version of this package, or a ``sqlite3`` shell)::
+SQLite triggers log every write, inside the writer's own ``BEGIN IMMEDIATE``
+transaction, whatever code wrote (an older version of this package, a
+``sqlite3`` shell): each write appends a row to ``kv_versions`` (its rowid is
+the version, with a random 31-bit ``stamp``) and stores the version in the
+written row (``kv.version``, indexed); each delete is logged in
+``kv_deleted``::
 
     kv_batch_put ─▶ kv_versions (version=last+1, stamp) ─▶ kv row (tags, version)
     kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
     poller ───────▶ rows and deletions with version > cursor, in one read transaction
 
-Only one transaction writes at a time and the log lives in the database, so
-version order is commit order, and a reader's snapshot holds every version
-up to the last one it reads in the same transaction: a cursor taken with a
-read never skips a later commit.
+One writer at a time and the log in the database: version order is commit
+order, and a cursor taken in a read never skips a later commit.
 
-A cursor is ``(store id, version, stamp)``: the file's random id, and the
-last version the read saw with its stamp. A cursor is served only if the
-file still logs that version with that stamp. Version numbers alone cannot
-tell two histories apart: a backup carries the store id, and once restored
-(in place or as a new file) its writers hand out the very numbers the
-poller saw again, for other writes. Their stamps differ (31 random bits: a
-match is a chance of one in ~2e9), so a rolled-back file is answered with
-``None`` at the next change read, and a full listing.
-
-The logs keep the last ``keep`` versions (``kv_clock.keep``, default
-:data:`DEFAULT_KEEP_VERSIONS`); older ones are pruned (the deletion log's
-horizon is ``kv_clock.pruned``). A cursor older than that, ahead of the file
-or from another file gets ``None``: the caller must take a full listing.
-
-``kv_clock.version``, the counter of the versions before the log, is kept
-within 4096 versions of the last one, so that a reader of an older version
-of this package on the same file re-reads at most that many changes a
-read and still misses none.
+A cursor is ``(store id, version, stamp)``, served only if the file still
+logs that version with that stamp. Version numbers alone cannot tell two
+histories apart: a restored backup carries the store id, and its writers hand
+out the numbers the poller saw again, for other writes; the stamps differ
+(a match is one chance in ~2e9), so a rolled-back file gets ``None`` and a
+full listing. So does a cursor older than the last ``keep`` versions the logs
+keep (``kv_clock.keep``, :data:`DEFAULT_KEEP_VERSIONS`), ahead of the file or
+from another file. ``kv_clock.version`` stays within 4096 versions of the
+last one, so a reader of an older version of this package re-reads at most
+that many changes and misses none.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from contextlib import contextmanager
 from typing import Any, Iterator
 
-from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_batches, read_tags
+from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_batches, immediate, listing_of
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "ensure_change_log", "read_changes", "read_snapshot"]
 
@@ -80,9 +71,8 @@ _TABLES = (
     " WHERE v > coalesce((SELECT max(version) FROM kv_versions), -1)",
 )
 
-# A new version: the log's next row. The append replaces the update of one
-# counter row that it was before, so it costs a writer about the same (kv_batch_put
-# of 1000 keys: see docs/sqlite.md); 31 bits of stamp, so that it takes 4 bytes.
+# A new version: the log's next row (costs a writer what the counter update it replaced did,
+# docs/sqlite.md); 31 bits of stamp, so that it takes 4 bytes.
 _NEW_VERSION = " INSERT INTO kv_versions (stamp) VALUES (random() & 2147483647);"
 _STAMP_ROW = (
     _NEW_VERSION +
@@ -127,33 +117,25 @@ _NAMES = ("kv_clock", "kv_deleted", "kv_deleted_by_version", "kv_by_version", "k
 def ensure_change_log(conn: sqlite3.Connection) -> None:
     """Add the version column, the clock, the logs and the triggers where missing or older.
 
-    Cheap when everything is there (one read); otherwise migrates in one
-    ``BEGIN IMMEDIATE`` transaction, so processes opening an old file at
-    once migrate it once. Rows that existed before keep their version (0
-    before the change feed); the versions go on from the highest one used.
+    One read when all is there; else one ``BEGIN IMMEDIATE`` migration, so
+    processes opening an old file at once migrate it once. Older rows keep
+    their version (0 before the change feed).
     """
     if _complete(conn):
         return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        if not _complete(conn):  # another process may have migrated it while this one waited for the lock
-            columns = {row[1] for row in conn.execute("PRAGMA table_info(kv)")}
-            if "version" not in columns:
-                conn.execute("ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
-            for statement in _TABLES:
-                conn.execute(statement)
-            for name, statement in _WRITE_TRIGGERS.items():
-                conn.execute(f"DROP TRIGGER IF EXISTS {name}")
-                conn.execute(statement)
-            for statement in _TRIGGERS:
-                conn.execute(statement)
-        conn.execute("COMMIT")
-    except BaseException:
-        try:
-            conn.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-        raise
+    with immediate(conn):
+        if _complete(conn):  # another process migrated it while this one waited for the lock
+            return
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(kv)")}
+        if "version" not in columns:
+            conn.execute("ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+        for statement in _TABLES:
+            conn.execute(statement)
+        for name, statement in _WRITE_TRIGGERS.items():
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+            conn.execute(statement)
+        for statement in _TRIGGERS:
+            conn.execute(statement)
 
 
 def _complete(conn: sqlite3.Connection) -> bool:
@@ -174,30 +156,17 @@ def read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, StoredListing]:
 
 
 def snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
-    """The cursor, then every row in listings of at most ``size`` rows, from one read transaction.
-
-    The transaction stays open until the generator is exhausted or closed:
-    its caller must close it (a reader that stops early holds the
-    connection until then).
-    """
+    """The cursor, then every row in listings of at most ``size`` rows, from one read transaction (open till closed)."""
     with _read(conn):
         store_id, _ = _clock(conn)
         yield (store_id, *_last_version(conn))
         for batch in fetch_batches(conn, "SELECT partition_id, key, tags FROM kv ORDER BY partition_id, key", size):
-            listing: StoredListing = {}
-            for partition, key, text in batch:
-                listing.setdefault(partition, {})[key] = read_tags(text)
-            yield listing
+            yield listing_of(batch)
 
 
 def read_changes(conn: sqlite3.Connection, cursor: Any) -> (
         tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None):
-    """Rows written and keys deleted after ``cursor``, from one read transaction.
-
-    Returns ``None`` when the cursor cannot be served: from another file
-    (deleted and created anew, or replaced), from another history of this
-    one (restored from a backup, see the module's doc), ahead of this file,
-    or older than the pruned logs.
+    """Rows written and keys deleted after ``cursor``, from one read transaction; None when it cannot be served.
 
     Raises:
         TypeError: ``cursor`` is not one this module made.
@@ -216,13 +185,10 @@ def read_changes(conn: sqlite3.Connection, cursor: Any) -> (
         last = _last_version(conn)
         rows = fetch_all(conn, "SELECT partition_id, key, tags FROM kv WHERE version > ?", (since,))
         gone = fetch_all(conn, "SELECT partition_id, key FROM kv_deleted WHERE version > ?", (since,))
-    upserts: StoredListing = {}
-    for partition, key, text in rows:
-        upserts.setdefault(partition, {})[key] = read_tags(text)
     deletes: dict[Any, list[Any]] = {}
     for partition, key in gone:
         deletes.setdefault(partition, []).append(key)
-    return (store_id, *last), upserts, deletes
+    return (store_id, *last), listing_of(rows), deletes
 
 
 def _clock(conn: sqlite3.Connection) -> tuple[str, int]:
@@ -237,18 +203,16 @@ def _last_version(conn: sqlite3.Connection) -> tuple[int, int]:
     return int(version), int(stamp)
 
 
-class _read:
+@contextmanager
+def _read(conn: sqlite3.Connection) -> Iterator[None]:
     """A read transaction: every SELECT in it sees the same snapshot (WAL)."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    def __enter__(self) -> None:
-        self._conn.execute("BEGIN")
-
-    def __exit__(self, *exc: object) -> None:
+    conn.execute("BEGIN")
+    try:
+        yield
+    except BaseException:
         try:
-            self._conn.execute("COMMIT")
+            conn.execute("COMMIT")
         except sqlite3.Error:
-            if exc[0] is None:
-                raise
+            pass
+        raise
+    conn.execute("COMMIT")

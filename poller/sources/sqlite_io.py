@@ -1,4 +1,4 @@
-"""The SQLite store's connections, and the checks and JSON encoding of its keys, tags and fields.
+"""The SQLite store's connections and rows: reading them whatever wrote them, and checking and encoding what is put.
 
 Only values that come back from JSON unchanged are accepted, so what a
 reader gets equals what was put.
@@ -14,6 +14,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 from poller.wire.sources import UnreadableValue
@@ -52,6 +53,34 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
     return found
 
 
+def listing_of(rows: Iterable[Any]) -> StoredListing:
+    """``{partition_id: {key: tags}}`` of ``(partition_id, key, tags)`` rows, each read by :func:`read_tags`."""
+    listing: StoredListing = {}
+    for partition, key, text in rows:
+        listing.setdefault(partition, {})[key] = read_tags(text)
+    return listing
+
+
+@contextmanager
+def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
+
+    IMMEDIATE takes the write lock up front, so a read-modify-write cannot
+    go stale (DEFERRED would fail with SQLITE_BUSY on upgrade, not wait).
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        # Also after a failed COMMIT: a transaction left open would make every later BEGIN fail.
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
+            pass
+        raise
+
+
 def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) -> list[Any]:
     """Every row of ``sql``; a TEXT value that is not UTF-8 comes as its bytes (see :func:`fetch_batches`)."""
     try:
@@ -66,15 +95,11 @@ def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) ->
 def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[list[Any]]:
     """The rows of ``sql`` in lists of at most ``size``; a TEXT value that is not UTF-8 comes as its bytes.
 
-    sqlite3 decodes TEXT in C, and one value that is not UTF-8 (another
-    tool wrote it) fails the fetch with an OperationalError: one row would
-    fail every row after it. A Python ``text_factory`` that keeps such a
-    value as bytes costs ~0.3 us a value (a snapshot of 1M keys ~0.3 s more),
-    so the rows are read in C until one fails, then read again with that
-    factory, skipping those already given. ``sql`` must order its rows
-    (``ORDER BY`` the primary key costs nothing), and the call must run in
-    one read transaction, so that the second read gives the same rows in the
-    same order.
+    sqlite3 decodes TEXT in C, and one value that is not UTF-8 fails the
+    fetch, and every row after it. A ``text_factory`` that keeps it as bytes
+    costs ~0.3 s per 1M keys, so the rows are read in C until one fails, then
+    again with that factory, skipping those given. ``sql`` must order its
+    rows and the call run in one read transaction, so both reads agree.
     """
     given = 0
     rows = None
@@ -119,19 +144,6 @@ def _text_as_bytes_where_not_utf8(conn: sqlite3.Connection) -> Iterator[None]:
         conn.text_factory = str
 
 
-def tag_rows(keys: list[str], tags: Any) -> list[Tags]:
-    """``tags`` of kv_batch_put as one checked dict per key (``None``: ``{}`` each)."""
-    if tags is None:
-        return [{} for _ in keys]
-    if isinstance(tags, (str, bytes, Mapping)) or not isinstance(tags, Iterable):
-        raise TypeError(f"tags must be a list of dicts, got {type(tags).__name__}")
-    rows = list(tags)
-    if len(rows) != len(keys):
-        raise ValueError(f"got {len(rows)} tags for {len(keys)} keys")
-    for key, tag in zip(keys, rows):
-        check_tags(key, tag)
-    return rows
-
 def check_str(name: str, value: Any) -> None:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {type(value).__name__}: {value!r}")
@@ -148,12 +160,11 @@ def check_keys(keys: Any) -> list[str]:
     return key_list
 
 
-def field_rows(keys: list[str], fields: Any) -> list[Tags]:
-    """``fields`` of kv_batch_put as one checked dict per key."""
-    if isinstance(fields, Mapping):
-        columns = dict(fields)
+def json_rows(what: str, keys: list[str], given: Any) -> list[Tags]:
+    """``tags`` or ``fields`` of kv_batch_put as one checked dict per key (fields: or columns ``{name: [values]}``)."""
+    if what == "fields" and isinstance(given, Mapping):
         rows: list[Tags] = [{} for _ in keys]
-        for name, column in columns.items():
+        for name, column in dict(given).items():
             check_str("field name", name)
             if isinstance(column, (str, bytes, Mapping)) or not isinstance(column, Iterable):
                 raise TypeError(f"field {name!r} must be a list with one value per key, got {type(column).__name__}")
@@ -162,23 +173,18 @@ def field_rows(keys: list[str], fields: Any) -> list[Tags]:
                 raise ValueError(f"field {name!r} has {len(values)} values for {len(keys)} keys")
             for row, value in zip(rows, values):
                 row[name] = value
-    elif isinstance(fields, (str, bytes)) or not isinstance(fields, Iterable):
-        raise TypeError(f"fields must be a list of dicts or a dict of columns, got {type(fields).__name__}")
+    elif isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable):
+        shapes = "a list of dicts or a dict of columns" if what == "fields" else "a list of dicts"
+        raise TypeError(f"{what} must be {shapes}, got {type(given).__name__}")
     else:
-        rows = list(fields)
+        rows = list(given)
         if len(rows) != len(keys):
-            raise ValueError(f"got {len(rows)} field rows for {len(keys)} keys")
+            raise ValueError(f"got {len(rows)} {'tags' if what == 'tags' else 'field rows'} for {len(keys)} keys")
     for key, row in zip(keys, rows):
         if not isinstance(row, dict):
-            raise TypeError(f"fields of key {key!r} must be a dict, got {type(row).__name__}")
-        check_json(row, f"fields of key {key!r}")
+            raise TypeError(f"{what} of key {key!r} must be a dict, got {type(row).__name__}")
+        check_json(row, f"{what} of key {key!r}")
     return rows
-
-
-def check_tags(key: str, tags: Any) -> None:
-    if not isinstance(tags, dict):
-        raise TypeError(f"tags of key {key!r} must be a dict, got {type(tags).__name__}")
-    check_json(tags, f"tags of key {key!r}")
 
 
 def check_json(value: Any, where: str) -> None:
@@ -211,19 +217,16 @@ def dumps(tags: Tags) -> str:
     return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
-# json.loads checks each row for surrounding whitespace (two regex matches and a call more);
-# a row this module wrote has none, so the decoder's raw_decode reads it, ~40% faster (~1.5 ms
-# of a 1000-key snapshot, which a starting buffer waits for). Any other text goes to json.loads,
-# which decides, and words its error, exactly as before.
+# A row this module wrote has no surrounding whitespace for json.loads to check: raw_decode reads
+# it ~40% faster. Any other text goes to json.loads, which decides and words its error.
 _raw_decode = json.JSONDecoder().raw_decode
 
 
 def read_tags(text: Any) -> Tags | UnreadableValue:
     """A stored tags (or fields) value as a dict, or an :class:`~poller.wire.sources.UnreadableValue` saying why not.
 
-    A value another tool wrote may be no JSON object: not JSON, JSON of
-    something else, or TEXT that is not UTF-8 (read as bytes, see
-    :func:`fetch_batches`). A BLOB holding a JSON object in UTF-8 is read.
+    Another tool may have written no JSON object, or TEXT that is not UTF-8
+    (read as bytes); a BLOB holding a JSON object in UTF-8 is read.
     """
     if type(text) is str:
         try:
@@ -258,25 +261,11 @@ def loads(partition_id: Any, key: Any, text: Any) -> Tags:
     return tags
 
 
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS kv ("
-    " partition_id TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " tags TEXT NOT NULL,"
-    " PRIMARY KEY (partition_id, key)"
-    ") WITHOUT ROWID"
-)
-
-# A table of its own, so files written before fields were kept need no migration.
-_FIELDS_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS kv_fields ("
-    " partition_id TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " fields TEXT NOT NULL,"
-    " PRIMARY KEY (partition_id, key)"
-    ") WITHOUT ROWID"
-)
-
+# Tags in kv; fields in a table of their own, so files written before fields were kept need no migration.
+_SCHEMA = tuple(
+    f"CREATE TABLE IF NOT EXISTS {table} (partition_id TEXT NOT NULL, key TEXT NOT NULL, {column} TEXT NOT NULL,"
+    " PRIMARY KEY (partition_id, key)) WITHOUT ROWID"
+    for table, column in (("kv", "tags"), ("kv_fields", "fields")))
 
 
 def open_connection(path: str, timeout: float,
@@ -285,10 +274,8 @@ def open_connection(path: str, timeout: float,
     directory = os.path.dirname(os.path.abspath(path))
     if path != ":memory:" and not path.startswith("file:"):
         os.makedirs(directory, exist_ok=True)
-    # isolation_level=None: the sqlite3 module must not open transactions
-    # behind our back; _transaction() issues BEGIN/COMMIT itself.
-    # check_same_thread=False: the poller calls kv_list() from a helper
-    # thread; self._lock serializes all use.
+    # isolation_level=None: the store issues BEGIN/COMMIT itself. check_same_thread=False:
+    # the poller lists from a helper thread; the store's lock serializes all use.
     conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
                            check_same_thread=False, uri=path.startswith("file:"))
     try:
@@ -298,12 +285,11 @@ def open_connection(path: str, timeout: float,
         mode = _retry_busy(timeout, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
         if mode != "wal":
             logger.debug("%s: journal_mode is %s, not wal", path, mode)
-        # NORMAL is durable against process crashes in WAL mode; only a
-        # power loss can drop the last transactions, which a replay
-        # buffer's metadata can afford.
+        # NORMAL survives process crashes in WAL mode; a power loss may drop the last
+        # transactions, which a replay buffer's metadata can afford.
         conn.execute("PRAGMA synchronous = NORMAL")
-        _retry_busy(timeout, lambda: conn.execute(_SCHEMA))
-        _retry_busy(timeout, lambda: conn.execute(_FIELDS_SCHEMA))
+        for table in _SCHEMA:
+            _retry_busy(timeout, partial(conn.execute, table))
         if migrate is not None:
             _retry_busy(timeout, lambda: migrate(conn))
     except BaseException:
@@ -316,10 +302,9 @@ def open_connection(path: str, timeout: float,
 def _retry_busy(timeout: float, call: Callable[[], _T]) -> _T:
     """Run ``call``, retrying "database is locked" until ``timeout`` seconds pass.
 
-    Switching a fresh file to WAL needs an exclusive lock and SQLite does
-    not run the busy handler for it: with several processes opening a new
-    file at once, some got SQLITE_BUSY at once (7 of 200 trials with 6
-    processes) instead of waiting.
+    Switching a fresh file to WAL needs an exclusive lock, for which SQLite
+    runs no busy handler: processes opening a new file at once got
+    SQLITE_BUSY at once (7 of 200 trials with 6 processes).
     """
     deadline = time.monotonic() + timeout
     delay = 0.001

@@ -10,52 +10,18 @@ and gets back one such map whose ``request_type`` is the matching response
 (``KV_LIST_RESPONSE``, body ``{"partition_info": {...}, "message": ...}``) or
 ``REQUEST_ERROR`` (body ``{"message": ...}``).
 
-How the controller's codec (``transfer_queue.utils.serial_utils``, msgspec's
-msgpack with an encoding hook) carries tag values, found on real
-KV_LIST_RESPONSE frames of 0.1.11 (``tests/data/tq_kv_list_replies.msgpack``,
-made by ``tests/integration/capture_tq_replies.py``):
+How the controller's codec carries tag values, and how they are read without
+numpy or torch, is :mod:`poller.sources.tq_values`; the two modules are the
+only places in the poller that know TransferQueue's formats.
 
-- str, int, float, bool, None, lists, maps: plain msgpack. Tuples and sets
-  are arrays, an ``OrderedDict`` a map, a naive datetime, a date, a UUID or
-  a Decimal a string, a datetime with a time zone msgpack's timestamp
-  (extension type -1); an int tag name (``{7: "x"}``) and an int partition id
-  (``partition_id=1``) are int map keys.
-- numpy scalars (``np.int64``, ``np.float32``, even ``np.float64``,
-  ``np.bool_``; what indexing ``np.arange`` gives): extension type 1, a
-  pickle of ``numpy._core.multiarray.scalar(numpy.dtype("i8"), raw bytes)``.
-  Object arrays, and any other class, are pickled in type 1 as well.
-- numpy arrays (``np.arange(4)``) and tensors of any shape
-  (``torch.tensor(1.0)``): type 5 and type 3, a pickled
-  ``(dtype name, shape, frame index)`` with no global in it, and the raw
-  elements in that extra frame of the reply (one per array). Nested tensors
-  are type 4, callables cloudpickled in type 2.
-- an int that fits no msgpack int (``2**70``, ``-2**64``): msgspec fails
-  (OverflowError), and the whole reply is pickled instead: the frames are
-  ``[b"\\xc1\\xfe\\xed", pickle]``, for every partition listed. In that
-  pickle tuples stay tuples, numpy scalars are the same scalar pickles, a
-  numpy array is ``numpy._core.numeric._frombuffer(bytes, dtype, shape,
-  order)``, and a tensor ``torch._utils._rebuild_tensor_v2`` of a storage in
-  torch's legacy ``torch.save`` format.
-
-:mod:`poller.sources.tq_values` reads them without numpy or torch (what
-converts, and what becomes an :class:`~poller.wire.sources.UnreadableValue`, is
-listed there); a value it cannot read is replaced in place, so the rest of
-the reply is listed. Nothing received is unpickled but through its
-restricted unpickler.
-
-This module and :mod:`poller.sources.tq_values` are the only places in the poller
-that know that format.
-
-The controller announces no protocol version, so the source checks two things
-at its probe: the TransferQueue release the trainer runs (when it is known,
-:data:`KNOWN_VERSIONS`: the releases whose controller serves these two
-requests with these message and body fields and whose controller actor
-:func:`~poller.sources.transferqueue.source_kwargs` finds through Ray, 0.1.8
-to 0.1.11; ``make test-integration`` runs the one pinned in
-``tests/integration/constraints.txt``, and passed with 0.1.8 as well), and the shape of the controller's
-reply to the probe (:func:`check_probe_reply`). A reply of another shape is a
-:class:`TransferQueueProtocolError` that says what this source speaks; an
-unknown release whose reply has the known shape is used, with one WARNING.
+The controller announces no protocol version, so the source's start-up probe
+checks two things: the release the trainer runs against :data:`KNOWN_VERSIONS`
+(0.1.8 to 0.1.11, whose controllers serve these requests with these fields;
+``make test-integration`` runs the one pinned in
+``tests/integration/constraints.txt``), and the shape of the probe's reply
+(:func:`check_probe_reply`). A reply of another shape is a
+:class:`TransferQueueProtocolError` saying what this source speaks; an unknown
+release whose reply has the known shape is used, with one WARNING.
 """
 
 from __future__ import annotations
@@ -66,25 +32,12 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from poller.sources.tq_pickles import batch_meta_tags, restricted_loads
-from poller.sources.tq_values import Deferred, decode_ext, plain
+from poller.sources.tq_values import Deferred, batch_meta_tags, decode_ext, plain, restricted_loads
 from poller.wire.sources import PackedItems, WatchRead
 
-__all__ = [
-    "KV_LIST",
-    "KV_RETRIEVE_META",
-    "LIST_PARTITIONS",
-    "KNOWN_VERSIONS",
-    "TransferQueueReplyError",
-    "TransferQueueProtocolError",
-    "encode_request",
-    "decode_reply",
-    "decode_listing_reply",
-    "decode_watch_reply",
-    "check_version",
-    "check_probe_reply",
-    "unknown_version_warning",
-]
+__all__ = ["KV_LIST", "KV_RETRIEVE_META", "LIST_PARTITIONS", "KNOWN_VERSIONS", "TransferQueueReplyError",
+           "TransferQueueProtocolError", "encode_request", "decode_reply", "decode_listing_reply",
+           "decode_watch_reply", "check_probe_reply", "unknown_version_warning"]
 
 KV_LIST = "KV_LIST"
 # The metadata of named keys of one partition (0.1.8-0.1.11: ``{"keys", "partition_id", "create"}``); with
@@ -114,23 +67,15 @@ class TransferQueueProtocolError(TransferQueueReplyError):
     """The controller speaks a protocol (or runs a release) this source does not know."""
 
 
-def _speaks() -> str:
-    return f"this source speaks the controller protocol of TransferQueue {KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]}"
+def unknown_version_warning(version: str | None, probed: bool) -> str | None:
+    """The one WARNING line for a release outside :data:`KNOWN_VERSIONS`, used anyway (None: known, or not given).
 
-
-def check_version(version: str | None) -> bool:
-    """Whether ``version`` is a release of :data:`KNOWN_VERSIONS` (``None``: not known, counted as known).
-
-    An unknown release is not refused here: verl installs TransferQueue from
-    its git main (``0.1.12.dev0`` and the like), whose controller usually
-    still speaks this protocol. The probe's reply decides
-    (:func:`check_probe_reply`); the caller warns with :func:`unknown_version_warning`.
+    Not refused: verl installs TransferQueue from its git main (``0.1.12.dev0``
+    and the like), whose controller usually still speaks this protocol; the
+    probe's reply decides (:func:`check_probe_reply`).
     """
-    return version is None or version in KNOWN_VERSIONS
-
-
-def unknown_version_warning(version: str, probed: bool) -> str:
-    """The one WARNING line for a release outside :data:`KNOWN_VERSIONS` that is used anyway."""
+    if version is None or version in KNOWN_VERSIONS:
+        return None
     checked = ("its controller answered the start-up probe in the known protocol" if probed
                else "the start-up probe is off, so its protocol is not checked")
     return (f"TransferQueue {version} is not a release this poller was tested with "
@@ -151,7 +96,8 @@ def check_probe_reply(message: Any, address: str) -> None:
     if problem is not None:
         raise TransferQueueProtocolError(
             f"the TransferQueue controller at {address} answered the probe in a protocol this poller does not "
-            f"know ({problem}); {_speaks()}")
+            f"know ({problem}); this source speaks the controller protocol of TransferQueue "
+            f"{KNOWN_VERSIONS[0]} to {KNOWN_VERSIONS[-1]}")
 
 
 def encode_request(request_type: str, body: dict[str, Any], *, sender_id: str, receiver_id: str | None) -> list[bytes]:
@@ -166,17 +112,6 @@ def encode_request(request_type: str, body: dict[str, Any], *, sender_id: str, r
         "timestamp": time.time(),
         "body": body,
     }, use_bin_type=True)]
-
-
-def _decode_message(frames: Sequence[bytes]) -> Any:
-    """The controller's message in ``frames``, its tag values read (:mod:`poller.sources.tq_values`)."""
-    if bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
-        # The whole message pickled (some value broke msgpack): [marker, pickle].
-        if len(frames) != 2 or bytes(frames[0]) != _PICKLED_MARKER:
-            raise TransferQueueReplyError(f"a pickled reply of {len(frames)} frames, "
-                                          f"expected the marker and one pickle")
-        return plain(restricted_loads(frames[1]))
-    return _ValueReader(frames).read(frames[0])
 
 
 class _ValueReader:
@@ -214,13 +149,10 @@ class _ValueReader:
 
 
 def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: str | None = None) -> dict[str, Any]:
-    """The body of the controller's reply to a ``request_type`` request.
+    """The body of the reply to a ``request_type`` request, its tag values read (:mod:`~poller.sources.tq_values`).
 
-    Tag values are read as the module docstring says: a value this side
-    cannot read becomes an :class:`~poller.wire.sources.UnreadableValue` in its
-    place, and the rest of the reply is unaffected. With ``probe_address``,
-    the reply is the start-up probe's and its shape is checked first
-    (:func:`check_probe_reply`).
+    With ``probe_address``, the reply is the start-up probe's and its shape
+    is checked first (:func:`check_probe_reply`).
 
     Raises:
         TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply
@@ -229,27 +161,24 @@ def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: s
     """
     if not frames or not frames[0]:
         raise TransferQueueReplyError("empty reply from the TransferQueue controller")
+    pickled = bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER
+    # The whole message pickled (some value broke msgpack) comes as [marker, pickle].
+    if pickled and (len(frames) != 2 or bytes(frames[0]) != _PICKLED_MARKER):
+        raise TransferQueueReplyError(f"a pickled reply of {len(frames)} frames, expected the marker and one pickle")
     try:
-        message = _decode_message(frames)
-    except TransferQueueReplyError:
-        raise
+        message = plain(restricted_loads(frames[1])) if pickled else _ValueReader(frames).read(frames[0])
     except Exception as exc:  # msgpack and pickle raise a zoo of types; all mean "malformed"
         raise _malformed(exc) from exc
     return _body(request_type, message, probe_address)
 
 
 def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
-    """:func:`decode_reply` of a ``KV_LIST`` reply, each partition's tags left packed.
+    """:func:`decode_reply` of a ``KV_LIST`` reply, each partition's tags left packed (as ``PackedItems``).
 
-    The body's ``partition_info`` maps each partition id to a
-    :class:`~poller.wire.sources.PackedItems`: every key's tags are the bytes
-    the reply holds for them, read by the item's ``decode`` as
-    :func:`decode_reply` reads them. Walking a reply costs about a quarter
-    of decoding it (K=100k plain tags: ~25 ms against ~90 ms), and the
-    poller decodes only the keys whose bytes changed. A reply of any other
-    shape (pickled whole, a partition id or key that is not a ``str``, an
-    extension value outside the tags, a malformed one) is read by
-    :func:`decode_reply`, whose answer or error it then is.
+    Walking a reply costs about a quarter of decoding it (100k keys: ~25 ms
+    against ~90 ms). A reply of any other shape (pickled whole, a key or
+    partition id that is not a ``str``, an extension value outside the tags,
+    a malformed one) is read by :func:`decode_reply`, whose answer or error it is.
 
     Raises:
         TransferQueueReplyError: as :func:`decode_reply`.
@@ -266,15 +195,10 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
 def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRead | None:
     """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.wire.sources.WatchRead`).
 
-    The controller pickles a ``BatchMeta`` of the keys found (their global
-    indexes, production status, field schema and tags) into one extension
-    value of the reply. Its bytes are the fingerprint: the same as long as
-    nothing about those keys changed, different once a tag, a field or the
-    set of keys found did. What it holds of them is read through the
-    restricted unpickler (:func:`~poller.sources.tq_pickles.batch_meta_tags`)
-    only when asked for (``WatchRead.held``): each key's tags can be named
-    when every key was found. None: a reply the controller
-    had to pickle whole (a value broke msgpack), whose bytes hold the
+    The controller pickles a ``BatchMeta`` of the keys found (indexes,
+    production status, field schema, tags) into one extension value: its
+    bytes are the fingerprint. Its tags are read (restricted unpickler) only
+    when ``held`` is called. None: a reply pickled whole, whose bytes hold the
     message's own id and time, so no fingerprint is to be had.
 
     Raises:
@@ -370,7 +294,7 @@ class _ListingWalk:
         return partitions
 
     def _decode(self, blobs: list[bytes]) -> list[Any]:
-        """Each key's tags, read as :func:`_decode_message` reads the whole reply."""
+        """Each key's tags, read as :func:`decode_reply` reads the whole reply."""
         try:
             return list(map(self.reader.read, blobs))
         except Exception as exc:

@@ -1,4 +1,4 @@
-"""A source that lists a running TransferQueue controller, without Ray.
+"""A source that lists a running TransferQueue controller, without Ray (the poller process; source_kwargs: the trainer).
 
 ::
 
@@ -7,20 +7,15 @@
     source_kwargs(conf) ── address ───────▶   DEALER ── KV_LIST ──▶ controller's ROUTER
                                               (a deadline on every call)
 
-The trainer owns TransferQueue: it called ``tq.init()`` and is the only
-process that may call ``tq.close()`` (from any other process that kills the
-shared controller for everybody). The poller only needs the controller's
-request address, which :func:`source_kwargs` reads from the trainer's live
-TransferQueue as plain, picklable (and JSON-able) keyword arguments.
-
-Inside the poller this source speaks the controller's request protocol
-itself (:mod:`poller.sources.tq_protocol`) over a socket of its own, so the
-poller imports neither ``transfer_queue``, Ray nor torch (seconds of import
-and hundreds of MB per poller), and every ``kv_list()`` has a deadline,
-which TransferQueue's own client lacks: a call past it raises
-:class:`~poller.wire.sources.SourceStall`, which the poller counts and logs once
-per episode while it keeps polling. The source never calls TransferQueue's
-``close()``; its own :meth:`TransferQueueSource.close` closes its socket only.
+The trainer owns TransferQueue: only it may call ``tq.close()`` (from any
+other process that kills the shared controller for everybody). The poller
+needs only the controller's request address, which :func:`source_kwargs`
+reads in the trainer as plain, picklable keyword arguments. The source speaks
+the controller's protocol itself (:mod:`poller.sources.tq_protocol`), so the
+poller imports neither ``transfer_queue``, Ray nor torch, and every call has a
+deadline, which TransferQueue's own client lacks: past it,
+:class:`~poller.wire.sources.SourceStall`. :meth:`TransferQueueSource.close`
+closes its own socket only.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ from poller.sources.tq_protocol import (
     KV_RETRIEVE_META,
     LIST_PARTITIONS,
     TransferQueueReplyError,
-    check_version,
     decode_listing_reply,
     decode_reply,
     decode_watch_reply,
@@ -61,27 +55,32 @@ SPEC = "poller.sources.transferqueue:TransferQueueSource"
 _REQUEST_PORT = "request_handle_socket"
 
 
+def _checked_partitions(partition_ids: Any, empty_ok: bool = False) -> list[str]:
+    if isinstance(partition_ids, str):
+        raise ValueError("partition_ids must be a list of partition ids, not one string")
+    partitions = list(partition_ids)
+    if (not partitions and not empty_ok) or not all(isinstance(p, str) and p for p in partitions):
+        raise ValueError(f"partition_ids must be non-empty strings (or None for all), got {partitions!r}")
+    return partitions
+
+
 class TransferQueueSource:
     """Lists a running TransferQueue controller at ``address``.
 
     Args:
         address: the controller's request endpoint, ``tcp://host:port``
             (what :func:`source_kwargs` gives).
-        controller_id: the controller's id, sent as the receiver of each
-            request (informational on the controller's side).
-        partition_ids: poll only these partitions (one request each, all
-            under the same deadline); ``None`` lists every partition with one
-            ``kv_list(partition_id=None)``, whose result passes through as is.
-        call_timeout: the deadline of one ``kv_list()`` call, in seconds.
+        controller_id: the controller's id, sent as the receiver of each request.
+        partition_ids: poll only these partitions (one request each, under
+            one deadline); ``None`` lists every partition with one request.
+        call_timeout: the deadline of one call, in seconds.
         probe_timeout: on construction, wait this long for the controller to
-            answer a cheap request, so a wrong address fails the poller's
-            start-up with a clear error, and check the answer's protocol;
-            ``None`` skips the probe.
-        controller_version: the TransferQueue release the trainer runs (what
+            answer a cheap request, so a wrong address or an unknown protocol
+            fails the poller's start-up clearly; ``None`` skips the probe.
+        controller_version: the release the trainer runs (what
             :func:`source_kwargs` finds installed); one outside
-            :data:`~poller.sources.tq_protocol.KNOWN_VERSIONS` is used with
-            one WARNING per process once the probe's reply has the known
-            shape. ``None``: not checked.
+            :data:`~poller.sources.tq_protocol.KNOWN_VERSIONS` is used, with
+            one WARNING per process. ``None``: not checked.
 
     Raises:
         ValueError: bad arguments.
@@ -94,39 +93,32 @@ class TransferQueueSource:
                  controller_version: str | None = None) -> None:
         if not isinstance(address, str) or not address.startswith(("tcp://", "ipc://")):
             raise ValueError(f"address must be a 'tcp://host:port' endpoint, got {address!r}")
-        if isinstance(partition_ids, str):
-            raise ValueError("partition_ids must be a list of partition ids, not one string")
-        if partition_ids is not None:
-            partition_ids = list(partition_ids)
-            bad = [p for p in partition_ids if not isinstance(p, str) or not p]
-            if bad or not partition_ids:
-                raise ValueError(f"partition_ids must be non-empty strings (or None for all), got {partition_ids!r}")
         for name, value in (("call_timeout", call_timeout), ("probe_timeout", probe_timeout)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            if (value is not None or name == "call_timeout") and not (
+                    isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        if call_timeout is None:
-            raise ValueError("call_timeout must be a positive number of seconds, got None")
         self.address = address
         self.controller_id = controller_id
-        self.partition_ids = partition_ids
+        self.partition_ids = None if partition_ids is None else _checked_partitions(partition_ids)
         self.call_timeout = float(call_timeout)
         self._sender_id = f"replay-poller-{os.getpid()}"
         self._ctx = zmq.Context()
         self._sock: zmq.Socket | None = None
         if probe_timeout is not None:
             try:
-                self._request(LIST_PARTITIONS, {}, probe_timeout, probe=True)
+                reply = self._exchange(LIST_PARTITIONS, {}, probe_timeout, f"a {LIST_PARTITIONS} probe")
+                decode_reply(LIST_PARTITIONS, reply, probe_address=address)
             except BaseException:
                 self.close()
                 raise
-            # The probe ran in the thread that builds the source; kv_list()
-            # runs in another one, which opens a socket of its own.
+            # The probe ran in the thread that builds the source; the poller
+            # lists from another one, which opens a socket of its own.
             self._drop_socket()
-        if controller_version is not None and not check_version(controller_version) \
-                and controller_version not in _WARNED:
+        warning = unknown_version_warning(controller_version, probe_timeout is not None)
+        if warning is not None and controller_version not in _WARNED:
             # Once per process: a restarted poller builds its source again.
-            _WARNED.add(controller_version)
-            logger.warning("%s", unknown_version_warning(controller_version, probe_timeout is not None))
+            _WARNED.add(controller_version)  # type: ignore[arg-type]  # not None: it has a warning
+            logger.warning("%s", warning)
 
     def __repr__(self) -> str:
         return (f"<TransferQueueSource {self.address} partitions={self.partition_ids or 'all'} "
@@ -145,37 +137,36 @@ class TransferQueueSource:
     def kv_list_packed(self) -> dict[str, Any]:
         """:meth:`kv_list`, each partition's tags left as the reply packed them (``PackedItems``).
 
-        What the poller calls: it decodes only the keys whose bytes changed
-        since it last sent them. A reply of another shape comes back decoded,
-        as from :meth:`kv_list` (see :func:`~poller.sources.tq_protocol.decode_listing_reply`).
-
-        Raises:
-            SourceStall, TransferQueueReplyError: as :meth:`kv_list`.
+        A reply of another shape comes back decoded, as from :meth:`kv_list`
+        (:func:`~poller.sources.tq_protocol.decode_listing_reply`).
         """
         return self._listing(packed=True)
 
     def _listing(self, packed: bool) -> dict[str, Any]:
         deadline = time.monotonic() + self.call_timeout
-        if self.partition_ids is None:
-            return self._list(None, deadline, packed)
         listing: dict[str, Any] = {}
-        for partition_id in self.partition_ids:
-            listing.update(self._list(partition_id, deadline, packed))
+        asked: list[str | None] = [None] if self.partition_ids is None else list(self.partition_ids)
+        for partition_id in asked:
+            what = f"kv_list({'' if partition_id is None else repr(partition_id)})"
+            reply = self._exchange(KV_LIST, {"partition_id": partition_id}, self.call_timeout, what, deadline)
+            body = decode_listing_reply(reply) if packed else decode_reply(KV_LIST, reply)
+            partitions = body.get("partition_info")
+            if not isinstance(partitions, dict):
+                raise TransferQueueReplyError("KV_LIST_RESPONSE without a partition_info map")
+            if self.partition_ids is None:
+                return partitions
+            listing.update(partitions)
         return listing
 
     def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float | None = None) -> WatchRead | None:
         """``keys`` of ``partition_id`` as the controller holds them now (None: no fingerprint to be had).
 
         One ``KV_RETRIEVE_META`` request, which reads only the keys named
-        (K=100k keys: ~0.35 ms of the controller's CPU for up to ~100 keys,
-        ~1.7 ms for 1,000, against ~37 ms for a listing of the partition) and
-        changes nothing there (``create`` is false: no key or partition is
-        made, nothing is marked consumed; a key not found is logged by the
-        controller at WARNING). The fingerprint differs from the last call's
-        once a tag or a field of one of the keys changed, or one was removed
-        or put again (:func:`~poller.sources.tq_protocol.decode_watch_reply`). What
-        the poller calls while a decision waits on those keys (the watch:
-        :class:`poller.polling.PollingThread`).
+        (~0.35 ms of the controller's CPU for 100 keys against ~37 ms for a
+        listing of 100k) and changes nothing there (``create`` is false; a key
+        not found is logged by the controller at WARNING). The fingerprint
+        changes once a tag or field of one of the keys changed, or one was
+        removed or put again (:func:`~poller.sources.tq_protocol.decode_watch_reply`).
 
         Raises:
             SourceStall: no answer within ``timeout`` (default ``call_timeout``).
@@ -183,44 +174,24 @@ class TransferQueueSource:
         """
         timeout = self.call_timeout if timeout is None else timeout
         body = {"keys": list(keys), "partition_id": partition_id, "create": False}
-        return decode_watch_reply(self._exchange(KV_RETRIEVE_META, body, time.monotonic() + timeout, timeout), keys)
+        what = f"kv_watch({partition_id!r}, {len(keys)} keys)"
+        return decode_watch_reply(self._exchange(KV_RETRIEVE_META, body, timeout, what), keys)
 
     def include_partitions(self, partition_ids: Sequence[str]) -> None:
-        """List these partitions too from the next :meth:`kv_list` on (the poller calls it, between listings).
-
-        With ``partition_ids=None`` every partition is listed already.
+        """List these partitions too from the next listing on (with ``partition_ids=None`` all are listed already).
 
         Raises:
             ValueError: a partition id is not a non-empty string.
         """
-        bad = [p for p in partition_ids if not isinstance(p, str) or not p]
-        if bad or isinstance(partition_ids, str):
-            raise ValueError(f"partition_ids must be non-empty strings, got {partition_ids!r}")
+        added = _checked_partitions(partition_ids, empty_ok=True)
         if self.partition_ids is not None:
-            self.partition_ids += [p for p in dict.fromkeys(partition_ids) if p not in self.partition_ids]
+            self.partition_ids += [p for p in dict.fromkeys(added) if p not in self.partition_ids]
 
     def close(self) -> None:
         """Close this source's socket. TransferQueue itself is left alone."""
         self._drop_socket()
         if not self._ctx.closed:
             self._ctx.term()
-
-    # -- requests ---------------------------------------------------------------
-
-    def _list(self, partition_id: str | None, deadline: float, packed: bool) -> dict[str, Any]:
-        body = self._request(KV_LIST, {"partition_id": partition_id}, self.call_timeout, deadline, packed=packed)
-        partitions = body.get("partition_info")
-        if not isinstance(partitions, dict):
-            raise TransferQueueReplyError("KV_LIST_RESPONSE without a partition_info map")
-        return partitions
-
-    def _socket(self) -> zmq.Socket:
-        if self._sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.address)
-            self._sock = sock
-        return self._sock
 
     def _drop_socket(self) -> None:
         # A request that timed out may still be answered later; that reply
@@ -230,27 +201,24 @@ class TransferQueueSource:
             self._sock.close(0)
             self._sock = None
 
-    def _request(self, request_type: str, body: dict[str, Any], timeout: float,
-                 deadline: float | None = None, probe: bool = False, packed: bool = False) -> dict[str, Any]:
-        """One request and its reply, by ``deadline`` (default: ``timeout`` from now)."""
+    def _exchange(self, request_type: str, body: dict[str, Any], timeout: float, what: str,
+                  deadline: float | None = None) -> list[bytes]:
+        """Send one request and return the frames of its reply by ``deadline`` (default: ``timeout`` from now)."""
         if deadline is None:
             deadline = time.monotonic() + timeout
-        reply = self._exchange(request_type, body, deadline, timeout)
-        if packed:
-            return decode_listing_reply(reply)
-        return decode_reply(request_type, reply, probe_address=self.address if probe else None)
-
-    def _exchange(self, request_type: str, body: dict[str, Any], deadline: float, timeout: float) -> list[bytes]:
-        """Send one request and return the frames of its reply, by ``deadline``."""
-        sock = self._socket()
+        if self._sock is None:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.address)
+        sock = self._sock
         frames = encode_request(request_type, body, sender_id=self._sender_id, receiver_id=self.controller_id)
         try:
-            if not self._wait(sock, zmq.POLLOUT, deadline):
-                raise self._stall(request_type, body, timeout)
-            sock.send_multipart(frames, zmq.NOBLOCK)
-            if not self._wait(sock, zmq.POLLIN, deadline):
-                raise self._stall(request_type, body, timeout)
-            return sock.recv_multipart(zmq.NOBLOCK)
+            if self._wait(sock, zmq.POLLOUT, deadline):
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                if self._wait(sock, zmq.POLLIN, deadline):
+                    return sock.recv_multipart(zmq.NOBLOCK)
+            raise SourceStall(f"no answer from the TransferQueue controller at {self.address} to {what} "
+                              f"within {timeout:g}s")
         except BaseException:
             self._drop_socket()
             raise
@@ -260,31 +228,16 @@ class TransferQueueSource:
         remaining = deadline - time.monotonic()
         return remaining > 0 and bool(sock.poll(max(1, int(remaining * 1000)), event))
 
-    def _stall(self, request_type: str, body: Mapping[str, Any], timeout: float) -> SourceStall:
-        if request_type == KV_LIST:
-            partition = body.get("partition_id")
-            what = f"kv_list({'' if partition is None else repr(partition)})"
-        elif request_type == KV_RETRIEVE_META:
-            what = f"kv_watch({body.get('partition_id')!r}, {len(body.get('keys', ()))} keys)"
-        else:
-            what = f"a {request_type} probe"
-        return SourceStall(f"no answer from the TransferQueue controller at {self.address} to "
-                           f"{what} within {timeout:g}s")
-
 
 def source_kwargs(conf: Any = None, *, partition_ids: Sequence[str] | None = None, call_timeout: float = 10.0,
                   probe_timeout: float | None = 10.0) -> dict[str, Any]:
-    """Keyword arguments for :class:`TransferQueueSource`, from the trainer's live TransferQueue.
+    """Keyword arguments for :class:`TransferQueueSource`, from the trainer's live TransferQueue (after ``tq.init()``).
 
-    Call it in the trainer, after ``tq.init()``. ``conf`` is what ``init()``
-    returned (its ``controller.zmq_info``), a ``ZMQServerInfo`` or its
-    ``to_dict()``. Without one — ``init()`` returns no address in a process
-    that attached to an existing controller — the controller actor is asked
-    through Ray. The result is plain data: picklable and JSON-able, so it
-    also serves ``python -m poller run --source-kwargs``.
-
-    ``controller_version`` is the TransferQueue release installed here, which
-    the source checks against the releases it knows.
+    ``conf`` is what ``init()`` returned (its ``controller.zmq_info``), a
+    ``ZMQServerInfo`` or its ``to_dict()``; without one (a process that
+    attached to an existing controller) the controller actor is asked through
+    Ray. Plain, JSON-able data, so it also serves ``python -m poller run
+    --source-kwargs``; ``controller_version`` is the release installed here.
 
     Raises:
         ValueError: ``conf`` holds no controller address.

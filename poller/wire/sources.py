@@ -1,59 +1,45 @@
-"""Sources: what the poller lists, and how it builds one from a spec.
+"""The source contract: what a store must and may offer, checked once when the source is loaded.
 
-A source is any object with ``kv_list()`` returning
-``{partition_id: {key: tags}}`` (or ``None`` for "nothing stored").
-The poller process builds it itself from an importable spec, so that the
-trainer never has to pickle a live store client into the child.
+Both processes use it: the poller builds its source from an importable spec
+(the trainer never pickles a live store client into the child), and
+``buffer.verl`` builds a store client from the same spec in the trainer.
+One :class:`~typing.Protocol` per capability: :class:`Source` (``kv_list``,
+required), :class:`PackedListing`, :class:`ChangeFeed`, :class:`Watch`, and
+the trainer's :class:`StoreClient` / :class:`FieldReads`.
 
-A source whose ``kv_list()`` has a deadline of its own raises
-:class:`SourceStall` when the deadline passes: the poller counts a stall and
-polls again, instead of treating it as a failure.
-
-A source that can say what changed also implements :class:`ChangeFeed`
-(``kv_snapshot()`` and ``kv_changes(cursor)``); the poller then reads only
-the changes on each poll, so its work follows the rate of change instead of
-the size of the store. The embedded SQLite store does; TransferQueue and the
-fault wrappers do not, and are listed in full on every poll.
-
-A source whose store answers in msgpack may also offer ``kv_list_packed()``:
-``kv_list()`` with each partition's tags left as the store packed them
-(:class:`PackedItems`). The poller then compares each key's packed tags with
-the bytes it sent and decodes only those that differ. TransferQueue's does.
-A subclass that overrides ``kv_list()`` alone is listed by its ``kv_list()``
-(:func:`packed_listing`).
-
-A source without a change feed may offer ``kv_watch(partition_id, keys,
-timeout)``: a cheap read of a few named keys returning a :class:`WatchRead`
-(a fingerprint that differs once one of them changed, and what it holds of
-them, read only when asked for), or ``None`` when it has none to give, answered within
-``timeout`` seconds or :class:`SourceStall`.
-While a decision waits on those keys the poller calls it every
-``watch_interval`` and lists the store as soon as the fingerprint changes
-(:mod:`poller.polling`): a schedule that decides *when* to list, never what
-the listing shows. TransferQueue's does (``KV_RETRIEVE_META``).
+:func:`load_source` checks the contract once (:func:`capabilities`): a
+malformed source (half a change feed, an attribute of one of these names
+that is not callable) fails the poller's start-up with a ``TypeError``
+naming it, and what the source offers is then read from the
+:class:`Capabilities` record. Any call may raise :class:`SourceStall` past the
+source's own deadline (counted, then polled again); a tag value a source
+cannot read stands in its listing as an :class:`UnreadableValue`, and the
+poller quarantines that key alone.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Sequence, Union, runtime_checkable
 
 from poller.wire.vocabulary import Listing
 
-__all__ = ["ChangeFeed", "PackedItems", "Source", "SourceSpec", "SourceStall", "UnreadableValue", "describe_spec",
-           "has_change_feed", "load_source", "packed_listing", "WatchRead", "watch_reader"]
+__all__ = ["Capabilities", "ChangeFeed", "FieldReads", "PackedItems", "PackedListing", "Source", "SourceSpec",
+           "SourceStall", "StoreClient", "UnreadableValue", "Watch", "WatchRead", "capabilities", "describe_spec",
+           "has_change_feed", "load_capabilities", "load_source", "missing_calls", "packed_listing",
+           "resolve_spec", "watch_reader"]
 
 
 class SourceStall(TimeoutError):
-    """``kv_list()`` gave up waiting for its store: counted as a stall, not a failure."""
+    """A source gave up waiting for its store: counted as a stall, not a failure."""
 
 
 class UnreadableValue:
     """A tag value a source could not turn into a plain one; it stands in the listing in its place.
 
-    The poller quarantines every key whose tags hold one (the key is left out
-    of the stream and named with ``reason``), so one such record never fails
-    the listing that carries it.
+    The poller quarantines every key whose tags hold one (left out of the
+    stream and named with ``reason``), so one such record never fails the
+    listing that carries it.
     """
 
     __slots__ = ("reason",)
@@ -71,18 +57,15 @@ class UnreadableValue:
 
 
 class PackedItems:
-    """One partition of a listing, ``{key: packed tags}``, as a store's reply carried it; ``decode`` reads them.
+    """One partition of ``kv_list_packed()``: ``{key: packed tags}`` as the store's reply carried them.
 
-    What ``kv_list_packed()`` puts where ``kv_list()`` puts ``{key: tags}``.
-    Every key is a ``str``. Each value is the msgpack of one key's tags,
-    and ``decode(blobs)`` returns the tags of each (what ``kv_list()`` would
-    have listed; it raises what ``kv_list()`` raises for a malformed reply).
-    Bytes equal to those the poller sent for the key mean the tags did not
-    change, and they are not decoded: the poller packs tags as msgpack does
-    by default (``use_bin_type``), and a store that packs plain values the
-    same way saves a decode and a pack per unchanged key. Tags packed any
-    other way (an extension type, another encoder) are decoded and compared
-    as tags, so the result is the same either way.
+    Every key is a ``str`` and every value the msgpack of one key's tags;
+    ``decode(blobs)`` returns the tags of each (what ``kv_list()`` would have
+    listed, raising what it raises for a malformed reply). Bytes equal to
+    those the poller sent for the key mean unchanged tags and are not
+    decoded: the poller packs as msgpack does by default (``use_bin_type``).
+    Tags packed any other way are decoded and compared as tags, so the result
+    is the same either way.
     """
 
     __slots__ = ("items", "decode")
@@ -102,138 +85,6 @@ class PackedItems:
         return dict(zip(self.items, self.decode(list(self.items.values()))))
 
 
-@runtime_checkable
-class Source(Protocol):
-    """What the poller needs from a key-value store."""
-
-    def kv_list(self) -> Mapping[str, Mapping[str, Mapping[str, Any]]] | None:
-        """Everything currently stored, as ``{partition_id: {key: tags}}``."""
-        ...
-
-
-
-
-@runtime_checkable
-class ChangeFeed(Protocol):
-    """The optional capability of a :class:`Source` that knows what changed since a cursor.
-
-    A cursor is an opaque value the source hands out and takes back. Both
-    methods may raise :class:`SourceStall` like ``kv_list()``.
-
-    A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``:
-    the same snapshot as an iterator of listings, each read only when it is
-    taken, from one consistent read that lasts until the iterator is
-    exhausted or closed (:meth:`~poller.sources.sqlite.SqliteSource.kv_snapshot_pieces`).
-    The poller then sends each piece while the next is read.
-    """
-
-    def kv_snapshot(self) -> tuple[Any, Listing]:
-        """``(cursor, listing)``: a consistent full listing (as ``kv_list()``) and the cursor right after it.
-
-        Every change committed after the listing was read must come back from
-        ``kv_changes(cursor)``.
-        """
-        ...
-
-    def kv_changes(self, cursor: Any) -> tuple[Any, Listing, dict[str, list[str]]] | None:
-        """``(cursor, upserts, deletes)`` since ``cursor``, or ``None`` to ask for a full listing.
-
-        ``upserts`` is ``{partition_id: {key: tags}}`` with the current tags
-        of every key written since ``cursor`` (it may hold keys whose tags
-        did not change); ``deletes`` is ``{partition_id: [key, ...]}`` of keys
-        removed since then and not stored now (a key deleted and put again
-        is an upsert). The returned cursor follows exactly these changes.
-        ``None``: the cursor can no longer be served (too old, or from a store
-        that was replaced or rolled back to a backup: a cursor must tell the
-        history it was taken on from another that reached the same count);
-        the caller takes :meth:`kv_snapshot`. A key or partition id that is
-        not a ``str`` is the record's problem, not the answer's: an upsert
-        of one is quarantined, a delete of one lets it out of the quarantine.
-        """
-        ...
-
-
-def packed_listing(source: object) -> Callable[[], Any] | None:
-    """``source.kv_list_packed`` if the poller should list ``source`` by it, else None.
-
-    Only where the ``kv_list()`` in effect is the one it stands for: a
-    subclass that overrides ``kv_list()`` (to log, filter or add to a
-    listing) without overriding ``kv_list_packed()`` too is listed by its
-    own ``kv_list()``.
-    """
-    packed = getattr(source, "kv_list_packed", None)
-    if not callable(packed) or "kv_list" in getattr(source, "__dict__", ()):
-        return None
-    mro = type(source).__mro__
-    list_owner = next((cls for cls in mro if "kv_list" in vars(cls)), None)
-    packed_owner = next((cls for cls in mro if "kv_list_packed" in vars(cls)), None)
-    if list_owner is None or packed_owner is None or mro.index(list_owner) < mro.index(packed_owner):
-        return None
-    return packed  # type: ignore[no-any-return]
-
-
-def has_change_feed(source: object) -> bool:
-    """Whether ``source`` offers :class:`ChangeFeed` (both methods callable)."""
-    return callable(getattr(source, "kv_snapshot", None)) and callable(getattr(source, "kv_changes", None))
-
-
-#: ``"package.module:attr"``, or a picklable callable returning a Source.
-SourceSpec = Union[str, Callable[..., Any]]
-
-
-def _resolve(spec: str) -> Any:
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path:
-        raise ValueError(f"source spec {spec!r} is not of the form 'package.module:attr'")
-    module = importlib.import_module(module_name)
-    obj: Any = module
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"source spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}") from None
-    return obj
-
-
-def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
-    """Build a source from ``spec``.
-
-    ``spec`` names (or is) either an object that already has ``kv_list`` —
-    used as it is — or a callable, called with ``**kwargs``, whose result must
-    have ``kv_list``.
-
-    Raises:
-        ValueError: malformed spec, missing attribute, or kwargs given for an
-            object that is not called.
-        TypeError: the result has no callable ``kv_list``.
-        Exception: whatever importing the module or calling the factory raised.
-    """
-    target = _resolve(spec) if isinstance(spec, str) else spec
-    kwargs = dict(kwargs or {})
-    # A class has a kv_list attribute too (the unbound function), so "already
-    # a source" means: has kv_list and is not itself a class.
-    if hasattr(target, "kv_list") and not isinstance(target, type):
-        if kwargs:
-            raise ValueError(f"source {describe_spec(spec)} is already a source object; it takes no kwargs")
-        source = target
-    elif callable(target):
-        source = target(**kwargs)
-    else:
-        raise TypeError(f"source {describe_spec(spec)} is neither callable nor an object with kv_list()")
-    if not callable(getattr(source, "kv_list", None)):
-        raise TypeError(f"source {describe_spec(spec)} gave {type(source).__name__!r}, which has no kv_list()")
-    return source
-
-
-def describe_spec(spec: SourceSpec) -> str:
-    """A short, printable name for a spec (for logs and errors)."""
-    if isinstance(spec, str):
-        return spec
-    module = getattr(spec, "__module__", "?")
-    name = getattr(spec, "__qualname__", type(spec).__qualname__)
-    return f"{module}:{name}"
-
-
 class WatchRead(NamedTuple):
     """What ``kv_watch(partition_id, keys, timeout)`` read of ``keys``."""
 
@@ -245,13 +96,253 @@ class WatchRead(NamedTuple):
     held: Callable[[], tuple[int, Union[dict[str, Any], None]]]
 
 
-#: ``kv_watch(partition_id, keys, timeout)`` (module docstring).
+#: ``kv_watch(partition_id, keys, timeout)``: a :class:`WatchRead`, or None when the store has no fingerprint to give.
 WatchReader = Callable[[str, Sequence[str], float], Union[WatchRead, None]]
 
 
-def watch_reader(source: Any) -> WatchReader | None:
-    """The source's ``kv_watch``, if it offers one and has no change feed (which says what changed already)."""
-    if has_change_feed(source):
-        return None
-    read = getattr(source, "kv_watch", None)
-    return read if callable(read) else None
+@runtime_checkable
+class Source(Protocol):
+    """What the poller needs from a key-value store (required)."""
+
+    def kv_list(self) -> Mapping[str, Mapping[str, Mapping[str, Any]]] | None:
+        """Everything currently stored, as ``{partition_id: {key: tags}}``."""
+        ...
+
+
+class PackedListing(Protocol):
+    """``kv_list()`` with each partition as :class:`PackedItems`: the poller decodes only changed keys (TransferQueue).
+
+    Used only where it stands for the ``kv_list()`` in effect: a subclass
+    that overrides ``kv_list()`` (to log, filter or add to a listing)
+    without overriding ``kv_list_packed()`` too, or an instance whose
+    ``kv_list`` was replaced, is listed by its own ``kv_list()``.
+    """
+
+    def kv_list_packed(self) -> Mapping[str, Any] | None: ...
+
+
+@runtime_checkable
+class ChangeFeed(Protocol):
+    """What changed since a cursor (an opaque value the source hands out and takes back): each poll reads only that.
+
+    A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``:
+    :meth:`kv_snapshot` as an iterator of listings, each read only when it is
+    taken, from one consistent read that lasts until the iterator is
+    exhausted or closed. The poller then sends each piece while the next is
+    read. A source with a change feed is not watched: the feed says what
+    changed already.
+    """
+
+    def kv_snapshot(self) -> tuple[Any, Listing]:
+        """``(cursor, listing)``: a consistent full listing and the cursor right after it.
+
+        Every change committed after the listing was read must come back from
+        ``kv_changes(cursor)``.
+        """
+        ...
+
+    def kv_changes(self, cursor: Any) -> tuple[Any, Listing, dict[str, list[str]]] | None:
+        """``(cursor, upserts, deletes)`` since ``cursor``, or ``None`` to ask for a full listing.
+
+        ``upserts`` holds the current tags of every key written since
+        ``cursor`` (possibly unchanged ones); ``deletes`` is
+        ``{partition_id: [key, ...]}`` of keys removed since then and not
+        stored now (a key deleted and put again is an upsert). The returned
+        cursor follows exactly these changes. ``None``: the cursor can no
+        longer be served (too old, or from a store that was replaced or
+        rolled back to a backup: a cursor must tell the history it was taken
+        on from another that reached the same count); the caller takes
+        :meth:`kv_snapshot`. A key or partition id that is not a ``str`` is
+        the record's problem: an upsert of one is quarantined, a delete of one
+        lets it out of the quarantine.
+        """
+        ...
+
+
+class Watch(Protocol):
+    """A cheap read of named keys, repeated every ``watch_interval`` while a decision waits on them (TransferQueue).
+
+    The poller lists the store as soon as the fingerprint changes: a schedule
+    that decides *when* to list, never what the listing shows. It must
+    answer within ``timeout`` seconds or raise :class:`SourceStall`.
+    """
+
+    def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float) -> WatchRead | None: ...
+
+
+class StoreClient(Protocol):
+    """The store calls ``buffer.verl`` makes from the trainer: clear keys, and list one partition to check a clear.
+
+    An optional attribute ``clear_is_all_or_nothing = True`` says that a
+    ``kv_clear`` naming a key already gone clears nothing (TransferQueue
+    0.1.8), so every clear is checked by listing the partition.
+    """
+
+    def kv_clear(self, keys: list[str], partition_id: str) -> None: ...
+
+    def kv_list(self, partition_id: str | None = None) -> Listing | None: ...
+
+
+class FieldReads(StoreClient, Protocol):
+    """A :class:`StoreClient` that also reads fields (DAPO's metric filter): columns ``{name: [value per key]}``."""
+
+    def kv_batch_get(self, keys: list[str], partition_id: str,
+                     select_fields: list[str] | None = None) -> Mapping[str, list[Any]]: ...
+
+
+_CALLS: dict[type, tuple[str, ...]] = {
+    Source: ("kv_list",), PackedListing: ("kv_list_packed",), ChangeFeed: ("kv_snapshot", "kv_changes"),
+    Watch: ("kv_watch",), StoreClient: ("kv_clear", "kv_list"), FieldReads: ("kv_clear", "kv_list", "kv_batch_get"),
+}
+
+
+def missing_calls(obj: object, protocol: type) -> list[str]:
+    """The methods of ``protocol`` (one of this module's) that ``obj`` lacks or holds as something not callable."""
+    return [name for name in _CALLS[protocol] if not callable(getattr(obj, name, None))]
+
+
+class Capabilities(NamedTuple):
+    """What one source offers, checked once (:func:`capabilities`): its bound methods, None where not offered.
+
+    A NamedTuple, not a dataclass: the poller process does not import ``dataclasses`` (tests/test_launch.py).
+    """
+
+    source: Any
+    kv_list: Callable[[], Any]
+    #: Only where it stands for the ``kv_list()`` in effect (:class:`PackedListing`).
+    kv_list_packed: Callable[[], Any] | None = None
+    kv_snapshot: Callable[[], tuple[Any, Listing]] | None = None
+    kv_changes: Callable[[Any], Any] | None = None
+    kv_snapshot_pieces: Callable[[], tuple[Any, Iterator[Any]]] | None = None
+    #: None with a change feed, which says what changed already.
+    kv_watch: WatchReader | None = None
+
+    @property
+    def change_feed(self) -> bool:
+        return self.kv_changes is not None
+
+
+_OPTIONAL = ("kv_list_packed", "kv_snapshot", "kv_changes", "kv_snapshot_pieces", "kv_watch")
+
+
+def capabilities(source: object) -> Capabilities:
+    """Check ``source`` against the contract and record what it offers.
+
+    Raises:
+        TypeError: no callable ``kv_list``; an optional method's name held by
+            something not callable; half a change feed (``kv_changes``
+            without ``kv_snapshot`` or the reverse, or ``kv_snapshot_pieces``
+            without both).
+    """
+    kind = type(source).__name__
+    if missing_calls(source, Source):
+        raise TypeError(f"{kind!r} has no kv_list()")
+    offered = {name: getattr(source, name, None) for name in _OPTIONAL}
+    broken = [name for name, method in offered.items() if method is not None and not callable(method)]
+    if broken:
+        raise TypeError(f"{kind!r} has {', '.join(broken)}, which is not callable")
+    feed = [name for name in ("kv_snapshot", "kv_changes") if offered[name] is not None]
+    if len(feed) == 1 or (offered["kv_snapshot_pieces"] is not None and not feed):
+        given = [name for name in ("kv_snapshot", "kv_changes", "kv_snapshot_pieces") if offered[name] is not None]
+        raise TypeError(f"{kind!r} offers {' and '.join(given)} but a change feed needs kv_snapshot and kv_changes")
+    if not _packed_stands_for_list(source):
+        offered["kv_list_packed"] = None
+    if feed:
+        offered["kv_watch"] = None
+    return Capabilities(source, source.kv_list, **offered)  # type: ignore[attr-defined]
+
+
+def _packed_stands_for_list(source: object) -> bool:
+    """Whether the ``kv_list_packed`` in effect is defined at or below the ``kv_list`` in effect (the class order)."""
+    if "kv_list" in getattr(source, "__dict__", ()):
+        return False
+    mro = type(source).__mro__
+    list_owner = next((cls for cls in mro if "kv_list" in vars(cls)), None)
+    packed_owner = next((cls for cls in mro if "kv_list_packed" in vars(cls)), None)
+    return list_owner is not None and packed_owner is not None and mro.index(packed_owner) <= mro.index(list_owner)
+
+
+def packed_listing(source: object) -> Callable[[], Any] | None:
+    """``source.kv_list_packed`` if the poller should list ``source`` by it, else None (:class:`PackedListing`)."""
+    return capabilities(source).kv_list_packed
+
+
+def has_change_feed(source: object) -> bool:
+    """Whether ``source`` offers :class:`ChangeFeed`."""
+    return capabilities(source).change_feed
+
+
+def watch_reader(source: object) -> WatchReader | None:
+    """The source's ``kv_watch``, if it offers one and has no change feed."""
+    return capabilities(source).kv_watch
+
+
+#: ``"package.module:attr"``, or a picklable callable returning a Source.
+SourceSpec = Union[str, Callable[..., Any]]
+
+
+def resolve_spec(spec: str) -> Any:
+    """The object ``"package.module:attr"`` names, without calling it (the module is imported).
+
+    Raises:
+        ValueError: the spec is malformed or the module has no such attribute.
+    """
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"source spec {spec!r} is not of the form 'package.module:attr'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"source spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}") from None
+    return obj
+
+
+_resolve = resolve_spec  # buffer.verl_client's name until it switches to resolve_spec
+
+
+def load_capabilities(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Capabilities:
+    """Build a source from ``spec`` and check it against the contract (:func:`load_source`)."""
+    target = resolve_spec(spec) if isinstance(spec, str) else spec
+    kwargs = dict(kwargs or {})
+    # A class has a kv_list attribute too (the unbound function), so "already
+    # a source" means: has kv_list and is not itself a class.
+    if hasattr(target, "kv_list") and not isinstance(target, type):
+        if kwargs:
+            raise ValueError(f"source {describe_spec(spec)} is already a source object; it takes no kwargs")
+        source = target
+    elif callable(target):
+        source = target(**kwargs)
+    else:
+        raise TypeError(f"source {describe_spec(spec)} is neither callable nor an object with kv_list()")
+    try:
+        return capabilities(source)
+    except TypeError as exc:
+        raise TypeError(f"source {describe_spec(spec)}: {exc}") from None
+
+
+def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
+    """Build a source from ``spec``, checked against the contract.
+
+    ``spec`` names (or is) either an object that already has ``kv_list`` —
+    used as it is — or a callable, called with ``**kwargs``, whose result must
+    be a source.
+
+    Raises:
+        ValueError: malformed spec, missing attribute, or kwargs given for an
+            object that is not called.
+        TypeError: the result breaks the contract (:func:`capabilities`).
+        Exception: whatever importing the module or calling the factory raised.
+    """
+    source: Source = load_capabilities(spec, kwargs).source
+    return source
+
+
+def describe_spec(spec: SourceSpec) -> str:
+    """A short, printable name for a spec (for logs and errors)."""
+    if isinstance(spec, str):
+        return spec
+    module = getattr(spec, "__module__", "?")
+    name = getattr(spec, "__qualname__", type(spec).__qualname__)
+    return f"{module}:{name}"

@@ -252,3 +252,13 @@ def timed_listings(log: str) -> list[tuple[float, float]]:
     except FileNotFoundError:
         return []
     return [(float(began), float(ended)) for began, ended in (line.split() for line in lines)]
+
+
+class HalfChangeFeed:
+    """Offers ``kv_changes`` without ``kv_snapshot``: half a change feed, refused when the source is loaded."""
+
+    def kv_list(self) -> Any:
+        return {}
+
+    def kv_changes(self, cursor: Any) -> Any:
+        return None
