@@ -119,6 +119,5 @@ def test_the_trainers_store_calls_are_named(tmp_path: Path) -> None:
 
 def test_resolve_spec_names_without_calling() -> None:
     assert resolve_spec("poller.sources.sqlite:SqliteSource") is SqliteSource
-    assert sources._resolve is resolve_spec  # buffer.verl_client's name until it switches
     with pytest.raises(ValueError, match="not of the form"):
         resolve_spec("poller.sources.sqlite")

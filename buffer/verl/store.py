@@ -28,8 +28,7 @@ from buffer.replay import ReplayBuffer
 from buffer.verl.config import SamplerConfig
 from buffer.verl.groups import GroupIndex
 from buffer.verl.rules import classify
-from poller.wire.sources import SourceSpec, describe_spec, load_source
-from poller.wire.sources import _resolve as resolve_spec
+from poller.wire.sources import SourceSpec, describe_spec, load_source, resolve_spec
 
 __all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "SamplerLifecycle", "StoreLink", "VerlBatch"]
 

@@ -299,7 +299,6 @@ def resolve_spec(spec: str) -> Any:
     return obj
 
 
-_resolve = resolve_spec  # buffer.verl_client's name until it switches to resolve_spec
 
 
 def load_capabilities(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Capabilities:
