@@ -11,7 +11,6 @@ import pytest
 
 from poller.faults import slow
 from poller.sources.sqlite import SqliteSource
-from poller.wire import sources
 from poller.wire.sources import (
     ChangeFeed,
     FieldReads,
