@@ -1,11 +1,9 @@
 """The poller process: it lists a key-value store and streams what changed
 to a :class:`buffer.ReplayBuffer` over ZeroMQ.
 
-Everything here runs in the poller process, except :mod:`poller.wire`, what
-both processes share. ``python -m poller`` runs a standalone poller.
-:class:`PollerProcess` (the trainer's launcher, :mod:`buffer.process`) stays
-importable from here for compatibility, resolved on first use, so a poller
-process never loads :mod:`buffer`.
+Everything here runs in the poller process, except :mod:`poller.wire`, what both processes
+share. ``python -m poller`` runs a standalone poller. :class:`PollerProcess` (the trainer's
+launcher, :mod:`buffer.process`) stays importable from here, resolved on first use.
 """
 
 from __future__ import annotations
@@ -26,8 +24,7 @@ __all__ = ["PollerProcess", "Source", "SourceStall", "load_source", "Limits", "C
            "PollerStartupError", "PollerCrashed", "ProtocolError", "RemoteTraceback"]
 
 # Imported on first use: `python -m poller.child` imports this package before it forks its
-# watchdog, which must happen before anything heavy is loaded (poller.child), and
-# poller.wire.curve pulls in zmq.auth and asyncio (~35 ms), needed only with CURVE.
+# watchdog (poller.child), and poller.wire.curve pulls in zmq.auth and asyncio (~35 ms).
 _LAZY = {"PollerProcess": "buffer.process", "Source": "poller.wire.sources", "SourceStall": "poller.wire.sources",
          "load_source": "poller.wire.sources", "Limits": "poller.wire.protocol", "CurveServer": "poller.wire.curve"}
 

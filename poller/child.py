@@ -3,19 +3,18 @@
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name (for ``ps`` only).
 The parent's modules, its ``__main__`` and ``multiprocessing`` stay out of the child.
 
-The poller notices its trainer's death itself (EOF on the lifeline, a changed parent pid),
-but only while its control loop runs: not while its source factory builds, while it is
-wedged or stopped (SIGSTOP). PR_SET_PDEATHSIG fires when the *thread* that spawned the child
-ends, and a trainer may start a buffer from any thread. So the poller first forks a watchdog::
+The poller notices its trainer's death itself, but only while its control loop runs: not
+while its source factory builds, while it is wedged or stopped. PR_SET_PDEATHSIG fires when
+the *thread* that spawned the child ends, and a trainer may start a buffer from any thread.
+So the poller first forks a watchdog::
 
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
 It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the
-lifeline, which it never reads, or a changed parent pid of the poller) it gives the poller a
-short grace, SIGKILLs it and removes the directory the trainer would have removed. It is
-forked before anything heavy is imported: forked from a poller of ~20 MB, the page tables
-and copies on write were most of an idle poller's kernel time (perf, 2-core VM).
+lifeline, or a changed parent pid of the poller) it gives the poller a short grace, SIGKILLs
+it and removes the directory the trainer would have removed. It is forked before anything
+heavy is imported: copying a ~20 MB poller's page tables was most of an idle poller's kernel time.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ WATCHDOG_PROCESS_NAME = "replay-watchdog"
 
 # A pickled WorkerConfig is a few hundred bytes; a callable source can be larger.
 _MAX_CONFIG_BYTES = 64 * 1024 * 1024
-# How often the watchdog checks the poller's parent; its grace for a healthy orphan, which
-# exits within a tick (0.2 s) of its parent: that and a margin.
+# How often the watchdog checks the poller's parent; its grace for a healthy orphan (one tick and a margin).
 _CHECK_S = 0.2
 _GRACE_S = 0.4
 
@@ -95,8 +93,7 @@ def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
 def _yield_to_everyone() -> None:
     """Run only when no other task wants a core (SCHED_IDLE; else the lowest nice).
 
-    Its exit (~1 ms freeing shared pages) comes with its poller's and the
-    trainer's reaping, and took a core from them on a loaded 2-core machine.
+    Its exit (~1 ms freeing shared pages) comes with its poller's and took a core from it.
     """
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -108,8 +105,7 @@ def _yield_to_everyone() -> None:
 
 
 def _close_fds_except(*keep: int) -> None:
-    # Above all the sentinel pipe of multiprocessing: while we held it, the
-    # trainer would not see the poller die.
+    # Above all the launcher's sentinel pipe: while we held it, the trainer would not see the poller die.
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd > 2 and fd not in keep:

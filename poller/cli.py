@@ -15,7 +15,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 from poller._version import __version__
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_seconds, check_share
@@ -73,8 +73,7 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _number_or_word(text: str) -> float | str:
-    """A number as a float, any other word as it is: ``--listing-share`` is a number or 'verl' (see check_share)."""
+def _number_or_word(text: str) -> float | str:  # --listing-share: a number or 'verl' (check_share)
     try:
         return float(text)
     except ValueError:
@@ -82,7 +81,6 @@ def _number_or_word(text: str) -> float | str:
 
 
 def _error(args: argparse.Namespace, error: object, code: int = ExitCode.STARTUP_FAILED) -> int:
-    """Say ``error`` in one line on stderr, naming the command; return ``code`` (2: bad arguments)."""
     print(f"{args.command_name}: error: {error}", file=sys.stderr)
     return code
 
@@ -109,35 +107,30 @@ def _config_of(args: argparse.Namespace) -> tuple[WorkerConfig, int]:
         raise ValueError(f"bad --source-kwargs: {exc}") from None
     if not isinstance(kwargs, dict):
         raise ValueError("bad --source-kwargs: --source-kwargs must be a JSON object")
-    spec, kwargs = _source_of(args, kwargs)
+    spec = args.source
+    if args.fault is not None:  # wraps --source, if any
+        from poller.faults import parse_fault
+
+        spec, kwargs = parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
+    elif spec is None:
+        raise ValueError("--source is required (or --fault)")
     check_seconds("--interval", args.interval)  # nan, inf, <= 0
     listing_share = check_share("--listing-share", args.listing_share)
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):
         raise ValueError(f"unknown --log-level {args.log_level!r}")
-    curve = _curve_from_args(args)
-    name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
+    curve = None
+    if (args.curve_secret is None) != (args.curve_server_key is None):
+        raise ValueError("--curve-secret and --curve-server-key go together")
+    if args.curve_secret is not None:
+        curve = CurveClient.from_files(args.curve_secret, args.curve_server_key)
+    name = args.name
+    if not name:  # the same source and kwargs on this host continue the same stream
+        kwargs_json = json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs
+        digest = hashlib.sha256(f"{spec}\0{kwargs_json}".encode()).hexdigest()[:12]
+        name = f"{socket.gethostname()}:{digest}"
     return WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
                         interval=args.interval, curve=curve, listing_share=listing_share), level
-
-
-def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The spec and kwargs to run: ``--source``, or ``--fault`` wrapping it."""
-    if args.fault is None:
-        if args.source is None:
-            raise ValueError("--source is required (or --fault)")
-        return args.source, kwargs
-    from poller.faults import parse_fault
-
-    return parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
-
-
-def _curve_from_args(args: argparse.Namespace) -> CurveClient | None:
-    if args.curve_secret is None and args.curve_server_key is None:
-        return None
-    if args.curve_secret is None or args.curve_server_key is None:
-        raise ValueError("--curve-secret and --curve-server-key go together")
-    return CurveClient.from_files(args.curve_secret, args.curve_server_key)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -156,11 +149,6 @@ def _doctor(args: argparse.Namespace) -> int:
     for line in diagnosis.lines():
         print(line, file=sys.stdout if diagnosis.healthy else sys.stderr)
     return 0 if diagnosis.healthy else 1
-
-
-def _default_name(spec: str, kwargs_json: str) -> str:
-    digest = hashlib.sha256(f"{spec}\0{kwargs_json}".encode()).hexdigest()[:12]
-    return f"{socket.gethostname()}:{digest}"
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> int:

@@ -1,34 +1,41 @@
-"""The poller's connection to the buffer: one DEALER socket and its recovery.
+"""The poller's one outgoing path: the :class:`Outbox` that stamps every message, and the
+:class:`Link`, the DEALER socket that carries them, with its recovery.
+
+The polling thread hands over encoded bodies through a bounded queue, and the
+outbox, a log handler, takes records from any thread to send as LOG. The
+control loop (:mod:`poller.worker`) stamps them with the epoch and the next
+sequence number in one place, so BYE can name exactly the last message sent.
 
 ZeroMQ reconnects by itself, and that is the danger: a connection dropped
-while the buffer was stopped (SIGSTOP, a GC pause, a debugger; the ZMTP
-heartbeat gives up after 3 s) takes what was queued on it along, and the
-buffer's ROUTER refuses the new connection while it still holds the old one
-under the same name: the poller would stream into nothing, for good. So:
-
-- every new connection after the first may have lost messages:
-  :meth:`Link.on_events` returns True, and the owner asks for a full snapshot
-  and heartbeats at once;
-- the buffer answers heartbeats with ACK; a new connection without an ACK
-  within :data:`ACK_TIMEOUT` was not admitted, and :meth:`Link.check` dials
-  again until one is.
-
-Owned by the control loop's thread, which created the socket.
+while the buffer was stopped (SIGSTOP, a GC pause; the ZMTP heartbeat gives up
+after 3 s) takes what was queued on it along, and the buffer's ROUTER refuses
+the new connection while it still holds the old one under the same name. So
+every new connection after the first asks for a full snapshot
+(:meth:`Link.on_events`), and one that no ACK answers within
+:data:`ACK_TIMEOUT` was not admitted and is dialled again (:meth:`Link.check`).
+Both are owned by the control loop's thread, which created the socket.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import queue
 import struct
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Deque
 
 import zmq
+
+from poller.wire.messages import Log
+from poller.wire.protocol import Kind, Limits, encode_body, encode_header, fit_text
+from poller.wire.wakeup import WakePipe
 
 if TYPE_CHECKING:
     from poller.wire.curve import CurveClient
 
-__all__ = ["Link", "ACK_TIMEOUT"]
+__all__ = ["Link", "Outbox", "ACK_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +49,80 @@ _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FA
 # A monitor event's first frame: uint16 event, uint32 value, native order. Not parsed
 # with zmq.utils.monitor, which imports asyncio (~55 ms of every poller's start-up).
 _EVENT_FRAME = struct.Struct("=HI")
+
+
+class Outbox(logging.Handler):
+    """The messages of one stream (``epoch``), stamped in order and held until the socket takes them.
+
+    Used from the control loop's thread, except :meth:`emit_from_thread` (the
+    polling thread) and, as a log handler, :meth:`emit` (any thread that logs);
+    both poke ``wake``.
+    """
+
+    # The most stamped messages held for the socket; beyond it the source thread blocks (back-pressure).
+    LIMIT = 16
+
+    def __init__(self, epoch: int, wake: WakePipe, *, limits: Limits | None, log_level: int) -> None:
+        super().__init__(log_level)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.epoch = epoch
+        self.seq = -1
+        # The seq of the first body of the latest full snapshot sent (-1: none yet).
+        self.snapshot_seq = -1
+        # Stamped messages (head and body frames) the socket has not taken yet.
+        self.pending: Deque[list[bytes]] = collections.deque()
+        # Bodies the polling thread handed over, and log records, not yet stamped.
+        self.items: "queue.Queue[tuple[Kind, bytes, bool]]" = queue.Queue(maxsize=64)
+        self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
+        self._wake = wake
+        self._limits = limits
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.levelno, record.name, self.format(record)))
+            self._wake.poke()
+        except Exception:  # a log call must never break the poller
+            self.handleError(record)
+
+    def queue_message(self, kind: Kind, body: bytes) -> None:
+        self.seq += 1
+        self.pending.append([encode_header(kind, self.epoch, self.seq), body])
+
+    def emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool, stopping: threading.Event) -> bool:
+        """Called by the source thread; blocks while the outbox is full, until ``stopping`` is set."""
+        while not stopping.is_set():
+            try:
+                self.items.put((kind, body, starts_snapshot), timeout=0.1)
+            except queue.Full:
+                continue
+            self._wake.poke()
+            return True
+        return False
+
+    def pull_items(self) -> None:
+        while len(self.pending) < self.LIMIT:
+            try:
+                kind, body, starts_snapshot = self.items.get_nowait()
+            except queue.Empty:
+                break
+            self.queue_message(kind, body)
+            if starts_snapshot:
+                self.snapshot_seq = self.seq
+        while self.records:
+            level, name, text = self.records.popleft()
+            log = Log(level, fit_text(name, self._limits), fit_text(text, self._limits))
+            self.queue_message(Kind.LOG, encode_body(Kind.LOG, log))
+
+    def send_pending(self, sock: zmq.Socket) -> None:
+        """Send what the socket takes now, in order, without blocking."""
+        while self.pending:
+            try:
+                # Copied: zero-copy frames are freed by a second pyzmq context and thread,
+                # started on the first large body and torn down at every exit (~50 us a snapshot body).
+                sock.send_multipart(self.pending[0], flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.pending.popleft()
 
 
 class Link:

@@ -8,9 +8,8 @@
                                             │       SIGTERM (wakeup fd), parent pid check
                                             └── READY, HEARTBEAT, LOG, BYE; seq numbers
 
-The control loop never calls the source, so STOP, SIGTERM and parent death
-are answered within milliseconds even while ``kv_list()`` is stuck. It owns
-the only socket; its :class:`~poller.outbox.Outbox` numbers every message.
+The control loop never calls the source, so STOP, SIGTERM and parent death are answered
+within milliseconds even while ``kv_list()`` is stuck. It owns the only socket.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from typing import Any
 
 import zmq
 
-from poller.link import Link
-from poller.outbox import Outbox
+from poller.link import Link, Outbox
 from poller.polling import PollingThread
 from poller.wire import lifeline
 from poller.wire.arguments import check_worker_config
@@ -42,8 +40,8 @@ __all__ = ["run_embedded", "run_standalone"]
 
 logger = logging.getLogger(__name__)
 
-# The most an embedded poller waits, before os._exit, for its woken polling thread to end
-# (well under a millisecond; the bound is for a thread that began a poll meanwhile).
+# The most an embedded poller waits, before os._exit, for its woken polling thread to end (it
+# takes well under a millisecond: with it alive the exit waits for it to get a core, 0.6 ms when loaded).
 _THREAD_END_S = 0.05
 
 
@@ -92,8 +90,7 @@ class _ControlLoop:
         self.config = config
         self.lifeline = lifeline_conn
         self.embedded = lifeline_conn is not None
-        # A spawning buffer chose the epoch itself. os.urandom, not secrets: it need only
-        # not repeat, and secrets (hashlib, random) costs start-up time.
+        # A spawning buffer chose the epoch itself. os.urandom: secrets costs start-up time.
         self.epoch = config.epoch or (int.from_bytes(os.urandom(8), "big") >> 2) + 1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK
@@ -113,13 +110,10 @@ class _ControlLoop:
     def _install_signals(self) -> list[tuple[int, Any]]:
         if threading.current_thread() is not threading.main_thread():
             return []  # signal handlers can only be set from the main thread
-        previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
-                                           (signal.SIGINT, signal.getsignal(signal.SIGINT))]
-        signal.signal(signal.SIGTERM, self._on_signal)
         # Ctrl-C reaches the whole process group: an embedded poller leaves it to the trainer.
-        signal.signal(signal.SIGINT, signal.SIG_IGN if self.embedded else self._on_signal)
-        previous.append((-1, signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False)))
-        return previous
+        previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.signal(signal.SIGTERM, self._on_signal)),
+                    (signal.SIGINT, signal.signal(signal.SIGINT, signal.SIG_IGN if self.embedded else self._on_signal))]
+        return previous + [(-1, signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False))]
 
     @staticmethod
     def _restore_signals(previous: list[tuple[int, Any]]) -> None:
@@ -136,7 +130,6 @@ class _ControlLoop:
     # -- messages ---------------------------------------------------------------
 
     def _emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
-        """Called by the source thread; blocks while the outbox is full."""
         assert self.thread is not None
         return self.outbox.emit_from_thread(kind, body, starts_snapshot, self.thread.stopping)
 
@@ -180,9 +173,8 @@ class _ControlLoop:
                 self.stop_reason = self.stop_reason or f"STOP: {body.reason}"
             elif message.kind is Kind.RESYNC:
                 if body.after is not None and message.epoch == self.epoch and self.outbox.snapshot_seq > body.after:
-                    # A snapshot started after what the buffer received answers it (a trainer
-                    # resumed from SIGSTOP asks while the new connection's snapshot is on its
-                    # way; at 1M keys a second one costs seconds).
+                    # A snapshot started after what the buffer received answers it (a trainer resumed
+                    # from SIGSTOP asks while one is on its way; at 1M keys a second costs seconds).
                     logger.debug("resync requested (%s) after seq %d: the snapshot from seq %d answers it",
                                  body.reason, body.after, self.outbox.snapshot_seq)
                 else:
@@ -261,7 +253,10 @@ class _ControlLoop:
                 # Bounded by the socket's linger; the source thread holds no socket.
                 ctx.term()
             if self.embedded:  # os._exit follows: handlers and the pipe go with the process
-                self._await_thread_end()
+                thread = self.thread
+                # A woken thread ends now, so os._exit ends a process of one thread; one in kv_list() cannot.
+                if thread is not None and self.thread_woken and thread.call_started is None:
+                    thread.join(_THREAD_END_S)
             else:
                 root.removeHandler(self.outbox)
                 self._restore_signals(previous_signals)
@@ -344,19 +339,7 @@ class _ControlLoop:
                     sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
             logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)
         if self.embedded and idle:
-            # Now wake a thread that was waiting for its next poll: it ends while the context
-            # terminates. One in kv_list() or mid-poll is left alone: it would only compete
-            # with the exit for the GIL and the cores.
+            # Now wake a thread that was waiting for its next poll: it ends while the context terminates.
+            # One in kv_list() or mid-poll is left alone: it would only compete with the exit for a core.
             thread.stop()
             self.thread_woken = True
-
-    def _await_thread_end(self) -> None:
-        """Let a woken polling thread finish, so os._exit ends a process of one thread.
-
-        With the thread alive the kernel must wake it to end it, and the exit
-        waits for it to get a core (0.6 ms on a loaded 2-core machine). A thread
-        in kv_list() cannot end, and is not waited for.
-        """
-        thread = self.thread
-        if thread is not None and self.thread_woken and thread.call_started is None:
-            thread.join(_THREAD_END_S)

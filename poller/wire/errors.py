@@ -15,10 +15,8 @@ class PollerError(Exception):
 class PollerStartupError(PollerError):
     """The poller process could not be started or never said READY.
 
-    ``unavailable``: the same start may work later: the source's factory raised
-    ``ConnectionError`` or ``TimeoutError`` (its store did not answer), or no
-    READY came in time. False for a broken poller (bad spec, import error, any
-    other exception, a crash while starting).
+    ``unavailable``: the same start may work later (the source's factory raised ``ConnectionError``
+    or ``TimeoutError``, or no READY came in time); False for a broken poller (bad spec, a crash...).
     """
 
     def __init__(self, *args: object, unavailable: bool = False) -> None:

@@ -1,12 +1,10 @@
 """The private pipe between a trainer and the poller process it spawned.
 
-The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF
-the moment the parent dies (even by SIGKILL), and the parent reads the child's
-start-up or fatal traceback whether or not the stream is connected. Its
-records (named apart from the stream's READY) are JSON objects
-``{"kind": <record name>, <its fields>}``, never pickle (but for the
-configuration a child reads first, from its own parent: :mod:`buffer.process`),
-checked field by field, framed as a 4-byte big-endian length and the bytes.
+The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF the moment the
+parent dies (even by SIGKILL), and the parent reads the child's start-up or fatal traceback
+whether or not the stream is connected. Records are JSON ``{"kind": <record name>, <fields>}``,
+checked field by field, framed by a 4-byte big-endian length; never pickle, but for the
+configuration the child first reads from its own parent (:mod:`buffer.process`).
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from typing import Any, NamedTuple, Union
 # The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
 # shows a short command: PYTHONPATH lets `-m` find this package, then the child takes the exact path.
 PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
-# The directory an orphaned poller's watchdog removes (WorkerConfig.orphan_cleanup): the
-# watchdog is forked before the configuration is read from the lifeline.
+# The directory an orphaned poller's watchdog removes (the watchdog is forked before the config is read).
 CLEANUP_VARIABLE = "REPLAY_POLLER_ORPHAN_CLEANUP"
 
 __all__ = ["Channel", "Started", "StartFailed", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",

@@ -1,7 +1,7 @@
-"""A self-pipe that wakes a thread waiting on ``zmq.Poller`` or ``multiprocessing.connection.wait``.
+"""A self-pipe that wakes a thread waiting on ``zmq.Poller`` or ``select`` (used on both sides).
 
-Other threads (and signal handlers, through ``signal.set_wakeup_fd``) write a
-byte; the waiting thread watches ``read_fd`` beside its sockets. Used on both sides.
+Other threads (and signal handlers, through ``signal.set_wakeup_fd``) write a byte; the waiting
+thread watches ``read_fd`` beside its sockets.
 """
 
 from __future__ import annotations
