@@ -12,7 +12,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from poller._version import __version__ as __version__  # one source: poller/_version.py
+from poller._version import __version__ as __version__
 from poller.wire.errors import PollerCrashed, PollerError, PollerStartupError, ProtocolError, RemoteTraceback
 
 if TYPE_CHECKING:

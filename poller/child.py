@@ -83,36 +83,25 @@ def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
         return
     try:
         set_process_name(WATCHDOG_PROCESS_NAME)
-        _yield_to_everyone()
-        _close_fds_except(lifeline_fd, exit_r)
+        # Run only when no other task wants a core: its exit (~1 ms freeing shared pages) comes
+        # with its poller's, and took a core from it.
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            try:
+                os.nice(19)
+            except OSError:
+                pass
+        # Above all the launcher's sentinel pipe: while we held it, the trainer would not see the poller die.
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd > 2 and fd not in (lifeline_fd, exit_r):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
         _watch(poller_pid, trainer_pid, lifeline_fd, exit_r, orphan_cleanup)
     finally:
         os._exit(0)
-
-
-def _yield_to_everyone() -> None:
-    """Run only when no other task wants a core (SCHED_IDLE; else the lowest nice).
-
-    Its exit (~1 ms freeing shared pages) comes with its poller's and took a core from it.
-    """
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.nice(19)
-        except OSError:
-            pass
-
-
-def _close_fds_except(*keep: int) -> None:
-    # Above all the launcher's sentinel pipe: while we held it, the trainer would not see the poller die.
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:

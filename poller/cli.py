@@ -44,10 +44,9 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
     run.add_argument("--listing-share", type=_number_or_word, default=DEFAULT_LISTING_SHARE,
-                     help="the most of the wall clock spent listing a store without a change feed: after a "
-                          "listing of d seconds the next starts no sooner than max(interval, d/share) after it "
-                          f"started (0 < share <= 1, 1 = no bound; default {DEFAULT_LISTING_SHARE:g}); "
-                          f"'{VERL_CYCLE}': verl's sampler's cycle, 2 s + d + 2p after the poll that took it is done")
+                     help="the most of the wall clock spent listing a store without a change feed: after a listing "
+                          f"of d s the next starts max(interval, d/share) after it (0 < share <= 1, 1 = no bound; "
+                          f"default {DEFAULT_LISTING_SHARE:g}); '{VERL_CYCLE}': verl's sampler's cycle")
     run.add_argument("--name", default=None,
                      help="stream name; a restarted poller with the same name continues the same stream "
                           "(default: derived from host, source and kwargs)")
@@ -61,15 +60,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
                        help="the buffer's public key, its NAME.key file")
     keys = commands.add_parser(
         "keys", help="make a CURVE key pair (NAME.key public, NAME.key_secret private)",
-        description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) "
-                    "into DIR (created 0700). Make one pair for the buffer and one per poller host; the "
-                    "buffer allows the pollers' .key files.")
+        description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) into "
+                    "DIR (0700): one pair for the buffer, one per poller host; the buffer allows the pollers' .key.")
     keys.add_argument("--out", required=True, metavar="DIR", help="directory for the key files")
     keys.add_argument("--name", default=socket.gethostname(), help="file name stem (default: this host's name)")
     commands.add_parser("doctor", help="check that poller and buffer are this distribution's installed files",
-                        description="Compare the poller and buffer packages Python would import with this "
-                                    "distribution's install record; exit 1 and say how to fix it when they differ "
-                                    "(another distribution also installs a top-level 'buffer').")
+                        description="Compare the poller and buffer Python would import with this distribution's "
+                                    "install record; exit 1 and say how to fix it when they differ.")
     return parser
 
 

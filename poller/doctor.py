@@ -61,10 +61,16 @@ def diagnose() -> Diagnosis:
     editable_root = _editable_root(dist)
     owners: set[str] = set()
     for package in PACKAGES:
-        if editable_root is not None:
-            _check_editable(package, editable_root, result)
-        else:
+        if editable_root is None:
             owners |= _check_recorded(dist, package, result)
+            continue
+        imported, expected = _imported_dir(package), editable_root / package
+        spec = importlib.util.find_spec(package)  # a regular package, not a namespace one
+        if imported != expected or spec is None or not str(spec.origin).endswith("__init__.py"):
+            result.problems.append(f"{package} is imported from {imported}, not from the editable install's "
+                                   f"source tree {expected}")
+        else:
+            result.ok.append(f"{package} from {imported} (editable install)")
     if result.healthy:
         return result
     if owners:
@@ -118,16 +124,6 @@ def _editable_root(dist: importlib.metadata.Distribution) -> Path | None:
     """The source tree of an editable install (``pip install -e``), whose record lists no package files."""
     path, editable = _direct_url(dist)
     return Path(path).resolve() if path is not None and editable else None
-
-
-def _check_editable(package: str, root: Path, result: Diagnosis) -> None:
-    imported, expected = _imported_dir(package), root / package
-    spec = importlib.util.find_spec(package)  # a regular package, not a namespace one
-    if imported != expected or spec is None or not str(spec.origin).endswith("__init__.py"):
-        result.problems.append(f"{package} is imported from {imported}, not from the editable install's "
-                               f"source tree {expected}")
-    else:
-        result.ok.append(f"{package} from {imported} (editable install)")
 
 
 class _Recorded(NamedTuple):

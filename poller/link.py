@@ -1,19 +1,12 @@
-"""The poller's one outgoing path: the :class:`Outbox` that stamps every message, and the
-:class:`Link`, the DEALER socket that carries them, with its recovery.
+"""The poller's one outgoing path: the :class:`Outbox` stamps every message with the epoch and
+the next sequence number in one place (so BYE names the last one sent), and the :class:`Link`,
+the DEALER socket, carries them. Both belong to the control loop's thread (:mod:`poller.worker`).
 
-The polling thread hands over encoded bodies through a bounded queue, and the
-outbox, a log handler, takes records from any thread to send as LOG. The
-control loop (:mod:`poller.worker`) stamps them with the epoch and the next
-sequence number in one place, so BYE can name exactly the last message sent.
-
-ZeroMQ reconnects by itself, and that is the danger: a connection dropped
-while the buffer was stopped (SIGSTOP, a GC pause; the ZMTP heartbeat gives up
-after 3 s) takes what was queued on it along, and the buffer's ROUTER refuses
-the new connection while it still holds the old one under the same name. So
-every new connection after the first asks for a full snapshot
-(:meth:`Link.on_events`), and one that no ACK answers within
-:data:`ACK_TIMEOUT` was not admitted and is dialled again (:meth:`Link.check`).
-Both are owned by the control loop's thread, which created the socket.
+ZeroMQ reconnects by itself, and that is the danger: a connection dropped while the buffer was
+stopped (SIGSTOP, a GC pause; the ZMTP heartbeat gives up after 3 s) takes what was queued on it
+along, and the buffer's ROUTER refuses the new connection while it holds the old one under the
+same name. So every new connection after the first asks for a full snapshot, and one that no ACK
+answers within :data:`ACK_TIMEOUT` was not admitted and is dialled again.
 """
 
 from __future__ import annotations
@@ -54,9 +47,8 @@ _EVENT_FRAME = struct.Struct("=HI")
 class Outbox(logging.Handler):
     """The messages of one stream (``epoch``), stamped in order and held until the socket takes them.
 
-    Used from the control loop's thread, except :meth:`emit_from_thread` (the
-    polling thread) and, as a log handler, :meth:`emit` (any thread that logs);
-    both poke ``wake``.
+    The polling thread hands bodies over (:meth:`emit_from_thread`, a bounded queue) and any
+    thread that logs records (:meth:`emit`, sent as LOG); both poke ``wake``.
     """
 
     # The most stamped messages held for the socket; beyond it the source thread blocks (back-pressure).

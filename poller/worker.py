@@ -105,29 +105,18 @@ class _ControlLoop:
         self.quarantine_reported = 0  # Quarantine.changes last reported
         self.heartbeat_now = True  # at start, and on a new connection
 
-    # -- signals --------------------------------------------------------------
-
-    def _install_signals(self) -> list[tuple[int, Any]]:
+    def _install_signals(self) -> tuple[Any, Any, int] | None:
+        """Take over SIGTERM, SIGINT and the wakeup fd; return what they were (None: not the main thread)."""
         if threading.current_thread() is not threading.main_thread():
-            return []  # signal handlers can only be set from the main thread
+            return None  # signal handlers can only be set from the main thread
         # Ctrl-C reaches the whole process group: an embedded poller leaves it to the trainer.
-        previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.signal(signal.SIGTERM, self._on_signal)),
-                    (signal.SIGINT, signal.signal(signal.SIGINT, signal.SIG_IGN if self.embedded else self._on_signal))]
-        return previous + [(-1, signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False))]
-
-    @staticmethod
-    def _restore_signals(previous: list[tuple[int, Any]]) -> None:
-        for signum, handler in previous:
-            if signum == -1:
-                signal.set_wakeup_fd(handler)
-            else:
-                signal.signal(signum, handler)
+        on_interrupt = signal.SIG_IGN if self.embedded else self._on_signal
+        return (signal.signal(signal.SIGTERM, self._on_signal), signal.signal(signal.SIGINT, on_interrupt),
+                signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stop_reason is None:
             self.stop_reason = signal.Signals(signum).name
-
-    # -- messages ---------------------------------------------------------------
 
     def _emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
         assert self.thread is not None
@@ -187,27 +176,15 @@ class _ControlLoop:
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 
-    def _on_lifeline(self) -> None:
-        assert self.lifeline is not None
-        try:
-            message = lifeline.recv(self.lifeline)
-        except (EOFError, ValueError):
-            self._orphaned("the lifeline pipe closed")
-            return
-        if isinstance(message, StopRequest):
-            self.stop_reason = self.stop_reason or "STOP"
-
     def _orphaned(self, why: str) -> None:
         # Nobody is listening any more: no BYE, no linger, just go.
         self.stop_reason = f"parent gone ({why})"
         self.exit_code = ExitCode.ORPHANED
 
-    # -- the run ------------------------------------------------------------------
-
     def run(self) -> int:
         # Signals are taken over only once the source is built: until then SIGTERM ends a
         # poller stuck in its factory at once (the close ladder's "terminated"), not only SIGKILL.
-        previous_signals: list[tuple[int, Any]] = []
+        previous_signals = None
         root = logging.getLogger()
         root.addHandler(self.outbox)
         if self.embedded:  # its own process: the root level decides which records exist at all
@@ -259,7 +236,11 @@ class _ControlLoop:
                     thread.join(_THREAD_END_S)
             else:
                 root.removeHandler(self.outbox)
-                self._restore_signals(previous_signals)
+                if previous_signals is not None:
+                    sigterm, sigint, wakeup_fd = previous_signals
+                    signal.signal(signal.SIGTERM, sigterm)
+                    signal.signal(signal.SIGINT, sigint)
+                    signal.set_wakeup_fd(wakeup_fd)
                 self.wake.close()
             if self.exit_code == ExitCode.ORPHANED and self.config.orphan_cleanup:
                 import shutil  # rare path; kept out of start-up
@@ -284,8 +265,12 @@ class _ControlLoop:
             events = dict(poller.poll(int(wait * 1000)))
             if self.wake.read_fd in events:
                 self.wake.drain()
-            if lifeline_fd is not None and lifeline_fd in events:
-                self._on_lifeline()
+            if self.lifeline is not None and lifeline_fd in events:
+                try:
+                    if isinstance(lifeline.recv(self.lifeline), StopRequest):
+                        self.stop_reason = self.stop_reason or "STOP"
+                except (EOFError, ValueError):
+                    self._orphaned("the lifeline pipe closed")
             if events.get(sock, 0) & zmq.POLLIN:
                 self._on_control(link, thread)
             if link.monitor in events and link.on_events():

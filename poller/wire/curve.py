@@ -45,8 +45,7 @@ def make_keys(out_dir: PathLike, name: str) -> tuple[Path, Path]:
     for path in (public, secret):
         if path.exists():
             raise FileExistsError(f"{path} exists; refusing to overwrite a key")
-    # Under this umask the secret file is never readable by others, not even before the chmod.
-    old_umask = os.umask(0o077)
+    old_umask = os.umask(0o077)  # the secret file is never readable by others, not even before the chmod
     try:
         public_file, secret_file = zmq.auth.create_certificates(str(out), name)
     finally:
@@ -117,8 +116,7 @@ class CurveClient:
 class CurveServer:
     """The buffer's CURVE settings: its key pair and the poller public keys it accepts (z85).
 
-    Build it with :meth:`from_files`; ``allowed`` may be a directory of
-    ``.key`` files, one file, or an iterable of files and z85 keys.
+    Build it with :meth:`from_files`; ``allowed``: a directory of ``.key`` files, one file, or files and z85 keys.
     """
 
     public_key: bytes

@@ -24,7 +24,7 @@ class WakePipe:
         self._lock = threading.Lock()
 
     def poke(self) -> None:
-        """Wake the watcher; a no-op once closed (another thread may poke after the owner closed the pipe)."""
+        """Wake the watcher; a no-op once closed (another thread may poke after the owner closed it)."""
         with self._lock:
             if self._closed:
                 return
