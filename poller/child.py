@@ -3,18 +3,17 @@
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name (for ``ps`` only).
 The parent's modules, its ``__main__`` and ``multiprocessing`` stay out of the child.
 
-The poller notices its trainer's death itself, but only while its control loop runs: not
-while its source factory builds, while it is wedged or stopped. PR_SET_PDEATHSIG fires when
-the *thread* that spawned the child ends, and a trainer may start a buffer from any thread.
-So the poller first forks a watchdog::
+The poller notices its trainer's death only while its control loop runs (not while its factory
+builds, or wedged, or stopped), and PR_SET_PDEATHSIG fires when the *thread* that spawned the
+child ends. So the poller first forks a watchdog::
 
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
-It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the
-lifeline, or a changed parent pid of the poller) it gives the poller a short grace, SIGKILLs
-it and removes the directory the trainer would have removed. It is forked before anything
-heavy is imported: copying a ~20 MB poller's page tables was most of an idle poller's kernel time.
+It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the lifeline,
+or a changed parent pid of the poller) it gives the poller a short grace, SIGKILLs it and removes
+the trainer's ipc directory. It is forked before anything heavy is imported: copying a ~20 MB
+poller's page tables was most of an idle poller's kernel time.
 """
 
 from __future__ import annotations
@@ -83,8 +82,7 @@ def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
         return
     try:
         set_process_name(WATCHDOG_PROCESS_NAME)
-        # Run only when no other task wants a core: its exit (~1 ms freeing shared pages) comes
-        # with its poller's, and took a core from it.
+        # Run only when no other task wants a core: its exit (~1 ms) would take one from its poller's.
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):
@@ -105,8 +103,7 @@ def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
 
 
 def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:
-    # Signals to the whole process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) must not end
-    # the watchdog before the poller: a poller ignoring SIGTERM then outlived them both.
+    # Signals to the process group (Ctrl-C, `timeout`) must not end the watchdog before the poller.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     poll = select.poll()

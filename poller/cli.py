@@ -1,9 +1,8 @@
 """``python -m poller``: a standalone poller, CURVE key files, and ``doctor``.
 
-``main(argv) -> int`` does all the work, so tests can call it. Exit codes: 0
-done, 2 bad arguments or a source that cannot be built, 3 the source failed for
-good, 1 ``doctor`` found a problem. Every error is one line on stderr that
-starts with the command as it was started (``python -m poller run`` or ``poller run``).
+Exit codes: 0 done, 1 ``doctor`` found a problem, 2 bad arguments or a source that cannot be
+built, 3 the source failed for good. Every error is one line on stderr naming the command as it
+was started (``python -m poller run`` or ``poller run``).
 """
 
 from __future__ import annotations
@@ -38,8 +37,7 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="run a standalone poller that connects to a buffer's endpoint",
                               description="Run a standalone poller. SIGTERM or Ctrl-C: drain, BYE, exit 0.")
-    run.add_argument("--source", default=None,
-                     help="source spec, 'package.module:attr' (required unless --fault is given)")
+    run.add_argument("--source", default=None, help="source spec, 'package.module:attr' (required unless --fault)")
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
@@ -47,17 +45,15 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
                      help="the most of the wall clock spent listing a store without a change feed: after a listing "
                           f"of d s the next starts max(interval, d/share) after it (0 < share <= 1, 1 = no bound; "
                           f"default {DEFAULT_LISTING_SHARE:g}); '{VERL_CYCLE}': verl's sampler's cycle")
-    run.add_argument("--name", default=None,
-                     help="stream name; a restarted poller with the same name continues the same stream "
-                          "(default: derived from host, source and kwargs)")
+    run.add_argument("--name", default=None, help="stream name; a restarted poller with the same name continues "
+                                                   "the same stream (default: derived from host, source and kwargs)")
     run.add_argument("--log-level", default="WARNING", help="logging level on stderr (default WARNING)")
     run.add_argument("--fault", default=None, metavar="NAME[:key=value,...]",
                      help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
     curve = run.add_argument_group("CURVE authentication and encryption (both or neither; see SECURITY.md)")
     curve.add_argument("--curve-secret", metavar="FILE", default=None,
                        help="this poller's key pair, a NAME.key_secret file from 'python -m poller keys'")
-    curve.add_argument("--curve-server-key", metavar="FILE", default=None,
-                       help="the buffer's public key, its NAME.key file")
+    curve.add_argument("--curve-server-key", metavar="FILE", default=None, help="the buffer's public key, its NAME.key")
     keys = commands.add_parser(
         "keys", help="make a CURVE key pair (NAME.key public, NAME.key_secret private)",
         description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) into "
@@ -149,21 +145,14 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> int:
-    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code.
-
-    ``prog`` is the command as the user typed it, for usage and error lines.
-    """
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) as ``prog`` (the command as typed); return the exit code."""
     parser = _build_parser(prog)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     args.command_name = f"{prog} {args.command}"
-    if args.command == "run":
-        return _run(args)
-    if args.command == "keys":
-        return _keys(args)
-    return _doctor(args)
+    return {"run": _run, "keys": _keys, "doctor": _doctor}[args.command](args)
 
 
 def main_entry() -> None:

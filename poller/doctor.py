@@ -132,10 +132,7 @@ class _Recorded(NamedTuple):
 
 
 def _recorded(dist: importlib.metadata.Distribution, package: str) -> list[_Recorded]:
-    """The files of ``package`` the install record lists, read from RECORD itself.
-
-    On Python 3.12+ ``dist.files`` leaves out missing files, one of the things looked for here.
-    """
+    """The files of ``package`` the install record lists, from RECORD itself (3.12+'s dist.files omits missing ones)."""
     text = dist.read_text("RECORD")
     if text is None:  # an .egg-info: SOURCES.txt lists files without hashes
         rows = [(str(PurePosixPath(*f.parts)), "") for f in dist.files or []]

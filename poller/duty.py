@@ -1,18 +1,16 @@
 """The listing share: when a poller may list a store without a change feed again.
 
-Such a store (TransferQueue) is listed in full on every poll, and its controller
-serves every rollout worker: unbounded, ``sync()`` or a waiting verl sampler
-would keep it listing for us nearly all the time. :class:`ListingDuty` decides
-*when* the next listing may start, never what it shows (measurements: docs/transferqueue.md).
+Such a store (TransferQueue) is listed in full on every poll, and its controller serves every
+rollout worker: unbounded, ``sync()`` or a waiting verl sampler would keep it listing for us
+nearly all the time. :class:`ListingDuty` decides *when* the next listing may start, never what
+it shows (measurements: docs/transferqueue.md).
 
-- **A fixed share** in (0, 1] (default 0.15, verl 0.9.1's sampler's own at 100k
-  keys): after a listing of ``d`` seconds the next starts no sooner than
-  ``d / share`` after it started (1.0: no bound).
-- **verl's cycle** (:data:`VERL_CYCLE`): verl's sampler lists (``d``), processes
-  (``p``), then sleeps 2 s. The next listing starts no sooner than 2 s + ``d`` +
-  ``2p`` after the poll that took the last one is done: the poller takes a
-  listing quicker than verl at the same cost to the controller (counted once,
-  it listed ~10% more often).
+- **A fixed share** in (0, 1] (default 0.15, verl 0.9.1's sampler's own at 100k keys): after a
+  listing of ``d`` seconds the next starts no sooner than ``d / share`` after it started.
+- **verl's cycle** (:data:`VERL_CYCLE`): verl's sampler lists (``d``), processes (``p``), then
+  sleeps 2 s. The next listing starts no sooner than 2 s + ``d`` + ``2p`` after the poll that
+  took the last one is done: the poller lists quicker than verl at the same cost to the
+  controller (counted once, it listed ~10% more often).
 
 A call that stalls or fails is not a listing: its duration counts nowhere.
 """
@@ -35,8 +33,7 @@ _WINDOW = 16
 class ListingDuty:
     """When the next listing may start, and what the listings cost so far.
 
-    Driven by the polling thread (:meth:`record`, :meth:`unanswered`,
-    :meth:`poll_done`); the control loop reads the plain counters for heartbeats.
+    Driven by the polling thread; the control loop reads the plain counters for heartbeats.
     """
 
     def __init__(self, share: ListingShare) -> None:
@@ -77,10 +74,7 @@ class ListingDuty:
         self._last_brought_forward = started
 
     def record(self, started: float, seconds: float) -> None:
-        """The store answered a full listing that began at monotonic ``started`` and took ``seconds``.
-
-        verl's cycle then waits for :meth:`poll_done`, and at least :data:`VERL_POLL_INTERVAL`.
-        """
+        """The store answered a full listing that began at monotonic ``started`` and took ``seconds``."""
         seconds = max(0.0, seconds)
         self.listings += 1
         self.last_seconds = seconds

@@ -39,8 +39,7 @@ ACK_TIMEOUT = 3.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-# A monitor event's first frame: uint16 event, uint32 value, native order. Not parsed
-# with zmq.utils.monitor, which imports asyncio (~55 ms of every poller's start-up).
+# A monitor event's first frame: uint16 event, uint32 value (zmq.utils.monitor imports asyncio, ~55 ms).
 _EVENT_FRAME = struct.Struct("=HI")
 
 
@@ -91,7 +90,9 @@ class Outbox(logging.Handler):
             return True
         return False
 
-    def pull_items(self) -> None:
+    def pull_items(self) -> bool:
+        """Stamp what the polling thread and the log handler handed over; True if there was any."""
+        before = len(self.pending)
         while len(self.pending) < self.LIMIT:
             try:
                 kind, body, starts_snapshot = self.items.get_nowait()
@@ -104,13 +105,13 @@ class Outbox(logging.Handler):
             level, name, text = self.records.popleft()
             log = Log(level, fit_text(name, self._limits), fit_text(text, self._limits))
             self.queue_message(Kind.LOG, encode_body(Kind.LOG, log))
+        return len(self.pending) > before
 
     def send_pending(self, sock: zmq.Socket) -> None:
         """Send what the socket takes now, in order, without blocking."""
         while self.pending:
             try:
-                # Copied: zero-copy frames are freed by a second pyzmq context and thread,
-                # started on the first large body and torn down at every exit (~50 us a snapshot body).
+                # Copied: zero-copy frames would start a second pyzmq context and thread, torn down at exit.
                 sock.send_multipart(self.pending[0], flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
@@ -135,8 +136,7 @@ class Link:
             self.sock.setsockopt(zmq.SNDHWM, 1000)
             if curve is not None:
                 curve.apply(self.sock)
-            # A connection whose far end vanished (link down, host gone) is dropped after 3 s
-            # of silence and dialled again, not minutes later when TCP gives up.
+            # A connection whose far end vanished is dropped after 3 s of silence, not when TCP gives up.
             self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
             self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)

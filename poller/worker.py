@@ -40,16 +40,12 @@ __all__ = ["run_embedded", "run_standalone"]
 
 logger = logging.getLogger(__name__)
 
-# The most an embedded poller waits, before os._exit, for its woken polling thread to end (it
-# takes well under a millisecond: with it alive the exit waits for it to get a core, 0.6 ms when loaded).
+# Before os._exit, the most to wait for a woken polling thread to end (<1 ms; alive, it delays the exit).
 _THREAD_END_S = 0.05
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
-    """Run a poller spawned by :class:`~poller.PollerProcess` (from :func:`poller.child.main`).
-
-    Ends with ``os._exit``: the source thread may be stuck in ``kv_list()`` forever.
-    """
+    """Run a poller spawned by :class:`~poller.PollerProcess`; ends with ``os._exit`` (``kv_list()`` may be stuck)."""
     code = ExitCode.CRASHED
     try:
         code = _ControlLoop(config, lifeline_conn).run()
@@ -72,8 +68,7 @@ def run_standalone(config: WorkerConfig) -> int:
     check_worker_config(config)
     loop = _ControlLoop(config, None)
     code = loop.run()
-    if loop.startup_error is not None:
-        exc = loop.startup_error
+    if (exc := loop.startup_error) is not None:
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     failed = loop.thread.failed if loop.thread is not None else None
@@ -162,8 +157,7 @@ class _ControlLoop:
                 self.stop_reason = self.stop_reason or f"STOP: {body.reason}"
             elif message.kind is Kind.RESYNC:
                 if body.after is not None and message.epoch == self.epoch and self.outbox.snapshot_seq > body.after:
-                    # A snapshot started after what the buffer received answers it (a trainer resumed
-                    # from SIGSTOP asks while one is on its way; at 1M keys a second costs seconds).
+                    # A snapshot started since answers it (at 1M keys a second one costs seconds).
                     logger.debug("resync requested (%s) after seq %d: the snapshot from seq %d answers it",
                                  body.reason, body.after, self.outbox.snapshot_seq)
                 else:
@@ -182,8 +176,7 @@ class _ControlLoop:
         self.exit_code = ExitCode.ORPHANED
 
     def run(self) -> int:
-        # Signals are taken over only once the source is built: until then SIGTERM ends a
-        # poller stuck in its factory at once (the close ladder's "terminated"), not only SIGKILL.
+        # Signals are taken over once the source is built: until then SIGTERM ends a stuck factory at once.
         previous_signals = None
         root = logging.getLogger()
         root.addHandler(self.outbox)
@@ -251,10 +244,9 @@ class _ControlLoop:
         sock = link.sock
         poller = zmq.Poller()
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
-        for watched in (sock, self.wake.read_fd, link.monitor):
-            poller.register(watched, zmq.POLLIN)
-        if lifeline_fd is not None:
-            poller.register(lifeline_fd, zmq.POLLIN)
+        for watched in (sock, self.wake.read_fd, link.monitor, lifeline_fd):
+            if watched is not None:
+                poller.register(watched, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         outbox = self.outbox
         while self.stop_reason is None:
@@ -310,11 +302,7 @@ class _ControlLoop:
             if thread.failed is not None and self.lifeline is not None:
                 lifeline.send(self.lifeline, lifeline.failure(thread.failed))
             outbox = self.outbox
-            while True:  # take everything the thread already handed over
-                before = len(outbox.pending)
-                outbox.pull_items()
-                if len(outbox.pending) == before:
-                    break
+            while outbox.pull_items():  # take everything the thread already handed over
                 outbox.send_pending(sock)
             outbox.queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(outbox.seq, self.stop_reason or "")))
             deadline = time.monotonic() + self.config.linger
@@ -324,7 +312,7 @@ class _ControlLoop:
                     sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
             logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)
         if self.embedded and idle:
-            # Now wake a thread that was waiting for its next poll: it ends while the context terminates.
-            # One in kv_list() or mid-poll is left alone: it would only compete with the exit for a core.
+            # Wake a thread waiting for its next poll (it ends while the context terminates); one mid-poll
+            # is left alone: it would only compete with the exit for a core.
             thread.stop()
             self.thread_woken = True

@@ -1,7 +1,5 @@
-"""What a poller process is told, and how it ends: :class:`WorkerConfig` and :class:`ExitCode`.
-
-A trainer pickles a :class:`WorkerConfig` to its child over the lifeline; a standalone poller
-builds one from its command line.
+"""What a poller process is told (:class:`WorkerConfig`: pickled to a spawned child over the
+lifeline, or built from a standalone poller's command line), and how it ends (:class:`ExitCode`).
 """
 
 from __future__ import annotations
@@ -42,8 +40,7 @@ class WorkerConfig(NamedTuple):
     chunk_items: int = 4096
     max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes
     linger: float = 1.0  # the most BYE and what precedes it may wait for the socket
-    # How often the control loop wakes with nothing to do: bounds how late it notices a dead
-    # parent that left no EOF (a forked sibling holding the pipe) and how stale a heartbeat gets.
+    # How often the idle control loop wakes: bounds how late it notices a dead parent that left no EOF.
     tick: float = 0.2
     # The parent's private ipc directory: an orphaned poller removes it, since the parent cannot.
     orphan_cleanup: str | None = None

@@ -114,10 +114,7 @@ class CurveClient:
 
 @dataclass(frozen=True)
 class CurveServer:
-    """The buffer's CURVE settings: its key pair and the poller public keys it accepts (z85).
-
-    Build it with :meth:`from_files`; ``allowed``: a directory of ``.key`` files, one file, or files and z85 keys.
-    """
+    """The buffer's CURVE settings: its key pair and the poller public keys it accepts (z85)."""
 
     public_key: bytes
     secret_key: bytes
@@ -126,6 +123,7 @@ class CurveServer:
     @classmethod
     def from_files(cls, secret_file: PathLike,
                    allowed: PathLike | Iterable[PathLike | bytes]) -> "CurveServer":
+        """From the buffer's ``.key_secret`` file; ``allowed``: a directory of ``.key`` files, one, or files/keys."""
         if isinstance(allowed, (str, os.PathLike)):
             allowed = sorted(Path(allowed).glob("*.key")) if Path(allowed).is_dir() else [allowed]
         public, secret = load_key_pair(secret_file)

@@ -1,8 +1,4 @@
-"""Process facts read from Linux's /proc, and a process's own name.
-
-``/proc/PID/stat`` puts the command name in parentheses, and the name may itself hold spaces
-and parentheses, so fields are counted from the last ``)``.
-"""
+"""Process facts read from Linux's /proc, and a process's own name."""
 
 from __future__ import annotations
 
@@ -28,7 +24,10 @@ def set_process_name(name: str) -> bool:
 
 
 def _fields(pid: int) -> list[str] | None:
-    """The fields after the command name (state first), or None once ``pid`` is gone."""
+    """The fields after the command name (state first), or None once ``pid`` is gone.
+
+    The name is in parentheses and may itself hold spaces and parentheses: counted from the last ``)``.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -48,10 +47,7 @@ def parent_of(pid: int) -> int | None:
 
 
 def start_time(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot, or None once it is gone.
-
-    A pid and its start time name one process for good (a reused pid has another start time).
-    """
+    """When ``pid`` started (clock ticks since boot; with the pid, it names one process for good), or None."""
     fields = _fields(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 

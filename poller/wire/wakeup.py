@@ -1,7 +1,5 @@
-"""A self-pipe that wakes a thread waiting on ``zmq.Poller`` or ``select`` (used on both sides).
-
-Other threads (and signal handlers, through ``signal.set_wakeup_fd``) write a byte; the waiting
-thread watches ``read_fd`` beside its sockets.
+"""A self-pipe that other threads and signal handlers (``signal.set_wakeup_fd``) write to, to wake
+a thread that watches ``read_fd`` beside its sockets (``zmq.Poller``, ``select``); used on both sides.
 """
 
 from __future__ import annotations
