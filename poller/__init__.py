@@ -1,11 +1,8 @@
-"""The poller process: it lists a key-value store and streams what changed
-to a :class:`buffer.ReplayBuffer` over ZeroMQ.
+"""The poller process: it lists a key-value store and streams what changed to a
+:class:`buffer.ReplayBuffer` over ZeroMQ (``python -m poller`` runs one standalone).
 
-Everything here runs in the poller process, except :mod:`poller.wire`, what
-both processes share. ``python -m poller`` runs a standalone poller.
-:class:`PollerProcess` (the trainer's launcher, :mod:`buffer.process`) stays
-importable from here for compatibility, resolved on first use, so a poller
-process never loads :mod:`buffer`.
+Everything here runs in the poller process, except :mod:`poller.wire`, what both share.
+:class:`PollerProcess` (the trainer's launcher, :mod:`buffer.process`) is resolved on first use.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from poller._version import __version__ as __version__  # one source: poller/_version.py
+from poller._version import __version__ as __version__
 from poller.wire.errors import PollerCrashed, PollerError, PollerStartupError, ProtocolError, RemoteTraceback
 
 if TYPE_CHECKING:
@@ -25,9 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["PollerProcess", "Source", "SourceStall", "load_source", "Limits", "CurveServer", "PollerError",
            "PollerStartupError", "PollerCrashed", "ProtocolError", "RemoteTraceback"]
 
-# Imported on first use: `python -m poller.child` imports this package before it forks its
-# watchdog, which must happen before anything heavy is loaded (poller.child), and
-# poller.wire.curve pulls in zmq.auth and asyncio (~35 ms), needed only with CURVE.
+# Imported on first use: poller.child imports this before its fork; poller.wire.curve imports asyncio.
 _LAZY = {"PollerProcess": "buffer.process", "Source": "poller.wire.sources", "SourceStall": "poller.wire.sources",
          "load_source": "poller.wire.sources", "Limits": "poller.wire.protocol", "CurveServer": "poller.wire.curve"}
 

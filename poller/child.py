@@ -3,19 +3,17 @@
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name (for ``ps`` only).
 The parent's modules, its ``__main__`` and ``multiprocessing`` stay out of the child.
 
-The poller notices its trainer's death itself (EOF on the lifeline, a changed parent pid),
-but only while its control loop runs: not while its source factory builds, while it is
-wedged or stopped (SIGSTOP). PR_SET_PDEATHSIG fires when the *thread* that spawned the child
-ends, and a trainer may start a buffer from any thread. So the poller first forks a watchdog::
+The poller notices its trainer's death only while its control loop runs (not while its factory
+builds, or wedged, or stopped), and PR_SET_PDEATHSIG fires when the *thread* that spawned the
+child ends. So the poller first forks a watchdog::
 
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
-It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the
-lifeline, which it never reads, or a changed parent pid of the poller) it gives the poller a
-short grace, SIGKILLs it and removes the directory the trainer would have removed. It is
-forked before anything heavy is imported: forked from a poller of ~20 MB, the page tables
-and copies on write were most of an idle poller's kernel time (perf, 2-core VM).
+It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the lifeline,
+or a changed parent pid of the poller) it gives the poller a short grace, SIGKILLs it and removes
+the trainer's ipc directory. It is forked before anything heavy is imported: copying a ~20 MB
+poller's page tables was most of an idle poller's kernel time.
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ WATCHDOG_PROCESS_NAME = "replay-watchdog"
 
 # A pickled WorkerConfig is a few hundred bytes; a callable source can be larger.
 _MAX_CONFIG_BYTES = 64 * 1024 * 1024
-# How often the watchdog checks the poller's parent; its grace for a healthy orphan, which
-# exits within a tick (0.2 s) of its parent: that and a margin.
+# How often the watchdog checks the poller's parent; its grace for a healthy orphan (one tick and a margin).
 _CHECK_S = 0.2
 _GRACE_S = 0.4
 
@@ -85,43 +82,28 @@ def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
         return
     try:
         set_process_name(WATCHDOG_PROCESS_NAME)
-        _yield_to_everyone()
-        _close_fds_except(lifeline_fd, exit_r)
+        # Run only when no other task wants a core: its exit (~1 ms) would take one from its poller's.
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            try:
+                os.nice(19)
+            except OSError:
+                pass
+        # Above all the launcher's sentinel pipe: while we held it, the trainer would not see the poller die.
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd > 2 and fd not in (lifeline_fd, exit_r):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
         _watch(poller_pid, trainer_pid, lifeline_fd, exit_r, orphan_cleanup)
     finally:
         os._exit(0)
 
 
-def _yield_to_everyone() -> None:
-    """Run only when no other task wants a core (SCHED_IDLE; else the lowest nice).
-
-    Its exit (~1 ms freeing shared pages) comes with its poller's and the
-    trainer's reaping, and took a core from them on a loaded 2-core machine.
-    """
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.nice(19)
-        except OSError:
-            pass
-
-
-def _close_fds_except(*keep: int) -> None:
-    # Above all the sentinel pipe of multiprocessing: while we held it, the
-    # trainer would not see the poller die.
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2 and fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:
-    # Signals to the whole process group (Ctrl-C, `timeout`, `kill -TERM -PGID`) must not end
-    # the watchdog before the poller: a poller ignoring SIGTERM then outlived them both.
+    # Signals to the process group (Ctrl-C, `timeout`) must not end the watchdog before the poller.
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     poll = select.poll()

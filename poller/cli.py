@@ -1,9 +1,8 @@
 """``python -m poller``: a standalone poller, CURVE key files, and ``doctor``.
 
-``main(argv) -> int`` does all the work, so tests can call it. Exit codes: 0
-done, 2 bad arguments or a source that cannot be built, 3 the source failed for
-good, 1 ``doctor`` found a problem. Every error is one line on stderr that
-starts with the command as it was started (``python -m poller run`` or ``poller run``).
+Exit codes: 0 done, 1 ``doctor`` found a problem, 2 bad arguments or a source that cannot be
+built, 3 the source failed for good. Every error is one line on stderr naming the command as it
+was started (``python -m poller run`` or ``poller run``).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import logging
 import os
 import socket
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import NoReturn, Sequence
 
 from poller._version import __version__
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_seconds, check_share
@@ -38,43 +37,36 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="run a standalone poller that connects to a buffer's endpoint",
                               description="Run a standalone poller. SIGTERM or Ctrl-C: drain, BYE, exit 0.")
-    run.add_argument("--source", default=None,
-                     help="source spec, 'package.module:attr' (required unless --fault is given)")
+    run.add_argument("--source", default=None, help="source spec, 'package.module:attr' (required unless --fault)")
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
     run.add_argument("--listing-share", type=_number_or_word, default=DEFAULT_LISTING_SHARE,
-                     help="the most of the wall clock spent listing a store without a change feed: after a "
-                          "listing of d seconds the next starts no sooner than max(interval, d/share) after it "
-                          f"started (0 < share <= 1, 1 = no bound; default {DEFAULT_LISTING_SHARE:g}); "
-                          f"'{VERL_CYCLE}': verl's sampler's cycle, 2 s + d + 2p after the poll that took it is done")
-    run.add_argument("--name", default=None,
-                     help="stream name; a restarted poller with the same name continues the same stream "
-                          "(default: derived from host, source and kwargs)")
+                     help="the most of the wall clock spent listing a store without a change feed: after a listing "
+                          f"of d s the next starts max(interval, d/share) after it (0 < share <= 1, 1 = no bound; "
+                          f"default {DEFAULT_LISTING_SHARE:g}); '{VERL_CYCLE}': verl's sampler's cycle")
+    run.add_argument("--name", default=None, help="stream name; a restarted poller with the same name continues "
+                                                   "the same stream (default: derived from host, source and kwargs)")
     run.add_argument("--log-level", default="WARNING", help="logging level on stderr (default WARNING)")
     run.add_argument("--fault", default=None, metavar="NAME[:key=value,...]",
                      help="wrap the source in a fault from poller.faults, e.g. hang:after=3 or crash:how=segfault")
     curve = run.add_argument_group("CURVE authentication and encryption (both or neither; see SECURITY.md)")
     curve.add_argument("--curve-secret", metavar="FILE", default=None,
                        help="this poller's key pair, a NAME.key_secret file from 'python -m poller keys'")
-    curve.add_argument("--curve-server-key", metavar="FILE", default=None,
-                       help="the buffer's public key, its NAME.key file")
+    curve.add_argument("--curve-server-key", metavar="FILE", default=None, help="the buffer's public key, its NAME.key")
     keys = commands.add_parser(
         "keys", help="make a CURVE key pair (NAME.key public, NAME.key_secret private)",
-        description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) "
-                    "into DIR (created 0700). Make one pair for the buffer and one per poller host; the "
-                    "buffer allows the pollers' .key files.")
+        description="Write NAME.key (public: give it to the other side) and NAME.key_secret (private, 0600) into "
+                    "DIR (0700): one pair for the buffer, one per poller host; the buffer allows the pollers' .key.")
     keys.add_argument("--out", required=True, metavar="DIR", help="directory for the key files")
     keys.add_argument("--name", default=socket.gethostname(), help="file name stem (default: this host's name)")
     commands.add_parser("doctor", help="check that poller and buffer are this distribution's installed files",
-                        description="Compare the poller and buffer packages Python would import with this "
-                                    "distribution's install record; exit 1 and say how to fix it when they differ "
-                                    "(another distribution also installs a top-level 'buffer').")
+                        description="Compare the poller and buffer Python would import with this distribution's "
+                                    "install record; exit 1 and say how to fix it when they differ.")
     return parser
 
 
-def _number_or_word(text: str) -> float | str:
-    """A number as a float, any other word as it is: ``--listing-share`` is a number or 'verl' (see check_share)."""
+def _number_or_word(text: str) -> float | str:  # --listing-share: a number or 'verl' (check_share)
     try:
         return float(text)
     except ValueError:
@@ -82,7 +74,6 @@ def _number_or_word(text: str) -> float | str:
 
 
 def _error(args: argparse.Namespace, error: object, code: int = ExitCode.STARTUP_FAILED) -> int:
-    """Say ``error`` in one line on stderr, naming the command; return ``code`` (2: bad arguments)."""
     print(f"{args.command_name}: error: {error}", file=sys.stderr)
     return code
 
@@ -109,35 +100,30 @@ def _config_of(args: argparse.Namespace) -> tuple[WorkerConfig, int]:
         raise ValueError(f"bad --source-kwargs: {exc}") from None
     if not isinstance(kwargs, dict):
         raise ValueError("bad --source-kwargs: --source-kwargs must be a JSON object")
-    spec, kwargs = _source_of(args, kwargs)
+    spec = args.source
+    if args.fault is not None:  # wraps --source, if any
+        from poller.faults import parse_fault
+
+        spec, kwargs = parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
+    elif spec is None:
+        raise ValueError("--source is required (or --fault)")
     check_seconds("--interval", args.interval)  # nan, inf, <= 0
     listing_share = check_share("--listing-share", args.listing_share)
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):
         raise ValueError(f"unknown --log-level {args.log_level!r}")
-    curve = _curve_from_args(args)
-    name = args.name or _default_name(spec, json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs)
+    curve = None
+    if (args.curve_secret is None) != (args.curve_server_key is None):
+        raise ValueError("--curve-secret and --curve-server-key go together")
+    if args.curve_secret is not None:
+        curve = CurveClient.from_files(args.curve_secret, args.curve_server_key)
+    name = args.name
+    if not name:  # the same source and kwargs on this host continue the same stream
+        kwargs_json = json.dumps(kwargs, sort_keys=True) if args.fault else args.source_kwargs
+        digest = hashlib.sha256(f"{spec}\0{kwargs_json}".encode()).hexdigest()[:12]
+        name = f"{socket.gethostname()}:{digest}"
     return WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
                         interval=args.interval, curve=curve, listing_share=listing_share), level
-
-
-def _source_of(args: argparse.Namespace, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The spec and kwargs to run: ``--source``, or ``--fault`` wrapping it."""
-    if args.fault is None:
-        if args.source is None:
-            raise ValueError("--source is required (or --fault)")
-        return args.source, kwargs
-    from poller.faults import parse_fault
-
-    return parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
-
-
-def _curve_from_args(args: argparse.Namespace) -> CurveClient | None:
-    if args.curve_secret is None and args.curve_server_key is None:
-        return None
-    if args.curve_secret is None or args.curve_server_key is None:
-        raise ValueError("--curve-secret and --curve-server-key go together")
-    return CurveClient.from_files(args.curve_secret, args.curve_server_key)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -158,27 +144,15 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0 if diagnosis.healthy else 1
 
 
-def _default_name(spec: str, kwargs_json: str) -> str:
-    digest = hashlib.sha256(f"{spec}\0{kwargs_json}".encode()).hexdigest()[:12]
-    return f"{socket.gethostname()}:{digest}"
-
-
 def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> int:
-    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); return the exit code.
-
-    ``prog`` is the command as the user typed it, for usage and error lines.
-    """
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) as ``prog`` (the command as typed); return the exit code."""
     parser = _build_parser(prog)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     args.command_name = f"{prog} {args.command}"
-    if args.command == "run":
-        return _run(args)
-    if args.command == "keys":
-        return _keys(args)
-    return _doctor(args)
+    return {"run": _run, "keys": _keys, "doctor": _doctor}[args.command](args)
 
 
 def main_entry() -> None:

@@ -1,11 +1,9 @@
 """``python -m poller doctor``: are ``poller`` and ``buffer`` the files this distribution installed?
 
-Another distribution on the public index also installs a top-level ``buffer``; installed after
-this one it overwrites ``buffer/__init__.py`` (or shadows the package from an earlier ``sys.path``
-entry), and ``from buffer import ReplayBuffer`` breaks while ``pip check``, which checks
-requirements, not files, sees nothing. This compares where Python would import each package from
-and the sha256 of every file with the installer's ``RECORD``, importing neither package, so a
-broken ``buffer`` cannot stop the check.
+Another distribution on the public index also installs a top-level ``buffer``, which overwrites
+or shadows ours while ``pip check`` (requirements, not files) sees nothing. This compares where
+Python would import each package from, and every file's sha256, with the installer's ``RECORD``,
+importing neither package, so a broken ``buffer`` cannot stop the check.
 """
 
 from __future__ import annotations
@@ -63,10 +61,16 @@ def diagnose() -> Diagnosis:
     editable_root = _editable_root(dist)
     owners: set[str] = set()
     for package in PACKAGES:
-        if editable_root is not None:
-            _check_editable(package, editable_root, result)
-        else:
+        if editable_root is None:
             owners |= _check_recorded(dist, package, result)
+            continue
+        imported, expected = _imported_dir(package), editable_root / package
+        spec = importlib.util.find_spec(package)  # a regular package, not a namespace one
+        if imported != expected or spec is None or not str(spec.origin).endswith("__init__.py"):
+            result.problems.append(f"{package} is imported from {imported}, not from the editable install's "
+                                   f"source tree {expected}")
+        else:
+            result.ok.append(f"{package} from {imported} (editable install)")
     if result.healthy:
         return result
     if owners:
@@ -76,9 +80,10 @@ def diagnose() -> Diagnosis:
         result.fixes.append(f"pip uninstall {names}   (or give it an environment of its own), then:")
     if editable_root is not None:
         result.fixes.append(f"pip install -e {editable_root}   (and remove what shadows it from sys.path)")
-    else:
-        result.fixes.append(f"pip install --force-reinstall --no-deps {_installed_from(dist)}   "
-                            f"(puts this distribution's files back)")
+    else:  # the local wheel or tree it came from, or the index
+        path, _ = _direct_url(dist)
+        source = path if path is not None and Path(path).exists() else f"{DISTRIBUTION}=={__version__}"
+        result.fixes.append(f"pip install --force-reinstall --no-deps {source}   (puts this distribution's files back)")
     return result
 
 
@@ -121,33 +126,13 @@ def _editable_root(dist: importlib.metadata.Distribution) -> Path | None:
     return Path(path).resolve() if path is not None and editable else None
 
 
-def _installed_from(dist: importlib.metadata.Distribution) -> str:
-    """What to give ``pip install`` to put this install back: the local wheel or tree it came from, or the index."""
-    path, _ = _direct_url(dist)
-    return path if path is not None and Path(path).exists() else f"{DISTRIBUTION}=={__version__}"
-
-
-def _check_editable(package: str, root: Path, result: Diagnosis) -> None:
-    imported, expected = _imported_dir(package), root / package
-    spec = importlib.util.find_spec(package)  # a regular package, not a namespace one
-    if imported != expected or spec is None or not str(spec.origin).endswith("__init__.py"):
-        result.problems.append(f"{package} is imported from {imported}, not from the editable install's "
-                               f"source tree {expected}")
-    else:
-        result.ok.append(f"{package} from {imported} (editable install)")
-
-
 class _Recorded(NamedTuple):
     path: PurePosixPath
     sha256: str | None  # None: listed without one (RECORD itself, compiled files, a source tree's egg-info)
 
 
 def _recorded(dist: importlib.metadata.Distribution, package: str) -> list[_Recorded]:
-    """The files of ``package`` the install record lists, read from RECORD itself.
-
-    ``dist.files`` leaves out files that no longer exist on Python 3.12+, and a
-    missing file is one of the things looked for here.
-    """
+    """The files of ``package`` the install record lists, from RECORD itself (3.12+'s dist.files omits missing ones)."""
     text = dist.read_text("RECORD")
     if text is None:  # an .egg-info: SOURCES.txt lists files without hashes
         rows = [(str(PurePosixPath(*f.parts)), "") for f in dist.files or []]

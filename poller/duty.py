@@ -1,24 +1,18 @@
 """The listing share: when a poller may list a store without a change feed again.
 
-A store without a change feed (TransferQueue) is listed in full on every poll,
-and its controller serves every rollout worker: unbounded, ``sync()`` or a
-waiting verl sampler (a listing every 0.02 s) would keep it listing for us
-nearly all the time. :class:`ListingDuty` decides *when* the next listing may
-start, never what it shows; the measurements are in docs/transferqueue.md.
+Such a store (TransferQueue) is listed in full on every poll, and its controller serves every
+rollout worker: unbounded, ``sync()`` or a waiting verl sampler would keep it listing for us
+nearly all the time. :class:`ListingDuty` decides *when* the next listing may start, never what
+it shows (measurements: docs/transferqueue.md).
 
-- **A fixed share** in (0, 1] (default 0.15, verl 0.9.1's sampler's own at 100k
-  TransferQueue keys): after a listing of ``d`` seconds the next starts no
-  sooner than ``d / share`` after it started (1.0: no bound), and the poll
-  schedule makes it ``max(poll_interval, d / share)``.
-- **verl's cycle** (:data:`VERL_CYCLE`, ``buffer.verl``'s): verl's sampler lists
-  (``d``), processes (``p``), then sleeps 2 s, a share no fixed one follows
-  across store sizes. The next listing starts no sooner than 2 s + ``d`` +
-  ``2p`` after the poll that took the last one is done: a cycle of
-  ``2d + 3p + 2 s``, since the poller takes a listing quicker than verl while
-  costing the controller the same (counted once, it listed ~10% more often).
+- **A fixed share** in (0, 1] (default 0.15, verl 0.9.1's sampler's own at 100k keys): after a
+  listing of ``d`` seconds the next starts no sooner than ``d / share`` after it started.
+- **verl's cycle** (:data:`VERL_CYCLE`): verl's sampler lists (``d``), processes (``p``), then
+  sleeps 2 s. The next listing starts no sooner than 2 s + ``d`` + ``2p`` after the poll that
+  took the last one is done: the poller lists quicker than verl at the same cost to the
+  controller (counted once, it listed ~10% more often).
 
-A call that stalls or fails is not a listing: the store did not answer, so its
-duration counts neither in the share nor in the figures.
+A call that stalls or fails is not a listing: its duration counts nowhere.
 """
 
 from __future__ import annotations
@@ -32,16 +26,14 @@ from poller.wire.arguments import VERL_CYCLE, VERL_POLL_INTERVAL, ListingShare
 
 __all__ = ["ListingDuty"]
 
-# Listings the measured share is taken over: enough to smooth one odd call,
-# few enough that the figure follows a store that grew.
+# Listings the measured share is taken over: enough to smooth one odd call, few enough to follow growth.
 _WINDOW = 16
 
 
 class ListingDuty:
     """When the next listing may start, and what the listings cost so far.
 
-    Driven by the polling thread (:meth:`record`, :meth:`unanswered`,
-    :meth:`poll_done`); the control loop reads the plain counters for heartbeats.
+    Driven by the polling thread; the control loop reads the plain counters for heartbeats.
     """
 
     def __init__(self, share: ListingShare) -> None:
@@ -65,11 +57,10 @@ class ListingDuty:
     def wait_for_change(self, now: float | None = None) -> float:
         """Seconds until a listing for a change the watch saw may start (0: now).
 
-        A fixed share keeps :meth:`wait_for`'s bound (the change cuts short only
-        the poll schedule). verl's cycle brings the listing forward, since it is
-        known to find a change: once the last listing began ``2d`` ago (the
-        store listed at most half the time) and :data:`VERL_POLL_INTERVAL` after
-        the last one brought forward began, so at most about twice verl's rate.
+        A fixed share keeps :meth:`wait_for`'s bound. verl's cycle brings a listing
+        known to find a change forward: ``2d`` after the last began (the store
+        listing at most half the time) and :data:`VERL_POLL_INTERVAL` after the last
+        one brought forward, so at most about twice verl's rate.
         """
         now = time.monotonic() if now is None else now
         if not self._verl:
@@ -83,11 +74,7 @@ class ListingDuty:
         self._last_brought_forward = started
 
     def record(self, started: float, seconds: float) -> None:
-        """The store answered a full listing that began at monotonic ``started`` and took ``seconds``.
-
-        verl's cycle then waits for :meth:`poll_done`, and meanwhile for at
-        least :data:`VERL_POLL_INTERVAL` after this listing ended.
-        """
+        """The store answered a full listing that began at monotonic ``started`` and took ``seconds``."""
         seconds = max(0.0, seconds)
         self.listings += 1
         self.last_seconds = seconds
@@ -100,22 +87,20 @@ class ListingDuty:
             self._allowed_at = started + seconds / float(self.share)
 
     def unanswered(self, ended: float) -> None:
-        """A call gave up or failed at monotonic ``ended``: the store did not answer; its duration counts nowhere.
+        """A call gave up or failed at monotonic ``ended``: the store did not answer.
 
-        verl's cycle waits :data:`VERL_POLL_INTERVAL` after ``ended``, as verl's
-        sampler sleeps after each attempt; with a fixed share the poll schedule
-        alone decides (the pause after a stall, or the backoff).
+        verl's cycle waits :data:`VERL_POLL_INTERVAL`, as verl's sampler sleeps after
+        each attempt; with a fixed share the poll schedule alone decides (pause, backoff).
         """
         if self._verl:
             self._poll_open = False
             self._allowed_at = max(self._allowed_at, ended + VERL_POLL_INTERVAL)
 
     def poll_done(self, now: float | None = None) -> None:
-        """The poll that took the last listing is over (its diff screened and sent, or its failure reported).
+        """The poll that took the last listing is over (its diff sent, or its failure reported).
 
-        verl's cycle: the next listing no sooner than :data:`VERL_POLL_INTERVAL`
-        + ``d`` + ``2p`` after ``now`` (``p``: from the listing's end to ``now``).
-        Otherwise, and for a poll without a listing, a no-op: once per listing.
+        verl's cycle: the next listing no sooner than :data:`VERL_POLL_INTERVAL` + ``d`` + ``2p``
+        after ``now`` (``p``: from the listing's end to ``now``). Otherwise a no-op.
         """
         if not self._poll_open:
             return

@@ -1,34 +1,34 @@
-"""The poller's connection to the buffer: one DEALER socket and its recovery.
+"""The poller's one outgoing path: the :class:`Outbox` stamps every message with the epoch and
+the next sequence number in one place (so BYE names the last one sent), and the :class:`Link`,
+the DEALER socket, carries them. Both belong to the control loop's thread (:mod:`poller.worker`).
 
-ZeroMQ reconnects by itself, and that is the danger: a connection dropped
-while the buffer was stopped (SIGSTOP, a GC pause, a debugger; the ZMTP
-heartbeat gives up after 3 s) takes what was queued on it along, and the
-buffer's ROUTER refuses the new connection while it still holds the old one
-under the same name: the poller would stream into nothing, for good. So:
-
-- every new connection after the first may have lost messages:
-  :meth:`Link.on_events` returns True, and the owner asks for a full snapshot
-  and heartbeats at once;
-- the buffer answers heartbeats with ACK; a new connection without an ACK
-  within :data:`ACK_TIMEOUT` was not admitted, and :meth:`Link.check` dials
-  again until one is.
-
-Owned by the control loop's thread, which created the socket.
+ZeroMQ reconnects by itself, and that is the danger: a connection dropped while the buffer was
+stopped (SIGSTOP, a GC pause; the ZMTP heartbeat gives up after 3 s) takes what was queued on it
+along, and the buffer's ROUTER refuses the new connection while it holds the old one under the
+same name. So every new connection after the first asks for a full snapshot, and one that no ACK
+answers within :data:`ACK_TIMEOUT` was not admitted and is dialled again.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import queue
 import struct
+import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Deque
 
 import zmq
+
+from poller.wire.messages import Log
+from poller.wire.protocol import Kind, Limits, encode_body, encode_header, fit_text
+from poller.wire.wakeup import WakePipe
 
 if TYPE_CHECKING:
     from poller.wire.curve import CurveClient
 
-__all__ = ["Link", "ACK_TIMEOUT"]
+__all__ = ["Link", "Outbox", "ACK_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +39,83 @@ ACK_TIMEOUT = 3.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-# A monitor event's first frame: uint16 event, uint32 value, native order. Not parsed
-# with zmq.utils.monitor, which imports asyncio (~55 ms of every poller's start-up).
+# A monitor event's first frame: uint16 event, uint32 value (zmq.utils.monitor imports asyncio, ~55 ms).
 _EVENT_FRAME = struct.Struct("=HI")
+
+
+class Outbox(logging.Handler):
+    """The messages of one stream (``epoch``), stamped in order and held until the socket takes them.
+
+    The polling thread hands bodies over (:meth:`emit_from_thread`, a bounded queue) and any
+    thread that logs records (:meth:`emit`, sent as LOG); both poke ``wake``.
+    """
+
+    # The most stamped messages held for the socket; beyond it the source thread blocks (back-pressure).
+    LIMIT = 16
+
+    def __init__(self, epoch: int, wake: WakePipe, *, limits: Limits | None, log_level: int) -> None:
+        super().__init__(log_level)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.epoch = epoch
+        self.seq = -1
+        # The seq of the first body of the latest full snapshot sent (-1: none yet).
+        self.snapshot_seq = -1
+        # Stamped messages (head and body frames) the socket has not taken yet.
+        self.pending: Deque[list[bytes]] = collections.deque()
+        # Bodies the polling thread handed over, and log records, not yet stamped.
+        self.items: "queue.Queue[tuple[Kind, bytes, bool]]" = queue.Queue(maxsize=64)
+        self.records: Deque[tuple[int, str, str]] = collections.deque(maxlen=1000)
+        self._wake = wake
+        self._limits = limits
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.records.append((record.levelno, record.name, self.format(record)))
+            self._wake.poke()
+        except Exception:  # a log call must never break the poller
+            self.handleError(record)
+
+    def queue_message(self, kind: Kind, body: bytes) -> None:
+        self.seq += 1
+        self.pending.append([encode_header(kind, self.epoch, self.seq), body])
+
+    def emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool, stopping: threading.Event) -> bool:
+        """Called by the source thread; blocks while the outbox is full, until ``stopping`` is set."""
+        while not stopping.is_set():
+            try:
+                self.items.put((kind, body, starts_snapshot), timeout=0.1)
+            except queue.Full:
+                continue
+            self._wake.poke()
+            return True
+        return False
+
+    def pull_items(self) -> bool:
+        """Stamp what the polling thread and the log handler handed over; True if there was any."""
+        before = len(self.pending)
+        while len(self.pending) < self.LIMIT:
+            try:
+                kind, body, starts_snapshot = self.items.get_nowait()
+            except queue.Empty:
+                break
+            self.queue_message(kind, body)
+            if starts_snapshot:
+                self.snapshot_seq = self.seq
+        while self.records:
+            level, name, text = self.records.popleft()
+            log = Log(level, fit_text(name, self._limits), fit_text(text, self._limits))
+            self.queue_message(Kind.LOG, encode_body(Kind.LOG, log))
+        return len(self.pending) > before
+
+    def send_pending(self, sock: zmq.Socket) -> None:
+        """Send what the socket takes now, in order, without blocking."""
+        while self.pending:
+            try:
+                # Copied: zero-copy frames would start a second pyzmq context and thread, torn down at exit.
+                sock.send_multipart(self.pending[0], flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self.pending.popleft()
 
 
 class Link:
@@ -62,8 +136,7 @@ class Link:
             self.sock.setsockopt(zmq.SNDHWM, 1000)
             if curve is not None:
                 curve.apply(self.sock)
-            # A connection whose far end vanished (link down, host gone) is dropped after 3 s
-            # of silence and dialled again, not minutes later when TCP gives up.
+            # A connection whose far end vanished is dropped after 3 s of silence, not when TCP gives up.
             self.sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
             self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)

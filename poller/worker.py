@@ -8,9 +8,8 @@
                                             │       SIGTERM (wakeup fd), parent pid check
                                             └── READY, HEARTBEAT, LOG, BYE; seq numbers
 
-The control loop never calls the source, so STOP, SIGTERM and parent death
-are answered within milliseconds even while ``kv_list()`` is stuck. It owns
-the only socket; its :class:`~poller.outbox.Outbox` numbers every message.
+The control loop never calls the source, so STOP, SIGTERM and parent death are answered
+within milliseconds even while ``kv_list()`` is stuck. It owns the only socket.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from typing import Any
 
 import zmq
 
-from poller.link import Link
-from poller.outbox import Outbox
+from poller.link import Link, Outbox
 from poller.polling import PollingThread
 from poller.wire import lifeline
 from poller.wire.arguments import check_worker_config
@@ -42,16 +40,12 @@ __all__ = ["run_embedded", "run_standalone"]
 
 logger = logging.getLogger(__name__)
 
-# The most an embedded poller waits, before os._exit, for its woken polling thread to end
-# (well under a millisecond; the bound is for a thread that began a poll meanwhile).
+# Before os._exit, the most to wait for a woken polling thread to end (<1 ms; alive, it delays the exit).
 _THREAD_END_S = 0.05
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
-    """Run a poller spawned by :class:`~poller.PollerProcess` (from :func:`poller.child.main`).
-
-    Ends with ``os._exit``: the source thread may be stuck in ``kv_list()`` forever.
-    """
+    """Run a poller spawned by :class:`~poller.PollerProcess`; ends with ``os._exit`` (``kv_list()`` may be stuck)."""
     code = ExitCode.CRASHED
     try:
         code = _ControlLoop(config, lifeline_conn).run()
@@ -74,8 +68,7 @@ def run_standalone(config: WorkerConfig) -> int:
     check_worker_config(config)
     loop = _ControlLoop(config, None)
     code = loop.run()
-    if loop.startup_error is not None:
-        exc = loop.startup_error
+    if (exc := loop.startup_error) is not None:
         raise PollerStartupError(f"cannot start poller for {describe_spec(config.source)}: "
                                  f"{type(exc).__name__}: {exc}") from exc
     failed = loop.thread.failed if loop.thread is not None else None
@@ -92,8 +85,7 @@ class _ControlLoop:
         self.config = config
         self.lifeline = lifeline_conn
         self.embedded = lifeline_conn is not None
-        # A spawning buffer chose the epoch itself. os.urandom, not secrets: it need only
-        # not repeat, and secrets (hashlib, random) costs start-up time.
+        # A spawning buffer chose the epoch itself. os.urandom: secrets costs start-up time.
         self.epoch = config.epoch or (int.from_bytes(os.urandom(8), "big") >> 2) + 1
         self.stop_reason: str | None = None
         self.exit_code = ExitCode.OK
@@ -108,35 +100,20 @@ class _ControlLoop:
         self.quarantine_reported = 0  # Quarantine.changes last reported
         self.heartbeat_now = True  # at start, and on a new connection
 
-    # -- signals --------------------------------------------------------------
-
-    def _install_signals(self) -> list[tuple[int, Any]]:
+    def _install_signals(self) -> tuple[Any, Any, int] | None:
+        """Take over SIGTERM, SIGINT and the wakeup fd; return what they were (None: not the main thread)."""
         if threading.current_thread() is not threading.main_thread():
-            return []  # signal handlers can only be set from the main thread
-        previous: list[tuple[int, Any]] = [(signal.SIGTERM, signal.getsignal(signal.SIGTERM)),
-                                           (signal.SIGINT, signal.getsignal(signal.SIGINT))]
-        signal.signal(signal.SIGTERM, self._on_signal)
+            return None  # signal handlers can only be set from the main thread
         # Ctrl-C reaches the whole process group: an embedded poller leaves it to the trainer.
-        signal.signal(signal.SIGINT, signal.SIG_IGN if self.embedded else self._on_signal)
-        previous.append((-1, signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False)))
-        return previous
-
-    @staticmethod
-    def _restore_signals(previous: list[tuple[int, Any]]) -> None:
-        for signum, handler in previous:
-            if signum == -1:
-                signal.set_wakeup_fd(handler)
-            else:
-                signal.signal(signum, handler)
+        on_interrupt = signal.SIG_IGN if self.embedded else self._on_signal
+        return (signal.signal(signal.SIGTERM, self._on_signal), signal.signal(signal.SIGINT, on_interrupt),
+                signal.set_wakeup_fd(self.wake.write_fd, warn_on_full_buffer=False))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stop_reason is None:
             self.stop_reason = signal.Signals(signum).name
 
-    # -- messages ---------------------------------------------------------------
-
     def _emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
-        """Called by the source thread; blocks while the outbox is full."""
         assert self.thread is not None
         return self.outbox.emit_from_thread(kind, body, starts_snapshot, self.thread.stopping)
 
@@ -180,9 +157,7 @@ class _ControlLoop:
                 self.stop_reason = self.stop_reason or f"STOP: {body.reason}"
             elif message.kind is Kind.RESYNC:
                 if body.after is not None and message.epoch == self.epoch and self.outbox.snapshot_seq > body.after:
-                    # A snapshot started after what the buffer received answers it (a trainer
-                    # resumed from SIGSTOP asks while the new connection's snapshot is on its
-                    # way; at 1M keys a second one costs seconds).
+                    # A snapshot started since answers it (at 1M keys a second one costs seconds).
                     logger.debug("resync requested (%s) after seq %d: the snapshot from seq %d answers it",
                                  body.reason, body.after, self.outbox.snapshot_seq)
                 else:
@@ -195,27 +170,14 @@ class _ControlLoop:
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 
-    def _on_lifeline(self) -> None:
-        assert self.lifeline is not None
-        try:
-            message = lifeline.recv(self.lifeline)
-        except (EOFError, ValueError):
-            self._orphaned("the lifeline pipe closed")
-            return
-        if isinstance(message, StopRequest):
-            self.stop_reason = self.stop_reason or "STOP"
-
     def _orphaned(self, why: str) -> None:
         # Nobody is listening any more: no BYE, no linger, just go.
         self.stop_reason = f"parent gone ({why})"
         self.exit_code = ExitCode.ORPHANED
 
-    # -- the run ------------------------------------------------------------------
-
     def run(self) -> int:
-        # Signals are taken over only once the source is built: until then SIGTERM ends a
-        # poller stuck in its factory at once (the close ladder's "terminated"), not only SIGKILL.
-        previous_signals: list[tuple[int, Any]] = []
+        # Signals are taken over once the source is built: until then SIGTERM ends a stuck factory at once.
+        previous_signals = None
         root = logging.getLogger()
         root.addHandler(self.outbox)
         if self.embedded:  # its own process: the root level decides which records exist at all
@@ -261,10 +223,17 @@ class _ControlLoop:
                 # Bounded by the socket's linger; the source thread holds no socket.
                 ctx.term()
             if self.embedded:  # os._exit follows: handlers and the pipe go with the process
-                self._await_thread_end()
+                thread = self.thread
+                # A woken thread ends now, so os._exit ends a process of one thread; one in kv_list() cannot.
+                if thread is not None and self.thread_woken and thread.call_started is None:
+                    thread.join(_THREAD_END_S)
             else:
                 root.removeHandler(self.outbox)
-                self._restore_signals(previous_signals)
+                if previous_signals is not None:
+                    sigterm, sigint, wakeup_fd = previous_signals
+                    signal.signal(signal.SIGTERM, sigterm)
+                    signal.signal(signal.SIGINT, sigint)
+                    signal.set_wakeup_fd(wakeup_fd)
                 self.wake.close()
             if self.exit_code == ExitCode.ORPHANED and self.config.orphan_cleanup:
                 import shutil  # rare path; kept out of start-up
@@ -275,10 +244,9 @@ class _ControlLoop:
         sock = link.sock
         poller = zmq.Poller()
         lifeline_fd = self.lifeline.fileno() if self.lifeline is not None else None
-        for watched in (sock, self.wake.read_fd, link.monitor):
-            poller.register(watched, zmq.POLLIN)
-        if lifeline_fd is not None:
-            poller.register(lifeline_fd, zmq.POLLIN)
+        for watched in (sock, self.wake.read_fd, link.monitor, lifeline_fd):
+            if watched is not None:
+                poller.register(watched, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat_interval
         outbox = self.outbox
         while self.stop_reason is None:
@@ -289,8 +257,12 @@ class _ControlLoop:
             events = dict(poller.poll(int(wait * 1000)))
             if self.wake.read_fd in events:
                 self.wake.drain()
-            if lifeline_fd is not None and lifeline_fd in events:
-                self._on_lifeline()
+            if self.lifeline is not None and lifeline_fd in events:
+                try:
+                    if isinstance(lifeline.recv(self.lifeline), StopRequest):
+                        self.stop_reason = self.stop_reason or "STOP"
+                except (EOFError, ValueError):
+                    self._orphaned("the lifeline pipe closed")
             if events.get(sock, 0) & zmq.POLLIN:
                 self._on_control(link, thread)
             if link.monitor in events and link.on_events():
@@ -330,11 +302,7 @@ class _ControlLoop:
             if thread.failed is not None and self.lifeline is not None:
                 lifeline.send(self.lifeline, lifeline.failure(thread.failed))
             outbox = self.outbox
-            while True:  # take everything the thread already handed over
-                before = len(outbox.pending)
-                outbox.pull_items()
-                if len(outbox.pending) == before:
-                    break
+            while outbox.pull_items():  # take everything the thread already handed over
                 outbox.send_pending(sock)
             outbox.queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(outbox.seq, self.stop_reason or "")))
             deadline = time.monotonic() + self.config.linger
@@ -344,19 +312,7 @@ class _ControlLoop:
                     sock.poll(int(max(0.0, deadline - time.monotonic()) * 1000) or 1, zmq.POLLOUT)
             logger.debug("poller %s stopping: %s (exit %d)", self.config.name, self.stop_reason, self.exit_code)
         if self.embedded and idle:
-            # Now wake a thread that was waiting for its next poll: it ends while the context
-            # terminates. One in kv_list() or mid-poll is left alone: it would only compete
-            # with the exit for the GIL and the cores.
+            # Wake a thread waiting for its next poll (it ends while the context terminates); one mid-poll
+            # is left alone: it would only compete with the exit for a core.
             thread.stop()
             self.thread_woken = True
-
-    def _await_thread_end(self) -> None:
-        """Let a woken polling thread finish, so os._exit ends a process of one thread.
-
-        With the thread alive the kernel must wake it to end it, and the exit
-        waits for it to get a core (0.6 ms on a loaded 2-core machine). A thread
-        in kv_list() cannot end, and is not waited for.
-        """
-        thread = self.thread
-        if thread is not None and self.thread_woken and thread.call_started is None:
-            thread.join(_THREAD_END_S)

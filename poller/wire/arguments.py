@@ -1,10 +1,8 @@
 """Checks of the numeric arguments of the public API, and the listing share's values.
 
-Every duration and count is checked where it enters, each check raising a
-``ValueError`` that names the argument and the value, so a bad one never
-reaches a wait: ``nan`` compares false with everything (a deadline that never
-passes), ``inf`` makes ``Event.wait`` raise ``OverflowError`` in whatever
-thread waits, and a bool is an int to Python but never a count a person meant.
+Every duration and count is checked where it enters (a ``ValueError`` naming argument and
+value), never reaching a wait: ``nan`` makes a deadline that never passes, ``inf`` makes
+``Event.wait`` raise ``OverflowError`` in whatever thread waits, and a bool is no count.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from typing import Any, Literal, Union
 __all__ = ["DEFAULT_LISTING_SHARE", "VERL_CYCLE", "VERL_POLL_INTERVAL", "ListingShare", "check_count",
            "check_optional_seconds", "check_seconds", "check_share", "check_worker_config"]
 
-# The listing share's values, ruled by poller.duty.
-#: verl's sampler's cycle instead of a fixed share.
+#: verl's sampler's cycle instead of a fixed listing share (poller.duty).
 VERL_CYCLE: Literal["verl"] = "verl"
 #: A fixed share of the wall clock (in (0, 1], 1.0: no bound), or :data:`VERL_CYCLE`.
 ListingShare = Union[float, Literal["verl"]]
@@ -34,17 +31,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
-    """``value`` as float seconds: a finite number, positive (or >= 0 with ``allow_zero``)."""
-    return _seconds(name, value, allow_zero, "")
-
-
 def check_optional_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float | None:
     """:func:`check_seconds`, where ``None`` (no limit) is allowed too."""
-    return None if value is None else _seconds(name, value, allow_zero, " or None")
+    return None if value is None else check_seconds(name, value, allow_zero=allow_zero, or_none=" or None")
 
 
-def _seconds(name: str, value: Any, allow_zero: bool, or_none: str) -> float:
+def check_seconds(name: str, value: Any, *, allow_zero: bool = False, or_none: str = "") -> float:
+    """``value`` as float seconds: a finite number, positive (or >= 0 with ``allow_zero``)."""
     if not _is_number(value) or math.isnan(value) or value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a number of seconds {bound}{or_none}, got {value!r}")

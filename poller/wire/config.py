@@ -1,7 +1,5 @@
-"""What a poller process is told, and how it ends: :class:`WorkerConfig` and :class:`ExitCode`.
-
-A trainer pickles a :class:`WorkerConfig` to the child it launches (over the
-lifeline); a standalone poller builds one from its command line.
+"""What a poller process is told (:class:`WorkerConfig`: pickled to a spawned child over the
+lifeline, or built from a standalone poller's command line), and how it ends (:class:`ExitCode`).
 """
 
 from __future__ import annotations
@@ -42,19 +40,16 @@ class WorkerConfig(NamedTuple):
     chunk_items: int = 4096
     max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes
     linger: float = 1.0  # the most BYE and what precedes it may wait for the socket
-    # How often the control loop wakes with nothing to do: bounds how late it notices a dead
-    # parent that left no EOF (a forked sibling holding the pipe) and how stale a heartbeat gets.
+    # How often the idle control loop wakes: bounds how late it notices a dead parent that left no EOF.
     tick: float = 0.2
     # The parent's private ipc directory: an orphaned poller removes it, since the parent cannot.
     orphan_cleanup: str | None = None
-    # The epoch the parent chose, so its receiver knows it before the first message and can
-    # refuse anyone else using the name.
+    # The parent's choice, so its receiver knows it before the first message and refuses impostors.
     epoch: int | None = None
     curve: CurveClient | None = None  # when the buffer authenticates its peers
     # A kv_list() call running longer is a source stall (None: only SourceStall raised by the source).
     stall_timeout: float | None = 30.0
-    # The receiver's decoding bounds: tags it would refuse are refused here, as one clear
-    # source error (None: the defaults, max_frame_bytes above).
+    # The receiver's decoding bounds: tags it would refuse are one clear source error here (None: defaults).
     limits: Limits | None = None
     log_level: int = logging.WARNING  # records from this level on are sent to the buffer as LOG
     # The listing share of a source without a change feed, or "verl" (poller.duty).

@@ -1,11 +1,9 @@
 """CurveZMQ keys: making key files, loading them, and configuring sockets.
 
-All cryptography is libzmq's; this module only moves keys between files and
-socket options. Key files are pyzmq's certificates: ``NAME.key`` holds the
-public key and may be shared, ``NAME.key_secret`` both halves, kept private.
-The buffer is the *server* (a key pair, and the poller public keys it allows);
-each poller a *client* (its own pair, and the server's public key, so it
-cannot be talked into streaming to an impostor).
+All cryptography is libzmq's. Key files are pyzmq's certificates: ``NAME.key`` holds the public
+key, ``NAME.key_secret`` both halves. The buffer is the *server* (its pair, and the poller public
+keys it allows); each poller a *client* (its pair, and the server's public key, so it cannot be
+talked into streaming to an impostor).
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ def make_keys(out_dir: PathLike, name: str) -> tuple[Path, Path]:
     for path in (public, secret):
         if path.exists():
             raise FileExistsError(f"{path} exists; refusing to overwrite a key")
-    # Under this umask the secret file is never readable by others, not even before the chmod.
-    old_umask = os.umask(0o077)
+    old_umask = os.umask(0o077)  # the secret file is never readable by others, not even before the chmod
     try:
         public_file, secret_file = zmq.auth.create_certificates(str(out), name)
     finally:
@@ -91,17 +88,6 @@ def _checked(key: bytes | None, path: PathLike) -> bytes:
     return key
 
 
-def _public_keys(allowed: PathLike | Iterable[PathLike | bytes]) -> frozenset[bytes]:
-    """Public keys from a directory of ``.key`` files, or an iterable of files and z85 keys."""
-    items: Iterable[PathLike | bytes]
-    if isinstance(allowed, (str, os.PathLike)):
-        items = sorted(Path(allowed).glob("*.key")) if Path(allowed).is_dir() else [allowed]
-    else:
-        items = allowed
-    return frozenset(_checked(item, "an allowed key") if isinstance(item, bytes) else load_public_key(item)
-                     for item in items)
-
-
 @dataclass(frozen=True)
 class CurveClient:
     """A poller's CURVE settings: its own key pair and the buffer's public key (z85)."""
@@ -128,11 +114,7 @@ class CurveClient:
 
 @dataclass(frozen=True)
 class CurveServer:
-    """The buffer's CURVE settings: its key pair and the poller public keys it accepts (z85).
-
-    Build it with :meth:`from_files`; ``allowed`` may be a directory of
-    ``.key`` files, one file, or an iterable of files and z85 keys.
-    """
+    """The buffer's CURVE settings: its key pair and the poller public keys it accepts (z85)."""
 
     public_key: bytes
     secret_key: bytes
@@ -141,8 +123,12 @@ class CurveServer:
     @classmethod
     def from_files(cls, secret_file: PathLike,
                    allowed: PathLike | Iterable[PathLike | bytes]) -> "CurveServer":
+        """From the buffer's ``.key_secret`` file; ``allowed``: a directory of ``.key`` files, one, or files/keys."""
+        if isinstance(allowed, (str, os.PathLike)):
+            allowed = sorted(Path(allowed).glob("*.key")) if Path(allowed).is_dir() else [allowed]
         public, secret = load_key_pair(secret_file)
-        return cls(public, secret, _public_keys(allowed))
+        return cls(public, secret, frozenset(_checked(item, "an allowed key") if isinstance(item, bytes)
+                                             else load_public_key(item) for item in allowed))
 
     def allowing(self, *public_keys: bytes) -> "CurveServer":
         """The same server, accepting ``public_keys`` as well."""

@@ -1,7 +1,4 @@
-"""Exceptions with exact meanings (each class's docstring says which).
-
-A failure in the poller process rides on ``__cause__`` as a :class:`RemoteTraceback`.
-"""
+"""Exceptions with exact meanings; a poller process's failure rides on ``__cause__`` as a :class:`RemoteTraceback`."""
 
 from __future__ import annotations
 
@@ -15,10 +12,8 @@ class PollerError(Exception):
 class PollerStartupError(PollerError):
     """The poller process could not be started or never said READY.
 
-    ``unavailable``: the same start may work later: the source's factory raised
-    ``ConnectionError`` or ``TimeoutError`` (its store did not answer), or no
-    READY came in time. False for a broken poller (bad spec, import error, any
-    other exception, a crash while starting).
+    ``unavailable``: the same start may work later (the source's factory raised ``ConnectionError``
+    or ``TimeoutError``, or no READY came in time); False for a broken poller (bad spec, a crash...).
     """
 
     def __init__(self, *args: object, unavailable: bool = False) -> None:
@@ -35,10 +30,7 @@ class ProtocolError(PollerError):
 
 
 class RemoteTraceback(Exception):
-    """The formatted traceback of an exception raised in another process.
-
-    As ``__cause__``, the remote stack prints under the local one (as in :mod:`concurrent.futures.process`).
-    """
+    """The formatted traceback of an exception raised in another process, printed as a ``__cause__``."""
 
     def __init__(self, exc_type: str, message: str, traceback_text: str) -> None:
         super().__init__(exc_type, message, traceback_text)

@@ -1,12 +1,9 @@
 """The private pipe between a trainer and the poller process it spawned.
 
-The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF
-the moment the parent dies (even by SIGKILL), and the parent reads the child's
-start-up or fatal traceback whether or not the stream is connected. Its
-records (named apart from the stream's READY) are JSON objects
-``{"kind": <record name>, <its fields>}``, never pickle (but for the
-configuration a child reads first, from its own parent: :mod:`buffer.process`),
-checked field by field, framed as a 4-byte big-endian length and the bytes.
+The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF the moment the parent
+dies (even by SIGKILL), and the parent reads the child's start-up or fatal traceback whether or not
+the stream is connected. Records are JSON ``{"kind": <record name>, <fields>}`` checked field by
+field, after a 4-byte big-endian length; never pickle, but for the child's configuration (:mod:`buffer.process`).
 """
 
 from __future__ import annotations
@@ -18,11 +15,9 @@ import struct
 import traceback
 from typing import Any, NamedTuple, Union
 
-# The parent's sys.path reaches the child through the environment, not its argv, so that `ps`
-# shows a short command: PYTHONPATH lets `-m` find this package, then the child takes the exact path.
+# The parent's sys.path, through the environment so that `ps` shows a short command (poller.child).
 PATH_VARIABLE = "REPLAY_POLLER_SYS_PATH"
-# The directory an orphaned poller's watchdog removes (WorkerConfig.orphan_cleanup): the
-# watchdog is forked before the configuration is read from the lifeline.
+# The directory an orphaned poller's watchdog removes (the watchdog is forked before the config is read).
 CLEANUP_VARIABLE = "REPLAY_POLLER_ORPHAN_CLEANUP"
 
 __all__ = ["Channel", "Started", "StartFailed", "Fatal", "StopRequest", "LifelineMessage", "send", "recv",
@@ -148,8 +143,7 @@ def recv(conn: Channel) -> LifelineMessage:
         # JSON's true is a Python bool, which is also an int: only a bool field takes one.
         if not isinstance(value, _TYPES[name]) or isinstance(value, bool) != (_TYPES[name] is bool):
             raise ValueError(f"lifeline {record.__name__} without a valid {name!r}")
-    message: LifelineMessage = record(**values)
-    return message
+    return record(**values)
 
 
 def failure(exc: BaseException, record: type[Fatal] | type[StartFailed] = Fatal, **extra: Any) -> Any:

@@ -1,10 +1,4 @@
-"""Process facts read from Linux's /proc, and a process's own name.
-
-The watchdog reads a process's parent, the buffer's ipc directories a pid's
-state and start time, heartbeats the poller's memory. ``/proc/PID/stat`` puts
-the command name in parentheses, and the name may itself hold spaces and
-parentheses, so fields are counted from the last ``)``.
-"""
+"""Process facts read from Linux's /proc, and a process's own name."""
 
 from __future__ import annotations
 
@@ -18,8 +12,8 @@ _COMM_LENGTH = 15  # the kernel keeps 16 bytes with the terminating NUL
 def set_process_name(name: str) -> bool:
     """Set this process's name as ``ps -e``, ``top`` and ``pgrep`` show it; False where it failed.
 
-    ``/proc/thread-self/comm`` is ``prctl(PR_SET_NAME)`` for the calling thread: the process's
-    name from the main thread. Not through ctypes, whose import costs the poller ~2 ms.
+    Call it from the main thread: ``/proc/thread-self/comm`` is ``prctl(PR_SET_NAME)`` for the
+    calling thread, written here because importing ctypes costs the poller ~2 ms.
     """
     try:
         with open("/proc/thread-self/comm", "wb") as f:
@@ -30,7 +24,10 @@ def set_process_name(name: str) -> bool:
 
 
 def _fields(pid: int) -> list[str] | None:
-    """The fields after the command name (state first), or None once ``pid`` is gone."""
+    """The fields after the command name (state first), or None once ``pid`` is gone.
+
+    The name is in parentheses and may itself hold spaces and parentheses: counted from the last ``)``.
+    """
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()
@@ -50,11 +47,7 @@ def parent_of(pid: int) -> int | None:
 
 
 def start_time(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot, or None once it is gone.
-
-    A pid and its start time name one process for good: a pid reused by a
-    later process comes with another start time.
-    """
+    """When ``pid`` started (clock ticks since boot; with the pid, it names one process for good), or None."""
     fields = _fields(pid)
     return int(fields[19]) if fields and len(fields) > 19 else None
 

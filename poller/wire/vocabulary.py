@@ -1,10 +1,8 @@
 """The words both halves use: what a listing holds, and the statuses the samplers read.
 
-A source lists ``{partition_id: {key: tags}}``; tags are a small map of tag
-names to plain values. The statuses are those verl's rollout workers write
-(``pending`` -> ``running`` -> ``finished`` | ``failure`` on a prompt,
-``success`` on a trajectory); ``ReplayBuffer.sample`` reads ``running`` and
-``success``, :mod:`buffer.verl.groups` the prompt statuses.
+A source lists ``{partition_id: {key: tags}}``, tags a small map of names to plain values. The
+statuses are those verl's rollout workers write (``pending`` -> ``running`` -> ``finished`` |
+``failure`` on a prompt, ``success`` on a trajectory).
 """
 
 from __future__ import annotations

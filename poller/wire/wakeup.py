@@ -1,7 +1,5 @@
-"""A self-pipe that wakes a thread waiting on ``zmq.Poller`` or ``multiprocessing.connection.wait``.
-
-Other threads (and signal handlers, through ``signal.set_wakeup_fd``) write a
-byte; the waiting thread watches ``read_fd`` beside its sockets. Used on both sides.
+"""A self-pipe that other threads and signal handlers (``signal.set_wakeup_fd``) write to, to wake
+a thread that watches ``read_fd`` beside its sockets (``zmq.Poller``, ``select``); used on both sides.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ class WakePipe:
         self._lock = threading.Lock()
 
     def poke(self) -> None:
-        """Wake the watcher; a no-op once closed (another thread may poke after the owner closed the pipe)."""
+        """Wake the watcher; a no-op once closed (another thread may poke after the owner closed it)."""
         with self._lock:
             if self._closed:
                 return
