@@ -1,10 +1,9 @@
 """The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
 
-A *stream* is what one poller sends, named by its ZeroMQ identity
-(``stats()["poller_name"]`` for the buffer's own). Pure bookkeeping (no tags,
-locks, policies or sockets): the :class:`~buffer.partitions.PartitionStore`
-calls it under its lock and applies what it decides (which listed keys to
-merge, which to drop). ``tests/test_ledger.py`` checks it against a model.
+A *stream* is what one poller sends, named by its ZeroMQ identity. Pure
+bookkeeping (no tags, locks, policies or sockets): the
+:class:`~buffer.partitions.PartitionStore` calls it under its lock and
+applies what it decides. ``tests/test_ledger.py`` checks it against a model.
 
 It tells a key that vanished (drop it) from one the trainer removed while a
 poll under way still lists it (a *tombstone*: ignore that record). A
@@ -20,8 +19,7 @@ the first complete poll past it that does not list it.
 "Began after" is told by poll numbers, never by clocks (hosts may disagree
 by any amount): a removal notes per stream the highest poll received, ``m``
 (its *horizon*); poll ``m + 1`` may be listing already, poll ``m + 2`` began
-after ``m + 1`` was sent whole. Memory follows the keys held and the
-tombstones in flight.
+after ``m + 1`` was sent whole.
 
 A view is *whole* when the streams it requires (the buffer's own poller) had
 a first complete poll applied and no stream listing the partition is half-way
@@ -34,7 +32,7 @@ from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import ne
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 __all__ = ["Ledger"]
 
@@ -46,29 +44,24 @@ _UNLISTED = object()
 Version = Any
 
 
-class _Tomb:
-    """The trainer removed a key: the versions of it removed, and the removal's horizon."""
+class _Tomb(NamedTuple):
+    """The trainer removed a key: the removal's horizon, and the versions of it removed."""
 
-    __slots__ = ("horizon", "versions")
-
-    def __init__(self, horizon: Horizon, versions: list[Version]) -> None:
-        self.horizon = horizon
-        self.versions = versions
+    horizon: Horizon
+    versions: list[Version]
 
 
 class Ledger:
     """Listings, snapshots, tombstones, poll horizons and sync answers of every stream."""
 
     def __init__(self) -> None:
-        # stream -> partition -> key that stream lists -> the version it listed last (a dict
-        # of atomic values: the GC need not traverse it, and a copy is one C-level block copy).
-        # A partition of which a stream lists no key has no entry.
+        # stream -> partition -> key that stream lists -> the version it listed last (atomic values:
+        # the GC need not traverse it). A partition of which a stream lists no key has no entry.
         self._listed: dict[str, dict[str, dict[str, Version]]] = {}
         # stream -> partitions the full listing being received has listed so far.
         self._snapshots: dict[str, set[str]] = {}
-        # stream -> partition -> keys listed before that full listing and not by it yet: a copy
-        # taken as it begins, each key crossed off as it comes again (one C-level pop a key: 1M
-        # ~0.2 s, where sets and a difference cost ~1 s); what is left at its end has vanished.
+        # stream -> partition -> keys listed before that full listing and not by it yet, crossed off
+        # as they come again (1M: ~0.2 s, a set difference ~1 s); what is left at its end has vanished.
         self._unseen: dict[str, dict[str, dict[str, Version]]] = {}
         # Tombstones of keys some source listed when removed (or listed since), by partition.
         self._tomb_listed: dict[str, dict[str, _Tomb]] = {}
@@ -83,9 +76,8 @@ class Ledger:
         # stream -> highest sync token a complete poll answered; epoch of its last complete poll.
         self._synced: dict[str, int] = {}
         self._completed_epoch: dict[str, int] = {}
-        # Sources every view needs a first complete poll of, and sources awaiting a resync.
+        # Streams every view needs a first complete poll of; stream -> why its next full listing is awaited.
         self._required: set[str] = set()
-        # stream -> why its next full listing is awaited ("lost messages", "its store was replaced").
         self._broken: dict[str, str] = {}
         # Fresh views: when each stream's last complete poll was applied; since when (and why) its
         # store has not answered, until its next complete poll; the oldest a fresh view may be.
@@ -111,9 +103,7 @@ class Ledger:
         if snapshot is not None:
             snapshot.add(partition)
             unseen = self._unseen[stream].get(partition)
-        if unseen:
-            # Keys listed before are crossed off, and only the versions that changed are written
-            # (a resync of 1M keys mostly unchanged: C-level passes, not 1M pairs stored again).
+        if unseen:  # crossed off; only changed versions are written (C-level passes, not 1M pairs again)
             changed = list(map(ne, map(unseen.pop, keys, repeat(None)), versions))
             if any(changed):
                 listed.update(zip(compress(keys, changed), compress(versions, changed)))
@@ -217,12 +207,10 @@ class Ledger:
                        now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
         """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``.
 
-        ``drops``: what a full poll did not list (vanished); ``shown``: the new
-        records of removed keys it settles (``(partition, key, version)``: a key
-        in doubt this poll, begun after the removal, still lists at a version
-        not removed); ``wake``: waiters should look again (a sync answered, a
-        new poller process's first poll, a view fresh again). ``sync`` is the
-        highest sync token the poller had received when its listing began.
+        ``drops``: what a full poll did not list; ``shown``: ``(partition, key,
+        version)`` of the new records it settles (a key in doubt it still lists
+        at a version not removed); ``wake``: waiters should look again (a sync
+        answered, a new poller process's first poll, a view fresh again).
         """
         drops = self._end_snapshot(stream) if full else []
         shown = self._settle(stream, epoch, poll)
@@ -287,11 +275,10 @@ class Ledger:
         self._broken[stream] = why
 
     def replaced(self, stream: str) -> list[tuple[str, list[str]]]:
-        """``stream``'s store was replaced: it lists nothing any more; ``(partition, keys)`` to drop.
+        """``stream``'s store was replaced: ``(partition, keys)`` to drop, every key only it listed.
 
-        Every key only it listed goes, removed ones too (their tombstones end:
-        the new store's keys of those names are new records), and what it
-        lists is not whole until the new store's first full listing ends.
+        Removed ones too (their tombstones end: the new store's keys of those
+        names are new records); not whole until the new store's first full listing ends.
         """
         self.abandon_snapshot(stream)
         drops = [(partition, self.unlisted(stream, partition, list(keys)))

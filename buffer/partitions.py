@@ -1,19 +1,17 @@
 """The shared partition store: ``partition -> {key -> tags}`` under one lock, in the trainer process.
 
-No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`; verl's groups are :mod:`buffer.verl.groups`) keep
-their own indexes from ``on_change`` (a poll's keys in one call, where a
-policy takes them so) and wait with :meth:`PartitionStore.wait_until`. The
-trainer writes with ``add``/``remove``, the pollers' streams one DELTA at a
-time (:meth:`PartitionStore.apply`); the :class:`~buffer.ledger.Ledger`
-decides, under the lock, what a listing merges or drops and whether a view
-is whole.
+No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`,
+:mod:`buffer.verl.groups`) keep their own indexes from ``on_change`` and wait
+with :meth:`PartitionStore.wait_until`. The trainer writes with
+``add``/``remove``, the pollers' streams one DELTA at a time
+(:meth:`PartitionStore.apply`); the :class:`~buffer.ledger.Ledger` decides,
+under the lock, what a listing merges or drops and whether a view is whole.
 
-Tags are held packed (:func:`~poller.wire.tags.freeze`) in containers of
-atomic values, so the garbage collector has nothing to traverse (1M keys: a
-full collection in a few ms, not tens), and a poller's as the bytes they
-arrived in, so a resync of an unchanged key costs one comparison. Tags msgpack
-cannot hold exactly (the trainer's tuples) stay dicts. Partitions keep
-arrival order.
+Tags are held packed (:func:`~poller.wire.tags.freeze`), a poller's as the
+bytes they arrived in: the garbage collector has nothing to traverse (1M
+keys: a full collection in a few ms, not tens), and a resync of an unchanged
+key costs one comparison. Tags msgpack cannot hold exactly (the trainer's
+tuples) stay dicts. Partitions keep arrival order.
 """
 
 from __future__ import annotations
@@ -159,16 +157,13 @@ class PartitionStore:
               superseded: bool = False) -> None:
         """Apply one DELTA of ``stream``'s process ``epoch``: its keys, its deletes and, at its ``end``, the poll.
 
-        A full poll's first part begins a snapshot, and its end drops what
-        the snapshot did not list. Tags are unpacked with ``unpack`` only
-        where the store does not hold their bytes already. A ``superseded``
-        DELTA (a resync is awaited) only counts as received: its poll number
-        still bounds the horizon of a removal.
+        Tags are unpacked with ``unpack`` only where the store does not hold
+        their bytes already. A ``superseded`` DELTA (a resync is awaited) only
+        counts as received: its poll number still bounds a removal's horizon.
 
         Raises:
-            ProtocolError: (from ``unpack``) tags the decoder refuses. What the
-                DELTA carried before them is applied, so the stream is broken
-                (no whole view) until a resync replaces it.
+            ProtocolError: (from ``unpack``) tags the decoder refuses. What came
+                before them is applied: the stream is broken until a resync.
         """
         with self._cond:
             ledger = self.ledger
@@ -204,11 +199,11 @@ class PartitionStore:
 
     def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes],
                       unpack: Callable[[list[bytes]], list[Tags]]) -> bool:
-        """Merge what ``stream`` lists, each key's tags packed alone (lock held); True if a key changed.
+        """Merge what ``stream`` lists (lock held); True if a key changed.
 
-        A key whose bytes are held already is unchanged, found in C-level passes
-        with no decode (100k unchanged: ~20 ms, not ~100). The others are
-        unpacked at once, before anything of the partition changes.
+        A key whose bytes are held already is unchanged, found in C-level
+        passes with no decode (100k unchanged: ~20 ms, not ~100). The others
+        are unpacked before anything of the partition changes.
         """
         items = self._parts.get(partition_id)
         olds = list(map(items.get, keys)) if items else [None] * len(keys)
@@ -244,11 +239,10 @@ class PartitionStore:
 
     def _replace_packed(self, partition_id: str, items: dict[str, _Held], keys: list[str], old_blobs: list[bytes],
                         blobs: list[bytes], news: list[Tags]) -> None:
-        """``_merge`` of keys held packed, with their new tags and bytes, all at once (lock held).
+        """``_merge`` of keys held packed, all at once in C-level passes (lock held).
 
-        C-level passes, not a Python merge each (~3.3 us a key down to ~2.3): a
-        key whose new tags hold every name of its old ones (a poller lists
-        whole tags) is held as the bytes that arrived, and the policies are told
+        A key whose new tags hold every name of its old ones (a poller lists
+        whole tags) is held as the bytes that arrived; the policies are told
         in one call (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
         """
         olds = thaw_many(old_blobs)
@@ -290,12 +284,7 @@ class PartitionStore:
             self.ledger.mark_broken(stream)
 
     def replaced(self, stream: str) -> None:
-        """``stream``'s store was replaced (a switch): drop what only it listed; not whole until its next snapshot ends.
-
-        No tag of the old store merges into the new one's key of the same
-        name, and a key removed from the old store is a new record in the new
-        one (:meth:`Ledger.replaced`).
-        """
+        """``stream``'s store was replaced (a switch): drop what only it listed (:meth:`Ledger.replaced`)."""
         with self._cond:
             for partition_id, keys in self.ledger.replaced(stream):
                 for key in keys:
@@ -371,8 +360,7 @@ class PartitionStore:
             items = self._parts[partition_id] = {}
         held = items.get(key)
         old: Tags | None = None
-        if held is None:
-            # Unpacked from ``blob`` for this merge alone, ``new`` needs no copy.
+        if held is None:  # ``new`` unpacked from ``blob`` for this merge alone needs no copy
             current = new if blob is not None and isinstance(new, dict) else dict(new)
             items[key] = freeze(current) if blob is None else blob
         else:
@@ -380,8 +368,7 @@ class PartitionStore:
             if self._policies:
                 old = dict(current)
             current.update(new)
-            # Held exactly what arrived (no tag of the trainer's beside it): keep
-            # the arriving bytes, which the next resync compares against.
+            # No tag of the trainer's beside it: keep the arriving bytes, which the next resync compares against.
             items[key] = blob if blob is not None and len(current) == len(new) else freeze(current)
         self._policies.changed(partition_id, key, old if held is not None else None, current)
 

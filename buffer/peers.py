@@ -1,25 +1,21 @@
 """The receiver's peer state machine: epochs, sequence numbers, resync, liveness.
 
-No sockets here. :class:`PeerTable` takes what arrived (an identity and its
-frames) and the time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
-and returns the control messages to send back as :class:`Send` actions; the
-thread that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
-Each peer's state is a :class:`Peer`; the SYNCs asked and not yet answered
-are kept in :class:`SyncRequests`.
+No sockets here: :class:`PeerTable` takes an identity, its frames and the
+time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
+and returns the control messages to send back (:class:`Send`); the thread
+that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
 
 Recovery rules (a stream must converge to its source, whatever was lost):
 
-- a gap in a peer's sequence numbers, or an epoch joined mid-stream, asks
-  for a RESYNC (a full snapshot) and ignores deltas until one starts; the
-  start of a full snapshot is itself the answer, so none is asked for then;
-- a peer silent for more than ``stale_after`` that speaks again is asked for
-  a RESYNC too, whatever its sequence says;
-- heartbeats that carry ``last_seq`` are answered with ACK, which tells a
-  poller on a new connection that it was admitted (:mod:`poller.link`), and
-  a ``last_seq`` that does not match what was received is a gap;
-- an unanswered RESYNC or SYNC is asked for again every second
-  (:meth:`PeerTable.tick`), because a request sent while the route was down
-  is lost.
+- a sequence gap, or an epoch joined mid-stream, asks for a RESYNC (a full
+  snapshot) and ignores deltas until one starts (a snapshot's start is
+  itself the answer);
+- a peer silent past ``stale_after`` that speaks again is asked for one too;
+- a heartbeat's ``last_seq`` is answered with ACK (how a poller on a new
+  connection learns it was admitted, :mod:`poller.link`); one that does not
+  match what was received is a gap;
+- an unanswered RESYNC or SYNC is asked again every second
+  (:meth:`PeerTable.tick`): a request sent while the route was down is lost.
 """
 
 from __future__ import annotations
@@ -60,16 +56,12 @@ def _snapshot_start(message: Message) -> bool:
 
 @dataclass
 class ListingFigures:
-    """What a peer's full listings of its source cost (poller.duty), summed over its poller processes.
-
-    Each process counts from 0, so the totals of the earlier ones are kept: counters never go back.
-    """
+    """A peer's listing and watch figures (Heartbeat), summed over its poller processes (each counts from 0)."""
 
     listings: int = 0
     total_s: float = 0.0
     last_s: float = 0.0
     share: float = 0.0
-    # The watch (poller.polling): targeted reads of waited-on keys, and listings a change seen there brought forward.
     watch_reads: int = 0
     watch_listings: int = 0
     epoch: int | None = None
@@ -104,16 +96,14 @@ class Peer:
     rss: int = 0
     polls_applied: int = 0
     snapshots_applied: int = 0
-    # When the listing of its last complete poll began, on this process's time.monotonic() (None: no poll yet):
-    # the poller's stamp, never later than the poll was applied (_on_delta).
+    # When its last complete poll's listing began, on this process's time.monotonic() (_on_delta).
     listed_at: float | None = None
     last_seen: float = field(default_factory=time.monotonic)
     resync_asked_at: float = 0.0
     stale: bool = False
-    # The source-stall count this peer last reported, and in which epoch (each poller process counts from 0).
+    # The source-stall count of poller process ``stalls_epoch``, and its quarantine, as its last heartbeat said.
     stalls: int = 0
     stalls_epoch: int | None = None
-    # Keys this peer leaves out of the stream (poller.quarantine), as its last heartbeat said.
     quarantined: int = 0
     quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
     listing: ListingFigures = field(default_factory=ListingFigures)
@@ -121,7 +111,6 @@ class Peer:
     def report(self, epoch: int, beat: Heartbeat) -> int:
         """Keep what heartbeat ``beat`` of poller process ``epoch`` says; return the source stalls new in it."""
         self.rss = beat.rss
-        # None: a field older pollers do not send.
         if beat.quarantined is not None:
             self.quarantined = beat.quarantined
             self.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
@@ -140,16 +129,14 @@ class Peer:
 
 
 class SyncRequests:
-    """Per poller identity: the highest SYNC token not yet answered, and the partitions every SYNC names.
+    """Per poller identity: the highest SYNC token asked and not yet answered, and the partitions SYNCs name.
 
-    ``ReplayBuffer.sync()`` (:mod:`buffer.sync`) asks for a listing through
-    the receiver thread. A SYNC sent while the route to the poller was down
-    is lost, so the highest token asked is kept until a complete poll
-    answers it, and sent again every :data:`SYNC_RETRY_S` meanwhile.
+    Kept until a complete poll answers it, and sent again every
+    :data:`SYNC_RETRY_S` meanwhile (:meth:`due`).
     """
 
     def __init__(self) -> None:
-        # identity -> (highest SYNC token asked of it and not yet answered, when it was last sent).
+        # identity -> (highest token asked and not yet answered, when it was last sent).
         self._asked: dict[bytes, tuple[int, float]] = {}
         self._partitions: dict[bytes, list[str]] = {}
 
@@ -163,9 +150,8 @@ class SyncRequests:
     def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
         """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
 
-        The poller lists them before it answers the token, whichever of its
-        processes gets it. Called directly, not through the receiver's
-        command queue: the dict entry is replaced in one GIL-atomic step.
+        Called directly, not through the receiver's command queue: the dict
+        entry is replaced in one GIL-atomic step.
         """
         held = self._partitions.get(identity, [])
         self._partitions[identity] = held + sorted(set(partition_ids) - set(held))
@@ -198,8 +184,7 @@ class PeerTable:
         self.stale_after = stale_after
         self._pinned = pinned
         self._on_change = on_change
-        # Forwarded LOG records get more room than the receiver's own warnings:
-        # a poller_log_level of INFO is a choice, not a flood.
+        # Forwarded LOG records get more room: a poller_log_level of INFO is a choice, not a flood.
         self._log = log or LogLimiter(logger, budgets={"log": (100, 60.0)})
         self.peers: dict[bytes, Peer] = {}
         self.messages = 0
@@ -211,11 +196,9 @@ class PeerTable:
         self.resyncs_requested = 0
         self.source_stalls = 0
         self.last_message_at: float | None = None
-        # identity -> the one epoch its own poller process uses (set by the
-        # buffer that spawned it), and the epochs of its earlier processes.
+        # identity -> the one epoch the buffer's own poller process uses, and its earlier processes'.
         self._expected: dict[bytes, int] = {}
         self._retired: dict[bytes, set[int]] = {}
-        # The SYNCs asked and not yet answered, and the partitions each names.
         self.syncs = SyncRequests()
 
     def expect(self, identity: bytes, epoch: int) -> None:
@@ -239,12 +222,7 @@ class PeerTable:
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
 
     def sync(self, identity: bytes, token: int, now: float) -> Send:
-        """A SYNC for ``identity``: poll at once, and tag that listing with ``token``.
-
-        Sent again by :meth:`tick` every :data:`SYNC_RETRY_S`
-        until a complete poll answers it, so a request lost on a reconnect is
-        not waited on for ever.
-        """
+        """A SYNC for ``identity``: poll at once, and tag that listing with ``token`` (asked again by :meth:`tick`)."""
         return Send(identity, Kind.SYNC, self._epoch(identity), self.syncs.ask(identity, token, now))
 
     def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
@@ -324,8 +302,7 @@ class PeerTable:
         if came_back:
             fresh = message.kind is Kind.READY and message.seq == 0
             if not (fresh or _snapshot_start(message) or peer.awaiting_resync):
-                # Silence can hide loss the sequence cannot show (a poller
-                # that redialled and was refused streamed nowhere): resync.
+                # Silence can hide loss the sequence cannot show (a poller refused on redial streamed nowhere).
                 actions.append(self._request_resync(identity, peer, "silent peer came back", now))
                 if message.kind is Kind.DELTA:
                     return actions
@@ -433,15 +410,11 @@ class PeerTable:
                 return
             peer.awaiting_resync = False
         if body.full and body.reset:
-            # Whatever was lost before it, the snapshot replaces: from here
-            # the stream is whole again (close() reports drained=True).
-            peer.contiguous = True
+            peer.contiguous = True  # whatever was lost before, the snapshot replaces (close(): drained=True)
         self.items_received += sum(len(keys) for keys, _ in body.packed.values()) + sum(map(len, body.deletes.values()))
         try:
             self._store.apply(peer.stream, message.epoch, body, self._unpack_tags)
-        except ProtocolError as exc:
-            # Tags the decoder refuses, found as they are unpacked: the store
-            # applied what came before them and holds the stream broken.
+        except ProtocolError as exc:  # tags the decoder refuses: the store holds the stream broken
             self.protocol_error(identity, f"{exc}; asking for a resync")
             peer.contiguous = False
             actions.append(self._request_resync(identity, peer, "undecodable tags", now))
@@ -450,9 +423,8 @@ class PeerTable:
             if body.full:
                 peer.snapshots_applied += 1
             peer.polls_applied += 1
-            # The poller stamps a poll with its wall clock as the listing begins (the buffer's own child shares
-            # this machine's): its age now, moved to the monotonic clock. A stamp from the future (a clock set
-            # back, another machine's) counts as now, when the poll is applied: never fresher than that.
+            # The poller's wall-clock stamp, moved to the monotonic clock; one from the future (a clock set
+            # back, another machine's) counts as now: never fresher than the poll's applying.
             peer.listed_at = now - max(0.0, time.time() - body.t)
             if peer.polls_applied == 1:
                 self._on_change()
@@ -468,9 +440,7 @@ class PeerTable:
         last_seq = beat.last_seq  # None from older pollers, which want no ACK either
         if last_seq is None:
             return
-        if last_seq != message.seq - 1 and not peer.awaiting_resync:
-            # The header's seq passed, but the poller says it sent other
-            # messages than we counted: trust neither, resync.
+        if last_seq != message.seq - 1 and not peer.awaiting_resync:  # it sent other messages than we counted
             actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
         actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
 

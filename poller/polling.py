@@ -34,16 +34,13 @@ logger = logging.getLogger(__name__)
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
-#: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``).
-#: TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
+#: Reads of the watched keys while a decision waits on them (``kv_watch``; TransferQueue at 100k keys: a read
+#: ~0.5 ms of the controller's CPU, a listing ~37 ms). A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after
+#: the one before began (``d``: the last listing's duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not
+#: answered within WATCH_TIMEOUT tells nothing.
 WATCH_INTERVAL = 0.3
-#: What a second of watching may cost the store, in listings: a read of ``r`` seconds is followed by the next
-#: ``(r / d) / WATCH_BUDGET`` seconds after it began (``d``: the last listing), within WATCH_INTERVAL and
-#: WATCH_INTERVAL_MAX.
 WATCH_BUDGET = 0.25
-#: The most seconds between two reads, however cheap a listing (a few keys: reads cost next to nothing either).
 WATCH_INTERVAL_MAX = 0.6
-#: A read of the watched keys not answered within this many seconds tells nothing; the next comes an interval later.
 WATCH_TIMEOUT = 1.0
 
 
@@ -62,17 +59,14 @@ class PollingThread(threading.Thread):
 
     ``emit(kind, body, starts_snapshot)`` hands a message to the control loop
     and returns False once the poller is stopping. A daemon: if ``kv_list()``
-    never returns, the process exits without it. A *source stall* is a call
-    past its deadline (the source raised :class:`~poller.wire.sources.SourceStall`,
-    or :meth:`check_stall` found it past ``stall_timeout``): counted once, not
-    a failure, one WARNING per episode.
+    never returns, the process exits without it. A *source stall* (the source
+    raised :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall`
+    found the call past ``stall_timeout``) is counted once, not a failure.
 
-    Polls start every ``interval``, start to start. Listings of a source
-    without a change feed keep within ``listing_share`` of the wall clock
-    (:mod:`poller.duty`): a SYNC wakes the thread and is answered by the next
-    listing the share allows; STOP ends any wait; a RESYNC sends the last
-    poll again at once (:meth:`_resends`). After a stalled call the next comes
-    ``interval`` later, after a failed one the backoff: neither is a listing.
+    Polls start every ``interval``, start to start, within ``listing_share``
+    (:mod:`poller.duty`): a SYNC is answered by the next listing the share
+    allows; STOP ends any wait. After a stalled call the next comes
+    ``interval`` later, after a failed one the backoff.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
@@ -91,10 +85,13 @@ class PollingThread(threading.Thread):
         self.stopping = threading.Event()
         self._wake = threading.Event()
         self._resync = threading.Event()
-        # Read by the control loop for heartbeats (plain ints, safe under the GIL).
+        # Read by the control loop for heartbeats (plain ints, safe under the GIL), with the quarantine.
         self.polls = 0
         self.source_errors = 0
         self.source_stalls = 0
+        self.watch_reads = 0
+        self.watch_listings = 0
+        self.quarantine = Quarantine()
         self.stall_timeout = stall_timeout
         # (call number, monotonic start) of the call under way, in one assignment: never one call's
         # number with another's start.
@@ -106,33 +103,27 @@ class PollingThread(threading.Thread):
         self.failed: BaseException | None = None
         # True while the thread waits for its next poll (read by the control loop at STOP).
         self.idle = False
-        # What was sent (poller.diff.Sent), kept here rather than in the loop's frame: a thread
-        # that ends at STOP then frees nothing on its way out (~0.1 s at 1M keys).
+        # Kept here rather than in the loop's frame: a thread that ends at STOP then frees nothing
+        # on its way out (~0.1 s at 1M keys).
         self.sent: Sent = {}
         # The last poll sent whole: wall-clock start, monotonic start, the sync token it answered.
         self._last_poll: tuple[float, float, int] | None = None
-        # The highest SYNC token received (written by the control loop, then it wakes this thread).
+        # The highest SYNC token received (written by the control loop, then it wakes this thread), the
+        # partitions SYNCs asked for (only grows, replaced whole), and those the source was told of.
         self.sync_received = 0
-        # Partitions SYNCs asked to be listed (only grows, replaced whole by the control loop), and
-        # those the source was told of.
         self._partitions_wanted: frozenset[str] = frozenset()
         self._partitions_included: frozenset[str] = frozenset()
-        # The keys left out of the stream; read by the control loop for heartbeats.
-        self.quarantine = Quarantine()
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
         # A SYNC, RESYNC or STOP arrived since the last hold began (_hold): a pause between polls ends.
         self._poll_asked = False
-        # The watch: kv_watch if the source has one; the keys to watch (partition, keys, until), replaced whole
-        # by the control loop; the last read's (partition, keys) and fingerprint (None: the next read compares
-        # with what was sent); when the next read is due; whether a read saw a change since the last listing.
+        # The watch: kv_watch if the source has one; (partition, keys, until), replaced whole by the control
+        # loop; the last read's (partition, keys) and fingerprint (None: the next read compares with what was
+        # sent); when the next read is due; whether a read saw a change since the last listing.
         self._watch_read = watch_reader(source)
         self._watch: tuple[str, tuple[str, ...], float] | None = None
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
         self._next_watch_read = -math.inf
         self._change_seen = False
-        # Read by the control loop for heartbeats.
-        self.watch_reads = 0
-        self.watch_listings = 0
 
     @property
     def call_started(self) -> float | None:
@@ -229,24 +220,23 @@ class PollingThread(threading.Thread):
 
     def _sleep(self, seconds: float) -> None:
         """The pause between two polls: ends at a SYNC, RESYNC or STOP, or once a watched change may be listed."""
-        self.idle = True
         self._pause(time.monotonic() + seconds, ends_on_request=True)
-        self.idle = False
 
     def _pause(self, until: float, *, ends_on_request: bool) -> None:
-        """Wait until monotonic ``until``, reading the watched keys meanwhile (the class docstring).
+        """Wait until monotonic ``until`` (``idle``), reading the watched keys meanwhile.
 
         Ends sooner at STOP, once a change the watch saw may be listed, and
         (``ends_on_request``) at a SYNC or RESYNC.
         """
+        self.idle = True
         while not self.stopping.is_set():
             now = time.monotonic()
             if (ends_on_request and self._poll_asked) or now >= until:
-                return
+                break
             if self._change_seen:
                 wait = self.duty.wait_for_change(now)
                 if wait <= 0:
-                    return
+                    break
                 self._wake.wait(min(until - now, wait))
             else:
                 due = self._watch_due(now)
@@ -255,6 +245,7 @@ class PollingThread(threading.Thread):
                     continue
                 self._wake.wait((until if due is None else min(until, due)) - now)
             self._wake.clear()
+        self.idle = False
 
     def _watched(self, now: float) -> tuple[str, tuple[str, ...]] | None:
         """The watched keys ``(partition, keys)``, while a watch lasts."""
@@ -315,13 +306,11 @@ class PollingThread(threading.Thread):
         return False
 
     def _resends(self) -> bool:
-        """Whether a snapshot now is ``sent`` again rather than a listing: a RESYNC, without a change feed.
+        """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
-        Sent again under the last poll's number, start and sync token, it
-        repairs a receiver that lost messages at once, at no cost to the store
-        and outside the share (1M keys: ~0.5 s of the poller's time less); the
-        store's changes come with the next poll. (With a change feed the reader
-        answers from ``sent`` plus the feed's changes: :meth:`ListingReader.read`.)
+        It repairs a receiver that lost messages at once, at no cost to the
+        store and outside the share; the store's changes come with the next
+        poll. (With a change feed, :meth:`ListingReader.read` answers.)
         """
         return self._last_poll is not None and not self._reader.feed
 
@@ -371,9 +360,7 @@ class PollingThread(threading.Thread):
                     wait = min(wait, self.duty.wait_for_change())
             if wait <= 0:
                 return None if self.stopping.is_set() else full
-            self.idle = True
             self._pause(time.monotonic() + wait, ends_on_request=False)
-            self.idle = False
             if self.stopping.is_set():
                 return None
 
@@ -381,9 +368,8 @@ class PollingThread(threading.Thread):
         try:
             self._poll_until_stopped()
         except BaseException as exc:  # noqa: BLE001 - reported below, never swallowed
-            # A source raising SystemExit or KeyboardInterrupt, or a bug here (Event.wait(inf) raised
-            # OverflowError) must not end the thread unseen: the control loop ends the poller with this
-            # fatal ERROR, and the buffer restarts it.
+            # A source raising SystemExit, or a bug here, must not end the thread unseen: the control
+            # loop ends the poller with this fatal ERROR, and the buffer restarts it.
             self.failed = exc
             self.source_errors += 1
             logger.error("the polling thread died: %r", exc)
@@ -427,8 +413,8 @@ class PollingThread(threading.Thread):
                 finally:
                     self._current = None
                 self._answered()
-                # Diffed, screened, packed and encoded a piece at a time, each sent before the next is made:
-                # the trainer applies a snapshot while it is packed.
+                # A piece at a time, each sent before the next is made: the trainer applies a snapshot while
+                # it is packed.
                 if not self._send(iter_encode_delta(diff, diff.deletes, poll=self.polls + 1, started=started,
                                                     full=full, chunk_items=self.chunk_items,
                                                     max_frame_bytes=self.max_frame_bytes, sync=covered), full):
@@ -436,8 +422,7 @@ class PollingThread(threading.Thread):
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
                 self._reader.duty.poll_done()
-                # The store did not answer: ask again one interval after the call gave up (a SYNC wakes it
-                # sooner), its own duration not counted in the share (ListingDuty.unanswered).
+                # Asked again one interval after the call gave up (a SYNC wakes it sooner).
                 self._sleep(self.interval)
                 continue
             except Exception as exc:  # any source failure is reported, never fatal to the trainer
@@ -471,8 +456,7 @@ class PollingThread(threading.Thread):
             full = False
             self.polls += 1
             self._last_poll = (started, began, covered)
-            # The poll is over (its listing, diff, screen and sending): verl's cycle's pause starts now (poller.duty).
-            self._reader.duty.poll_done()
+            self._reader.duty.poll_done()  # listed, diffed and sent: verl's cycle's pause starts now
             # Start to start: a change waits interval/2 on average whatever a poll costs; a poll slower
             # than the interval still leaves the store a tenth of it to breathe.
             elapsed = time.monotonic() - began

@@ -166,12 +166,26 @@ RECORDS: dict[Kind, Any] = {Kind.READY: Ready, Kind.DELTA: Delta, Kind.HEARTBEAT
                             Kind.ACK: Ack, Kind.WATCH: Watch}
 
 
+#: The most partition ids one SYNC may name.
+MAX_PARTITION_IDS = 1024
+#: The most keys one WATCH may name: a targeted read of more costs the store as much as a small listing.
+MAX_WATCH_KEYS = 256
+
+_STR_ONLY = frozenset({str})
+_BYTES_ONLY = frozenset({bytes})
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_STR_ONLY = frozenset({str})
-_BYTES_ONLY = frozenset({bytes})
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _strs(value: Any, most: int | None = None) -> bool:
+    """A list of at most ``most`` str."""
+    return isinstance(value, list) and (most is None or len(value) <= most) and all(isinstance(s, str) for s in value)
 
 
 def _packed_ok(value: Any) -> bool:
@@ -197,47 +211,24 @@ def _packed_ok(value: Any) -> bool:
     return True
 
 
-def _named_ok(value: Any) -> bool:
-    """At most 64 ``[partition, key, reason]`` of str."""
-    return isinstance(value, list) and len(value) <= 64 and all(
-        isinstance(entry, list) and len(entry) == 3 and all(isinstance(part, str) for part in entry)
-        for entry in value)
-
-
-#: The most partition ids one SYNC may name.
-MAX_PARTITION_IDS = 1024
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _deletes_ok(value: Any) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(partition, str) and isinstance(keys, list) and all(isinstance(key, str) for key in keys)
-        for partition, keys in value.items())
-
-
-#: The most keys one WATCH may name: a targeted read of more costs the store as much as a small listing.
-MAX_WATCH_KEYS = 256
-
-
-_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "int": _is_int,
-    "float": _is_number,
-    "str": lambda v: isinstance(v, str),
-    "bool": lambda v: isinstance(v, bool),
-    "Count": lambda v: _is_int(v) and v >= 0,
-    "Token": lambda v: _is_int(v) and v > 0,
-    "LastSeq": lambda v: _is_int(v) and v >= -1,
-    "Packed": _packed_ok,
-    "Deletes": _deletes_ok,
-    "Named": _named_ok,
-    "Seconds": lambda v: _is_number(v) and 0 <= v < math.inf,
-    "Share": lambda v: _is_number(v) and 0 <= v <= 1,
-    "PartitionIds": lambda v: isinstance(v, list) and len(v) <= MAX_PARTITION_IDS and all(
-        isinstance(partition, str) and partition for partition in v),
-    "WatchKeys": lambda v: isinstance(v, list) and len(v) <= MAX_WATCH_KEYS and all(isinstance(key, str) for key in v),
+# Per field type: the type check (else "wrong type"), and the bounds a value of that type must keep
+# (else "wrong value").
+_CHECKS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], bool] | None]] = {
+    "int": (_is_int, None),
+    "float": (_is_number, None),
+    "str": (lambda v: isinstance(v, str), None),
+    "bool": (lambda v: isinstance(v, bool), None),
+    "Count": (_is_int, lambda v: v >= 0),
+    "Token": (_is_int, lambda v: v > 0),
+    "LastSeq": (_is_int, lambda v: v >= -1),
+    "Seconds": (_is_number, lambda v: 0 <= v < math.inf),
+    "Share": (_is_number, lambda v: 0 <= v <= 1),
+    "Packed": (_packed_ok, None),
+    "Deletes": (lambda v: isinstance(v, dict) and all(isinstance(p, str) and _strs(k) for p, k in v.items()), None),
+    "Named": (lambda v: isinstance(v, list) and len(v) <= 64 and all(
+        _strs(entry) and len(entry) == 3 for entry in v), None),
+    "PartitionIds": (lambda v: _strs(v, MAX_PARTITION_IDS) and all(v), None),
+    "WatchKeys": (lambda v: _strs(v, MAX_WATCH_KEYS), None),
 }
 
 
@@ -252,8 +243,6 @@ def _fields(record: Any) -> list[tuple[str, str, bool]]:
 
 
 _SCHEMAS = {kind: _fields(record) for kind, record in RECORDS.items()}
-# Bounded number types: a number of the right kind there can still be a wrong value.
-_BOUNDED = {"Count": _is_int, "LastSeq": _is_int, "Token": _is_int, "Seconds": _is_number, "Share": _is_number}
 
 
 def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
@@ -270,11 +259,11 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
             if required:
                 raise ProtocolError(f"{kind.name} body lacks field {name!r}")
             continue
-        value = body[name]
-        if not _CHECKS[type_name](value):
-            if type_name in _BOUNDED and _BOUNDED[type_name](value):  # a number out of its bounds
-                raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
+        value, (is_type, in_bounds) = body[name], _CHECKS[type_name]
+        if not is_type(value):
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
+        if in_bounds is not None and not in_bounds(value):
+            raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
 
 
 def to_record(kind: Kind, body: Mapping[str, Any]) -> Body:

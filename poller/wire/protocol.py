@@ -1,15 +1,14 @@
 """The wire format: pure functions between messages and ZeroMQ frames; no sockets.
 
-Both sides import this module, the one place that knows the stream's format.
-A message is two frames: ``header = msgpack [version, kind, epoch, seq]`` and
-``body = msgpack map`` shaped by ``kind``. ``epoch`` is new each time a poller
-process starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means
+Both sides import this module. A message is two frames: ``header = msgpack
+[version, kind, epoch, seq]`` and ``body = msgpack map`` shaped by ``kind``
+(:mod:`poller.wire.messages`). ``epoch`` is new each time a poller process
+starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means
 something was lost, and the receiver asks for a RESYNC instead of diverging.
 
-Decoding is strict and bounded: frame sizes capped, every field type-checked,
-unknown kinds and versions refused, every failure a
-:class:`~poller.wire.errors.ProtocolError`. Pickle is never used. DELTA, the
-one bulky kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
+Decoding is strict and bounded (:class:`Limits`); every failure is a
+:class:`~poller.wire.errors.ProtocolError`. No pickle. DELTA, the one bulky
+kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ __all__ = ["PROTOCOL_VERSION", "Kind", "Limits", "Message", "Piece", "encode", "
 PROTOCOL_VERSION = 2
 
 
-# NamedTuples rather than dataclasses in every module the poller process
-# imports: dataclasses pulls in inspect, ~8 ms of its start-up.
 class _LimitFields(NamedTuple):
-    """The fields of :class:`Limits`, with their defaults."""
+    """The fields of :class:`Limits`, with their defaults (a NamedTuple: see :mod:`poller.wire.messages`)."""
 
     max_frame_bytes: int = 64 * 1024 * 1024
     max_header_bytes: int = 128
@@ -78,8 +75,7 @@ DEFAULT_LIMITS = Limits()
 
 
 class Message(NamedTuple):
-    """One message. Decoded, ``body`` is the record of ``kind`` (:mod:`poller.wire.messages`);
-    to encode, a record or a plain map (a hand-driven peer's) will do."""
+    """One message; ``body`` is the record of ``kind`` (to encode, a plain map of its fields will do)."""
 
     kind: Kind
     epoch: int
@@ -151,12 +147,10 @@ def iter_encode_delta(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
     """A poll as DELTA bodies of at most ``chunk_items`` keys, each under ``max_frame_bytes``, one at a time.
 
     The first body of a full snapshot carries ``reset``, the last of every
-    poll ``end``. A piece is taken only when the body before it was handed on,
-    so the trainer applies a snapshot while the poller still makes it (an
-    empty piece sends what came before it at once); ``deletes`` is read once
-    the pieces are exhausted and fills the last body first. After a
-    ProtocolError the poll has no ``end`` and is sent again, which the
-    receiver tolerates.
+    poll ``end``. A piece is taken only when the body before it was handed on
+    (an empty piece sends what came before it at once); ``deletes`` is read
+    once the pieces are exhausted. After a ProtocolError the poll has no
+    ``end`` and is sent again, which the receiver tolerates.
 
     Raises:
         ProtocolError: one key whose tags alone exceed ``max_frame_bytes`` (the screen lets none through).
