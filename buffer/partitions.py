@@ -16,11 +16,12 @@ tuples) stay dicts. Partitions keep arrival order.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from itertools import compress, repeat
 from operator import is_, le, ne
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Concatenate, Iterable, Mapping, ParamSpec, Sequence, TypeVar
 
 from buffer.errors import BufferClosed
 from buffer.ledger import Ledger
@@ -33,6 +34,7 @@ from poller.wire.vocabulary import Tags
 __all__ = ["PartitionStore", "Tags"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 # What the store holds per key: packed tags, or the dict itself (poller.wire.tags.freeze).
 _Held = Any
 
@@ -41,6 +43,19 @@ def _kept(mask: Iterable[Any], *columns: Sequence[Any]) -> list[list[Any]]:
     """Each column's entries where ``mask`` is true (in C-level passes)."""
     mask = list(mask)
     return [list(compress(column, mask)) for column in columns]
+
+
+def _ledger(method: Callable[Concatenate[Ledger, P], T], *,
+            notify: bool = False) -> Callable[Concatenate["PartitionStore", P], T]:
+    """The store's method that calls its ledger's ``method`` under the lock (the ledger's docstring says what)."""
+    @functools.wraps(method)
+    def call(store: PartitionStore, *args: P.args, **kwargs: P.kwargs) -> T:
+        with store._cond:
+            result = method(store.ledger, *args, **kwargs)
+            if notify:  # what waiters decide on changed
+                store._cond.notify_all()
+            return result
+    return call
 
 
 class PartitionStore:
@@ -63,7 +78,7 @@ class PartitionStore:
     def attach(self, policy: Policy) -> None:
         """Attach ``policy``; it first sees every key held as an addition."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             self._policies.append(policy)
             for partition_id, items in self._parts.items():
                 for key, held in items.items():
@@ -86,7 +101,7 @@ class PartitionStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                self._check_open()
+                self.check_open()
                 # What fail() was given (the poller is dead for good) outranks a policy's error.
                 failure = self._failure if self._failure is not None else self._policies.failure
                 if failure is not None:
@@ -122,7 +137,7 @@ class PartitionStore:
     def add(self, partition_id: str, items: Mapping[str, Mapping[str, Any]]) -> None:
         """Merge ``items`` into the partition (``tags.update(new)`` per key)."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             for key, tags in items.items():
                 self._merge(partition_id, key, tags)
             self._cond.notify_all()
@@ -130,7 +145,7 @@ class PartitionStore:
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
         """Delete keys; a poll still listing them will not bring them back."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             items = self._parts.get(partition_id)
             held = {key: items.get(key) if items else None for key in keys}
             for key in held:
@@ -141,7 +156,7 @@ class PartitionStore:
     def snapshot(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]] | dict[str, Tags]:
         """A deep copy of all partitions, or of one (empty if unknown)."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             if partition_id is not None:
                 items = self._parts.get(partition_id)
                 return {k: thaw(v) for k, v in items.items()} if items else {}
@@ -263,25 +278,14 @@ class PartitionStore:
                     merged.append(current)
         self._policies.replaced(partition_id, keys, olds, merged)
 
-    def abandon_snapshot(self, stream: str) -> None:
-        """A snapshot was cut short (gap, new epoch): forget what it saw."""
-        with self._cond:
-            self.ledger.abandon_snapshot(stream)
-
-    def synced(self, stream: str) -> int:
-        """The highest sync token a complete poll of ``stream`` answered (0: none)."""
-        with self._cond:
-            return self.ledger.synced(stream)
-
-    def require(self, stream: str) -> None:
-        """No view is whole until a first complete poll of ``stream`` was applied (the buffer's own poller)."""
-        with self._cond:
-            self.ledger.require(stream)
-
-    def mark_broken(self, stream: str) -> None:
-        """``stream``'s stream lost messages; what it lists is not whole until its next snapshot ends."""
-        with self._cond:
-            self.ledger.mark_broken(stream)
+    abandon_snapshot = _ledger(Ledger.abandon_snapshot)
+    synced = _ledger(Ledger.synced)
+    require = _ledger(Ledger.require)
+    mark_broken = _ledger(Ledger.mark_broken)
+    release = _ledger(Ledger.release, notify=True)
+    view_gap = _ledger(Ledger.view_gap)
+    bound_age = _ledger(Ledger.bound_age)
+    not_answering = _ledger(Ledger.not_answering)
 
     def replaced(self, stream: str) -> None:
         """``stream``'s store was replaced (a switch): drop what only it listed (:meth:`Ledger.replaced`)."""
@@ -291,31 +295,10 @@ class PartitionStore:
                     self._drop(partition_id, key)
             self._cond.notify_all()
 
-    def release(self, stream: str) -> None:
-        """Stop waiting for ``stream`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
-        with self._cond:
-            self.ledger.release(stream)
-            self._cond.notify_all()
-
-    def view_gap(self, partition_id: str | None = None) -> str | None:
-        """Why the view of ``partition_id`` (``None``: of every partition) is not whole now; ``None`` if it is."""
-        with self._cond:
-            return self.ledger.view_gap(partition_id)
-
     def view_stale(self) -> str | None:
         """Why a whole view is not fresh now (its store does not answer, or it is too old); None if it is."""
         with self._cond:
             return self.ledger.view_stale(time.monotonic())
-
-    def bound_age(self, max_age: float) -> None:
-        """Decisions need the required streams' last complete polls at most ``max_age`` seconds old."""
-        with self._cond:
-            self.ledger.bound_age(max_age)
-
-    def not_answering(self, stream: str, since: float, why: str) -> None:
-        """``stream``'s store has not answered since monotonic ``since``: no fresh view until its next poll."""
-        with self._cond:
-            self.ledger.not_answering(stream, since, why)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -337,7 +320,8 @@ class PartitionStore:
 
     def check_open(self) -> None:
         """Raise :class:`BufferClosed` once closed."""
-        self._check_open()
+        if self._closed:
+            raise BufferClosed("the replay buffer is closed")
 
     # -- internals (lock held) ----------------------------------------------------
 
@@ -348,10 +332,6 @@ class PartitionStore:
             return f"not whole: {gap}"
         stale = self.ledger.view_stale(time.monotonic())
         return None if stale is None else f"not fresh: {stale}"
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosed("the replay buffer is closed")
 
     def _merge(self, partition_id: str, key: str, new: Mapping[str, Any], blob: bytes | None = None) -> None:
         """``tags.update(new)`` for one key; ``blob``: ``new`` as it arrived packed (then ``new`` is ours)."""

@@ -218,16 +218,13 @@ class PollingThread(threading.Thread):
             logger.info("kv_list() answers again after %d stalled call(s) over %.3gs",
                         episode[1], time.monotonic() - episode[0])
 
-    def _sleep(self, seconds: float) -> None:
-        """The pause between two polls: ends at a SYNC, RESYNC or STOP, or once a watched change may be listed."""
-        self._pause(time.monotonic() + seconds, ends_on_request=True)
-
-    def _pause(self, until: float, *, ends_on_request: bool) -> None:
-        """Wait until monotonic ``until`` (``idle``), reading the watched keys meanwhile.
+    def _pause(self, seconds: float, *, ends_on_request: bool = True) -> None:
+        """Wait ``seconds`` (``idle``), reading the watched keys meanwhile.
 
         Ends sooner at STOP, once a change the watch saw may be listed, and
-        (``ends_on_request``) at a SYNC or RESYNC.
+        (``ends_on_request``: between two polls) at a SYNC or RESYNC.
         """
+        until = time.monotonic() + seconds
         self.idle = True
         while not self.stopping.is_set():
             now = time.monotonic()
@@ -325,7 +322,7 @@ class PollingThread(threading.Thread):
                                             sync=covered), full=True):
             return False
         # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
-        self._sleep(self.interval - (time.monotonic() - began))
+        self._pause(self.interval - (time.monotonic() - began))
         return True
 
     def _send(self, bodies: Iterator[bytes], full: bool) -> bool:
@@ -360,7 +357,7 @@ class PollingThread(threading.Thread):
                     wait = min(wait, self.duty.wait_for_change())
             if wait <= 0:
                 return None if self.stopping.is_set() else full
-            self._pause(time.monotonic() + wait, ends_on_request=False)
+            self._pause(wait, ends_on_request=False)
             if self.stopping.is_set():
                 return None
 
@@ -423,7 +420,7 @@ class PollingThread(threading.Thread):
                 self._stalled(call, str(exc) or type(exc).__name__)
                 self._reader.duty.poll_done()
                 # Asked again one interval after the call gave up (a SYNC wakes it sooner).
-                self._sleep(self.interval)
+                self._pause(self.interval)
                 continue
             except Exception as exc:  # any source failure is reported, never fatal to the trainer
                 self._answered()  # an error is an answer: it ends a stall episode
@@ -437,7 +434,7 @@ class PollingThread(threading.Thread):
                 if not self._emit(Kind.ERROR, body, False) or fatal:
                     return
                 self._reader.duty.poll_done()
-                self._sleep(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))
+                self._pause(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))
                 continue
             finally:
                 if diff is not None:
@@ -460,4 +457,4 @@ class PollingThread(threading.Thread):
             # Start to start: a change waits interval/2 on average whatever a poll costs; a poll slower
             # than the interval still leaves the store a tenth of it to breathe.
             elapsed = time.monotonic() - began
-            self._sleep(max(self.interval - elapsed, self.interval * 0.1))
+            self._pause(max(self.interval - elapsed, self.interval * 0.1))

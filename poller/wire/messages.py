@@ -31,12 +31,8 @@ class Kind(enum.IntEnum):
     LOG = 6
     STOP = 16
     RESYNC = 17
-    # Poll now, and tag that listing with this token (ReplayBuffer.sync()).
-    SYNC = 18
-    # The receiver heard a HEARTBEAT that carried ``last_seq``: how a poller
-    # on a new connection learns that the buffer admitted it (poller.link).
-    ACK = 19
-    # While a decision waits on these keys, read them cheaply and list as soon as one changed (poller.polling).
+    SYNC = 18  # poll now, and tag that listing with this token (ReplayBuffer.sync())
+    ACK = 19  # the receiver heard a HEARTBEAT that carried ``last_seq``
     WATCH = 20
 
 
@@ -68,8 +64,6 @@ class Delta(NamedTuple):
     ``packed``: per partition, its keys and each key's tags packed alone
     (:mod:`poller.wire.tags`). The receiver keeps those bytes as they arrived,
     so a key whose bytes it holds already costs a comparison, not a decode.
-    On the wire a body also carries ``"upserts": {}``, a field protocol 2's
-    first buffers require; anything but empty there is refused.
     """
 
     poll: int
@@ -103,8 +97,7 @@ class Heartbeat(NamedTuple):
     listing_s: Seconds | None = None
     listing_total_s: Seconds | None = None
     listing_share: Share | None = None
-    # The watch (poller.polling): targeted reads of waited-on keys so far, and the listings a change seen there
-    # brought forward.
+    # The watch (poller.polling): reads of waited-on keys so far, and the listings a change seen there brought forward.
     watch_reads: Count | None = None
     watch_listings: Count | None = None
 
@@ -141,9 +134,8 @@ class Resync(NamedTuple):
 
 class Sync(NamedTuple):
     token: Token
-    # Partitions the listing that answers ``token`` must include, on a source
-    # that lists a chosen set of them (poller.sources.transferqueue); the
-    # poller adds them to that set for good. Absent: the set stays as it is.
+    # Partitions the listing that answers ``token`` must include (and every later one), on a source that lists
+    # a chosen set of them (poller.sources.transferqueue).
     partitions: PartitionIds | None = None
 
 
