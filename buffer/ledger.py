@@ -5,27 +5,24 @@ bookkeeping (no tags, locks, policies or sockets): the
 :class:`~buffer.partitions.PartitionStore` calls it under its lock and
 applies what it decides. ``tests/test_ledger.py`` checks it against a model.
 
-It tells a key that vanished (drop it) from one the trainer removed while a
-poll under way still lists it (a *tombstone*: ignore that record). A
-tombstone hides the record *as removed* (the versions each stream listed, as
-the bytes they arrived in, and what the store held), never the name: the
-same version listed again stays hidden; another version listed by a poll
-begun after the removal is a new record, shown at once, and one listed by a
-poll that may have begun before is in doubt until the first complete poll
-begun after, which shows it if still listed. A tombstone also ends when no
-stream lists the key; a removal of a key no stream lists is *pending* until
-the first complete poll past it that does not list it.
+A key the trainer removed while a poll under way still lists it gets a
+*tombstone*, which hides the record *as removed* (the versions each stream
+listed and the store held), never the name: the same version listed again
+stays hidden; another version is a new record, shown at once if listed by a
+poll begun after the removal, else in doubt until the first complete poll
+begun after (shown if still listed). A tombstone ends when no stream lists
+the key; a removal of a key no stream lists is *pending* until the first
+complete poll past it that does not list it.
 
-"Began after" is told by poll numbers, never by clocks (hosts may disagree
-by any amount): a removal notes per stream the highest poll received, ``m``
-(its *horizon*); poll ``m + 1`` may be listing already, poll ``m + 2`` began
-after ``m + 1`` was sent whole.
+"Began after" is told by poll numbers, never by clocks: a removal notes per
+stream the highest poll received, ``m`` (its *horizon*); poll ``m + 1`` may
+be listing already, poll ``m + 2`` began after ``m + 1`` was sent whole.
 
 A view is *whole* when the streams it requires (the buffer's own poller) had
 a first complete poll applied and no stream listing the partition is half-way
 through a full listing or awaiting a resync; *fresh* while each required
-stream answers and its last complete poll is at most ``max_age`` s old. A
-decision needs both. Times are the trainer's ``time.monotonic()``.
+stream answers and its last complete poll is at most ``max_age`` s old (the
+trainer's ``time.monotonic()``). A decision needs both.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ __all__ = ["Ledger"]
 # stream -> (epoch, a poll number)
 Horizon = Mapping[str, tuple[int, int]]
 _UNLISTED = object()
-# One record of a key, as a stream listed it: its tags packed (``bytes``), or a dict
-# for tags msgpack cannot hold exactly. Compared with ``==``, never looked into.
+# One record of a key as a stream listed it: packed tags (``bytes``) or a dict; compared with ``==``, never read.
 Version = Any
 
 
@@ -63,15 +59,13 @@ class Ledger:
         # stream -> partition -> keys listed before that full listing and not by it yet, crossed off
         # as they come again (1M: ~0.2 s, a set difference ~1 s); what is left at its end has vanished.
         self._unseen: dict[str, dict[str, dict[str, Version]]] = {}
-        # Tombstones of keys some source listed when removed (or listed since), by partition.
+        # Tombstones of keys some stream listed when removed (or since), by partition; of keys none listed.
         self._tomb_listed: dict[str, dict[str, _Tomb]] = {}
-        # Tombstones of keys no source listed when removed.
         self._tomb_pending: dict[tuple[str, str], _Tomb] = {}
         # (partition, key) of listed tombstones in doubt (a new version, listed by a poll under way).
         self._in_doubt: set[tuple[str, str]] = set()
-        # stream -> (epoch, highest poll number received any message of).
+        # stream -> (epoch, highest poll received any message of); (epoch, poll) of the message being applied.
         self._seen: dict[str, tuple[int, int]] = {}
-        # stream -> (epoch, poll) of the message being applied (the last poll_seen()).
         self._current: dict[str, tuple[int, int]] = {}
         # stream -> highest sync token a complete poll answered; epoch of its last complete poll.
         self._synced: dict[str, int] = {}
@@ -207,10 +201,8 @@ class Ledger:
                        now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
         """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``.
 
-        ``drops``: what a full poll did not list; ``shown``: ``(partition, key,
-        version)`` of the new records it settles (a key in doubt it still lists
-        at a version not removed); ``wake``: waiters should look again (a sync
-        answered, a new poller process's first poll, a view fresh again).
+        ``drops``: what a full poll did not list; ``shown``: the new records it
+        settles; ``wake``: a sync answered, a new process's first poll, a view fresh again.
         """
         drops = self._end_snapshot(stream) if full else []
         shown = self._settle(stream, epoch, poll)
@@ -239,8 +231,7 @@ class Ledger:
     def removed(self, partition: str, held: Mapping[str, Version | None]) -> None:
         """The trainer removed the keys of ``held`` (each with the version the store held, or None).
 
-        Neither what the store held nor what any stream lists of them comes
-        back; a new version listed by a poll begun after the removal does.
+        Only a new version listed by a poll begun after the removal comes back.
         """
         horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}  # shared by the keys
         tombs = self._tomb_listed.get(partition)
@@ -296,9 +287,8 @@ class Ledger:
         self._max_age = max_age
 
     def not_answering(self, stream: str, since: float, why: str) -> None:
-        """``stream``'s store has not answered since ``since`` (a stalled or failed call, a silent poller).
+        """``stream``'s store has not answered since ``since``: no fresh view until its next complete poll.
 
-        Views it is required for are not fresh until its next complete poll.
         The earliest ``since`` of an episode is kept, with the latest ``why``.
         """
         first = self._silent.get(stream)
@@ -349,8 +339,7 @@ class Ledger:
 def _after(horizon: Horizon, stream: str, epoch: int, poll: int) -> bool:
     """Whether poll ``poll`` of ``stream``/``epoch`` began after the removal with ``horizon``.
 
-    A process unseen at the removal (new stream, restarted poller) may have
-    had its first poll under way then.
+    A process unseen at the removal may have had its first poll under way then.
     """
     known = horizon.get(stream)
     if known is None or known[0] != epoch:

@@ -101,7 +101,7 @@ class Peer:
     last_seen: float = field(default_factory=time.monotonic)
     resync_asked_at: float = 0.0
     stale: bool = False
-    # The source-stall count of poller process ``stalls_epoch``, and its quarantine, as its last heartbeat said.
+    # The source stalls of poller process ``stalls_epoch``, and its quarantine, as its last heartbeat said.
     stalls: int = 0
     stalls_epoch: int | None = None
     quarantined: int = 0
@@ -117,54 +117,11 @@ class Peer:
         if beat.listings is not None:
             self.listing.report(epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
                                 beat.listing_share or 0.0, beat.watch_reads or 0, beat.watch_listings or 0)
-        stalls = beat.source_stalls
-        if stalls is None:
+        if beat.source_stalls is None:
             return 0
-        if self.stalls_epoch != epoch:
-            self.stalls_epoch, self.stalls = epoch, 0
-        if stalls <= self.stalls:
-            return 0
-        new, self.stalls = stalls - self.stalls, stalls
-        return new
-
-
-class SyncRequests:
-    """Per poller identity: the highest SYNC token asked and not yet answered, and the partitions SYNCs name.
-
-    Kept until a complete poll answers it, and sent again every
-    :data:`SYNC_RETRY_S` meanwhile (:meth:`due`).
-    """
-
-    def __init__(self) -> None:
-        # identity -> (highest token asked and not yet answered, when it was last sent).
-        self._asked: dict[bytes, tuple[int, float]] = {}
-        self._partitions: dict[bytes, list[str]] = {}
-
-    def ask(self, identity: bytes, token: int, now: float) -> Sync:
-        """The SYNC to send ``identity`` at ``now``: ``token``, or a higher one it was asked and has not answered."""
-        wanted = self._asked.get(identity)
-        token = max(token, wanted[0]) if wanted else token
-        self._asked[identity] = (token, now)
-        return Sync(token, self._partitions.get(identity))
-
-    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
-        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
-
-        Called directly, not through the receiver's command queue: the dict
-        entry is replaced in one GIL-atomic step.
-        """
-        held = self._partitions.get(identity, [])
-        self._partitions[identity] = held + sorted(set(partition_ids) - set(held))
-
-    def due(self, now: float, answered: Callable[[bytes], int]) -> list[tuple[bytes, int]]:
-        """The (identity, token) requests to send again at ``now``; those ``answered(identity)`` reached are dropped."""
-        due = []
-        for identity, (token, sent_at) in list(self._asked.items()):
-            if answered(identity) >= token:
-                del self._asked[identity]
-            elif now - sent_at > SYNC_RETRY_S:
-                due.append((identity, token))
-        return due
+        before = self.stalls if self.stalls_epoch == epoch else 0  # each poller process counts from 0
+        self.stalls_epoch, self.stalls = epoch, max(before, beat.source_stalls)
+        return self.stalls - before
 
 
 class PeerTable:
@@ -199,7 +156,10 @@ class PeerTable:
         # identity -> the one epoch the buffer's own poller process uses, and its earlier processes'.
         self._expected: dict[bytes, int] = {}
         self._retired: dict[bytes, set[int]] = {}
-        self.syncs = SyncRequests()
+        # identity -> (the highest SYNC token asked and not yet answered, when it was last sent), and the
+        # partitions every SYNC to it names.
+        self._syncs: dict[bytes, tuple[int, float]] = {}
+        self._sync_partitions: dict[bytes, list[str]] = {}
 
     def expect(self, identity: bytes, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``identity``; earlier epochs are dropped quietly."""
@@ -222,8 +182,23 @@ class PeerTable:
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
 
     def sync(self, identity: bytes, token: int, now: float) -> Send:
-        """A SYNC for ``identity``: poll at once, and tag that listing with ``token`` (asked again by :meth:`tick`)."""
-        return Send(identity, Kind.SYNC, self._epoch(identity), self.syncs.ask(identity, token, now))
+        """A SYNC for ``identity``: poll at once, and tag that listing with ``token`` or a higher one not answered.
+
+        Asked again by :meth:`tick` every :data:`SYNC_RETRY_S` until a complete poll answers it.
+        """
+        asked = self._syncs.get(identity)
+        token = max(token, asked[0]) if asked else token
+        self._syncs[identity] = (token, now)
+        return Send(identity, Kind.SYNC, self._epoch(identity), Sync(token, self._sync_partitions.get(identity)))
+
+    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
+        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
+
+        Called directly, not through the receiver's command queue: the dict
+        entry is replaced in one GIL-atomic step.
+        """
+        held = self._sync_partitions.get(identity, [])
+        self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 
     def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
         """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
@@ -258,9 +233,11 @@ class PeerTable:
                               "dead; the buffer keeps what it has", peer.stream, silent, self.stale_after)
             if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
                 actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
-        synced = self._store.synced
-        for identity, token in self.syncs.due(now, lambda identity: synced(identity.decode(errors="replace"))):
-            actions.append(self.sync(identity, token, now))
+        for identity, (token, sent_at) in list(self._syncs.items()):
+            if self._store.synced(identity.decode(errors="replace")) >= token:
+                del self._syncs[identity]
+            elif now - sent_at > SYNC_RETRY_S:
+                actions.append(self.sync(identity, token, now))
         return actions
 
     # -- messages -----------------------------------------------------------------
@@ -308,7 +285,8 @@ class PeerTable:
                     return actions
         match message.body:
             case Ready() as ready:
-                self._on_ready(peer, message, ready)
+                peer.pid = ready.pid
+                logger.debug("poller %s ready: pid %s epoch %s", peer.stream, peer.pid, message.epoch)
             case Delta() as delta:
                 self._on_delta(identity, peer, message, delta, now, actions)
             case Heartbeat() as beat:
@@ -318,7 +296,8 @@ class PeerTable:
             case Bye() as bye:
                 self._on_bye(peer, message, bye)
             case Log() as record:
-                self._on_log(peer, record)
+                self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.stream, record.name[:200],
+                              record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))
         return actions
 
     def protocol_error(self, identity: bytes, why: str) -> None:
@@ -397,10 +376,6 @@ class PeerTable:
 
     # -- per kind -----------------------------------------------------------------
 
-    def _on_ready(self, peer: Peer, message: Message, ready: Ready) -> None:
-        peer.pid = ready.pid
-        logger.debug("poller %s ready: pid %s epoch %s", peer.stream, peer.pid, message.epoch)
-
     def _on_delta(self, identity: bytes, peer: Peer, message: Message, body: Delta, now: float,
                   actions: list[Send]) -> None:
         if peer.awaiting_resync:
@@ -457,7 +432,3 @@ class PeerTable:
         peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
         logger.debug("poller %s said BYE: %s", peer.stream, bye.reason)
         self._on_change()
-
-    def _on_log(self, peer: Peer, record: Log) -> None:
-        self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.stream, record.name[:200],
-                      record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))

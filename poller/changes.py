@@ -93,11 +93,7 @@ class ListingReader:
         in_pieces = getattr(self._source, "kv_snapshot_pieces", None)
         if full and callable(in_pieces):
             began = time.monotonic()
-            try:
-                cursor, pieces = in_pieces()
-            except BaseException:
-                self.duty.unanswered(time.monotonic())
-                raise
+            cursor, pieces = self._listing(in_pieces, answered=False)
             self._pending = (cursor, True)
             return Diff(self._timed(pieces, began), sent, full=True, limits=limits, size=size)
         cursor, listing = self._listing(self._source.kv_snapshot)
@@ -119,14 +115,16 @@ class ListingReader:
             else:
                 self.duty.unanswered(time.monotonic())
 
-    def _listing(self, call: Callable[[], _T]) -> _T:
-        """``call()``, a full listing, timed into the duty cycle if the store answered within ``stall_timeout``."""
+    def _listing(self, call: Callable[[], _T], *, answered: bool = True) -> _T:
+        """``call()``, a full listing, timed into the duty cycle if answered within ``stall_timeout`` (or by _timed)."""
         began = time.monotonic()
         try:
             listing = call()
         except BaseException:
             self.duty.unanswered(time.monotonic())
             raise
+        if not answered:
+            return listing
         ended = time.monotonic()
         if self.stall_timeout is not None and ended - began >= self.stall_timeout:
             self.duty.unanswered(ended)

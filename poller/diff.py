@@ -64,9 +64,6 @@ class Diff:
         #: What was sent, ``{partition: (keys, packed tags)}``, complete once iterated.
         self.packed: Piece = {}
 
-    def keys_sent(self) -> dict[str, list[str]]:
-        return {partition: keys for partition, (keys, _) in self.packed.items()}
-
     def close(self) -> None:
         """Close the store's iterator (its read transaction) if it was not read to the end."""
         close = getattr(self._listings, "close", None)

@@ -93,8 +93,7 @@ class PollingThread(threading.Thread):
         self.watch_listings = 0
         self.quarantine = Quarantine()
         self.stall_timeout = stall_timeout
-        # (call number, monotonic start) of the call under way, in one assignment: never one call's
-        # number with another's start.
+        # (call number, monotonic start) of the call under way, in one assignment: never mixed up.
         self._current: tuple[int, float] | None = None
         self._calls = 0
         self._stall_lock = threading.Lock()
@@ -103,8 +102,7 @@ class PollingThread(threading.Thread):
         self.failed: BaseException | None = None
         # True while the thread waits for its next poll (read by the control loop at STOP).
         self.idle = False
-        # Kept here rather than in the loop's frame: a thread that ends at STOP then frees nothing
-        # on its way out (~0.1 s at 1M keys).
+        # Here, not in the loop's frame: a thread that ends at STOP frees nothing on its way out (1M keys: ~0.1 s).
         self.sent: Sent = {}
         # The last poll sent whole: wall-clock start, monotonic start, the sync token it answered.
         self._last_poll: tuple[float, float, int] | None = None
@@ -116,11 +114,11 @@ class PollingThread(threading.Thread):
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
         # A SYNC, RESYNC or STOP arrived since the last hold began (_hold): a pause between polls ends.
         self._poll_asked = False
-        # The watch: kv_watch if the source has one; (partition, keys, until), replaced whole by the control
+        # The watch: kv_watch if the source has one; ((partition, keys), until), replaced whole by the control
         # loop; the last read's (partition, keys) and fingerprint (None: the next read compares with what was
         # sent); when the next read is due; whether a read saw a change since the last listing.
         self._watch_read = watch_reader(source)
-        self._watch: tuple[str, tuple[str, ...], float] | None = None
+        self._watch: tuple[tuple[str, tuple[str, ...]], float] | None = None
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
         self._next_watch_read = -math.inf
         self._change_seen = False
@@ -146,31 +144,28 @@ class PollingThread(threading.Thread):
         """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
 
         That listing and every later one include ``partitions`` (a source that
-        lists a chosen set of them). Requests that arrive while a listing is
-        under way or held back are all answered by the next one.
+        lists a chosen set of them).
         """
         if partitions and not self._partitions_wanted.issuperset(partitions):
             # Before the token: a listing that reads the token sees these too.
             self._partitions_wanted = self._partitions_wanted.union(partitions)
-        # A token already received is the buffer asking again (a request lost on a reconnect): the
-        # poll it asked for is due already, and waking again would only add a listing.
+        # A token already received is asked again (lost on a reconnect): its poll is due already.
         if token > self.sync_received:
             self.sync_received = token
             self._poll_asked = True
             self._wake.set()
 
     def request_watch(self, partition: str, keys: list[str], seconds: float) -> None:
-        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop); the control loop calls it.
+        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op).
 
-        A no-op for a source without ``kv_watch``. The same keys again only
-        extend the watch; other keys than the last read's are read at once.
+        The same keys again only extend the watch; other keys are read at once.
         """
         if self._watch_read is None:
             return
         if not keys or seconds <= 0:
             self._watch = None
             return
-        self._watch = (partition, tuple(keys), time.monotonic() + seconds)
+        self._watch = ((partition, tuple(keys)), time.monotonic() + seconds)
         self._wake.set()  # a pause reads the new keys at once; it ends only for a poll asked for
 
     def stop(self) -> None:
@@ -237,35 +232,28 @@ class PollingThread(threading.Thread):
                 self._wake.wait(min(until - now, wait))
             else:
                 due = self._watch_due(now)
-                if due is not None and due <= now:
-                    self._read_watch(now)
+                if due is not None and due[1] <= now:
+                    self._read_watch(*due[0], now)
                     continue
-                self._wake.wait((until if due is None else min(until, due)) - now)
+                self._wake.wait((until if due is None else min(until, due[1])) - now)
             self._wake.clear()
         self.idle = False
 
-    def _watched(self, now: float) -> tuple[str, tuple[str, ...]] | None:
-        """The watched keys ``(partition, keys)``, while a watch lasts."""
+    def _watch_due(self, now: float) -> tuple[tuple[str, tuple[str, ...]], float] | None:
+        """The watched ``(partition, keys)`` while a watch lasts, and when they are next read.
+
+        At once for other keys than the last read's.
+        """
         watch = self._watch
-        if watch is None or now >= watch[2]:
+        if watch is None or now >= watch[1]:
             return None
-        return watch[0], watch[1]
+        watched, baseline = watch[0], self._baseline
+        return watched, now if baseline is not None and baseline[0] != watched else self._next_watch_read
 
-    def _watch_due(self, now: float) -> float | None:
-        """When the watched keys are next read (None: no watch): at once for other keys than the last read's."""
-        watched = self._watched(now)
-        if watched is None:
-            return None
-        if self._baseline is not None and self._baseline[0] != watched:
-            return now
-        return self._next_watch_read
-
-    def _read_watch(self, now: float) -> None:
-        """Read the watched keys; a change the buffer was not sent sets ``_change_seen`` (the class docstring)."""
-        watched = self._watched(now)
-        if watched is None or self._watch_read is None:
-            return
-        partition, keys = watched
+    def _read_watch(self, partition: str, keys: tuple[str, ...], now: float) -> None:
+        """Read the watched keys; a change the buffer was not sent sets ``_change_seen``."""
+        assert self._watch_read is not None  # a watch is set only for a source with kv_watch
+        watched = (partition, keys)
         try:
             read = self._watch_read(partition, keys, WATCH_TIMEOUT)
         except Exception as exc:  # a read that fails tells nothing: the listings go on as scheduled
@@ -338,12 +326,10 @@ class PollingThread(threading.Thread):
         """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
         SYNC and RESYNC requests meanwhile are served by the read that follows
-        (a RESYNC makes it a snapshot); a change the watch saw lets it start
-        when :meth:`ListingDuty.wait_for_change` allows.
+        (a RESYNC makes it a snapshot); a change the watch saw brings it forward.
         """
         while True:
-            # Every request seen from here on is answered by the coming read (or resend);
-            # one that arrives later wakes the thread again.
+            # Every request seen from here on is answered by the coming read; a later one wakes the thread again.
             self._wake.clear()
             self._poll_asked = False
             if self._resync.is_set():
@@ -410,8 +396,7 @@ class PollingThread(threading.Thread):
                 finally:
                     self._current = None
                 self._answered()
-                # A piece at a time, each sent before the next is made: the trainer applies a snapshot while
-                # it is packed.
+                # A piece at a time, each sent before the next is made: a snapshot is applied while it is packed.
                 if not self._send(iter_encode_delta(diff, diff.deletes, poll=self.polls + 1, started=started,
                                                     full=full, chunk_items=self.chunk_items,
                                                     max_frame_bytes=self.max_frame_bytes, sync=covered), full):
@@ -446,7 +431,7 @@ class PollingThread(threading.Thread):
             if diff.complete:
                 self.quarantine.replace(diff.refused)
             else:
-                self.quarantine.update(diff.refused, diff.keys_sent(), diff.gone)
+                self.quarantine.update(diff.refused, diff.packed, diff.gone)
             self._reader.commit()
             # Not kept until the next poll: after a snapshot of a million keys it holds every key sent.
             del diff
@@ -454,7 +439,6 @@ class PollingThread(threading.Thread):
             self.polls += 1
             self._last_poll = (started, began, covered)
             self._reader.duty.poll_done()  # listed, diffed and sent: verl's cycle's pause starts now
-            # Start to start: a change waits interval/2 on average whatever a poll costs; a poll slower
-            # than the interval still leaves the store a tenth of it to breathe.
+            # Start to start (a change waits interval/2 on average); a slow poll still leaves a tenth of it.
             elapsed = time.monotonic() - began
             self._pause(max(self.interval - elapsed, self.interval * 0.1))

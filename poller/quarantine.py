@@ -23,7 +23,7 @@ import time
 from itertools import chain, repeat
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from poller.wire.protocol import _SCALAR_TYPES, Limits, packed_size
+from poller.wire.protocol import _SCALAR_TYPES, Limits, Piece, packed_size
 from poller.wire.sources import UnreadableValue
 from poller.wire.tags import _TAGS_DEPTH
 
@@ -234,9 +234,8 @@ class Quarantine:
         self.keys = now
         self._report(entered, left)
 
-    def update(self, refused: Iterable[Refused], sent: Mapping[str, Iterable[str]],
-               deleted: Mapping[Any, Iterable[Any]]) -> None:
-        """Refused keys join; keys sent or deleted leave.
+    def update(self, refused: Iterable[Refused], sent: Piece, deleted: Mapping[Any, Iterable[Any]]) -> None:
+        """Refused keys join; keys ``sent`` (:attr:`poller.diff.Diff.packed`) or deleted leave.
 
         ``deleted``: the change set's deletes as the source gave them. A delete
         of a name no stream carries (not a ``str``) lets the record go if it
@@ -267,8 +266,8 @@ class Quarantine:
                 elif not (isinstance(partition, str) and isinstance(key, str)):
                     ignored.append(pk)
         if self.keys:
-            left.update(dict.fromkeys(pk for partition, items in sent.items()
-                                      for pk in zip(repeat(partition), items) if pk in self.keys))
+            left.update(dict.fromkeys(pk for partition, (keys, _) in sent.items()
+                                      for pk in zip(repeat(partition), keys) if pk in self.keys))
         for pk in left:
             del self.keys[pk]
         self._report(entered, list(left), ignored)

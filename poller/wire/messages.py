@@ -48,8 +48,7 @@ Share = float        # a share of the wall clock, in [0, 1]
 PartitionIds = list  # [partition, ...]: at most MAX_PARTITION_IDS non-empty str
 WatchKeys = list     # [key, ...]: at most MAX_WATCH_KEYS str
 
-# NamedTuples rather than dataclasses in every module the poller process
-# imports: dataclasses pulls in inspect, ~8 ms of its start-up.
+# NamedTuples rather than dataclasses in every module the poller process imports: dataclasses pulls in inspect (~8 ms).
 
 
 class Ready(NamedTuple):
@@ -73,8 +72,7 @@ class Delta(NamedTuple):
     end: bool
     packed: Packed
     deletes: Deletes
-    # The highest SYNC token the poller had received when this poll's
-    # listing began (0: none), so the buffer knows which sync() it answers.
+    # The highest SYNC token the poller had received when this poll's listing began (0: none).
     sync: Count | None = None
 
 
@@ -84,15 +82,12 @@ class Heartbeat(NamedTuple):
     rss: int
     stalled_s: float
     source_stalls: Count | None = None
-    # The seq of the last message sent before this heartbeat; a poller that
-    # sends it asks for an ACK of every heartbeat.
+    # The seq of the last message sent before this heartbeat; a poller that sends it asks for an ACK.
     last_seq: LastSeq | None = None
-    # Keys the poller leaves out of the stream because the wire cannot carry
-    # their tags (poller.quarantine): how many, and the first few by name.
+    # Keys the poller leaves out of the stream (poller.quarantine): how many, and the first few by name.
     quarantined: Count | None = None
     quarantined_keys: Named | None = None
-    # Full listings of the source (poller.duty): how many, the last one's
-    # duration, their total, and the share of the wall clock they took lately.
+    # Full listings of the source (poller.duty): how many, the last one's duration, their total, their share.
     listings: Count | None = None
     listing_s: Seconds | None = None
     listing_total_s: Seconds | None = None
@@ -127,8 +122,7 @@ class Stop(NamedTuple):
 
 class Resync(NamedTuple):
     reason: str
-    # The last seq of the poller's epoch the buffer had received when it
-    # asked: a snapshot the poller started after it is already the answer.
+    # The last seq the buffer had received when it asked: a snapshot started after it is already the answer.
     after: LastSeq | None = None
 
 
@@ -183,8 +177,7 @@ def _strs(value: Any, most: int | None = None) -> bool:
 def _packed_ok(value: Any) -> bool:
     """``{partition: [keys, blobs]}``: str partitions and keys, each key once, one bytes blob per key.
 
-    Checked in C-level passes (a resync carries every key); what a blob holds
-    is checked as it is unpacked (:func:`poller.wire.tags.unpack_many_tags`).
+    In C-level passes; a blob is checked as it is unpacked (:func:`poller.wire.tags.unpack_many_tags`).
     """
     if type(value) is not dict:
         return False
@@ -196,15 +189,13 @@ def _packed_ok(value: Any) -> bool:
             return False
         if not set(map(type, keys)) <= _STR_ONLY or not set(map(type, blobs)) <= _BYTES_ONLY:
             return False
-        # A key twice would be applied against tags it no longer has (the
-        # store merges a message's keys at once): malformed, like a dict's.
+        # A key twice would be applied against tags it no longer has: malformed, like a dict's.
         if len(set(keys)) != len(keys):
             return False
     return True
 
 
-# Per field type: the type check (else "wrong type"), and the bounds a value of that type must keep
-# (else "wrong value").
+# Per field type: the type check (else "wrong type"), and the bounds it must keep (else "wrong value").
 _CHECKS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], bool] | None]] = {
     "int": (_is_int, None),
     "float": (_is_number, None),
