@@ -186,11 +186,8 @@ class Ledger:
         if self._snapshots.pop(stream, None) is None:
             return []
         self._broken.pop(stream, None)
-        drops = []
-        for partition, vanished in self._unseen.pop(stream).items():
-            if vanished:
-                drops.append((partition, self.unlisted(stream, partition, list(vanished))))
-        return drops
+        return [(partition, self.unlisted(stream, partition, list(vanished)))
+                for partition, vanished in self._unseen.pop(stream).items() if vanished]
 
     def abandon_snapshot(self, stream: str) -> None:
         """A full listing was cut short (a gap, a new epoch): what it listed stays listed, and nothing vanished."""
@@ -229,10 +226,7 @@ class Ledger:
     # -- the trainer ------------------------------------------------------------------
 
     def removed(self, partition: str, held: Mapping[str, Version | None]) -> None:
-        """The trainer removed the keys of ``held`` (each with the version the store held, or None).
-
-        Only a new version listed by a poll begun after the removal comes back.
-        """
+        """The trainer removed ``held``'s keys (with the version the store held, or None); see the module docstring."""
         horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}  # shared by the keys
         tombs = self._tomb_listed.get(partition)
         for key, version in held.items():
@@ -268,8 +262,8 @@ class Ledger:
     def replaced(self, stream: str) -> list[tuple[str, list[str]]]:
         """``stream``'s store was replaced: ``(partition, keys)`` to drop, every key only it listed.
 
-        Removed ones too (their tombstones end: the new store's keys of those
-        names are new records); not whole until the new store's first full listing ends.
+        Removed ones too (the new store's keys of those names are new records);
+        not whole until the new store's first full listing ends.
         """
         self.abandon_snapshot(stream)
         drops = [(partition, self.unlisted(stream, partition, list(keys)))
@@ -287,10 +281,7 @@ class Ledger:
         self._max_age = max_age
 
     def not_answering(self, stream: str, since: float, why: str) -> None:
-        """``stream``'s store has not answered since ``since``: no fresh view until its next complete poll.
-
-        The earliest ``since`` of an episode is kept, with the latest ``why``.
-        """
+        """``stream``'s store has not answered since ``since`` (an episode's earliest, with its latest ``why``)."""
         first = self._silent.get(stream)
         self._silent[stream] = (since if first is None else min(first[0], since), why)
 
@@ -337,10 +328,7 @@ class Ledger:
 
 
 def _after(horizon: Horizon, stream: str, epoch: int, poll: int) -> bool:
-    """Whether poll ``poll`` of ``stream``/``epoch`` began after the removal with ``horizon``.
-
-    A process unseen at the removal may have had its first poll under way then.
-    """
+    """Whether poll ``poll`` of ``stream``/``epoch`` began after a removal (a process unseen then: any past its 1st)."""
     known = horizon.get(stream)
     if known is None or known[0] != epoch:
         return poll > 1

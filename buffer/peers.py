@@ -182,10 +182,7 @@ class PeerTable:
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
 
     def sync(self, identity: bytes, token: int, now: float) -> Send:
-        """A SYNC for ``identity``: poll at once, and tag that listing with ``token`` or a higher one not answered.
-
-        Asked again by :meth:`tick` every :data:`SYNC_RETRY_S` until a complete poll answers it.
-        """
+        """A SYNC for ``identity`` (``token``, or a higher one not answered yet), asked again by :meth:`tick`."""
         asked = self._syncs.get(identity)
         token = max(token, asked[0]) if asked else token
         self._syncs[identity] = (token, now)

@@ -35,7 +35,7 @@ RECONCILE_INTERVAL = 600.0
 class ListingReader:
     """Reads the source for one poll and holds the change cursor between polls.
 
-    The cursor :meth:`read` reached takes effect with :meth:`commit`, once the
+    The cursor :meth:`read` reached takes effect at :meth:`commit`, once the
     diff was sent: a poll that failed half-way is read again from the old one.
     """
 
@@ -102,18 +102,16 @@ class ListingReader:
 
     def _timed(self, pieces: Iterator[Any], began: float) -> Iterator[Any]:
         """``pieces``, the listing read in pieces, timed into the duty cycle once read whole (else unanswered)."""
-        whole = False
         try:
             yield from pieces
-            whole = True
+        except BaseException:  # GeneratorExit too: a poll cut short
+            self.duty.unanswered(time.monotonic())
+            raise
         finally:
             close = getattr(pieces, "close", None)
             if callable(close):
                 close()
-            if whole:
-                self.duty.record(began, time.monotonic() - began)
-            else:
-                self.duty.unanswered(time.monotonic())
+        self.duty.record(began, time.monotonic() - began)
 
     def _listing(self, call: Callable[[], _T], *, answered: bool = True) -> _T:
         """``call()``, a full listing, timed into the duty cycle if answered within ``stall_timeout`` (or by _timed)."""

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from poller.quarantine import Refused, screen
 from poller.wire.protocol import Limits, Piece
 from poller.wire.sources import PackedItems, UnreadableValue
-from poller.wire.tags import fresh_strs, pack_many_tags
+from poller.wire.tags import _DICT, _STR, fresh_strs, pack_many_tags
 
 __all__ = ["Diff", "Sent"]
 
@@ -25,8 +25,6 @@ __all__ = ["Diff", "Sent"]
 Sent = dict[str, dict[str, bytes]]
 
 _UNSENT = object()  # equal to nothing: a listed key never sent
-_STR = frozenset({str})
-_DICT = frozenset({dict})
 
 
 class Diff:
@@ -152,10 +150,7 @@ class Diff:
 
     def _changed(self, partition: str, held: Mapping[str, bytes], keys: list[Any], values: list[Any],
                  decode: Callable[[list[bytes]], list[Any]] | None) -> tuple[list[str], list[bytes], int]:
-        """One slice of a partition: the keys to send, their packed tags, and how many listed keys were sent.
-
-        ``values`` are tags, or with ``decode`` packed tags.
-        """
+        """A slice of a partition (``values``: tags, or packed for ``decode``): keys to send, their bytes, keys sent."""
         helds: list[Any] = list(map(held.get, keys, repeat(_UNSENT))) if held else [_UNSENT] * len(keys)
         blobs: list[Any] = values if decode is not None else pack_many_tags(values)
         same = list(map(eq, helds, blobs))

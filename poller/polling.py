@@ -14,7 +14,7 @@ import math
 import threading
 import time
 import traceback
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Mapping
 
 from poller.changes import ListingReader
 from poller.diff import Diff, Sent
@@ -22,7 +22,7 @@ from poller.duty import ListingDuty
 from poller.quarantine import Quarantine
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
 from poller.wire.messages import Error
-from poller.wire.protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta
+from poller.wire.protocol import Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
 from poller.wire.sources import Source, SourceStall, WatchRead, watch_reader
 from poller.wire.tags import thaw
 
@@ -74,7 +74,6 @@ class PollingThread(threading.Thread):
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
-        self._source = source
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._emit = emit
         self.interval = interval
@@ -156,10 +155,7 @@ class PollingThread(threading.Thread):
             self._wake.set()
 
     def request_watch(self, partition: str, keys: list[str], seconds: float) -> None:
-        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op).
-
-        The same keys again only extend the watch; other keys are read at once.
-        """
+        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op)."""
         if self._watch_read is None:
             return
         if not keys or seconds <= 0:
@@ -179,10 +175,7 @@ class PollingThread(threading.Thread):
         return 0.0 if started is None else time.monotonic() - started
 
     def check_stall(self) -> None:
-        """Count the call under way as stalled once it passes ``stall_timeout`` (the control loop, each tick).
-
-        So a source that blocks forever (and can never raise) is still reported.
-        """
+        """Count the call under way as stalled once past ``stall_timeout`` (each tick: a blocked call never raises)."""
         current = self._current
         if current is None or self.stall_timeout is None:
             return
@@ -240,10 +233,7 @@ class PollingThread(threading.Thread):
         self.idle = False
 
     def _watch_due(self, now: float) -> tuple[tuple[str, tuple[str, ...]], float] | None:
-        """The watched ``(partition, keys)`` while a watch lasts, and when they are next read.
-
-        At once for other keys than the last read's.
-        """
+        """The watched ``(partition, keys)`` while a watch lasts, and when next read (now, if other keys than last)."""
         watch = self._watch
         if watch is None or now >= watch[1]:
             return None
@@ -293,9 +283,8 @@ class PollingThread(threading.Thread):
     def _resends(self) -> bool:
         """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
-        It repairs a receiver that lost messages at once, at no cost to the
-        store and outside the share; the store's changes come with the next
-        poll. (With a change feed, :meth:`ListingReader.read` answers.)
+        It repairs the receiver at once, at no cost to the store and outside the
+        share. (With a change feed, :meth:`ListingReader.read` answers.)
         """
         return self._last_poll is not None and not self._reader.feed
 
@@ -305,18 +294,18 @@ class PollingThread(threading.Thread):
         started, began, covered = self._last_poll
         # Screened and packed when it was first sent: encoded as it is.
         held = Diff((), sent, full=True, limits=self._screen_limits, size=self.chunk_items, held=sent)
-        if not self._send(iter_encode_delta(held, {}, poll=self.polls, started=started, full=True,
-                                            chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
-                                            sync=covered), full=True):
+        if not self._send(held, {}, poll=self.polls, started=started, full=True, sync=covered):
             return False
         # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
         self._pause(self.interval - (time.monotonic() - began))
         return True
 
-    def _send(self, bodies: Iterator[bytes], full: bool) -> bool:
-        """Emit one poll's DELTA bodies, the first marked as a snapshot's start if ``full``; False once stopping."""
+    def _send(self, pieces: Iterable[Piece], deletes: Mapping[str, list[str]], *, poll: int, started: float,
+              full: bool, sync: int) -> bool:
+        """Emit one poll as DELTA bodies, the first marked as a snapshot's start if ``full``; False once stopping."""
         first = full
-        for body in bodies:
+        for body in iter_encode_delta(pieces, deletes, poll=poll, started=started, full=full,
+                                      chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes, sync=sync):
             if not self._emit(Kind.DELTA, body, first):
                 return False
             first = False
@@ -397,9 +386,7 @@ class PollingThread(threading.Thread):
                     self._current = None
                 self._answered()
                 # A piece at a time, each sent before the next is made: a snapshot is applied while it is packed.
-                if not self._send(iter_encode_delta(diff, diff.deletes, poll=self.polls + 1, started=started,
-                                                    full=full, chunk_items=self.chunk_items,
-                                                    max_frame_bytes=self.max_frame_bytes, sync=covered), full):
+                if not self._send(diff, diff.deletes, poll=self.polls + 1, started=started, full=full, sync=covered):
                     return
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)

@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from poller.wire.protocol import _SCALAR_TYPES, Limits, Piece, packed_size
 from poller.wire.sources import UnreadableValue
-from poller.wire.tags import _TAGS_DEPTH
+from poller.wire.tags import _STR, _TAGS_DEPTH
 
 __all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
 
@@ -39,7 +39,6 @@ _NAME_CHARS = 200
 # msgpack's integer range: uint64 above, int64 below.
 _INT_MAX = 2**64 - 1
 _INT_MIN = -(2**63)
-_STR = frozenset({str})
 # What iter_encode_delta puts around one key in the worst case, beyond its tags.
 _FRAME_SLACK = 1024
 
@@ -62,10 +61,7 @@ class _Refuse(Exception):
 
 
 def _numeric(value: Any, limits: Limits, depth: int, budget: list[int]) -> Any:
-    """A numpy or torch value in plain form: a scalar's number, an array's (or tensor's) nested lists.
-
-    Raises _Refuse for anything else, and for dtypes with no plain number (complex, datetime, objects).
-    """
+    """A numpy or torch value's plain form (a scalar's number, an array's nested lists), else raises _Refuse."""
     module = type(value).__module__.partition(".")[0]
     if module not in ("numpy", "torch"):
         raise _Refuse(f"a {type(value).__module__}.{type(value).__qualname__} value is not plain data "
@@ -190,10 +186,7 @@ def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
 
 
 def screen(partition: str, items: dict[str, Any], refused: list[Refused], limits: Limits) -> bool:
-    """Convert what converts and move what the receiver would refuse from ``items`` (changed in place) to ``refused``.
-
-    Returns whether an entry may have changed (not in the common case, decided at C speed).
-    """
+    """Convert what converts, move what the receiver would refuse from ``items`` to ``refused``; True if changed."""
     if len(partition) * 4 > limits.max_str_len or not partition.isascii():
         try:
             _plain(partition, limits, _TAGS_DEPTH, [1])
@@ -216,8 +209,8 @@ class Quarantine:
     """What the poller left out of the stream, for its heartbeats and its log.
 
     :meth:`replace` after a complete listing, :meth:`update` after a change
-    set. Keys are held as the source named them (a key that is not a ``str``
-    too, so that its delete finds it) and shown with :func:`display_name`.
+    set. Keys are held as the source named them (a non-``str`` too, so that
+    its delete finds it).
     """
 
     def __init__(self, *, warnings_per_minute: int = 20) -> None:
@@ -239,8 +232,7 @@ class Quarantine:
 
         ``deleted``: the change set's deletes as the source gave them. A delete
         of a name no stream carries (not a ``str``) lets the record go if it
-        was quarantined, and is otherwise ignored and counted
-        (:attr:`ignored_deletes`), never an error of the poll.
+        was quarantined, else is counted (:attr:`ignored_deletes`).
         """
         entered = []
         for r in refused:

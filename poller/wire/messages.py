@@ -61,8 +61,7 @@ class Delta(NamedTuple):
     """One part of a poll: ``full`` (a snapshot), ``reset`` (its first part), ``end`` (the poll's last part).
 
     ``packed``: per partition, its keys and each key's tags packed alone
-    (:mod:`poller.wire.tags`). The receiver keeps those bytes as they arrived,
-    so a key whose bytes it holds already costs a comparison, not a decode.
+    (:mod:`poller.wire.tags`), kept by the receiver as they arrived.
     """
 
     poll: int
@@ -175,10 +174,7 @@ def _strs(value: Any, most: int | None = None) -> bool:
 
 
 def _packed_ok(value: Any) -> bool:
-    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, one bytes blob per key.
-
-    In C-level passes; a blob is checked as it is unpacked (:func:`poller.wire.tags.unpack_many_tags`).
-    """
+    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, a bytes blob each (read by wire.tags)."""
     if type(value) is not dict:
         return False
     for partition, entry in value.items():

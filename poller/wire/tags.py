@@ -51,7 +51,7 @@ def pack_many_tags(many: Iterable[Any]) -> list[bytes | None]:
 def fresh_strs(strs: Sequence[str]) -> list[str]:
     """New objects equal to ``strs`` (one msgpack round trip, in C).
 
-    The listing's own key objects, kept among its freed tag dicts, would keep
+    A listing's own key objects, kept among its freed tag dicts, would keep
     its memory resident (1M keys: ~550 MB held for ~200 MB live).
     """
     return msgpack.unpackb(msgpack.packb(list(strs)), raw=False)  # type: ignore[no-any-return]
@@ -95,11 +95,9 @@ def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
 def _unpack_each(blobs: Sequence[bytes], limits: Limits | None) -> list[Any]:
     """Each blob's one msgpack object, read by one unpacker from the blobs joined (~0.55 us a key, not ~0.9).
 
-    Each blob must end where its object ends (joined, a long blob and a short
-    one could read as two objects). ``limits=None``: bytes the store holds.
-
-    Raises:
-        ValueError: a blob is not exactly one object (or msgpack's own errors).
+    ``limits=None``: bytes the store holds. Raises ValueError (or msgpack's
+    errors) unless each blob is exactly one object: joined, a long blob and a
+    short one could read as two.
     """
     joined = b"".join(blobs)
     bounds = {} if limits is None else dict(max_str_len=limits.max_str_len, max_bin_len=limits.max_str_len,
