@@ -168,7 +168,7 @@ class _Core:
             return
         # Replaced whole, never edited: the supervisor reads it for each new process.
         self.source_kwargs = {**self.source_kwargs, "partition_ids": held + added}
-        self.receiver.table.syncs.include_partitions(self.name.encode(), held + added)
+        self.receiver.table.include_partitions(self.name.encode(), held + added)
         logger.debug("poller %s lists partitions %s too", self.name, added)
 
     def switch_source(self, changes: Mapping[str, Any]) -> ShutdownReport:

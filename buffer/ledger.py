@@ -1,91 +1,77 @@
 """The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
 
-A *stream* is what one poller sends, named by its ZeroMQ identity
-(``stats()["poller_name"]`` for the buffer's own). Pure bookkeeping (no tags,
-locks, policies or sockets): the :class:`~buffer.partitions.PartitionStore`
-calls it under its lock and applies what it decides (which listed keys to
-merge, which to drop). ``tests/test_ledger.py`` checks it against a model.
+A *stream* is what one poller sends, named by its ZeroMQ identity. Pure
+bookkeeping (no tags, locks, policies or sockets): the
+:class:`~buffer.partitions.PartitionStore` calls it under its lock and
+applies what it decides. ``tests/test_ledger.py`` checks it against a model.
 
-It tells a key that vanished (drop it) from one the trainer removed while a
-poll under way still lists it (a *tombstone*: ignore that record). A
-tombstone hides the record *as removed* (the versions each stream listed, as
-the bytes they arrived in, and what the store held), never the name: the
-same version listed again stays hidden; another version listed by a poll
-begun after the removal is a new record, shown at once, and one listed by a
-poll that may have begun before is in doubt until the first complete poll
-begun after, which shows it if still listed. A tombstone also ends when no
-stream lists the key; a removal of a key no stream lists is *pending* until
-the first complete poll past it that does not list it.
+A key the trainer removed while a poll under way still lists it gets a
+*tombstone*, which hides the record *as removed* (the versions each stream
+listed and the store held), never the name: the same version listed again
+stays hidden; another version is a new record, shown at once if listed by a
+poll begun after the removal, else in doubt until the first complete poll
+begun after (shown if still listed). A tombstone ends when no stream lists
+the key; a removal of a key no stream lists is *pending* until the first
+complete poll past it that does not list it.
 
-"Began after" is told by poll numbers, never by clocks (hosts may disagree
-by any amount): a removal notes per stream the highest poll received, ``m``
-(its *horizon*); poll ``m + 1`` may be listing already, poll ``m + 2`` began
-after ``m + 1`` was sent whole. Memory follows the keys held and the
-tombstones in flight.
+"Began after" is told by poll numbers, never by clocks: a removal notes per
+stream the highest poll received, ``m`` (its *horizon*); poll ``m + 1`` may
+be listing already, poll ``m + 2`` began after ``m + 1`` was sent whole.
 
 A view is *whole* when the streams it requires (the buffer's own poller) had
 a first complete poll applied and no stream listing the partition is half-way
 through a full listing or awaiting a resync; *fresh* while each required
-stream answers and its last complete poll is at most ``max_age`` s old. A
-decision needs both. Times are the trainer's ``time.monotonic()``.
+stream answers and its last complete poll is at most ``max_age`` s old (the
+trainer's ``time.monotonic()``). A decision needs both.
 """
 
 from __future__ import annotations
 
 from itertools import compress, repeat
 from operator import ne
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 __all__ = ["Ledger"]
 
 # stream -> (epoch, a poll number)
 Horizon = Mapping[str, tuple[int, int]]
 _UNLISTED = object()
-# One record of a key, as a stream listed it: its tags packed (``bytes``), or a dict
-# for tags msgpack cannot hold exactly. Compared with ``==``, never looked into.
+# One record of a key as a stream listed it: packed tags (``bytes``) or a dict; compared with ``==``, never read.
 Version = Any
 
 
-class _Tomb:
-    """The trainer removed a key: the versions of it removed, and the removal's horizon."""
+class _Tomb(NamedTuple):
+    """The trainer removed a key: the removal's horizon, and the versions of it removed."""
 
-    __slots__ = ("horizon", "versions")
-
-    def __init__(self, horizon: Horizon, versions: list[Version]) -> None:
-        self.horizon = horizon
-        self.versions = versions
+    horizon: Horizon
+    versions: list[Version]
 
 
 class Ledger:
     """Listings, snapshots, tombstones, poll horizons and sync answers of every stream."""
 
     def __init__(self) -> None:
-        # stream -> partition -> key that stream lists -> the version it listed last (a dict
-        # of atomic values: the GC need not traverse it, and a copy is one C-level block copy).
-        # A partition of which a stream lists no key has no entry.
+        # stream -> partition -> key that stream lists -> the version it listed last (atomic values:
+        # the GC need not traverse it). A partition of which a stream lists no key has no entry.
         self._listed: dict[str, dict[str, dict[str, Version]]] = {}
         # stream -> partitions the full listing being received has listed so far.
         self._snapshots: dict[str, set[str]] = {}
-        # stream -> partition -> keys listed before that full listing and not by it yet: a copy
-        # taken as it begins, each key crossed off as it comes again (one C-level pop a key: 1M
-        # ~0.2 s, where sets and a difference cost ~1 s); what is left at its end has vanished.
+        # stream -> partition -> keys listed before that full listing and not by it yet, crossed off
+        # as they come again (1M: ~0.2 s, a set difference ~1 s); what is left at its end has vanished.
         self._unseen: dict[str, dict[str, dict[str, Version]]] = {}
-        # Tombstones of keys some source listed when removed (or listed since), by partition.
+        # Tombstones of keys some stream listed when removed (or since), by partition; of keys none listed.
         self._tomb_listed: dict[str, dict[str, _Tomb]] = {}
-        # Tombstones of keys no source listed when removed.
         self._tomb_pending: dict[tuple[str, str], _Tomb] = {}
         # (partition, key) of listed tombstones in doubt (a new version, listed by a poll under way).
         self._in_doubt: set[tuple[str, str]] = set()
-        # stream -> (epoch, highest poll number received any message of).
+        # stream -> (epoch, highest poll received any message of); (epoch, poll) of the message being applied.
         self._seen: dict[str, tuple[int, int]] = {}
-        # stream -> (epoch, poll) of the message being applied (the last poll_seen()).
         self._current: dict[str, tuple[int, int]] = {}
         # stream -> highest sync token a complete poll answered; epoch of its last complete poll.
         self._synced: dict[str, int] = {}
         self._completed_epoch: dict[str, int] = {}
-        # Sources every view needs a first complete poll of, and sources awaiting a resync.
+        # Streams every view needs a first complete poll of; stream -> why its next full listing is awaited.
         self._required: set[str] = set()
-        # stream -> why its next full listing is awaited ("lost messages", "its store was replaced").
         self._broken: dict[str, str] = {}
         # Fresh views: when each stream's last complete poll was applied; since when (and why) its
         # store has not answered, until its next complete poll; the oldest a fresh view may be.
@@ -111,9 +97,7 @@ class Ledger:
         if snapshot is not None:
             snapshot.add(partition)
             unseen = self._unseen[stream].get(partition)
-        if unseen:
-            # Keys listed before are crossed off, and only the versions that changed are written
-            # (a resync of 1M keys mostly unchanged: C-level passes, not 1M pairs stored again).
+        if unseen:  # crossed off; only changed versions are written (C-level passes, not 1M pairs again)
             changed = list(map(ne, map(unseen.pop, keys, repeat(None)), versions))
             if any(changed):
                 listed.update(zip(compress(keys, changed), compress(versions, changed)))
@@ -202,11 +186,8 @@ class Ledger:
         if self._snapshots.pop(stream, None) is None:
             return []
         self._broken.pop(stream, None)
-        drops = []
-        for partition, vanished in self._unseen.pop(stream).items():
-            if vanished:
-                drops.append((partition, self.unlisted(stream, partition, list(vanished))))
-        return drops
+        return [(partition, self.unlisted(stream, partition, list(vanished)))
+                for partition, vanished in self._unseen.pop(stream).items() if vanished]
 
     def abandon_snapshot(self, stream: str) -> None:
         """A full listing was cut short (a gap, a new epoch): what it listed stays listed, and nothing vanished."""
@@ -217,12 +198,8 @@ class Ledger:
                        now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
         """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``.
 
-        ``drops``: what a full poll did not list (vanished); ``shown``: the new
-        records of removed keys it settles (``(partition, key, version)``: a key
-        in doubt this poll, begun after the removal, still lists at a version
-        not removed); ``wake``: waiters should look again (a sync answered, a
-        new poller process's first poll, a view fresh again). ``sync`` is the
-        highest sync token the poller had received when its listing began.
+        ``drops``: what a full poll did not list; ``shown``: the new records it
+        settles; ``wake``: a sync answered, a new process's first poll, a view fresh again.
         """
         drops = self._end_snapshot(stream) if full else []
         shown = self._settle(stream, epoch, poll)
@@ -249,11 +226,7 @@ class Ledger:
     # -- the trainer ------------------------------------------------------------------
 
     def removed(self, partition: str, held: Mapping[str, Version | None]) -> None:
-        """The trainer removed the keys of ``held`` (each with the version the store held, or None).
-
-        Neither what the store held nor what any stream lists of them comes
-        back; a new version listed by a poll begun after the removal does.
-        """
+        """The trainer removed ``held``'s keys (with the version the store held, or None); see the module docstring."""
         horizon = {stream: (epoch, poll + 1) for stream, (epoch, poll) in self._seen.items()}  # shared by the keys
         tombs = self._tomb_listed.get(partition)
         for key, version in held.items():
@@ -287,11 +260,10 @@ class Ledger:
         self._broken[stream] = why
 
     def replaced(self, stream: str) -> list[tuple[str, list[str]]]:
-        """``stream``'s store was replaced: it lists nothing any more; ``(partition, keys)`` to drop.
+        """``stream``'s store was replaced: ``(partition, keys)`` to drop, every key only it listed.
 
-        Every key only it listed goes, removed ones too (their tombstones end:
-        the new store's keys of those names are new records), and what it
-        lists is not whole until the new store's first full listing ends.
+        Removed ones too (the new store's keys of those names are new records);
+        not whole until the new store's first full listing ends.
         """
         self.abandon_snapshot(stream)
         drops = [(partition, self.unlisted(stream, partition, list(keys)))
@@ -309,11 +281,7 @@ class Ledger:
         self._max_age = max_age
 
     def not_answering(self, stream: str, since: float, why: str) -> None:
-        """``stream``'s store has not answered since ``since`` (a stalled or failed call, a silent poller).
-
-        Views it is required for are not fresh until its next complete poll.
-        The earliest ``since`` of an episode is kept, with the latest ``why``.
-        """
+        """``stream``'s store has not answered since ``since`` (an episode's earliest, with its latest ``why``)."""
         first = self._silent.get(stream)
         self._silent[stream] = (since if first is None else min(first[0], since), why)
 
@@ -360,11 +328,7 @@ class Ledger:
 
 
 def _after(horizon: Horizon, stream: str, epoch: int, poll: int) -> bool:
-    """Whether poll ``poll`` of ``stream``/``epoch`` began after the removal with ``horizon``.
-
-    A process unseen at the removal (new stream, restarted poller) may have
-    had its first poll under way then.
-    """
+    """Whether poll ``poll`` of ``stream``/``epoch`` began after a removal (a process unseen then: any past its 1st)."""
     known = horizon.get(stream)
     if known is None or known[0] != epoch:
         return poll > 1

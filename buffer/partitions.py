@@ -1,28 +1,27 @@
 """The shared partition store: ``partition -> {key -> tags}`` under one lock, in the trainer process.
 
-No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`; verl's groups are :mod:`buffer.verl.groups`) keep
-their own indexes from ``on_change`` (a poll's keys in one call, where a
-policy takes them so) and wait with :meth:`PartitionStore.wait_until`. The
-trainer writes with ``add``/``remove``, the pollers' streams one DELTA at a
-time (:meth:`PartitionStore.apply`); the :class:`~buffer.ledger.Ledger`
-decides, under the lock, what a listing merges or drops and whether a view
-is whole.
+No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`,
+:mod:`buffer.verl.groups`) keep their own indexes from ``on_change`` and wait
+with :meth:`PartitionStore.wait_until`. The trainer writes with
+``add``/``remove``, the pollers' streams one DELTA at a time
+(:meth:`PartitionStore.apply`); the :class:`~buffer.ledger.Ledger` decides,
+under the lock, what a listing merges or drops and whether a view is whole.
 
-Tags are held packed (:func:`~poller.wire.tags.freeze`) in containers of
-atomic values, so the garbage collector has nothing to traverse (1M keys: a
-full collection in a few ms, not tens), and a poller's as the bytes they
-arrived in, so a resync of an unchanged key costs one comparison. Tags msgpack
-cannot hold exactly (the trainer's tuples) stay dicts. Partitions keep
-arrival order.
+Tags are held packed (:func:`~poller.wire.tags.freeze`), a poller's as the
+bytes they arrived in: the garbage collector has nothing to traverse (1M
+keys: a full collection in a few ms, not tens), and a resync of an unchanged
+key costs one comparison. Tags msgpack cannot hold exactly (the trainer's
+tuples) stay dicts. Partitions keep arrival order.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from itertools import compress, repeat
 from operator import is_, le, ne
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Concatenate, Iterable, Mapping, ParamSpec, Sequence, TypeVar
 
 from buffer.errors import BufferClosed
 from buffer.ledger import Ledger
@@ -35,6 +34,7 @@ from poller.wire.vocabulary import Tags
 __all__ = ["PartitionStore", "Tags"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 # What the store holds per key: packed tags, or the dict itself (poller.wire.tags.freeze).
 _Held = Any
 
@@ -45,11 +45,23 @@ def _kept(mask: Iterable[Any], *columns: Sequence[Any]) -> list[list[Any]]:
     return [list(compress(column, mask)) for column in columns]
 
 
+def _ledger(method: Callable[Concatenate[Ledger, P], T], *,
+            notify: bool = False) -> Callable[Concatenate["PartitionStore", P], T]:
+    """The store's method that calls its ledger's ``method`` under the lock (the ledger's docstring says what)."""
+    @functools.wraps(method)
+    def call(store: PartitionStore, *args: P.args, **kwargs: P.kwargs) -> T:
+        with store._cond:
+            result = method(store.ledger, *args, **kwargs)
+            if notify:  # what waiters decide on changed
+                store._cond.notify_all()
+            return result
+    return call
+
+
 class PartitionStore:
     """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting.
 
-    The lock is reentrant, so a :meth:`wait_until` attempt may call
-    :meth:`get` (or any other reader) while it holds it.
+    The lock is reentrant: a :meth:`wait_until` attempt may call any reader.
     """
 
     def __init__(self) -> None:
@@ -65,7 +77,7 @@ class PartitionStore:
     def attach(self, policy: Policy) -> None:
         """Attach ``policy``; it first sees every key held as an addition."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             self._policies.append(policy)
             for partition_id, items in self._parts.items():
                 for key, held in items.items():
@@ -88,7 +100,7 @@ class PartitionStore:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                self._check_open()
+                self.check_open()
                 # What fail() was given (the poller is dead for good) outranks a policy's error.
                 failure = self._failure if self._failure is not None else self._policies.failure
                 if failure is not None:
@@ -114,9 +126,7 @@ class PartitionStore:
     def get(self, partition_id: str, keys: Iterable[str]) -> dict[str, Tags]:
         """Copies of the held tags of ``keys`` (keys not held are left out)."""
         with self._cond:
-            items = self._parts.get(partition_id)
-            if not items:
-                return {}
+            items = self._parts.get(partition_id, {})
             return {key: thaw(items[key]) for key in keys if key in items}
 
     # -- trainer side -----------------------------------------------------------
@@ -124,7 +134,7 @@ class PartitionStore:
     def add(self, partition_id: str, items: Mapping[str, Mapping[str, Any]]) -> None:
         """Merge ``items`` into the partition (``tags.update(new)`` per key)."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             for key, tags in items.items():
                 self._merge(partition_id, key, tags)
             self._cond.notify_all()
@@ -132,7 +142,7 @@ class PartitionStore:
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
         """Delete keys; a poll still listing them will not bring them back."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             items = self._parts.get(partition_id)
             held = {key: items.get(key) if items else None for key in keys}
             for key in held:
@@ -143,10 +153,9 @@ class PartitionStore:
     def snapshot(self, partition_id: str | None = None) -> dict[str, dict[str, Tags]] | dict[str, Tags]:
         """A deep copy of all partitions, or of one (empty if unknown)."""
         with self._cond:
-            self._check_open()
+            self.check_open()
             if partition_id is not None:
-                items = self._parts.get(partition_id)
-                return {k: thaw(v) for k, v in items.items()} if items else {}
+                return {k: thaw(v) for k, v in self._parts.get(partition_id, {}).items()}
             return {pid: {k: thaw(v) for k, v in items.items()} for pid, items in self._parts.items() if items}
 
     def key_count(self) -> int:
@@ -159,16 +168,13 @@ class PartitionStore:
               superseded: bool = False) -> None:
         """Apply one DELTA of ``stream``'s process ``epoch``: its keys, its deletes and, at its ``end``, the poll.
 
-        A full poll's first part begins a snapshot, and its end drops what
-        the snapshot did not list. Tags are unpacked with ``unpack`` only
-        where the store does not hold their bytes already. A ``superseded``
-        DELTA (a resync is awaited) only counts as received: its poll number
-        still bounds the horizon of a removal.
+        Tags are unpacked with ``unpack`` only where the store does not hold
+        their bytes already. A ``superseded`` DELTA (a resync is awaited) only
+        counts as received: its poll number still bounds a removal's horizon.
 
         Raises:
-            ProtocolError: (from ``unpack``) tags the decoder refuses. What the
-                DELTA carried before them is applied, so the stream is broken
-                (no whole view) until a resync replaces it.
+            ProtocolError: (from ``unpack``) tags the decoder refuses. What came
+                before them is applied: the stream is broken until a resync.
         """
         with self._cond:
             ledger = self.ledger
@@ -204,11 +210,10 @@ class PartitionStore:
 
     def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes],
                       unpack: Callable[[list[bytes]], list[Tags]]) -> bool:
-        """Merge what ``stream`` lists, each key's tags packed alone (lock held); True if a key changed.
+        """Merge what ``stream`` lists (lock held); True if a key changed.
 
-        A key whose bytes are held already is unchanged, found in C-level passes
-        with no decode (100k unchanged: ~20 ms, not ~100). The others are
-        unpacked at once, before anything of the partition changes.
+        A key whose bytes are held already is unchanged, found with no decode
+        (100k unchanged: ~20 ms, not ~100); the others are unpacked first.
         """
         items = self._parts.get(partition_id)
         olds = list(map(items.get, keys)) if items else [None] * len(keys)
@@ -244,11 +249,10 @@ class PartitionStore:
 
     def _replace_packed(self, partition_id: str, items: dict[str, _Held], keys: list[str], old_blobs: list[bytes],
                         blobs: list[bytes], news: list[Tags]) -> None:
-        """``_merge`` of keys held packed, with their new tags and bytes, all at once (lock held).
+        """``_merge`` of keys held packed, all at once in C-level passes (lock held).
 
-        C-level passes, not a Python merge each (~3.3 us a key down to ~2.3): a
-        key whose new tags hold every name of its old ones (a poller lists
-        whole tags) is held as the bytes that arrived, and the policies are told
+        A key whose new tags hold every name of its old ones (a poller lists
+        whole tags) is held as the bytes that arrived; the policies are told
         in one call (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
         """
         olds = thaw_many(old_blobs)
@@ -269,64 +273,27 @@ class PartitionStore:
                     merged.append(current)
         self._policies.replaced(partition_id, keys, olds, merged)
 
-    def abandon_snapshot(self, stream: str) -> None:
-        """A snapshot was cut short (gap, new epoch): forget what it saw."""
-        with self._cond:
-            self.ledger.abandon_snapshot(stream)
-
-    def synced(self, stream: str) -> int:
-        """The highest sync token a complete poll of ``stream`` answered (0: none)."""
-        with self._cond:
-            return self.ledger.synced(stream)
-
-    def require(self, stream: str) -> None:
-        """No view is whole until a first complete poll of ``stream`` was applied (the buffer's own poller)."""
-        with self._cond:
-            self.ledger.require(stream)
-
-    def mark_broken(self, stream: str) -> None:
-        """``stream``'s stream lost messages; what it lists is not whole until its next snapshot ends."""
-        with self._cond:
-            self.ledger.mark_broken(stream)
+    abandon_snapshot = _ledger(Ledger.abandon_snapshot)
+    synced = _ledger(Ledger.synced)
+    require = _ledger(Ledger.require)
+    mark_broken = _ledger(Ledger.mark_broken)
+    release = _ledger(Ledger.release, notify=True)
+    view_gap = _ledger(Ledger.view_gap)
+    bound_age = _ledger(Ledger.bound_age)
+    not_answering = _ledger(Ledger.not_answering)
 
     def replaced(self, stream: str) -> None:
-        """``stream``'s store was replaced (a switch): drop what only it listed; not whole until its next snapshot ends.
-
-        No tag of the old store merges into the new one's key of the same
-        name, and a key removed from the old store is a new record in the new
-        one (:meth:`Ledger.replaced`).
-        """
+        """``stream``'s store was replaced (a switch): drop what only it listed (:meth:`Ledger.replaced`)."""
         with self._cond:
             for partition_id, keys in self.ledger.replaced(stream):
                 for key in keys:
                     self._drop(partition_id, key)
             self._cond.notify_all()
 
-    def release(self, stream: str) -> None:
-        """Stop waiting for ``stream`` (a standalone poller gone silent or forgotten); it resyncs if it returns."""
-        with self._cond:
-            self.ledger.release(stream)
-            self._cond.notify_all()
-
-    def view_gap(self, partition_id: str | None = None) -> str | None:
-        """Why the view of ``partition_id`` (``None``: of every partition) is not whole now; ``None`` if it is."""
-        with self._cond:
-            return self.ledger.view_gap(partition_id)
-
     def view_stale(self) -> str | None:
         """Why a whole view is not fresh now (its store does not answer, or it is too old); None if it is."""
         with self._cond:
             return self.ledger.view_stale(time.monotonic())
-
-    def bound_age(self, max_age: float) -> None:
-        """Decisions need the required streams' last complete polls at most ``max_age`` seconds old."""
-        with self._cond:
-            self.ledger.bound_age(max_age)
-
-    def not_answering(self, stream: str, since: float, why: str) -> None:
-        """``stream``'s store has not answered since monotonic ``since``: no fresh view until its next poll."""
-        with self._cond:
-            self.ledger.not_answering(stream, since, why)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -348,7 +315,8 @@ class PartitionStore:
 
     def check_open(self) -> None:
         """Raise :class:`BufferClosed` once closed."""
-        self._check_open()
+        if self._closed:
+            raise BufferClosed("the replay buffer is closed")
 
     # -- internals (lock held) ----------------------------------------------------
 
@@ -360,19 +328,12 @@ class PartitionStore:
         stale = self.ledger.view_stale(time.monotonic())
         return None if stale is None else f"not fresh: {stale}"
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosed("the replay buffer is closed")
-
     def _merge(self, partition_id: str, key: str, new: Mapping[str, Any], blob: bytes | None = None) -> None:
         """``tags.update(new)`` for one key; ``blob``: ``new`` as it arrived packed (then ``new`` is ours)."""
-        items = self._parts.get(partition_id)
-        if items is None:
-            items = self._parts[partition_id] = {}
+        items = self._parts.setdefault(partition_id, {})
         held = items.get(key)
         old: Tags | None = None
-        if held is None:
-            # Unpacked from ``blob`` for this merge alone, ``new`` needs no copy.
+        if held is None:  # ``new`` unpacked from ``blob`` for this merge alone needs no copy
             current = new if blob is not None and isinstance(new, dict) else dict(new)
             items[key] = freeze(current) if blob is None else blob
         else:
@@ -380,8 +341,7 @@ class PartitionStore:
             if self._policies:
                 old = dict(current)
             current.update(new)
-            # Held exactly what arrived (no tag of the trainer's beside it): keep
-            # the arriving bytes, which the next resync compares against.
+            # No tag of the trainer's beside it: keep the arriving bytes, which the next resync compares against.
             items[key] = blob if blob is not None and len(current) == len(new) else freeze(current)
         self._policies.changed(partition_id, key, old if held is not None else None, current)
 

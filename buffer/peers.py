@@ -1,25 +1,21 @@
 """The receiver's peer state machine: epochs, sequence numbers, resync, liveness.
 
-No sockets here. :class:`PeerTable` takes what arrived (an identity and its
-frames) and the time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
-and returns the control messages to send back as :class:`Send` actions; the
-thread that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
-Each peer's state is a :class:`Peer`; the SYNCs asked and not yet answered
-are kept in :class:`SyncRequests`.
+No sockets here: :class:`PeerTable` takes an identity, its frames and the
+time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
+and returns the control messages to send back (:class:`Send`); the thread
+that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
 
 Recovery rules (a stream must converge to its source, whatever was lost):
 
-- a gap in a peer's sequence numbers, or an epoch joined mid-stream, asks
-  for a RESYNC (a full snapshot) and ignores deltas until one starts; the
-  start of a full snapshot is itself the answer, so none is asked for then;
-- a peer silent for more than ``stale_after`` that speaks again is asked for
-  a RESYNC too, whatever its sequence says;
-- heartbeats that carry ``last_seq`` are answered with ACK, which tells a
-  poller on a new connection that it was admitted (:mod:`poller.link`), and
-  a ``last_seq`` that does not match what was received is a gap;
-- an unanswered RESYNC or SYNC is asked for again every second
-  (:meth:`PeerTable.tick`), because a request sent while the route was down
-  is lost.
+- a sequence gap, or an epoch joined mid-stream, asks for a RESYNC (a full
+  snapshot) and ignores deltas until one starts (a snapshot's start is
+  itself the answer);
+- a peer silent past ``stale_after`` that speaks again is asked for one too;
+- a heartbeat's ``last_seq`` is answered with ACK (how a poller on a new
+  connection learns it was admitted, :mod:`poller.link`); one that does not
+  match what was received is a gap;
+- an unanswered RESYNC or SYNC is asked again every second
+  (:meth:`PeerTable.tick`): a request sent while the route was down is lost.
 """
 
 from __future__ import annotations
@@ -60,16 +56,12 @@ def _snapshot_start(message: Message) -> bool:
 
 @dataclass
 class ListingFigures:
-    """What a peer's full listings of its source cost (poller.duty), summed over its poller processes.
-
-    Each process counts from 0, so the totals of the earlier ones are kept: counters never go back.
-    """
+    """A peer's listing and watch figures (Heartbeat), summed over its poller processes (each counts from 0)."""
 
     listings: int = 0
     total_s: float = 0.0
     last_s: float = 0.0
     share: float = 0.0
-    # The watch (poller.polling): targeted reads of waited-on keys, and listings a change seen there brought forward.
     watch_reads: int = 0
     watch_listings: int = 0
     epoch: int | None = None
@@ -104,16 +96,14 @@ class Peer:
     rss: int = 0
     polls_applied: int = 0
     snapshots_applied: int = 0
-    # When the listing of its last complete poll began, on this process's time.monotonic() (None: no poll yet):
-    # the poller's stamp, never later than the poll was applied (_on_delta).
+    # When its last complete poll's listing began, on this process's time.monotonic() (_on_delta).
     listed_at: float | None = None
     last_seen: float = field(default_factory=time.monotonic)
     resync_asked_at: float = 0.0
     stale: bool = False
-    # The source-stall count this peer last reported, and in which epoch (each poller process counts from 0).
+    # The source stalls of poller process ``stalls_epoch``, and its quarantine, as its last heartbeat said.
     stalls: int = 0
     stalls_epoch: int | None = None
-    # Keys this peer leaves out of the stream (poller.quarantine), as its last heartbeat said.
     quarantined: int = 0
     quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
     listing: ListingFigures = field(default_factory=ListingFigures)
@@ -121,64 +111,17 @@ class Peer:
     def report(self, epoch: int, beat: Heartbeat) -> int:
         """Keep what heartbeat ``beat`` of poller process ``epoch`` says; return the source stalls new in it."""
         self.rss = beat.rss
-        # None: a field older pollers do not send.
         if beat.quarantined is not None:
             self.quarantined = beat.quarantined
             self.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
         if beat.listings is not None:
             self.listing.report(epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
                                 beat.listing_share or 0.0, beat.watch_reads or 0, beat.watch_listings or 0)
-        stalls = beat.source_stalls
-        if stalls is None:
+        if beat.source_stalls is None:
             return 0
-        if self.stalls_epoch != epoch:
-            self.stalls_epoch, self.stalls = epoch, 0
-        if stalls <= self.stalls:
-            return 0
-        new, self.stalls = stalls - self.stalls, stalls
-        return new
-
-
-class SyncRequests:
-    """Per poller identity: the highest SYNC token not yet answered, and the partitions every SYNC names.
-
-    ``ReplayBuffer.sync()`` (:mod:`buffer.sync`) asks for a listing through
-    the receiver thread. A SYNC sent while the route to the poller was down
-    is lost, so the highest token asked is kept until a complete poll
-    answers it, and sent again every :data:`SYNC_RETRY_S` meanwhile.
-    """
-
-    def __init__(self) -> None:
-        # identity -> (highest SYNC token asked of it and not yet answered, when it was last sent).
-        self._asked: dict[bytes, tuple[int, float]] = {}
-        self._partitions: dict[bytes, list[str]] = {}
-
-    def ask(self, identity: bytes, token: int, now: float) -> Sync:
-        """The SYNC to send ``identity`` at ``now``: ``token``, or a higher one it was asked and has not answered."""
-        wanted = self._asked.get(identity)
-        token = max(token, wanted[0]) if wanted else token
-        self._asked[identity] = (token, now)
-        return Sync(token, self._partitions.get(identity))
-
-    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
-        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
-
-        The poller lists them before it answers the token, whichever of its
-        processes gets it. Called directly, not through the receiver's
-        command queue: the dict entry is replaced in one GIL-atomic step.
-        """
-        held = self._partitions.get(identity, [])
-        self._partitions[identity] = held + sorted(set(partition_ids) - set(held))
-
-    def due(self, now: float, answered: Callable[[bytes], int]) -> list[tuple[bytes, int]]:
-        """The (identity, token) requests to send again at ``now``; those ``answered(identity)`` reached are dropped."""
-        due = []
-        for identity, (token, sent_at) in list(self._asked.items()):
-            if answered(identity) >= token:
-                del self._asked[identity]
-            elif now - sent_at > SYNC_RETRY_S:
-                due.append((identity, token))
-        return due
+        before = self.stalls if self.stalls_epoch == epoch else 0  # each poller process counts from 0
+        self.stalls_epoch, self.stalls = epoch, max(before, beat.source_stalls)
+        return self.stalls - before
 
 
 class PeerTable:
@@ -198,8 +141,7 @@ class PeerTable:
         self.stale_after = stale_after
         self._pinned = pinned
         self._on_change = on_change
-        # Forwarded LOG records get more room than the receiver's own warnings:
-        # a poller_log_level of INFO is a choice, not a flood.
+        # Forwarded LOG records get more room: a poller_log_level of INFO is a choice, not a flood.
         self._log = log or LogLimiter(logger, budgets={"log": (100, 60.0)})
         self.peers: dict[bytes, Peer] = {}
         self.messages = 0
@@ -211,12 +153,13 @@ class PeerTable:
         self.resyncs_requested = 0
         self.source_stalls = 0
         self.last_message_at: float | None = None
-        # identity -> the one epoch its own poller process uses (set by the
-        # buffer that spawned it), and the epochs of its earlier processes.
+        # identity -> the one epoch the buffer's own poller process uses, and its earlier processes'.
         self._expected: dict[bytes, int] = {}
         self._retired: dict[bytes, set[int]] = {}
-        # The SYNCs asked and not yet answered, and the partitions each names.
-        self.syncs = SyncRequests()
+        # identity -> (the highest SYNC token asked and not yet answered, when it was last sent), and the
+        # partitions every SYNC to it names.
+        self._syncs: dict[bytes, tuple[int, float]] = {}
+        self._sync_partitions: dict[bytes, list[str]] = {}
 
     def expect(self, identity: bytes, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``identity``; earlier epochs are dropped quietly."""
@@ -239,13 +182,20 @@ class PeerTable:
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
 
     def sync(self, identity: bytes, token: int, now: float) -> Send:
-        """A SYNC for ``identity``: poll at once, and tag that listing with ``token``.
+        """A SYNC for ``identity`` (``token``, or a higher one not answered yet), asked again by :meth:`tick`."""
+        asked = self._syncs.get(identity)
+        token = max(token, asked[0]) if asked else token
+        self._syncs[identity] = (token, now)
+        return Send(identity, Kind.SYNC, self._epoch(identity), Sync(token, self._sync_partitions.get(identity)))
 
-        Sent again by :meth:`tick` every :data:`SYNC_RETRY_S`
-        until a complete poll answers it, so a request lost on a reconnect is
-        not waited on for ever.
+    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
+        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
+
+        Called directly, not through the receiver's command queue: the dict
+        entry is replaced in one GIL-atomic step.
         """
-        return Send(identity, Kind.SYNC, self._epoch(identity), self.syncs.ask(identity, token, now))
+        held = self._sync_partitions.get(identity, [])
+        self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 
     def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
         """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
@@ -280,9 +230,11 @@ class PeerTable:
                               "dead; the buffer keeps what it has", peer.stream, silent, self.stale_after)
             if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
                 actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
-        synced = self._store.synced
-        for identity, token in self.syncs.due(now, lambda identity: synced(identity.decode(errors="replace"))):
-            actions.append(self.sync(identity, token, now))
+        for identity, (token, sent_at) in list(self._syncs.items()):
+            if self._store.synced(identity.decode(errors="replace")) >= token:
+                del self._syncs[identity]
+            elif now - sent_at > SYNC_RETRY_S:
+                actions.append(self.sync(identity, token, now))
         return actions
 
     # -- messages -----------------------------------------------------------------
@@ -324,14 +276,14 @@ class PeerTable:
         if came_back:
             fresh = message.kind is Kind.READY and message.seq == 0
             if not (fresh or _snapshot_start(message) or peer.awaiting_resync):
-                # Silence can hide loss the sequence cannot show (a poller
-                # that redialled and was refused streamed nowhere): resync.
+                # Silence can hide loss the sequence cannot show (a poller refused on redial streamed nowhere).
                 actions.append(self._request_resync(identity, peer, "silent peer came back", now))
                 if message.kind is Kind.DELTA:
                     return actions
         match message.body:
             case Ready() as ready:
-                self._on_ready(peer, message, ready)
+                peer.pid = ready.pid
+                logger.debug("poller %s ready: pid %s epoch %s", peer.stream, peer.pid, message.epoch)
             case Delta() as delta:
                 self._on_delta(identity, peer, message, delta, now, actions)
             case Heartbeat() as beat:
@@ -341,7 +293,8 @@ class PeerTable:
             case Bye() as bye:
                 self._on_bye(peer, message, bye)
             case Log() as record:
-                self._on_log(peer, record)
+                self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.stream, record.name[:200],
+                              record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))
         return actions
 
     def protocol_error(self, identity: bytes, why: str) -> None:
@@ -420,10 +373,6 @@ class PeerTable:
 
     # -- per kind -----------------------------------------------------------------
 
-    def _on_ready(self, peer: Peer, message: Message, ready: Ready) -> None:
-        peer.pid = ready.pid
-        logger.debug("poller %s ready: pid %s epoch %s", peer.stream, peer.pid, message.epoch)
-
     def _on_delta(self, identity: bytes, peer: Peer, message: Message, body: Delta, now: float,
                   actions: list[Send]) -> None:
         if peer.awaiting_resync:
@@ -433,15 +382,11 @@ class PeerTable:
                 return
             peer.awaiting_resync = False
         if body.full and body.reset:
-            # Whatever was lost before it, the snapshot replaces: from here
-            # the stream is whole again (close() reports drained=True).
-            peer.contiguous = True
+            peer.contiguous = True  # whatever was lost before, the snapshot replaces (close(): drained=True)
         self.items_received += sum(len(keys) for keys, _ in body.packed.values()) + sum(map(len, body.deletes.values()))
         try:
             self._store.apply(peer.stream, message.epoch, body, self._unpack_tags)
-        except ProtocolError as exc:
-            # Tags the decoder refuses, found as they are unpacked: the store
-            # applied what came before them and holds the stream broken.
+        except ProtocolError as exc:  # tags the decoder refuses: the store holds the stream broken
             self.protocol_error(identity, f"{exc}; asking for a resync")
             peer.contiguous = False
             actions.append(self._request_resync(identity, peer, "undecodable tags", now))
@@ -450,9 +395,8 @@ class PeerTable:
             if body.full:
                 peer.snapshots_applied += 1
             peer.polls_applied += 1
-            # The poller stamps a poll with its wall clock as the listing begins (the buffer's own child shares
-            # this machine's): its age now, moved to the monotonic clock. A stamp from the future (a clock set
-            # back, another machine's) counts as now, when the poll is applied: never fresher than that.
+            # The poller's wall-clock stamp, moved to the monotonic clock; one from the future (a clock set
+            # back, another machine's) counts as now: never fresher than the poll's applying.
             peer.listed_at = now - max(0.0, time.time() - body.t)
             if peer.polls_applied == 1:
                 self._on_change()
@@ -468,9 +412,7 @@ class PeerTable:
         last_seq = beat.last_seq  # None from older pollers, which want no ACK either
         if last_seq is None:
             return
-        if last_seq != message.seq - 1 and not peer.awaiting_resync:
-            # The header's seq passed, but the poller says it sent other
-            # messages than we counted: trust neither, resync.
+        if last_seq != message.seq - 1 and not peer.awaiting_resync:  # it sent other messages than we counted
             actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
         actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
 
@@ -487,7 +429,3 @@ class PeerTable:
         peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
         logger.debug("poller %s said BYE: %s", peer.stream, bye.reason)
         self._on_change()
-
-    def _on_log(self, peer: Peer, record: Log) -> None:
-        self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.stream, record.name[:200],
-                      record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))

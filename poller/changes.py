@@ -2,15 +2,12 @@
 
 Runs on the poller's polling thread. A source with a change feed (the SQLite
 store) is listed in full only for a snapshot, when it cannot serve the cursor,
-and every :data:`RECONCILE_INTERVAL`; other polls read what changed since the
-committed cursor, so a poll costs in proportion to the change (100k keys: a
-listing ~390 ms, a change read ~1 ms). The reconciliation is a safety net: it
-catches what the feed could miss through no fault of the poller (triggers
-dropped, a deletion log trimmed by hand) for one listing per interval.
-
-Every full listing the store answers is timed into the listing share
-(:class:`~poller.duty.ListingDuty`); a call that fails, gives up or runs past
-``stall_timeout`` is unanswered and counts nowhere. Change reads are not held.
+and every :data:`RECONCILE_INTERVAL` (a safety net for what the feed could
+miss: triggers dropped, a deletion log trimmed by hand); other polls read what
+changed since the committed cursor (100k keys: a listing ~390 ms, a change
+read ~1 ms). Every full listing the store answers is timed into the listing
+share (:class:`~poller.duty.ListingDuty`); one that fails or runs past
+``stall_timeout`` is unanswered.
 """
 
 from __future__ import annotations
@@ -38,10 +35,8 @@ RECONCILE_INTERVAL = 600.0
 class ListingReader:
     """Reads the source for one poll and holds the change cursor between polls.
 
-    :meth:`read` returns the poll's :class:`~poller.diff.Diff`; the cursor it
-    reached takes effect only with :meth:`commit`, once the diff was sent. A
-    poll that failed half-way is read again from the old cursor, so no change
-    is lost.
+    The cursor :meth:`read` reached takes effect at :meth:`commit`, once the
+    diff was sent: a poll that failed half-way is read again from the old one.
     """
 
     def __init__(self, source: Source, *, listing_share: ListingShare = DEFAULT_LISTING_SHARE,
@@ -57,21 +52,16 @@ class ListingReader:
         self._listed_at = time.monotonic()
 
     def wait_for(self, full: bool) -> float:
-        """Seconds to wait before this poll's read (0: now), to keep listings within the share.
-
-        Only a source without a change feed waits (each of its reads is a
-        listing); with one, a due reconciliation is deferred by :meth:`read`.
-        """
+        """Seconds to wait before this poll's read (0: now): only without a change feed (:meth:`read` defers)."""
         return 0.0 if self.feed else self.duty.wait_for()
 
     def read(self, sent: Sent, full: bool, *, limits: Limits, size: int) -> Diff:
         """This poll's diff against ``sent`` (a full snapshot if ``full``), to be iterated as it is sent.
 
         A store with ``kv_snapshot_pieces()`` is read piece by piece for a
-        snapshot, its parsing overlapping the trainer's apply. With a change
-        feed, a snapshot asked for after the first one (a RESYNC: the
-        *receiver* lost messages) is what was sent plus this poll's changes,
-        not a listing (1M SQLite keys: ~1 s, where a listing takes ~5 s).
+        snapshot. With a change feed, a later snapshot (a RESYNC: the receiver
+        lost messages) is what was sent plus this poll's changes (1M SQLite
+        keys: ~1 s, a listing ~5 s).
 
         Raises:
             Exception: whatever the source raised, or TypeError for a malformed answer.
@@ -103,11 +93,7 @@ class ListingReader:
         in_pieces = getattr(self._source, "kv_snapshot_pieces", None)
         if full and callable(in_pieces):
             began = time.monotonic()
-            try:
-                cursor, pieces = in_pieces()
-            except BaseException:
-                self.duty.unanswered(time.monotonic())
-                raise
+            cursor, pieces = self._listing(in_pieces, answered=False)
             self._pending = (cursor, True)
             return Diff(self._timed(pieces, began), sent, full=True, limits=limits, size=size)
         cursor, listing = self._listing(self._source.kv_snapshot)
@@ -116,27 +102,27 @@ class ListingReader:
 
     def _timed(self, pieces: Iterator[Any], began: float) -> Iterator[Any]:
         """``pieces``, the listing read in pieces, timed into the duty cycle once read whole (else unanswered)."""
-        whole = False
         try:
             yield from pieces
-            whole = True
+        except BaseException:  # GeneratorExit too: a poll cut short
+            self.duty.unanswered(time.monotonic())
+            raise
         finally:
             close = getattr(pieces, "close", None)
             if callable(close):
                 close()
-            if whole:
-                self.duty.record(began, time.monotonic() - began)
-            else:
-                self.duty.unanswered(time.monotonic())
+        self.duty.record(began, time.monotonic() - began)
 
-    def _listing(self, call: Callable[[], _T]) -> _T:
-        """``call()``, a full listing, timed into the duty cycle if the store answered within ``stall_timeout``."""
+    def _listing(self, call: Callable[[], _T], *, answered: bool = True) -> _T:
+        """``call()``, a full listing, timed into the duty cycle if answered within ``stall_timeout`` (or by _timed)."""
         began = time.monotonic()
         try:
             listing = call()
         except BaseException:
             self.duty.unanswered(time.monotonic())
             raise
+        if not answered:
+            return listing
         ended = time.monotonic()
         if self.stall_timeout is not None and ended - began >= self.stall_timeout:
             self.duty.unanswered(ended)

@@ -1,13 +1,11 @@
 """One poll's diff: what changed since it was sent, screened and packed, piece by piece.
 
-Runs on the poller's polling thread (:mod:`poller.polling`). ``sent`` holds
-each key's tags as the bytes sent; a listed key changed when its tags, packed
-(by the source where it can, :class:`~poller.wire.sources.PackedItems`, so an
-unchanged key is not even decoded), are not those bytes: decided once, here,
-in C-level passes. Only changed tags are screened (:func:`poller.quarantine.screen`)
-and, where the screen converted them or another encoder packed them, packed
-again (bytes equal to those sent are then not sent). What is sent is kept
-packed: nothing the source owns is kept, and 1M keys take ~200 MB, not ~670.
+Runs on the poller's polling thread. ``sent`` holds each key's tags as the
+bytes sent; a listed key changed when its tags, packed (by the source where it
+can, :class:`~poller.wire.sources.PackedItems`, so an unchanged key is not
+even decoded), are not those bytes: decided once, here, in C-level passes.
+Only changed tags are screened (:func:`poller.quarantine.screen`). What is sent
+is kept packed: nothing the source owns is kept (1M keys: ~200 MB, not ~670).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from poller.quarantine import Refused, screen
 from poller.wire.protocol import Limits, Piece
 from poller.wire.sources import PackedItems, UnreadableValue
-from poller.wire.tags import fresh_strs, pack_many_tags
+from poller.wire.tags import _DICT, _STR, fresh_strs, pack_many_tags
 
 __all__ = ["Diff", "Sent"]
 
@@ -27,8 +25,6 @@ __all__ = ["Diff", "Sent"]
 Sent = dict[str, dict[str, bytes]]
 
 _UNSENT = object()  # equal to nothing: a listed key never sent
-_STR = frozenset({str})
-_DICT = frozenset({dict})
 
 
 class Diff:
@@ -37,13 +33,12 @@ class Diff:
     ``listings``: one listing, or a snapshot read in pieces, each
     ``{partition: {key: tags} | PackedItems}`` (``None``: nothing stored).
     ``full``: every listed key is sent (an unchanged one as the bytes sent)
-    and nothing is deleted; the receiver works out what vanished.
+    and nothing is deleted: the receiver works out what vanished.
     ``complete=False``: a change set, whose ``deletes`` are given. ``held``:
-    a snapshot of what is held, sent as it is. A key, partition id or tags
-    the stream cannot carry is refused (:attr:`refused`), never an error of
-    the poll, and unless ``full`` deleted if it was sent. Once iterated,
-    :attr:`deletes` is whole and :meth:`commit` makes ``sent`` what the
-    receiver holds.
+    a snapshot of what is held, sent as it is. What the stream cannot carry
+    is :attr:`refused`, never an error of the poll (and unless ``full``
+    deleted if it was sent). Once iterated, :attr:`deletes` is whole and
+    :meth:`commit` makes ``sent`` what the receiver holds.
 
     Raises:
         TypeError: (building it) change-set deletes that are not ``{partition: [key, ...]}``;
@@ -66,9 +61,6 @@ class Diff:
         self.deletes: dict[str, list[str]] = {}
         #: What was sent, ``{partition: (keys, packed tags)}``, complete once iterated.
         self.packed: Piece = {}
-
-    def keys_sent(self) -> dict[str, list[str]]:
-        return {partition: keys for partition, (keys, _) in self.packed.items()}
 
     def close(self) -> None:
         """Close the store's iterator (its read transaction) if it was not read to the end."""
@@ -158,11 +150,7 @@ class Diff:
 
     def _changed(self, partition: str, held: Mapping[str, bytes], keys: list[Any], values: list[Any],
                  decode: Callable[[list[bytes]], list[Any]] | None) -> tuple[list[str], list[bytes], int]:
-        """One slice of a partition: the keys to send and their packed tags, and how many listed keys were sent.
-
-        ``values`` are tags, or with ``decode`` packed tags. Refusals join
-        :attr:`refused`, and (unless ``full``) those of keys sent :attr:`deletes`.
-        """
+        """A slice of a partition (``values``: tags, or packed for ``decode``): keys to send, their bytes, keys sent."""
         helds: list[Any] = list(map(held.get, keys, repeat(_UNSENT))) if held else [_UNSENT] * len(keys)
         blobs: list[Any] = values if decode is not None else pack_many_tags(values)
         same = list(map(eq, helds, blobs))
@@ -193,9 +181,7 @@ class Diff:
         touched = screen(partition, changed, self.refused, self._limits)
         if plain and decode is None and not touched and None not in todo_blobs:
             send_keys, send_blobs = todo_keys, todo_blobs  # packed once already: it differs from what was sent
-        else:
-            # Converted by the screen, packed by another encoder, or unpackable before the screen:
-            # packed here, and not sent again when those are the bytes sent.
+        else:  # converted by the screen or packed by another encoder: not sent again if those are the bytes sent
             send_keys, send_blobs = list(changed), pack_many_tags(changed.values())
             if held and not self.full:
                 fresh = list(map(ne, map(held.get, send_keys), send_blobs))

@@ -14,7 +14,7 @@ import math
 import threading
 import time
 import traceback
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Mapping
 
 from poller.changes import ListingReader
 from poller.diff import Diff, Sent
@@ -22,7 +22,7 @@ from poller.duty import ListingDuty
 from poller.quarantine import Quarantine
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
 from poller.wire.messages import Error
-from poller.wire.protocol import Kind, Limits, encode_body, fit_text, iter_encode_delta
+from poller.wire.protocol import Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
 from poller.wire.sources import Source, SourceStall, WatchRead, watch_reader
 from poller.wire.tags import thaw
 
@@ -34,16 +34,13 @@ logger = logging.getLogger(__name__)
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
-#: The least seconds between two reads of the watched keys while a decision waits on them (``kv_watch``).
-#: TransferQueue at 100k keys: ~0.3-0.6 ms of the controller's CPU a read, against ~37 ms a listing.
+#: Reads of the watched keys while a decision waits on them (``kv_watch``; TransferQueue at 100k keys: a read
+#: ~0.5 ms of the controller's CPU, a listing ~37 ms). A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after
+#: the one before began (``d``: the last listing's duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not
+#: answered within WATCH_TIMEOUT tells nothing.
 WATCH_INTERVAL = 0.3
-#: What a second of watching may cost the store, in listings: a read of ``r`` seconds is followed by the next
-#: ``(r / d) / WATCH_BUDGET`` seconds after it began (``d``: the last listing), within WATCH_INTERVAL and
-#: WATCH_INTERVAL_MAX.
 WATCH_BUDGET = 0.25
-#: The most seconds between two reads, however cheap a listing (a few keys: reads cost next to nothing either).
 WATCH_INTERVAL_MAX = 0.6
-#: A read of the watched keys not answered within this many seconds tells nothing; the next comes an interval later.
 WATCH_TIMEOUT = 1.0
 
 
@@ -62,17 +59,14 @@ class PollingThread(threading.Thread):
 
     ``emit(kind, body, starts_snapshot)`` hands a message to the control loop
     and returns False once the poller is stopping. A daemon: if ``kv_list()``
-    never returns, the process exits without it. A *source stall* is a call
-    past its deadline (the source raised :class:`~poller.wire.sources.SourceStall`,
-    or :meth:`check_stall` found it past ``stall_timeout``): counted once, not
-    a failure, one WARNING per episode.
+    never returns, the process exits without it. A *source stall* (the source
+    raised :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall`
+    found the call past ``stall_timeout``) is counted once, not a failure.
 
-    Polls start every ``interval``, start to start. Listings of a source
-    without a change feed keep within ``listing_share`` of the wall clock
-    (:mod:`poller.duty`): a SYNC wakes the thread and is answered by the next
-    listing the share allows; STOP ends any wait; a RESYNC sends the last
-    poll again at once (:meth:`_resends`). After a stalled call the next comes
-    ``interval`` later, after a failed one the backoff: neither is a listing.
+    Polls start every ``interval``, start to start, within ``listing_share``
+    (:mod:`poller.duty`): a SYNC is answered by the next listing the share
+    allows; STOP ends any wait. After a stalled call the next comes
+    ``interval`` later, after a failed one the backoff.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
@@ -80,7 +74,6 @@ class PollingThread(threading.Thread):
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
-        self._source = source
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._emit = emit
         self.interval = interval
@@ -91,13 +84,15 @@ class PollingThread(threading.Thread):
         self.stopping = threading.Event()
         self._wake = threading.Event()
         self._resync = threading.Event()
-        # Read by the control loop for heartbeats (plain ints, safe under the GIL).
+        # Read by the control loop for heartbeats (plain ints, safe under the GIL), with the quarantine.
         self.polls = 0
         self.source_errors = 0
         self.source_stalls = 0
+        self.watch_reads = 0
+        self.watch_listings = 0
+        self.quarantine = Quarantine()
         self.stall_timeout = stall_timeout
-        # (call number, monotonic start) of the call under way, in one assignment: never one call's
-        # number with another's start.
+        # (call number, monotonic start) of the call under way, in one assignment: never mixed up.
         self._current: tuple[int, float] | None = None
         self._calls = 0
         self._stall_lock = threading.Lock()
@@ -106,33 +101,26 @@ class PollingThread(threading.Thread):
         self.failed: BaseException | None = None
         # True while the thread waits for its next poll (read by the control loop at STOP).
         self.idle = False
-        # What was sent (poller.diff.Sent), kept here rather than in the loop's frame: a thread
-        # that ends at STOP then frees nothing on its way out (~0.1 s at 1M keys).
+        # Here, not in the loop's frame: a thread that ends at STOP frees nothing on its way out (1M keys: ~0.1 s).
         self.sent: Sent = {}
         # The last poll sent whole: wall-clock start, monotonic start, the sync token it answered.
         self._last_poll: tuple[float, float, int] | None = None
-        # The highest SYNC token received (written by the control loop, then it wakes this thread).
+        # The highest SYNC token received (written by the control loop, then it wakes this thread), the
+        # partitions SYNCs asked for (only grows, replaced whole), and those the source was told of.
         self.sync_received = 0
-        # Partitions SYNCs asked to be listed (only grows, replaced whole by the control loop), and
-        # those the source was told of.
         self._partitions_wanted: frozenset[str] = frozenset()
         self._partitions_included: frozenset[str] = frozenset()
-        # The keys left out of the stream; read by the control loop for heartbeats.
-        self.quarantine = Quarantine()
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
         # A SYNC, RESYNC or STOP arrived since the last hold began (_hold): a pause between polls ends.
         self._poll_asked = False
-        # The watch: kv_watch if the source has one; the keys to watch (partition, keys, until), replaced whole
-        # by the control loop; the last read's (partition, keys) and fingerprint (None: the next read compares
-        # with what was sent); when the next read is due; whether a read saw a change since the last listing.
+        # The watch: kv_watch if the source has one; ((partition, keys), until), replaced whole by the control
+        # loop; the last read's (partition, keys) and fingerprint (None: the next read compares with what was
+        # sent); when the next read is due; whether a read saw a change since the last listing.
         self._watch_read = watch_reader(source)
-        self._watch: tuple[str, tuple[str, ...], float] | None = None
+        self._watch: tuple[tuple[str, tuple[str, ...]], float] | None = None
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
         self._next_watch_read = -math.inf
         self._change_seen = False
-        # Read by the control loop for heartbeats.
-        self.watch_reads = 0
-        self.watch_listings = 0
 
     @property
     def call_started(self) -> float | None:
@@ -155,31 +143,25 @@ class PollingThread(threading.Thread):
         """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
 
         That listing and every later one include ``partitions`` (a source that
-        lists a chosen set of them). Requests that arrive while a listing is
-        under way or held back are all answered by the next one.
+        lists a chosen set of them).
         """
         if partitions and not self._partitions_wanted.issuperset(partitions):
             # Before the token: a listing that reads the token sees these too.
             self._partitions_wanted = self._partitions_wanted.union(partitions)
-        # A token already received is the buffer asking again (a request lost on a reconnect): the
-        # poll it asked for is due already, and waking again would only add a listing.
+        # A token already received is asked again (lost on a reconnect): its poll is due already.
         if token > self.sync_received:
             self.sync_received = token
             self._poll_asked = True
             self._wake.set()
 
     def request_watch(self, partition: str, keys: list[str], seconds: float) -> None:
-        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop); the control loop calls it.
-
-        A no-op for a source without ``kv_watch``. The same keys again only
-        extend the watch; other keys than the last read's are read at once.
-        """
+        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op)."""
         if self._watch_read is None:
             return
         if not keys or seconds <= 0:
             self._watch = None
             return
-        self._watch = (partition, tuple(keys), time.monotonic() + seconds)
+        self._watch = ((partition, tuple(keys)), time.monotonic() + seconds)
         self._wake.set()  # a pause reads the new keys at once; it ends only for a poll asked for
 
     def stop(self) -> None:
@@ -193,10 +175,7 @@ class PollingThread(threading.Thread):
         return 0.0 if started is None else time.monotonic() - started
 
     def check_stall(self) -> None:
-        """Count the call under way as stalled once it passes ``stall_timeout`` (the control loop, each tick).
-
-        So a source that blocks forever (and can never raise) is still reported.
-        """
+        """Count the call under way as stalled once past ``stall_timeout`` (each tick: a blocked call never raises)."""
         current = self._current
         if current is None or self.stall_timeout is None:
             return
@@ -227,57 +206,44 @@ class PollingThread(threading.Thread):
             logger.info("kv_list() answers again after %d stalled call(s) over %.3gs",
                         episode[1], time.monotonic() - episode[0])
 
-    def _sleep(self, seconds: float) -> None:
-        """The pause between two polls: ends at a SYNC, RESYNC or STOP, or once a watched change may be listed."""
-        self.idle = True
-        self._pause(time.monotonic() + seconds, ends_on_request=True)
-        self.idle = False
-
-    def _pause(self, until: float, *, ends_on_request: bool) -> None:
-        """Wait until monotonic ``until``, reading the watched keys meanwhile (the class docstring).
+    def _pause(self, seconds: float, *, ends_on_request: bool = True) -> None:
+        """Wait ``seconds`` (``idle``), reading the watched keys meanwhile.
 
         Ends sooner at STOP, once a change the watch saw may be listed, and
-        (``ends_on_request``) at a SYNC or RESYNC.
+        (``ends_on_request``: between two polls) at a SYNC or RESYNC.
         """
+        until = time.monotonic() + seconds
+        self.idle = True
         while not self.stopping.is_set():
             now = time.monotonic()
             if (ends_on_request and self._poll_asked) or now >= until:
-                return
+                break
             if self._change_seen:
                 wait = self.duty.wait_for_change(now)
                 if wait <= 0:
-                    return
+                    break
                 self._wake.wait(min(until - now, wait))
             else:
                 due = self._watch_due(now)
-                if due is not None and due <= now:
-                    self._read_watch(now)
+                if due is not None and due[1] <= now:
+                    self._read_watch(*due[0], now)
                     continue
-                self._wake.wait((until if due is None else min(until, due)) - now)
+                self._wake.wait((until if due is None else min(until, due[1])) - now)
             self._wake.clear()
+        self.idle = False
 
-    def _watched(self, now: float) -> tuple[str, tuple[str, ...]] | None:
-        """The watched keys ``(partition, keys)``, while a watch lasts."""
+    def _watch_due(self, now: float) -> tuple[tuple[str, tuple[str, ...]], float] | None:
+        """The watched ``(partition, keys)`` while a watch lasts, and when next read (now, if other keys than last)."""
         watch = self._watch
-        if watch is None or now >= watch[2]:
+        if watch is None or now >= watch[1]:
             return None
-        return watch[0], watch[1]
+        watched, baseline = watch[0], self._baseline
+        return watched, now if baseline is not None and baseline[0] != watched else self._next_watch_read
 
-    def _watch_due(self, now: float) -> float | None:
-        """When the watched keys are next read (None: no watch): at once for other keys than the last read's."""
-        watched = self._watched(now)
-        if watched is None:
-            return None
-        if self._baseline is not None and self._baseline[0] != watched:
-            return now
-        return self._next_watch_read
-
-    def _read_watch(self, now: float) -> None:
-        """Read the watched keys; a change the buffer was not sent sets ``_change_seen`` (the class docstring)."""
-        watched = self._watched(now)
-        if watched is None or self._watch_read is None:
-            return
-        partition, keys = watched
+    def _read_watch(self, partition: str, keys: tuple[str, ...], now: float) -> None:
+        """Read the watched keys; a change the buffer was not sent sets ``_change_seen``."""
+        assert self._watch_read is not None  # a watch is set only for a source with kv_watch
+        watched = (partition, keys)
         try:
             read = self._watch_read(partition, keys, WATCH_TIMEOUT)
         except Exception as exc:  # a read that fails tells nothing: the listings go on as scheduled
@@ -315,13 +281,10 @@ class PollingThread(threading.Thread):
         return False
 
     def _resends(self) -> bool:
-        """Whether a snapshot now is ``sent`` again rather than a listing: a RESYNC, without a change feed.
+        """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
-        Sent again under the last poll's number, start and sync token, it
-        repairs a receiver that lost messages at once, at no cost to the store
-        and outside the share (1M keys: ~0.5 s of the poller's time less); the
-        store's changes come with the next poll. (With a change feed the reader
-        answers from ``sent`` plus the feed's changes: :meth:`ListingReader.read`.)
+        It repairs the receiver at once, at no cost to the store and outside the
+        share. (With a change feed, :meth:`ListingReader.read` answers.)
         """
         return self._last_poll is not None and not self._reader.feed
 
@@ -331,18 +294,18 @@ class PollingThread(threading.Thread):
         started, began, covered = self._last_poll
         # Screened and packed when it was first sent: encoded as it is.
         held = Diff((), sent, full=True, limits=self._screen_limits, size=self.chunk_items, held=sent)
-        if not self._send(iter_encode_delta(held, {}, poll=self.polls, started=started, full=True,
-                                            chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes,
-                                            sync=covered), full=True):
+        if not self._send(held, {}, poll=self.polls, started=started, full=True, sync=covered):
             return False
         # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
-        self._sleep(self.interval - (time.monotonic() - began))
+        self._pause(self.interval - (time.monotonic() - began))
         return True
 
-    def _send(self, bodies: Iterator[bytes], full: bool) -> bool:
-        """Emit one poll's DELTA bodies, the first marked as a snapshot's start if ``full``; False once stopping."""
+    def _send(self, pieces: Iterable[Piece], deletes: Mapping[str, list[str]], *, poll: int, started: float,
+              full: bool, sync: int) -> bool:
+        """Emit one poll as DELTA bodies, the first marked as a snapshot's start if ``full``; False once stopping."""
         first = full
-        for body in bodies:
+        for body in iter_encode_delta(pieces, deletes, poll=poll, started=started, full=full,
+                                      chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes, sync=sync):
             if not self._emit(Kind.DELTA, body, first):
                 return False
             first = False
@@ -352,12 +315,10 @@ class PollingThread(threading.Thread):
         """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
         SYNC and RESYNC requests meanwhile are served by the read that follows
-        (a RESYNC makes it a snapshot); a change the watch saw lets it start
-        when :meth:`ListingDuty.wait_for_change` allows.
+        (a RESYNC makes it a snapshot); a change the watch saw brings it forward.
         """
         while True:
-            # Every request seen from here on is answered by the coming read (or resend);
-            # one that arrives later wakes the thread again.
+            # Every request seen from here on is answered by the coming read; a later one wakes the thread again.
             self._wake.clear()
             self._poll_asked = False
             if self._resync.is_set():
@@ -371,9 +332,7 @@ class PollingThread(threading.Thread):
                     wait = min(wait, self.duty.wait_for_change())
             if wait <= 0:
                 return None if self.stopping.is_set() else full
-            self.idle = True
-            self._pause(time.monotonic() + wait, ends_on_request=False)
-            self.idle = False
+            self._pause(wait, ends_on_request=False)
             if self.stopping.is_set():
                 return None
 
@@ -381,9 +340,8 @@ class PollingThread(threading.Thread):
         try:
             self._poll_until_stopped()
         except BaseException as exc:  # noqa: BLE001 - reported below, never swallowed
-            # A source raising SystemExit or KeyboardInterrupt, or a bug here (Event.wait(inf) raised
-            # OverflowError) must not end the thread unseen: the control loop ends the poller with this
-            # fatal ERROR, and the buffer restarts it.
+            # A source raising SystemExit, or a bug here, must not end the thread unseen: the control
+            # loop ends the poller with this fatal ERROR, and the buffer restarts it.
             self.failed = exc
             self.source_errors += 1
             logger.error("the polling thread died: %r", exc)
@@ -427,18 +385,14 @@ class PollingThread(threading.Thread):
                 finally:
                     self._current = None
                 self._answered()
-                # Diffed, screened, packed and encoded a piece at a time, each sent before the next is made:
-                # the trainer applies a snapshot while it is packed.
-                if not self._send(iter_encode_delta(diff, diff.deletes, poll=self.polls + 1, started=started,
-                                                    full=full, chunk_items=self.chunk_items,
-                                                    max_frame_bytes=self.max_frame_bytes, sync=covered), full):
+                # A piece at a time, each sent before the next is made: a snapshot is applied while it is packed.
+                if not self._send(diff, diff.deletes, poll=self.polls + 1, started=started, full=full, sync=covered):
                     return
             except SourceStall as exc:
                 self._stalled(call, str(exc) or type(exc).__name__)
                 self._reader.duty.poll_done()
-                # The store did not answer: ask again one interval after the call gave up (a SYNC wakes it
-                # sooner), its own duration not counted in the share (ListingDuty.unanswered).
-                self._sleep(self.interval)
+                # Asked again one interval after the call gave up (a SYNC wakes it sooner).
+                self._pause(self.interval)
                 continue
             except Exception as exc:  # any source failure is reported, never fatal to the trainer
                 self._answered()  # an error is an answer: it ends a stall episode
@@ -452,7 +406,7 @@ class PollingThread(threading.Thread):
                 if not self._emit(Kind.ERROR, body, False) or fatal:
                     return
                 self._reader.duty.poll_done()
-                self._sleep(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))
+                self._pause(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))
                 continue
             finally:
                 if diff is not None:
@@ -464,16 +418,14 @@ class PollingThread(threading.Thread):
             if diff.complete:
                 self.quarantine.replace(diff.refused)
             else:
-                self.quarantine.update(diff.refused, diff.keys_sent(), diff.gone)
+                self.quarantine.update(diff.refused, diff.packed, diff.gone)
             self._reader.commit()
             # Not kept until the next poll: after a snapshot of a million keys it holds every key sent.
             del diff
             full = False
             self.polls += 1
             self._last_poll = (started, began, covered)
-            # The poll is over (its listing, diff, screen and sending): verl's cycle's pause starts now (poller.duty).
-            self._reader.duty.poll_done()
-            # Start to start: a change waits interval/2 on average whatever a poll costs; a poll slower
-            # than the interval still leaves the store a tenth of it to breathe.
+            self._reader.duty.poll_done()  # listed, diffed and sent: verl's cycle's pause starts now
+            # Start to start (a change waits interval/2 on average); a slow poll still leaves a tenth of it.
             elapsed = time.monotonic() - began
-            self._sleep(max(self.interval - elapsed, self.interval * 0.1))
+            self._pause(max(self.interval - elapsed, self.interval * 0.1))

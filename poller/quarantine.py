@@ -1,23 +1,19 @@
 """Keys the wire cannot carry: screened out of each diff, named, counted, and let back in.
 
 Runs in the poller process. The unit of failure is the record, not the
-listing: a key whose tags the receiver's strict decoder would refuse (a tag
-name not a ``str``, a string over ``max_str_len``, nesting deeper than
-``max_depth``, an int no msgpack int holds, a value that is not plain data,
-one key over ``max_frame_bytes``), or whose key or partition id is not a
-``str``, is *quarantined*: left out of the stream (and deleted from the
-receiver if it was sent), named in a rate-limited WARNING and counted, while
-every other key flows. It comes back once its tags are valid, and leaves the
-quarantine when the store clears it.
+listing: a key whose tags the receiver's strict decoder would refuse (see
+:class:`~poller.wire.protocol.Limits`; also a value that is not plain data,
+an int no msgpack int holds), or whose key or partition id is not a ``str``,
+is *quarantined*: left out of the stream (deleted from the receiver if it was
+sent), named in a rate-limited WARNING and counted, while every other key
+flows. It comes back once its tags are valid, and leaves once deleted.
 
 Values with one faithful plain form are converted instead: numpy and torch
-scalars (and 0-d tensors) to ``int`` / ``float`` / ``bool``, their arrays
-nested lists, tuples lists (as :mod:`poller.sources.tq_values` reads them).
-Neither numpy nor torch is imported: such a value is recognised by its type's
-module and read with its own ``item()`` / ``tolist()``.
-
-:func:`screen` is pure; :class:`Quarantine` is the poller's memory of what
-it refused, reported in its heartbeats.
+scalars (and 0-d tensors) to ``int`` / ``float`` / ``bool``, their arrays to
+nested lists, tuples to lists. Neither numpy nor torch is imported: such a
+value is recognised by its type's module and read with its own ``item()`` /
+``tolist()``. :func:`screen` is pure; :class:`Quarantine` is the poller's
+memory of what it refused, reported in its heartbeats.
 """
 
 from __future__ import annotations
@@ -27,9 +23,9 @@ import time
 from itertools import chain, repeat
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from poller.wire.protocol import _SCALAR_TYPES, Limits, packed_size
+from poller.wire.protocol import _SCALAR_TYPES, Limits, Piece, packed_size
 from poller.wire.sources import UnreadableValue
-from poller.wire.tags import _TAGS_DEPTH
+from poller.wire.tags import _STR, _TAGS_DEPTH
 
 __all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
 
@@ -43,7 +39,6 @@ _NAME_CHARS = 200
 # msgpack's integer range: uint64 above, int64 below.
 _INT_MAX = 2**64 - 1
 _INT_MIN = -(2**63)
-_STR = frozenset({str})
 # What iter_encode_delta puts around one key in the worst case, beyond its tags.
 _FRAME_SLACK = 1024
 
@@ -62,14 +57,11 @@ def display_name(name: Any) -> str:
 
 
 class _Refuse(Exception):
-    """Raised inside the walk; carries the reason."""
+    """Raised inside the walk; carries the reason (the key's :class:`Refused` reason)."""
 
 
 def _numeric(value: Any, limits: Limits, depth: int, budget: list[int]) -> Any:
-    """A numpy or torch value in plain form: a scalar's number, an array's (or tensor's) nested lists.
-
-    Raises _Refuse for anything else, and for dtypes with no plain number (complex, datetime, objects).
-    """
+    """A numpy or torch value's plain form (a scalar's number, an array's nested lists), else raises _Refuse."""
     module = type(value).__module__.partition(".")[0]
     if module not in ("numpy", "torch"):
         raise _Refuse(f"a {type(value).__module__}.{type(value).__qualname__} value is not plain data "
@@ -147,17 +139,12 @@ def _short(value: Any) -> str:
 
 
 def _plainly_fine(items: Mapping[str, Any], limits: Limits) -> bool:
-    """The common case, decided in C-level passes: flat tags of scalars, str names, short ASCII text.
-
-    ``False`` means "look closer", not "refused": the per-key walk costs ~10x
-    more and runs only for partitions that fail this test.
-    """
+    """The common case in C-level passes (flat scalars, str names, short ASCII); ``False``: "look closer" (~10x)."""
     if limits.max_depth <= _TAGS_DEPTH:
         return False
     try:
         values = list(chain.from_iterable(map(dict.values, items.values())))
-        # Tag names repeat from key to key: their distinct set is small.
-        names = set(chain.from_iterable(items.values()))
+        names = set(chain.from_iterable(items.values()))  # tag names repeat from key to key: a small set
     except TypeError:  # tags that are Mappings but not dicts
         return False
     types = set(map(type, values))
@@ -199,12 +186,7 @@ def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
 
 
 def screen(partition: str, items: dict[str, Any], refused: list[Refused], limits: Limits) -> bool:
-    """Convert what converts and move what the receiver would refuse from ``items`` to ``refused``.
-
-    ``items`` (the diff's own dict of changed keys) is changed in place.
-    Cost follows the keys changed, and the common case runs at C speed.
-    Returns whether an entry may have changed (not in the common case).
-    """
+    """Convert what converts, move what the receiver would refuse from ``items`` to ``refused``; True if changed."""
     if len(partition) * 4 > limits.max_str_len or not partition.isascii():
         try:
             _plain(partition, limits, _TAGS_DEPTH, [1])
@@ -227,8 +209,8 @@ class Quarantine:
     """What the poller left out of the stream, for its heartbeats and its log.
 
     :meth:`replace` after a complete listing, :meth:`update` after a change
-    set. Keys are held as the source named them (a key that is not a ``str``
-    too, so that its delete finds it) and shown with :func:`display_name`.
+    set. Keys are held as the source named them (a non-``str`` too, so that
+    its delete finds it).
     """
 
     def __init__(self, *, warnings_per_minute: int = 20) -> None:
@@ -245,14 +227,12 @@ class Quarantine:
         self.keys = now
         self._report(entered, left)
 
-    def update(self, refused: Iterable[Refused], sent: Mapping[str, Iterable[str]],
-               deleted: Mapping[Any, Iterable[Any]]) -> None:
-        """Refused keys join; keys sent or deleted leave.
+    def update(self, refused: Iterable[Refused], sent: Piece, deleted: Mapping[Any, Iterable[Any]]) -> None:
+        """Refused keys join; keys ``sent`` (:attr:`poller.diff.Diff.packed`) or deleted leave.
 
         ``deleted``: the change set's deletes as the source gave them. A delete
         of a name no stream carries (not a ``str``) lets the record go if it
-        was quarantined, and is otherwise ignored and counted
-        (:attr:`ignored_deletes`), never an error of the poll.
+        was quarantined, else is counted (:attr:`ignored_deletes`).
         """
         entered = []
         for r in refused:
@@ -278,8 +258,8 @@ class Quarantine:
                 elif not (isinstance(partition, str) and isinstance(key, str)):
                     ignored.append(pk)
         if self.keys:
-            left.update(dict.fromkeys(pk for partition, items in sent.items()
-                                      for pk in zip(repeat(partition), items) if pk in self.keys))
+            left.update(dict.fromkeys(pk for partition, (keys, _) in sent.items()
+                                      for pk in zip(repeat(partition), keys) if pk in self.keys))
         for pk in left:
             del self.keys[pk]
         self._report(entered, list(left), ignored)
@@ -315,16 +295,13 @@ class Quarantine:
 
     def _left_in_budget(self) -> int:
         """Log lines this minute's budget still allows."""
-        started, spent = self._window
-        if time.monotonic() - started >= 60.0:
+        if time.monotonic() - self._window[0] >= 60.0:
             self._window = (time.monotonic(), 0)
-            return self._budget
-        return self._budget - spent
+        return self._budget - self._window[1]
 
     def _log(self, level: int, message: str, *args: Any) -> None:
         """Log at ``level`` while this minute's budget lasts, then at DEBUG."""
         over = self._left_in_budget() <= 0
         logger.log(logging.DEBUG if over else level, message, *args)
         if not over:
-            started, spent = self._window
-            self._window = (started, spent + 1)
+            self._window = (self._window[0], self._window[1] + 1)

@@ -31,12 +31,8 @@ class Kind(enum.IntEnum):
     LOG = 6
     STOP = 16
     RESYNC = 17
-    # Poll now, and tag that listing with this token (ReplayBuffer.sync()).
-    SYNC = 18
-    # The receiver heard a HEARTBEAT that carried ``last_seq``: how a poller
-    # on a new connection learns that the buffer admitted it (poller.link).
-    ACK = 19
-    # While a decision waits on these keys, read them cheaply and list as soon as one changed (poller.polling).
+    SYNC = 18  # poll now, and tag that listing with this token (ReplayBuffer.sync())
+    ACK = 19  # the receiver heard a HEARTBEAT that carried ``last_seq``
     WATCH = 20
 
 
@@ -52,8 +48,7 @@ Share = float        # a share of the wall clock, in [0, 1]
 PartitionIds = list  # [partition, ...]: at most MAX_PARTITION_IDS non-empty str
 WatchKeys = list     # [key, ...]: at most MAX_WATCH_KEYS str
 
-# NamedTuples rather than dataclasses in every module the poller process
-# imports: dataclasses pulls in inspect, ~8 ms of its start-up.
+# NamedTuples rather than dataclasses in every module the poller process imports: dataclasses pulls in inspect (~8 ms).
 
 
 class Ready(NamedTuple):
@@ -66,10 +61,7 @@ class Delta(NamedTuple):
     """One part of a poll: ``full`` (a snapshot), ``reset`` (its first part), ``end`` (the poll's last part).
 
     ``packed``: per partition, its keys and each key's tags packed alone
-    (:mod:`poller.wire.tags`). The receiver keeps those bytes as they arrived,
-    so a key whose bytes it holds already costs a comparison, not a decode.
-    On the wire a body also carries ``"upserts": {}``, a field protocol 2's
-    first buffers require; anything but empty there is refused.
+    (:mod:`poller.wire.tags`), kept by the receiver as they arrived.
     """
 
     poll: int
@@ -79,8 +71,7 @@ class Delta(NamedTuple):
     end: bool
     packed: Packed
     deletes: Deletes
-    # The highest SYNC token the poller had received when this poll's
-    # listing began (0: none), so the buffer knows which sync() it answers.
+    # The highest SYNC token the poller had received when this poll's listing began (0: none).
     sync: Count | None = None
 
 
@@ -90,21 +81,17 @@ class Heartbeat(NamedTuple):
     rss: int
     stalled_s: float
     source_stalls: Count | None = None
-    # The seq of the last message sent before this heartbeat; a poller that
-    # sends it asks for an ACK of every heartbeat.
+    # The seq of the last message sent before this heartbeat; a poller that sends it asks for an ACK.
     last_seq: LastSeq | None = None
-    # Keys the poller leaves out of the stream because the wire cannot carry
-    # their tags (poller.quarantine): how many, and the first few by name.
+    # Keys the poller leaves out of the stream (poller.quarantine): how many, and the first few by name.
     quarantined: Count | None = None
     quarantined_keys: Named | None = None
-    # Full listings of the source (poller.duty): how many, the last one's
-    # duration, their total, and the share of the wall clock they took lately.
+    # Full listings of the source (poller.duty): how many, the last one's duration, their total, their share.
     listings: Count | None = None
     listing_s: Seconds | None = None
     listing_total_s: Seconds | None = None
     listing_share: Share | None = None
-    # The watch (poller.polling): targeted reads of waited-on keys so far, and the listings a change seen there
-    # brought forward.
+    # The watch (poller.polling): reads of waited-on keys so far, and the listings a change seen there brought forward.
     watch_reads: Count | None = None
     watch_listings: Count | None = None
 
@@ -134,16 +121,14 @@ class Stop(NamedTuple):
 
 class Resync(NamedTuple):
     reason: str
-    # The last seq of the poller's epoch the buffer had received when it
-    # asked: a snapshot the poller started after it is already the answer.
+    # The last seq the buffer had received when it asked: a snapshot started after it is already the answer.
     after: LastSeq | None = None
 
 
 class Sync(NamedTuple):
     token: Token
-    # Partitions the listing that answers ``token`` must include, on a source
-    # that lists a chosen set of them (poller.sources.transferqueue); the
-    # poller adds them to that set for good. Absent: the set stays as it is.
+    # Partitions the listing that answers ``token`` must include (and every later one), on a source that lists
+    # a chosen set of them (poller.sources.transferqueue).
     partitions: PartitionIds | None = None
 
 
@@ -166,20 +151,30 @@ RECORDS: dict[Kind, Any] = {Kind.READY: Ready, Kind.DELTA: Delta, Kind.HEARTBEAT
                             Kind.ACK: Ack, Kind.WATCH: Watch}
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
+#: The most partition ids one SYNC may name.
+MAX_PARTITION_IDS = 1024
+#: The most keys one WATCH may name: a targeted read of more costs the store as much as a small listing.
+MAX_WATCH_KEYS = 256
 
 _STR_ONLY = frozenset({str})
 _BYTES_ONLY = frozenset({bytes})
 
 
-def _packed_ok(value: Any) -> bool:
-    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, one bytes blob per key.
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
-    Checked in C-level passes (a resync carries every key); what a blob holds
-    is checked as it is unpacked (:func:`poller.wire.tags.unpack_many_tags`).
-    """
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _strs(value: Any, most: int | None = None) -> bool:
+    """A list of at most ``most`` str."""
+    return isinstance(value, list) and (most is None or len(value) <= most) and all(isinstance(s, str) for s in value)
+
+
+def _packed_ok(value: Any) -> bool:
+    """``{partition: [keys, blobs]}``: str partitions and keys, each key once, a bytes blob each (read by wire.tags)."""
     if type(value) is not dict:
         return False
     for partition, entry in value.items():
@@ -190,54 +185,29 @@ def _packed_ok(value: Any) -> bool:
             return False
         if not set(map(type, keys)) <= _STR_ONLY or not set(map(type, blobs)) <= _BYTES_ONLY:
             return False
-        # A key twice would be applied against tags it no longer has (the
-        # store merges a message's keys at once): malformed, like a dict's.
+        # A key twice would be applied against tags it no longer has: malformed, like a dict's.
         if len(set(keys)) != len(keys):
             return False
     return True
 
 
-def _named_ok(value: Any) -> bool:
-    """At most 64 ``[partition, key, reason]`` of str."""
-    return isinstance(value, list) and len(value) <= 64 and all(
-        isinstance(entry, list) and len(entry) == 3 and all(isinstance(part, str) for part in entry)
-        for entry in value)
-
-
-#: The most partition ids one SYNC may name.
-MAX_PARTITION_IDS = 1024
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _deletes_ok(value: Any) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(partition, str) and isinstance(keys, list) and all(isinstance(key, str) for key in keys)
-        for partition, keys in value.items())
-
-
-#: The most keys one WATCH may name: a targeted read of more costs the store as much as a small listing.
-MAX_WATCH_KEYS = 256
-
-
-_CHECKS: dict[str, Callable[[Any], bool]] = {
-    "int": _is_int,
-    "float": _is_number,
-    "str": lambda v: isinstance(v, str),
-    "bool": lambda v: isinstance(v, bool),
-    "Count": lambda v: _is_int(v) and v >= 0,
-    "Token": lambda v: _is_int(v) and v > 0,
-    "LastSeq": lambda v: _is_int(v) and v >= -1,
-    "Packed": _packed_ok,
-    "Deletes": _deletes_ok,
-    "Named": _named_ok,
-    "Seconds": lambda v: _is_number(v) and 0 <= v < math.inf,
-    "Share": lambda v: _is_number(v) and 0 <= v <= 1,
-    "PartitionIds": lambda v: isinstance(v, list) and len(v) <= MAX_PARTITION_IDS and all(
-        isinstance(partition, str) and partition for partition in v),
-    "WatchKeys": lambda v: isinstance(v, list) and len(v) <= MAX_WATCH_KEYS and all(isinstance(key, str) for key in v),
+# Per field type: the type check (else "wrong type"), and the bounds it must keep (else "wrong value").
+_CHECKS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], bool] | None]] = {
+    "int": (_is_int, None),
+    "float": (_is_number, None),
+    "str": (lambda v: isinstance(v, str), None),
+    "bool": (lambda v: isinstance(v, bool), None),
+    "Count": (_is_int, lambda v: v >= 0),
+    "Token": (_is_int, lambda v: v > 0),
+    "LastSeq": (_is_int, lambda v: v >= -1),
+    "Seconds": (_is_number, lambda v: 0 <= v < math.inf),
+    "Share": (_is_number, lambda v: 0 <= v <= 1),
+    "Packed": (_packed_ok, None),
+    "Deletes": (lambda v: isinstance(v, dict) and all(isinstance(p, str) and _strs(k) for p, k in v.items()), None),
+    "Named": (lambda v: isinstance(v, list) and len(v) <= 64 and all(
+        _strs(entry) and len(entry) == 3 for entry in v), None),
+    "PartitionIds": (lambda v: _strs(v, MAX_PARTITION_IDS) and all(v), None),
+    "WatchKeys": (lambda v: _strs(v, MAX_WATCH_KEYS), None),
 }
 
 
@@ -252,8 +222,6 @@ def _fields(record: Any) -> list[tuple[str, str, bool]]:
 
 
 _SCHEMAS = {kind: _fields(record) for kind, record in RECORDS.items()}
-# Bounded number types: a number of the right kind there can still be a wrong value.
-_BOUNDED = {"Count": _is_int, "LastSeq": _is_int, "Token": _is_int, "Seconds": _is_number, "Share": _is_number}
 
 
 def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
@@ -270,11 +238,11 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
             if required:
                 raise ProtocolError(f"{kind.name} body lacks field {name!r}")
             continue
-        value = body[name]
-        if not _CHECKS[type_name](value):
-            if type_name in _BOUNDED and _BOUNDED[type_name](value):  # a number out of its bounds
-                raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
+        value, (is_type, in_bounds) = body[name], _CHECKS[type_name]
+        if not is_type(value):
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
+        if in_bounds is not None and not in_bounds(value):
+            raise ProtocolError(f"{kind.name} field {name!r} has a wrong value {value!r}")
 
 
 def to_record(kind: Kind, body: Mapping[str, Any]) -> Body:

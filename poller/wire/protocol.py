@@ -1,15 +1,14 @@
 """The wire format: pure functions between messages and ZeroMQ frames; no sockets.
 
-Both sides import this module, the one place that knows the stream's format.
-A message is two frames: ``header = msgpack [version, kind, epoch, seq]`` and
-``body = msgpack map`` shaped by ``kind``. ``epoch`` is new each time a poller
-process starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means
+Both sides import this module. A message is two frames: ``header = msgpack
+[version, kind, epoch, seq]`` and ``body = msgpack map`` shaped by ``kind``
+(:mod:`poller.wire.messages`). ``epoch`` is new each time a poller process
+starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means
 something was lost, and the receiver asks for a RESYNC instead of diverging.
 
-Decoding is strict and bounded: frame sizes capped, every field type-checked,
-unknown kinds and versions refused, every failure a
-:class:`~poller.wire.errors.ProtocolError`. Pickle is never used. DELTA, the
-one bulky kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
+Decoding is strict and bounded (:class:`Limits`); every failure is a
+:class:`~poller.wire.errors.ProtocolError`. No pickle. DELTA, the one bulky
+kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
 """
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ __all__ = ["PROTOCOL_VERSION", "Kind", "Limits", "Message", "Piece", "encode", "
 PROTOCOL_VERSION = 2
 
 
-# NamedTuples rather than dataclasses in every module the poller process
-# imports: dataclasses pulls in inspect, ~8 ms of its start-up.
 class _LimitFields(NamedTuple):
-    """The fields of :class:`Limits`, with their defaults."""
+    """The fields of :class:`Limits`, with their defaults (a NamedTuple: see :mod:`poller.wire.messages`)."""
 
     max_frame_bytes: int = 64 * 1024 * 1024
     max_header_bytes: int = 128
@@ -78,8 +75,7 @@ DEFAULT_LIMITS = Limits()
 
 
 class Message(NamedTuple):
-    """One message. Decoded, ``body`` is the record of ``kind`` (:mod:`poller.wire.messages`);
-    to encode, a record or a plain map (a hand-driven peer's) will do."""
+    """One message; ``body`` is the record of ``kind`` (to encode, a plain map of its fields will do)."""
 
     kind: Kind
     epoch: int
@@ -96,8 +92,7 @@ def encode_body(kind: Kind, body: Body | Mapping[str, Any]) -> bytes:
     """Check and pack a body: the record of ``kind``, or a map of its fields.
 
     Raises:
-        ProtocolError: the body does not fit ``kind`` or holds values msgpack
-            cannot encode (the message names the offending type).
+        ProtocolError: the body does not fit ``kind`` or holds values msgpack cannot encode.
     """
     try:
         fields = as_map(kind, body)
@@ -115,20 +110,13 @@ def encode(message: Message) -> list[bytes]:
 
 
 def packed_size(value: Any) -> int:
-    """How many bytes ``value`` takes in a body, as a DELTA packs it.
-
-    Raises:
-        TypeError, ValueError, OverflowError: msgpack cannot encode ``value``.
-    """
+    """How many bytes ``value`` takes in a body, as a DELTA packs it (raises as msgpack if it cannot)."""
     return len(msgpack.packb(value, use_bin_type=True))
 
 
 def fit_text(text: str, limits: Limits | None) -> str:
-    """``text`` cut to ``limits.max_str_len`` UTF-8 bytes, so a receiver with those limits takes it.
-
-    For what a poller says about itself (ERROR and LOG text), which must
-    reach a receiver with small limits rather than be refused whole.
-    """
+    """``text`` cut to ``limits.max_str_len`` UTF-8 bytes: what a poller says about itself (ERROR, LOG) must
+    reach a receiver with small limits rather than be refused whole."""
     if limits is None or len(text) * 4 <= limits.max_str_len:
         return text
     raw = text.encode(errors="surrogatepass")
@@ -151,12 +139,10 @@ def iter_encode_delta(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
     """A poll as DELTA bodies of at most ``chunk_items`` keys, each under ``max_frame_bytes``, one at a time.
 
     The first body of a full snapshot carries ``reset``, the last of every
-    poll ``end``. A piece is taken only when the body before it was handed on,
-    so the trainer applies a snapshot while the poller still makes it (an
-    empty piece sends what came before it at once); ``deletes`` is read once
-    the pieces are exhausted and fills the last body first. After a
-    ProtocolError the poll has no ``end`` and is sent again, which the
-    receiver tolerates.
+    poll ``end``. A piece is taken only when the body before it was handed on
+    (an empty piece sends what came before it at once); ``deletes`` is read
+    once the pieces are exhausted. After a ProtocolError the poll has no
+    ``end`` and is sent again, which the receiver tolerates.
 
     Raises:
         ProtocolError: one key whose tags alone exceed ``max_frame_bytes`` (the screen lets none through).
@@ -235,8 +221,7 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
     """Decode and check the two frames of one message.
 
     Raises:
-        ProtocolError: for anything but a well-formed message of a known kind
-            and of this protocol version.
+        ProtocolError: for anything but a well-formed message of a known kind and of this protocol version.
     """
     if len(frames) != 2:
         raise ProtocolError(f"expected 2 frames, got {len(frames)}")
@@ -265,9 +250,14 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name} body is not a map")
     check_body(kind, body)
-    if kind is Kind.DELTA:
-        _check_delta_bounds(body, limits)
-    elif _deeper_than(body, limits.max_depth):
+    nested = body
+    if kind is Kind.DELTA:  # tags are checked as they are unpacked (poller.wire.tags); deletes are flat
+        deletes, packed = body["deletes"], body["packed"]
+        count = len(deletes) + sum(map(len, deletes.values())) + len(packed) + sum(len(k) for k, _ in packed.values())
+        if count > limits.max_keys_per_message:
+            raise ProtocolError(f"DELTA holds {count} partitions and keys, more than {limits.max_keys_per_message}")
+        nested = {name: value for name, value in body.items() if name not in _DELTA_BULKY_FIELDS}
+    if _deeper_than(nested, limits.max_depth):
         raise ProtocolError(f"{kind.name} body nests deeper than {limits.max_depth}")
     return Message(kind, epoch, seq, to_record(kind, body))
 
@@ -286,17 +276,6 @@ def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
             if isinstance(child, (dict, list)):
                 stack.append((child, level + 1))
     return False
-
-
-def _check_delta_bounds(body: dict[str, Any], limits: Limits) -> None:
-    """What :func:`~poller.wire.messages.check_body` leaves to a DELTA: keys per message, nesting."""
-    deletes, packed = body["deletes"], body["packed"]
-    count = len(deletes) + sum(map(len, deletes.values())) + len(packed) + sum(len(keys) for keys, _ in packed.values())
-    if count > limits.max_keys_per_message:
-        raise ProtocolError(f"DELTA holds {count} partitions and keys, more than {limits.max_keys_per_message}")
-    # Tags are checked as they are unpacked (poller.wire.tags.unpack_many_tags); deletes are flat.
-    if _deeper_than({k: v for k, v in body.items() if k not in _DELTA_BULKY_FIELDS}, limits.max_depth):
-        raise ProtocolError(f"DELTA body nests deeper than {limits.max_depth}")
 
 
 def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:

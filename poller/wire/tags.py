@@ -1,10 +1,9 @@
 """The tag codec: one key's tags as bytes, on the wire and in the trainer's store.
 
 A poller packs each key's tags alone (:func:`pack_tags`); the trainer checks
-them once as they arrive (:func:`unpack_many_tags`, bounded by
-:class:`~poller.wire.protocol.Limits`), keeps them packed (:func:`freeze`) and
-unpacks what it hands out (:func:`thaw`). Tags packed by either side compare
-as bytes: how both sides decide "did it change?".
+them as they arrive (:func:`unpack_many_tags`), keeps them packed
+(:func:`freeze`) and unpacks what it hands out (:func:`thaw`). Tags packed by
+either side compare as bytes: how both decide "did it change?".
 """
 
 from __future__ import annotations
@@ -31,10 +30,8 @@ _TAGS_DEPTH = 4
 def pack_tags(tags: Mapping[str, Any], *, exact: bool = False) -> bytes | None:
     """``tags`` packed as a poller packs them for the wire, or ``None`` if msgpack cannot.
 
-    With ``exact``, only when unpacking gives the same values back
-    (``strict_types``: a tuple would come back a list, a subclass as its
-    base): the store holds tags in this form, so tags the trainer added and
-    tags that arrived packed compare as bytes.
+    With ``exact``, only when unpacking gives the same values back (no tuple,
+    no subclass): the store's form (:func:`freeze`).
     """
     try:
         return msgpack.packb(tags, use_bin_type=True, strict_types=exact)  # type: ignore[no-any-return]
@@ -54,9 +51,8 @@ def pack_many_tags(many: Iterable[Any]) -> list[bytes | None]:
 def fresh_strs(strs: Sequence[str]) -> list[str]:
     """New objects equal to ``strs`` (one msgpack round trip, in C).
 
-    What a poller keeps from a listing of a million keys must not be the
-    listing's own key objects: scattered among the freed tag dicts, they
-    would keep the listing's memory resident (~550 MB held for ~200 MB live).
+    A listing's own key objects, kept among its freed tag dicts, would keep
+    its memory resident (1M keys: ~550 MB held for ~200 MB live).
     """
     return msgpack.unpackb(msgpack.packb(list(strs)), raw=False)  # type: ignore[no-any-return]
 
@@ -77,9 +73,6 @@ def unpack_tags(blob: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
 
 def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> list[dict[str, Any]]:
     """:func:`unpack_tags` of each blob, checked in C-level passes (~1 us a key, where a call each costs ~4).
-
-    Only tags holding containers are walked for their depth; a failure is
-    located by unpacking one by one.
 
     Raises:
         ProtocolError: as :func:`unpack_tags`, for the first blob refused.
@@ -102,12 +95,9 @@ def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
 def _unpack_each(blobs: Sequence[bytes], limits: Limits | None) -> list[Any]:
     """Each blob's one msgpack object, read by one unpacker from the blobs joined (~0.55 us a key, not ~0.9).
 
-    Each blob must end where its object ends: joined, a blob with bytes to
-    spare and a short one after it could otherwise read as two objects.
-    ``limits=None``: bytes the store holds (checked as they arrived, or packed here).
-
-    Raises:
-        ValueError: a blob is not exactly one object (or msgpack's own errors).
+    ``limits=None``: bytes the store holds. Raises ValueError (or msgpack's
+    errors) unless each blob is exactly one object: joined, a long blob and a
+    short one could read as two.
     """
     joined = b"".join(blobs)
     bounds = {} if limits is None else dict(max_str_len=limits.max_str_len, max_bin_len=limits.max_str_len,
