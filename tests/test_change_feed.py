@@ -20,8 +20,9 @@ from poller.polling import PollingThread
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import Kind
 from poller.wire.sources import ChangeFeed, has_change_feed
-from tests.helpers.deltas import Polled, held_tags, packed_sent, polled, read
 from tests.conftest import wait_until
+from tests.helpers.deltas import Polled, held_tags, packed_sent, polled, read
+from tests.helpers.processes import run_to_the_end
 from tests.helpers.sqlite_writers import open_and_put, random_ops, random_writer
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -124,19 +125,7 @@ def test_an_old_schema_file_is_migrated_in_place_by_concurrent_openers(db: Path)
     ctx = multiprocessing.get_context("spawn")
     gate = ctx.Event()
     procs = [ctx.Process(target=open_and_put, args=(str(db), n, gate)) for n in range(3)]
-    try:
-        for proc in procs:
-            proc.start()
-        gate.set()
-        for proc in procs:
-            proc.join(JOIN_TIMEOUT)
-        assert [proc.exitcode for proc in procs] == [0, 0, 0]
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(JOIN_TIMEOUT)
-            proc.close()
+    assert run_to_the_end(procs, JOIN_TIMEOUT, started=gate.set) == [0, 0, 0]
     with SqliteSource(db) as store:
         cursor, listing = store.kv_snapshot()
         assert listing == {"p": {"old": {"v": 1}, **{f"new{n}": {"index": n} for n in range(3)}}}
@@ -371,18 +360,7 @@ def test_the_poller_lists_the_store_once_then_reads_only_changes(db: Path) -> No
 def _run_writers(db: Path, seeds: list[int], ops: int) -> None:
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=random_writer, args=(str(db), seed, ops)) for seed in seeds]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(JOIN_TIMEOUT)
-        assert [proc.exitcode for proc in procs] == [0] * len(procs)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(JOIN_TIMEOUT)
-            proc.close()
+    assert run_to_the_end(procs, JOIN_TIMEOUT) == [0] * len(procs)
 
 
 def _converges(rb: ReplayBuffer, store: SqliteSource) -> bool:

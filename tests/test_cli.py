@@ -178,20 +178,26 @@ def test_standalone_poller_streams_to_a_buffer_and_exits_0_on_sigterm(tmp_path: 
 
 # -- the demo ----------------------------------------------------------------------------------------
 
+def _run(argv: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[Any, str, str]:
+    """Run ``argv`` from the checkout to its end (killed at ``timeout``): the process, its stdout and stderr."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    return proc, out, err
+
+
 def test_demo_runs_and_shuts_down_gracefully(tmp_path: Path) -> None:
     # A private TMPDIR: the demo's store and ipc directory land there, where we
     # can check it removed them, and not next to other runs' /tmp/replay-* dirs.
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(private_tmp))
-    proc = subprocess.Popen([sys.executable, "-m", "buffer.demo", "--seconds", "2"], cwd=ROOT, env=env,
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+    proc, out, err = _run([sys.executable, "-m", "buffer.demo", "--seconds", "2"], timeout=60, env=env)
     assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert "shutdown: stage graceful" in out, out
     assert "poller exit code 0" in out and "drained True" in out, out
@@ -201,17 +207,9 @@ def test_demo_runs_and_shuts_down_gracefully(tmp_path: Path) -> None:
 
 
 def test_bad_log_level_is_a_one_line_error(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poller", "run", "--source", SPEC,
-         "--source-kwargs", json.dumps({"path": str(tmp_path / "kv.db")}),
-         "--connect", "tcp://127.0.0.1:1", "--log-level", "bogus"],
-        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=10)
+    proc, _, err = _run([sys.executable, "-m", "poller", "run", "--source", SPEC,
+                         "--source-kwargs", json.dumps({"path": str(tmp_path / "kv.db")}),
+                         "--connect", "tcp://127.0.0.1:1", "--log-level", "bogus"], timeout=20)
     assert proc.returncode == 2, err
     assert len(err.splitlines()) == 1 and "error" in err and "Traceback" not in err, err
 

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from poller import PollerCrashed, PollerStartupError
 from poller.wire.errors import RemoteTraceback
 from tests.conftest import alive as _alive
 from tests.conftest import wait_until
+from tests.helpers.processes import close_from_threads
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 HELPERS = "tests.helpers.sources"
@@ -82,12 +82,7 @@ def test_a_poller_that_ignores_stop_is_terminated_or_killed(tmp_path, fault, sta
 
 def test_concurrent_closes_all_get_the_same_report(db):
     rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05)
-    reports: list = []
-    threads = [threading.Thread(target=lambda: reports.append(rb.close())) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    reports = close_from_threads(rb, 4, timeout=10)
     assert len(reports) == 4 and all(r is reports[0] for r in reports)
     assert reports[0].stage == "graceful"
 

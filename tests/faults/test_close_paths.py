@@ -23,6 +23,7 @@ from poller import PollerProcess, PollerStartupError
 from poller.sources.sqlite import SqliteSource
 from poller.wire.errors import RemoteTraceback
 from tests.conftest import alive, wait_until
+from tests.helpers.processes import close_from_threads
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 REPO = Path(__file__).resolve().parents[2]
@@ -93,17 +94,18 @@ def test_a_trainer_failing_at_any_step_raises_its_own_error_and_leaks_nothing(db
 
 # -- close() from everywhere ------------------------------------------------------------------------------
 
-def test_concurrent_closes_of_a_poller_that_must_be_killed_all_get_the_one_report(tmp_path):
+def _stuck_in_a_poll(tmp_path: Path, close_timeout: float) -> ReplayBuffer:
+    """A buffer whose poller ignores SIGTERM and is stuck in its second poll: close() must kill it."""
     marker = tmp_path / "stuck"
     rb = ReplayBuffer(source="poller.faults:ignore_sigterm", source_kwargs={"after": 1, "marker": str(marker)},
-                      poll_interval=0.01, close_timeout=0.3)
+                      poll_interval=0.01, close_timeout=close_timeout)
     assert wait_until(marker.exists, timeout=10)
-    reports: list = []
-    threads = [threading.Thread(target=lambda: reports.append(rb.close())) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
+    return rb
+
+
+def test_concurrent_closes_of_a_poller_that_must_be_killed_all_get_the_one_report(tmp_path):
+    rb = _stuck_in_a_poll(tmp_path, close_timeout=0.3)
+    reports = close_from_threads(rb, 6, timeout=20)
     assert len(reports) == 6 and all(r is reports[0] for r in reports)
     assert reports[0].stage == "killed" and reports[0].exitcode == -signal.SIGKILL
     assert rb.close() is reports[0]  # and twice
@@ -126,10 +128,7 @@ def test_close_from_a_signal_handler_while_sample_waits(db):
 
 
 def test_close_from_a_signal_handler_that_interrupts_close_does_not_deadlock(tmp_path):
-    marker = tmp_path / "stuck"
-    rb = ReplayBuffer(source="poller.faults:ignore_sigterm", source_kwargs={"after": 1, "marker": str(marker)},
-                      poll_interval=0.01, close_timeout=0.5)
-    assert wait_until(marker.exists, timeout=10)
+    rb = _stuck_in_a_poll(tmp_path, close_timeout=0.5)
     nested: list = []
     previous = signal.signal(signal.SIGALRM, lambda signum, frame: nested.append(rb.close()))
     try:
