@@ -16,7 +16,7 @@ import pytest
 
 from poller.diff import Diff
 from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
-from poller.wire.sources import PackedItems, packed_listing
+from poller.wire.sources import PackedItems, capabilities
 from poller.wire.protocol import DEFAULT_LIMITS
 from poller.wire.tags import pack_tags
 from tests.helpers.deltas import polled
@@ -231,11 +231,11 @@ class _Plain:
 
 def test_a_source_is_listed_packed_unless_a_subclass_overrides_kv_list_alone():
     source = _Packs()
-    assert packed_listing(source) == source.kv_list_packed
-    assert packed_listing(_Logs()) is None
+    assert capabilities(source).kv_list_packed == source.kv_list_packed
+    assert capabilities(_Logs()).kv_list_packed is None
     both = _LogsBoth()
-    assert packed_listing(both) == both.kv_list_packed
-    assert packed_listing(_Plain()) is None
+    assert capabilities(both).kv_list_packed == both.kv_list_packed
+    assert capabilities(_Plain()).kv_list_packed is None
     patched = _Packs()
     patched.kv_list = lambda: {"p": {}}  # type: ignore[method-assign]
-    assert packed_listing(patched) is None
+    assert capabilities(patched).kv_list_packed is None

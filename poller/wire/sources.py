@@ -3,18 +3,10 @@
 Both processes use it: the poller builds its source from an importable spec
 (the trainer never pickles a live store client into the child), and
 ``buffer.verl`` builds a store client from the same spec in the trainer.
-One :class:`~typing.Protocol` per capability: :class:`Source` (``kv_list``,
-required), :class:`PackedListing`, :class:`ChangeFeed`, :class:`Watch`, and
-the trainer's :class:`StoreClient` / :class:`FieldReads`.
-
-:func:`load_source` checks the contract once (:func:`capabilities`): a
-malformed source (half a change feed, an attribute of one of these names
-that is not callable) fails the poller's start-up with a ``TypeError``
-naming it, and what the source offers is then read from the
-:class:`Capabilities` record. Any call may raise :class:`SourceStall` past the
-source's own deadline (counted, then polled again); a tag value a source
-cannot read stands in its listing as an :class:`UnreadableValue`, and the
-poller quarantines that key alone.
+One :class:`~typing.Protocol` per capability; :func:`capabilities` checks a
+source once and records what it offers. Any call may raise
+:class:`SourceStall` past the source's own deadline (counted, then polled
+again).
 """
 
 from __future__ import annotations
@@ -26,8 +18,7 @@ from poller.wire.vocabulary import Listing
 
 __all__ = ["Capabilities", "ChangeFeed", "FieldReads", "PackedItems", "PackedListing", "Source", "SourceSpec",
            "SourceStall", "StoreClient", "UnreadableValue", "Watch", "WatchRead", "capabilities", "describe_spec",
-           "has_change_feed", "load_capabilities", "load_source", "missing_calls", "packed_listing",
-           "resolve_spec", "watch_reader"]
+           "load_source", "resolve_spec"]
 
 
 class SourceStall(TimeoutError):
@@ -190,17 +181,6 @@ class FieldReads(StoreClient, Protocol):
                      select_fields: list[str] | None = None) -> Mapping[str, list[Any]]: ...
 
 
-_CALLS: dict[type, tuple[str, ...]] = {
-    Source: ("kv_list",), PackedListing: ("kv_list_packed",), ChangeFeed: ("kv_snapshot", "kv_changes"),
-    Watch: ("kv_watch",), StoreClient: ("kv_clear", "kv_list"), FieldReads: ("kv_clear", "kv_list", "kv_batch_get"),
-}
-
-
-def missing_calls(obj: object, protocol: type) -> list[str]:
-    """The methods of ``protocol`` (one of this module's) that ``obj`` lacks or holds as something not callable."""
-    return [name for name in _CALLS[protocol] if not callable(getattr(obj, name, None))]
-
-
 class Capabilities(NamedTuple):
     """What one source offers, checked once (:func:`capabilities`): its bound methods, None where not offered.
 
@@ -235,7 +215,7 @@ def capabilities(source: object) -> Capabilities:
             without both).
     """
     kind = type(source).__name__
-    if missing_calls(source, Source):
+    if not callable(getattr(source, "kv_list", None)):
         raise TypeError(f"{kind!r} has no kv_list()")
     offered = {name: getattr(source, name, None) for name in _OPTIONAL}
     broken = [name for name, method in offered.items() if method is not None and not callable(method)]
@@ -262,21 +242,6 @@ def _packed_stands_for_list(source: object) -> bool:
     return list_owner is not None and packed_owner is not None and mro.index(packed_owner) <= mro.index(list_owner)
 
 
-def packed_listing(source: object) -> Callable[[], Any] | None:
-    """``source.kv_list_packed`` if the poller should list ``source`` by it, else None (:class:`PackedListing`)."""
-    return capabilities(source).kv_list_packed
-
-
-def has_change_feed(source: object) -> bool:
-    """Whether ``source`` offers :class:`ChangeFeed`."""
-    return capabilities(source).change_feed
-
-
-def watch_reader(source: object) -> WatchReader | None:
-    """The source's ``kv_watch``, if it offers one and has no change feed."""
-    return capabilities(source).kv_watch
-
-
 #: ``"package.module:attr"``, or a picklable callable returning a Source.
 SourceSpec = Union[str, Callable[..., Any]]
 
@@ -299,10 +264,19 @@ def resolve_spec(spec: str) -> Any:
     return obj
 
 
+def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
+    """Build a source from ``spec``, checked against the contract (:func:`capabilities`).
 
+    ``spec`` names (or is) either an object that already has ``kv_list`` —
+    used as it is — or a callable, called with ``**kwargs``, whose result must
+    be a source.
 
-def load_capabilities(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Capabilities:
-    """Build a source from ``spec`` and check it against the contract (:func:`load_source`)."""
+    Raises:
+        ValueError: malformed spec, missing attribute, or kwargs given for an
+            object that is not called.
+        TypeError: the result breaks the contract (:func:`capabilities`).
+        Exception: whatever importing the module or calling the factory raised.
+    """
     target = resolve_spec(spec) if isinstance(spec, str) else spec
     kwargs = dict(kwargs or {})
     # A class has a kv_list attribute too (the unbound function), so "already
@@ -316,26 +290,10 @@ def load_capabilities(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None)
     else:
         raise TypeError(f"source {describe_spec(spec)} is neither callable nor an object with kv_list()")
     try:
-        return capabilities(source)
+        capabilities(source)
     except TypeError as exc:
         raise TypeError(f"source {describe_spec(spec)}: {exc}") from None
-
-
-def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
-    """Build a source from ``spec``, checked against the contract.
-
-    ``spec`` names (or is) either an object that already has ``kv_list`` —
-    used as it is — or a callable, called with ``**kwargs``, whose result must
-    be a source.
-
-    Raises:
-        ValueError: malformed spec, missing attribute, or kwargs given for an
-            object that is not called.
-        TypeError: the result breaks the contract (:func:`capabilities`).
-        Exception: whatever importing the module or calling the factory raised.
-    """
-    source: Source = load_capabilities(spec, kwargs).source
-    return source
+    return source  # type: ignore[no-any-return]
 
 
 def describe_spec(spec: SourceSpec) -> str:
