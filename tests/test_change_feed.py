@@ -20,8 +20,8 @@ from poller.polling import PollingThread
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import Kind
 from poller.wire.sources import ChangeFeed, capabilities
-from tests.helpers.deltas import Polled, held_tags, packed_sent, polled, read
 from tests.conftest import wait_until
+from tests.helpers.deltas import Polled, held_tags, packed_sent, polled, read
 from tests.helpers.sqlite_writers import open_and_put, random_ops, random_writer
 
 SQLITE = "poller.sources.sqlite:SqliteSource"

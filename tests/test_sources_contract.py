@@ -79,7 +79,8 @@ def test_what_each_source_offers_is_read_from_one_record(tmp_path: Path) -> None
         assert offered.kv_list_packed is None and offered.kv_watch is None
         assert offered.kv_snapshot_pieces is not None
         offered.source.close()
-        assert capabilities(store).change_feed and isinstance(store, ChangeFeed) and capabilities(store).kv_watch is None
+        assert isinstance(store, ChangeFeed)
+        assert capabilities(store).change_feed and capabilities(store).kv_watch is None
         with pytest.raises(AttributeError):
             offered.kv_watch = store.kv_list  # type: ignore[misc]  # a frozen record
     finally:
