@@ -1,28 +1,21 @@
 """TransferQueue's tag values, turned into plain ones without numpy or torch (poller process).
 
-How the controller's codec (msgspec's msgpack with a hook) carries each kind
-of value, as found on real 0.1.11 replies (``tests/data/tq_kv_list_replies.msgpack``,
-made by ``tests/integration/capture_tq_replies.py``), and what it becomes:
+How the controller's codec (msgspec's msgpack with a hook) carries each kind of value, as found on real
+0.1.11 replies (``tests/data/tq_kv_list_replies.msgpack``), and what it becomes:
 
-- plain msgpack (tuples and sets as arrays; a naive datetime, UUID or Decimal
-  as a string; int tag names and partition ids as int keys): kept. A
-  datetime with a time zone (msgpack timestamp, ext -1): unreadable.
-- numpy scalars: ext 1, a pickle of numpy's scalar constructor over a dtype
-  and raw bytes -> ``bool``/``int``/``float``, as ``.item()`` gives. Any
-  other pickled class (object arrays too): unreadable.
-- numpy arrays (ext 5) and tensors (ext 3): a pickled ``(dtype, shape, frame
-  index)``, the raw elements in that extra frame -> the scalar for shape
-  ``()``, else nested lists as ``.tolist()`` gives; bool, int, uint and float
-  dtypes (bfloat16 too), up to :data:`MAX_ELEMENTS`. Nested tensors (ext 4)
-  and cloudpickled callables (ext 2): unreadable.
-- an int no msgpack int holds (``2**70``) makes the controller pickle the
-  whole reply (``[b"\xc1\xfe\xed", pickle]``): :func:`restricted_loads`
-  reads the same scalars, arrays (numpy's ``_frombuffer``) and dense tensors
-  (torch's legacy storage format) from it, so one such record spoils no other.
+- plain msgpack (tuples, sets, naive datetimes, UUIDs, Decimals, int keys as msgpack sends them): kept;
+  a datetime with a time zone (ext -1): unreadable.
+- numpy scalars (ext 1, a pickle of numpy's scalar constructor) -> ``bool``/``int``/``float`` as
+  ``.item()`` gives; any other pickled class: unreadable.
+- numpy arrays (ext 5) and tensors (ext 3): a pickled ``(dtype, shape, frame index)`` over raw elements ->
+  the scalar or nested lists as ``.tolist()`` gives, for bool, int, uint and float dtypes (bfloat16 too), up
+  to :data:`MAX_ELEMENTS`. Nested tensors (ext 4) and cloudpickled callables (ext 2): unreadable.
+- an int no msgpack int holds makes the controller pickle the whole reply: :func:`restricted_loads` reads
+  the same scalars, arrays and dense tensors (torch's legacy storage format) from it.
 
-An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue`
-in its place (the poller quarantines that key alone), an unreadable map key
-an :class:`UnreadableKey`. The restricted unpickler resolves no global by import.
+An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue` in its place (the poller
+quarantines that key alone), an unreadable map key an :class:`UnreadableKey`. The restricted unpickler
+resolves no global by import.
 """
 
 from __future__ import annotations
@@ -65,8 +58,7 @@ class UnreadableKey:
 class Deferred:
     """An extension value that is no hashable scalar, held until :func:`plain` puts it in place.
 
-    msgpack's extension hook cannot know whether its value is a map key, and a
-    list or an :class:`UnreadableValue` cannot be one.
+    msgpack's extension hook cannot know whether its value is a map key, which a list cannot be.
     """
 
     __slots__ = ("value",)
@@ -83,10 +75,8 @@ _SCALARS = (str, int, float, bool, type(None), bytes)
 def plain(obj: Any) -> Any:
     """``obj`` (from msgpack with :class:`Deferred` values, or the restricted unpickler) made plain.
 
-    Tuples and sets become lists, anything unreadable an :class:`UnreadableValue`.
-    A container held more than once is converted once and shared, as
-    unpickling shares it, so a pickle nesting one list in itself twice per
-    level stays linear work.
+    Tuples and sets become lists, anything unreadable an :class:`UnreadableValue`. A container held more
+    than once is converted once and shared, so a pickle nesting one list twice per level stays linear work.
     """
     return _value(obj, {})
 
@@ -219,9 +209,8 @@ def _from_buffer(what: str, dtype: str, shape: Sequence[int], data: bytes | byte
                  fortran: bool = False) -> Any:
     """The plain value of a ``what`` of ``dtype`` (numpy's ``str(dtype)`` or torch's name) and ``shape`` in ``data``.
 
-    ``strides`` and ``offset`` (in elements) place a view in ``data``, which
-    then holds its whole storage; without them the elements are contiguous,
-    in C order or ``fortran``.
+    ``strides`` and ``offset`` (in elements) place a view in ``data`` (its whole storage); without them the
+    elements are contiguous, in C order or ``fortran``.
     """
     kind = _kind(dtype, numpy_names)
     if kind is None:
@@ -421,9 +410,8 @@ class _Unpickler(pickle.Unpickler):
         return type("Refused", (_Refused,), {"global_name": f"{module}.{name}"})
 
 
-# The exact bytes numpy 2 writes for a bool, int, uint or float scalar (pickle protocol 5), read
-# without an unpickler (~1 us instead of ~10 us; a listing may hold one per key). Anything else,
-# numpy 1's pickles included, takes the unpickler.
+# The exact bytes numpy 2 writes for a bool, int, uint or float scalar, read without an unpickler (~10x
+# faster; a listing may hold one per key). Anything else, numpy 1's pickles included, takes the unpickler.
 _NUMPY_SCALAR_PICKLE = re.compile(
     rb"\x80\x05\x95.{8}\x8c\x16numpy\._core\.multiarray\x94\x8c\x06scalar\x94\x93\x94"
     rb"\x8c\x05numpy\x94\x8c\x05dtype\x94\x93\x94\x8c\x02([biuf][1248])\x94\x89\x88\x87\x94R\x94"
@@ -470,9 +458,9 @@ _BATCH_META_GLOBALS = {**_GLOBALS, ("transfer_queue.metadata", "BatchMeta"): _Ba
 
 
 def batch_meta_tags(data: bytes | memoryview) -> list[Any] | None:
-    """The tags of each key a pickled ``BatchMeta`` describes, in its order, not yet :func:`plain`.
+    """The tags of each key a pickled ``BatchMeta`` describes, in order, not yet :func:`plain`.
 
-    None for a pickle that is not a BatchMeta of the known layout, or whose two lists disagree.
+    None: not a BatchMeta of the known layout, or its two lists disagree.
     """
     try:
         meta = _Unpickler(io.BytesIO(data), _BATCH_META_GLOBALS).load()

@@ -26,11 +26,10 @@ class SourceStall(TimeoutError):
 
 
 class UnreadableValue:
-    """A tag value a source could not turn into a plain one; it stands in the listing in its place.
+    """A tag value a source could not turn into a plain one, standing in the listing in its place.
 
-    The poller quarantines every key whose tags hold one (left out of the
-    stream and named with ``reason``), so one such record never fails the
-    listing that carries it.
+    The poller quarantines every key whose tags hold one (named with ``reason``), so one such record never
+    fails the listing that carries it.
     """
 
     __slots__ = ("reason",)
@@ -50,13 +49,9 @@ class UnreadableValue:
 class PackedItems:
     """One partition of ``kv_list_packed()``: ``{key: packed tags}`` as the store's reply carried them.
 
-    Every key is a ``str`` and every value the msgpack of one key's tags;
-    ``decode(blobs)`` returns the tags of each (what ``kv_list()`` would have
-    listed, raising what it raises for a malformed reply). Bytes equal to
-    those the poller sent for the key mean unchanged tags and are not
-    decoded: the poller packs as msgpack does by default (``use_bin_type``).
-    Tags packed any other way are decoded and compared as tags, so the result
-    is the same either way.
+    ``decode(blobs)`` returns the tags of each (what ``kv_list()`` would list, raising what it raises). Bytes
+    equal to those the poller sent for the key (msgpack's default packing) are unchanged tags and stay
+    undecoded; tags packed any other way are decoded and compared as tags, with the same result.
     """
 
     __slots__ = ("items", "decode")
@@ -81,9 +76,8 @@ class WatchRead(NamedTuple):
 
     #: Bytes that differ from one read to the next once a tag, a field or the set of the keys found changed.
     fingerprint: bytes
-    #: What the store holds of the keys, read only when called (the poller compares it with what it sent on the
-    #: first read after a listing; later reads need the fingerprint alone): how many of them it holds, and each
-    #: one's tags when it holds them all and the source can read them (None otherwise).
+    #: Read only when called (the first read after a listing, compared with what was sent): how many of the keys
+    #: the store holds, and each one's tags when it holds them all and the source can read them (None otherwise).
     held: Callable[[], tuple[int, Union[dict[str, Any], None]]]
 
 
@@ -103,10 +97,8 @@ class Source(Protocol):
 class PackedListing(Protocol):
     """``kv_list()`` with each partition as :class:`PackedItems`: the poller decodes only changed keys (TransferQueue).
 
-    Used only where it stands for the ``kv_list()`` in effect: a subclass
-    that overrides ``kv_list()`` (to log, filter or add to a listing)
-    without overriding ``kv_list_packed()`` too, or an instance whose
-    ``kv_list`` was replaced, is listed by its own ``kv_list()``.
+    Used only where it stands for the ``kv_list()`` in effect: a subclass that overrides ``kv_list()`` alone,
+    or an instance whose ``kv_list`` was replaced, is listed by its own ``kv_list()``.
     """
 
     def kv_list_packed(self) -> Mapping[str, Any] | None: ...
@@ -116,36 +108,27 @@ class PackedListing(Protocol):
 class ChangeFeed(Protocol):
     """What changed since a cursor (an opaque value the source hands out and takes back): each poll reads only that.
 
-    A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``:
-    :meth:`kv_snapshot` as an iterator of listings, each read only when it is
-    taken, from one consistent read that lasts until the iterator is
-    exhausted or closed. The poller then sends each piece while the next is
-    read. A source with a change feed is not watched: the feed says what
-    changed already.
+    A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``: :meth:`kv_snapshot` as listings
+    each read when taken, from one consistent read held until the iterator is exhausted or closed (the poller
+    sends each piece while the next is read). A source with a change feed is not watched.
     """
 
     def kv_snapshot(self) -> tuple[Any, Listing]:
         """``(cursor, listing)``: a consistent full listing and the cursor right after it.
 
-        Every change committed after the listing was read must come back from
-        ``kv_changes(cursor)``.
+        Every change committed after the listing must come back from ``kv_changes(cursor)``.
         """
         ...
 
     def kv_changes(self, cursor: Any) -> tuple[Any, Listing, dict[str, list[str]]] | None:
         """``(cursor, upserts, deletes)`` since ``cursor``, or ``None`` to ask for a full listing.
 
-        ``upserts`` holds the current tags of every key written since
-        ``cursor`` (possibly unchanged ones); ``deletes`` is
-        ``{partition_id: [key, ...]}`` of keys removed since then and not
-        stored now (a key deleted and put again is an upsert). The returned
-        cursor follows exactly these changes. ``None``: the cursor can no
-        longer be served (too old, or from a store that was replaced or
-        rolled back to a backup: a cursor must tell the history it was taken
-        on from another that reached the same count); the caller takes
-        :meth:`kv_snapshot`. A key or partition id that is not a ``str`` is
-        the record's problem: an upsert of one is quarantined, a delete of one
-        lets it out of the quarantine.
+        ``upserts``: the current tags of every key written since ``cursor`` (possibly unchanged ones);
+        ``deletes``: ``{partition_id: [key, ...]}`` removed since then and not stored now (deleted and put
+        again is an upsert). The returned cursor follows exactly these changes. ``None``: the cursor can no
+        longer be served (too old, or the store was replaced or rolled back to a backup: a cursor must tell
+        its history from another that reached the same count); the caller takes :meth:`kv_snapshot`. A key or
+        partition id that is not a ``str`` is quarantined (upsert) or let out of the quarantine (delete).
         """
         ...
 
@@ -153,9 +136,8 @@ class ChangeFeed(Protocol):
 class Watch(Protocol):
     """A cheap read of named keys, repeated every ``watch_interval`` while a decision waits on them (TransferQueue).
 
-    The poller lists the store as soon as the fingerprint changes: a schedule
-    that decides *when* to list, never what the listing shows. It must
-    answer within ``timeout`` seconds or raise :class:`SourceStall`.
+    The poller lists as soon as the fingerprint changes: it decides *when* to list, never what the listing
+    shows. Answers within ``timeout`` seconds or raises :class:`SourceStall`.
     """
 
     def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float) -> WatchRead | None: ...
@@ -164,9 +146,8 @@ class Watch(Protocol):
 class StoreClient(Protocol):
     """The store calls ``buffer.verl`` makes from the trainer: clear keys, and list one partition to check a clear.
 
-    An optional attribute ``clear_is_all_or_nothing = True`` says that a
-    ``kv_clear`` naming a key already gone clears nothing (TransferQueue
-    0.1.8), so every clear is checked by listing the partition.
+    ``clear_is_all_or_nothing = True`` (optional) says a ``kv_clear`` naming a key already gone clears nothing
+    (TransferQueue 0.1.8), so every clear is checked by listing the partition.
     """
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None: ...
@@ -209,10 +190,8 @@ def capabilities(source: object) -> Capabilities:
     """Check ``source`` against the contract and record what it offers.
 
     Raises:
-        TypeError: no callable ``kv_list``; an optional method's name held by
-            something not callable; half a change feed (``kv_changes``
-            without ``kv_snapshot`` or the reverse, or ``kv_snapshot_pieces``
-            without both).
+        TypeError: no callable ``kv_list``; an optional method's name held by something not callable; half a
+            change feed (one of ``kv_snapshot``/``kv_changes``, or ``kv_snapshot_pieces`` without both).
     """
     kind = type(source).__name__
     if not callable(getattr(source, "kv_list", None)):
@@ -267,13 +246,11 @@ def resolve_spec(spec: str) -> Any:
 def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
     """Build a source from ``spec``, checked against the contract (:func:`capabilities`).
 
-    ``spec`` names (or is) either an object that already has ``kv_list`` —
-    used as it is — or a callable, called with ``**kwargs``, whose result must
-    be a source.
+    ``spec`` names (or is) an object that has ``kv_list`` (used as it is) or a callable, called with
+    ``**kwargs``, whose result must be a source.
 
     Raises:
-        ValueError: malformed spec, missing attribute, or kwargs given for an
-            object that is not called.
+        ValueError: malformed spec, missing attribute, or kwargs given for an object that is not called.
         TypeError: the result breaks the contract (:func:`capabilities`).
         Exception: whatever importing the module or calling the factory raised.
     """
