@@ -1,15 +1,13 @@
 """The embedded default store: a key-value store of tags (and JSON fields) in one SQLite file.
 
-It speaks TransferQueue's KV API, so the poller, the demo and the tests need
-no Ray, torch or controller, and offers the change feed
-(:mod:`poller.sources.sqlite_changes`). Any number of processes share a file::
+It speaks TransferQueue's KV API, so the poller, the demo and the tests need no Ray, torch or controller, and
+offers the change feed (:mod:`poller.sources.sqlite_changes`). Any number of processes share a file::
 
     writer processes ──kv_batch_put──▶ kv.db (WAL) ◀──kv_changes()── poller thread
     trainer ─────────────kv_clear────▶
 
-Built from a spec in any process, so the connection opens on first use, in
-the process that uses it (anew after a fork). Fields are JSON only (not
-tensors), which verl's DAPO metric, ``extra_fields.reward_extra_info``, is.
+Built from a spec in any process, so the connection opens on first use, in the process that uses it (anew
+after a fork). Fields are JSON only (not tensors), which verl's DAPO metric is.
 """
 
 from __future__ import annotations

@@ -1,25 +1,22 @@
 """The SQLite store's change feed: what changed since a cursor, without listing the store.
 
-SQLite triggers log every write inside the writer's own transaction, whatever
-code wrote: each write appends a row to ``kv_versions`` (rowid = version, with
-a random 31-bit ``stamp``) and stores the version in the written row
-(``kv.version``, indexed); each delete is logged in ``kv_deleted``::
+SQLite triggers log every write inside the writer's own transaction, whatever code wrote: each write appends
+a row to ``kv_versions`` (rowid = version, with a random 31-bit ``stamp``) and stores the version in the
+written row (``kv.version``, indexed); each delete is logged in ``kv_deleted``::
 
     kv_batch_put ─▶ kv_versions (version=last+1, stamp) ─▶ kv row (tags, version)
     kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
     poller ───────▶ rows and deletions with version > cursor, in one read transaction
 
-One writer at a time and the log in the database: version order is commit
-order, and a cursor taken in a read never skips a later commit.
+One writer at a time and the log in the database: version order is commit order, and a cursor taken in a
+read never skips a later commit.
 
-A cursor is ``(store id, version, stamp)``, served only if the file still
-logs that version with that stamp: a restored backup keeps the store id and
-hands out the version numbers the poller saw again, for other writes, but
-the stamps differ, so a rolled-back file gets ``None`` and a full listing.
-So does a cursor older than the ``keep`` versions the logs keep
-(:data:`DEFAULT_KEEP_VERSIONS`), ahead of the file or from another file.
-``kv_clock.version`` stays within 4096 versions of the last one, so a reader
-of an older version of this package re-reads at most that many changes.
+A cursor is ``(store id, version, stamp)``, served only if the file still logs that version with that stamp:
+a restored backup keeps the store id and hands out the version numbers the poller saw again, for other
+writes, but the stamps differ, so a rolled-back file gets ``None`` and a full listing. So does a cursor older
+than the ``keep`` versions the logs keep (:data:`DEFAULT_KEEP_VERSIONS`), ahead of the file or from another
+file. ``kv_clock.version`` stays within 4096 versions of the last one, so a reader of an older version of
+this package re-reads at most that many changes.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The source contract: what a store must and may offer, checked once when the source is loaded.
 
-Both processes use it: the poller builds its source from an importable spec
-(the trainer never pickles a live store client into the child), and
-``buffer.verl`` builds a store client from the same spec in the trainer.
-One :class:`~typing.Protocol` per capability; :func:`capabilities` checks a
-source once and records what it offers. Any call may raise
-:class:`SourceStall` past the source's own deadline (counted, then polled
-again).
+Both processes use it: the poller builds its source from an importable spec (the trainer never pickles a live
+store client into the child), and ``buffer.verl`` builds a store client from the same spec in the trainer.
+One :class:`~typing.Protocol` per capability; :func:`capabilities` checks a source once and records what it
+offers. Any call may raise :class:`SourceStall` past the source's own deadline (counted, then polled again).
 """
 
 from __future__ import annotations
