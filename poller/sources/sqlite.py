@@ -45,8 +45,7 @@ class SqliteSource:
 
     Args:
         path: the database file, created (with its directory) on first use.
-        timeout: seconds to wait for another process's write lock before
-            :class:`sqlite3.OperationalError` ("database is locked").
+        timeout: seconds to wait for another process's write lock before :class:`sqlite3.OperationalError`.
 
     Example:
         >>> with SqliteSource(tmp / "kv.db") as store:  # doctest: +SKIP
@@ -111,9 +110,8 @@ class SqliteSource:
 
         Args:
             tags: one dict per key (``None``: ``{}`` each), JSON values only.
-            fields: one ``{name: value}`` dict per key, or columns
-                ``{name: [value per key]}`` (TransferQueue's TensorDict shape);
-                ``None`` leaves the fields alone.
+            fields: one ``{name: value}`` dict per key, or columns ``{name: [value per key]}`` (TransferQueue's
+                TensorDict shape); ``None`` leaves the fields alone.
 
         Raises:
             TypeError: a key, the partition id, a tag or a field has the wrong type.

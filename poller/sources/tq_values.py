@@ -325,13 +325,8 @@ _STORAGE_DTYPES = {
 }
 
 
-class _StorageType:
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
-
-
 class _StorageUnpickler(pickle.Unpickler):
-    """The storage pickle inside torch's legacy format: storage types only, storages as persistent ids."""
+    """The storage pickle inside torch's legacy format: storage types (as dtype names), storages as persistent ids."""
 
     def __init__(self, stream: io.BytesIO, storages: dict[str, _Storage]) -> None:
         super().__init__(stream)
@@ -339,15 +334,15 @@ class _StorageUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
+            return _STORAGE_DTYPES[name]
         raise pickle.UnpicklingError(f"{module}.{name} in a torch storage")
 
     def persistent_load(self, pid: Any) -> Any:
         # ("storage", storage type, key, location, number of elements[, view]).
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)):
+                and pid[1] in _STORAGE_DTYPES.values() and isinstance(pid[2], str)):
             raise pickle.UnpicklingError("a persistent id that is no torch storage")
-        return self._storages.setdefault(pid[2], _Storage(pid[1].dtype))
+        return self._storages.setdefault(pid[2], _Storage(pid[1]))
 
 
 def _torch_load_from_bytes(data: Any) -> Any:

@@ -64,16 +64,14 @@ class TransferQueueSource:
     """Lists a running TransferQueue controller at ``address``.
 
     Args:
-        address: the controller's request endpoint, ``tcp://host:port``
-            (what :func:`source_kwargs` gives).
+        address: the controller's request endpoint, ``tcp://host:port`` (what :func:`source_kwargs` gives).
         controller_id: the controller's id, sent as the receiver of each request.
         partition_ids: poll only these partitions (one request each, under one deadline); ``None`` lists
             every partition with one request.
         call_timeout: the deadline of one call, in seconds.
         probe_timeout: on construction, wait this long for the controller to answer a cheap request, so a
             wrong address or an unknown protocol fails the poller's start-up clearly; ``None`` skips the probe.
-        controller_version: the release the trainer runs; one outside
-            :data:`~poller.sources.tq_protocol.KNOWN_VERSIONS` is used, with one WARNING per process.
+        controller_version: the trainer's release; one outside ``KNOWN_VERSIONS`` is used, with one WARNING.
 
     Raises:
         ValueError: bad arguments.
