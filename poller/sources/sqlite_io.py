@@ -36,7 +36,7 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
     """Stored tags (or, from ``kv_fields``, fields) of those ``keys`` that exist.
 
     Raises:
-        ValueError: a stored value cannot be read (:func:`loads`).
+        ValueError: a stored value cannot be read (:func:`read_tags`), naming the key and why.
     """
     column = "tags" if table == "kv" else "fields"
     found: dict[str, Tags] = {}
@@ -47,7 +47,10 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
         rows = fetch_all(conn, f"SELECT key, {column} FROM {table} WHERE partition_id = ? AND key IN ({marks})",
                          (partition_id, *chunk))
         for key, text in rows:
-            found[key] = loads(partition_id, key, text)
+            tags = read_tags(text)
+            if isinstance(tags, UnreadableValue):
+                raise ValueError(tags.reason.replace("stored tags", f"stored tags of {partition_id!r}/{key!r}", 1))
+            found[key] = tags
     return found
 
 
@@ -241,18 +244,6 @@ def read_tags(text: Any) -> Tags | UnreadableValue:
     if not isinstance(value, dict):
         return UnreadableValue(f"stored tags are {type(value).__name__}, not an object")
     return value
-
-
-def loads(partition_id: Any, key: Any, text: Any) -> Tags:
-    """:func:`read_tags`, for a caller that cannot go on without them.
-
-    Raises:
-        ValueError: they cannot be read, naming the key and why.
-    """
-    tags = read_tags(text)
-    if isinstance(tags, UnreadableValue):
-        raise ValueError(tags.reason.replace("stored tags", f"stored tags of {partition_id!r}/{key!r}", 1))
-    return tags
 
 
 # Tags in kv; fields in a table of their own, so files written before fields were kept need no migration.

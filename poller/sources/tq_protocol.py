@@ -143,8 +143,7 @@ def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: s
     With ``probe_address``, the reply is the start-up probe's, its shape checked first.
 
     Raises:
-        TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply
-            of another type, or one that is not a message at all.
+        TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply of another type, or no message.
         TransferQueueProtocolError: a probe reply of an unknown protocol.
     """
     if not frames or not frames[0]:
@@ -188,11 +187,9 @@ def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRea
     Raises:
         TransferQueueReplyError: ``REQUEST_ERROR``, a reply of another type, or one without that value.
     """
-    if frames and frames[0] and bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
-        decode_reply(KV_RETRIEVE_META, frames)  # for its errors
+    if not frames or not frames[0] or bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
+        decode_reply(KV_RETRIEVE_META, frames)  # for its errors (an empty reply too)
         return None
-    if not frames or not frames[0]:
-        raise TransferQueueReplyError("empty reply from the TransferQueue controller")
     try:
         message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, timestamp=3,
                                   ext_hook=lambda code, data: msgpack.ExtType(code, data))

@@ -166,11 +166,8 @@ _NAMED: dict[str, tuple[str, int]] = {
     "int32": ("i", 4), "uint32": ("I", 4), "int64": ("q", 8), "uint64": ("Q", 8),
     "float16": ("e", 2), "bfloat16": ("bf16", 2), "float32": ("f", 4), "float64": ("d", 8),
 }
-# numpy's type strings ("i8", "<f4", "|b1"): kind and size, the byte order apart.
-_TYPESTR_CODES: dict[tuple[str, int], str] = {
-    ("b", 1): "?", ("u", 1): "B", ("i", 1): "b", ("u", 2): "H", ("i", 2): "h", ("u", 4): "I", ("i", 4): "i",
-    ("u", 8): "Q", ("i", 8): "q", ("f", 2): "e", ("f", 4): "f", ("f", 8): "d",
-}
+# numpy's type strings ("i8", "<f4", "|b1"): kind (the name's first letter) and size, the byte order apart.
+_TYPESTR_CODES = {(name[0], size): code for name, (code, size) in _NAMED.items() if name != "bfloat16"}
 _TYPESTR = re.compile(r"([<>|=]?)([a-zA-Z])(\d+)")
 _BYTE_ORDERS = {"<": "<", ">": ">", "|": "=", "=": "=", "": "="}
 
