@@ -105,8 +105,7 @@ class SqliteSource:
                      tags: list[dict[str, Any]] | None = None) -> None:
         """Store many keys in one transaction (all or none), merging each key's tags and fields.
 
-        Merging is ``dict.update`` on the top level, from ``{}`` for a new key; a key listed twice gets both
-        updates, in order.
+        Merging is ``dict.update`` on the top level, from ``{}``; a key listed twice gets both, in order.
 
         Args:
             tags: one dict per key (``None``: ``{}`` each), JSON values only.
@@ -161,9 +160,8 @@ class SqliteSource:
     def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[sqlite_io.StoredListing]]:
         """:meth:`kv_snapshot` in listings of at most ``size`` rows, each parsed only when taken.
 
-        The trainer then applies a million keys as they are read, not after. Every piece comes from the
-        cursor's read transaction, which, and this store's lock, stay held until the iterator is exhausted or
-        closed: close it when stopping early.
+        The trainer applies keys as they are read. Every piece comes from the cursor's read transaction, held
+        with this store's lock until the iterator is exhausted or closed: close it when stopping early.
         """
         pieces = self._snapshot_pieces(size)
         try:

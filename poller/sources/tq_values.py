@@ -41,10 +41,7 @@ MAX_ELEMENTS = 1_000_000
 
 
 class UnreadableKey:
-    """A map key a source could not read (hashable, unlike :class:`UnreadableValue`).
-
-    Not being a ``str``, the poller's checks treat it as any other non-``str`` key or tag name.
-    """
+    """A map key a source could not read (hashable, unlike :class:`UnreadableValue`): to the poller, a non-str key."""
 
     __slots__ = ("reason",)
 
@@ -423,8 +420,7 @@ def restricted_loads(data: bytes | memoryview, *, globals_: bool = True) -> Any:
     """Unpickle ``data`` resolving only the globals above (``globals_=False``: none at all); :func:`plain` it next.
 
     Raises:
-        Exception: ``data`` is not a pickle (``pickle.UnpicklingError`` and
-            whatever else a truncated or corrupt stream raises).
+        Exception: ``data`` is not a pickle (``pickle.UnpicklingError``, or what a corrupt stream raises).
     """
     if globals_:
         value = _fast_numpy_scalar(data)

@@ -25,8 +25,7 @@ class SourceStall(TimeoutError):
 class UnreadableValue:
     """A tag value a source could not turn into a plain one, standing in the listing in its place.
 
-    The poller quarantines every key whose tags hold one (named with ``reason``), so one such record never
-    fails the listing that carries it.
+    The poller quarantines every key whose tags hold one (named with ``reason``): the listing still serves.
     """
 
     __slots__ = ("reason",)
@@ -62,10 +61,6 @@ class PackedItems:
 
     def __repr__(self) -> str:
         return f"<PackedItems: {len(self.items)} keys>"
-
-    def decoded(self) -> dict[str, Any]:
-        """``{key: tags}``, every key decoded."""
-        return dict(zip(self.items, self.decode(list(self.items.values()))))
 
 
 class WatchRead(NamedTuple):
@@ -180,9 +175,6 @@ class Capabilities(NamedTuple):
         return self.kv_changes is not None
 
 
-_OPTIONAL = ("kv_list_packed", "kv_snapshot", "kv_changes", "kv_snapshot_pieces", "kv_watch")
-
-
 def capabilities(source: object) -> Capabilities:
     """Check ``source`` against the contract and record what it offers.
 
@@ -193,7 +185,7 @@ def capabilities(source: object) -> Capabilities:
     kind = type(source).__name__
     if not callable(getattr(source, "kv_list", None)):
         raise TypeError(f"{kind!r} has no kv_list()")
-    offered = {name: getattr(source, name, None) for name in _OPTIONAL}
+    offered = {name: getattr(source, name, None) for name in Capabilities._fields[2:]}  # the optional calls
     broken = [name for name, method in offered.items() if method is not None and not callable(method)]
     if broken:
         raise TypeError(f"{kind!r} has {', '.join(broken)}, which is not callable")
