@@ -245,8 +245,7 @@ class SqliteSource:
     # -- private: connection and transactions ---------------------------------
 
     def _checked_lock(self) -> threading.Lock:
-        # After a fork the lock may be held by a parent thread that does not
-        # exist in the child, so a child starts with a fresh one.
+        # After a fork the lock may be held by a parent thread that the child lacks: a child takes a fresh one.
         pid = os.getpid()
         if self._lock_pid != pid:
             self._lock = threading.Lock()

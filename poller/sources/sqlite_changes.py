@@ -36,8 +36,7 @@ DEFAULT_KEEP_VERSIONS = 1_000_000
 #: ``(store id, version, stamp)``: opaque to the poller.
 Cursor = tuple[str, int, int]
 
-# Each statement is idempotent, so a file written by an older version is
-# migrated in place by whichever process opens it first.
+# Each statement is idempotent: whichever process opens an older version's file first migrates it in place.
 _TABLES = (
     "CREATE TABLE IF NOT EXISTS kv_clock ("
     " id INTEGER PRIMARY KEY CHECK (id = 0),"
@@ -92,8 +91,7 @@ _TRIGGERS = (
     " BEGIN"
     " UPDATE kv_clock SET pruned = NEW.version - keep;"
     " DELETE FROM kv_deleted WHERE version <= (SELECT pruned FROM kv_clock); END",
-    # Every 4096 versions: the old counter catches up, and the version log drops
-    # what is older than keep (never its last row, whatever keep is).
+    # Every 4096 versions: the old counter catches up; the version log drops what is older than keep (not its last row).
     "CREATE TRIGGER IF NOT EXISTS kv_versions_prune AFTER INSERT ON kv_versions"
     " WHEN NEW.version % 4096 = 0 BEGIN"
     " UPDATE kv_clock SET version = NEW.version;"

@@ -39,8 +39,7 @@ LIST_PARTITIONS = "GET_LIST_PARTITIONS"
 _RESPONSES = {KV_LIST: "KV_LIST_RESPONSE", KV_RETRIEVE_META: "KV_RETRIEVE_META_RESPONSE",
               LIST_PARTITIONS: "LIST_PARTITIONS_RESPONSE"}
 _REQUEST_ERROR = "REQUEST_ERROR"
-# TransferQueue marks a reply it had to pickle whole with these leading bytes
-# (0xc1 is never valid msgpack).
+# TransferQueue marks a reply it had to pickle whole with these leading bytes (0xc1 is never valid msgpack).
 _PICKLED_MARKER = b"\xc1\xfe\xed"
 # The heads of msgpack's timestamp extension (type -1): fixext 4, fixext 8, ext 8 of 12 bytes.
 _TIMESTAMP_MARKERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")

@@ -35,8 +35,7 @@ from poller.wire.sources import UnreadableValue
 __all__ = ["MAX_ELEMENTS", "Deferred", "UnreadableKey", "batch_meta_tags", "decode_ext", "plain",
            "restricted_loads"]
 
-#: Largest array or tensor turned into a list: the poller's wire refuses lists past
-#: ``Limits.max_items`` (1,000,000) anyway, and that many Python numbers cost ~30 MB.
+#: Largest array or tensor turned into a list: the wire refuses more (``Limits.max_items``), and they cost ~30 MB.
 MAX_ELEMENTS = 1_000_000
 
 
