@@ -1,7 +1,6 @@
 """The SQLite store's connections and rows: reading them whatever wrote them, and checking and encoding what is put.
 
-Only values that come back from JSON unchanged are accepted, so what a
-reader gets equals what was put.
+Only values that come back from JSON unchanged are accepted (:func:`check_json`).
 """
 
 from __future__ import annotations
@@ -187,10 +186,9 @@ def json_rows(what: str, keys: list[str], given: Any) -> list[Tags]:
 
 
 def check_json(value: Any, where: str) -> None:
-    """Refuse what would not come back from JSON unchanged.
+    """Refuse what would not come back from JSON unchanged, so what a reader gets equals what was put.
 
-    ``json.dumps`` silently turns tuples into lists and int dict keys into strings, and writes NaN, which is
-    not JSON.
+    ``json.dumps`` silently turns tuples into lists and int dict keys into strings, and writes NaN (no JSON).
     """
     if value is None or isinstance(value, (str, bool, int)):
         return

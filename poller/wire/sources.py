@@ -118,9 +118,9 @@ class ChangeFeed(Protocol):
         ``upserts``: the current tags of every key written since ``cursor`` (possibly unchanged ones);
         ``deletes``: ``{partition_id: [key, ...]}`` removed since then and not stored now (deleted and put
         again is an upsert). The returned cursor follows exactly these changes. ``None``: the cursor can no
-        longer be served (too old, or the store was replaced or rolled back to a backup: a cursor must tell
-        its history from another that reached the same count); the caller takes :meth:`kv_snapshot`. A key or
-        partition id that is not a ``str`` is quarantined (upsert) or let out of the quarantine (delete).
+        longer be served (too old, or the store was replaced or rolled back to a backup, which a cursor must
+        tell apart); the caller takes :meth:`kv_snapshot`. A non-``str`` key or partition id is quarantined
+        (its delete lets it out).
         """
         ...
 
