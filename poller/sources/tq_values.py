@@ -99,8 +99,10 @@ def _plain(obj: Any, memo: dict[int, Any]) -> Any:
         result = bytes(obj)
     elif isinstance(obj, datetime.datetime):  # msgpack's timestamps
         result = UnreadableValue("a datetime with a time zone, which has no plain form")
+    elif isinstance(obj, (_Refused, _DType, _Storage)):  # the restricted unpickler's stand-ins
+        result = UnreadableValue(obj.reason)
     else:
-        result = UnreadableValue(_refusal(obj) or f"a {type(obj).__name__} value")
+        result = UnreadableValue(f"a {type(obj).__name__} value")
     # Keyed by id: ``obj`` stays alive (the input holds it) for as long as ``memo`` does.
     memo[id(obj)] = result
     return result
@@ -244,7 +246,7 @@ def _ignore(*_: Any, **__: Any) -> None:
 class _Refused:
     """A stand-in for a pickled global this side does not resolve: building or filling one does nothing."""
 
-    global_name = "?"
+    reason = "a pickled object this source does not unpickle"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "_Refused":
         return object.__new__(cls)
@@ -268,24 +270,19 @@ class _DType:
     def typestr(self) -> str | None:
         return f"{self.order}{self.code}" if isinstance(self.code, str) else None
 
+    @property
+    def reason(self) -> str:
+        return f"a numpy dtype ({self.code})"
+
 
 class _Storage:
     """A torch storage read from its legacy format: dtype name and raw bytes."""
 
+    reason = "a torch storage"
+
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
         self.data = b""
-
-
-def _refusal(obj: Any) -> str | None:
-    """Why ``obj``, a result of :func:`restricted_loads`, is not a plain value (None: it may be one)."""
-    if isinstance(obj, _Refused):
-        return f"a pickled {obj.global_name} object, which this source does not unpickle"
-    if isinstance(obj, _DType):
-        return f"a numpy dtype ({obj.code})"
-    if isinstance(obj, _Storage):
-        return "a torch storage"
-    return None
 
 
 def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
@@ -395,7 +392,8 @@ class _Unpickler(pickle.Unpickler):
         allowed = self._allowed.get((module, name))
         if allowed is not None:
             return allowed
-        return type("Refused", (_Refused,), {"global_name": f"{module}.{name}"})
+        reason = f"a pickled {module}.{name} object, which this source does not unpickle"
+        return type("Refused", (_Refused,), {"reason": reason})
 
 
 # The exact bytes numpy 2 writes for a bool, int, uint or float scalar, read without an unpickler (~10x
