@@ -20,7 +20,7 @@ from poller.diff import Diff, Sent
 from poller.duty import ListingDuty
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
 from poller.wire.protocol import Limits
-from poller.wire.sources import Source, has_change_feed, packed_listing
+from poller.wire.sources import Source, capabilities
 
 __all__ = ["RECONCILE_INTERVAL", "ListingReader"]
 
@@ -42,8 +42,8 @@ class ListingReader:
     def __init__(self, source: Source, *, listing_share: ListingShare = DEFAULT_LISTING_SHARE,
                  stall_timeout: float | None = None) -> None:
         self._source: Any = source
-        self.feed = has_change_feed(source)
-        self._list: Callable[[], Any] = packed_listing(source) or source.kv_list
+        self.feed = capabilities(source).change_feed
+        self._list: Callable[[], Any] = capabilities(source).kv_list_packed or source.kv_list
         self.reconcile_interval = RECONCILE_INTERVAL
         self.stall_timeout = stall_timeout
         self.duty = ListingDuty(listing_share)

@@ -19,7 +19,7 @@ from poller.faults.store import delete, restore
 from poller.polling import PollingThread
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import Kind
-from poller.wire.sources import ChangeFeed, has_change_feed
+from poller.wire.sources import ChangeFeed, capabilities
 from tests.conftest import wait_until
 from tests.helpers.deltas import Polled, held_tags, packed_sent, polled, read
 from tests.helpers.processes import run_to_the_end
@@ -59,7 +59,7 @@ def _non_empty(listing: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_sqlite_store_offers_a_change_feed(db: Path) -> None:
     with SqliteSource(db) as store:
-        assert has_change_feed(store) and isinstance(store, ChangeFeed)
+        assert capabilities(store).change_feed and isinstance(store, ChangeFeed)
 
 
 def test_changes_since_a_cursor(db: Path) -> None:

@@ -9,20 +9,15 @@ from typing import Any
 
 import pytest
 
+from buffer.verl.store import _open_client
 from poller.faults import slow
 from poller.sources.sqlite import SqliteSource
 from poller.wire.sources import (
     ChangeFeed,
-    FieldReads,
     Source,
-    StoreClient,
     capabilities,
-    has_change_feed,
-    load_capabilities,
     load_source,
-    missing_calls,
     resolve_spec,
-    watch_reader,
 )
 from tests.helpers.sources import HalfChangeFeed, ListedSqlite, WatchedSqlite
 
@@ -79,12 +74,13 @@ def test_load_names_the_spec_of_a_malformed_source() -> None:
 def test_what_each_source_offers_is_read_from_one_record(tmp_path: Path) -> None:
     store = SqliteSource(tmp_path / "kv.db")
     try:
-        offered = load_capabilities("poller.sources.sqlite:SqliteSource", {"path": str(tmp_path / "kv.db")})
+        offered = capabilities(load_source("poller.sources.sqlite:SqliteSource", {"path": str(tmp_path / "kv.db")}))
         assert isinstance(offered.source, SqliteSource) and offered.change_feed
         assert offered.kv_list_packed is None and offered.kv_watch is None
         assert offered.kv_snapshot_pieces is not None
         offered.source.close()
-        assert has_change_feed(store) and isinstance(store, ChangeFeed) and watch_reader(store) is None
+        assert isinstance(store, ChangeFeed)
+        assert capabilities(store).change_feed and capabilities(store).kv_watch is None
         with pytest.raises(AttributeError):
             offered.kv_watch = store.kv_list  # type: ignore[misc]  # a frozen record
     finally:
@@ -92,9 +88,9 @@ def test_what_each_source_offers_is_read_from_one_record(tmp_path: Path) -> None
     listed = ListedSqlite(str(tmp_path / "listed.db"))
     watched = WatchedSqlite(str(tmp_path / "watched.db"))
     try:
-        assert not has_change_feed(listed) and watch_reader(listed) is None
+        assert not capabilities(listed).change_feed and capabilities(listed).kv_watch is None
         assert capabilities(listed).kv_list == listed.kv_list
-        assert watch_reader(watched) == watched.kv_watch
+        assert capabilities(watched).kv_watch == watched.kv_watch
     finally:
         listed.close()
         watched.close()
@@ -102,18 +98,21 @@ def test_what_each_source_offers_is_read_from_one_record(tmp_path: Path) -> None
     assert capabilities(_FeedAndWatch()).kv_watch is None
     # A fault wrapper offers kv_list alone: listed in full, whatever its inner store offers.
     fault = slow(seconds=0.0)
-    assert not has_change_feed(fault) and watch_reader(fault) is None and capabilities(fault).kv_list_packed is None
+    offered = capabilities(fault)
+    assert not offered.change_feed and offered.kv_watch is None and offered.kv_list_packed is None
 
 
 def test_the_trainers_store_calls_are_named(tmp_path: Path) -> None:
-    store = SqliteSource(tmp_path / "kv.db")
-    try:
-        assert missing_calls(store, FieldReads) == [] and missing_calls(store, StoreClient) == []
-        assert isinstance(store, Source)
-    finally:
+    # buffer.verl opens its store client (StoreClient, or FieldReads for DAPO's metric filter) this way.
+    for need_fields in (True, False):
+        store, owned = _open_client("poller.sources.sqlite:SqliteSource", {"path": str(tmp_path / "kv.db")},
+                                    need_fields)
+        assert owned and isinstance(store, SqliteSource) and isinstance(store, Source)
         store.close()
-    assert missing_calls(_Lists(), FieldReads) == ["kv_clear", "kv_batch_get"]
-    assert missing_calls(_Lists(), StoreClient) == ["kv_clear"]
+    with pytest.raises(TypeError, match="which has no kv_clear or kv_batch_get: the sampler clears keys and reads"):
+        _open_client(_Lists, None, need_fields=True)
+    with pytest.raises(TypeError, match="which has no kv_clear: the sampler clears keys through it"):
+        _open_client(_Lists, None, need_fields=False)
 
 
 def test_resolve_spec_names_without_calling() -> None:

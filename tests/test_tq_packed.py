@@ -16,17 +16,22 @@ import pytest
 
 from poller.diff import Diff
 from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
-from poller.wire.sources import PackedItems, packed_listing
 from poller.wire.protocol import DEFAULT_LIMITS
+from poller.wire.sources import PackedItems, capabilities
 from poller.wire.tags import pack_tags
 from tests.helpers.deltas import polled
 from tests.test_transferqueue_source import GOOD, REPLIES, _reply, typed
 
 
+def _decoded(packed: PackedItems) -> dict:
+    """``{key: tags}`` of one packed partition, every key decoded."""
+    return dict(zip(packed.items, packed.decode(list(packed.items.values()))))
+
+
 def _unpacked(body: dict) -> dict:
     """``body`` with every :class:`PackedItems` decoded, as ``kv_list()`` would have listed it."""
     partitions = body["partition_info"]
-    return {**body, "partition_info": {p: items.decoded() if type(items) is PackedItems else items
+    return {**body, "partition_info": {p: _decoded(items) if type(items) is PackedItems else items
                                        for p, items in partitions.items()}}
 
 
@@ -44,7 +49,7 @@ def test_the_real_controllers_plain_tags_are_the_bytes_the_poller_sends():
     partitions = decode_listing_reply(frames)["partition_info"]
     packed = partitions["p"]
     assert type(packed) is PackedItems
-    (good,) = [key for key, tags in packed.decoded().items() if tags == GOOD]
+    (good,) = [key for key, tags in _decoded(packed).items() if tags == GOOD]
     assert packed.items[good] == pack_tags(GOOD)
     # A numpy scalar travels as an extension type: other bytes, read by decoding.
     others = [key for key in packed.items if key != good]
@@ -231,11 +236,11 @@ class _Plain:
 
 def test_a_source_is_listed_packed_unless_a_subclass_overrides_kv_list_alone():
     source = _Packs()
-    assert packed_listing(source) == source.kv_list_packed
-    assert packed_listing(_Logs()) is None
+    assert capabilities(source).kv_list_packed == source.kv_list_packed
+    assert capabilities(_Logs()).kv_list_packed is None
     both = _LogsBoth()
-    assert packed_listing(both) == both.kv_list_packed
-    assert packed_listing(_Plain()) is None
+    assert capabilities(both).kv_list_packed == both.kv_list_packed
+    assert capabilities(_Plain()).kv_list_packed is None
     patched = _Packs()
     patched.kv_list = lambda: {"p": {}}  # type: ignore[method-assign]
-    assert packed_listing(patched) is None
+    assert capabilities(patched).kv_list_packed is None

@@ -1,17 +1,13 @@
 """The embedded default store: a key-value store of tags (and JSON fields) in one SQLite file.
 
-It speaks TransferQueue's KV API (``kv_put``, ``kv_batch_put``, ``kv_list``,
-``kv_clear``, ``kv_batch_get``), so the poller, the demo and the tests need no
-Ray, torch or controller, and offers the change feed
-(:mod:`poller.sources.sqlite_changes`). Any number of processes share a file::
+It speaks TransferQueue's KV API, so the poller, the demo and the tests need no Ray, torch or controller, and
+offers the change feed (:mod:`poller.sources.sqlite_changes`). Any number of processes share a file::
 
     writer processes ──kv_batch_put──▶ kv.db (WAL) ◀──kv_changes()── poller thread
     trainer ─────────────kv_clear────▶
 
-Built from a spec in any process, so the constructor only records its
-arguments: the connection opens on first use, in the process that uses it
-(anew after a fork). Fields are JSON only (not tensors), which verl's DAPO
-metric, ``extra_fields.reward_extra_info``, is.
+Built from a spec in any process, so the connection opens on first use, in the process that uses it (anew
+after a fork). Fields are JSON only (not tensors), which verl's DAPO metric is.
 """
 
 from __future__ import annotations
@@ -41,27 +37,15 @@ _UPSERTS = {table: f"INSERT INTO {table} (partition_id, key, {column}) VALUES (?
 _INHERITED: list[sqlite3.Connection] = []
 
 
-def _started(pieces: Generator[Any, None, None]) -> tuple[Cursor, Iterator[Any]]:
-    """The cursor a snapshot generator yields first, and the generator, positioned at its first listing."""
-    try:
-        return next(pieces), pieces
-    except BaseException:
-        pieces.close()
-        raise
-
-
 class SqliteSource:
     """A key-value store of ``{partition_id: {key: tags}}`` in a SQLite file.
 
-    Safe to share between processes (one connection each; WAL lets readers
-    run alongside one writer) and threads (one connection per instance, under
-    a lock). Every read-modify-write runs in a ``BEGIN IMMEDIATE``
-    transaction, so concurrent merges never lose each other's tags.
+    Safe to share between processes (one connection each, WAL) and threads (one connection per instance,
+    under a lock). Every read-modify-write runs in ``BEGIN IMMEDIATE``, so concurrent merges lose nothing.
 
     Args:
         path: the database file, created (with its directory) on first use.
-        timeout: seconds to wait for another process's write lock before
-            :class:`sqlite3.OperationalError` ("database is locked").
+        timeout: seconds to wait for another process's write lock before :class:`sqlite3.OperationalError`.
 
     Example:
         >>> with SqliteSource(tmp / "kv.db") as store:  # doctest: +SKIP
@@ -121,20 +105,17 @@ class SqliteSource:
                      tags: list[dict[str, Any]] | None = None) -> None:
         """Store many keys in one transaction (all or none), merging each key's tags and fields.
 
-        Merging is ``dict.update`` on the top level; a missing key starts from
-        ``{}``, and a key listed twice gets both updates, in order.
+        Merging is ``dict.update`` on the top level, from ``{}``; a key listed twice gets both, in order.
 
         Args:
             tags: one dict per key (``None``: ``{}`` each), JSON values only.
-            fields: one ``{name: value}`` dict per key, or columns
-                ``{name: [value per key]}`` (TransferQueue's TensorDict shape);
-                ``None`` leaves the fields alone.
+            fields: one ``{name: value}`` dict per key, or columns ``{name: [value per key]}`` (TransferQueue's
+                TensorDict shape); ``None`` leaves the fields alone.
 
         Raises:
             TypeError: a key, the partition id, a tag or a field has the wrong type.
-            ValueError: ``len(tags) != len(keys)``, a value JSON cannot carry
-                (NaN), or stored tags or fields another tool wrote that cannot
-                be read (nothing to merge into: nothing is written).
+            ValueError: ``len(tags) != len(keys)``, a value JSON cannot carry (NaN), or stored tags or fields
+                another tool wrote that cannot be read (nothing is written).
             sqlite3.OperationalError: the write lock was not had in time.
         """
         sqlite_io.check_str("partition_id", partition_id)
@@ -143,7 +124,7 @@ class SqliteSource:
         field_list = None if fields is None else sqlite_io.json_rows("fields", key_list, fields)
         if not key_list:
             return
-        with self._transaction() as conn:
+        with self._connection() as conn, sqlite_io.immediate(conn):
             for table, updates in (("kv", tag_list), ("kv_fields", field_list)):
                 if updates is None:
                     continue
@@ -157,11 +138,9 @@ class SqliteSource:
     def kv_list(self, partition_id: str | None = None) -> sqlite_io.StoredListing:
         """Everything stored (or only ``partition_id``'s) as fresh ``{partition_id: {key: tags}}`` dicts.
 
-        One ``SELECT``: a consistent snapshot while others write. A row another
-        tool wrote is listed too and never fails the listing: tags that are no
-        JSON object are an :class:`~poller.wire.sources.UnreadableValue`
-        naming why, and a key or partition id that is a BLOB or not UTF-8 is
-        ``bytes`` (:data:`~poller.sources.sqlite_io.StoredListing`).
+        One ``SELECT``: a consistent snapshot while others write. A row another tool wrote never fails the
+        listing (:data:`~poller.sources.sqlite_io.StoredListing`): tags that are no JSON object are an
+        :class:`~poller.wire.sources.UnreadableValue`, a BLOB or non-UTF-8 key or partition id ``bytes``.
 
         Raises:
             TypeError: ``partition_id`` is neither None nor a str.
@@ -181,12 +160,15 @@ class SqliteSource:
     def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[sqlite_io.StoredListing]]:
         """:meth:`kv_snapshot` in listings of at most ``size`` rows, each parsed only when taken.
 
-        A million keys are then applied by the trainer as they are read, not
-        after (parsing is most of a listing's ~5 s). Every piece comes from
-        the cursor's read transaction, which, and this store's lock, stay held
-        until the iterator is exhausted or closed: close it when stopping early.
+        The trainer applies keys as they are read. Every piece comes from the cursor's read transaction, held
+        with this store's lock until the iterator is exhausted or closed: close it when stopping early.
         """
-        return _started(self._snapshot_pieces(size))
+        pieces = self._snapshot_pieces(size)
+        try:
+            return next(pieces), pieces  # the cursor comes first; the generator then holds its first listing
+        except BaseException:
+            pieces.close()
+            raise
 
     def _snapshot_pieces(self, size: int) -> Generator[Any, None, None]:
         with self._change_log() as conn:
@@ -195,9 +177,8 @@ class SqliteSource:
     def kv_changes(self, cursor: Any) -> tuple[Cursor, sqlite_io.StoredListing, dict[Any, list[Any]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
 
-        ``None``: the cursor is from another file, another history of this one
-        (restored from a backup) or older than the pruned logs
-        (:mod:`poller.sources.sqlite_changes`). Rows read as by :meth:`kv_list`.
+        ``None``: the cursor is from another file, another history of this one (restored from a backup) or
+        older than the pruned logs (:mod:`poller.sources.sqlite_changes`). Rows read as by :meth:`kv_list`.
 
         Raises:
             TypeError: ``cursor`` did not come from this store.
@@ -211,7 +192,7 @@ class SqliteSource:
         key_list = sqlite_io.check_keys(keys)
         if not key_list:
             return
-        with self._transaction() as conn:
+        with self._connection() as conn, sqlite_io.immediate(conn):
             rows = [(partition_id, key) for key in key_list]
             conn.executemany("DELETE FROM kv WHERE partition_id = ? AND key = ?", rows)
             conn.executemany("DELETE FROM kv_fields WHERE partition_id = ? AND key = ?", rows)
@@ -220,8 +201,8 @@ class SqliteSource:
                      select_fields: list[str] | str | None = None) -> dict[str, list[Any]]:
         """The stored fields of ``keys`` (which must exist), as columns ``{name: [value per key]}``.
 
-        ``select_fields``: a name or a list (``None``: every field any key
-        has); a key without a field gets ``None`` in that column.
+        ``select_fields``: a name or a list (``None``: every field any key has); a key without a field gets
+        ``None`` in that column.
 
         Raises:
             KeyError: some keys are not stored (the first few are named).
@@ -264,8 +245,7 @@ class SqliteSource:
     # -- private: connection and transactions ---------------------------------
 
     def _checked_lock(self) -> threading.Lock:
-        # After a fork the lock may be held by a parent thread that does not
-        # exist in the child, so a child starts with a fresh one.
+        # After a fork the lock may be held by a parent thread that the child lacks: a child takes a fresh one.
         pid = os.getpid()
         if self._lock_pid != pid:
             self._lock = threading.Lock()
@@ -291,10 +271,9 @@ class SqliteSource:
 
     @contextmanager
     def _change_log(self) -> Iterator[sqlite3.Connection]:
-        """:meth:`_connection`, the change log checked first (~15 us).
+        """:meth:`_connection`, the change log checked first (cheap).
 
-        A file restored in place from a backup older than the log (or edited
-        by hand) is the same file to :meth:`_check_file`.
+        A file restored in place from a backup older than the log is the same file to :meth:`_check_file`.
         """
         with self._connection() as conn:
             ensure_change_log(conn)
@@ -312,8 +291,7 @@ class SqliteSource:
     def _check_file(self) -> None:
         """Drop a connection whose file was deleted or replaced since it was opened.
 
-        SQLite keeps reading an unlinked file through its descriptor: a deleted
-        store would list its old rows forever while writers fill a new file.
+        SQLite keeps reading an unlinked file: a deleted store would list its old rows forever.
 
         Raises:
             FileNotFoundError: the file is gone; the next call starts a new one.
@@ -329,9 +307,3 @@ class SqliteSource:
         if current is None:
             raise FileNotFoundError(f"{self._path} was deleted while open; the next call opens a new store")
         logger.warning("%s was replaced while open; reopening it", self._path)
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """A ``BEGIN IMMEDIATE`` transaction on this process's connection (:func:`.sqlite_io.immediate`)."""
-        with self._connection() as conn, sqlite_io.immediate(conn):
-            yield conn

@@ -1,29 +1,22 @@
 """The SQLite store's change feed: what changed since a cursor, without listing the store.
 
-SQLite triggers log every write, inside the writer's own ``BEGIN IMMEDIATE``
-transaction, whatever code wrote (an older version of this package, a
-``sqlite3`` shell): each write appends a row to ``kv_versions`` (its rowid is
-the version, with a random 31-bit ``stamp``) and stores the version in the
-written row (``kv.version``, indexed); each delete is logged in
-``kv_deleted``::
+SQLite triggers log every write inside the writer's own transaction, whatever code wrote: each write appends
+a row to ``kv_versions`` (rowid = version, with a random 31-bit ``stamp``) and stores the version in the
+written row (``kv.version``, indexed); each delete is logged in ``kv_deleted``::
 
     kv_batch_put ─▶ kv_versions (version=last+1, stamp) ─▶ kv row (tags, version)
     kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
     poller ───────▶ rows and deletions with version > cursor, in one read transaction
 
-One writer at a time and the log in the database: version order is commit
-order, and a cursor taken in a read never skips a later commit.
+One writer at a time and the log in the database: version order is commit order, and a cursor taken in a
+read never skips a later commit.
 
-A cursor is ``(store id, version, stamp)``, served only if the file still
-logs that version with that stamp. Version numbers alone cannot tell two
-histories apart: a restored backup carries the store id, and its writers hand
-out the numbers the poller saw again, for other writes; the stamps differ
-(a match is one chance in ~2e9), so a rolled-back file gets ``None`` and a
-full listing. So does a cursor older than the last ``keep`` versions the logs
-keep (``kv_clock.keep``, :data:`DEFAULT_KEEP_VERSIONS`), ahead of the file or
-from another file. ``kv_clock.version`` stays within 4096 versions of the
-last one, so a reader of an older version of this package re-reads at most
-that many changes and misses none.
+A cursor is ``(store id, version, stamp)``, served only if the file still logs that version with that stamp:
+a restored backup keeps the store id and hands out the version numbers the poller saw again, for other
+writes, but the stamps differ, so a rolled-back file gets ``None`` and a full listing. So does a cursor older
+than the ``keep`` versions the logs keep (:data:`DEFAULT_KEEP_VERSIONS`), ahead of the file or from another
+file. ``kv_clock.version`` stays within 4096 versions of the last one, so a reader of an older version of
+this package re-reads at most that many changes.
 """
 
 from __future__ import annotations
@@ -36,16 +29,14 @@ from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_batches, im
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "ensure_change_log", "read_changes", "read_snapshot"]
 
-#: Deletions and version stamps of this many most recent versions stay in the
-#: logs (a poller further behind takes a full listing). About 50 bytes per
-#: logged delete, and ~13 bytes per version (~13 MB for the default).
+#: Deletions and stamps of this many recent versions stay in the logs (a poller further behind takes a full
+#: listing); ~13 bytes per version, ~50 per logged delete.
 DEFAULT_KEEP_VERSIONS = 1_000_000
 
 #: ``(store id, version, stamp)``: opaque to the poller.
 Cursor = tuple[str, int, int]
 
-# Each statement is idempotent, so a file written by an older version is
-# migrated in place by whichever process opens it first.
+# Each statement is idempotent: whichever process opens an older version's file first migrates it in place.
 _TABLES = (
     "CREATE TABLE IF NOT EXISTS kv_clock ("
     " id INTEGER PRIMARY KEY CHECK (id = 0),"
@@ -71,8 +62,7 @@ _TABLES = (
     " WHERE v > coalesce((SELECT max(version) FROM kv_versions), -1)",
 )
 
-# A new version: the log's next row (costs a writer what the counter update it replaced did,
-# docs/sqlite.md); 31 bits of stamp, so that it takes 4 bytes.
+# A new version: the log's next row; 31 bits of stamp, so that it takes 4 bytes.
 _NEW_VERSION = " INSERT INTO kv_versions (stamp) VALUES (random() & 2147483647);"
 _STAMP_ROW = (
     _NEW_VERSION +
@@ -80,9 +70,8 @@ _STAMP_ROW = (
     " WHERE partition_id = NEW.partition_id AND key = NEW.key;"
 )
 
-# The triggers that write versions: their names are the ones older versions
-# gave theirs, so that an older version opening the file finds them in place
-# (and does not add its own beside them); a body without kv_versions is old.
+# Named as older versions named theirs, so an older version opening the file finds them in place (and adds
+# none beside them); a body without kv_versions is old.
 _WRITE_TRIGGERS = {
     # A key deleted then put again is an upsert: its log entry goes.
     "kv_version_insert": "CREATE TRIGGER kv_version_insert AFTER INSERT ON kv BEGIN" + _STAMP_ROW +
@@ -102,8 +91,7 @@ _TRIGGERS = (
     " BEGIN"
     " UPDATE kv_clock SET pruned = NEW.version - keep;"
     " DELETE FROM kv_deleted WHERE version <= (SELECT pruned FROM kv_clock); END",
-    # Every 4096 versions: the old counter catches up, and the version log drops
-    # what is older than keep (never its last row, whatever keep is).
+    # Every 4096 versions: the old counter catches up; the version log drops what is older than keep (not its last row).
     "CREATE TRIGGER IF NOT EXISTS kv_versions_prune AFTER INSERT ON kv_versions"
     " WHEN NEW.version % 4096 = 0 BEGIN"
     " UPDATE kv_clock SET version = NEW.version;"
@@ -117,9 +105,8 @@ _NAMES = ("kv_clock", "kv_deleted", "kv_deleted_by_version", "kv_by_version", "k
 def ensure_change_log(conn: sqlite3.Connection) -> None:
     """Add the version column, the clock, the logs and the triggers where missing or older.
 
-    One read when all is there; else one ``BEGIN IMMEDIATE`` migration, so
-    processes opening an old file at once migrate it once. Older rows keep
-    their version (0 before the change feed).
+    One read when all is there; else one ``BEGIN IMMEDIATE`` migration, so processes opening an old file
+    at once migrate it once. Older rows keep their version (0 before the change feed).
     """
     if _complete(conn):
         return

@@ -1,7 +1,6 @@
 """The SQLite store's connections and rows: reading them whatever wrote them, and checking and encoding what is put.
 
-Only values that come back from JSON unchanged are accepted, so what a
-reader gets equals what was put.
+Only values that come back from JSON unchanged are accepted (:func:`check_json`).
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ from poller.wire.vocabulary import Tags
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-#: ``{partition_id: {key: tags}}`` as the file holds it. Another tool may have
-#: written a partition id or key that is not UTF-8 text (or is a BLOB), read as
-#: ``bytes``, or tags that are no JSON object, read as an UnreadableValue.
+#: ``{partition_id: {key: tags}}`` as the file holds it: a partition id or key another tool wrote as a BLOB
+#: or non-UTF-8 text is ``bytes``, tags that are no JSON object an UnreadableValue.
 StoredListing = dict[Any, dict[Any, "Tags | UnreadableValue"]]
 
 
@@ -37,8 +35,7 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
     """Stored tags (or, from ``kv_fields``, fields) of those ``keys`` that exist.
 
     Raises:
-        ValueError: a stored value cannot be read (:func:`loads`): a write
-            cannot merge into it, and a read cannot return it.
+        ValueError: a stored value cannot be read (:func:`read_tags`), naming the key and why.
     """
     column = "tags" if table == "kv" else "fields"
     found: dict[str, Tags] = {}
@@ -49,7 +46,10 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
         rows = fetch_all(conn, f"SELECT key, {column} FROM {table} WHERE partition_id = ? AND key IN ({marks})",
                          (partition_id, *chunk))
         for key, text in rows:
-            found[key] = loads(partition_id, key, text)
+            tags = read_tags(text)
+            if isinstance(tags, UnreadableValue):
+                raise ValueError(tags.reason.replace("stored tags", f"stored tags of {partition_id!r}/{key!r}", 1))
+            found[key] = tags
     return found
 
 
@@ -65,8 +65,7 @@ def listing_of(rows: Iterable[Any]) -> StoredListing:
 def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
 
-    IMMEDIATE takes the write lock up front, so a read-modify-write cannot
-    go stale (DEFERRED would fail with SQLITE_BUSY on upgrade, not wait).
+    IMMEDIATE takes the write lock up front: DEFERRED would fail with SQLITE_BUSY on upgrade, not wait.
     """
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -95,11 +94,10 @@ def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) ->
 def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[list[Any]]:
     """The rows of ``sql`` in lists of at most ``size``; a TEXT value that is not UTF-8 comes as its bytes.
 
-    sqlite3 decodes TEXT in C, and one value that is not UTF-8 fails the
-    fetch, and every row after it. A ``text_factory`` that keeps it as bytes
-    costs ~0.3 s per 1M keys, so the rows are read in C until one fails, then
-    again with that factory, skipping those given. ``sql`` must order its
-    rows and the call run in one read transaction, so both reads agree.
+    One TEXT value that is not UTF-8 fails sqlite3's fetch and every row after it, and a ``text_factory``
+    keeping it as bytes is slow (~0.3 s per 1M keys), so the rows are read in C until one fails, then again
+    with that factory, skipping those given. ``sql`` must order its rows and the call run in one read
+    transaction, so both reads agree.
     """
     given = 0
     rows = None
@@ -188,11 +186,9 @@ def json_rows(what: str, keys: list[str], given: Any) -> list[Tags]:
 
 
 def check_json(value: Any, where: str) -> None:
-    """Refuse what would not come back from JSON unchanged.
+    """Refuse what would not come back from JSON unchanged, so what a reader gets equals what was put.
 
-    ``json.dumps`` silently turns tuples into lists and int dict keys into
-    strings, and writes NaN, which is not JSON; each would make a stored tag
-    differ from the one put.
+    ``json.dumps`` silently turns tuples into lists and int dict keys into strings, and writes NaN (no JSON).
     """
     if value is None or isinstance(value, (str, bool, int)):
         return
@@ -225,8 +221,7 @@ _raw_decode = json.JSONDecoder().raw_decode
 def read_tags(text: Any) -> Tags | UnreadableValue:
     """A stored tags (or fields) value as a dict, or an :class:`~poller.wire.sources.UnreadableValue` saying why not.
 
-    Another tool may have written no JSON object, or TEXT that is not UTF-8
-    (read as bytes); a BLOB holding a JSON object in UTF-8 is read.
+    A BLOB holding a JSON object in UTF-8 is read.
     """
     if type(text) is str:
         try:
@@ -249,18 +244,6 @@ def read_tags(text: Any) -> Tags | UnreadableValue:
     return value
 
 
-def loads(partition_id: Any, key: Any, text: Any) -> Tags:
-    """:func:`read_tags`, for a caller that cannot go on without them.
-
-    Raises:
-        ValueError: they cannot be read, naming the key and why.
-    """
-    tags = read_tags(text)
-    if isinstance(tags, UnreadableValue):
-        raise ValueError(tags.reason.replace("stored tags", f"stored tags of {partition_id!r}/{key!r}", 1))
-    return tags
-
-
 # Tags in kv; fields in a table of their own, so files written before fields were kept need no migration.
 _SCHEMA = tuple(
     f"CREATE TABLE IF NOT EXISTS {table} (partition_id TEXT NOT NULL, key TEXT NOT NULL, {column} TEXT NOT NULL,"
@@ -280,13 +263,11 @@ def open_connection(path: str, timeout: float,
                            check_same_thread=False, uri=path.startswith("file:"))
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-        # WAL lets kv_list() read while a writer holds the lock; the mode
-        # is stored in the file, so only the first opener changes it.
+        # WAL lets kv_list() read while a writer holds the lock; only the first opener changes the file's mode.
         mode = _retry_busy(timeout, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
         if mode != "wal":
             logger.debug("%s: journal_mode is %s, not wal", path, mode)
-        # NORMAL survives process crashes in WAL mode; a power loss may drop the last
-        # transactions, which a replay buffer's metadata can afford.
+        # NORMAL survives process crashes in WAL; a power loss may drop the last transactions: affordable here.
         conn.execute("PRAGMA synchronous = NORMAL")
         for table in _SCHEMA:
             _retry_busy(timeout, partial(conn.execute, table))
@@ -302,9 +283,8 @@ def open_connection(path: str, timeout: float,
 def _retry_busy(timeout: float, call: Callable[[], _T]) -> _T:
     """Run ``call``, retrying "database is locked" until ``timeout`` seconds pass.
 
-    Switching a fresh file to WAL needs an exclusive lock, for which SQLite
-    runs no busy handler: processes opening a new file at once got
-    SQLITE_BUSY at once (7 of 200 trials with 6 processes).
+    Switching a fresh file to WAL needs an exclusive lock, for which SQLite runs no busy handler: processes
+    opening a new file at once got SQLITE_BUSY at once.
     """
     deadline = time.monotonic() + timeout
     delay = 0.001

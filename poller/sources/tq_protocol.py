@@ -1,27 +1,19 @@
 """TransferQueue's controller request protocol: pure functions, no sockets.
 
-The controller binds a ZeroMQ ROUTER ("request_handle_socket"); a client
-connects a DEALER and sends one frame per request, a msgpack map::
+The controller binds a ZeroMQ ROUTER ("request_handle_socket"); a client connects a DEALER and sends one
+frame per request, a msgpack map::
 
     {"request_type": "KV_LIST", "sender_id": ..., "receiver_id": ...,
      "request_id": ..., "timestamp": ..., "body": {"partition_id": None}}
 
-and gets back one such map whose ``request_type`` is the matching response
-(``KV_LIST_RESPONSE``, body ``{"partition_info": {...}, "message": ...}``) or
-``REQUEST_ERROR`` (body ``{"message": ...}``).
+and gets back one such map whose ``request_type`` is the matching response (``KV_LIST_RESPONSE``, body
+``{"partition_info": {...}, "message": ...}``) or ``REQUEST_ERROR`` (body ``{"message": ...}``). Tag values
+are read by :mod:`poller.sources.tq_values`; the two modules alone in the poller know TransferQueue's formats.
 
-How the controller's codec carries tag values, and how they are read without
-numpy or torch, is :mod:`poller.sources.tq_values`; the two modules are the
-only places in the poller that know TransferQueue's formats.
-
-The controller announces no protocol version, so the source's start-up probe
-checks two things: the release the trainer runs against :data:`KNOWN_VERSIONS`
-(0.1.8 to 0.1.11, whose controllers serve these requests with these fields;
-``make test-integration`` runs the one pinned in
-``tests/integration/constraints.txt``), and the shape of the probe's reply
-(:func:`check_probe_reply`). A reply of another shape is a
-:class:`TransferQueueProtocolError` saying what this source speaks; an unknown
-release whose reply has the known shape is used, with one WARNING.
+The controller announces no protocol version, so the start-up probe checks the trainer's release against
+:data:`KNOWN_VERSIONS` and the shape of the probe's reply (:func:`check_probe_reply`): another shape is a
+:class:`TransferQueueProtocolError`; an unknown release whose reply has the known shape is used, with one
+WARNING.
 """
 
 from __future__ import annotations
@@ -47,8 +39,7 @@ LIST_PARTITIONS = "GET_LIST_PARTITIONS"
 _RESPONSES = {KV_LIST: "KV_LIST_RESPONSE", KV_RETRIEVE_META: "KV_RETRIEVE_META_RESPONSE",
               LIST_PARTITIONS: "LIST_PARTITIONS_RESPONSE"}
 _REQUEST_ERROR = "REQUEST_ERROR"
-# TransferQueue marks a reply it had to pickle whole with these leading bytes
-# (0xc1 is never valid msgpack).
+# TransferQueue marks a reply it had to pickle whole with these leading bytes (0xc1 is never valid msgpack).
 _PICKLED_MARKER = b"\xc1\xfe\xed"
 # The heads of msgpack's timestamp extension (type -1): fixext 4, fixext 8, ext 8 of 12 bytes.
 _TIMESTAMP_MARKERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
@@ -70,9 +61,8 @@ class TransferQueueProtocolError(TransferQueueReplyError):
 def unknown_version_warning(version: str | None, probed: bool) -> str | None:
     """The one WARNING line for a release outside :data:`KNOWN_VERSIONS`, used anyway (None: known, or not given).
 
-    Not refused: verl installs TransferQueue from its git main (``0.1.12.dev0``
-    and the like), whose controller usually still speaks this protocol; the
-    probe's reply decides (:func:`check_probe_reply`).
+    Not refused: verl installs TransferQueue from git main (``0.1.12.dev0``), whose controller usually still
+    speaks this protocol; the probe's reply decides.
     """
     if version is None or version in KNOWN_VERSIONS:
         return None
@@ -119,8 +109,7 @@ class _ValueReader:
 
     def __init__(self, frames: Sequence[bytes]) -> None:
         self.frames = frames
-        # Pickled numpy scalars repeat (every key of a step holds the same global_steps): each
-        # distinct pickle is read once per reply (~1 us each in numpy 2's layout, ~10 us unpickled).
+        # Pickled numpy scalars repeat (every key of a step holds the same global_steps): read each once per reply.
         self.scalars: dict[bytes, Any] = {}
 
     def read(self, data: bytes) -> Any:
@@ -140,9 +129,8 @@ class _ValueReader:
             return value
 
         value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
-        # Only a value held back needs the second walk (numpy and torch scalars come back in
-        # place), or one that may hold a timestamp: msgpack reads those (extension type -1,
-        # msgspec's form of a datetime with a time zone) as datetimes, past the hook.
+        # A second walk only for a value held back, or a possible timestamp (ext -1, msgspec's aware
+        # datetime), which msgpack reads as a datetime past the hook.
         if deferred or any(marker in data for marker in _TIMESTAMP_MARKERS):
             return plain(value)
         return value
@@ -151,12 +139,10 @@ class _ValueReader:
 def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: str | None = None) -> dict[str, Any]:
     """The body of the reply to a ``request_type`` request, its tag values read (:mod:`~poller.sources.tq_values`).
 
-    With ``probe_address``, the reply is the start-up probe's and its shape
-    is checked first (:func:`check_probe_reply`).
+    With ``probe_address``, the reply is the start-up probe's, its shape checked first.
 
     Raises:
-        TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply
-            of another type, or one that is not a message at all.
+        TransferQueueReplyError: ``REQUEST_ERROR`` from the controller, a reply of another type, or no message.
         TransferQueueProtocolError: a probe reply of an unknown protocol.
     """
     if not frames or not frames[0]:
@@ -175,10 +161,8 @@ def decode_reply(request_type: str, frames: Sequence[bytes], *, probe_address: s
 def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
     """:func:`decode_reply` of a ``KV_LIST`` reply, each partition's tags left packed (as ``PackedItems``).
 
-    Walking a reply costs about a quarter of decoding it (100k keys: ~25 ms
-    against ~90 ms). A reply of any other shape (pickled whole, a key or
-    partition id that is not a ``str``, an extension value outside the tags,
-    a malformed one) is read by :func:`decode_reply`, whose answer or error it is.
+    Walking a reply costs about a quarter of decoding it. A reply of any other shape (pickled whole, a
+    non-``str`` key or partition id, an extension value outside the tags, malformed) goes to :func:`decode_reply`.
 
     Raises:
         TransferQueueReplyError: as :func:`decode_reply`.
@@ -195,20 +179,16 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
 def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRead | None:
     """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.wire.sources.WatchRead`).
 
-    The controller pickles a ``BatchMeta`` of the keys found (indexes,
-    production status, field schema, tags) into one extension value: its
-    bytes are the fingerprint. Its tags are read (restricted unpickler) only
-    when ``held`` is called. None: a reply pickled whole, whose bytes hold the
-    message's own id and time, so no fingerprint is to be had.
+    The controller pickles a ``BatchMeta`` of the keys found into one extension value: its bytes are the
+    fingerprint, its tags read (restricted unpickler) only when ``held`` is called. None: a reply pickled
+    whole, whose bytes hold the message's own id and time.
 
     Raises:
         TransferQueueReplyError: ``REQUEST_ERROR``, a reply of another type, or one without that value.
     """
-    if frames and frames[0] and bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
-        decode_reply(KV_RETRIEVE_META, frames)  # for its errors
+    if not frames or not frames[0] or bytes(frames[0][:len(_PICKLED_MARKER)]) == _PICKLED_MARKER:
+        decode_reply(KV_RETRIEVE_META, frames)  # for its errors (an empty reply too)
         return None
-    if not frames or not frames[0]:
-        raise TransferQueueReplyError("empty reply from the TransferQueue controller")
     try:
         message = msgpack.unpackb(frames[0], raw=False, strict_map_key=False, timestamp=3,
                                   ext_hook=lambda code, data: msgpack.ExtType(code, data))

@@ -1,28 +1,21 @@
 """TransferQueue's tag values, turned into plain ones without numpy or torch (poller process).
 
-How the controller's codec (msgspec's msgpack with a hook) carries each kind
-of value, as found on real 0.1.11 replies (``tests/data/tq_kv_list_replies.msgpack``,
-made by ``tests/integration/capture_tq_replies.py``), and what it becomes:
+How the controller's codec (msgspec's msgpack with a hook) carries each kind of value, as found on real
+0.1.11 replies (``tests/data/tq_kv_list_replies.msgpack``), and what it becomes:
 
-- plain msgpack (tuples and sets as arrays; a naive datetime, UUID or Decimal
-  as a string; int tag names and partition ids as int keys): kept. A
-  datetime with a time zone (msgpack timestamp, ext -1): unreadable.
-- numpy scalars: ext 1, a pickle of numpy's scalar constructor over a dtype
-  and raw bytes -> ``bool``/``int``/``float``, as ``.item()`` gives. Any
-  other pickled class (object arrays too): unreadable.
-- numpy arrays (ext 5) and tensors (ext 3): a pickled ``(dtype, shape, frame
-  index)``, the raw elements in that extra frame -> the scalar for shape
-  ``()``, else nested lists as ``.tolist()`` gives; bool, int, uint and float
-  dtypes (bfloat16 too), up to :data:`MAX_ELEMENTS`. Nested tensors (ext 4)
-  and cloudpickled callables (ext 2): unreadable.
-- an int no msgpack int holds (``2**70``) makes the controller pickle the
-  whole reply (``[b"\xc1\xfe\xed", pickle]``): :func:`restricted_loads`
-  reads the same scalars, arrays (numpy's ``_frombuffer``) and dense tensors
-  (torch's legacy storage format) from it, so one such record spoils no other.
+- plain msgpack (tuples, sets, naive datetimes, UUIDs, Decimals, int keys as msgpack sends them): kept;
+  a datetime with a time zone (ext -1): unreadable.
+- numpy scalars (ext 1, a pickle of numpy's scalar constructor) -> ``bool``/``int``/``float`` as
+  ``.item()`` gives; any other pickled class: unreadable.
+- numpy arrays (ext 5) and tensors (ext 3): a pickled ``(dtype, shape, frame index)`` over raw elements ->
+  the scalar or nested lists as ``.tolist()`` gives, for bool, int, uint and float dtypes (bfloat16 too), up
+  to :data:`MAX_ELEMENTS`. Nested tensors (ext 4) and cloudpickled callables (ext 2): unreadable.
+- an int no msgpack int holds makes the controller pickle the whole reply: :func:`restricted_loads` reads
+  the same scalars, arrays and dense tensors (torch's legacy storage format) from it.
 
-An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue`
-in its place (the poller quarantines that key alone), an unreadable map key
-an :class:`UnreadableKey`. The restricted unpickler resolves no global by import.
+An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue` in its place (the poller
+quarantines that key alone), an unreadable map key an :class:`UnreadableKey`. The restricted unpickler
+resolves no global by import.
 """
 
 from __future__ import annotations
@@ -42,16 +35,12 @@ from poller.wire.sources import UnreadableValue
 __all__ = ["MAX_ELEMENTS", "Deferred", "UnreadableKey", "batch_meta_tags", "decode_ext", "plain",
            "restricted_loads"]
 
-#: Largest array or tensor turned into a list: the poller's wire refuses lists past
-#: ``Limits.max_items`` (1,000,000) anyway, and that many Python numbers cost ~30 MB.
+#: Largest array or tensor turned into a list: the wire refuses more (``Limits.max_items``), and they cost ~30 MB.
 MAX_ELEMENTS = 1_000_000
 
 
 class UnreadableKey:
-    """A map key a source could not read (hashable, unlike :class:`UnreadableValue`).
-
-    Not being a ``str``, the poller's checks treat it as any other non-``str`` key or tag name.
-    """
+    """A map key a source could not read (hashable, unlike :class:`UnreadableValue`): to the poller, a non-str key."""
 
     __slots__ = ("reason",)
 
@@ -65,8 +54,7 @@ class UnreadableKey:
 class Deferred:
     """An extension value that is no hashable scalar, held until :func:`plain` puts it in place.
 
-    msgpack's extension hook cannot know whether its value is a map key, and a
-    list or an :class:`UnreadableValue` cannot be one.
+    msgpack's extension hook cannot know whether its value is a map key, which a list cannot be.
     """
 
     __slots__ = ("value",)
@@ -83,10 +71,8 @@ _SCALARS = (str, int, float, bool, type(None), bytes)
 def plain(obj: Any) -> Any:
     """``obj`` (from msgpack with :class:`Deferred` values, or the restricted unpickler) made plain.
 
-    Tuples and sets become lists, anything unreadable an :class:`UnreadableValue`.
-    A container held more than once is converted once and shared, as
-    unpickling shares it, so a pickle nesting one list in itself twice per
-    level stays linear work.
+    Tuples and sets become lists, anything unreadable an :class:`UnreadableValue`. A container held more
+    than once is converted once and shared, so a pickle nesting one list twice per level stays linear work.
     """
     return _value(obj, {})
 
@@ -113,8 +99,10 @@ def _plain(obj: Any, memo: dict[int, Any]) -> Any:
         result = bytes(obj)
     elif isinstance(obj, datetime.datetime):  # msgpack's timestamps
         result = UnreadableValue("a datetime with a time zone, which has no plain form")
+    elif isinstance(obj, (_Refused, _DType, _Storage)):  # the restricted unpickler's stand-ins
+        result = UnreadableValue(obj.reason)
     else:
-        result = UnreadableValue(_refusal(obj) or f"a {type(obj).__name__} value")
+        result = UnreadableValue(f"a {type(obj).__name__} value")
     # Keyed by id: ``obj`` stays alive (the input holds it) for as long as ``memo`` does.
     memo[id(obj)] = result
     return result
@@ -176,11 +164,8 @@ _NAMED: dict[str, tuple[str, int]] = {
     "int32": ("i", 4), "uint32": ("I", 4), "int64": ("q", 8), "uint64": ("Q", 8),
     "float16": ("e", 2), "bfloat16": ("bf16", 2), "float32": ("f", 4), "float64": ("d", 8),
 }
-# numpy's type strings ("i8", "<f4", "|b1"): kind and size, the byte order apart.
-_TYPESTR_CODES: dict[tuple[str, int], str] = {
-    ("b", 1): "?", ("u", 1): "B", ("i", 1): "b", ("u", 2): "H", ("i", 2): "h", ("u", 4): "I", ("i", 4): "i",
-    ("u", 8): "Q", ("i", 8): "q", ("f", 2): "e", ("f", 4): "f", ("f", 8): "d",
-}
+# numpy's type strings ("i8", "<f4", "|b1"): kind (the name's first letter) and size, the byte order apart.
+_TYPESTR_CODES = {(name[0], size): code for name, (code, size) in _NAMED.items() if name != "bfloat16"}
 _TYPESTR = re.compile(r"([<>|=]?)([a-zA-Z])(\d+)")
 _BYTE_ORDERS = {"<": "<", ">": ">", "|": "=", "=": "=", "": "="}
 
@@ -219,9 +204,8 @@ def _from_buffer(what: str, dtype: str, shape: Sequence[int], data: bytes | byte
                  fortran: bool = False) -> Any:
     """The plain value of a ``what`` of ``dtype`` (numpy's ``str(dtype)`` or torch's name) and ``shape`` in ``data``.
 
-    ``strides`` and ``offset`` (in elements) place a view in ``data``, which
-    then holds its whole storage; without them the elements are contiguous,
-    in C order or ``fortran``.
+    ``strides`` and ``offset`` (in elements) place a view in ``data`` (its whole storage); without them the
+    elements are contiguous, in C order or ``fortran``.
     """
     kind = _kind(dtype, numpy_names)
     if kind is None:
@@ -262,7 +246,7 @@ def _ignore(*_: Any, **__: Any) -> None:
 class _Refused:
     """A stand-in for a pickled global this side does not resolve: building or filling one does nothing."""
 
-    global_name = "?"
+    reason = "a pickled object this source does not unpickle"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "_Refused":
         return object.__new__(cls)
@@ -286,24 +270,19 @@ class _DType:
     def typestr(self) -> str | None:
         return f"{self.order}{self.code}" if isinstance(self.code, str) else None
 
+    @property
+    def reason(self) -> str:
+        return f"a numpy dtype ({self.code})"
+
 
 class _Storage:
     """A torch storage read from its legacy format: dtype name and raw bytes."""
 
+    reason = "a torch storage"
+
     def __init__(self, dtype: str) -> None:
         self.dtype = dtype
         self.data = b""
-
-
-def _refusal(obj: Any) -> str | None:
-    """Why ``obj``, a result of :func:`restricted_loads`, is not a plain value (None: it may be one)."""
-    if isinstance(obj, _Refused):
-        return f"a pickled {obj.global_name} object, which this source does not unpickle"
-    if isinstance(obj, _DType):
-        return f"a numpy dtype ({obj.code})"
-    if isinstance(obj, _Storage):
-        return "a torch storage"
-    return None
 
 
 def _numpy_scalar(dtype: Any, data: Any = None) -> Any:
@@ -336,13 +315,8 @@ _STORAGE_DTYPES = {
 }
 
 
-class _StorageType:
-    def __init__(self, dtype: str) -> None:
-        self.dtype = dtype
-
-
 class _StorageUnpickler(pickle.Unpickler):
-    """The storage pickle inside torch's legacy format: storage types only, storages as persistent ids."""
+    """The storage pickle inside torch's legacy format: storage types (as dtype names), storages as persistent ids."""
 
     def __init__(self, stream: io.BytesIO, storages: dict[str, _Storage]) -> None:
         super().__init__(stream)
@@ -350,15 +324,15 @@ class _StorageUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
+            return _STORAGE_DTYPES[name]
         raise pickle.UnpicklingError(f"{module}.{name} in a torch storage")
 
     def persistent_load(self, pid: Any) -> Any:
         # ("storage", storage type, key, location, number of elements[, view]).
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)):
+                and pid[1] in _STORAGE_DTYPES.values() and isinstance(pid[2], str)):
             raise pickle.UnpicklingError("a persistent id that is no torch storage")
-        return self._storages.setdefault(pid[2], _Storage(pid[1].dtype))
+        return self._storages.setdefault(pid[2], _Storage(pid[1]))
 
 
 def _torch_load_from_bytes(data: Any) -> Any:
@@ -418,12 +392,12 @@ class _Unpickler(pickle.Unpickler):
         allowed = self._allowed.get((module, name))
         if allowed is not None:
             return allowed
-        return type("Refused", (_Refused,), {"global_name": f"{module}.{name}"})
+        reason = f"a pickled {module}.{name} object, which this source does not unpickle"
+        return type("Refused", (_Refused,), {"reason": reason})
 
 
-# The exact bytes numpy 2 writes for a bool, int, uint or float scalar (pickle protocol 5), read
-# without an unpickler (~1 us instead of ~10 us; a listing may hold one per key). Anything else,
-# numpy 1's pickles included, takes the unpickler.
+# The exact bytes numpy 2 writes for a bool, int, uint or float scalar, read without an unpickler (~10x
+# faster; a listing may hold one per key). Anything else, numpy 1's pickles included, takes the unpickler.
 _NUMPY_SCALAR_PICKLE = re.compile(
     rb"\x80\x05\x95.{8}\x8c\x16numpy\._core\.multiarray\x94\x8c\x06scalar\x94\x93\x94"
     rb"\x8c\x05numpy\x94\x8c\x05dtype\x94\x93\x94\x8c\x02([biuf][1248])\x94\x89\x88\x87\x94R\x94"
@@ -443,8 +417,7 @@ def restricted_loads(data: bytes | memoryview, *, globals_: bool = True) -> Any:
     """Unpickle ``data`` resolving only the globals above (``globals_=False``: none at all); :func:`plain` it next.
 
     Raises:
-        Exception: ``data`` is not a pickle (``pickle.UnpicklingError`` and
-            whatever else a truncated or corrupt stream raises).
+        Exception: ``data`` is not a pickle (``pickle.UnpicklingError``, or what a corrupt stream raises).
     """
     if globals_:
         value = _fast_numpy_scalar(data)
@@ -470,9 +443,9 @@ _BATCH_META_GLOBALS = {**_GLOBALS, ("transfer_queue.metadata", "BatchMeta"): _Ba
 
 
 def batch_meta_tags(data: bytes | memoryview) -> list[Any] | None:
-    """The tags of each key a pickled ``BatchMeta`` describes, in its order, not yet :func:`plain`.
+    """The tags of each key a pickled ``BatchMeta`` describes, in order, not yet :func:`plain`.
 
-    None for a pickle that is not a BatchMeta of the known layout, or whose two lists disagree.
+    None: not a BatchMeta of the known layout, or its two lists disagree.
     """
     try:
         meta = _Unpickler(io.BytesIO(data), _BATCH_META_GLOBALS).load()

@@ -7,15 +7,11 @@
     source_kwargs(conf) ── address ───────▶   DEALER ── KV_LIST ──▶ controller's ROUTER
                                               (a deadline on every call)
 
-The trainer owns TransferQueue: only it may call ``tq.close()`` (from any
-other process that kills the shared controller for everybody). The poller
-needs only the controller's request address, which :func:`source_kwargs`
-reads in the trainer as plain, picklable keyword arguments. The source speaks
-the controller's protocol itself (:mod:`poller.sources.tq_protocol`), so the
-poller imports neither ``transfer_queue``, Ray nor torch, and every call has a
-deadline, which TransferQueue's own client lacks: past it,
-:class:`~poller.wire.sources.SourceStall`. :meth:`TransferQueueSource.close`
-closes its own socket only.
+The trainer owns TransferQueue: only it may call ``tq.close()`` (from any other process that kills the shared
+controller for everybody). The poller needs only the controller's address, which :func:`source_kwargs` reads
+in the trainer as plain keyword arguments, and speaks the controller's protocol itself
+(:mod:`poller.sources.tq_protocol`): no ``transfer_queue``, Ray or torch in the poller, and a deadline on
+every call, which TransferQueue's own client lacks (past it, :class:`~poller.wire.sources.SourceStall`).
 """
 
 from __future__ import annotations
@@ -68,19 +64,14 @@ class TransferQueueSource:
     """Lists a running TransferQueue controller at ``address``.
 
     Args:
-        address: the controller's request endpoint, ``tcp://host:port``
-            (what :func:`source_kwargs` gives).
+        address: the controller's request endpoint, ``tcp://host:port`` (what :func:`source_kwargs` gives).
         controller_id: the controller's id, sent as the receiver of each request.
-        partition_ids: poll only these partitions (one request each, under
-            one deadline); ``None`` lists every partition with one request.
+        partition_ids: poll only these partitions (one request each, under one deadline); ``None`` lists
+            every partition with one request.
         call_timeout: the deadline of one call, in seconds.
-        probe_timeout: on construction, wait this long for the controller to
-            answer a cheap request, so a wrong address or an unknown protocol
-            fails the poller's start-up clearly; ``None`` skips the probe.
-        controller_version: the release the trainer runs (what
-            :func:`source_kwargs` finds installed); one outside
-            :data:`~poller.sources.tq_protocol.KNOWN_VERSIONS` is used, with
-            one WARNING per process. ``None``: not checked.
+        probe_timeout: on construction, wait this long for the controller to answer a cheap request, so a
+            wrong address or an unknown protocol fails the poller's start-up clearly; ``None`` skips the probe.
+        controller_version: the trainer's release; one outside ``KNOWN_VERSIONS`` is used, with one WARNING.
 
     Raises:
         ValueError: bad arguments.
@@ -111,8 +102,7 @@ class TransferQueueSource:
             except BaseException:
                 self.close()
                 raise
-            # The probe ran in the thread that builds the source; the poller
-            # lists from another one, which opens a socket of its own.
+            # The poller lists from another thread than this one, which opens a socket of its own.
             self._drop_socket()
         warning = unknown_version_warning(controller_version, probe_timeout is not None)
         if warning is not None and controller_version not in _WARNED:
@@ -129,17 +119,12 @@ class TransferQueueSource:
 
         Raises:
             SourceStall: no complete answer within ``call_timeout``.
-            TransferQueueReplyError: the controller refused the request or
-                sent a reply this source does not read.
+            TransferQueueReplyError: the controller refused the request or sent a reply this source does not read.
         """
         return self._listing(packed=False)
 
     def kv_list_packed(self) -> dict[str, Any]:
-        """:meth:`kv_list`, each partition's tags left as the reply packed them (``PackedItems``).
-
-        A reply of another shape comes back decoded, as from :meth:`kv_list`
-        (:func:`~poller.sources.tq_protocol.decode_listing_reply`).
-        """
+        """:meth:`kv_list`, each partition's tags left packed (``PackedItems``) where the reply's shape allows."""
         return self._listing(packed=True)
 
     def _listing(self, packed: bool) -> dict[str, Any]:
@@ -161,12 +146,8 @@ class TransferQueueSource:
     def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float | None = None) -> WatchRead | None:
         """``keys`` of ``partition_id`` as the controller holds them now (None: no fingerprint to be had).
 
-        One ``KV_RETRIEVE_META`` request, which reads only the keys named
-        (~0.35 ms of the controller's CPU for 100 keys against ~37 ms for a
-        listing of 100k) and changes nothing there (``create`` is false; a key
-        not found is logged by the controller at WARNING). The fingerprint
-        changes once a tag or field of one of the keys changed, or one was
-        removed or put again (:func:`~poller.sources.tq_protocol.decode_watch_reply`).
+        One ``KV_RETRIEVE_META`` request: it reads only the keys named (~1% of a 100k-key listing's cost) and
+        changes nothing there (``create`` is false; the controller logs a key not found at WARNING).
 
         Raises:
             SourceStall: no answer within ``timeout`` (default ``call_timeout``).
@@ -194,9 +175,7 @@ class TransferQueueSource:
             self._ctx.term()
 
     def _drop_socket(self) -> None:
-        # A request that timed out may still be answered later; that reply
-        # must never be read as the answer to the next request, so the
-        # socket goes and the next call connects afresh.
+        # A request that timed out may still be answered later, never to be read as the next one's answer.
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -233,11 +212,9 @@ def source_kwargs(conf: Any = None, *, partition_ids: Sequence[str] | None = Non
                   probe_timeout: float | None = 10.0) -> dict[str, Any]:
     """Keyword arguments for :class:`TransferQueueSource`, from the trainer's live TransferQueue (after ``tq.init()``).
 
-    ``conf`` is what ``init()`` returned (its ``controller.zmq_info``), a
-    ``ZMQServerInfo`` or its ``to_dict()``; without one (a process that
-    attached to an existing controller) the controller actor is asked through
-    Ray. Plain, JSON-able data, so it also serves ``python -m poller run
-    --source-kwargs``; ``controller_version`` is the release installed here.
+    ``conf`` is what ``init()`` returned (its ``controller.zmq_info``), a ``ZMQServerInfo`` or its
+    ``to_dict()``; without one the controller actor is asked through Ray. JSON-able, so it also serves
+    ``python -m poller run --source-kwargs``; ``controller_version`` is the release installed here.
 
     Raises:
         ValueError: ``conf`` holds no controller address.

@@ -1,20 +1,9 @@
 """The source contract: what a store must and may offer, checked once when the source is loaded.
 
-Both processes use it: the poller builds its source from an importable spec
-(the trainer never pickles a live store client into the child), and
-``buffer.verl`` builds a store client from the same spec in the trainer.
-One :class:`~typing.Protocol` per capability: :class:`Source` (``kv_list``,
-required), :class:`PackedListing`, :class:`ChangeFeed`, :class:`Watch`, and
-the trainer's :class:`StoreClient` / :class:`FieldReads`.
-
-:func:`load_source` checks the contract once (:func:`capabilities`): a
-malformed source (half a change feed, an attribute of one of these names
-that is not callable) fails the poller's start-up with a ``TypeError``
-naming it, and what the source offers is then read from the
-:class:`Capabilities` record. Any call may raise :class:`SourceStall` past the
-source's own deadline (counted, then polled again); a tag value a source
-cannot read stands in its listing as an :class:`UnreadableValue`, and the
-poller quarantines that key alone.
+Both processes use it: the poller builds its source from an importable spec (the trainer never pickles a live
+store client into the child), and ``buffer.verl`` builds a store client from the same spec in the trainer.
+One :class:`~typing.Protocol` per capability; :func:`capabilities` checks a source once and records what it
+offers. Any call may raise :class:`SourceStall` past the source's own deadline (counted, then polled again).
 """
 
 from __future__ import annotations
@@ -26,8 +15,7 @@ from poller.wire.vocabulary import Listing
 
 __all__ = ["Capabilities", "ChangeFeed", "FieldReads", "PackedItems", "PackedListing", "Source", "SourceSpec",
            "SourceStall", "StoreClient", "UnreadableValue", "Watch", "WatchRead", "capabilities", "describe_spec",
-           "has_change_feed", "load_capabilities", "load_source", "missing_calls", "packed_listing",
-           "resolve_spec", "watch_reader"]
+           "load_source", "resolve_spec"]
 
 
 class SourceStall(TimeoutError):
@@ -35,11 +23,9 @@ class SourceStall(TimeoutError):
 
 
 class UnreadableValue:
-    """A tag value a source could not turn into a plain one; it stands in the listing in its place.
+    """A tag value a source could not turn into a plain one, standing in the listing in its place.
 
-    The poller quarantines every key whose tags hold one (left out of the
-    stream and named with ``reason``), so one such record never fails the
-    listing that carries it.
+    The poller quarantines every key whose tags hold one (named with ``reason``): the listing still serves.
     """
 
     __slots__ = ("reason",)
@@ -59,13 +45,9 @@ class UnreadableValue:
 class PackedItems:
     """One partition of ``kv_list_packed()``: ``{key: packed tags}`` as the store's reply carried them.
 
-    Every key is a ``str`` and every value the msgpack of one key's tags;
-    ``decode(blobs)`` returns the tags of each (what ``kv_list()`` would have
-    listed, raising what it raises for a malformed reply). Bytes equal to
-    those the poller sent for the key mean unchanged tags and are not
-    decoded: the poller packs as msgpack does by default (``use_bin_type``).
-    Tags packed any other way are decoded and compared as tags, so the result
-    is the same either way.
+    ``decode(blobs)`` returns the tags of each (what ``kv_list()`` would list, raising what it raises). Bytes
+    equal to those the poller sent for the key (msgpack's default packing) are unchanged tags and stay
+    undecoded; tags packed any other way are decoded and compared as tags, with the same result.
     """
 
     __slots__ = ("items", "decode")
@@ -80,19 +62,14 @@ class PackedItems:
     def __repr__(self) -> str:
         return f"<PackedItems: {len(self.items)} keys>"
 
-    def decoded(self) -> dict[str, Any]:
-        """``{key: tags}``, every key decoded."""
-        return dict(zip(self.items, self.decode(list(self.items.values()))))
-
 
 class WatchRead(NamedTuple):
     """What ``kv_watch(partition_id, keys, timeout)`` read of ``keys``."""
 
     #: Bytes that differ from one read to the next once a tag, a field or the set of the keys found changed.
     fingerprint: bytes
-    #: What the store holds of the keys, read only when called (the poller compares it with what it sent on the
-    #: first read after a listing; later reads need the fingerprint alone): how many of them it holds, and each
-    #: one's tags when it holds them all and the source can read them (None otherwise).
+    #: Read only when called (the first read after a listing, compared with what was sent): how many of the keys
+    #: the store holds, and each one's tags when it holds them all and the source can read them (None otherwise).
     held: Callable[[], tuple[int, Union[dict[str, Any], None]]]
 
 
@@ -112,10 +89,8 @@ class Source(Protocol):
 class PackedListing(Protocol):
     """``kv_list()`` with each partition as :class:`PackedItems`: the poller decodes only changed keys (TransferQueue).
 
-    Used only where it stands for the ``kv_list()`` in effect: a subclass
-    that overrides ``kv_list()`` (to log, filter or add to a listing)
-    without overriding ``kv_list_packed()`` too, or an instance whose
-    ``kv_list`` was replaced, is listed by its own ``kv_list()``.
+    Used only where it stands for the ``kv_list()`` in effect: a subclass that overrides ``kv_list()`` alone,
+    or an instance whose ``kv_list`` was replaced, is listed by its own ``kv_list()``.
     """
 
     def kv_list_packed(self) -> Mapping[str, Any] | None: ...
@@ -125,36 +100,27 @@ class PackedListing(Protocol):
 class ChangeFeed(Protocol):
     """What changed since a cursor (an opaque value the source hands out and takes back): each poll reads only that.
 
-    A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``:
-    :meth:`kv_snapshot` as an iterator of listings, each read only when it is
-    taken, from one consistent read that lasts until the iterator is
-    exhausted or closed. The poller then sends each piece while the next is
-    read. A source with a change feed is not watched: the feed says what
-    changed already.
+    A source may also offer ``kv_snapshot_pieces() -> (cursor, iterator)``: :meth:`kv_snapshot` as listings
+    each read when taken, from one consistent read held until the iterator is exhausted or closed (the poller
+    sends each piece while the next is read). A source with a change feed is not watched.
     """
 
     def kv_snapshot(self) -> tuple[Any, Listing]:
         """``(cursor, listing)``: a consistent full listing and the cursor right after it.
 
-        Every change committed after the listing was read must come back from
-        ``kv_changes(cursor)``.
+        Every change committed after the listing must come back from ``kv_changes(cursor)``.
         """
         ...
 
     def kv_changes(self, cursor: Any) -> tuple[Any, Listing, dict[str, list[str]]] | None:
         """``(cursor, upserts, deletes)`` since ``cursor``, or ``None`` to ask for a full listing.
 
-        ``upserts`` holds the current tags of every key written since
-        ``cursor`` (possibly unchanged ones); ``deletes`` is
-        ``{partition_id: [key, ...]}`` of keys removed since then and not
-        stored now (a key deleted and put again is an upsert). The returned
-        cursor follows exactly these changes. ``None``: the cursor can no
-        longer be served (too old, or from a store that was replaced or
-        rolled back to a backup: a cursor must tell the history it was taken
-        on from another that reached the same count); the caller takes
-        :meth:`kv_snapshot`. A key or partition id that is not a ``str`` is
-        the record's problem: an upsert of one is quarantined, a delete of one
-        lets it out of the quarantine.
+        ``upserts``: the current tags of every key written since ``cursor`` (possibly unchanged ones);
+        ``deletes``: ``{partition_id: [key, ...]}`` removed since then and not stored now (deleted and put
+        again is an upsert). The returned cursor follows exactly these changes. ``None``: the cursor can no
+        longer be served (too old, or the store was replaced or rolled back to a backup, which a cursor must
+        tell apart); the caller takes :meth:`kv_snapshot`. A non-``str`` key or partition id is quarantined
+        (its delete lets it out).
         """
         ...
 
@@ -162,9 +128,8 @@ class ChangeFeed(Protocol):
 class Watch(Protocol):
     """A cheap read of named keys, repeated every ``watch_interval`` while a decision waits on them (TransferQueue).
 
-    The poller lists the store as soon as the fingerprint changes: a schedule
-    that decides *when* to list, never what the listing shows. It must
-    answer within ``timeout`` seconds or raise :class:`SourceStall`.
+    The poller lists as soon as the fingerprint changes: it decides *when* to list, never what the listing
+    shows. Answers within ``timeout`` seconds or raises :class:`SourceStall`.
     """
 
     def kv_watch(self, partition_id: str, keys: Sequence[str], timeout: float) -> WatchRead | None: ...
@@ -173,9 +138,8 @@ class Watch(Protocol):
 class StoreClient(Protocol):
     """The store calls ``buffer.verl`` makes from the trainer: clear keys, and list one partition to check a clear.
 
-    An optional attribute ``clear_is_all_or_nothing = True`` says that a
-    ``kv_clear`` naming a key already gone clears nothing (TransferQueue
-    0.1.8), so every clear is checked by listing the partition.
+    ``clear_is_all_or_nothing = True`` (optional) says a ``kv_clear`` naming a key already gone clears nothing
+    (TransferQueue 0.1.8), so every clear is checked by listing the partition.
     """
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None: ...
@@ -188,17 +152,6 @@ class FieldReads(StoreClient, Protocol):
 
     def kv_batch_get(self, keys: list[str], partition_id: str,
                      select_fields: list[str] | None = None) -> Mapping[str, list[Any]]: ...
-
-
-_CALLS: dict[type, tuple[str, ...]] = {
-    Source: ("kv_list",), PackedListing: ("kv_list_packed",), ChangeFeed: ("kv_snapshot", "kv_changes"),
-    Watch: ("kv_watch",), StoreClient: ("kv_clear", "kv_list"), FieldReads: ("kv_clear", "kv_list", "kv_batch_get"),
-}
-
-
-def missing_calls(obj: object, protocol: type) -> list[str]:
-    """The methods of ``protocol`` (one of this module's) that ``obj`` lacks or holds as something not callable."""
-    return [name for name in _CALLS[protocol] if not callable(getattr(obj, name, None))]
 
 
 class Capabilities(NamedTuple):
@@ -222,22 +175,17 @@ class Capabilities(NamedTuple):
         return self.kv_changes is not None
 
 
-_OPTIONAL = ("kv_list_packed", "kv_snapshot", "kv_changes", "kv_snapshot_pieces", "kv_watch")
-
-
 def capabilities(source: object) -> Capabilities:
     """Check ``source`` against the contract and record what it offers.
 
     Raises:
-        TypeError: no callable ``kv_list``; an optional method's name held by
-            something not callable; half a change feed (``kv_changes``
-            without ``kv_snapshot`` or the reverse, or ``kv_snapshot_pieces``
-            without both).
+        TypeError: no callable ``kv_list``; an optional method's name held by something not callable; half a
+            change feed (one of ``kv_snapshot``/``kv_changes``, or ``kv_snapshot_pieces`` without both).
     """
     kind = type(source).__name__
-    if missing_calls(source, Source):
+    if not callable(getattr(source, "kv_list", None)):
         raise TypeError(f"{kind!r} has no kv_list()")
-    offered = {name: getattr(source, name, None) for name in _OPTIONAL}
+    offered = {name: getattr(source, name, None) for name in Capabilities._fields[2:]}  # the optional calls
     broken = [name for name, method in offered.items() if method is not None and not callable(method)]
     if broken:
         raise TypeError(f"{kind!r} has {', '.join(broken)}, which is not callable")
@@ -262,21 +210,6 @@ def _packed_stands_for_list(source: object) -> bool:
     return list_owner is not None and packed_owner is not None and mro.index(packed_owner) <= mro.index(list_owner)
 
 
-def packed_listing(source: object) -> Callable[[], Any] | None:
-    """``source.kv_list_packed`` if the poller should list ``source`` by it, else None (:class:`PackedListing`)."""
-    return capabilities(source).kv_list_packed
-
-
-def has_change_feed(source: object) -> bool:
-    """Whether ``source`` offers :class:`ChangeFeed`."""
-    return capabilities(source).change_feed
-
-
-def watch_reader(source: object) -> WatchReader | None:
-    """The source's ``kv_watch``, if it offers one and has no change feed."""
-    return capabilities(source).kv_watch
-
-
 #: ``"package.module:attr"``, or a picklable callable returning a Source.
 SourceSpec = Union[str, Callable[..., Any]]
 
@@ -299,10 +232,17 @@ def resolve_spec(spec: str) -> Any:
     return obj
 
 
+def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
+    """Build a source from ``spec``, checked against the contract (:func:`capabilities`).
 
+    ``spec`` names (or is) an object that has ``kv_list`` (used as it is) or a callable, called with
+    ``**kwargs``, whose result must be a source.
 
-def load_capabilities(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Capabilities:
-    """Build a source from ``spec`` and check it against the contract (:func:`load_source`)."""
+    Raises:
+        ValueError: malformed spec, missing attribute, or kwargs given for an object that is not called.
+        TypeError: the result breaks the contract (:func:`capabilities`).
+        Exception: whatever importing the module or calling the factory raised.
+    """
     target = resolve_spec(spec) if isinstance(spec, str) else spec
     kwargs = dict(kwargs or {})
     # A class has a kv_list attribute too (the unbound function), so "already
@@ -316,26 +256,10 @@ def load_capabilities(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None)
     else:
         raise TypeError(f"source {describe_spec(spec)} is neither callable nor an object with kv_list()")
     try:
-        return capabilities(source)
+        capabilities(source)
     except TypeError as exc:
         raise TypeError(f"source {describe_spec(spec)}: {exc}") from None
-
-
-def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
-    """Build a source from ``spec``, checked against the contract.
-
-    ``spec`` names (or is) either an object that already has ``kv_list`` —
-    used as it is — or a callable, called with ``**kwargs``, whose result must
-    be a source.
-
-    Raises:
-        ValueError: malformed spec, missing attribute, or kwargs given for an
-            object that is not called.
-        TypeError: the result breaks the contract (:func:`capabilities`).
-        Exception: whatever importing the module or calling the factory raised.
-    """
-    source: Source = load_capabilities(spec, kwargs).source
-    return source
+    return source  # type: ignore[no-any-return]
 
 
 def describe_spec(spec: SourceSpec) -> str:
