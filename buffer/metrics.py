@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
-    from buffer.core import _Core
+    from buffer.replay import _Core
 
 __all__ = ["BufferStats", "Metric", "METRICS", "collect_stats", "metrics_of"]
 
@@ -63,7 +63,8 @@ def collect_stats(core: _Core) -> BufferStats:
     """The stats of an open buffer's core."""
     receiver = core.receiver
     table = receiver.table  # the stream's counters live in its peer state machine
-    process = core.process
+    supervisor = core.supervisor
+    process = supervisor.process if supervisor else None
     peer = receiver.peer_info(core.name)
     last = table.last_message_at
     quarantined, quarantined_keys = table.quarantined()
@@ -73,8 +74,8 @@ def collect_stats(core: _Core) -> BufferStats:
         "poller_pid": process.pid if process else None,
         "poller_alive": bool(process and process.is_alive()),
         "restarts": core.budget.total,
-        "start_retries": core.start_retries,
-        "source_switches": core.source_switches,
+        "start_retries": supervisor.start_retries if supervisor else 0,
+        "source_switches": supervisor.switches if supervisor else 0,
         "epoch": process.epoch if process else None,
         "messages": table.messages,
         "items_received": table.items_received,

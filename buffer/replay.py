@@ -7,27 +7,39 @@
          │                                                   ▲ DELTA/HEARTBEAT/BYE
          └── _Core ── Supervisor thread ── PollerProcess ────┘ (child, DEALER)
 
-The facade holds only ``_Core`` (:mod:`buffer.core`), so a finalizer can
-close it when the facade is dropped: nothing outlives a forgotten buffer.
+The facade holds only a ``_Core``, which never refers back to it, so a
+finalizer can close the core when the facade is dropped: nothing outlives a
+forgotten buffer. The poller child has one owner, the
+:class:`~buffer.supervisor.Supervisor`, which ``close()`` asks (or takes a
+running child over from).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import threading
+import time
+import uuid
 import weakref
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping
 
 from buffer.access import check_bind
 from buffer.arguments import check_buffer_args, check_items, check_keys, check_partition, check_sample
-from buffer.core import _Core
 from buffer.errors import BufferClosed
+from buffer.ipcdir import PrivateIpcDir, remove_stale
 from buffer.metrics import BufferStats, collect_stats, metrics_of
-from buffer.process import ShutdownReport
+from buffer.partitions import PartitionStore
+from buffer.process import PollerProcess, ShutdownReport
 from buffer.seam import SamplingSeam
-from buffer.steps import BatchMeta
+from buffer.steps import BatchMeta, StepSampler
+from buffer.stream import StreamReceiver
+from buffer.supervisor import RestartBudget, Supervisor, close_bound
+from buffer.sync import ListingSync
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare, check_optional_seconds
-from poller.wire.curve import CurveServer
-from poller.wire.protocol import Limits
+from poller.wire.curve import CurveClient, CurveServer, generate_pair
+from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from poller.wire.sources import SourceSpec
 from poller.wire.vocabulary import Tags
 
@@ -35,7 +47,7 @@ __all__ = ["ReplayBuffer"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
+_FIRST_POLL_WAIT = 5.0
 
 #: The least ``max_view_age=None`` lets a view age. Generous on purpose: the backstop for a poller
 #: that neither completes a poll nor reports a stall (a store that does not answer is caught at its
@@ -47,6 +59,191 @@ def default_max_view_age(poll_interval: float) -> float:
     """What ``max_view_age=None`` bounds a view's age by: 60 s, or three poll intervals if longer
     (a poller asked to list every 2 minutes is not waited for between two of its polls)."""
     return max(DEFAULT_MAX_VIEW_AGE, 3 * poll_interval)
+
+
+# Buffers not closed yet, closed at interpreter exit *before* non-daemon threads are joined (the hook
+# concurrent.futures uses): a thread waiting in sample(timeout=None) would otherwise block that join for ever.
+_OPEN_CORES: "set[_Core]" = set()
+
+
+def _close_open_buffers() -> None:
+    for core in list(_OPEN_CORES):
+        try:
+            core.close()
+        except Exception:  # one buffer's failure must not keep the others open
+            logger.exception("closing a replay buffer at exit failed")
+
+
+threading._register_atexit(_close_open_buffers)  # type: ignore[attr-defined]
+
+
+class _Core:
+    """Everything a buffer owns, and its close."""
+
+    def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
+                 bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
+                 restart_window: float, curve: CurveServer | None, limits: Limits | None, stale_after: float,
+                 max_view_age: float, poller_options: Mapping[str, Any]) -> None:
+        self.source = source
+        self.poller_options = dict(poller_options)  # further WorkerConfig fields
+        self.source_kwargs = dict(source_kwargs or {})
+        self.poll_interval = poll_interval
+        self.start_timeout = start_timeout
+        self.close_timeout = close_timeout
+        self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
+        self.store = PartitionStore()
+        self.store.bound_age(max_view_age)
+        # Only this process may stop the poller or remove the ipc directory (a forked child inherits the finalizer).
+        self.owner_pid = os.getpid()
+        self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Reentrant: a signal handler may call close() in the thread that is closing.
+        self._close_lock = threading.RLock()
+        self._closer: int | None = None
+        self._report: ShutdownReport | None = None
+        self.supervisor: Supervisor | None = None
+        self._ipc_dir: PrivateIpcDir | None = None
+        if bind is None:
+            self._ipc_dir = PrivateIpcDir.create()
+            bind = self._ipc_dir.endpoint
+        self.child_curve: CurveClient | None = None
+        if curve is not None and source is not None:
+            # An ephemeral key pair for the buffer's own poller, never in a file: the secret half reaches the
+            # child through its private pipe, the public half is allowed for this buffer's lifetime only.
+            public, secret = generate_pair()
+            self.child_curve = CurveClient(public, secret, curve.public_key)
+            curve = curve.allowing(public)
+        self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
+                                       stale_after=stale_after, pinned=frozenset({self.name}))
+        self.endpoint: str | None = None
+        self.listing_sync = ListingSync(self.store, self.receiver, self.name if source is not None else None)
+        # What every sampling policy uses of this buffer, the step sampler behind sample() first.
+        self.seam = SamplingSeam(self.store, self.listing_sync)
+        self.steps = StepSampler(self.seam)
+        if source is not None:
+            # No decision on a view that was never whole: decisions wait for the poller's first complete listing.
+            self.store.require(self.name)
+        _OPEN_CORES.add(self)
+
+    @property
+    def process(self) -> PollerProcess | None:
+        """The poller child now (owned by the supervisor)."""
+        return self.supervisor.process if self.supervisor is not None else None
+
+    def start(self) -> None:
+        if self.source is None:
+            self.endpoint = self.receiver.start()
+            remove_stale()
+            return
+        started = time.monotonic()
+        if self._ipc_dir is not None:
+            # Known before the bind, so the receiver binds while the poller's interpreter boots (the poller
+            # connects ~30 ms after its spawn). Should the bind fail, start() raises and close() ends the poller.
+            self.endpoint = self._ipc_dir.endpoint
+        else:
+            self.endpoint = self.receiver.start()
+        self.supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
+                                     budget=self.budget, drained=self._drained, give_up=self.store.fail,
+                                     switched=lambda: self.store.replaced(self.name))
+        self.supervisor.start()
+        if self._ipc_dir is not None and self.receiver.start() != self.endpoint:
+            raise RuntimeError(f"the receiver bound {self.receiver.endpoint}, not {self.endpoint}")
+        remove_stale()
+        # The child's start is bounded by start_timeout; the margin covers launching it.
+        self.supervisor.started.result(self.start_timeout + 30.0)
+        # Return with the store's contents visible when that is quick; a slow first listing is no error:
+        # every decision waits for the first complete listing itself (PartitionStore.view_gap).
+        first_poll_wait = min(_FIRST_POLL_WAIT, max(0.0, self.start_timeout - (time.monotonic() - started)))
+        if not self.receiver.wait_first_poll(self.name, first_poll_wait):
+            logger.warning("poller %s: no complete listing within %.3gs of READY; sample() waits for it",
+                           self.name, first_poll_wait)
+
+    def include_partitions(self, partition_ids: list[str]) -> None:
+        held = self.source_kwargs.get("partition_ids")
+        if not isinstance(held, (list, tuple)):
+            return  # the source lists every partition
+        added = [p for p in dict.fromkeys(partition_ids) if p not in held]
+        if not added:
+            return
+        # Replaced whole, never edited: the supervisor reads it for each new process.
+        self.source_kwargs = {**self.source_kwargs, "partition_ids": [*held, *added]}
+        self.receiver.table.syncs.include_partitions(self.name.encode(), [*held, *added])
+        logger.debug("poller %s lists partitions %s too", self.name, added)
+
+    def switch_source(self, changes: Mapping[str, Any]) -> ShutdownReport:
+        with self._close_lock:  # no close() between the check and the request: the request is answered
+            self.store.check_open()
+            if self.supervisor is None:
+                raise ValueError("this buffer has no poller of its own (source=None): there is no source to switch")
+            # Replaced whole, never edited: the supervisor reads it for each new process.
+            self.source_kwargs = {**self.source_kwargs, **changes}
+            answer = self.supervisor.switch(self.close_timeout)
+        # The ladder's two waits, the reap and the new child's spawn: bounded like close().
+        return answer.result(close_bound(self.close_timeout))
+
+    def _drained(self, process: PollerProcess, final: bool = True) -> Callable[[float], bool]:
+        """Whether everything ``process`` sent before BYE was applied (asked after it exited).
+
+        For the buffer's last poller (``final``, not one a switch replaces) the receiver ends once that BYE
+        is applied, so closing its socket and removing the ipc directory overlap the poller's exit.
+        """
+        name, epoch = process.name, process.epoch
+        if final:
+            self.receiver.stop_after_bye(name, epoch, then=self._remove_ipc_dir)
+        return lambda seconds: self.receiver.wait_bye(name, epoch, seconds)
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            self._ipc_dir.remove()
+
+    def _new_process(self) -> PollerProcess:
+        assert self.source is not None and self.endpoint is not None
+        # Chosen here, so the receiver knows it before the child's first message: anyone else using the name is refused.
+        epoch = secrets.randbits(62) + 1
+        self.receiver.expect(self.name, epoch)
+        limits = self.receiver.limits
+        # The poller checks tags against the receiver's whole limits, or a tag the receiver refuses would fail
+        # every resync; a chunk of n keys spans at most n partitions, so 2n stays within the keys-per-message bound.
+        return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
+                             name=self.name, interval=self.poll_interval,
+                             orphan_cleanup=self._ipc_dir.path if self._ipc_dir else None, epoch=epoch,
+                             curve=self.child_curve, max_frame_bytes=limits.max_frame_bytes, limits=limits,
+                             chunk_items=max(1, min(4096, limits.max_keys_per_message // 2)), **self.poller_options)
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        if os.getpid() != self.owner_pid:
+            # A forked child's copy: everything is the parent's. Touch nothing, take no lock
+            # (a thread that held it at the fork does not exist here).
+            return ShutdownReport("no-poller", 0.0, None, False)
+        with self._close_lock:
+            if self._report is not None:
+                return self._report
+            me = threading.get_ident()
+            if self._closer == me:
+                # A signal handler interrupted this thread's own close(): it goes on once the handler returns.
+                logger.warning("close() called again while this thread is closing the buffer; not waiting")
+                return ShutdownReport("closing", 0.0, None, False)
+            self._closer = me
+            try:
+                self._report = self._close(self.close_timeout if timeout is None else timeout)
+            finally:
+                self._closer = None
+            return self._report
+
+    def _close(self, timeout: float) -> ShutdownReport:
+        started = time.monotonic()
+        report = ShutdownReport("no-poller", 0.0, None, False)
+        try:
+            if self.supervisor is not None:
+                report = self.supervisor.close(timeout)  # bounded: each stage of the ladder is
+        finally:
+            # Also when the supervisor did not answer (a bug, raised to the caller).
+            self.store.close()
+            self.receiver.stop()
+            _OPEN_CORES.discard(self)
+            self._remove_ipc_dir()
+        report = report._replace(seconds=time.monotonic() - started)
+        logger.debug("replay buffer closed: %s", report)
+        return report
 
 
 class ReplayBuffer:
@@ -124,9 +321,8 @@ class ReplayBuffer:
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
-                     curve=curve, limits=resolved_limits, stale_after=stale_after,
-                     poller_options=poller_options, restart_window=restart_window)
-        core.store.bound_age(default_max_view_age(poll_interval) if max_view_age is None else max_view_age)
+                     restart_window, curve, resolved_limits, stale_after,
+                     default_max_view_age(poll_interval) if max_view_age is None else max_view_age, poller_options)
         try:
             core.start()
         except BaseException:
@@ -196,9 +392,9 @@ class ReplayBuffer:
 
         Asks the buffer's own poller and every standalone poller streaming to
         it for a poll at once, so everything written to their stores before
-        the call is reflected when this returns. Several concurrent calls may
-        be answered by one poll. A standalone poller that goes silent past
-        ``stale_after`` or says BYE meanwhile is not waited for.
+        the call is reflected when this returns; concurrent calls may share
+        one poll. A standalone poller silent past ``stale_after``, or saying
+        BYE, is not waited for.
 
         Raises:
             TimeoutError: no such listing within ``timeout`` seconds (the
@@ -207,10 +403,8 @@ class ReplayBuffer:
             BufferClosed: the buffer was closed, possibly by another thread.
             ValueError: ``timeout`` is not a finite number >= 0 (``None`` waits without a limit).
         """
-        core = self._core
-        core.store.check_open()
-        timeout = check_optional_seconds("timeout", timeout, allow_zero=True)
-        core.listing_sync.wait(timeout)
+        self._core.store.check_open()
+        self._core.seam.sync(check_optional_seconds("timeout", timeout, allow_zero=True))
 
     def include_partitions(self, partition_ids: Iterable[str]) -> None:
         """Have the poller list these partitions too, when its source lists a chosen set of them.
@@ -231,21 +425,20 @@ class ReplayBuffer:
     def switch_source(self, source_kwargs: Mapping[str, Any]) -> ShutdownReport:
         """Move the buffer's own poller to a replaced store: ``source_kwargs`` merged over the current ones.
 
-        For a store that was replaced under the same source, such as a
-        TransferQueue controller the trainer re-initialised (``tq.close()``,
-        then ``tq.init()``: a new address)::
+        For a store replaced under the same source, such as a TransferQueue
+        controller the trainer re-initialised (``tq.close()``, then
+        ``tq.init()``: a new address)::
 
             rb.switch_source(transferqueue.source_kwargs(tq.init(...)))
 
         Keys not given keep their values. The poller is closed (the ladder of
-        :meth:`close`) and a new one starts on the merged arguments. That is
-        no crash: it uses no restart budget (``stats()["source_switches"]``
-        counts it), and a new poller refused because its store cannot be
-        reached yet is tried again with backoff. From the return on, no
-        decision is made until the new poller's first complete listing is
-        applied, which drops every key the old store listed and the new one
-        does not: no view mixes the two. What :meth:`add` and :meth:`remove`
-        did stays.
+        :meth:`close`) and a new one starts on the merged arguments, using no
+        restart budget (``stats()["source_switches"]`` counts it); one refused
+        because its store cannot be reached yet is tried again with backoff.
+        From the return on, no decision is made until the new poller's first
+        complete listing is applied, which drops every key the old store
+        listed and the new one does not: no view mixes the two. What
+        :meth:`add` and :meth:`remove` did stays.
 
         Returns:
             How the old poller ended (its close report).
