@@ -1,18 +1,12 @@
-"""The buffer's private ipc directory: made, owned and removed by one process.
+"""The buffer's private ipc directory: a fresh 0700 directory holding the default endpoint's socket.
 
-The default endpoint is a socket in a fresh 0700 directory. It is removed by
-the buffer's ``close()`` (or its finalizer, or interpreter exit), by the
-poller or its watchdog when the trainer died, and otherwise (a trainer killed
-while it had no poller) by the next buffer that starts on this host, as a
-*stale* directory. Its file ``owner`` records the pid of the process that
-made it, that process's start time and its pid namespace.
-
-* Only the owner removes it: a forked child inherits the buffer and its
-  finalizer, and its exit must not delete the parent's directory.
-* It is stale when its owner is gone: no such pid, or the pid now belongs to
-  a process that started at another time. A directory of another user,
-  without a readable owner file, or made in another pid namespace (a
-  container sharing ``/tmp``) is never touched.
+Removed by the buffer's ``close()`` (or finalizer, or interpreter exit), by
+the poller or its watchdog when the trainer died, else (a trainer killed
+without a poller) by the next buffer on this host, as *stale*: its ``owner``
+file's pid is gone or now belongs to a process started at another time. Only
+the owner removes it (a forked child inherits the finalizer); a directory of
+another user, without a readable owner file, or of another pid namespace (a
+container sharing ``/tmp``) is never touched.
 """
 
 from __future__ import annotations
@@ -55,7 +49,7 @@ class PrivateIpcDir:
 
     @classmethod
     def create(cls) -> PrivateIpcDir:
-        """Make a new directory and record its owner (the buffer then calls :func:`remove_stale`)."""
+        """Make a new directory and record its owner: pid, start time, pid namespace."""
         path = tempfile.mkdtemp(prefix=PREFIX)
         if len(path) + len(_SOCKET_NAME) + 1 > _MAX_IPC_PATH:
             os.rmdir(path)  # TMPDIR is too deep for a socket path
@@ -96,11 +90,8 @@ def _owner_gone(record: object) -> bool:
 
 
 def remove_stale() -> list[str]:
-    """Remove this user's ipc directories whose owner process is gone; return them.
-
-    Looks where buffers make them (the temporary directory, and ``/tmp`` for
-    a temporary directory too deep for a socket path). Never raises.
-    """
+    """Remove this user's ipc directories whose owner process is gone (in the temporary directory and
+    ``/tmp``, used when that is too deep for a socket path); return them. Never raises."""
     removed: list[str] = []
     places = {tempfile.gettempdir(), "/tmp"}
     for place in places:

@@ -89,7 +89,7 @@ def collect_stats(core: _Core) -> BufferStats:
         "endpoint": core.endpoint,
         "poller_name": core.name if core.source is not None else None,
         "auth_rejected": receiver.auth_rejected,
-        "curve": receiver.curve_enabled,
+        "curve": receiver.curve is not None,
         "peers": receiver.peer_count,
         "resyncs": table.resyncs_requested,
         "stale_after": receiver.stale_after,

@@ -9,17 +9,15 @@ The child is a fresh interpreter, started without ``multiprocessing``::
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
 
 Start-up is a handshake with a deadline over that private pipe (the
-*lifeline*): the child builds its source, connects to the buffer's endpoint
-and answers ``Started``, or ``StartFailed`` with its traceback. Pickle
-crosses only this pipe, from the parent to its own child; the ZeroMQ stream
-never carries it. Closing is one straight-line ladder with named stages::
+*lifeline*): ``Started``, or ``StartFailed`` with the child's traceback.
+Pickle crosses only this pipe, to our own child, never the ZeroMQ stream.
+Closing is one straight-line ladder with named stages, each wait bounded::
 
     STOP ──wait──▶ "graceful"
       └─▶ terminate() ──wait──▶ "terminated"
             └─▶ kill() ──reap──▶ "killed"
 
-A child that had already died is ``"already-exited"``. Every wait is bounded,
-every stage is logged, and the report says which one was reached.
+A child that had already died is ``"already-exited"``.
 """
 
 from __future__ import annotations
@@ -88,9 +86,8 @@ class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
     The child is a fresh interpreter running only the poller: safe in
-    processes that already hold threads or CUDA. ``multiprocessing``'s
-    ``spawn`` is as safe, but its child re-imports ``multiprocessing``,
-    unpickles the parent's preparation data and re-runs the trainer's
+    processes that already hold threads or CUDA, and unlike
+    ``multiprocessing``'s ``spawn`` it does not re-run the trainer's
     ``__main__`` (a script importing torch costs seconds there).
 
     Args:
@@ -127,8 +124,6 @@ class PollerProcess:
         state = "closed" if self._report else ("running" if self.is_alive() else "not running")
         return f"<PollerProcess {self.name} pid={self.pid} {state} source={describe_spec(self.config.source)}>"
 
-    # -- state ------------------------------------------------------------------
-
     @property
     def pid(self) -> int | None:
         return self._popen.pid if self._popen is not None else None
@@ -155,8 +150,6 @@ class PollerProcess:
             self._reap(timeout)
         return self.exitcode
 
-    # -- start ------------------------------------------------------------------
-
     def start(self, timeout: float = 30.0, *, abort_fd: int | None = None) -> None:
         """Spawn the child and wait until it says READY.
 
@@ -176,14 +169,10 @@ class PollerProcess:
             raise PollerError("a PollerProcess can be started only once")
         self._conn, child_conn = lifeline.Channel.pair()
         try:
-            self._spawn(child_conn)
-        except BaseException:
-            child_conn.close()
-            self._discard()
-            raise
-        # The parent must not hold the child's end, or it would never see EOF.
-        child_conn.close()
-        try:
+            try:
+                self._spawn(child_conn)
+            finally:
+                child_conn.close()  # the parent must not hold the child's end, or it would never see EOF
             self._await_ready(timeout, abort_fd)
         except BaseException:
             self._discard()
@@ -237,20 +226,21 @@ class PollerProcess:
         assert self._conn is not None
         deadline = time.monotonic() + timeout
         spec = describe_spec(self.config.source)
+        closed = PollerStartupError(f"poller for {spec} was closed while starting")
         sentinel = self.sentinel  # read once: a concurrent close() may release it
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s", unavailable=True)
             if self._report is not None:
-                raise PollerStartupError(f"poller for {spec} was closed while starting")
+                raise closed
             try:
                 ready = wait([self._conn, sentinel, *([] if abort_fd is None else [abort_fd])], remaining)
                 readable = self._conn in ready or self._conn.poll(0)
             except (OSError, ValueError):  # closed by a concurrent close()
-                raise PollerStartupError(f"poller for {spec} was closed while starting") from None
+                raise closed from None
             if abort_fd is not None and abort_fd in ready and not readable:
-                raise PollerStartupError(f"poller for {spec} was closed while starting")
+                raise closed
             if readable:
                 try:
                     message = lifeline.recv(self._conn)
@@ -264,15 +254,15 @@ class PollerProcess:
                         raise PollerStartupError(f"poller for {spec} failed to start: {kind}: {text}",
                                                  unavailable=unavailable) from RemoteTraceback(kind, text, trace)
                 if message is None and (self._close_requested or wait([sentinel], 0)):
-                    self._died_starting(spec)
+                    self._died_starting(spec, closed)
             elif sentinel in ready:
-                self._died_starting(spec)
+                self._died_starting(spec, closed)
 
-    def _died_starting(self, spec: str) -> None:
+    def _died_starting(self, spec: str, closed: PollerStartupError) -> None:
         # A concurrent close() reaps the child itself: reaped here too, that close() could miss the
         # exit status (its waitpid fails) and escalate against a dead pid.
         if self._close_requested:
-            raise PollerStartupError(f"poller for {spec} was closed while starting")
+            raise closed
         self._reap(1.0)
         raise PollerStartupError(f"poller for {spec} died during start-up (exit code {self.exitcode})")
 
@@ -293,8 +283,6 @@ class PollerProcess:
             if exitcode is not None:
                 self._release()
 
-    # -- while running ------------------------------------------------------------
-
     def fatal_error(self) -> RemoteTraceback | None:
         """The traceback the child sent before dying of a source failure, if any."""
         conn = self._conn
@@ -306,8 +294,6 @@ class PollerProcess:
         except (EOFError, ValueError, OSError):
             pass
         return self._fatal
-
-    # -- close ------------------------------------------------------------------
 
     def close(self, timeout: float = 5.0, *,
               wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
@@ -374,7 +360,7 @@ class PollerProcess:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         # The pidfd is readable once the child is a zombie, so the reap below finds it at once; after the
-        # pipe (earlier), Popen.wait() polls with growing sleeps: 2.7 ms of an idle close() of 7.7 ms.
+        # pipe (earlier), Popen.wait() polls with growing sleeps (2.7 ms of an idle close()'s 7.7).
         exit_fd = self._pidfd if self._pidfd is not None and not self._fds_closed else self.sentinel
         if timeout is not None and not wait([exit_fd], timeout):
             return

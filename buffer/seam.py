@@ -19,7 +19,7 @@ from buffer.partitions import PartitionStore
 from buffer.policies import Policy
 from poller.wire.vocabulary import Tags
 
-__all__ = ["Listings", "PollWhileWaiting", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
+__all__ = ["Listings", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class SamplingSeam:
             watcher = WatchWhileWaiting(own.watch, partition_id)
             attempt = _watching(attempt, watch, watcher)
         attempt = _when_changed(attempt, version)
-        hurry = None
+        hurry: threading.Event | None = None  # set: stop asking
         try:
             try:
                 # The first look builds no message: it is never shown.
@@ -103,7 +103,7 @@ class SamplingSeam:
                 pass
             deadline = None if timeout is None else time.monotonic() + timeout
             if poll_every is not None and own is not None:
-                hurry = PollWhileWaiting(own.wait, poll_every, on_poll or (lambda: None))
+                hurry = _poll_while_waiting(own.wait, poll_every, on_poll or (lambda: None))
             started = last_log = time.monotonic()
             while True:
                 now = time.monotonic()
@@ -120,9 +120,10 @@ class SamplingSeam:
                     last_log = time.monotonic()
                     logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
         finally:
-            for helper in (hurry, watcher):
-                if helper is not None:
-                    helper.stop()
+            if hurry is not None:
+                hurry.set()  # a sync() in flight ends with its listing (milliseconds) or its bound
+            if watcher is not None:
+                watcher.stop()
 
     def look(self, read: Callable[[], T]) -> T:
         """``read()`` under the store's lock, at once (no wait, whole view or not)."""
@@ -218,36 +219,32 @@ class SyncAhead:
         return not self._thread.is_alive() and self.error is None
 
 
-class PollWhileWaiting:
-    """Asks for a listing every ``gap`` seconds (``sync``, then ``on_poll``) while a decision waits, until :meth:`stop`.
+# Each sync() of _poll_while_waiting is bounded, so a stalled source cannot keep its thread long past the stop.
+_POLL_BOUND = 2.0
 
-    Otherwise the decision would see its last change up to a poll interval late.
+
+def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float,
+                        on_poll: Callable[[], None]) -> threading.Event:
+    """Ask for a listing every ``gap`` seconds (``sync``, then ``on_poll``) in a thread, until the event is set.
+
+    Otherwise a waiting decision would see its last change up to a poll interval late.
     """
+    stopped = threading.Event()
 
-    # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
-    _BOUND = 2.0
-
-    def __init__(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(sync, gap, on_poll), name="replay-wait-poll",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
-        while not self._stopped.is_set():
+    def run() -> None:
+        while not stopped.is_set():
             started = time.monotonic()
             try:
-                sync(self._BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
+                sync(_POLL_BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
             except TimeoutError:
                 continue  # a stall or a restart: the waiter's own deadline and log cover it
             except BaseException:  # closed or crashed: the waiting decision raises it itself
                 return
             on_poll()
-            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
+            stopped.wait(max(0.0, gap - (time.monotonic() - started)))
 
-    def stop(self) -> None:
-        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
-        self._stopped.set()
+    threading.Thread(target=run, name="replay-wait-poll", daemon=True).start()
+    return stopped
 
 
 class WatchWhileWaiting:
