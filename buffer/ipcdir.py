@@ -89,12 +89,10 @@ def _owner_gone(record: object) -> bool:
     return record.get("start") is not None and started != record["start"]
 
 
-def remove_stale() -> list[str]:
+def remove_stale() -> None:
     """Remove this user's ipc directories whose owner process is gone (in the temporary directory and
-    ``/tmp``, used when that is too deep for a socket path); return them. Never raises."""
-    removed: list[str] = []
-    places = {tempfile.gettempdir(), "/tmp"}
-    for place in places:
+    ``/tmp``, used when that is too deep for a socket path). Never raises."""
+    for place in {tempfile.gettempdir(), "/tmp"}:
         for path in glob.glob(os.path.join(glob.escape(place), PREFIX + "*")):
             try:
                 info = os.lstat(path)
@@ -106,7 +104,5 @@ def remove_stale() -> list[str]:
                 continue  # not ours, not a buffer's, or still being made
             if _owner_gone(record):
                 shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
                 logger.info("removed the stale ipc directory %s of process %s, which is gone", path,
                             record.get("pid"))
-    return removed

@@ -1,8 +1,7 @@
-"""What a buffer reports about itself: ``stats()`` (typed) and ``metrics()`` (numbers only).
+"""What a buffer reports about itself: ``stats()`` (typed, to read) and ``metrics()`` (numbers only).
 
-``stats()`` mixes numbers with names and lists: good to read, not fit for a tracker. ``metrics()``
-gives only numbers, under dotted names stable across releases (verl's trackers, wandb, MLflow take
-such a dict as it is); :mod:`buffer.prometheus` exports the same table.
+``metrics()`` names stay stable across releases, fit for a tracker as they are (verl's, wandb, MLflow);
+:mod:`buffer.prometheus` exports the same table.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 if TYPE_CHECKING:
     from buffer.replay import _Core
 
-__all__ = ["BufferStats", "Metric", "METRICS", "collect_stats", "metrics_of"]
+__all__ = ["BufferStats", "Metric", "METRICS", "collect_stats"]
 
 
 class BufferStats(TypedDict):
@@ -179,8 +178,3 @@ METRICS: tuple[Metric, ...] = (
            "restarts of the buffer's own poller on a replaced store (switch_source; not counted in restarts)",
            "source_switches"),
 )
-
-
-def metrics_of(stats: BufferStats) -> dict[str, float]:
-    """``{dotted name: number}`` for every metric in :data:`METRICS`."""
-    return {metric.name: metric.read(stats) for metric in METRICS}

@@ -8,10 +8,8 @@ The child is a fresh interpreter, started without ``multiprocessing``::
     os.pipe() ─────── write end (pass_fds) ─▶ held open until the process ends
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
 
-Start-up is a handshake with a deadline over that private pipe (the
-*lifeline*): ``Started``, or ``StartFailed`` with the child's traceback.
-Pickle crosses only this pipe, to our own child, never the ZeroMQ stream.
-Closing is one straight-line ladder with named stages, each wait bounded::
+Start-up is a handshake with a deadline over that private pipe (the *lifeline*), the only place pickle
+crosses, to our own child. Closing is one straight-line ladder with named stages, each wait bounded::
 
     STOP ──wait──▶ "graceful"
       └─▶ terminate() ──wait──▶ "terminated"
@@ -54,8 +52,7 @@ class ShutdownReport(NamedTuple):
     Attributes:
         stage: the last stage of the ladder that was needed.
         seconds: wall time the close took.
-        exitcode: the poller's exit code (negative: killed by that signal),
-            ``None`` where there was no poller.
+        exitcode: the poller's exit code (negative: killed by that signal; ``None``: no poller).
         drained: everything the poller sent before BYE was applied.
     """
 
@@ -151,17 +148,12 @@ class PollerProcess:
         return self.exitcode
 
     def start(self, timeout: float = 30.0, *, abort_fd: int | None = None) -> None:
-        """Spawn the child and wait until it says READY.
-
-        ``abort_fd`` becoming readable gives up the wait at once (the child
-        is killed): how a close request cuts a start short.
+        """Spawn the child and wait until it says READY; ``abort_fd`` readable (a close request) gives up at once.
 
         Raises:
-            PollerStartupError: the child failed (its traceback is the
-                ``__cause__``), died, or gave no READY within ``timeout``;
-                it is gone. ``unavailable`` is true when the source could not
-                reach its store (``ConnectionError``, ``TimeoutError``) or
-                gave no READY in time: trying again later may work.
+            PollerStartupError: the child failed (its traceback is the ``__cause__``), died, or gave no
+                READY within ``timeout``; it is gone. ``unavailable``: the source could not reach its store
+                (``ConnectionError``, ``TimeoutError``) or gave no READY in time, so a later try may work.
             ValueError: ``timeout`` is not a finite number of seconds > 0.
         """
         timeout = check_seconds("timeout", timeout)
@@ -180,12 +172,9 @@ class PollerProcess:
         logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
 
     def _spawn(self, child_end: Channel) -> None:
-        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration.
-
-        Raises:
-            pickle.PicklingError, TypeError, AttributeError: the configuration
-                (a callable source) cannot be pickled; nothing was started.
-        """
+        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration; a configuration
+        that cannot be pickled (a callable source) raises ``PicklingError``/``TypeError``/``AttributeError``
+        before anything starts."""
         assert self._conn is not None
         try:
             payload = pickle.dumps(self.config, protocol=pickle.HIGHEST_PROTOCOL)
@@ -299,12 +288,8 @@ class PollerProcess:
               wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
         """Stop the child: STOP, then ``terminate()``, then ``kill()``, the first two waiting up to ``timeout``.
 
-        ``wait_drained(seconds)`` is asked after the child has exited whether
-        everything it sent was applied. Idempotent and thread-safe: every
-        caller gets the same report.
-
-        Raises:
-            ValueError: ``timeout`` is not a finite number of seconds >= 0.
+        ``wait_drained(seconds)``, asked once the child exited: was everything it sent applied? Idempotent
+        and thread-safe: every caller gets the same report. ``ValueError``: ``timeout`` is not seconds >= 0.
         """
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         self._close_requested = True  # read by a start() still waiting for READY

@@ -29,7 +29,7 @@ from buffer.access import check_bind
 from buffer.arguments import check_buffer_args, check_items, check_keys, check_partition, check_sample
 from buffer.errors import BufferClosed
 from buffer.ipcdir import PrivateIpcDir, remove_stale
-from buffer.metrics import BufferStats, collect_stats, metrics_of
+from buffer.metrics import METRICS, BufferStats, collect_stats
 from buffer.partitions import PartitionStore
 from buffer.process import PollerProcess, ShutdownReport
 from buffer.seam import SamplingSeam
@@ -115,9 +115,9 @@ class _Core:
         self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
                                        stale_after=stale_after, pinned=frozenset({self.name}))
         self.endpoint: str | None = None
-        self.listing_sync = ListingSync(self.store, self.receiver, self.name if source is not None else None)
         # What every sampling policy uses of this buffer, the step sampler behind sample() first.
-        self.seam = SamplingSeam(self.store, self.listing_sync)
+        self.seam = SamplingSeam(self.store, ListingSync(self.store, self.receiver,
+                                                         self.name if source is not None else None))
         self.steps = StepSampler(self.seam)
         if source is not None:
             # No decision on a view that was never whole: decisions wait for the poller's first complete listing.
@@ -144,7 +144,6 @@ class _Core:
         self.supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
                                      budget=self.budget, drained=self._drained, give_up=self.store.fail,
                                      switched=lambda: self.store.replaced(self.name))
-        self.supervisor.start()
         if self._ipc_dir is not None and self.receiver.start() != self.endpoint:
             raise RuntimeError(f"the receiver bound {self.receiver.endpoint}, not {self.endpoint}")
         remove_stale()
@@ -223,37 +222,31 @@ class _Core:
                 logger.warning("close() called again while this thread is closing the buffer; not waiting")
                 return ShutdownReport("closing", 0.0, None, False)
             self._closer = me
+            started = time.monotonic()
+            report = ShutdownReport("no-poller", 0.0, None, False)
             try:
-                self._report = self._close(self.close_timeout if timeout is None else timeout)
+                if self.supervisor is not None:  # bounded: each stage of the ladder is
+                    report = self.supervisor.close(self.close_timeout if timeout is None else timeout)
             finally:
+                # Also when the supervisor did not answer (a bug, raised to the caller).
                 self._closer = None
+                self.store.close()
+                self.receiver.stop()
+                _OPEN_CORES.discard(self)
+                self._remove_ipc_dir()
+            self._report = report._replace(seconds=time.monotonic() - started)
+            logger.debug("replay buffer closed: %s", self._report)
             return self._report
-
-    def _close(self, timeout: float) -> ShutdownReport:
-        started = time.monotonic()
-        report = ShutdownReport("no-poller", 0.0, None, False)
-        try:
-            if self.supervisor is not None:
-                report = self.supervisor.close(timeout)  # bounded: each stage of the ladder is
-        finally:
-            # Also when the supervisor did not answer (a bug, raised to the caller).
-            self.store.close()
-            self.receiver.stop()
-            _OPEN_CORES.discard(self)
-            self._remove_ipc_dir()
-        report = report._replace(seconds=time.monotonic() - started)
-        logger.debug("replay buffer closed: %s", report)
-        return report
 
 
 class ReplayBuffer:
     """A replay buffer of sample metadata fed by an isolated poller process.
 
     Args:
-        source: ``"package.module:attr"`` or a picklable callable that gives an
-            object with ``kv_list()``; built inside the poller process. ``None``
-            starts no poller: the buffer then receives only from standalone
-            pollers connecting to ``bind`` (and from :meth:`add`).
+        source: ``"package.module:attr"`` or a picklable callable giving an
+            object with ``kv_list()``, built in the poller process. ``None``:
+            no poller; the buffer receives only from standalone pollers
+            connecting to ``bind`` (and from :meth:`add`).
         source_kwargs: keyword arguments for the source factory.
         poll_interval: seconds from the start of one ``kv_list()`` to the
             start of the next (a longer poll is followed by a pause of a
@@ -265,44 +258,41 @@ class ReplayBuffer:
         max_restarts: restarts of a dead poller within ``restart_window``
             seconds; the next death makes ``sample()`` raise
             :class:`~poller.PollerCrashed`. A restart refused because the
-            store cannot be reached uses none: it is tried again (backoff
-            capped at 5 s) until the store answers.
+            store cannot be reached uses none: it is retried (backoff capped
+            at 5 s) until the store answers.
         restart_window: seconds over which restarts are counted.
-        curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key pair and
-            the allowed poller public keys): only pollers holding an allowed
-            key get in, and the stream is encrypted. The buffer's own poller
-            gets an ephemeral key. See SECURITY.md.
+        curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key
+            pair and the allowed poller public keys): only pollers holding an
+            allowed key get in, and the stream is encrypted; the buffer's own
+            poller gets an ephemeral key. See SECURITY.md.
         insecure: allow binding a network-reachable endpoint without
             ``curve`` (logged as a warning); otherwise that is refused.
         limits: decoding and per-peer bounds: a :class:`~poller.wire.protocol.Limits`,
             or a mapping of some of its fields (a Hydra/OmegaConf config node).
-        stale_after: seconds of silence after which a poller is reported in
-            ``stats()["stale_peers"]`` and a warning is logged (pollers send a
-            heartbeat every second).
+        stale_after: seconds of silence (pollers beat every second) after
+            which a poller is in ``stats()["stale_peers"]`` and a warning is logged.
         stall_timeout: seconds after which a ``kv_list()`` still running counts
             as a source stall (``None``: only stalls the source reports itself).
-        max_view_age: the oldest a view may be for :meth:`sample` to decide
-            on it: seconds since the poller's last complete poll was applied.
-            Past it, or while the store does not answer (a stalled or failed
-            call, a poller silent past ``stale_after``), ``sample()`` waits,
-            and its ``TimeoutError`` names the store and for how long.
-            ``None``: 60 s, or three ``poll_interval`` if that is longer.
+        max_view_age: the oldest a view (seconds since the poller's last
+            complete poll was applied) :meth:`sample` decides on. Past it, or
+            while the store does not answer (a stalled or failed call, a
+            poller silent past ``stale_after``), ``sample()`` waits, and its
+            ``TimeoutError`` names the store and for how long. ``None``: 60 s,
+            or three ``poll_interval`` if that is longer.
         poller_log_level: the level (name or number) from which the poller's
-            log records are re-emitted in this process under the ``poller`` logger.
+            log records are re-emitted here under the ``poller`` logger.
         listing_share: the most of the wall clock the poller spends in full
-            listings of a source without a change feed (TransferQueue): a
-            listing that took ``d`` seconds is followed by the next no sooner
-            than ``max(poll_interval, d / listing_share)`` after it started;
-            a ``sync()`` asked sooner is answered by that next listing. In
-            (0, 1]; 1 sets no bound. The default, 0.15, is verl's sampler's
-            own share at 100k TransferQueue keys. ``"verl"``: verl's
-            sampler's cycle, as ``buffer.verl`` uses (docs/using.md, "The
+            listings of a source without a change feed (TransferQueue): after
+            a listing of ``d`` seconds the next starts no sooner than
+            ``max(poll_interval, d / listing_share)`` after it began, and a
+            ``sync()`` asked sooner is answered by that one. In (0, 1]; 1 sets
+            no bound. The default, 0.15, is verl's sampler's own share at 100k
+            TransferQueue keys; ``"verl"`` is its cycle (docs/using.md, "The
             listing share"). A call that stalls or fails is not a listing.
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
-        InsecureBindError: ``bind`` reaches the network without ``curve`` or
-            ``insecure=True``.
+        InsecureBindError: ``bind`` reaches the network without ``curve`` or ``insecure=True``.
         ValueError: a number out of range: durations must be finite (and
             positive, ``close_timeout`` may be 0), ``max_restarts`` an int >= 0.
     """
@@ -343,9 +333,7 @@ class ReplayBuffer:
         return self._core.endpoint
 
     def add(self, partition_id: str, items: Mapping[str, Mapping[str, Any]]) -> None:
-        """Merge tags per key (``tags.update(new)``); never replaces.
-
-        All or nothing: every item is checked before any is applied.
+        """Merge tags per key (``tags.update(new)``), never replacing; all or nothing (every item is checked first).
 
         Raises:
             TypeError: ``partition_id`` or a key is not a str, ``items`` or a
@@ -366,20 +354,18 @@ class ReplayBuffer:
 
     def sample(self, partition_id: str, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
-        """Wait for a batch; pass exactly one of ``global_steps`` and ``batch_size``.
+        """Wait for a batch; pass exactly one of ``global_steps`` and ``batch_size``. Nothing is removed.
 
         ``global_steps=g`` waits until no key of step ``g`` is ``"running"``
         and returns the step's ``"success"`` keys; ``batch_size=n`` waits for
         ``n`` ``"success"`` keys and returns the first ``n`` that arrived.
-        Nothing is removed.
 
         Raises:
             TimeoutError: after ``timeout`` seconds, saying what is missing.
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
-            ValueError: ``batch_size`` is not an int >= 1 (``True`` neither),
-                or ``timeout`` is not a finite number >= 0 (``None`` waits
-                without a limit).
+            ValueError: ``batch_size`` is not an int >= 1 (``True`` neither), or ``timeout``
+                is not a finite number >= 0 (``None`` waits without a limit).
             TypeError: ``partition_id`` is not a str.
         """
         check_partition(partition_id)
@@ -391,10 +377,8 @@ class ReplayBuffer:
         """Read your writes: return once a listing that began after this call has been applied.
 
         Asks the buffer's own poller and every standalone poller streaming to
-        it for a poll at once, so everything written to their stores before
-        the call is reflected when this returns; concurrent calls may share
-        one poll. A standalone poller silent past ``stale_after``, or saying
-        BYE, is not waited for.
+        it for a poll at once (concurrent calls may share one); one silent
+        past ``stale_after``, or saying BYE, is not waited for.
 
         Raises:
             TimeoutError: no such listing within ``timeout`` seconds (the
@@ -409,9 +393,9 @@ class ReplayBuffer:
     def include_partitions(self, partition_ids: Iterable[str]) -> None:
         """Have the poller list these partitions too, when its source lists a chosen set of them.
 
-        For a source built with a ``partition_ids`` list (the TransferQueue
-        source): the listing that answers the next :meth:`sync` includes
-        them, and so does every later one, also after a restart.
+        For a source built with a ``partition_ids`` list (TransferQueue): the
+        listing answering the next :meth:`sync` includes them, and every later
+        one, also after a restart.
 
         Raises:
             TypeError: ``partition_ids`` is one string, or holds a non-str.
@@ -433,12 +417,11 @@ class ReplayBuffer:
 
         Keys not given keep their values. The poller is closed (the ladder of
         :meth:`close`) and a new one starts on the merged arguments, using no
-        restart budget (``stats()["source_switches"]`` counts it); one refused
-        because its store cannot be reached yet is tried again with backoff.
-        From the return on, no decision is made until the new poller's first
-        complete listing is applied, which drops every key the old store
-        listed and the new one does not: no view mixes the two. What
-        :meth:`add` and :meth:`remove` did stays.
+        restart budget (``stats()["source_switches"]`` counts it; a store not
+        reachable yet is retried with backoff). From the return on, no
+        decision is made until the new poller's first complete listing is
+        applied, dropping every key only the old store listed: no view mixes
+        the two. What :meth:`add` and :meth:`remove` did stays.
 
         Returns:
             How the old poller ended (its close report).
@@ -475,19 +458,18 @@ class ReplayBuffer:
         return collect_stats(self._core)
 
     def metrics(self) -> dict[str, float]:
-        """Numbers only, under stable dotted names (``replay.keys``, ``replay.source.stalls``, ...).
-
-        Fit to pass to a tracker as it is; :data:`buffer.metrics.METRICS` lists them.
-        """
-        return metrics_of(self.stats())
+        """Numbers only, under stable dotted names (``replay.keys``, ...), fit to pass to a tracker as it is;
+        :data:`buffer.metrics.METRICS` lists them."""
+        stats = self.stats()
+        return {metric.name: metric.read(stats) for metric in METRICS}
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; returns how it ended.
 
         STOP, wait up to ``timeout`` (default ``close_timeout``) for BYE and
         exit, then ``terminate()``, wait, then ``kill()``. Idempotent and
-        thread-safe: every caller gets the same report. In a forked child
-        it touches nothing of the parent's (stage ``"no-poller"``).
+        thread-safe: every caller gets the same report. In a forked child it
+        touches nothing of the parent's (stage ``"no-poller"``).
 
         Raises:
             ValueError: ``timeout`` is not a finite number of seconds >= 0.

@@ -1,11 +1,10 @@
 """The one seam between a buffer and its sampling policies, and the helper threads of their waits.
 
-A sampling policy (the step sampler behind ``ReplayBuffer.sample``,
-:mod:`buffer.verl`) keeps its own index from the store's changes and decides
-on it through :class:`SamplingSeam`, reaching nothing else of the buffer. The
-seam knows no transport: it asks the pollers for listings, watches and their
-quarantined keys through :class:`Listings` (:class:`buffer.sync.ListingSync`
-over the stream), so sampling means the same on every source.
+A sampling policy (``ReplayBuffer.sample``'s, :mod:`buffer.verl`) keeps its own
+index from the store's changes and decides on it through :class:`SamplingSeam`
+alone. The seam knows no transport: it asks the pollers through
+:class:`Listings` (:class:`buffer.sync.ListingSync`), so sampling means the
+same on every source.
 """
 
 from __future__ import annotations
@@ -65,15 +64,14 @@ class SamplingSeam:
         """``attempt()``'s first non-None result, on a whole view of ``partition_id``, waking on every change.
 
         ``attempt`` runs under the store's lock and must not block. ``version``
-        (read under the lock: a value that changes whenever anything
-        ``attempt`` reads does) skips wake-ups that find the version of the
-        last run. ``log_every``: log ``describe()`` at INFO that often.
-        ``poll_every``: ask the own poller for a listing that often while
-        waiting (``on_poll`` after each), so the completing change shows
-        sooner. ``watch`` (run under the lock after each attempt that found
-        nothing: at most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the
-        decision waits on): the poller reads those keys cheaply while waiting
-        and lists as soon as one changed, on a source that can (:mod:`poller.polling`).
+        (read under the lock, changing whenever anything ``attempt`` reads
+        does) skips wake-ups that find the last run's version. ``log_every``:
+        log ``describe()`` at INFO that often. ``poll_every``: ask the own
+        poller for a listing that often while waiting (``on_poll`` after each).
+        ``watch`` (run under the lock after an attempt that found nothing): at
+        most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the decision
+        waits on, which the poller reads cheaply and lists as soon as one
+        changed, on a source that can (:mod:`poller.polling`).
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the
@@ -176,10 +174,9 @@ def _watching(attempt: Callable[[], T | None], watch: Callable[[], list[str]],
 def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable] | None) -> Callable[[], T | None]:
     """``attempt`` that returns None at once while ``version()`` is the one its last run saw.
 
-    Every applied poll wakes a waiting decision, and most find nothing new
-    (verl's rule ran ~34 times per ``sample()`` before this, 6 after:
-    bench/results/verl.md). Both reads run under the store's lock, which a
-    change takes before it notifies, so no wake-up is lost.
+    Every applied poll wakes a waiting decision, and most find nothing new (verl's rule ran ~34 times
+    per ``sample()``, 6 with this). Both reads run under the store's lock, which a change takes before
+    it notifies, so no wake-up is lost.
     """
     if version is None:
         return attempt
@@ -196,10 +193,8 @@ def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashabl
 
 
 class SyncAhead:
-    """``sync(timeout)`` in a thread, started right after a decision's last write.
-
-    The listing it waits for runs while the trainer trains, so the next decision usually finds it applied.
-    """
+    """``sync(timeout)`` in a thread, started right after a decision's last write: the listing it waits for
+    runs while the trainer trains, so the next decision usually finds it applied."""
 
     def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
         self.error: BaseException | None = None
@@ -250,11 +245,10 @@ def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float,
 class WatchWhileWaiting:
     """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
 
-    :meth:`update` (under the store's lock: it never blocks) gives the keys; a
-    thread sends them in a WATCH when they changed and every :data:`RENEW`
-    seconds, because the poller forgets a watch after :data:`LASTS` seconds (a
-    trainer that died leaves nothing read on its behalf, and a restarted
-    poller gets the keys within a second).
+    :meth:`update` (under the store's lock: it never blocks) gives the keys; a thread sends them in a
+    WATCH when they changed and every :data:`RENEW` seconds, as the poller forgets a watch after
+    :data:`LASTS` seconds (a dead trainer leaves nothing read on its behalf; a restarted poller has the keys
+    within a second).
     """
 
     #: Seconds between two WATCHes of the same keys.
@@ -288,8 +282,7 @@ class WatchWhileWaiting:
             if keys or (keys is not None and sent):  # new keys or a renewal; or none now, after some: stop
                 self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
                 sent = keys
-            self._changed.wait(self.RENEW)
-            # A stop wakes the wait too (below), and ends the loop before another WATCH.
+            self._changed.wait(self.RENEW)  # a stop wakes it too, ending the loop before another WATCH
         if sent:
             self._send(self._partition, [], 0.0)
 

@@ -29,11 +29,8 @@ __all__ = ["StreamReceiver"]
 logger = logging.getLogger(__name__)
 
 class StreamReceiver:
-    """Binds ``endpoint`` and applies what pollers send to ``store``.
-
-    ``curve`` admits only its allowed keys; ``pinned`` names peers never
-    forgotten to make room for others (the buffer's own poller).
-    """
+    """Binds ``endpoint`` and applies what pollers send to ``store``; ``curve`` admits only its allowed keys,
+    ``pinned`` names peers never forgotten to make room for others (the buffer's own poller)."""
 
     def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
                  curve: CurveServer | None = None, stale_after: float = 5.0,
@@ -91,17 +88,13 @@ class StreamReceiver:
         self._command(lambda: [self.table.watch(identity, partition, keys, seconds)])
 
     def expect(self, peer: str, epoch: int) -> None:
-        """From now on only ``epoch`` may speak as ``peer`` (called before that process starts).
-
-        Not through the command queue: the table's two dicts are updated in single GIL-atomic steps.
-        """
+        """From now on only ``epoch`` may speak as ``peer`` (called before that process starts). Not through the
+        command queue: the table's two dicts are updated in single GIL-atomic steps."""
         self.table.expect(peer.encode(), epoch)
 
     def stop_after_bye(self, peer: str, epoch: int | None, then: Callable[[], None] | None = None) -> None:
-        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied, then run ``then()``.
-
-        Closing the socket (and ``then()``) overlaps the poller's exit instead of following it.
-        """
+        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied, then run ``then()``: closing
+        the socket (and ``then()``) overlaps the poller's exit instead of following it."""
         self._after_bye = then
         # The thread reads it after every message and wake-up: waking it for nothing cost the close
         # ladder a GIL hand-off before its STOP. Only a BYE already applied needs the wake-up.

@@ -69,9 +69,6 @@ class RestartBudget:
             self._times.popleft()
         return len(self._times)
 
-    def exhausted(self) -> bool:
-        return self.recent() >= self.max_restarts
-
     def use(self) -> None:
         """Count one restart now; tries after a :meth:`refund` are the same restart, counted once in :attr:`total`."""
         self._times.append(time.monotonic())
@@ -109,18 +106,18 @@ _Request = _CloseRequest | _SwitchRequest
 
 
 class Supervisor:
-    """Runs one poller child at a time for a buffer, restarting it within ``budget``.
+    """Runs one poller child at a time for a buffer, from now on, restarting it within ``budget``.
 
     ``new_process()`` makes the next (unstarted) child; ``drained(process, final)``
     says, after its exit, whether everything it sent was applied (``final``:
-    the buffer's last child; otherwise one a switch replaces); ``switched()``
-    is told once a switch closed the old child and built the new one, before
-    it starts; ``give_up(error)`` once the budget is used up.
+    the buffer's last child, not one a switch replaces); ``switched()`` is told
+    once a switch closed the old child and built the new one, before it
+    starts; ``give_up(error)`` once the budget is used up.
     """
 
     def __init__(self, name: str, new_process: Callable[[], PollerProcess], *, start_timeout: float,
                  budget: RestartBudget, drained: Callable[[PollerProcess, bool], Callable[[float], bool]],
-                 give_up: Callable[[PollerCrashed], None], switched: Callable[[], None] = lambda: None) -> None:
+                 give_up: Callable[[PollerCrashed], None], switched: Callable[[], None]) -> None:
         self.name = name
         self._new_process = new_process
         self._start_timeout = start_timeout
@@ -144,16 +141,13 @@ class Supervisor:
         self._watched: PollerProcess | None = None
         self._handed_over = False
         self._thread = threading.Thread(target=self._run, name="replay-supervisor", daemon=True)
-
-    def start(self) -> None:
         self._thread.start()
 
     def switch(self, timeout: float) -> Future[ShutdownReport]:
         """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
 
-        The future holds the old child's close report once the new child is
-        built and ``switched()`` was told; it raises :class:`BufferClosed`
-        when a close came first, or the :class:`PollerCrashed` given up with.
+        The future: the old child's close report once the new one is built and ``switched()`` was told;
+        :class:`BufferClosed` when a close came first, or the :class:`PollerCrashed` given up with.
         """
         request = _SwitchRequest(timeout, Future())
         self._requests.put(request)
@@ -161,11 +155,8 @@ class Supervisor:
         return request.report
 
     def close(self, timeout: float) -> ShutdownReport:
-        """Close the child with the ladder's ``timeout``; how it ended (within :func:`close_bound`).
-
-        Raises:
-            concurrent.futures.TimeoutError: no answer within that bound (a bug).
-        """
+        """Close the child with the ladder's ``timeout``; how it ended, within :func:`close_bound` (or
+        ``concurrent.futures.TimeoutError``: a bug)."""
         request = _CloseRequest(timeout, Future())
         if threading.current_thread() is self._thread:
             # A finalizer run by a garbage collection in this very thread cannot wait for it: served here.
@@ -228,10 +219,8 @@ class Supervisor:
                                          else BufferClosed("the replay buffer is closed"))
 
     def _own(self) -> _Request | None:
-        """Start, watch, restart and switch the child until a close comes; return its request.
-
-        None: the start failed, the budget is used up, or a closing thread took the child over.
-        """
+        """Start, watch, restart and switch the child until a close comes; return its request (None: the start
+        failed, the budget is used up, or a closing thread took the child over)."""
         process = self.process = self._new_process()
         try:
             process.start(self._start_timeout, abort_fd=self._wake.read_fd)
@@ -273,15 +262,13 @@ class Supervisor:
 
     def _restart(self, exitcode: int | None, cause: Exception | None,
                  switched: PollerProcess | None = None) -> PollerProcess | _Request | None:
-        """A started new child; or the request that came first; or None once given up.
-
-        ``switched``: the new child of a switch, started at once without using the budget.
-        """
+        """A started new child, the request that came first, or None once given up. ``switched``: the new
+        child of a switch, started at once without using the budget."""
         budget = self._budget
         free = switched is not None
         process = switched
         refused = 0  # start-ups in a row refused because the store could not be reached
-        while free or refused or not budget.exhausted():
+        while free or refused or budget.recent() < budget.max_restarts:
             if process is None:
                 request = self._wait(None, budget.unavailable_backoff(refused) if refused else budget.backoff())
                 if request is not None:
