@@ -7,11 +7,8 @@
          │                                                   ▲ DELTA/HEARTBEAT/BYE
          └── _Core ── Supervisor thread ── PollerProcess ────┘ (child, DEALER)
 
-The facade holds only a ``_Core``, which never refers back to it, so a
-finalizer can close the core when the facade is dropped: nothing outlives a
-forgotten buffer. The poller child has one owner, the
-:class:`~buffer.supervisor.Supervisor`, which ``close()`` asks (or takes a
-running child over from).
+The facade holds only a ``_Core``, which never refers back to it, so a finalizer can close the core
+when the facade is dropped: nothing outlives a forgotten buffer.
 """
 
 from __future__ import annotations
@@ -409,22 +406,16 @@ class ReplayBuffer:
     def switch_source(self, source_kwargs: Mapping[str, Any]) -> ShutdownReport:
         """Move the buffer's own poller to a replaced store: ``source_kwargs`` merged over the current ones.
 
-        For a store replaced under the same source, such as a TransferQueue
-        controller the trainer re-initialised (``tq.close()``, then
-        ``tq.init()``: a new address)::
+        For a store replaced under the same source, such as a TransferQueue controller the trainer
+        re-initialised (``tq.close()``, then ``tq.init()``: a new address)::
 
             rb.switch_source(transferqueue.source_kwargs(tq.init(...)))
 
-        Keys not given keep their values. The poller is closed (the ladder of
-        :meth:`close`) and a new one starts on the merged arguments, using no
-        restart budget (``stats()["source_switches"]`` counts it; a store not
-        reachable yet is retried with backoff). From the return on, no
-        decision is made until the new poller's first complete listing is
-        applied, dropping every key only the old store listed: no view mixes
-        the two. What :meth:`add` and :meth:`remove` did stays.
-
-        Returns:
-            How the old poller ended (its close report).
+        The poller is closed (the ladder of :meth:`close`) and a new one starts on the merged arguments,
+        using no restart budget (``stats()["source_switches"]`` counts it; a store not reachable yet is
+        retried with backoff). From the return on, no decision is made until the new poller's first
+        complete listing is applied, dropping every key only the old store listed: no view mixes the two.
+        What :meth:`add` and :meth:`remove` did stays. Returns how the old poller ended (its close report).
 
         Raises:
             TypeError: ``source_kwargs`` is not a mapping with str keys.

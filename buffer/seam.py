@@ -82,23 +82,22 @@ class SamplingSeam:
         def described() -> str:
             return describe() + self._quarantine_note(partition_id)
 
-        if timeout == 0:
-            return self._store.wait_until(_when_changed(attempt, version), timeout=0, describe=described,
-                                          view=partition_id)
         # Only the buffer's own poller is asked to hurry or watch: standalone ones keep their own schedule.
         own = self._listings if self._listings is not None and self._listings.has_own_poller else None
         watcher = None
-        if watch is not None and own is not None:
+        if watch is not None and own is not None and timeout != 0:
             watcher = WatchWhileWaiting(own.watch, partition_id)
             attempt = _watching(attempt, watch, watcher)
         attempt = _when_changed(attempt, version)
         hurry: threading.Event | None = None  # set: stop asking
         try:
             try:
-                # The first look builds no message: it is never shown.
-                return self._store.wait_until(attempt, timeout=0, describe=str, view=partition_id)
+                # The first look builds no message unless it is the only one.
+                return self._store.wait_until(attempt, timeout=0, describe=described if timeout == 0 else str,
+                                              view=partition_id)
             except TimeoutError:
-                pass
+                if timeout == 0:
+                    raise
             deadline = None if timeout is None else time.monotonic() + timeout
             if poll_every is not None and own is not None:
                 hurry = _poll_while_waiting(own.wait, poll_every, on_poll or (lambda: None))

@@ -7,16 +7,12 @@
     switch() ── SwitchRequest + poke ──┘        ├── restarts, then PollerCrashed to the store
                                                 └── a switch: the ladder, a new child (no budget)
 
-One thread at a time touches the child. A close that finds the thread only
-watching a running child takes it over and runs the ladder itself (STOP goes
-out without a hand-off between threads); at any other moment (a start, a
-restart, its backoff) it asks the thread, as CPython's process-pool manager
-thread serves its executor, and cuts a start under way short.
-
-Restarts are counted in a sliding window (:class:`RestartBudget`): a crash
-after hours of health finds the budget whole. A start refused because the
-store could not be reached (:attr:`~poller.PollerStartupError.unavailable`)
-and a switch (:meth:`Supervisor.switch`) use none.
+One thread at a time touches the child. A close that finds the thread only watching a running child
+takes it over and runs the ladder itself (STOP goes out without a hand-off between threads); at any
+other moment (a start, a restart, its backoff) it asks the thread, as CPython's process-pool manager
+thread serves its executor, and cuts a start under way short. Restarts are counted in a sliding window
+(:class:`RestartBudget`), so a crash after hours of health finds the budget whole; a start refused
+because the store could not be reached, and a switch, use none.
 """
 
 from __future__ import annotations
