@@ -82,18 +82,17 @@ def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
 class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
-    The child is a fresh interpreter running only the poller: safe in
-    processes that already hold threads or CUDA, and unlike
-    ``multiprocessing``'s ``spawn`` it does not re-run the trainer's
+    The child is a fresh interpreter running only the poller: safe in processes that already hold
+    threads or CUDA, and unlike ``multiprocessing``'s ``spawn`` it does not re-run the trainer's
     ``__main__`` (a script importing torch costs seconds there).
 
     Args:
-        source: ``"package.module:attr"`` or a picklable callable (see
-            :func:`poller.load_source`), resolved in the child.
+        source: ``"package.module:attr"`` or a picklable callable (see :func:`poller.load_source`),
+            resolved in the child.
         endpoint: the buffer's ZeroMQ endpoint the child connects to.
         source_kwargs: keyword arguments for the source factory.
-        name: the stream's identity; a restarted poller with the same name
-            continues the same stream (the buffer computes what vanished).
+        name: the stream's identity; a restarted poller with the same name continues the same stream
+            (the buffer computes what vanished).
         interval: seconds between ``kv_list()`` calls.
         **options: further :class:`~poller.worker.WorkerConfig` fields.
     """

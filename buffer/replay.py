@@ -240,28 +240,23 @@ class ReplayBuffer:
     """A replay buffer of sample metadata fed by an isolated poller process.
 
     Args:
-        source: ``"package.module:attr"`` or a picklable callable giving an
-            object with ``kv_list()``, built in the poller process. ``None``:
-            no poller; the buffer receives only from standalone pollers
-            connecting to ``bind`` (and from :meth:`add`).
+        source: ``"package.module:attr"`` or a picklable callable giving an object with ``kv_list()``,
+            built in the poller process. ``None``: no poller; the buffer receives only from standalone
+            pollers connecting to ``bind`` (and from :meth:`add`).
         source_kwargs: keyword arguments for the source factory.
-        poll_interval: seconds from the start of one ``kv_list()`` to the
-            start of the next (a longer poll is followed by a pause of a
-            tenth of it; ``listing_share`` may space listings further).
+        poll_interval: seconds from the start of one ``kv_list()`` to the start of the next (a longer
+            poll is followed by a pause of a tenth of it; ``listing_share`` may space listings further).
         bind: endpoint to bind; default a private ``ipc://`` path in a 0700
             directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
         start_timeout: seconds to wait for the poller's READY.
         close_timeout: default per-stage bound of :meth:`close`.
-        max_restarts: restarts of a dead poller within ``restart_window``
-            seconds; the next death makes ``sample()`` raise
-            :class:`~poller.PollerCrashed`. A restart refused because the
-            store cannot be reached uses none: it is retried (backoff capped
-            at 5 s) until the store answers.
+        max_restarts: restarts of a dead poller within ``restart_window`` seconds; the next death makes
+            ``sample()`` raise :class:`~poller.PollerCrashed`. A restart refused because the store cannot
+            be reached uses none: it is retried (backoff capped at 5 s) until the store answers.
         restart_window: seconds over which restarts are counted.
-        curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key
-            pair and the allowed poller public keys): only pollers holding an
-            allowed key get in, and the stream is encrypted; the buffer's own
-            poller gets an ephemeral key. See SECURITY.md.
+        curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key pair, the allowed poller public
+            keys): only pollers holding an allowed key get in, the stream is encrypted, and the buffer's
+            own poller gets an ephemeral key. See SECURITY.md.
         insecure: allow binding a network-reachable endpoint without
             ``curve`` (logged as a warning); otherwise that is refused.
         limits: decoding and per-peer bounds: a :class:`~poller.wire.protocol.Limits`,
@@ -270,21 +265,17 @@ class ReplayBuffer:
             which a poller is in ``stats()["stale_peers"]`` and a warning is logged.
         stall_timeout: seconds after which a ``kv_list()`` still running counts
             as a source stall (``None``: only stalls the source reports itself).
-        max_view_age: the oldest a view (seconds since the poller's last
-            complete poll was applied) :meth:`sample` decides on. Past it, or
-            while the store does not answer (a stalled or failed call, a
-            poller silent past ``stale_after``), ``sample()`` waits, and its
-            ``TimeoutError`` names the store and for how long. ``None``: 60 s,
-            or three ``poll_interval`` if that is longer.
+        max_view_age: the oldest a view (seconds since the poller's last complete poll was applied)
+            :meth:`sample` decides on. Past it, or while the store does not answer (a stalled or failed
+            call, a poller silent past ``stale_after``), ``sample()`` waits, and its ``TimeoutError``
+            names the store and for how long. ``None``: 60 s, or three ``poll_interval`` if longer.
         poller_log_level: the level (name or number) from which the poller's
             log records are re-emitted here under the ``poller`` logger.
-        listing_share: the most of the wall clock the poller spends in full
-            listings of a source without a change feed (TransferQueue): after
-            a listing of ``d`` seconds the next starts no sooner than
-            ``max(poll_interval, d / listing_share)`` after it began, and a
-            ``sync()`` asked sooner is answered by that one. In (0, 1]; 1 sets
-            no bound. The default, 0.15, is verl's sampler's own share at 100k
-            TransferQueue keys; ``"verl"`` is its cycle (docs/using.md, "The
+        listing_share: the most of the wall clock the poller spends in full listings of a source
+            without a change feed (TransferQueue): after a listing of ``d`` seconds the next starts no
+            sooner than ``max(poll_interval, d / listing_share)`` after it began, and a ``sync()`` asked
+            sooner is answered by that one. In (0, 1]; 1 sets no bound. The default, 0.15, is verl's
+            sampler's own share at 100k TransferQueue keys; ``"verl"`` is its cycle (docs/using.md, "The
             listing share"). A call that stalls or fails is not a listing.
 
     Raises:
