@@ -40,16 +40,10 @@ def _pid_namespace() -> str | None:
 
 
 class PrivateIpcDir:
-    """A fresh 0700 directory for the buffer's ipc socket, removed by its owner only."""
+    """A fresh 0700 directory for the buffer's ipc socket, its owner recorded (pid, start time, pid namespace),
+    removed by its owner only."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.owner_pid = os.getpid()
-        self._removed = False
-
-    @classmethod
-    def create(cls) -> PrivateIpcDir:
-        """Make a new directory and record its owner: pid, start time, pid namespace."""
+    def __init__(self) -> None:
         path = tempfile.mkdtemp(prefix=PREFIX)
         if len(path) + len(_SOCKET_NAME) + 1 > _MAX_IPC_PATH:
             os.rmdir(path)  # TMPDIR is too deep for a socket path
@@ -61,7 +55,9 @@ class PrivateIpcDir:
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
-        return cls(path)
+        self.path = path
+        self.owner_pid = os.getpid()
+        self._removed = False
 
     @property
     def endpoint(self) -> str:

@@ -89,10 +89,11 @@ def collect_stats(core: _Core) -> BufferStats:
         "poller_name": core.name if core.source is not None else None,
         "auth_rejected": receiver.auth_rejected,
         "curve": receiver.curve is not None,
-        "peers": receiver.peer_count,
+        # Pollers connected that have not said BYE (the state of those that did is kept for a restart).
+        "peers": sum(1 for peer in list(table.peers.values()) if peer.bye_seq is None),
         "resyncs": table.resyncs_requested,
         "stale_after": receiver.stale_after,
-        "stale_peers": receiver.stale_peers(),
+        "stale_peers": table.stale_peers(time.monotonic()),
         "polls": peer.polls_applied if peer else 0,
         "snapshots": peer.snapshots_applied if peer else 0,
         "quarantined": quarantined,

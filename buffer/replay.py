@@ -100,7 +100,7 @@ class _Core:
         self.supervisor: Supervisor | None = None
         self._ipc_dir: PrivateIpcDir | None = None
         if bind is None:
-            self._ipc_dir = PrivateIpcDir.create()
+            self._ipc_dir = PrivateIpcDir()
             bind = self._ipc_dir.endpoint
         self.child_curve: CurveClient | None = None
         if curve is not None and source is not None:

@@ -132,15 +132,6 @@ class StreamReceiver:
         """Handshakes refused for want of an allowed CURVE key."""
         return self._gate.rejected if self._gate is not None else 0
 
-    @property
-    def peer_count(self) -> int:
-        """Pollers connected that have not said BYE (the state of those that did is kept for a restart)."""
-        return sum(1 for peer in list(self.table.peers.values()) if peer.bye_seq is None)
-
-    def stale_peers(self) -> list[str]:
-        """Peers silent for more than ``stale_after`` seconds that never said BYE."""
-        return self.table.stale_peers(time.monotonic())
-
     def streaming(self) -> list[str]:
         """The pollers streaming now: connected, not silent past ``stale_after``, no BYE said."""
         return [peer.stream for peer in list(self.table.peers.values())
