@@ -141,6 +141,8 @@ class _Core:
         self.supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
                                      budget=self.budget, drained=self._drained, give_up=self.store.fail,
                                      switched=lambda: self.store.replaced(self.name))
+        # Started once reachable from close(): an interrupt here must find the thread it has to stop.
+        self.supervisor.start()
         if self._ipc_dir is not None and self.receiver.start() != self.endpoint:
             raise RuntimeError(f"the receiver bound {self.receiver.endpoint}, not {self.endpoint}")
         remove_stale()

@@ -102,7 +102,7 @@ _Request = _CloseRequest | _SwitchRequest
 
 
 class Supervisor:
-    """Runs one poller child at a time for a buffer, from now on, restarting it within ``budget``.
+    """Runs one poller child at a time for a buffer (from :meth:`start` on), restarting it within ``budget``.
 
     ``new_process()`` makes the next (unstarted) child; ``drained(process, final)``
     says, after its exit, whether everything it sent was applied (``final``:
@@ -137,6 +137,8 @@ class Supervisor:
         self._watched: PollerProcess | None = None
         self._handed_over = False
         self._thread = threading.Thread(target=self._run, name="replay-supervisor", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def switch(self, timeout: float) -> Future[ShutdownReport]:
