@@ -1,10 +1,5 @@
-"""The trainer side: an in-process replay buffer fed by an isolated poller.
-
-Besides :class:`ReplayBuffer` and what it returns, the errors a trainer catches:
-:class:`BufferClosed` (you closed it), :class:`PollerCrashed` (the poller died
-for good), :class:`PollerStartupError` (it never started), :class:`InsecureBindError`
-(a network bind without authentication), :class:`EndpointInUseError` (an address in use).
-"""
+"""The trainer side: an in-process replay buffer fed by an isolated poller, what it returns, and the errors
+a trainer catches."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Who may reach the buffer's endpoint: the bind policy, ipc paths and the CURVE gate.
 
-Bind policy (:func:`check_bind`): ``ipc://`` and loopback ``tcp://`` reach
-only this host; ``tcp://:PORT`` (no host) means loopback. Anything else
-counts as the network (the check fails closed), and binding it without CURVE
-is refused unless the caller says ``insecure=True`` (logged as a warning).
-
-The gate (:class:`Gatekeeper`) lives in the receiver thread: pyzmq's ZAP
-authenticator admits only allowed keys, so no frame of another peer reaches
-the decoder, and a socket monitor counts every failed handshake as
-``auth_rejected``.
+:func:`check_bind`: ``ipc://`` and loopback ``tcp://`` (``tcp://:PORT`` means
+loopback) reach only this host; anything else counts as the network (failing
+closed) and needs CURVE or ``insecure=True`` (logged as a warning). The gate
+(:class:`Gatekeeper`, in the receiver thread): pyzmq's ZAP authenticator
+admits only allowed keys, so no other peer's frame reaches the decoder, and a
+socket monitor counts failed handshakes (``auth_rejected``).
 """
 
 from __future__ import annotations
@@ -65,12 +62,7 @@ def is_local_endpoint(endpoint: str) -> bool:
 
 
 def check_bind(endpoint: str, curve: CurveServer | None, insecure: bool) -> str:
-    """Apply the bind policy; return the endpoint to bind.
-
-    Raises:
-        InsecureBindError: ``endpoint`` reaches the network, ``curve`` is
-            ``None`` and ``insecure`` is false.
-    """
+    """The endpoint to bind, or :class:`InsecureBindError` for the network without ``curve`` or ``insecure``."""
     endpoint = normalize_bind(endpoint)
     if curve is not None or is_local_endpoint(endpoint):
         return endpoint
@@ -89,16 +81,12 @@ class EndpointInUseError(OSError):
 
 
 def claim_ipc_path(endpoint: str) -> None:
-    """Refuse an ``ipc://`` path another live socket listens on; clear a stale one.
+    """Refuse (:class:`EndpointInUseError`) an ``ipc://`` path in use or not a socket; clear a stale one.
 
     libzmq unlinks whatever sits at the path before it binds, so a second
     buffer given the same path silently took the first one's stream. A socket
-    file nobody listens on was left by a dead process: it is removed. A path
-    that is not a socket is never removed. (The check is for mistakes, not
-    for a race between two hostile binders.)
-
-    Raises:
-        EndpointInUseError: naming the path, when it is in use or not a socket.
+    nobody listens on was left by a dead process and is removed. (For
+    mistakes, not for a race between two hostile binders.)
     """
     if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
         return  # only filesystem paths; abstract names fail to bind when taken
@@ -146,10 +134,7 @@ _REJECTED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_P
 
 
 class Gatekeeper:
-    """The ZAP authenticator and the handshake monitor of one ROUTER socket, in the thread that owns it.
-
-    Without a ``curve`` it does nothing (a NULL socket has no handshake to fail).
-    """
+    """The ZAP authenticator and handshake monitor of one ROUTER socket, in its thread (no ``curve``: nothing)."""
 
     def __init__(self, ctx: zmq.Context, curve: CurveServer | None) -> None:
         self.curve = curve
@@ -191,10 +176,8 @@ class Gatekeeper:
                        _REJECTIONS.get(event["event"], event["event"]))
 
     def close(self, sock: zmq.Socket) -> None:
-        """Close the monitor, then ``sock``, then the authenticator (joins its thread).
-
-        The socket first: libzmq lets a CURVE client in unchecked while no ZAP handler is bound.
-        """
+        """Close the monitor, ``sock``, then the authenticator: libzmq lets a CURVE client in unchecked
+        while no ZAP handler is bound."""
         if self.monitor is not None:
             try:
                 sock.disable_monitor()

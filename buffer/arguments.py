@@ -1,13 +1,9 @@
-"""Checks of what a trainer passes to the buffer, made once, where it enters.
+"""Checks of what a trainer passes to the buffer, made once, where it enters; inner layers trust them.
 
-Bad input gets a clear error and changes nothing: ``add`` checks every item
-before it applies any, and ``remove`` refuses a bare string, which would
-otherwise be taken as its characters (``remove("train", "uid1")`` removing
-the keys ``"u"``, ``"i"``, ``"d"``, ``"1"``). Wrong types raise ``TypeError``,
-as the SQLite store's ``kv_*`` methods do; numbers out of range raise
-``ValueError`` (:mod:`poller.wire.arguments`). Options that arrive from
-config files as plain values (Hydra/OmegaConf, ``_target_: buffer.ReplayBuffer``)
-are turned into what the buffer uses. Inner layers trust what passed here.
+Bad input gets a clear error and changes nothing. Wrong types raise
+``TypeError``, as the SQLite store's ``kv_*`` methods do; numbers out of
+range ``ValueError`` (:mod:`poller.wire.arguments`). Options from config
+files (Hydra/OmegaConf) arrive as plain values and become what the buffer uses.
 """
 
 from __future__ import annotations
@@ -32,11 +28,7 @@ def check_partition(partition_id: Any) -> str:
 
 
 def check_items(items: Any) -> dict[str, Tags]:
-    """``items`` as ``{key: tags}`` with str keys and str tag names, copied.
-
-    Raises:
-        TypeError: naming the first bad key or tags; nothing was applied.
-    """
+    """``items`` as ``{key: tags}`` with str keys and str tag names, copied; ``TypeError`` names the first bad one."""
     if not isinstance(items, Mapping):
         raise TypeError(f"items must be a mapping of key -> tags, got {type(items).__name__}")
     checked: dict[str, Tags] = {}
@@ -54,11 +46,8 @@ def check_items(items: Any) -> dict[str, Tags]:
 
 
 def check_keys(keys: Any) -> list[str]:
-    """``keys`` as a list of str; a bare string (or bytes) is refused, not split.
-
-    Raises:
-        TypeError: ``keys`` is a string or not iterable, or holds a non-str; nothing was removed.
-    """
+    """``keys`` as a list of str, else ``TypeError``. A bare string is refused: taken as its characters,
+    ``remove("train", "uid1")`` removed the keys ``"u"``, ``"i"``, ``"d"``, ``"1"``."""
     if isinstance(keys, (str, bytes, bytearray)):
         raise TypeError(f"keys must be a list (or other iterable) of keys, not one {type(keys).__name__} "
                         f"{keys!r}: write remove(partition_id, [{keys!r}])")
@@ -73,13 +62,7 @@ def check_keys(keys: Any) -> list[str]:
 
 
 def check_sample(global_steps: Any, batch_size: Any, timeout: Any) -> float | None:
-    """Check ``sample()``'s arguments; return ``timeout`` as float seconds or None.
-
-    Raises:
-        ValueError: not exactly one of ``global_steps`` and ``batch_size``,
-            ``batch_size`` not an int >= 1 (``True`` is refused), or
-            ``timeout`` not a finite number >= 0 (or None).
-    """
+    """Check ``sample()``'s arguments (``ValueError`` as it says); return ``timeout`` as float seconds or None."""
     if (global_steps is None) == (batch_size is None):
         raise ValueError("pass exactly one of global_steps= or batch_size=")
     if batch_size is not None:
@@ -91,8 +74,6 @@ def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any
                       restart_window: Any, stale_after: Any, curve: Any, limits: Any, stall_timeout: Any,
                       max_view_age: Any, log_level: Any, listing_share: Any) -> tuple[Limits | None, dict[str, Any]]:
     """Check the ``ReplayBuffer`` constructor's arguments; return its limits and its poller's options.
-
-    ``limits`` may be a mapping of :class:`Limits` fields, and ``log_level`` a name.
 
     Raises:
         ValueError: a number is out of range (``nan``, ``inf``, negative, a bool), an unknown limit or level.

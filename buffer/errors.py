@@ -6,7 +6,4 @@ __all__ = ["BufferClosed"]
 
 
 class BufferClosed(Exception):
-    """The buffer was closed (by you): it takes and gives nothing any more.
-
-    Distinct from :class:`poller.PollerCrashed`, which means the poller broke.
-    """
+    """The buffer was closed (by you): it takes and gives nothing any more (:class:`poller.PollerCrashed`: it broke)."""

@@ -1,18 +1,12 @@
-"""The buffer's private ipc directory: made, owned and removed by one process.
+"""The buffer's private ipc directory: a fresh 0700 directory holding the default endpoint's socket.
 
-The default endpoint is a socket in a fresh 0700 directory. It is removed by
-the buffer's ``close()`` (or its finalizer, or interpreter exit), by the
-poller or its watchdog when the trainer died, and otherwise (a trainer killed
-while it had no poller) by the next buffer that starts on this host, as a
-*stale* directory. Its file ``owner`` records the pid of the process that
-made it, that process's start time and its pid namespace.
-
-* Only the owner removes it: a forked child inherits the buffer and its
-  finalizer, and its exit must not delete the parent's directory.
-* It is stale when its owner is gone: no such pid, or the pid now belongs to
-  a process that started at another time. A directory of another user,
-  without a readable owner file, or made in another pid namespace (a
-  container sharing ``/tmp``) is never touched.
+Removed by the buffer's ``close()`` (or finalizer, or interpreter exit), by
+the poller or its watchdog when the trainer died, else (a trainer killed
+without a poller) by the next buffer on this host, as *stale*: its ``owner``
+file's pid is gone or now belongs to a process started at another time. Only
+the owner removes it (a forked child inherits the finalizer); a directory of
+another user, without a readable owner file, or of another pid namespace (a
+container sharing ``/tmp``) is never touched.
 """
 
 from __future__ import annotations
@@ -46,16 +40,10 @@ def _pid_namespace() -> str | None:
 
 
 class PrivateIpcDir:
-    """A fresh 0700 directory for the buffer's ipc socket, removed by its owner only."""
+    """A fresh 0700 directory for the buffer's ipc socket, its owner recorded (pid, start time, pid namespace),
+    removed by its owner only."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.owner_pid = os.getpid()
-        self._removed = False
-
-    @classmethod
-    def create(cls) -> PrivateIpcDir:
-        """Make a new directory and record its owner (the buffer then calls :func:`remove_stale`)."""
+    def __init__(self) -> None:
         path = tempfile.mkdtemp(prefix=PREFIX)
         if len(path) + len(_SOCKET_NAME) + 1 > _MAX_IPC_PATH:
             os.rmdir(path)  # TMPDIR is too deep for a socket path
@@ -67,7 +55,9 @@ class PrivateIpcDir:
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
-        return cls(path)
+        self.path = path
+        self.owner_pid = os.getpid()
+        self._removed = False
 
     @property
     def endpoint(self) -> str:
@@ -95,15 +85,10 @@ def _owner_gone(record: object) -> bool:
     return record.get("start") is not None and started != record["start"]
 
 
-def remove_stale() -> list[str]:
-    """Remove this user's ipc directories whose owner process is gone; return them.
-
-    Looks where buffers make them (the temporary directory, and ``/tmp`` for
-    a temporary directory too deep for a socket path). Never raises.
-    """
-    removed: list[str] = []
-    places = {tempfile.gettempdir(), "/tmp"}
-    for place in places:
+def remove_stale() -> None:
+    """Remove this user's ipc directories whose owner process is gone (in the temporary directory and
+    ``/tmp``, used when that is too deep for a socket path). Never raises."""
+    for place in {tempfile.gettempdir(), "/tmp"}:
         for path in glob.glob(os.path.join(glob.escape(place), PREFIX + "*")):
             try:
                 info = os.lstat(path)
@@ -115,7 +100,5 @@ def remove_stale() -> list[str]:
                 continue  # not ours, not a buffer's, or still being made
             if _owner_gone(record):
                 shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
                 logger.info("removed the stale ipc directory %s of process %s, which is gone", path,
                             record.get("pid"))
-    return removed

@@ -1,8 +1,7 @@
-"""What a buffer reports about itself: ``stats()`` (typed) and ``metrics()`` (numbers only).
+"""What a buffer reports about itself: ``stats()`` (typed, to read) and ``metrics()`` (numbers only).
 
-``stats()`` mixes numbers with names and lists: good to read, not fit for a tracker. ``metrics()``
-gives only numbers, under dotted names stable across releases (verl's trackers, wandb, MLflow take
-such a dict as it is); :mod:`buffer.prometheus` exports the same table.
+``metrics()`` names stay stable across releases, fit for a tracker as they are (verl's, wandb, MLflow);
+:mod:`buffer.prometheus` exports the same table.
 """
 
 from __future__ import annotations
@@ -12,9 +11,9 @@ import time
 from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
-    from buffer.core import _Core
+    from buffer.replay import _Core
 
-__all__ = ["BufferStats", "Metric", "METRICS", "collect_stats", "metrics_of"]
+__all__ = ["BufferStats", "Metric", "METRICS", "collect_stats"]
 
 
 class BufferStats(TypedDict):
@@ -63,7 +62,8 @@ def collect_stats(core: _Core) -> BufferStats:
     """The stats of an open buffer's core."""
     receiver = core.receiver
     table = receiver.table  # the stream's counters live in its peer state machine
-    process = core.process
+    supervisor = core.supervisor
+    process = supervisor.process if supervisor else None
     peer = receiver.peer_info(core.name)
     last = table.last_message_at
     quarantined, quarantined_keys = table.quarantined()
@@ -73,8 +73,8 @@ def collect_stats(core: _Core) -> BufferStats:
         "poller_pid": process.pid if process else None,
         "poller_alive": bool(process and process.is_alive()),
         "restarts": core.budget.total,
-        "start_retries": core.start_retries,
-        "source_switches": core.source_switches,
+        "start_retries": supervisor.start_retries if supervisor else 0,
+        "source_switches": supervisor.switches if supervisor else 0,
         "epoch": process.epoch if process else None,
         "messages": table.messages,
         "items_received": table.items_received,
@@ -88,11 +88,12 @@ def collect_stats(core: _Core) -> BufferStats:
         "endpoint": core.endpoint,
         "poller_name": core.name if core.source is not None else None,
         "auth_rejected": receiver.auth_rejected,
-        "curve": receiver.curve_enabled,
-        "peers": receiver.peer_count,
+        "curve": receiver.curve is not None,
+        # Pollers connected that have not said BYE (the state of those that did is kept for a restart).
+        "peers": sum(1 for peer in list(table.peers.values()) if peer.bye_seq is None),
         "resyncs": table.resyncs_requested,
         "stale_after": receiver.stale_after,
-        "stale_peers": receiver.stale_peers(),
+        "stale_peers": table.stale_peers(time.monotonic()),
         "polls": peer.polls_applied if peer else 0,
         "snapshots": peer.snapshots_applied if peer else 0,
         "quarantined": quarantined,
@@ -178,8 +179,3 @@ METRICS: tuple[Metric, ...] = (
            "restarts of the buffer's own poller on a replaced store (switch_source; not counted in restarts)",
            "source_switches"),
 )
-
-
-def metrics_of(stats: BufferStats) -> dict[str, float]:
-    """``{dotted name: number}`` for every metric in :data:`METRICS`."""
-    return {metric.name: metric.read(stats) for metric in METRICS}

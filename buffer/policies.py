@@ -1,13 +1,10 @@
 """Sampling policies over the store: what a policy implements, and how the store tells them.
 
-A policy (:mod:`buffer.steps` for ``ReplayBuffer.sample``, :mod:`buffer.verl.groups`
-for verl's groups) keeps its own index of the keys it samples from, updated
-from :meth:`Policy.on_change`, which the :class:`~buffer.partitions.PartitionStore`
-calls under its lock for every key that changed. :class:`AttachedPolicies`
-makes those calls in the order the policies were attached, a snapshot's or
-a poll's keys in one call to a policy that takes them so (:class:`BulkPolicy`),
-and contains a policy that raises: a bug in one fails the store's waits
-instead of the receiver thread.
+A policy (:mod:`buffer.steps`, :mod:`buffer.verl.groups`) keeps its own index
+of the keys it samples from, updated under the store's lock for every key
+that changed. :class:`AttachedPolicies` tells them in the order attached, and
+contains a policy that raises: a bug in one fails the store's waits instead
+of the receiver thread.
 """
 
 from __future__ import annotations
@@ -39,10 +36,10 @@ class BulkPolicy(Policy, Protocol):
     thousands of changed keys then cost a few C-level passes instead of a Python call each."""
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
-        """Like :meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order, in one call."""
+        """:meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order."""
 
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """Like :meth:`Policy.on_change` for each of ``keys``, held before, with its old and new tags, in one call."""
+        """:meth:`Policy.on_change` for each of ``keys``, held before."""
 
 
 class AttachedPolicies:
@@ -62,21 +59,19 @@ class AttachedPolicies:
         self._policies.append(policy)
 
     def changed(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
-        """Tell every policy that one key changed (see :meth:`Policy.on_change`)."""
         for policy in self._policies:
             self._tell(policy, partition_id, key, old, new)
 
     def added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
-        """Tell every policy of keys new to the store, at once if it can take them so (a snapshot's thousands)."""
         self._bulk("on_added", (tags,), partition_id, keys, [None] * len(keys), tags)
 
     def replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """Tell every policy that keys it held changed, at once if it can take them so (a poll's thousands)."""
         self._bulk("on_replaced", (olds, news), partition_id, keys, olds, news)
 
     def _bulk(self, method: str, arguments: tuple[list[Tags], ...], partition_id: str, keys: list[str],
               olds: Sequence[Tags | None], news: list[Tags]) -> None:
-        """``method(partition_id, keys, *arguments)`` of each policy that has it, else on_change key by key."""
+        """``method(partition_id, keys, *arguments)`` of each policy that has it (:class:`BulkPolicy`), else
+        ``on_change`` key by key."""
         if not keys:
             return
         for policy in self._policies:

@@ -8,18 +8,14 @@ The child is a fresh interpreter, started without ``multiprocessing``::
     os.pipe() ─────── write end (pass_fds) ─▶ held open until the process ends
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
 
-Start-up is a handshake with a deadline over that private pipe (the
-*lifeline*): the child builds its source, connects to the buffer's endpoint
-and answers ``Started``, or ``StartFailed`` with its traceback. Pickle
-crosses only this pipe, from the parent to its own child; the ZeroMQ stream
-never carries it. Closing is one straight-line ladder with named stages::
+Start-up is a handshake with a deadline over that private pipe (the *lifeline*), the only place pickle
+crosses, to our own child. Closing is one straight-line ladder with named stages, each wait bounded::
 
     STOP ──wait──▶ "graceful"
       └─▶ terminate() ──wait──▶ "terminated"
             └─▶ kill() ──reap──▶ "killed"
 
-A child that had already died is ``"already-exited"``. Every wait is bounded,
-every stage is logged, and the report says which one was reached.
+A child that had already died is ``"already-exited"``.
 """
 
 from __future__ import annotations
@@ -56,8 +52,7 @@ class ShutdownReport(NamedTuple):
     Attributes:
         stage: the last stage of the ladder that was needed.
         seconds: wall time the close took.
-        exitcode: the poller's exit code (negative: killed by that signal),
-            ``None`` where there was no poller.
+        exitcode: the poller's exit code (negative: killed by that signal; ``None``: no poller).
         drained: everything the poller sent before BYE was applied.
     """
 
@@ -87,19 +82,17 @@ def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
 class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
-    The child is a fresh interpreter running only the poller: safe in
-    processes that already hold threads or CUDA. ``multiprocessing``'s
-    ``spawn`` is as safe, but its child re-imports ``multiprocessing``,
-    unpickles the parent's preparation data and re-runs the trainer's
+    The child is a fresh interpreter running only the poller: safe in processes that already hold
+    threads or CUDA, and unlike ``multiprocessing``'s ``spawn`` it does not re-run the trainer's
     ``__main__`` (a script importing torch costs seconds there).
 
     Args:
-        source: ``"package.module:attr"`` or a picklable callable (see
-            :func:`poller.load_source`), resolved in the child.
+        source: ``"package.module:attr"`` or a picklable callable (see :func:`poller.load_source`),
+            resolved in the child.
         endpoint: the buffer's ZeroMQ endpoint the child connects to.
         source_kwargs: keyword arguments for the source factory.
-        name: the stream's identity; a restarted poller with the same name
-            continues the same stream (the buffer computes what vanished).
+        name: the stream's identity; a restarted poller with the same name continues the same stream
+            (the buffer computes what vanished).
         interval: seconds between ``kv_list()`` calls.
         **options: further :class:`~poller.worker.WorkerConfig` fields.
     """
@@ -127,8 +120,6 @@ class PollerProcess:
         state = "closed" if self._report else ("running" if self.is_alive() else "not running")
         return f"<PollerProcess {self.name} pid={self.pid} {state} source={describe_spec(self.config.source)}>"
 
-    # -- state ------------------------------------------------------------------
-
     @property
     def pid(self) -> int | None:
         return self._popen.pid if self._popen is not None else None
@@ -155,20 +146,13 @@ class PollerProcess:
             self._reap(timeout)
         return self.exitcode
 
-    # -- start ------------------------------------------------------------------
-
     def start(self, timeout: float = 30.0, *, abort_fd: int | None = None) -> None:
-        """Spawn the child and wait until it says READY.
-
-        ``abort_fd`` becoming readable gives up the wait at once (the child
-        is killed): how a close request cuts a start short.
+        """Spawn the child and wait until it says READY; ``abort_fd`` readable (a close request) gives up at once.
 
         Raises:
-            PollerStartupError: the child failed (its traceback is the
-                ``__cause__``), died, or gave no READY within ``timeout``;
-                it is gone. ``unavailable`` is true when the source could not
-                reach its store (``ConnectionError``, ``TimeoutError``) or
-                gave no READY in time: trying again later may work.
+            PollerStartupError: the child failed (its traceback is the ``__cause__``), died, or gave no
+                READY within ``timeout``; it is gone. ``unavailable``: the source could not reach its store
+                (``ConnectionError``, ``TimeoutError``) or gave no READY in time, so a later try may work.
             ValueError: ``timeout`` is not a finite number of seconds > 0.
         """
         timeout = check_seconds("timeout", timeout)
@@ -176,14 +160,10 @@ class PollerProcess:
             raise PollerError("a PollerProcess can be started only once")
         self._conn, child_conn = lifeline.Channel.pair()
         try:
-            self._spawn(child_conn)
-        except BaseException:
-            child_conn.close()
-            self._discard()
-            raise
-        # The parent must not hold the child's end, or it would never see EOF.
-        child_conn.close()
-        try:
+            try:
+                self._spawn(child_conn)
+            finally:
+                child_conn.close()  # the parent must not hold the child's end, or it would never see EOF
             self._await_ready(timeout, abort_fd)
         except BaseException:
             self._discard()
@@ -191,12 +171,9 @@ class PollerProcess:
         logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
 
     def _spawn(self, child_end: Channel) -> None:
-        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration.
-
-        Raises:
-            pickle.PicklingError, TypeError, AttributeError: the configuration
-                (a callable source) cannot be pickled; nothing was started.
-        """
+        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration; a configuration
+        that cannot be pickled (a callable source) raises ``PicklingError``/``TypeError``/``AttributeError``
+        before anything starts."""
         assert self._conn is not None
         try:
             payload = pickle.dumps(self.config, protocol=pickle.HIGHEST_PROTOCOL)
@@ -237,20 +214,21 @@ class PollerProcess:
         assert self._conn is not None
         deadline = time.monotonic() + timeout
         spec = describe_spec(self.config.source)
+        closed = PollerStartupError(f"poller for {spec} was closed while starting")
         sentinel = self.sentinel  # read once: a concurrent close() may release it
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise PollerStartupError(f"poller for {spec} gave no READY within {timeout:g}s", unavailable=True)
             if self._report is not None:
-                raise PollerStartupError(f"poller for {spec} was closed while starting")
+                raise closed
             try:
                 ready = wait([self._conn, sentinel, *([] if abort_fd is None else [abort_fd])], remaining)
                 readable = self._conn in ready or self._conn.poll(0)
             except (OSError, ValueError):  # closed by a concurrent close()
-                raise PollerStartupError(f"poller for {spec} was closed while starting") from None
+                raise closed from None
             if abort_fd is not None and abort_fd in ready and not readable:
-                raise PollerStartupError(f"poller for {spec} was closed while starting")
+                raise closed
             if readable:
                 try:
                     message = lifeline.recv(self._conn)
@@ -264,15 +242,15 @@ class PollerProcess:
                         raise PollerStartupError(f"poller for {spec} failed to start: {kind}: {text}",
                                                  unavailable=unavailable) from RemoteTraceback(kind, text, trace)
                 if message is None and (self._close_requested or wait([sentinel], 0)):
-                    self._died_starting(spec)
+                    self._died_starting(spec, closed)
             elif sentinel in ready:
-                self._died_starting(spec)
+                self._died_starting(spec, closed)
 
-    def _died_starting(self, spec: str) -> None:
+    def _died_starting(self, spec: str, closed: PollerStartupError) -> None:
         # A concurrent close() reaps the child itself: reaped here too, that close() could miss the
         # exit status (its waitpid fails) and escalate against a dead pid.
         if self._close_requested:
-            raise PollerStartupError(f"poller for {spec} was closed while starting")
+            raise closed
         self._reap(1.0)
         raise PollerStartupError(f"poller for {spec} died during start-up (exit code {self.exitcode})")
 
@@ -293,8 +271,6 @@ class PollerProcess:
             if exitcode is not None:
                 self._release()
 
-    # -- while running ------------------------------------------------------------
-
     def fatal_error(self) -> RemoteTraceback | None:
         """The traceback the child sent before dying of a source failure, if any."""
         conn = self._conn
@@ -307,18 +283,12 @@ class PollerProcess:
             pass
         return self._fatal
 
-    # -- close ------------------------------------------------------------------
-
     def close(self, timeout: float = 5.0, *,
               wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
         """Stop the child: STOP, then ``terminate()``, then ``kill()``, the first two waiting up to ``timeout``.
 
-        ``wait_drained(seconds)`` is asked after the child has exited whether
-        everything it sent was applied. Idempotent and thread-safe: every
-        caller gets the same report.
-
-        Raises:
-            ValueError: ``timeout`` is not a finite number of seconds >= 0.
+        ``wait_drained(seconds)``, asked once the child exited: was everything it sent applied? Idempotent
+        and thread-safe: every caller gets the same report. ``ValueError``: ``timeout`` is not seconds >= 0.
         """
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         self._close_requested = True  # read by a start() still waiting for READY
@@ -374,7 +344,7 @@ class PollerProcess:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         # The pidfd is readable once the child is a zombie, so the reap below finds it at once; after the
-        # pipe (earlier), Popen.wait() polls with growing sleeps: 2.7 ms of an idle close() of 7.7 ms.
+        # pipe (earlier), Popen.wait() polls with growing sleeps (2.7 ms of an idle close()'s 7.7).
         exit_fd = self._pidfd if self._pidfd is not None and not self._fds_closed else self.sentinel
         if timeout is not None and not wait([exit_fd], timeout):
             return

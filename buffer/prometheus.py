@@ -1,6 +1,5 @@
-"""A Prometheus collector for a :class:`~buffer.ReplayBuffer` (``pip install 'zmq-replay-poller[prometheus]'``).
-
-No server of ours: register the collector with the registry the trainer already exposes::
+"""A Prometheus collector for a :class:`~buffer.ReplayBuffer` (``pip install 'zmq-replay-poller[prometheus]'``),
+for the registry the trainer already exposes (no server of ours)::
 
     from prometheus_client import REGISTRY
     from buffer.prometheus import ReplayBufferCollector

@@ -1,9 +1,7 @@
-"""Rate-limited logging for what peers can make the trainer log.
+"""Rate-limited logging for what peers can make the trainer log (protocol errors, forwarded LOG/ERROR, gaps).
 
-A peer decides how often the receiver logs a protocol error, a forwarded LOG
-or ERROR, or a gap in its stream. :class:`LogLimiter` lets a burst through per
-category, then a trickle, and counts what it dropped in the next record that
-passes: a hostile peer cannot flood the log, and a real problem still shows.
+A burst per category, then a trickle, and the next record that passes counts
+what was dropped: a hostile peer cannot flood the log, a real problem still shows.
 """
 
 from __future__ import annotations
@@ -19,11 +17,8 @@ MAX_FORWARDED_CHARS = 2000
 
 
 def clamp_level(level: int) -> int:
-    """A peer's log level, kept between DEBUG and ERROR.
-
-    A peer claiming CRITICAL (or 50_000) must not outrank the trainer's own
-    errors; a level below DEBUG is not one a handler expects.
-    """
+    """A peer's log level, kept between DEBUG and ERROR: a peer claiming CRITICAL (or 50_000) must not
+    outrank the trainer's own errors, and a level below DEBUG is not one a handler expects."""
     return min(max(level, logging.DEBUG), logging.ERROR)
 
 

@@ -7,27 +7,36 @@
          │                                                   ▲ DELTA/HEARTBEAT/BYE
          └── _Core ── Supervisor thread ── PollerProcess ────┘ (child, DEALER)
 
-The facade holds only ``_Core`` (:mod:`buffer.core`), so a finalizer can
-close it when the facade is dropped: nothing outlives a forgotten buffer.
+The facade holds only a ``_Core``, which never refers back to it, so a finalizer can close the core
+when the facade is dropped: nothing outlives a forgotten buffer.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
+import threading
+import time
+import uuid
 import weakref
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping
 
 from buffer.access import check_bind
 from buffer.arguments import check_buffer_args, check_items, check_keys, check_partition, check_sample
-from buffer.core import _Core
 from buffer.errors import BufferClosed
-from buffer.metrics import BufferStats, collect_stats, metrics_of
-from buffer.process import ShutdownReport
+from buffer.ipcdir import PrivateIpcDir, remove_stale
+from buffer.metrics import METRICS, BufferStats, collect_stats
+from buffer.partitions import PartitionStore
+from buffer.process import PollerProcess, ShutdownReport
 from buffer.seam import SamplingSeam
-from buffer.steps import BatchMeta
+from buffer.steps import BatchMeta, StepSampler
+from buffer.stream import StreamReceiver
+from buffer.supervisor import RestartBudget, Supervisor, close_bound
+from buffer.sync import ListingSync
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare, check_optional_seconds
-from poller.wire.curve import CurveServer
-from poller.wire.protocol import Limits
+from poller.wire.curve import CurveClient, CurveServer, generate_pair
+from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from poller.wire.sources import SourceSpec
 from poller.wire.vocabulary import Tags
 
@@ -35,7 +44,7 @@ __all__ = ["ReplayBuffer"]
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
+_FIRST_POLL_WAIT = 5.0
 
 #: The least ``max_view_age=None`` lets a view age. Generous on purpose: the backstop for a poller
 #: that neither completes a poll nor reports a stall (a store that does not answer is caught at its
@@ -49,63 +58,231 @@ def default_max_view_age(poll_interval: float) -> float:
     return max(DEFAULT_MAX_VIEW_AGE, 3 * poll_interval)
 
 
+# Buffers not closed yet, closed at interpreter exit *before* non-daemon threads are joined (the hook
+# concurrent.futures uses): a thread waiting in sample(timeout=None) would otherwise block that join for ever.
+_OPEN_CORES: "set[_Core]" = set()
+
+
+def _close_open_buffers() -> None:
+    for core in list(_OPEN_CORES):
+        try:
+            core.close()
+        except Exception:  # one buffer's failure must not keep the others open
+            logger.exception("closing a replay buffer at exit failed")
+
+
+threading._register_atexit(_close_open_buffers)  # type: ignore[attr-defined]
+
+
+class _Core:
+    """Everything a buffer owns, and its close."""
+
+    def __init__(self, source: SourceSpec | None, source_kwargs: Mapping[str, Any] | None, poll_interval: float,
+                 bind: str | None, start_timeout: float, close_timeout: float, max_restarts: int,
+                 restart_window: float, curve: CurveServer | None, limits: Limits | None, stale_after: float,
+                 max_view_age: float, poller_options: Mapping[str, Any]) -> None:
+        self.source = source
+        self.poller_options = dict(poller_options)  # further WorkerConfig fields
+        self.source_kwargs = dict(source_kwargs or {})
+        self.poll_interval = poll_interval
+        self.start_timeout = start_timeout
+        self.close_timeout = close_timeout
+        self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
+        self.store = PartitionStore()
+        self.store.bound_age(max_view_age)
+        # Only this process may stop the poller or remove the ipc directory (a forked child inherits the finalizer).
+        self.owner_pid = os.getpid()
+        self.name = f"embedded-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Reentrant: a signal handler may call close() in the thread that is closing.
+        self._close_lock = threading.RLock()
+        self._closer: int | None = None
+        self._report: ShutdownReport | None = None
+        self.supervisor: Supervisor | None = None
+        self._ipc_dir: PrivateIpcDir | None = None
+        if bind is None:
+            self._ipc_dir = PrivateIpcDir()
+            bind = self._ipc_dir.endpoint
+        self.child_curve: CurveClient | None = None
+        if curve is not None and source is not None:
+            # An ephemeral key pair for the buffer's own poller, never in a file: the secret half reaches the
+            # child through its private pipe, the public half is allowed for this buffer's lifetime only.
+            public, secret = generate_pair()
+            self.child_curve = CurveClient(public, secret, curve.public_key)
+            curve = curve.allowing(public)
+        self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
+                                       stale_after=stale_after, pinned=frozenset({self.name}))
+        self.endpoint: str | None = None
+        # What every sampling policy uses of this buffer, the step sampler behind sample() first.
+        self.seam = SamplingSeam(self.store, ListingSync(self.store, self.receiver,
+                                                         self.name if source is not None else None))
+        self.steps = StepSampler(self.seam)
+        if source is not None:
+            # No decision on a view that was never whole: decisions wait for the poller's first complete listing.
+            self.store.require(self.name)
+        _OPEN_CORES.add(self)
+
+    @property
+    def process(self) -> PollerProcess | None:
+        """The poller child now (owned by the supervisor)."""
+        return self.supervisor.process if self.supervisor is not None else None
+
+    def start(self) -> None:
+        if self.source is None:
+            self.endpoint = self.receiver.start()
+            remove_stale()
+            return
+        started = time.monotonic()
+        if self._ipc_dir is not None:
+            # Known before the bind, so the receiver binds while the poller's interpreter boots (the poller
+            # connects ~30 ms after its spawn). Should the bind fail, start() raises and close() ends the poller.
+            self.endpoint = self._ipc_dir.endpoint
+        else:
+            self.endpoint = self.receiver.start()
+        self.supervisor = Supervisor(self.name, self._new_process, start_timeout=self.start_timeout,
+                                     budget=self.budget, drained=self._drained, give_up=self.store.fail,
+                                     switched=lambda: self.store.replaced(self.name))
+        # Started once reachable from close(): an interrupt here must find the thread it has to stop.
+        self.supervisor.start()
+        if self._ipc_dir is not None and self.receiver.start() != self.endpoint:
+            raise RuntimeError(f"the receiver bound {self.receiver.endpoint}, not {self.endpoint}")
+        remove_stale()
+        # The child's start is bounded by start_timeout; the margin covers launching it.
+        self.supervisor.started.result(self.start_timeout + 30.0)
+        # Return with the store's contents visible when that is quick; a slow first listing is no error:
+        # every decision waits for the first complete listing itself (PartitionStore.view_gap).
+        first_poll_wait = min(_FIRST_POLL_WAIT, max(0.0, self.start_timeout - (time.monotonic() - started)))
+        if not self.receiver.wait_first_poll(self.name, first_poll_wait):
+            logger.warning("poller %s: no complete listing within %.3gs of READY; sample() waits for it",
+                           self.name, first_poll_wait)
+
+    def include_partitions(self, partition_ids: list[str]) -> None:
+        held = self.source_kwargs.get("partition_ids")
+        if not isinstance(held, (list, tuple)):
+            return  # the source lists every partition
+        added = [p for p in dict.fromkeys(partition_ids) if p not in held]
+        if not added:
+            return
+        # Replaced whole, never edited: the supervisor reads it for each new process.
+        self.source_kwargs = {**self.source_kwargs, "partition_ids": [*held, *added]}
+        self.receiver.table.include_partitions(self.name.encode(), [*held, *added])
+        logger.debug("poller %s lists partitions %s too", self.name, added)
+
+    def switch_source(self, changes: Mapping[str, Any]) -> ShutdownReport:
+        with self._close_lock:  # no close() between the check and the request: the request is answered
+            self.store.check_open()
+            if self.supervisor is None:
+                raise ValueError("this buffer has no poller of its own (source=None): there is no source to switch")
+            # Replaced whole, never edited: the supervisor reads it for each new process.
+            self.source_kwargs = {**self.source_kwargs, **changes}
+            answer = self.supervisor.switch(self.close_timeout)
+        # The ladder's two waits, the reap and the new child's spawn: bounded like close().
+        return answer.result(close_bound(self.close_timeout))
+
+    def _drained(self, process: PollerProcess, final: bool = True) -> Callable[[float], bool]:
+        """Whether everything ``process`` sent before BYE was applied (asked after it exited).
+
+        For the buffer's last poller (``final``, not one a switch replaces) the receiver ends once that BYE
+        is applied, so closing its socket and removing the ipc directory overlap the poller's exit.
+        """
+        name, epoch = process.name, process.epoch
+        if final:
+            self.receiver.stop_after_bye(name, epoch, then=self._remove_ipc_dir)
+        return lambda seconds: self.receiver.wait_bye(name, epoch, seconds)
+
+    def _remove_ipc_dir(self) -> None:
+        if self._ipc_dir is not None:
+            self._ipc_dir.remove()
+
+    def _new_process(self) -> PollerProcess:
+        assert self.source is not None and self.endpoint is not None
+        # Chosen here, so the receiver knows it before the child's first message: anyone else using the name is refused.
+        epoch = secrets.randbits(62) + 1
+        self.receiver.expect(self.name, epoch)
+        limits = self.receiver.limits
+        # The poller checks tags against the receiver's whole limits, or a tag the receiver refuses would fail
+        # every resync; a chunk of n keys spans at most n partitions, so 2n stays within the keys-per-message bound.
+        return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
+                             name=self.name, interval=self.poll_interval,
+                             orphan_cleanup=self._ipc_dir.path if self._ipc_dir else None, epoch=epoch,
+                             curve=self.child_curve, max_frame_bytes=limits.max_frame_bytes, limits=limits,
+                             chunk_items=max(1, min(4096, limits.max_keys_per_message // 2)), **self.poller_options)
+
+    def close(self, timeout: float | None = None) -> ShutdownReport:
+        if os.getpid() != self.owner_pid:
+            # A forked child's copy: everything is the parent's. Touch nothing, take no lock
+            # (a thread that held it at the fork does not exist here).
+            return ShutdownReport("no-poller", 0.0, None, False)
+        with self._close_lock:
+            if self._report is not None:
+                return self._report
+            me = threading.get_ident()
+            if self._closer == me:
+                # A signal handler interrupted this thread's own close(): it goes on once the handler returns.
+                logger.warning("close() called again while this thread is closing the buffer; not waiting")
+                return ShutdownReport("closing", 0.0, None, False)
+            self._closer = me
+            started = time.monotonic()
+            report = ShutdownReport("no-poller", 0.0, None, False)
+            try:
+                if self.supervisor is not None:  # bounded: each stage of the ladder is
+                    report = self.supervisor.close(self.close_timeout if timeout is None else timeout)
+            finally:
+                # Also when the supervisor did not answer (a bug, raised to the caller).
+                self._closer = None
+                self.store.close()
+                self.receiver.stop()
+                _OPEN_CORES.discard(self)
+                self._remove_ipc_dir()
+            self._report = report._replace(seconds=time.monotonic() - started)
+            logger.debug("replay buffer closed: %s", self._report)
+            return self._report
+
+
 class ReplayBuffer:
     """A replay buffer of sample metadata fed by an isolated poller process.
 
     Args:
-        source: ``"package.module:attr"`` or a picklable callable that gives an
-            object with ``kv_list()``; built inside the poller process. ``None``
-            starts no poller: the buffer then receives only from standalone
+        source: ``"package.module:attr"`` or a picklable callable giving an object with ``kv_list()``,
+            built in the poller process. ``None``: no poller; the buffer receives only from standalone
             pollers connecting to ``bind`` (and from :meth:`add`).
         source_kwargs: keyword arguments for the source factory.
-        poll_interval: seconds from the start of one ``kv_list()`` to the
-            start of the next (a longer poll is followed by a pause of a
-            tenth of it; ``listing_share`` may space listings further).
+        poll_interval: seconds from the start of one ``kv_list()`` to the start of the next (a longer
+            poll is followed by a pause of a tenth of it; ``listing_share`` may space listings further).
         bind: endpoint to bind; default a private ``ipc://`` path in a 0700
             directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
         start_timeout: seconds to wait for the poller's READY.
         close_timeout: default per-stage bound of :meth:`close`.
-        max_restarts: restarts of a dead poller within ``restart_window``
-            seconds; the next death makes ``sample()`` raise
-            :class:`~poller.PollerCrashed`. A restart refused because the
-            store cannot be reached uses none: it is tried again (backoff
-            capped at 5 s) until the store answers.
+        max_restarts: restarts of a dead poller within ``restart_window`` seconds; the next death makes
+            ``sample()`` raise :class:`~poller.PollerCrashed`. A restart refused because the store cannot
+            be reached uses none: it is retried (backoff capped at 5 s) until the store answers.
         restart_window: seconds over which restarts are counted.
-        curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key pair and
-            the allowed poller public keys): only pollers holding an allowed
-            key get in, and the stream is encrypted. The buffer's own poller
-            gets an ephemeral key. See SECURITY.md.
+        curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key pair, the allowed poller public
+            keys): only pollers holding an allowed key get in, the stream is encrypted, and the buffer's
+            own poller gets an ephemeral key. See SECURITY.md.
         insecure: allow binding a network-reachable endpoint without
             ``curve`` (logged as a warning); otherwise that is refused.
         limits: decoding and per-peer bounds: a :class:`~poller.wire.protocol.Limits`,
             or a mapping of some of its fields (a Hydra/OmegaConf config node).
-        stale_after: seconds of silence after which a poller is reported in
-            ``stats()["stale_peers"]`` and a warning is logged (pollers send a
-            heartbeat every second).
+        stale_after: seconds of silence (pollers beat every second) after
+            which a poller is in ``stats()["stale_peers"]`` and a warning is logged.
         stall_timeout: seconds after which a ``kv_list()`` still running counts
             as a source stall (``None``: only stalls the source reports itself).
-        max_view_age: the oldest a view may be for :meth:`sample` to decide
-            on it: seconds since the poller's last complete poll was applied.
-            Past it, or while the store does not answer (a stalled or failed
-            call, a poller silent past ``stale_after``), ``sample()`` waits,
-            and its ``TimeoutError`` names the store and for how long.
-            ``None``: 60 s, or three ``poll_interval`` if that is longer.
+        max_view_age: the oldest a view (seconds since the poller's last complete poll was applied)
+            :meth:`sample` decides on. Past it, or while the store does not answer (a stalled or failed
+            call, a poller silent past ``stale_after``), ``sample()`` waits, and its ``TimeoutError``
+            names the store and for how long. ``None``: 60 s, or three ``poll_interval`` if longer.
         poller_log_level: the level (name or number) from which the poller's
-            log records are re-emitted in this process under the ``poller`` logger.
-        listing_share: the most of the wall clock the poller spends in full
-            listings of a source without a change feed (TransferQueue): a
-            listing that took ``d`` seconds is followed by the next no sooner
-            than ``max(poll_interval, d / listing_share)`` after it started;
-            a ``sync()`` asked sooner is answered by that next listing. In
-            (0, 1]; 1 sets no bound. The default, 0.15, is verl's sampler's
-            own share at 100k TransferQueue keys. ``"verl"``: verl's
-            sampler's cycle, as ``buffer.verl`` uses (docs/using.md, "The
+            log records are re-emitted here under the ``poller`` logger.
+        listing_share: the most of the wall clock the poller spends in full listings of a source
+            without a change feed (TransferQueue): after a listing of ``d`` seconds the next starts no
+            sooner than ``max(poll_interval, d / listing_share)`` after it began, and a ``sync()`` asked
+            sooner is answered by that one. In (0, 1]; 1 sets no bound. The default, 0.15, is verl's
+            sampler's own share at 100k TransferQueue keys; ``"verl"`` is its cycle (docs/using.md, "The
             listing share"). A call that stalls or fails is not a listing.
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
-        InsecureBindError: ``bind`` reaches the network without ``curve`` or
-            ``insecure=True``.
+        InsecureBindError: ``bind`` reaches the network without ``curve`` or ``insecure=True``.
         ValueError: a number out of range: durations must be finite (and
             positive, ``close_timeout`` may be 0), ``max_restarts`` an int >= 0.
     """
@@ -124,9 +301,8 @@ class ReplayBuffer:
         if bind is not None:  # the default, a private ipc directory, needs no check
             bind = check_bind(bind, curve, insecure)
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
-                     curve=curve, limits=resolved_limits, stale_after=stale_after,
-                     poller_options=poller_options, restart_window=restart_window)
-        core.store.bound_age(default_max_view_age(poll_interval) if max_view_age is None else max_view_age)
+                     restart_window, curve, resolved_limits, stale_after,
+                     default_max_view_age(poll_interval) if max_view_age is None else max_view_age, poller_options)
         try:
             core.start()
         except BaseException:
@@ -147,9 +323,7 @@ class ReplayBuffer:
         return self._core.endpoint
 
     def add(self, partition_id: str, items: Mapping[str, Mapping[str, Any]]) -> None:
-        """Merge tags per key (``tags.update(new)``); never replaces.
-
-        All or nothing: every item is checked before any is applied.
+        """Merge tags per key (``tags.update(new)``), never replacing; all or nothing (every item is checked first).
 
         Raises:
             TypeError: ``partition_id`` or a key is not a str, ``items`` or a
@@ -170,20 +344,18 @@ class ReplayBuffer:
 
     def sample(self, partition_id: str, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
-        """Wait for a batch; pass exactly one of ``global_steps`` and ``batch_size``.
+        """Wait for a batch; pass exactly one of ``global_steps`` and ``batch_size``. Nothing is removed.
 
         ``global_steps=g`` waits until no key of step ``g`` is ``"running"``
         and returns the step's ``"success"`` keys; ``batch_size=n`` waits for
         ``n`` ``"success"`` keys and returns the first ``n`` that arrived.
-        Nothing is removed.
 
         Raises:
             TimeoutError: after ``timeout`` seconds, saying what is missing.
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
-            ValueError: ``batch_size`` is not an int >= 1 (``True`` neither),
-                or ``timeout`` is not a finite number >= 0 (``None`` waits
-                without a limit).
+            ValueError: ``batch_size`` is not an int >= 1 (``True`` neither), or ``timeout``
+                is not a finite number >= 0 (``None`` waits without a limit).
             TypeError: ``partition_id`` is not a str.
         """
         check_partition(partition_id)
@@ -195,10 +367,8 @@ class ReplayBuffer:
         """Read your writes: return once a listing that began after this call has been applied.
 
         Asks the buffer's own poller and every standalone poller streaming to
-        it for a poll at once, so everything written to their stores before
-        the call is reflected when this returns. Several concurrent calls may
-        be answered by one poll. A standalone poller that goes silent past
-        ``stale_after`` or says BYE meanwhile is not waited for.
+        it for a poll at once (concurrent calls may share one); one silent
+        past ``stale_after``, or saying BYE, is not waited for.
 
         Raises:
             TimeoutError: no such listing within ``timeout`` seconds (the
@@ -207,17 +377,15 @@ class ReplayBuffer:
             BufferClosed: the buffer was closed, possibly by another thread.
             ValueError: ``timeout`` is not a finite number >= 0 (``None`` waits without a limit).
         """
-        core = self._core
-        core.store.check_open()
-        timeout = check_optional_seconds("timeout", timeout, allow_zero=True)
-        core.listing_sync.wait(timeout)
+        self._core.store.check_open()
+        self._core.seam.sync(check_optional_seconds("timeout", timeout, allow_zero=True))
 
     def include_partitions(self, partition_ids: Iterable[str]) -> None:
         """Have the poller list these partitions too, when its source lists a chosen set of them.
 
-        For a source built with a ``partition_ids`` list (the TransferQueue
-        source): the listing that answers the next :meth:`sync` includes
-        them, and so does every later one, also after a restart.
+        For a source built with a ``partition_ids`` list (TransferQueue): the
+        listing answering the next :meth:`sync` includes them, and every later
+        one, also after a restart.
 
         Raises:
             TypeError: ``partition_ids`` is one string, or holds a non-str.
@@ -231,24 +399,16 @@ class ReplayBuffer:
     def switch_source(self, source_kwargs: Mapping[str, Any]) -> ShutdownReport:
         """Move the buffer's own poller to a replaced store: ``source_kwargs`` merged over the current ones.
 
-        For a store that was replaced under the same source, such as a
-        TransferQueue controller the trainer re-initialised (``tq.close()``,
-        then ``tq.init()``: a new address)::
+        For a store replaced under the same source, such as a TransferQueue controller the trainer
+        re-initialised (``tq.close()``, then ``tq.init()``: a new address)::
 
             rb.switch_source(transferqueue.source_kwargs(tq.init(...)))
 
-        Keys not given keep their values. The poller is closed (the ladder of
-        :meth:`close`) and a new one starts on the merged arguments. That is
-        no crash: it uses no restart budget (``stats()["source_switches"]``
-        counts it), and a new poller refused because its store cannot be
-        reached yet is tried again with backoff. From the return on, no
-        decision is made until the new poller's first complete listing is
-        applied, which drops every key the old store listed and the new one
-        does not: no view mixes the two. What :meth:`add` and :meth:`remove`
-        did stays.
-
-        Returns:
-            How the old poller ended (its close report).
+        The poller is closed (the ladder of :meth:`close`) and a new one starts on the merged arguments,
+        using no restart budget (``stats()["source_switches"]`` counts it; a store not reachable yet is
+        retried with backoff). From the return on, no decision is made until the new poller's first
+        complete listing is applied, dropping every key only the old store listed: no view mixes the two.
+        What :meth:`add` and :meth:`remove` did stays. Returns how the old poller ended (its close report).
 
         Raises:
             TypeError: ``source_kwargs`` is not a mapping with str keys.
@@ -282,19 +442,18 @@ class ReplayBuffer:
         return collect_stats(self._core)
 
     def metrics(self) -> dict[str, float]:
-        """Numbers only, under stable dotted names (``replay.keys``, ``replay.source.stalls``, ...).
-
-        Fit to pass to a tracker as it is; :data:`buffer.metrics.METRICS` lists them.
-        """
-        return metrics_of(self.stats())
+        """Numbers only, under stable dotted names (``replay.keys``, ...), fit to pass to a tracker as it is;
+        :data:`buffer.metrics.METRICS` lists them."""
+        stats = self.stats()
+        return {metric.name: metric.read(stats) for metric in METRICS}
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; returns how it ended.
 
         STOP, wait up to ``timeout`` (default ``close_timeout``) for BYE and
         exit, then ``terminate()``, wait, then ``kill()``. Idempotent and
-        thread-safe: every caller gets the same report. In a forked child
-        it touches nothing of the parent's (stage ``"no-poller"``).
+        thread-safe: every caller gets the same report. In a forked child it
+        touches nothing of the parent's (stage ``"no-poller"``).
 
         Raises:
             ValueError: ``timeout`` is not a finite number of seconds >= 0.

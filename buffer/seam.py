@@ -1,11 +1,10 @@
 """The one seam between a buffer and its sampling policies, and the helper threads of their waits.
 
-A sampling policy (the step sampler behind ``ReplayBuffer.sample``,
-:mod:`buffer.verl`) keeps its own index from the store's changes and decides
-on it through :class:`SamplingSeam`, reaching nothing else of the buffer. The
-seam knows no transport: it asks the pollers for listings, watches and their
-quarantined keys through :class:`Listings` (:class:`buffer.sync.ListingSync`
-over the stream), so sampling means the same on every source.
+A sampling policy (``ReplayBuffer.sample``'s, :mod:`buffer.verl`) keeps its own
+index from the store's changes and decides on it through :class:`SamplingSeam`
+alone. The seam knows no transport: it asks the pollers through
+:class:`Listings` (:class:`buffer.sync.ListingSync`), so sampling means the
+same on every source.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from buffer.partitions import PartitionStore
 from buffer.policies import Policy
 from poller.wire.vocabulary import Tags
 
-__all__ = ["Listings", "PollWhileWaiting", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
+__all__ = ["Listings", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,15 +64,14 @@ class SamplingSeam:
         """``attempt()``'s first non-None result, on a whole view of ``partition_id``, waking on every change.
 
         ``attempt`` runs under the store's lock and must not block. ``version``
-        (read under the lock: a value that changes whenever anything
-        ``attempt`` reads does) skips wake-ups that find the version of the
-        last run. ``log_every``: log ``describe()`` at INFO that often.
-        ``poll_every``: ask the own poller for a listing that often while
-        waiting (``on_poll`` after each), so the completing change shows
-        sooner. ``watch`` (run under the lock after each attempt that found
-        nothing: at most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the
-        decision waits on): the poller reads those keys cheaply while waiting
-        and lists as soon as one changed, on a source that can (:mod:`poller.polling`).
+        (read under the lock, changing whenever anything ``attempt`` reads
+        does) skips wake-ups that find the last run's version. ``log_every``:
+        log ``describe()`` at INFO that often. ``poll_every``: ask the own
+        poller for a listing that often while waiting (``on_poll`` after each).
+        ``watch`` (run under the lock after an attempt that found nothing): at
+        most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the decision
+        waits on, which the poller reads cheaply and lists as soon as one
+        changed, on a source that can (:mod:`poller.polling`).
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the
@@ -84,26 +82,25 @@ class SamplingSeam:
         def described() -> str:
             return describe() + self._quarantine_note(partition_id)
 
-        if timeout == 0:
-            return self._store.wait_until(_when_changed(attempt, version), timeout=0, describe=described,
-                                          view=partition_id)
         # Only the buffer's own poller is asked to hurry or watch: standalone ones keep their own schedule.
         own = self._listings if self._listings is not None and self._listings.has_own_poller else None
         watcher = None
-        if watch is not None and own is not None:
+        if watch is not None and own is not None and timeout != 0:
             watcher = WatchWhileWaiting(own.watch, partition_id)
             attempt = _watching(attempt, watch, watcher)
         attempt = _when_changed(attempt, version)
-        hurry = None
+        hurry: threading.Event | None = None  # set: stop asking
         try:
             try:
-                # The first look builds no message: it is never shown.
-                return self._store.wait_until(attempt, timeout=0, describe=str, view=partition_id)
+                # The first look builds no message unless it is the only one.
+                return self._store.wait_until(attempt, timeout=0, describe=described if timeout == 0 else str,
+                                              view=partition_id)
             except TimeoutError:
-                pass
+                if timeout == 0:
+                    raise
             deadline = None if timeout is None else time.monotonic() + timeout
             if poll_every is not None and own is not None:
-                hurry = PollWhileWaiting(own.wait, poll_every, on_poll or (lambda: None))
+                hurry = _poll_while_waiting(own.wait, poll_every, on_poll or (lambda: None))
             started = last_log = time.monotonic()
             while True:
                 now = time.monotonic()
@@ -120,9 +117,10 @@ class SamplingSeam:
                     last_log = time.monotonic()
                     logger.info("%s waiting for %.0fs: %s", what, last_log - started, exc)
         finally:
-            for helper in (hurry, watcher):
-                if helper is not None:
-                    helper.stop()
+            if hurry is not None:
+                hurry.set()  # a sync() in flight ends with its listing (milliseconds) or its bound
+            if watcher is not None:
+                watcher.stop()
 
     def look(self, read: Callable[[], T]) -> T:
         """``read()`` under the store's lock, at once (no wait, whole view or not)."""
@@ -175,10 +173,9 @@ def _watching(attempt: Callable[[], T | None], watch: Callable[[], list[str]],
 def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable] | None) -> Callable[[], T | None]:
     """``attempt`` that returns None at once while ``version()`` is the one its last run saw.
 
-    Every applied poll wakes a waiting decision, and most find nothing new
-    (verl's rule ran ~34 times per ``sample()`` before this, 6 after:
-    bench/results/verl.md). Both reads run under the store's lock, which a
-    change takes before it notifies, so no wake-up is lost.
+    Every applied poll wakes a waiting decision, and most find nothing new (verl's rule ran ~34 times
+    per ``sample()``, 6 with this). Both reads run under the store's lock, which a change takes before
+    it notifies, so no wake-up is lost.
     """
     if version is None:
         return attempt
@@ -195,10 +192,8 @@ def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashabl
 
 
 class SyncAhead:
-    """``sync(timeout)`` in a thread, started right after a decision's last write.
-
-    The listing it waits for runs while the trainer trains, so the next decision usually finds it applied.
-    """
+    """``sync(timeout)`` in a thread, started right after a decision's last write: the listing it waits for
+    runs while the trainer trains, so the next decision usually finds it applied."""
 
     def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
         self.error: BaseException | None = None
@@ -218,46 +213,41 @@ class SyncAhead:
         return not self._thread.is_alive() and self.error is None
 
 
-class PollWhileWaiting:
-    """Asks for a listing every ``gap`` seconds (``sync``, then ``on_poll``) while a decision waits, until :meth:`stop`.
+# Each sync() of _poll_while_waiting is bounded, so a stalled source cannot keep its thread long past the stop.
+_POLL_BOUND = 2.0
 
-    Otherwise the decision would see its last change up to a poll interval late.
+
+def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float,
+                        on_poll: Callable[[], None]) -> threading.Event:
+    """Ask for a listing every ``gap`` seconds (``sync``, then ``on_poll``) in a thread, until the event is set.
+
+    Otherwise a waiting decision would see its last change up to a poll interval late.
     """
+    stopped = threading.Event()
 
-    # Each sync() is bounded, so a stalled source cannot keep this thread long past stop().
-    _BOUND = 2.0
-
-    def __init__(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(sync, gap, on_poll), name="replay-wait-poll",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None]) -> None:
-        while not self._stopped.is_set():
+    def run() -> None:
+        while not stopped.is_set():
             started = time.monotonic()
             try:
-                sync(self._BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
+                sync(_POLL_BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
             except TimeoutError:
                 continue  # a stall or a restart: the waiter's own deadline and log cover it
             except BaseException:  # closed or crashed: the waiting decision raises it itself
                 return
             on_poll()
-            self._stopped.wait(max(0.0, gap - (time.monotonic() - started)))
+            stopped.wait(max(0.0, gap - (time.monotonic() - started)))
 
-    def stop(self) -> None:
-        """Ask no more; a sync() in flight ends with its listing (milliseconds) or its bound."""
-        self._stopped.set()
+    threading.Thread(target=run, name="replay-wait-poll", daemon=True).start()
+    return stopped
 
 
 class WatchWhileWaiting:
     """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
 
-    :meth:`update` (under the store's lock: it never blocks) gives the keys; a
-    thread sends them in a WATCH when they changed and every :data:`RENEW`
-    seconds, because the poller forgets a watch after :data:`LASTS` seconds (a
-    trainer that died leaves nothing read on its behalf, and a restarted
-    poller gets the keys within a second).
+    :meth:`update` (under the store's lock: it never blocks) gives the keys; a thread sends them in a
+    WATCH when they changed and every :data:`RENEW` seconds, as the poller forgets a watch after
+    :data:`LASTS` seconds (a dead trainer leaves nothing read on its behalf; a restarted poller has the keys
+    within a second).
     """
 
     #: Seconds between two WATCHes of the same keys.
@@ -291,8 +281,7 @@ class WatchWhileWaiting:
             if keys or (keys is not None and sent):  # new keys or a renewal; or none now, after some: stop
                 self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
                 sent = keys
-            self._changed.wait(self.RENEW)
-            # A stop wakes the wait too (below), and ends the loop before another WATCH.
+            self._changed.wait(self.RENEW)  # a stop wakes it too, ending the loop before another WATCH
         if sent:
             self._send(self._partition, [], 0.0)
 

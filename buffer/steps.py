@@ -1,19 +1,18 @@
 """Step sampling: ``ReplayBuffer.sample(global_steps=/batch_size=)`` as a policy.
 
-:class:`StepIndex` follows every change of a :class:`~buffer.partitions.PartitionStore`
-and keeps, per partition, the keys ``"running"`` per step and the keys
-``"success"`` (per step and overall) with their arrival numbers, so that a
-check of ``sample()`` costs what its answer holds, not the partition's size.
-:class:`StepSampler` waits on the store for a batch those indexes allow.
+:class:`StepIndex` keeps, per partition, the keys ``"running"`` per step and
+the keys ``"success"`` (per step and overall) with their arrival numbers, so
+a check of ``sample()`` costs what its answer holds, not the partition's size.
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from functools import partial
 from itertools import compress
 from operator import methodcaller
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 from buffer.policies import positions_that_differ
 from buffer.seam import SamplingSeam
@@ -48,11 +47,10 @@ def _classify(tags: Mapping[str, Any] | None) -> tuple[Any, Any]:
 
 @dataclass
 class _Partition:
-    # Every key's arrival number has one home: ``success`` for a "success" key, ``arrival`` for any
-    # other (a snapshot of 1M results fills two dicts of a million, not three).
+    # Every key's arrival number has one home: ``success`` for a "success" key, ``arrival`` for any other.
     arrival: dict[str, int]
-    # Dicts of None, not sets: a dict of atomic values is not tracked by the garbage collector, a set
-    # always is (1M running keys: ~64 ms added to every full collection).
+    # Dicts of None, not sets: the garbage collector skips a dict of atomic values, never a set (1M running
+    # keys in sets: ~64 ms added to every full collection).
     running_by_step: dict[Any, dict[str, None]]
     success_by_step: dict[Any, dict[str, int]]
     success: dict[str, int]
@@ -83,11 +81,8 @@ class StepIndex:
                 del self.parts[partition_id]
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
-        """:meth:`on_change` of each key new to the store, in one call.
-
-        Keys are grouped by (status, step) and each group's indexes updated in
-        C (``dict.update``): a call per key cost ~4 us (a 1M-key snapshot: seconds).
-        """
+        """:meth:`on_change` of each key new to the store, grouped by (status, step) and each group's indexes
+        updated in C (``dict.update``): a call per key cost ~4 us (a 1M-key snapshot: seconds)."""
         part = self.parts.get(partition_id)
         if part is None:
             part = self.parts[partition_id] = _Partition.empty()
@@ -128,11 +123,8 @@ class StepIndex:
                 part.running_by_step.setdefault(step, {}).update(dict.fromkeys(members))
 
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """:meth:`on_change` of each key held before, in one call.
-
-        A poll's changed keys mostly keep their step and status (a reward filled in): those are found in
-        C-level passes and cost nothing more; the others are re-indexed one by one.
-        """
+        """:meth:`on_change` of each key held before. Most keep their step and status (a reward filled in):
+        C-level passes find and skip those; the others are re-indexed one by one."""
         for i in positions_that_differ(olds, news, ("status", "global_steps")):
             self.on_change(partition_id, keys[i], olds[i], news[i])
 
@@ -177,24 +169,20 @@ class StepSampler:
     def sample(self, partition_id: str, *, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
         """Wait for a batch; see :meth:`buffer.ReplayBuffer.sample` (which checked the arguments)."""
+        attempt: Callable[[], BatchMeta | None]
         if global_steps is not None:
-            def attempt() -> BatchMeta | None:
-                return self._try_step(partition_id, global_steps)
+            attempt = partial(self._try_step, partition_id, global_steps)
         else:
             assert batch_size is not None
-
-            def attempt() -> BatchMeta | None:
-                return self._try_size(partition_id, batch_size)
+            attempt = partial(self._try_size, partition_id, batch_size)
         return self._seam.decide(attempt, partition_id=partition_id, timeout=timeout,
                                  describe=lambda: self._waiting_for(partition_id, global_steps, batch_size, timeout))
-
-    # -- attempts (store lock held) ----------------------------------------------
 
     def _batch(self, partition_id: str, keys: list[str]) -> BatchMeta:
         tags = self._seam.tags(partition_id, keys)
         return BatchMeta(partition_id, keys, [tags[k] for k in keys])
 
-    def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:
+    def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:  # the attempts: store lock held
         part = self.index.parts.get(partition_id)
         if part is None:
             return BatchMeta(partition_id, [], [])

@@ -3,9 +3,7 @@
 It moves frames between the socket and the peer state machine
 (:class:`~buffer.peers.PeerTable`) and sends the messages that returns.
 Other threads reach it only through a command queue and a wake-up pipe, so
-the socket is used by the thread that created it alone. Hostile input is
-bounded by :class:`~poller.wire.protocol.Limits`, the rate-limited log
-(:mod:`buffer.ratelimit`) and, with CURVE, the gate (:mod:`buffer.access`).
+only the thread that created the socket uses it.
 """
 
 from __future__ import annotations
@@ -31,18 +29,15 @@ __all__ = ["StreamReceiver"]
 logger = logging.getLogger(__name__)
 
 class StreamReceiver:
-    """Binds ``endpoint`` and applies what pollers send to ``store``.
-
-    ``curve`` admits only its allowed keys; ``pinned`` names peers never
-    forgotten to make room for others (the buffer's own poller).
-    """
+    """Binds ``endpoint`` and applies what pollers send to ``store``; ``curve`` admits only its allowed keys,
+    ``pinned`` names peers never forgotten to make room for others (the buffer's own poller)."""
 
     def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
                  curve: CurveServer | None = None, stale_after: float = 5.0,
                  pinned: frozenset[str] = frozenset()) -> None:
         self._requested_endpoint = endpoint
         self.limits = limits
-        self._curve = curve
+        self.curve = curve
         self.stale_after = stale_after
         self._gate: Gatekeeper | None = None
         self.endpoint: str | None = None
@@ -62,8 +57,6 @@ class StreamReceiver:
         self._last_bye: tuple[bytes, int | None] | None = None
         self._after_bye: Callable[[], None] | None = None
         self._ended_on_bye = False
-
-    # -- control from other threads ---------------------------------------------
 
     def start(self, timeout: float = 10.0) -> str:
         """Start the thread and bind; return the bound endpoint."""
@@ -95,17 +88,13 @@ class StreamReceiver:
         self._command(lambda: [self.table.watch(identity, partition, keys, seconds)])
 
     def expect(self, peer: str, epoch: int) -> None:
-        """From now on only ``epoch`` may speak as ``peer`` (called before that process starts).
-
-        Not through the command queue: the table's two dicts are updated in single GIL-atomic steps.
-        """
+        """From now on only ``epoch`` may speak as ``peer`` (called before that process starts). Not through the
+        command queue: the table's two dicts are updated in single GIL-atomic steps."""
         self.table.expect(peer.encode(), epoch)
 
     def stop_after_bye(self, peer: str, epoch: int | None, then: Callable[[], None] | None = None) -> None:
-        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied, then run ``then()``.
-
-        Closing the socket (and ``then()``) overlaps the poller's exit instead of following it.
-        """
+        """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied, then run ``then()``: closing
+        the socket (and ``then()``) overlaps the poller's exit instead of following it."""
         self._after_bye = then
         # The thread reads it after every message and wake-up: waking it for nothing cost the close
         # ladder a GIL hand-off before its STOP. Only a BYE already applied needs the wake-up.
@@ -143,19 +132,6 @@ class StreamReceiver:
         """Handshakes refused for want of an allowed CURVE key."""
         return self._gate.rejected if self._gate is not None else 0
 
-    @property
-    def curve_enabled(self) -> bool:
-        return self._curve is not None
-
-    @property
-    def peer_count(self) -> int:
-        """Pollers connected that have not said BYE (the state of those that did is kept for a restart)."""
-        return sum(1 for peer in list(self.table.peers.values()) if peer.bye_seq is None)
-
-    def stale_peers(self) -> list[str]:
-        """Peers silent for more than ``stale_after`` seconds that never said BYE."""
-        return self.table.stale_peers(time.monotonic())
-
     def streaming(self) -> list[str]:
         """The pollers streaming now: connected, not silent past ``stale_after``, no BYE said."""
         return [peer.stream for peer in list(self.table.peers.values())
@@ -176,14 +152,12 @@ class StreamReceiver:
         self._stopped = True
         self._wake.close()
 
-    # -- the thread -------------------------------------------------------------
-
     def _run(self) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         gate: Gatekeeper | None = None
         try:
-            gate = self._gate = Gatekeeper(ctx, self._curve)
+            gate = self._gate = Gatekeeper(ctx, self.curve)
             sock.setsockopt(zmq.LINGER, 0)
             # No ROUTER_HANDOVER: with it, a second connection using a name cut the first off for good.
             # Without it the second is refused while the first lives; the heartbeats below free the name
@@ -219,18 +193,12 @@ class StreamReceiver:
         finally:
             self._close_socket(ctx, sock, gate)
             # After the socket's close: removing its file first made the close ~1 ms slower.
-            if self._ended_on_bye:
-                self._run_after_bye()
+            if self._ended_on_bye and self._after_bye is not None:
+                try:
+                    self._after_bye()
+                except Exception:  # the owner's close() does it again and reports what fails there
+                    logger.exception("the clean-up after the poller's BYE failed")
             self._notify()
-
-    def _run_after_bye(self) -> None:
-        then = self._after_bye
-        if then is None:
-            return
-        try:
-            then()
-        except Exception:  # the owner's close() does it again and reports what fails there
-            logger.exception("the clean-up after the poller's BYE failed")
 
     @staticmethod
     def _close_socket(ctx: zmq.Context, sock: zmq.Socket, gate: Gatekeeper | None) -> None:
@@ -276,8 +244,7 @@ class StreamReceiver:
 
     def _ends_on_bye(self) -> bool:
         """Whether the BYE :meth:`stop_after_bye` awaits was applied (the thread then ends)."""
-        awaited = self._last_bye
-        self._ended_on_bye = awaited is not None and self._bye_applied(*awaited)
+        self._ended_on_bye = self._last_bye is not None and self._bye_applied(*self._last_bye)
         return self._ended_on_bye
 
     def _bye_applied(self, identity: bytes, epoch: int | None) -> bool:

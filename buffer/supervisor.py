@@ -7,18 +7,12 @@
     switch() ── SwitchRequest + poke ──┘        ├── restarts, then PollerCrashed to the store
                                                 └── a switch: the ladder, a new child (no budget)
 
-One thread at a time touches the child. A close that finds the thread only
-watching a running child takes the child over and runs the ladder itself (its
-STOP goes out without a hand-off between threads); at any other moment (a
-start, a restart, its backoff) it asks the thread, as CPython's process-pool
-manager thread serves its executor, and cuts a start under way short.
-
-Restarts are counted in a sliding window (:class:`RestartBudget`): a crash
-after hours of health finds the budget whole; a poller that dies again and
-again uses it up (then ``sample()`` raises :class:`~poller.PollerCrashed`).
-A start refused because the store could not be reached
-(:attr:`~poller.PollerStartupError.unavailable`), and a switch to the source
-as it is now (:meth:`Supervisor.switch`), use none.
+One thread at a time touches the child. A close that finds the thread only watching a running child
+takes it over and runs the ladder itself (STOP goes out without a hand-off between threads); at any
+other moment (a start, a restart, its backoff) it asks the thread, as CPython's process-pool manager
+thread serves its executor, and cuts a start under way short. Restarts are counted in a sliding window
+(:class:`RestartBudget`), so a crash after hours of health finds the budget whole; a start refused
+because the store could not be reached, and a switch, use none.
 """
 
 from __future__ import annotations
@@ -41,10 +35,10 @@ __all__ = ["Supervisor", "RestartBudget", "close_bound"]
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_BASE = 0.1
-# Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
-_CLOSE_MARGIN_S = 10.0
 RESTART_BACKOFF_CAP = 2.0
 UNAVAILABLE_BACKOFF_CAP = 5.0
+# Beyond the close ladder's own two waits: the reap after SIGKILL (5 s at most) and slack.
+_CLOSE_MARGIN_S = 10.0
 
 
 def close_bound(timeout: float) -> float:
@@ -70,9 +64,6 @@ class RestartBudget:
         while self._times and self._times[0] <= horizon:
             self._times.popleft()
         return len(self._times)
-
-    def exhausted(self) -> bool:
-        return self.recent() >= self.max_restarts
 
     def use(self) -> None:
         """Count one restart now; tries after a :meth:`refund` are the same restart, counted once in :attr:`total`."""
@@ -111,18 +102,18 @@ _Request = _CloseRequest | _SwitchRequest
 
 
 class Supervisor:
-    """Runs one poller child at a time for a buffer, restarting it within ``budget``.
+    """Runs one poller child at a time for a buffer (from :meth:`start` on), restarting it within ``budget``.
 
     ``new_process()`` makes the next (unstarted) child; ``drained(process, final)``
     says, after its exit, whether everything it sent was applied (``final``:
-    the buffer's last child; otherwise one a switch replaces); ``switched()``
-    is told once a switch closed the old child and built the new one, before
-    it starts; ``give_up(error)`` once the budget is used up.
+    the buffer's last child, not one a switch replaces); ``switched()`` is told
+    once a switch closed the old child and built the new one, before it
+    starts; ``give_up(error)`` once the budget is used up.
     """
 
     def __init__(self, name: str, new_process: Callable[[], PollerProcess], *, start_timeout: float,
                  budget: RestartBudget, drained: Callable[[PollerProcess, bool], Callable[[float], bool]],
-                 give_up: Callable[[PollerCrashed], None], switched: Callable[[], None] = lambda: None) -> None:
+                 give_up: Callable[[PollerCrashed], None], switched: Callable[[], None]) -> None:
         self.name = name
         self._new_process = new_process
         self._start_timeout = start_timeout
@@ -153,9 +144,8 @@ class Supervisor:
     def switch(self, timeout: float) -> Future[ShutdownReport]:
         """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
 
-        The future holds the old child's close report once the new child is
-        built and ``switched()`` was told; it raises :class:`BufferClosed`
-        when a close came first, or the :class:`PollerCrashed` given up with.
+        The future: the old child's close report once the new one is built and ``switched()`` was told;
+        :class:`BufferClosed` when a close came first, or the :class:`PollerCrashed` given up with.
         """
         request = _SwitchRequest(timeout, Future())
         self._requests.put(request)
@@ -163,11 +153,8 @@ class Supervisor:
         return request.report
 
     def close(self, timeout: float) -> ShutdownReport:
-        """Close the child with the ladder's ``timeout``; how it ended (within :func:`close_bound`).
-
-        Raises:
-            concurrent.futures.TimeoutError: no answer within that bound (a bug).
-        """
+        """Close the child with the ladder's ``timeout``; how it ended, within :func:`close_bound` (or
+        ``concurrent.futures.TimeoutError``: a bug)."""
         request = _CloseRequest(timeout, Future())
         if threading.current_thread() is self._thread:
             # A finalizer run by a garbage collection in this very thread cannot wait for it: served here.
@@ -185,14 +172,12 @@ class Supervisor:
             self._requests.put(request)
         # After the ladder, not before (woken, the thread took the GIL at every system call up to STOP).
         self._wake.poke()
-        # The thread ends right after it answers: one wake-up of the caller, not two (~0.9 ms of 7.3).
+        # The thread ends right after it answers: joining it wakes the caller once, not twice.
         self._thread.join(close_bound(timeout))
         answer = request.report.result(max(0.0, deadline - time.monotonic()))
         if not self._thread.is_alive():
             self._wake.close()
         return answer
-
-    # -- the thread -----------------------------------------------------------------
 
     def _run(self) -> None:
         request: _Request | None = None
@@ -232,10 +217,8 @@ class Supervisor:
                                          else BufferClosed("the replay buffer is closed"))
 
     def _own(self) -> _Request | None:
-        """Start, watch, restart and switch the child until a close comes; return its request.
-
-        None: the start failed, the budget is used up, or a closing thread took the child over.
-        """
+        """Start, watch, restart and switch the child until a close comes; return its request (None: the start
+        failed, the budget is used up, or a closing thread took the child over)."""
         process = self.process = self._new_process()
         try:
             process.start(self._start_timeout, abort_fd=self._wake.read_fd)
@@ -277,15 +260,13 @@ class Supervisor:
 
     def _restart(self, exitcode: int | None, cause: Exception | None,
                  switched: PollerProcess | None = None) -> PollerProcess | _Request | None:
-        """A started new child; or the request that came first; or None once given up.
-
-        ``switched``: the new child of a switch, started at once without using the budget.
-        """
+        """A started new child, the request that came first, or None once given up. ``switched``: the new
+        child of a switch, started at once without using the budget."""
         budget = self._budget
         free = switched is not None
         process = switched
         refused = 0  # start-ups in a row refused because the store could not be reached
-        while free or refused or not budget.exhausted():
+        while free or refused or budget.recent() < budget.max_restarts:
             if process is None:
                 request = self._wait(None, budget.unavailable_backoff(refused) if refused else budget.backoff())
                 if request is not None:

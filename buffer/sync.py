@@ -1,18 +1,15 @@
 """Read-your-writes over the stream: the transport side of the seam's :class:`~buffer.seam.Listings`.
 
-``ReplayBuffer.sync()`` sends its poller a SYNC with a fresh token. The
-poller polls at once, and every DELTA of a poll carries the highest token the
-poller had received when that poll's listing began; once a complete poll
-carrying our token (or a later one) is applied, the buffer reflects every
-write the store had finished before the call. Concurrent callers each send a
-token and the next listing answers all of them.
-
-Standalone pollers streaming to the buffer are asked too (a key cleared in
-the store and still listed by one would stay in the view until its next
-poll), unless silent past ``stale_after`` or gone (BYE). A poller process that
-restarts during the wait never got the token: each new process is asked
-again. (The receiver also repeats an unanswered request every second: one
-sent while the stream reconnected is lost.)
+``sync()`` sends each poller a SYNC with a fresh token; the poller polls at
+once, and each DELTA carries the highest token it had when that poll's
+listing began. Once a complete poll carrying our token (or a later one) is
+applied, every write the store had finished before the call is reflected;
+one listing answers concurrent callers. Standalone pollers are asked too (a
+key cleared in the store would otherwise stay in the view until their next
+poll) unless silent past ``stale_after`` or gone (BYE). A poller process
+that restarts during the wait never got the token, so each new one is asked
+again (and the receiver repeats an unanswered request every second: one sent
+while the stream reconnected is lost).
 """
 
 from __future__ import annotations
@@ -32,10 +29,7 @@ __all__ = ["ListingSync"]
 
 
 class ListingSync:
-    """Issues SYNC tokens to the pollers streaming to a buffer and waits for the listings that answer them.
-
-    It also passes the seam's watches and quarantine questions to the receiver.
-    """
+    """:class:`~buffer.seam.Listings` over a buffer's receiver: SYNC tokens and the listings that answer them."""
 
     def __init__(self, store: PartitionStore, receiver: StreamReceiver, stream: str | None) -> None:
         self._store = store
@@ -46,11 +40,7 @@ class ListingSync:
         self._lock = threading.Lock()
 
     def wait(self, timeout: float | None, standalone: bool = True) -> None:
-        """Ask for a poll now and wait until one that began after this call is applied, from every poller.
-
-        Every poller: the buffer's own, and (with ``standalone``) each standalone
-        poller streaming now. A ``TimeoutError`` says why none was applied.
-        """
+        """A ``TimeoutError`` says why no listing was applied."""
         token = next(self._tokens)
         started = time.monotonic()
         streams = [self._stream] if self._stream is not None else []
@@ -83,12 +73,10 @@ class ListingSync:
                     self._answered = started
 
     def watch(self, partition: str, keys: list[str], seconds: float) -> None:
-        """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop); a no-op without one."""
         if self._stream is not None:
             self._receiver.send_watch(self._stream, partition, keys, seconds)
 
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
-        """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
         _, named = self._receiver.table.quarantined()
         return [(key, why) for partition, key, why in named if partition == partition_id]
 
@@ -97,15 +85,10 @@ class ListingSync:
         return self._stream is not None
 
     def view_age(self) -> float:
-        """Seconds since the store was last known to be listed whole into the buffer.
-
-        Since the later of the start of the latest :meth:`wait` that returned and
-        the start of the own poller's latest complete listing as the poller
-        stamped it (:attr:`~buffer.peers.Peer.listed_at`), so a sync
-        answered by a listing the listing share held back is dated by that
-        listing (dated by the request, a fresh view looked 2 s old:
-        ``docs/verl.md``). ``inf`` before the first; 0 without an own poller.
-        """
+        """Since the later of the start of the latest :meth:`wait` that returned and the start of the own
+        poller's latest complete listing (:attr:`~buffer.peers.Peer.listed_at`): a sync answered by a listing
+        the listing share held back is dated by that listing (dated by the request, a fresh view looked 2 s
+        old: ``docs/verl.md``). 0 without an own poller."""
         if self._stream is None:
             return 0.0
         with self._lock:

@@ -88,7 +88,7 @@ def test_concurrent_closes_all_get_the_same_report(db):
 
 def test_a_close_takes_the_watched_poller_over_and_the_supervisor_ends_restarting_nothing(db):
     rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=30.0)
-    supervisor = rb._core._supervisor
+    supervisor = rb._core.supervisor
     pid = rb.stats()["poller_pid"]
     report = rb.close()
     assert report.stage == "graceful" and report.exitcode == 0 and report.drained
@@ -97,7 +97,7 @@ def test_a_close_takes_the_watched_poller_over_and_the_supervisor_ends_restartin
 
 def test_a_close_racing_the_pollers_own_death_restarts_nothing(db):
     rb = ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=30.0)
-    supervisor = rb._core._supervisor
+    supervisor = rb._core.supervisor
     pid = rb.stats()["poller_pid"]
     os.kill(pid, signal.SIGKILL)
     report = rb.close(timeout=5)  # before, or just after, the supervisor sees the death
