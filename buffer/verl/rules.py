@@ -1,11 +1,10 @@
 """verl's sampling rules over a :class:`~buffer.verl.groups.GroupPartition`: one decision per view.
 
 Every function here runs with the store lock held and does no I/O: it
-returns a :class:`Plan` (what to clear, how many prompts to refill, which
-groups to hand out) or ``None`` (nothing to do until something changes). The
-sampler carries a plan out with the lock released and decides again on a
-fresh view: verl's loop, with its ``sleep(poll_interval)`` replaced by a wait
-that wakes on the change.
+returns a :class:`Plan` or ``None`` (nothing to do until something changes).
+The sampler carries a plan out with the lock released and decides again on a
+fresh view: verl's loop, its ``sleep(poll_interval)`` replaced by a wait that
+wakes on the change.
 
 Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
 
@@ -23,6 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from buffer.verl.config import SamplerConfig
@@ -135,7 +135,7 @@ def _terminal_count(part: GroupPartition) -> int:
 
 
 def _select(part: GroupPartition, plan: Plan, n: int) -> None:
-    plan.select = part.oldest(TERMINAL, n, exclude=plan.evict)
+    plan.select = list(islice((uid for uid in part.uids(*TERMINAL) if uid not in plan.evict), n))
     plan.select_keys = part.trajectory_keys(plan.select)
 
 
@@ -214,10 +214,7 @@ def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, g
 
 
 def classify(values: list[float]) -> float | None:
-    """The value a group's trajectories all share (DAPO filters it), or None when they differ.
-
-    A group of one trajectory always has signal (verl: ``len > 1 and std == 0``).
-    """
+    """The value all of a group's trajectories share (DAPO filters it), else None; one trajectory has signal."""
     if len(values) > 1 and all(value == values[0] for value in values):
         return float(values[0])
     return None
@@ -226,8 +223,7 @@ def classify(values: list[float]) -> float | None:
 def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any]) -> None:
     """Fold one decision's eviction metrics into ``acc`` the way verl does.
 
-    Counts add up; the staleness mean stays a per-sample mean (weighted by the
-    stale samples evicted), max/min stay extremes, and the DAPO value table merges.
+    Counts add up, the staleness mean stays a per-sample mean, max/min stay extremes, the DAPO table merges.
     """
     stale_key = next((key for key in new if key.endswith("/off_policy/evicted_samples")), None)
     before = acc.get(stale_key, 0) if stale_key else 0

@@ -27,12 +27,11 @@ __all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBuffe
 #: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
 Decision = Union[Plan, int]
 
-# A read-your-writes wait started ahead gives up after this long; the next call then waits itself
-# (with its own deadline).
+# A read-your-writes wait started ahead gives up after this long; the next call then waits itself.
 _FRESH_VIEW_AHEAD_TIMEOUT = 60.0
 
-#: The most prompts a waiting call has its poller watch (poller.polling), the newest first: a read of them costs
-#: TransferQueue's controller ~0.3 ms (one key: ~0.26 ms; 256: ~0.6 ms), a fraction of a listing at 100k keys.
+#: The most prompts a waiting call has its poller watch (poller.polling), newest first: reading them costs
+#: TransferQueue's controller ~0.3 ms, a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 
 #: With no listings between calls, a call first asks for one unless the store was listed this recently:
@@ -83,12 +82,10 @@ class ReplayBuffer:
                                        max_off_policy_threshold=max_off_policy_threshold,
                                        max_off_policy_strategy=max_off_policy_strategy,
                                        sampler_kwargs=sampler_kwargs, refill_fn=refill_fn, given=given)
-        # The one options record, read where an option is needed (verl's attributes too, __getattr__).
-        self._config = config
+        self._config = config  # verl's attributes too are read from it (__getattr__)
         self.trainer_config = trainer_config
         self.sampler_kwargs = sampler_kwargs
         self._index = GroupIndex()
-        # The buffer and the store client, started by the first call that needs them.
         self._lifecycle = SamplerLifecycle(config, self._index)
         self._needs_fresh_view = False
         self._fresh_view_ahead: SyncAhead | None = None
@@ -116,8 +113,7 @@ class ReplayBuffer:
 
         Returns every trajectory of the chosen groups with its tags (a
         ``KVBatchMeta``) and the eviction metrics accrued while waiting. The
-        chosen prompt keys are cleared in the store; the trajectories are left
-        for the trainer to clear after its step.
+        chosen prompt keys are cleared; the trainer clears the trajectories after its step.
 
         Raises:
             TimeoutError: ``sample_timeout`` passed (the message names the prompts in flight).
@@ -127,15 +123,16 @@ class ReplayBuffer:
             PollerCrashed, BufferClosed: the poller is dead for good / the sampler was closed.
         """
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        state = DrainState()
-        plan, metrics = self._run(what, partition_id, lambda part: plan_sync(part, self._config, partition_id,
-                                                                             global_steps, batch_size, state))
+        config, state = self._config, DrainState()
+        plan, metrics = self._run(what, partition_id, lambda part: (
+            plan_async(part, config, partition_id, global_steps, batch_size, True) if config.asynchronous
+            else plan_sync(part, config, partition_id, global_steps, batch_size, state)))
         assert isinstance(plan, Plan) and plan.select is not None
         if plan.surplus:
             self._clear(partition_id, plan.surplus_keys)
             key = f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"
             metrics[key] = metrics.get(key, 0) + len(plan.surplus)
-        if partition_id != "val" and not plan.select_keys:
+        if not config.asynchronous and partition_id != "val" and not plan.select_keys:
             message = "Sync replay buffer selected terminal groups with no materializable trajectories."
             if not self._config.sync_refill_failed_groups:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
@@ -192,17 +189,15 @@ class ReplayBuffer:
                 rule: Callable[[GroupPartition], Decision | None]) -> Decision:
         """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed.
 
-        While it waits, the poller lists every ``wait_poll_interval``, and the
-        counts in flight are logged every ``log_interval``.
+        While it waits the poller lists every ``wait_poll_interval``; progress is logged every ``log_interval``.
         """
         seam = self._lifecycle.start(partition_id).seam
         ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
         # First, before waiting on a listing of a controller the trainer may have replaced.
         switched = self._lifecycle.follow()
         if switched:
-            # The new controller's first complete listing began after this call and no decision is made
-            # before it is applied: that view is fresh. The sync ahead settled clears on the old one: dropped
-            # (the new poller answers it, or close() ends it).
+            # No decision is made before the new controller's first complete listing, which began after this
+            # call: that view is fresh. The sync ahead, on the old controller, is dropped.
             self._needs_fresh_view = False
         elif ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -210,8 +205,7 @@ class ReplayBuffer:
         # After the sync ahead: its listing may predate a partition new to the poller.
         if self._lifecycle.include(partition_id):
             self._needs_fresh_view = True
-        # Without listings between calls, a view older than any verl's sampler acts on is refreshed first:
-        # verl's lists the store at the start of each call.
+        # Without listings between calls, a view older than any verl's own sampler acts on is refreshed first.
         if self._needs_fresh_view or (not switched and not self._lifecycle.lists_between_calls
                                       and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)
@@ -254,7 +248,7 @@ class ReplayBuffer:
         return plan.select is None and not plan.ready
 
     def _read_your_writes(self, what: str, deadline: float | None) -> None:
-        """Read your writes: wait for a listing that began after this call (the sampler's own clears, refills)."""
+        """Wait for a listing that began after this call: it shows the sampler's own clears and refills."""
         seam = self._lifecycle.start().seam
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._counters["syncs"] += 1
@@ -291,8 +285,7 @@ class ReplayBuffer:
         self._clear(partition_id, uids)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
-        # It also settles the clear: a key removed here is hidden until a listing no longer shows it, so
-        # that listing must come before the store could hold the key again.
+        # It also settles the clear (a removed key stays hidden until a listing no longer shows it).
         self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
         return started.batch(partition_id, keys, [held[key] for key in keys])
 
@@ -313,12 +306,3 @@ class ReplayBufferAsync(ReplayBuffer):
                                                                               global_steps, target_count, False))
         assert isinstance(plan, Plan)
         return plan.sampleable, metrics
-
-    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
-        what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        plan, metrics = self._run(what, partition_id, lambda part: plan_async(part, self._config, partition_id,
-                                                                              global_steps, batch_size, True))
-        assert isinstance(plan, Plan) and plan.select is not None
-        return self._materialize(partition_id, plan.select, plan.select_keys), metrics
-
-    sample.__doc__ = ReplayBuffer.sample.__doc__

@@ -1,14 +1,10 @@
 """The verl sampler's link to its store: the buffer whose poller lists it, and the client of its own calls.
 
 Constructing the sampler does no I/O, so a trainer whose constructor fails
-after building it leaks nothing: :class:`SamplerLifecycle` starts both on the
-first call, and a finalizer shuts both down when the sampler is dropped
-(verl never calls ``close()``). The sampler's own clears and DAPO reads go
-through ``transfer_queue``'s module functions on TransferQueue (the default
-source), elsewhere through an instance built from the same spec and kwargs.
-On TransferQueue the poller lists, as verl's own sampler does, only when a
-call needs it, only the partitions it was asked about, and the controller
-the trainer's client uses now.
+after building it leaks nothing: both start on the first call, and a
+finalizer shuts both down when the sampler is dropped (verl never calls
+``close()``). The client is ``transfer_queue``'s module on TransferQueue (the
+default source), elsewhere a source built from the same spec and kwargs.
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from buffer.errors import BufferClosed
 from buffer.process import ShutdownReport
@@ -35,15 +31,14 @@ __all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "SamplerLifecycle", "StoreLin
 
 logger = logging.getLogger(__name__)
 
-#: The poller's TransferQueue source, named by spec: the trainer imports no poller module but the wire.
+#: The poller's TransferQueue source and its arguments from the trainer's live TransferQueue
+#: (``source_kwargs(conf, **options)``), named by spec: the trainer imports no poller module but the wire.
 TRANSFERQUEUE = "poller.sources.transferqueue:TransferQueueSource"
-#: Its source arguments from the trainer's live TransferQueue (the public ``source_kwargs(conf, **options)``).
 _TRANSFERQUEUE_KWARGS = "poller.sources.transferqueue:source_kwargs"
 #: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
 CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
 
-#: The poller's own schedule when it does not list between calls: the calls ask for every listing
-#: they need (a SYNC), and the store is not listed while the trainer trains.
+#: The poller's schedule when it does not list between calls: the calls ask for each listing they need (a SYNC).
 QUIET_POLL_INTERVAL = 3600.0
 
 #: The DAPO metric read from the ``rm_scores`` field (verl 0.9.1's FILTER_GROUPS_REWARD_METRIC).
@@ -77,8 +72,7 @@ class StoreLink:
         self.client = client
         self._owned = owned  # whether the client was built here (and is closed here)
         self._transferqueue = transferqueue
-        # Whether a kv_clear naming a key already gone may clear nothing (TransferQueue 0.1.8): then every
-        # clear is checked by listing.
+        # Whether a kv_clear naming a key already gone may clear nothing (see clear()).
         self.verify_clears = _tq_version() == "0.1.8" if transferqueue else \
             bool(getattr(client, "clear_is_all_or_nothing", False))
 
@@ -89,10 +83,9 @@ class StoreLink:
             _close_client(self.client, self._owned)
 
     def controller(self) -> Any | None:
-        """The controller info (a ``ZMQServerInfo``) of the ``transfer_queue`` module's current client, or None.
+        """The ``transfer_queue`` client's controller info (private ``_controller`` in 0.1.8-0.1.11), or None.
 
-        TransferQueue (0.1.8-0.1.11) keeps it in the private ``_controller``;
-        None without it, and between ``tq.close()`` and the next ``tq.init()``.
+        None also between ``tq.close()`` and the next ``tq.init()``.
         """
         get_client = getattr(self.client, "get_client", None)
         if not callable(get_client):
@@ -106,10 +99,9 @@ class StoreLink:
     def clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
 
-        On TransferQueue 0.1.8 (0.1.9 made it idempotent) a clear naming a key
-        already gone clears nothing at all. So with ``verify_clears``, and after
-        any failed clear, the partition is listed once and the keys still
-        present are cleared again; a store that cannot clear them still raises.
+        On TransferQueue 0.1.8 a clear naming a key already gone clears nothing
+        at all. So with ``verify_clears``, and after any failed clear, the keys
+        still listed are cleared again; a store that cannot clear them raises.
         """
         if not keys:
             return
@@ -138,11 +130,10 @@ class StoreLink:
         missing = []
         for uid, group_keys in groups.items():
             group_values = [next(values) for _ in group_keys]
-            present = [value for value in group_values if value is not None]
-            if not group_values or len(present) != len(group_values):
+            if not group_values or None in group_values:
                 missing.append(uid)
             else:
-                classes[uid] = (group_keys, classify(present))
+                classes[uid] = (group_keys, classify(cast("list[float]", group_values)))
         if missing:
             raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
         return classes
@@ -150,9 +141,8 @@ class StoreLink:
     def _read_metric(self, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
         """Each key's DAPO value (None where it is missing).
 
-        ``"reward"``: the key's ``rm_scores`` summed (verl 0.9.1's pre-KL
-        reward) by its own ``.sum()`` (a tensor: no torch import here) or as a
-        list. Any other name: ``extra_fields["reward_extra_info"][metric]``.
+        ``"reward"``: ``rm_scores`` summed (verl 0.9.1's pre-KL reward), by its
+        own ``.sum()`` (no torch import here); else ``extra_fields["reward_extra_info"][metric]``.
         """
         if not keys:
             return []
@@ -185,8 +175,8 @@ class SamplerLifecycle:
         self._config = config
         self._index = index
         self._lock = threading.Lock()
-        # A store without a change feed (TransferQueue) is listed whole each time, and its controller is
-        # shared by every rollout worker: verl's own sampler lists it only inside its calls.
+        # TransferQueue has no change feed and its controller serves every rollout worker: verl's own sampler
+        # lists it only inside its calls, only the partitions asked about, so does this by default.
         self._follows = _is_transferqueue(config.source)
         self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
                                     else not self._follows)
@@ -195,8 +185,7 @@ class SamplerLifecycle:
         self._finalizer: weakref.finalize | None = None
         # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
         self._listed: set[str] | None = None
-        # On TransferQueue: the controller address the poller lists, and the client's controller info last
-        # compared with it (the same object again needs no comparison).
+        # On TransferQueue: the controller address listed, and the client's controller info last compared with it.
         self._address: str | None = None
         self._compared: Any = None
 
@@ -238,13 +227,11 @@ class SamplerLifecycle:
             return self.started
 
     def follow(self) -> bool:
-        """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
+        """On TransferQueue: move the poller to the controller the trainer's client uses now; True when it moved.
 
-        verl's own sampler lists through that client, so it follows
-        ``tq.close()`` and ``tq.init()`` (a new controller, a new port); so does
-        this, by :meth:`buffer.ReplayBuffer.switch_source`, after which no
-        decision is made until the new controller's first complete listing
-        dropped the old one's keys. True when it moved.
+        verl's own sampler lists through that client, so it follows ``tq.close()``
+        and ``tq.init()`` (a new controller, a new port); so does this, by
+        :meth:`buffer.ReplayBuffer.switch_source`.
         """
         started = self.started
         if started is None or not self._follows:
@@ -295,8 +282,7 @@ def _is_transferqueue(source: SourceSpec | None) -> bool:
 
 def _transferqueue_kwargs(conf: Any, **options: Any) -> dict[str, Any]:
     """The TransferQueue source's arguments, the controller's address looked up here, in the trainer."""
-    kwargs: dict[str, Any] = resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)
-    return kwargs
+    return resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)  # type: ignore[no-any-return]
 
 
 def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
