@@ -145,13 +145,13 @@ def test_async_drop_evicts_stale_finished_and_every_failure_with_verls_metrics()
     feed.group("p", "slow", "running", step=0)  # in flight: never evicted
     plan = plan_async(feed.index.partition("p"), rules(asynchronous=True, threshold=2), "train", 5, 1, select=True)
     assert plan is not None and plan.evict == {"stale", "fail"} and plan.refill == 2
-    assert set(plan.evict_keys) == {"stale", "stale_0_0", "fail", "fail_0_0"}
+    assert set(plan.clear) == {"stale", "stale_0_0", "fail", "fail_0_0"}
     assert plan.metrics == {"training/off_policy/evicted_samples": 1,
                             "training/off_policy/evicted_samples_staleness/mean": 6.0,
                             "training/off_policy/evicted_samples_staleness/max": 6.0,
                             "training/off_policy/evicted_samples_staleness/min": 6.0,
                             "training/rollout_failure/evicted_samples": 1}
-    feed.clear("p", plan.evict_keys)
+    feed.clear("p", plan.clear)
     plan = plan_async(feed.index.partition("p"), rules(asynchronous=True, threshold=2), "train", 5, 1, select=True)
     assert plan is not None and plan.ready and plan.select == ["edge"]
     # Validation never evicts.
@@ -199,13 +199,14 @@ def test_sync_dapo_asks_for_metrics_then_refills_twice_and_discards_surplus() ->
     plan = plan_sync(part, config, "p", 1, 2, state)
     assert plan is not None and plan.evict == {"same"} and plan.refill == 2 and state.credit == 0
     assert plan.metrics == {"validation/filter_groups/evicted_samples": 1, DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1}}
-    feed.clear("p", plan.evict_keys)
+    feed.clear("p", plan.clear)
     for uid in ("r1", "r2"):
         feed.group("p", uid, "finished", step=1, sessions=2)
         assert feed.index.record_metric("p", uid, [f"{uid}_0_0", f"{uid}_1_0"], None)
     plan = plan_sync(part, config, "p", 1, 2, state)
-    assert plan is not None and plan.select == ["mixed", "r1"] and plan.surplus == {"r2"}
-    assert set(plan.surplus_keys) == {"r2", "r2_0_0", "r2_1_0"}
+    assert plan is not None and plan.select == ["mixed", "r1"] and not plan.evict
+    assert set(plan.clear) == {"r2", "r2_0_0", "r2_1_0"}  # the surplus, discarded
+    assert plan.metrics == {"validation/filter_groups/discarded_surplus_samples": 1}
 
 
 def test_sync_dapo_dispatches_credit_only_into_free_in_flight_slots() -> None:

@@ -174,18 +174,15 @@ class GroupIndex:
 
     def __init__(self) -> None:
         self._parts: dict[str, GroupPartition] = {}
-        #: changes seen, for stats and tests.
-        self.changes = 0
         #: partition -> the stamp of the last change of its groups. Dropped with the partition's last
         #: group: stamps only grow, so a partition that comes back never shows a version seen before.
         self._versions: dict[str, int] = {}
         self._stamp = 0
 
     def __repr__(self) -> str:
-        return f"<GroupIndex partitions={sorted(self._parts)} changes={self.changes}>"
+        return f"<GroupIndex partitions={sorted(self._parts)} stamp={self._stamp}>"
 
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
-        self.changes += 1
         if old is not None and new is not None and _group_tags(old) == _group_tags(new):
             return  # a trajectory's tags, or a prompt's other tags, changed: no group did
         part = self._parts.get(partition_id)
@@ -204,9 +201,7 @@ class GroupIndex:
 
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """:meth:`on_change` of each key held before; those whose group tags kept their values changed no group."""
-        moved = positions_that_differ(olds, news, _GROUP_TAGS)
-        self.changes += len(keys) - len(moved)
-        for i in moved:
+        for i in positions_that_differ(olds, news, _GROUP_TAGS):
             self.on_change(partition_id, keys[i], olds[i], news[i])
 
     def partition(self, partition_id: str) -> GroupPartition:

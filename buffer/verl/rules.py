@@ -53,14 +53,14 @@ class DrainState:
 
 @dataclass
 class Plan:
-    """One decision. Carried out in this order: fetch, error, evict, refill, select."""
+    """One decision. Carried out in this order: fetch, error, clear, refill, select."""
 
     #: uid -> trajectory keys whose DAPO metric must be read before deciding.
     fetch: dict[str, list[str]] = field(default_factory=dict)
     error: Exception | None = None
-    #: evicted groups and every key to clear for them (prompts and trajectories).
     evict: set[str] = field(default_factory=set)
-    evict_keys: list[str] = field(default_factory=list)
+    #: every key to clear (prompts and trajectories): the evicted groups' and, in sync DAPO, the surplus's.
+    clear: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     refill: int = 0
     #: sampleable groups reached the target (wait_for_sampleable).
@@ -69,9 +69,6 @@ class Plan:
     #: groups handed out (oldest first) and their trajectory keys.
     select: list[str] | None = None
     select_keys: list[str] = field(default_factory=list)
-    #: sync DAPO: terminal groups beyond the batch, cleared.
-    surplus: set[str] = field(default_factory=set)
-    surplus_keys: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -112,7 +109,7 @@ def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, r
     plan = Plan(evict=evicted)
     if not evicted:
         return plan
-    plan.evict_keys = [*evicted, *part.trajectory_keys(evicted)]
+    plan.clear = [*evicted, *part.trajectory_keys(evicted)]
     prefix = metrics_prefix(partition_id)
     if reasons.stale:
         spans = [float(global_steps - part.step[uid] + 1) for uid in reasons.stale]
@@ -181,8 +178,10 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
         if dapo:
             # Sync stays bufferless: what is terminal beyond the batch is discarded.
             chosen = set(plan.select or ())
-            plan.surplus = {uid for uid in part.uids(*TERMINAL) if uid not in chosen and uid not in plan.evict}
-            plan.surplus_keys = [*plan.surplus, *part.trajectory_keys(plan.surplus)]
+            surplus = {uid for uid in part.uids(*TERMINAL) if uid not in chosen and uid not in plan.evict}
+            if surplus:
+                plan.clear += [*surplus, *part.trajectory_keys(surplus)]
+                plan.metrics[f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"] = len(surplus)
         return plan
     return plan if plan.evict else None
 

@@ -15,7 +15,6 @@ from buffer.verl.rules import (
     DrainState,
     Plan,
     accumulate_metrics,
-    metrics_prefix,
     plan_async,
     plan_sync,
     sampleable_count,
@@ -44,9 +43,7 @@ class ReplayBuffer:
 
     Takes verl's constructor (keywords, or positions as verl's built-in
     class); verl's options may also come in ``sampler_kwargs``, with this
-    sampler's own (:data:`~buffer.verl.config.SAMPLER_KWARGS`: ``sample_timeout``,
-    ``log_interval``, ``wait_poll_interval``, ``source``, ``source_kwargs``,
-    and the buffer's ``start_timeout``, ``close_timeout``, ``max_restarts``).
+    sampler's own (:data:`~buffer.verl.config.SAMPLER_KWARGS`; docs/verl.md, "sampler_kwargs").
 
     ``max_off_policy_threshold=None`` turns off-policy version control off,
     as in verl 0.9.1: no staleness drop (``drop``), no staleness wait (``wait``).
@@ -128,16 +125,20 @@ class ReplayBuffer:
             plan_async(part, config, partition_id, global_steps, batch_size, True) if config.asynchronous
             else plan_sync(part, config, partition_id, global_steps, batch_size, state)))
         assert isinstance(plan, Plan) and plan.select is not None
-        if plan.surplus:
-            self._clear(partition_id, plan.surplus_keys)
-            key = f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"
-            metrics[key] = metrics.get(key, 0) + len(plan.surplus)
         if not config.asynchronous and partition_id != "val" and not plan.select_keys:
             message = "Sync replay buffer selected terminal groups with no materializable trajectories."
-            if not self._config.sync_refill_failed_groups:
+            if not config.sync_refill_failed_groups:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
             raise RuntimeError(message)
-        return self._materialize(partition_id, plan.select, plan.select_keys), metrics
+        started = self._lifecycle.start()
+        held = started.seam.tags(partition_id, plan.select_keys)
+        keys = [key for key in plan.select_keys if key in held]
+        self._clear(partition_id, plan.select)
+        self._counters["batches"] += 1
+        # The next call must see a listing that began after this clear: have it run during the training step.
+        # It also settles the clear (a removed key stays hidden until a listing no longer shows it).
+        self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
+        return started.batch(partition_id, keys, [held[key] for key in keys]), metrics
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
@@ -158,7 +159,6 @@ class ReplayBuffer:
         """The buffer's ``stats()`` (once started) plus this sampler's counters and groups by status."""
         started = self._lifecycle.running()
         out: dict[str, Any] = {"started": started is not None, **self._counters,
-                               "index_changes": self._index.changes,
                                "lists_between_calls": self._lifecycle.lists_between_calls}
         if started is not None:
             out.update(started.buffer.stats())
@@ -236,8 +236,8 @@ class ReplayBuffer:
             return True
         if plan.error is not None:
             raise plan.error
-        if plan.evict:
-            self._clear(partition_id, plan.evict_keys)
+        if plan.clear:
+            self._clear(partition_id, plan.clear)
             accumulate_metrics(metrics, plan.metrics)
         if plan.refill:
             assert self._config.refill_fn is not None
@@ -277,17 +277,6 @@ class ReplayBuffer:
                 self._index.record_metric(partition_id, uid, keys, value)
 
         started.seam.look(record)
-
-    def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
-        started = self._lifecycle.start()
-        held = started.seam.tags(partition_id, keys)
-        keys = [key for key in keys if key in held]
-        self._clear(partition_id, uids)
-        self._counters["batches"] += 1
-        # The next call must see a listing that began after this clear: have it run during the training step.
-        # It also settles the clear (a removed key stays hidden until a listing no longer shows it).
-        self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
-        return started.batch(partition_id, keys, [held[key] for key in keys])
 
 
 class ReplayBufferAsync(ReplayBuffer):

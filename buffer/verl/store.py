@@ -31,7 +31,7 @@ __all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "SamplerLifecycle", "StoreLin
 
 logger = logging.getLogger(__name__)
 
-#: The poller's TransferQueue source and its arguments from the trainer's live TransferQueue
+#: The poller's TransferQueue source, and its arguments looked up in the trainer's live TransferQueue
 #: (``source_kwargs(conf, **options)``), named by spec: the trainer imports no poller module but the wire.
 TRANSFERQUEUE = "poller.sources.transferqueue:TransferQueueSource"
 _TRANSFERQUEUE_KWARGS = "poller.sources.transferqueue:source_kwargs"
@@ -241,7 +241,7 @@ class SamplerLifecycle:
             if info is None or info is self._compared:
                 return False
             self._compared = info
-            kwargs = _transferqueue_kwargs(info)
+            kwargs = resolve_spec(_TRANSFERQUEUE_KWARGS)(info)
             changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
             if changes["address"] == self._address:
                 return False
@@ -280,11 +280,6 @@ def _is_transferqueue(source: SourceSpec | None) -> bool:
     return source is None or source == TRANSFERQUEUE
 
 
-def _transferqueue_kwargs(conf: Any, **options: Any) -> dict[str, Any]:
-    """The TransferQueue source's arguments, the controller's address looked up here, in the trainer."""
-    return resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)  # type: ignore[no-any-return]
-
-
 def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
                    partition_id: str | None) -> tuple[SourceSpec, dict[str, Any], bool]:
     """The spec and kwargs the poller lists, and whether the sampler chose the partitions it lists.
@@ -298,7 +293,7 @@ def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
     chosen = given.get("partition_ids") is None and partition_id is not None
     if chosen:
         given["partition_ids"] = [partition_id]
-    return TRANSFERQUEUE, given if "address" in given else _transferqueue_kwargs(None, **given), chosen
+    return TRANSFERQUEUE, given if "address" in given else resolve_spec(_TRANSFERQUEUE_KWARGS)(None, **given), chosen
 
 
 def _open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:
