@@ -57,8 +57,7 @@ class GroupPartition:
         self.filtered: dict[str, float] = {}
 
     def __repr__(self) -> str:
-        counts = ", ".join(f"{status}={self.count(status)}" for status in PROMPT_STATUSES)
-        return f"<GroupPartition {counts} groups_with_trajectories={len(self.trajectories)}>"
+        return f"<GroupPartition {self.counts()} groups_with_trajectories={len(self.trajectories)}>"
 
     def counts(self) -> dict[str, int]:
         return {status: self.count(status) for status in PROMPT_STATUSES}
@@ -99,8 +98,6 @@ class GroupPartition:
 
     def trajectory_keys(self, uids: Iterable[str]) -> list[str]:
         return [key for uid in uids for key in self.trajectories.get(uid, ())]
-
-    # -- maintenance (GroupIndex.on_change) -------------------------------------
 
     def _forget_metric(self, uid: str) -> None:
         # A group's trajectories changed: what was read of them is stale (a finished group's is read again).

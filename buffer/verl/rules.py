@@ -1,10 +1,8 @@
 """verl's sampling rules over a :class:`~buffer.verl.groups.GroupPartition`: one decision per view.
 
-Every function here runs with the store lock held and does no I/O: it
-returns a :class:`Plan` or ``None`` (nothing to do until something changes).
-The sampler carries a plan out with the lock released and decides again on a
-fresh view: verl's loop, its ``sleep(poll_interval)`` replaced by a wait that
-wakes on the change.
+Every function here runs with the store lock held and does no I/O: it returns a
+:class:`Plan`, which the sampler carries out with the lock released, or ``None``
+(nothing to do until the view changes, where verl sleeps ``poll_interval``).
 
 Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
 
@@ -58,7 +56,10 @@ class Plan:
     #: uid -> trajectory keys whose DAPO metric must be read before deciding.
     fetch: dict[str, list[str]] = field(default_factory=dict)
     error: Exception | None = None
+    #: the groups evicted, how many of them for failure and for DAPO (verl's refills count them).
     evict: set[str] = field(default_factory=set)
+    failed: int = 0
+    filtered: int = 0
     #: every key to clear (prompts and trajectories): the evicted groups' and, in sync DAPO, the surplus's.
     clear: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -71,59 +72,41 @@ class Plan:
     select_keys: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _Reasons:
-    stale: set[str] = field(default_factory=set)
-    dapo: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
-
-    @property
-    def evicted(self) -> set[str]:
-        return self.stale | self.dapo | self.failed
-
-
-def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | _Reasons:
-    """Why groups are evicted now, or a plan that must come first: a malformed prompt, or DAPO metrics to read."""
+def _evictions(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan:
+    """The groups evicted now, with verl's metrics; or a plan that must come first (an error, DAPO metrics to read)."""
     if part.invalid:
         return Plan(error=ValueError(f"Unknown status or malformed prompt in partition {partition_id!r}: "
                                      + "; ".join(list(part.invalid.values())[:5])))
     if config.dapo_on(partition_id) and part.unclassified:
         return Plan(fetch={uid: list(part.trajectories.get(uid, ())) for uid in part.unclassified})
-    reasons = _Reasons()
-    if partition_id == "val":
-        return reasons
-    if config.dapo_on(partition_id):
-        reasons.dapo = set(part.filtered)
-    if config.asynchronous:
+    stale: set[str] = set()
+    dapo: set[str] = set(part.filtered) if config.dapo_on(partition_id) else set()
+    failed: set[str] = set()
+    if partition_id != "val" and config.asynchronous:
         if config.max_off_policy_strategy == "drop" and config.max_off_policy_threshold is not None:
             # Span global_steps - step + 1 above the threshold: step < global_steps + 1 - threshold.
-            reasons.stale = set(part.older_than(FINISHED, global_steps + 1 - config.max_off_policy_threshold))
-        reasons.failed = set(part.uids(FAILURE))
-    elif config.sync_refill_failed_groups:
-        reasons.failed = {uid for uid in part.uids(FAILURE) if uid not in part.trajectories}
-    return reasons
-
-
-def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, reasons: _Reasons) -> Plan:
-    evicted = reasons.evicted
-    plan = Plan(evict=evicted)
-    if not evicted:
+            stale = set(part.older_than(FINISHED, global_steps + 1 - config.max_off_policy_threshold))
+        failed = set(part.uids(FAILURE))
+    elif partition_id != "val" and config.sync_refill_failed_groups:
+        failed = {uid for uid in part.uids(FAILURE) if uid not in part.trajectories}
+    plan = Plan(evict=stale | dapo | failed, failed=len(failed), filtered=len(dapo))
+    if not plan.evict:
         return plan
-    plan.clear = [*evicted, *part.trajectory_keys(evicted)]
+    plan.clear = [*plan.evict, *part.trajectory_keys(plan.evict)]
     prefix = metrics_prefix(partition_id)
-    if reasons.stale:
-        spans = [float(global_steps - part.step[uid] + 1) for uid in reasons.stale]
+    if stale:
+        spans = [float(global_steps - part.step[uid] + 1) for uid in stale]
         plan.metrics.update({
             f"{prefix}/off_policy/evicted_samples": len(spans),
             f"{prefix}/off_policy/evicted_samples_staleness/mean": sum(spans) / len(spans),
             f"{prefix}/off_policy/evicted_samples_staleness/max": max(spans),
             f"{prefix}/off_policy/evicted_samples_staleness/min": min(spans),
         })
-    if reasons.dapo:
-        plan.metrics[f"{prefix}/filter_groups/evicted_samples"] = len(reasons.dapo)
-        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(Counter(part.filtered[uid] for uid in reasons.dapo))
-    if reasons.failed:
-        plan.metrics[f"{prefix}/rollout_failure/evicted_samples"] = len(reasons.failed)
+    if dapo:
+        plan.metrics[f"{prefix}/filter_groups/evicted_samples"] = len(dapo)
+        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(Counter(part.filtered[uid] for uid in dapo))
+    if failed:
+        plan.metrics[f"{prefix}/rollout_failure/evicted_samples"] = len(failed)
     return plan
 
 
@@ -138,32 +121,28 @@ def _select(part: GroupPartition, plan: Plan, n: int) -> None:
 
 def sampleable_count(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | int:
     """Terminal groups the rules would not evict (or a plan to read DAPO metrics first)."""
-    reasons = _reasons(part, config, partition_id, global_steps)
-    if isinstance(reasons, Plan):
-        return reasons
-    return _terminal_count(part) - len(reasons.evicted)
+    plan = _evictions(part, config, partition_id, global_steps)
+    return plan if plan.fetch or plan.error else _terminal_count(part) - len(plan.evict)
 
 
 def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, batch_size: int,
               state: DrainState) -> Plan | None:
     """One step of verl's synchronous ``sample()``; ``state`` carries DAPO's refill credit."""
-    reasons = _reasons(part, config, partition_id, global_steps)
-    if isinstance(reasons, Plan):
-        return reasons
-    plan = _eviction_plan(part, partition_id, global_steps, reasons)
+    plan = _evictions(part, config, partition_id, global_steps)
+    if plan.fetch or plan.error:
+        return plan
     has_enough = _terminal_count(part) - len(plan.evict) >= batch_size
     inflight = part.count(PENDING) + part.count(RUNNING)
-    failed = len(reasons.failed)
     dapo = config.dapo_on(partition_id)
-    if not dapo and failed and not has_enough:
-        plan.refill = failed
+    if not dapo and plan.failed and not has_enough:
+        plan.refill = plan.failed
         return plan
     if dapo:
         if has_enough:
             # Enough: stop dispatching and drain what is in flight under this policy version.
             state.draining, state.credit = True, 0
         elif not state.draining:
-            state.credit += 2 * len(reasons.dapo) + failed
+            state.credit += 2 * plan.filtered + plan.failed
         if not state.draining and state.credit > 0:
             assert config.train_batch_size is not None and config.gen_batch_size is not None
             slots = max(0, config.max_inflight_gen_batches * config.train_batch_size - inflight)
@@ -189,10 +168,9 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
 def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, target: int,
                select: bool) -> Plan | None:
     """One step of verl's ``wait_for_sampleable()`` (and, with ``select``, of ``sample()``)."""
-    reasons = _reasons(part, config, partition_id, global_steps)
-    if isinstance(reasons, Plan):
-        return reasons
-    plan = _eviction_plan(part, partition_id, global_steps, reasons)
+    plan = _evictions(part, config, partition_id, global_steps)
+    if plan.fetch or plan.error:
+        return plan
     if plan.evict:
         plan.refill = len(plan.evict) if config.refill_fn is not None else 0
         return plan
@@ -236,8 +214,6 @@ def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any]) -> None:
         elif key.endswith("/evicted_samples_staleness/min"):
             acc[key] = min(acc.get(key, value), value)
         elif key == DAPO_FILTERED_REWARD_COUNTS_KEY:
-            merged = Counter(acc.get(key, {}))
-            merged.update(value)
-            acc[key] = dict(merged)
+            acc[key] = dict(Counter(acc.get(key, {})) + Counter(value))
         else:
             acc[key] = acc.get(key, 0) + value

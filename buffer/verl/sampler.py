@@ -103,8 +103,6 @@ class ReplayBuffer:
         return (f"<{type(self).__name__} mode={self.trainer_mode!r} {state} "
                 f"poll_interval={self._config.poll_interval:g}s buffer={buffer!r}>")
 
-    # -- verl's methods -------------------------------------------------------------------
-
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
         """Hand out ``batch_size`` whole groups, oldest ``global_steps`` first, after the mode's evictions.
 
@@ -171,8 +169,6 @@ class ReplayBuffer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    # -- deciding and carrying out ------------------------------------------------------------
 
     def _run(self, what: str, partition_id: str,
              rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:

@@ -82,20 +82,6 @@ class StoreLink:
         finally:
             _close_client(self.client, self._owned)
 
-    def controller(self) -> Any | None:
-        """The ``transfer_queue`` client's controller info (private ``_controller`` in 0.1.8-0.1.11), or None.
-
-        None also between ``tq.close()`` and the next ``tq.init()``.
-        """
-        get_client = getattr(self.client, "get_client", None)
-        if not callable(get_client):
-            return None
-        try:
-            current = get_client()
-        except AssertionError:  # TransferQueue's words for "not initialised" (after tq.close())
-            return None
-        return getattr(current, "_controller", None)
-
     def clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
 
@@ -236,7 +222,11 @@ class SamplerLifecycle:
         started = self.started
         if started is None or not self._follows:
             return False
-        info = started.controller()
+        get_client = getattr(started.client, "get_client", None)
+        try:  # TransferQueue 0.1.8-0.1.11 keep the client's controller info in the private _controller
+            info = getattr(get_client(), "_controller", None) if callable(get_client) else None
+        except AssertionError:  # TransferQueue's words for "not initialised" (between tq.close() and tq.init())
+            return False
         with self._lock:
             if info is None or info is self._compared:
                 return False
