@@ -19,7 +19,7 @@ from buffer.verl.rules import (
     plan_sync,
     sampleable_count,
 )
-from buffer.verl.store import SamplerLifecycle
+from buffer.verl.store import StoreLink
 
 __all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync"]
 
@@ -83,7 +83,7 @@ class ReplayBuffer:
         self.trainer_config = trainer_config
         self.sampler_kwargs = sampler_kwargs
         self._index = GroupIndex()
-        self._lifecycle = SamplerLifecycle(config, self._index)
+        self._store = StoreLink(config, self._index)
         self._needs_fresh_view = False
         self._fresh_view_ahead: SyncAhead | None = None
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0,
@@ -97,9 +97,8 @@ class ReplayBuffer:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        started = self._lifecycle.started
-        buffer = started.buffer if started is not None else None
-        state = "closed" if self._lifecycle.closed else ("running" if buffer is not None else "not started")
+        buffer = self._store.buffer
+        state = "closed" if self._store.closed else ("running" if buffer is not None else "not started")
         return (f"<{type(self).__name__} mode={self.trainer_mode!r} {state} "
                 f"poll_interval={self._config.poll_interval:g}s buffer={buffer!r}>")
 
@@ -128,15 +127,15 @@ class ReplayBuffer:
             if not config.sync_refill_failed_groups:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
             raise RuntimeError(message)
-        started = self._lifecycle.start()
-        held = started.seam.tags(partition_id, plan.select_keys)
+        seam = self._store.start().seam
+        held = seam.tags(partition_id, plan.select_keys)
         keys = [key for key in plan.select_keys if key in held]
         self._clear(partition_id, plan.select)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
         # It also settles the clear (a removed key stays hidden until a listing no longer shows it).
-        self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
-        return started.batch(partition_id, keys, [held[key] for key in keys]), metrics
+        self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
+        return self._store.batch(partition_id, keys, [held[key] for key in keys]), metrics
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
@@ -148,19 +147,19 @@ class ReplayBuffer:
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; idempotent. verl never calls it: the finalizer does."""
-        report = self._lifecycle.close(timeout)
+        report = self._store.close(timeout)
         if self._fresh_view_ahead is not None:
             self._fresh_view_ahead.done(1.0)  # ends with BufferClosed
         return report
 
     def stats(self) -> dict[str, Any]:
         """The buffer's ``stats()`` (once started) plus this sampler's counters and groups by status."""
-        started = self._lifecycle.running()
-        out: dict[str, Any] = {"started": started is not None, **self._counters,
-                               "lists_between_calls": self._lifecycle.lists_between_calls}
-        if started is not None:
-            out.update(started.buffer.stats())
-            out["groups"] = started.seam.look(lambda: {pid: self._index.partition(pid).counts()
+        buffer = self._store.running()
+        out: dict[str, Any] = {"started": buffer is not None, **self._counters,
+                               "lists_between_calls": self._store.lists_between_calls}
+        if buffer is not None:
+            out.update(buffer.stats())
+            out["groups"] = buffer.seam.look(lambda: {pid: self._index.partition(pid).counts()
                                                        for pid in self._index.partition_ids()})
         return out
 
@@ -187,10 +186,10 @@ class ReplayBuffer:
 
         While it waits the poller lists every ``wait_poll_interval``; progress is logged every ``log_interval``.
         """
-        seam = self._lifecycle.start(partition_id).seam
+        seam = self._store.start(partition_id).seam
         ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
         # First, before waiting on a listing of a controller the trainer may have replaced.
-        switched = self._lifecycle.follow()
+        switched = self._store.follow()
         if switched:
             # No decision is made before the new controller's first complete listing, which began after this
             # call: that view is fresh. The sync ahead, on the old controller, is dropped.
@@ -199,10 +198,10 @@ class ReplayBuffer:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._needs_fresh_view = not ahead.done(remaining)
         # After the sync ahead: its listing may predate a partition new to the poller.
-        if self._lifecycle.include(partition_id):
+        if self._store.include(partition_id):
             self._needs_fresh_view = True
         # Without listings between calls, a view older than any verl's own sampler acts on is refreshed first.
-        if self._needs_fresh_view or (not switched and not self._lifecycle.lists_between_calls
+        if self._needs_fresh_view or (not switched and not self._store.lists_between_calls
                                       and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)
 
@@ -245,7 +244,7 @@ class ReplayBuffer:
 
     def _read_your_writes(self, what: str, deadline: float | None) -> None:
         """Wait for a listing that began after this call: it shows the sampler's own clears and refills."""
-        seam = self._lifecycle.start().seam
+        seam = self._store.start().seam
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._counters["syncs"] += 1
         try:
@@ -256,23 +255,23 @@ class ReplayBuffer:
 
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
-        started = self._lifecycle.start()
-        started.clear(partition_id, keys)
-        started.seam.remove(partition_id, keys)
+        seam = self._store.start().seam
+        self._store.clear(partition_id, keys)
+        seam.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (outside the lock) and record it in the index."""
-        started = self._lifecycle.start()
+        seam = self._store.start().seam
         assert self._config.filter_groups_metric is not None
-        classes = started.classify(partition_id, groups, self._config.filter_groups_metric)
+        classes = self._store.classify(partition_id, groups, self._config.filter_groups_metric)
 
         def record() -> None:  # refused for a group whose trajectories changed since: it is read again
             for uid, (keys, value) in classes.items():
                 self._index.record_metric(partition_id, uid, keys, value)
 
-        started.seam.look(record)
+        seam.look(record)
 
 
 class ReplayBufferAsync(ReplayBuffer):

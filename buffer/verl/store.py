@@ -27,7 +27,7 @@ from buffer.verl.rules import classify
 from poller.wire.sources import SourceSpec, describe_spec, load_source
 from poller.wire.sources import _resolve as resolve_spec
 
-__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "SamplerLifecycle", "StoreLink", "VerlBatch"]
+__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "StoreLink", "VerlBatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,44 +64,129 @@ class VerlBatch:
 
 
 class StoreLink:
-    """A started sampler's buffer and the client of its own clears and reads (no reference to the sampler)."""
+    """A verl sampler's buffer (``index`` attached) and the client of its own clears and reads (module docstring)."""
 
-    def __init__(self, buffer: ReplayBuffer, client: Any, owned: bool, transferqueue: bool) -> None:
-        self.buffer = buffer
-        self.seam = buffer.seam
-        self.client = client
-        self._owned = owned  # whether the client was built here (and is closed here)
-        self._transferqueue = transferqueue
+    def __init__(self, config: SamplerConfig, index: GroupIndex) -> None:
+        self._config = config
+        self._index = index
+        self._lock = threading.Lock()
+        # TransferQueue has no change feed and its controller serves every rollout worker: verl's own sampler
+        # lists it only inside its calls, only the partitions asked about, so does this by default.
+        self._follows = _is_transferqueue(config.source)
+        self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
+                                    else not self._follows)
+        self.buffer: ReplayBuffer | None = None
+        self.closed = False
+        self._finalizer: weakref.finalize | None = None
+        self._client: Any = None
         # Whether a kv_clear naming a key already gone may clear nothing (see clear()).
-        self.verify_clears = _tq_version() == "0.1.8" if transferqueue else \
-            bool(getattr(client, "clear_is_all_or_nothing", False))
+        self._verify_clears = False
+        # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
+        self._listed: set[str] | None = None
+        # On TransferQueue: the controller address listed, and the client's controller info last compared with it.
+        self._address: str | None = None
+        self._compared: Any = None
 
-    def close(self) -> None:
-        try:
-            self.buffer.close()
-        finally:
-            _close_client(self.client, self._owned)
+    def start(self, partition_id: str | None = None) -> ReplayBuffer:
+        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition)."""
+        with self._lock:
+            if self.closed:
+                raise BufferClosed("the sampler is closed")
+            if self.buffer is not None:
+                return self.buffer
+            config = self._config
+            spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
+            self._listed = {partition_id} if chosen and partition_id is not None else None
+            self._address = kwargs.get("address") if self._follows else None
+            client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
+            try:
+                interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
+                buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
+            except BaseException:
+                _close_client(client, owned)
+                raise
+            # Tied to this object, which only the sampler holds: dropping the sampler runs it.
+            self._finalizer = weakref.finalize(self, _shut_down, buffer, client, owned)
+            try:
+                buffer.seam.attach(self._index)
+            except BaseException:
+                self._finalizer()
+                raise
+            self._client = client
+            self._verify_clears = _tq_version() == "0.1.8" if self._follows else \
+                bool(getattr(client, "clear_is_all_or_nothing", False))
+            self.buffer = buffer
+            logger.debug("verl sampler started: %r", buffer)
+            return buffer
+
+    def running(self) -> ReplayBuffer | None:
+        """The buffer started (``None``: nothing yet), without starting it."""
+        with self._lock:
+            if self.closed:
+                raise BufferClosed("the sampler is closed")
+            return self.buffer
+
+    def follow(self) -> bool:
+        """On TransferQueue: move the poller to the controller the trainer's client uses now; True when it moved.
+
+        verl's own sampler lists through that client, so it follows ``tq.close()``
+        and ``tq.init()`` (a new controller, a new port); so does this, by
+        :meth:`buffer.ReplayBuffer.switch_source`.
+        """
+        buffer = self.buffer
+        if buffer is None or not self._follows:
+            return False
+        get_client = getattr(self._client, "get_client", None)
+        try:  # TransferQueue 0.1.8-0.1.11 keep the client's controller info in the private _controller
+            info = getattr(get_client(), "_controller", None) if callable(get_client) else None
+        except AssertionError:  # TransferQueue's words for "not initialised" (between tq.close() and tq.init())
+            return False
+        with self._lock:
+            if info is None or info is self._compared:
+                return False
+            self._compared = info
+            kwargs = resolve_spec(_TRANSFERQUEUE_KWARGS)(info)
+            changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
+            if changes["address"] == self._address:
+                return False
+            old, self._address = self._address, changes["address"]
+        logger.info("the trainer's TransferQueue client uses the controller at %s: the poller moves there from %s",
+                    changes["address"], old)
+        buffer.switch_source(changes)
+        return True
+
+    def include(self, partition_id: str) -> bool:
+        """Have the poller list ``partition_id`` too (verl names its partitions only in its calls).
+
+        True when it joined: the next decision must wait for a listing that includes it.
+        """
+        if self._listed is None or partition_id in self._listed:
+            return False
+        assert self.buffer is not None  # _listed is set as the buffer starts
+        self.buffer.include_partitions([partition_id])
+        self._listed.add(partition_id)
+        return True
 
     def clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
 
         On TransferQueue 0.1.8 a clear naming a key already gone clears nothing
-        at all. So with ``verify_clears``, and after any failed clear, the keys
+        at all. So with ``_verify_clears``, and after any failed clear, the keys
         still listed are cleared again; a store that cannot clear them raises.
         """
         if not keys:
             return
         try:
-            self.client.kv_clear(keys=keys, partition_id=partition_id)
-            if not self.verify_clears:
+            self._client.kv_clear(keys=keys, partition_id=partition_id)
+            if not self._verify_clears:
                 return
         except Exception as exc:
             logger.debug("kv_clear of %d keys in %r failed (%s): clearing those still there", len(keys),
                          partition_id, exc)
-        held = (self.client.kv_list(partition_id) or {}).get(partition_id, {})
+        held = (self._client.kv_list(partition_id) or {}).get(partition_id, {})
         present = [key for key in keys if key in held]
         if present:
-            self.client.kv_clear(keys=present, partition_id=partition_id)
+            self._client.kv_clear(keys=present, partition_id=partition_id)
 
     def classify(self, partition_id: str, groups: dict[str, list[str]],
                  metric: str) -> dict[str, tuple[list[str], float | None]]:
@@ -133,7 +218,7 @@ class StoreLink:
         if not keys:
             return []
         field_name = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
-        data = self.client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[field_name])
+        data = self._client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[field_name])
         column = list(data[field_name])
         if len(column) != len(keys):
             raise RuntimeError(f"kv_batch_get returned {len(column)} {field_name} for {len(keys)} keys")
@@ -148,122 +233,29 @@ class StoreLink:
 
     def batch(self, partition_id: str, keys: list[str], tags: list[dict[str, Any]]) -> Any:
         """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
-        if self._transferqueue or "transfer_queue" in sys.modules:
+        if self._follows or "transfer_queue" in sys.modules:
             meta = importlib.import_module("transfer_queue").KVBatchMeta
             return meta(partition_id=partition_id, keys=keys, tags=tags)
         return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
-
-
-class SamplerLifecycle:
-    """Starts a verl sampler's buffer (``index`` attached) and client on first use; shuts both down once."""
-
-    def __init__(self, config: SamplerConfig, index: GroupIndex) -> None:
-        self._config = config
-        self._index = index
-        self._lock = threading.Lock()
-        # TransferQueue has no change feed and its controller serves every rollout worker: verl's own sampler
-        # lists it only inside its calls, only the partitions asked about, so does this by default.
-        self._follows = _is_transferqueue(config.source)
-        self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
-                                    else not self._follows)
-        self.started: StoreLink | None = None
-        self.closed = False
-        self._finalizer: weakref.finalize | None = None
-        # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
-        self._listed: set[str] | None = None
-        # On TransferQueue: the controller address listed, and the client's controller info last compared with it.
-        self._address: str | None = None
-        self._compared: Any = None
-
-    def start(self, partition_id: str | None = None) -> StoreLink:
-        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition)."""
-        with self._lock:
-            if self.closed:
-                raise BufferClosed("the sampler is closed")
-            if self.started is not None:
-                return self.started
-            config = self._config
-            spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
-            self._listed = {partition_id} if chosen and partition_id is not None else None
-            self._address = kwargs.get("address") if self._follows else None
-            client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
-            try:
-                interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
-                buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
-            except BaseException:
-                _close_client(client, owned)
-                raise
-            link = StoreLink(buffer, client, owned, self._follows)
-            # Tied to this object, which only the sampler holds: dropping the sampler runs it.
-            self._finalizer = weakref.finalize(self, link.close)
-            try:
-                buffer.seam.attach(self._index)
-            except BaseException:
-                self._finalizer()
-                raise
-            self.started = link
-            logger.debug("verl sampler started: %r", buffer)
-            return link
-
-    def running(self) -> StoreLink | None:
-        """What was started (``None``: nothing yet), without starting it."""
-        with self._lock:
-            if self.closed:
-                raise BufferClosed("the sampler is closed")
-            return self.started
-
-    def follow(self) -> bool:
-        """On TransferQueue: move the poller to the controller the trainer's client uses now; True when it moved.
-
-        verl's own sampler lists through that client, so it follows ``tq.close()``
-        and ``tq.init()`` (a new controller, a new port); so does this, by
-        :meth:`buffer.ReplayBuffer.switch_source`.
-        """
-        started = self.started
-        if started is None or not self._follows:
-            return False
-        get_client = getattr(started.client, "get_client", None)
-        try:  # TransferQueue 0.1.8-0.1.11 keep the client's controller info in the private _controller
-            info = getattr(get_client(), "_controller", None) if callable(get_client) else None
-        except AssertionError:  # TransferQueue's words for "not initialised" (between tq.close() and tq.init())
-            return False
-        with self._lock:
-            if info is None or info is self._compared:
-                return False
-            self._compared = info
-            kwargs = resolve_spec(_TRANSFERQUEUE_KWARGS)(info)
-            changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
-            if changes["address"] == self._address:
-                return False
-            old, self._address = self._address, changes["address"]
-        logger.info("the trainer's TransferQueue client uses the controller at %s: the poller moves there from %s",
-                    changes["address"], old)
-        started.buffer.switch_source(changes)
-        return True
-
-    def include(self, partition_id: str) -> bool:
-        """Have the poller list ``partition_id`` too (verl names its partitions only in its calls).
-
-        True when it joined: the next decision must wait for a listing that includes it.
-        """
-        if self._listed is None or partition_id in self._listed:
-            return False
-        assert self.started is not None  # _listed is set as the buffer starts
-        self.started.buffer.include_partitions([partition_id])
-        self._listed.add(partition_id)
-        return True
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and close the client; idempotent. Nothing started: a ``no-poller`` report."""
         with self._lock:
             self.closed = True
-            started, finalizer = self.started, self._finalizer
-        if started is None:
+            buffer, finalizer = self.buffer, self._finalizer
+        if buffer is None:
             return ShutdownReport("no-poller", 0.0, None, False)
-        report = started.buffer.close(timeout)
+        report = buffer.close(timeout)
         if finalizer is not None:
             finalizer()
         return report
+
+
+def _shut_down(buffer: ReplayBuffer, client: Any, owned: bool) -> None:
+    try:
+        buffer.close()
+    finally:
+        _close_client(client, owned)
 
 
 def _is_transferqueue(source: SourceSpec | None) -> bool:
