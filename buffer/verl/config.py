@@ -105,11 +105,9 @@ class SamplerConfig:
         if max_off_policy_strategy not in ("drop", "wait"):
             raise VerlConfigError(f"Invalid max off policy strategy: {max_off_policy_strategy}, "
                                   "must be one of ['drop', 'wait']")
-        if sampler_kwargs is None:
-            sampler_kwargs = {}
-        if not isinstance(sampler_kwargs, Mapping):
+        if sampler_kwargs is not None and not isinstance(sampler_kwargs, Mapping):
             raise TypeError(f"sampler_kwargs must be a mapping, got {type(sampler_kwargs).__name__}")
-        kwargs = plain(sampler_kwargs)
+        kwargs = plain(sampler_kwargs or {})
         unknown = sorted(set(kwargs) - SAMPLER_KWARGS)
         if unknown:
             raise VerlConfigError(f"unknown sampler_kwargs {unknown}; known: {sorted(SAMPLER_KWARGS)}")

@@ -109,9 +109,12 @@ class GroupPartition:
         if tags.get("is_prompt"):
             status: Any = tags.get("status")
             step: Any = tags.get("global_steps")
-            problem = _prompt_problem(status, step)
-            if problem is not None:
-                self.invalid[key] = f"prompt {key!r} {problem}"
+            if not isinstance(status, str) or status not in PROMPT_STATUSES:
+                self.invalid[key] = (f"prompt {key!r} has unknown status {status!r} "
+                                     f"(expected one of {', '.join(PROMPT_STATUSES)})")
+                return
+            if not isinstance(step, int) or isinstance(step, bool):
+                self.invalid[key] = f"prompt {key!r} has no integer global_steps (got {step!r})"
                 return
             self.status[key] = status
             self.step[key] = step
@@ -148,14 +151,6 @@ class GroupPartition:
         self._forget_metric(uid)
 
 
-def _prompt_problem(status: Any, step: Any) -> str | None:
-    if not isinstance(status, str) or status not in PROMPT_STATUSES:
-        return f"has unknown status {status!r} (expected one of {', '.join(PROMPT_STATUSES)})"
-    if not isinstance(step, int) or isinstance(step, bool):
-        return f"has no integer global_steps (got {step!r})"
-    return None
-
-
 def _group_tags(tags: Tags) -> tuple[Any, ...] | None:
     return (tags.get("status"), tags.get("global_steps")) if tags.get("is_prompt") else None
 
@@ -164,10 +159,7 @@ _EMPTY = GroupPartition()
 
 
 class GroupIndex:
-    """A store policy keeping every partition's groups (see the module docstring).
-
-    ``on_change`` never raises and never calls back into the store.
-    """
+    """A store policy keeping every partition's groups: ``on_change`` never raises nor calls back into the store."""
 
     def __init__(self) -> None:
         self._parts: dict[str, GroupPartition] = {}

@@ -6,14 +6,10 @@ Every function here runs with the store lock held and does no I/O: it returns a
 
 Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
 
-=========  ====================  ==================================  =================================
-mode       stale (strategy drop)  DAPO (filter_groups_metric)         failure
-=========  ====================  ==================================  =================================
-sync       no-op                  evict k, refill credit 2k           kept (padded), or with
-                                                                      sync_refill_failed_groups: empty
-                                                                      failure groups evicted, refill k
-async      evict k, refill k      evict k, refill k                   evict k, refill k
-=========  ====================  ==================================  =================================
+- stale (strategy ``drop``): async evicts k and refills k; sync: no-op.
+- DAPO (``filter_groups_metric``): async evicts k and refills k; sync evicts k, refill credit 2k.
+- failure: async evicts k and refills k; sync keeps them (padded), or with ``sync_refill_failed_groups``
+  evicts the failure groups without trajectories and refills k.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 from buffer.errors import BufferClosed
@@ -156,10 +157,7 @@ class StoreLink:
         return True
 
     def include(self, partition_id: str) -> bool:
-        """Have the poller list ``partition_id`` too (verl names its partitions only in its calls).
-
-        True when it joined: the next decision must wait for a listing that includes it.
-        """
+        """Have the poller list ``partition_id`` too (verl names partitions only in its calls); True if it joined."""
         if self._listed is None or partition_id in self._listed:
             return False
         assert self.buffer is not None  # _listed is set as the buffer starts
@@ -192,11 +190,20 @@ class StoreLink:
                  metric: str) -> dict[str, tuple[list[str], float | None]]:
         """uid -> (the trajectory keys read, the value DAPO filters on or None), for finished groups.
 
+        ``"reward"`` is each key's ``rm_scores`` summed (verl 0.9.1's pre-KL reward) by its own ``.sum()``
+        (no torch import here); any other metric is ``extra_fields["reward_extra_info"][metric]``.
+
         Raises:
             RuntimeError: a group has no trajectory, or one without the metric (verl's error).
         """
         keys = [key for group_keys in groups.values() for key in group_keys]
-        values = iter(self._read_metric(partition_id, keys, metric))
+        field_name = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
+        column = list(self._client.kv_batch_get(keys=keys, partition_id=partition_id,
+                                                select_fields=[field_name])[field_name]) if keys else []
+        if len(column) != len(keys):
+            raise RuntimeError(f"kv_batch_get returned {len(column)} {field_name} for {len(keys)} keys")
+        read = _summed if field_name == "rm_scores" else partial(_extra_metric, metric=metric)
+        values = iter([read(value) for value in column])
         classes: dict[str, tuple[list[str], float | None]] = {}
         missing = []
         for uid, group_keys in groups.items():
@@ -208,28 +215,6 @@ class StoreLink:
         if missing:
             raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
         return classes
-
-    def _read_metric(self, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
-        """Each key's DAPO value (None where it is missing).
-
-        ``"reward"``: ``rm_scores`` summed (verl 0.9.1's pre-KL reward), by its
-        own ``.sum()`` (no torch import here); else ``extra_fields["reward_extra_info"][metric]``.
-        """
-        if not keys:
-            return []
-        field_name = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
-        data = self._client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[field_name])
-        column = list(data[field_name])
-        if len(column) != len(keys):
-            raise RuntimeError(f"kv_batch_get returned {len(column)} {field_name} for {len(keys)} keys")
-        if field_name == "rm_scores":
-            return [_summed(scores) for scores in column]
-        values: list[float | None] = []
-        for extra in column:
-            extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
-            info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
-            values.append(float(info[metric]) if isinstance(info, dict) and metric in info else None)
-        return values
 
     def batch(self, partition_id: str, keys: list[str], tags: list[dict[str, Any]]) -> Any:
         """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
@@ -307,6 +292,12 @@ def _summed(scores: Any) -> float | None:
         return None
     total = scores.sum() if callable(getattr(scores, "sum", None)) else sum(scores)
     return float(total)  # float() of a 0-d tensor or numpy scalar is its value (.item())
+
+
+def _extra_metric(extra: Any, metric: str) -> float | None:
+    extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
+    info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
+    return float(info[metric]) if isinstance(info, dict) and metric in info else None
 
 
 def _tq_version() -> str | None:
