@@ -83,7 +83,7 @@ class GroupPartition:
     def in_flight(self, limit: int) -> list[str]:
         """Up to ``limit`` prompts not yet terminal, newest ``global_steps`` and latest arrival first.
 
-        Those likeliest to finish soonest, which the poller watches while a decision waits.
+        The likeliest to finish soonest: the poller watches them while a decision waits.
         """
         return list(islice(self.uids(PENDING, RUNNING, newest_first=True), limit))
 

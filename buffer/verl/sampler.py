@@ -182,10 +182,7 @@ class ReplayBuffer:
 
     def _decide(self, what: str, partition_id: str, deadline: float | None,
                 rule: Callable[[GroupPartition], Decision | None]) -> Decision:
-        """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed.
-
-        While it waits the poller lists every ``wait_poll_interval``; progress is logged every ``log_interval``.
-        """
+        """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed."""
         seam = self._store.start(partition_id).seam
         ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
         # First, before waiting on a listing of a controller the trainer may have replaced.

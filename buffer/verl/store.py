@@ -130,9 +130,8 @@ class StoreLink:
     def follow(self) -> bool:
         """On TransferQueue: move the poller to the controller the trainer's client uses now; True when it moved.
 
-        verl's own sampler lists through that client, so it follows ``tq.close()``
-        and ``tq.init()`` (a new controller, a new port); so does this, by
-        :meth:`buffer.ReplayBuffer.switch_source`.
+        verl's own sampler lists through that client, so it follows ``tq.close()`` and ``tq.init()`` (a new
+        controller, a new port); so does this, by :meth:`buffer.ReplayBuffer.switch_source`.
         """
         buffer = self.buffer
         if buffer is None or not self._follows:
