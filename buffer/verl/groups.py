@@ -69,8 +69,8 @@ class GroupPartition:
                 f"{self.count(FINISHED)} finished and {self.count(FAILURE)} failure prompt(s)"
                 + (f"; in flight: {', '.join(inflight)}" if inflight else ""))
 
-    def count(self, status: str) -> int:
-        return sum(len(uids) for uids in self.buckets[status].values())
+    def count(self, *statuses: str) -> int:
+        return sum(len(uids) for status in statuses for uids in self.buckets[status].values())
 
     def uids(self, *statuses: str, newest_first: bool = False) -> Iterator[str]:
         """uids of ``statuses``, oldest ``global_steps`` first, each step's in arrival order (or all reversed)."""

@@ -106,10 +106,6 @@ def _evictions(part: GroupPartition, config: SamplerConfig, partition_id: str, g
     return plan
 
 
-def _terminal_count(part: GroupPartition) -> int:
-    return part.count(FINISHED) + part.count(FAILURE)
-
-
 def _select(part: GroupPartition, plan: Plan, n: int) -> None:
     plan.select = list(islice((uid for uid in part.uids(*TERMINAL) if uid not in plan.evict), n))
     plan.select_keys = part.trajectory_keys(plan.select)
@@ -118,7 +114,7 @@ def _select(part: GroupPartition, plan: Plan, n: int) -> None:
 def sampleable_count(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | int:
     """Terminal groups the rules would not evict (or a plan to read DAPO metrics first)."""
     plan = _evictions(part, config, partition_id, global_steps)
-    return plan if plan.fetch or plan.error else _terminal_count(part) - len(plan.evict)
+    return plan if plan.fetch or plan.error else part.count(*TERMINAL) - len(plan.evict)
 
 
 def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, batch_size: int,
@@ -127,8 +123,8 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
     plan = _evictions(part, config, partition_id, global_steps)
     if plan.fetch or plan.error:
         return plan
-    has_enough = _terminal_count(part) - len(plan.evict) >= batch_size
-    inflight = part.count(PENDING) + part.count(RUNNING)
+    has_enough = part.count(*TERMINAL) - len(plan.evict) >= batch_size
+    inflight = part.count(*INFLIGHT)
     dapo = config.dapo_on(partition_id)
     if not dapo and plan.failed and not has_enough:
         plan.refill = plan.failed
@@ -176,7 +172,7 @@ def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, g
         oldest = part.min_step(INFLIGHT)
         if oldest is not None and global_steps - oldest + 1 >= config.max_off_policy_threshold:
             return None
-    if _terminal_count(part) < target:
+    if part.count(*TERMINAL) < target:
         return None
     plan.ready = True
     if select:
