@@ -133,7 +133,8 @@ class ReplayBuffer:
         self._clear(partition_id, plan.select)
         self._counters["batches"] += 1
         # The next call must see a listing that began after this clear: have it run during the training step.
-        # It also settles the clear (a removed key stays hidden until a listing no longer shows it).
+        # It also settles the clear: a removed key stays hidden until a listing no longer shows it, and that
+        # listing must come before the store could hold the key again.
         self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
         return self._store.batch(partition_id, keys, [held[key] for key in keys]), metrics
 
@@ -160,7 +161,7 @@ class ReplayBuffer:
         if buffer is not None:
             out.update(buffer.stats())
             out["groups"] = buffer.seam.look(lambda: {pid: self._index.partition(pid).counts()
-                                                       for pid in self._index.partition_ids()})
+                                                      for pid in self._index.partition_ids()})
         return out
 
     def __enter__(self) -> ReplayBuffer:

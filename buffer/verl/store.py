@@ -39,7 +39,8 @@ _TRANSFERQUEUE_KWARGS = "poller.sources.transferqueue:source_kwargs"
 #: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
 CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
 
-#: The poller's schedule when it does not list between calls: the calls ask for each listing they need (a SYNC).
+#: The poller's schedule when it does not list between calls: the calls ask for each listing they need (a SYNC),
+#: and the store is not listed while the trainer trains.
 QUIET_POLL_INTERVAL = 3600.0
 
 #: The DAPO metric read from the ``rm_scores`` field (verl 0.9.1's FILTER_GROUPS_REWARD_METRIC).
