@@ -145,13 +145,13 @@ def test_async_drop_evicts_stale_finished_and_every_failure_with_verls_metrics()
     feed.group("p", "slow", "running", step=0)  # in flight: never evicted
     plan = plan_async(feed.index.partition("p"), rules(asynchronous=True, threshold=2), "train", 5, 1, select=True)
     assert plan is not None and plan.evict == {"stale", "fail"} and plan.refill == 2
-    assert set(plan.evict_keys) == {"stale", "stale_0_0", "fail", "fail_0_0"}
+    assert set(plan.clear) == {"stale", "stale_0_0", "fail", "fail_0_0"}
     assert plan.metrics == {"training/off_policy/evicted_samples": 1,
                             "training/off_policy/evicted_samples_staleness/mean": 6.0,
                             "training/off_policy/evicted_samples_staleness/max": 6.0,
                             "training/off_policy/evicted_samples_staleness/min": 6.0,
                             "training/rollout_failure/evicted_samples": 1}
-    feed.clear("p", plan.evict_keys)
+    feed.clear("p", plan.clear)
     plan = plan_async(feed.index.partition("p"), rules(asynchronous=True, threshold=2), "train", 5, 1, select=True)
     assert plan is not None and plan.ready and plan.select == ["edge"]
     # Validation never evicts.
@@ -193,19 +193,20 @@ def test_sync_dapo_asks_for_metrics_then_refills_twice_and_discards_surplus() ->
     part = feed.index.partition("p")
     plan = plan_sync(part, config, "p", 1, 2, state)
     assert plan is not None and plan.fetch == {"same": ["same_0_0", "same_1_0"], "mixed": ["mixed_0_0", "mixed_1_0"]}
-    assert part.record_metric("same", ["same_0_0", "same_1_0"], classify([0.0, 0.0]))
-    assert part.record_metric("mixed", ["mixed_0_0", "mixed_1_0"], classify([0.0, 1.0]))
-    assert not part.record_metric("mixed", ["mixed_0_0"], None)  # already recorded: refused
+    assert feed.index.record_metric("p", "same", ["same_0_0", "same_1_0"], classify([0.0, 0.0]))
+    assert feed.index.record_metric("p", "mixed", ["mixed_0_0", "mixed_1_0"], classify([0.0, 1.0]))
+    assert not feed.index.record_metric("p", "mixed", ["mixed_0_0"], None)  # already recorded: refused
     plan = plan_sync(part, config, "p", 1, 2, state)
     assert plan is not None and plan.evict == {"same"} and plan.refill == 2 and state.credit == 0
     assert plan.metrics == {"validation/filter_groups/evicted_samples": 1, DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1}}
-    feed.clear("p", plan.evict_keys)
+    feed.clear("p", plan.clear)
     for uid in ("r1", "r2"):
         feed.group("p", uid, "finished", step=1, sessions=2)
-        assert part.record_metric(uid, [f"{uid}_0_0", f"{uid}_1_0"], None)
+        assert feed.index.record_metric("p", uid, [f"{uid}_0_0", f"{uid}_1_0"], None)
     plan = plan_sync(part, config, "p", 1, 2, state)
-    assert plan is not None and plan.select == ["mixed", "r1"] and plan.surplus == {"r2"}
-    assert set(plan.surplus_keys) == {"r2", "r2_0_0", "r2_1_0"}
+    assert plan is not None and plan.select == ["mixed", "r1"] and not plan.evict
+    assert set(plan.clear) == {"r2", "r2_0_0", "r2_1_0"}  # the surplus, discarded
+    assert plan.metrics == {"validation/filter_groups/discarded_surplus_samples": 1}
 
 
 def test_sync_dapo_dispatches_credit_only_into_free_in_flight_slots() -> None:
@@ -213,7 +214,7 @@ def test_sync_dapo_dispatches_credit_only_into_free_in_flight_slots() -> None:
     feed.group("p", "same", "finished", sessions=2)
     feed.group("p", "slow", "running", sessions=2)
     part = feed.index.partition("p")
-    assert part.record_metric("same", ["same_0_0", "same_1_0"], 1.0)
+    assert feed.index.record_metric("p", "same", ["same_0_0", "same_1_0"], 1.0)
     state = DrainState()
     plan = plan_sync(part, rules(dapo_metric="acc"), "p", 1, 2, state)
     # 2 credits, max_inflight_gen_batches * train_batch_size = 2 slots, 1 taken by "slow".
@@ -224,10 +225,10 @@ def test_a_trajectory_arriving_after_classification_makes_it_read_again() -> Non
     feed = Feed()
     feed.group("p", "g", "finished", sessions=2)
     part = feed.index.partition("p")
-    assert part.record_metric("g", ["g_0_0", "g_1_0"], 3.0) and part.filtered == {"g": 3.0}
+    assert feed.index.record_metric("p", "g", ["g_0_0", "g_1_0"], 3.0) and part.filtered == {"g": 3.0}
     feed.put("p", "g_2_0", status="success")
     assert part.filtered == {} and "g" in part.unclassified
-    assert not part.record_metric("g", ["g_0_0", "g_1_0"], 3.0)  # read before the change: refused
+    assert not feed.index.record_metric("p", "g", ["g_0_0", "g_1_0"], 3.0)  # read before the change: refused
 
 
 def test_sampleable_count_excludes_what_would_be_evicted() -> None:

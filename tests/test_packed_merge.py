@@ -78,7 +78,7 @@ def _groups(index: GroupIndex) -> dict[str, Any]:
         part = index.partition(part_id)
         out[part_id] = {
             "status": part.status, "step": part.step, "invalid": part.invalid,
-            "unclassified": set(part.unclassified), "metric": part.metric, "filtered": part.filtered,
+            "unclassified": set(part.unclassified), "filtered": part.filtered,
             "buckets": {status: {step: set(uids) for step, uids in steps.items()}
                         for status, steps in part.buckets.items()},
             "trajectories": {uid: set(keys) for uid, keys in part.trajectories.items()},

@@ -6,19 +6,17 @@
     trainer.v1.sampler.custom_sampler.name: ReplayBuffer
     trainer.v1.sampler.sampler_kwargs: {poll_interval: 0.05}   # optional
 
-verl's own sampler lists the whole store in the trainer's thread, rebuilds
-its state and sleeps ``poll_interval`` between tries. Here the poller lists
-the store in its own process and streams what changed; a group index on the
-buffer's store keeps the groups (:mod:`.groups`), each decision of the rules
-(:mod:`.rules`) sees one consistent view under the store's lock, and a wait
-wakes on the change that completes it::
+verl's own sampler lists the whole store in the trainer's thread and sleeps
+``poll_interval`` between tries. Here the poller lists the store in its own
+process and streams what changed into a group index (:mod:`.groups`); each
+decision of the rules (:mod:`.rules`) sees one consistent view under the
+store's lock, and a wait wakes on the change that completes it::
 
     sample() ── decide (store lock) ─▶ Plan ── clear / refill_fn / read DAPO metrics (no lock)
        ▲                                │        then sync(): the next view reflects them
        └──── wake on change ◀── store ◀─┘◀── poller process (kv_list, diff) ◀── TransferQueue
 
-The sampler (:mod:`.sampler`) takes its options through :mod:`.config`, and
-starts its buffer and makes its own clears and reads through :mod:`.store`.
+:mod:`.sampler` holds the classes, :mod:`.config` their options, :mod:`.store` their buffer and client.
 """
 
 from buffer.verl.config import VerlConfigError

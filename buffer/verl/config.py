@@ -26,8 +26,8 @@ DEFAULT_POLL_INTERVAL = 0.2
 #: The constructor's options that sampler_kwargs may carry too, with their defaults.
 _SHARED = {"poll_interval": None, "filter_groups_metric": None, "train_batch_size": None, "gen_batch_size": None,
            "max_inflight_gen_batches": 1, "sync_refill_failed_groups": False}
-#: Options only sampler_kwargs carries, with their defaults. The listing share is verl's sampler's own cycle,
-#: passed explicitly: this sampler mirrors verl's and must list the shared store no more often (poller.duty).
+#: Options only sampler_kwargs carries, with their defaults. The listing share is verl's own sampler's
+#: cycle: this one must list the shared store no more often (poller.duty).
 _OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None, "source": None,
         "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
         "listing_share": VERL_CYCLE, "list_between_calls": None}
@@ -41,10 +41,9 @@ VERL_ATTRIBUTES = frozenset(_SHARED) | {"trainer_mode", "max_off_policy_threshol
 
 
 class VerlConfigError(ValueError, AssertionError):
-    """A sampler option verl (or this sampler) refuses, worded as verl 0.9.1 words it.
+    """A sampler option refused, worded as verl 0.9.1 words it; every configuration error of the sampler.
 
-    verl 0.9.1 ``assert``s its threshold and strategy and raises ``ValueError``
-    for the rest: this class is both, and every configuration error of the sampler is one.
+    Both classes verl 0.9.1 raises: it ``assert``s its threshold and strategy, ``ValueError`` for the rest.
     """
 
 
@@ -78,8 +77,7 @@ class SamplerConfig:
     source: SourceSpec | None
     source_kwargs: dict[str, Any] | None
     buffer_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Whether the poller keeps listing between verl's calls; None: not on TransferQueue (as verl's
-    # own sampler, which lists only inside its calls), yes on a store with a change feed.
+    # Whether the poller lists between verl's calls; None: not on TransferQueue, yes elsewhere (store.py).
     list_between_calls: bool | None = None
 
     def dapo_on(self, partition_id: str) -> bool:
@@ -107,11 +105,9 @@ class SamplerConfig:
         if max_off_policy_strategy not in ("drop", "wait"):
             raise VerlConfigError(f"Invalid max off policy strategy: {max_off_policy_strategy}, "
                                   "must be one of ['drop', 'wait']")
-        if sampler_kwargs is None:
-            sampler_kwargs = {}
-        if not isinstance(sampler_kwargs, Mapping):
+        if sampler_kwargs is not None and not isinstance(sampler_kwargs, Mapping):
             raise TypeError(f"sampler_kwargs must be a mapping, got {type(sampler_kwargs).__name__}")
-        kwargs = plain(sampler_kwargs)
+        kwargs = plain(sampler_kwargs or {})
         unknown = sorted(set(kwargs) - SAMPLER_KWARGS)
         if unknown:
             raise VerlConfigError(f"unknown sampler_kwargs {unknown}; known: {sorted(SAMPLER_KWARGS)}")
@@ -123,8 +119,7 @@ class SamplerConfig:
             options["poll_interval"] = DEFAULT_POLL_INTERVAL
         poll = options["poll_interval"]
         if options["wait_poll_interval"] is None and isinstance(poll, (int, float)) and not isinstance(poll, bool):
-            # A waiting trainer thread is idle: listing ten times as often only while it waits brings the
-            # batch sooner and costs the trainer nothing between waits.
+            # A waiting trainer thread is idle: listing ten times as often then brings the batch sooner.
             options["wait_poll_interval"] = poll / 10
         buffer_kwargs = {name: options.pop(name) for name in _BUFFER_OPTIONS}
         config = cls(trainer_mode=trainer_mode, asynchronous=asynchronous,

@@ -8,11 +8,11 @@ verl writes two kinds of keys into one partition::
 A prompt's ``status`` moves pending -> running -> finished | failure; a
 group (the prompt and its trajectories) is *terminal* once its prompt is
 finished or failure. :class:`GroupIndex`, a store policy, is told every key
-that changed under the store's lock and updates only what that key touches:
-work in proportion to change. Prompts are bucketed per status by
-``global_steps``, so the rules (:mod:`.rules`) touch only the buckets they
-need. Each partition's *version* moves with every change of what the rules
-read in it, and only then: a waiting decision is re-run only on a new one.
+that changed under the store's lock and updates only what that key touches.
+Prompts are bucketed per status by ``global_steps``, so the rules
+(:mod:`.rules`) touch only the buckets they need. Each partition's *version*
+moves exactly when what the rules read in it changes: a waiting decision is
+re-run only on a new one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from poller.wire.vocabulary import FAILURE, FINISHED, PENDING, PROMPT_STATUSES, 
 
 __all__ = ["GroupIndex", "GroupPartition", "uid_of"]
 
-_STATUS_SET = frozenset(PROMPT_STATUSES)
+#: What of a prompt's tags its group depends on; a trajectory's tags never move a group.
+_GROUP_TAGS = ("is_prompt", "status", "global_steps")
 
 
 def uid_of(key: str) -> str:
@@ -37,7 +38,7 @@ def uid_of(key: str) -> str:
 class GroupPartition:
     """The groups of one partition. Read it with the store lock held."""
 
-    __slots__ = ("status", "step", "buckets", "trajectories", "invalid", "unclassified", "metric", "filtered")
+    __slots__ = ("status", "step", "buckets", "trajectories", "invalid", "unclassified", "filtered")
 
     def __init__(self) -> None:
         #: uid -> status of every valid prompt.
@@ -52,14 +53,11 @@ class GroupPartition:
         self.invalid: dict[str, str] = {}
         #: finished uids whose DAPO metric has not been read yet.
         self.unclassified: dict[str, None] = {}
-        #: finished uid -> the metric value every trajectory shares, or None (the group has signal).
-        self.metric: dict[str, float | None] = {}
-        #: the DAPO-filtered subset of ``metric``: uid -> the shared value.
+        #: finished uid -> the metric value all its trajectories share (DAPO filters it).
         self.filtered: dict[str, float] = {}
 
     def __repr__(self) -> str:
-        counts = ", ".join(f"{status}={self.count(status)}" for status in PROMPT_STATUSES)
-        return f"<GroupPartition {counts} groups_with_trajectories={len(self.trajectories)}>"
+        return f"<GroupPartition {self.counts()} groups_with_trajectories={len(self.trajectories)}>"
 
     def counts(self) -> dict[str, int]:
         return {status: self.count(status) for status in PROMPT_STATUSES}
@@ -71,8 +69,8 @@ class GroupPartition:
                 f"{self.count(FINISHED)} finished and {self.count(FAILURE)} failure prompt(s)"
                 + (f"; in flight: {', '.join(inflight)}" if inflight else ""))
 
-    def count(self, status: str) -> int:
-        return sum(len(uids) for uids in self.buckets[status].values())
+    def count(self, *statuses: str) -> int:
+        return sum(len(uids) for status in statuses for uids in self.buckets[status].values())
 
     def uids(self, *statuses: str, newest_first: bool = False) -> Iterator[str]:
         """uids of ``statuses``, oldest ``global_steps`` first, each step's in arrival order (or all reversed)."""
@@ -82,16 +80,10 @@ class GroupPartition:
                 uids = bucket.get(step, {})
                 yield from reversed(uids) if newest_first else uids
 
-    def oldest(self, statuses: Iterable[str], n: int, exclude: Iterable[str] = ()) -> list[str]:
-        """Up to ``n`` uids of ``statuses``, oldest prompt ``global_steps`` first, skipping ``exclude``."""
-        skipped = set(exclude)
-        return list(islice((uid for uid in self.uids(*statuses) if uid not in skipped), max(0, n)))
-
     def in_flight(self, limit: int) -> list[str]:
         """Up to ``limit`` prompts not yet terminal, newest ``global_steps`` and latest arrival first.
 
-        Those a waiting decision is likeliest to see finish soonest, which the
-        poller watches; a prompt of a step abandoned long ago is left out first.
+        The likeliest to finish soonest: the poller watches them while a decision waits.
         """
         return list(islice(self.uids(PENDING, RUNNING, newest_first=True), limit))
 
@@ -107,28 +99,8 @@ class GroupPartition:
     def trajectory_keys(self, uids: Iterable[str]) -> list[str]:
         return [key for uid in uids for key in self.trajectories.get(uid, ())]
 
-    def record_metric(self, uid: str, keys: list[str], value: float | None) -> bool:
-        """Keep the DAPO classification of a finished group read from ``keys``.
-
-        Refused (False) when the group is no longer finished or its
-        trajectories changed since they were read: it is read again.
-        """
-        if uid not in self.unclassified or list(self.trajectories.get(uid, ())) != keys:
-            return False
-        del self.unclassified[uid]
-        self.metric[uid] = value
-        if value is not None:
-            self.filtered[uid] = value
-        return True
-
-    def is_empty(self) -> bool:
-        return not (self.status or self.trajectories or self.invalid)
-
-    # -- maintenance (GroupIndex.on_change) -------------------------------------
-
     def _forget_metric(self, uid: str) -> None:
         # A group's trajectories changed: what was read of them is stale (a finished group's is read again).
-        self.metric.pop(uid, None)
         self.filtered.pop(uid, None)
         if self.status.get(uid) == FINISHED:
             self.unclassified[uid] = None
@@ -137,9 +109,12 @@ class GroupPartition:
         if tags.get("is_prompt"):
             status: Any = tags.get("status")
             step: Any = tags.get("global_steps")
-            problem = _prompt_problem(status, step)
-            if problem is not None:
-                self.invalid[key] = f"prompt {key!r} {problem}"
+            if not isinstance(status, str) or status not in PROMPT_STATUSES:
+                self.invalid[key] = (f"prompt {key!r} has unknown status {status!r} "
+                                     f"(expected one of {', '.join(PROMPT_STATUSES)})")
+                return
+            if not isinstance(step, int) or isinstance(step, bool):
+                self.invalid[key] = f"prompt {key!r} has no integer global_steps (got {step!r})"
                 return
             self.status[key] = status
             self.step[key] = step
@@ -176,48 +151,28 @@ class GroupPartition:
         self._forget_metric(uid)
 
 
-def _prompt_problem(status: Any, step: Any) -> str | None:
-    if not isinstance(status, str) or status not in _STATUS_SET:
-        return f"has unknown status {status!r} (expected one of {', '.join(PROMPT_STATUSES)})"
-    if not isinstance(step, int) or isinstance(step, bool):
-        return f"has no integer global_steps (got {step!r})"
-    return None
+def _group_tags(tags: Tags) -> tuple[Any, ...] | None:
+    return (tags.get("status"), tags.get("global_steps")) if tags.get("is_prompt") else None
 
-
-def _prompt_class(tags: Tags) -> tuple[Any, Any, Any] | None:
-    """What of a key's tags the index depends on (None: a trajectory)."""
-    if not tags.get("is_prompt"):
-        return None
-    return True, tags.get("status"), tags.get("global_steps")
-
-
-# What of a key's tags its group depends on.
-_GROUP_TAGS = ("is_prompt", "status", "global_steps")
 
 _EMPTY = GroupPartition()
 
 
 class GroupIndex:
-    """A store policy keeping every partition's groups (see the module docstring).
-
-    ``on_change`` never raises and never calls back into the store.
-    """
+    """A store policy keeping every partition's groups: ``on_change`` never raises nor calls back into the store."""
 
     def __init__(self) -> None:
         self._parts: dict[str, GroupPartition] = {}
-        #: changes seen, for stats and tests.
-        self.changes = 0
         #: partition -> the stamp of the last change of its groups. Dropped with the partition's last
         #: group: stamps only grow, so a partition that comes back never shows a version seen before.
         self._versions: dict[str, int] = {}
         self._stamp = 0
 
     def __repr__(self) -> str:
-        return f"<GroupIndex partitions={sorted(self._parts)} changes={self.changes}>"
+        return f"<GroupIndex partitions={sorted(self._parts)} stamp={self._stamp}>"
 
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
-        self.changes += 1
-        if old is not None and new is not None and _prompt_class(old) == _prompt_class(new):
+        if old is not None and new is not None and _group_tags(old) == _group_tags(new):
             return  # a trajectory's tags, or a prompt's other tags, changed: no group did
         part = self._parts.get(partition_id)
         if part is None:
@@ -229,18 +184,13 @@ class GroupIndex:
             part._unindex(key, old)
         if new is not None:
             part._index(key, new)
-        if part.is_empty():
+        if not (part.status or part.trajectories or part.invalid):
             del self._parts[partition_id]
             del self._versions[partition_id]
 
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """:meth:`on_change` of each key held before, in one call.
-
-        Keys whose group tags kept their values (found in C-level passes) changed no group.
-        """
-        moved = positions_that_differ(olds, news, _GROUP_TAGS)
-        self.changes += len(keys) - len(moved)
-        for i in moved:
+        """:meth:`on_change` of each key held before; those whose group tags kept their values changed no group."""
+        for i in positions_that_differ(olds, news, _GROUP_TAGS):
             self.on_change(partition_id, keys[i], olds[i], news[i])
 
     def partition(self, partition_id: str) -> GroupPartition:
@@ -248,17 +198,21 @@ class GroupIndex:
         return self._parts.get(partition_id, _EMPTY)
 
     def version(self, partition_id: str) -> int:
-        """A number that changes whenever the groups of ``partition_id`` change (0: it has none); under the lock.
-
-        Equal versions mean an equal view for every rule of :mod:`.rules`.
-        """
+        """Changes whenever what the rules read of ``partition_id`` changes (0: no groups); under the lock."""
         return self._versions.get(partition_id, 0)
 
     def record_metric(self, partition_id: str, uid: str, keys: list[str], value: float | None) -> bool:
-        """:meth:`GroupPartition.record_metric` in ``partition_id`` (False: it has no groups); under the lock."""
+        """Keep the DAPO classification of a finished group read from ``keys``; under the lock.
+
+        Refused (False) when the group is no longer finished or its
+        trajectories changed since they were read: it is read again.
+        """
         part = self._parts.get(partition_id)
-        if part is None or not part.record_metric(uid, keys, value):
+        if part is None or uid not in part.unclassified or list(part.trajectories.get(uid, ())) != keys:
             return False
+        del part.unclassified[uid]
+        if value is not None:
+            part.filtered[uid] = value
         self._touch(partition_id)  # the rules read the classification
         return True
 

@@ -1,28 +1,22 @@
 """verl's sampling rules over a :class:`~buffer.verl.groups.GroupPartition`: one decision per view.
 
-Every function here runs with the store lock held and does no I/O: it
-returns a :class:`Plan` (what to clear, how many prompts to refill, which
-groups to hand out) or ``None`` (nothing to do until something changes). The
-sampler carries a plan out with the lock released and decides again on a
-fresh view: verl's loop, with its ``sleep(poll_interval)`` replaced by a wait
-that wakes on the change.
+Every function here runs with the store lock held and does no I/O: it returns a
+:class:`Plan`, which the sampler carries out with the lock released, or ``None``
+(nothing to do until the view changes, where verl sleeps ``poll_interval``).
 
 Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
 
-=========  ====================  ==================================  =================================
-mode       stale (strategy drop)  DAPO (filter_groups_metric)         failure
-=========  ====================  ==================================  =================================
-sync       no-op                  evict k, refill credit 2k           kept (padded), or with
-                                                                      sync_refill_failed_groups: empty
-                                                                      failure groups evicted, refill k
-async      evict k, refill k      evict k, refill k                   evict k, refill k
-=========  ====================  ==================================  =================================
+- stale (strategy ``drop``): async evicts k and refills k; sync: no-op.
+- DAPO (``filter_groups_metric``): async evicts k and refills k; sync evicts k, refill credit 2k.
+- failure: async evicts k and refills k; sync keeps them (padded), or with ``sync_refill_failed_groups``
+  evicts the failure groups without trajectories and refills k.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from buffer.verl.config import SamplerConfig
@@ -53,14 +47,17 @@ class DrainState:
 
 @dataclass
 class Plan:
-    """One decision. Carried out in this order: fetch, error, evict, refill, select."""
+    """One decision. Carried out in this order: fetch, error, clear, refill, select."""
 
     #: uid -> trajectory keys whose DAPO metric must be read before deciding.
     fetch: dict[str, list[str]] = field(default_factory=dict)
     error: Exception | None = None
-    #: evicted groups and every key to clear for them (prompts and trajectories).
+    #: the groups evicted, how many of them for failure and for DAPO (verl's refills count them).
     evict: set[str] = field(default_factory=set)
-    evict_keys: list[str] = field(default_factory=list)
+    failed: int = 0
+    filtered: int = 0
+    #: every key to clear (prompts and trajectories): the evicted groups' and, in sync DAPO, the surplus's.
+    clear: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
     refill: int = 0
     #: sampleable groups reached the target (wait_for_sampleable).
@@ -69,104 +66,75 @@ class Plan:
     #: groups handed out (oldest first) and their trajectory keys.
     select: list[str] | None = None
     select_keys: list[str] = field(default_factory=list)
-    #: sync DAPO: terminal groups beyond the batch, cleared.
-    surplus: set[str] = field(default_factory=set)
-    surplus_keys: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _Reasons:
-    stale: set[str] = field(default_factory=set)
-    dapo: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
-
-    @property
-    def evicted(self) -> set[str]:
-        return self.stale | self.dapo | self.failed
-
-
-def _reasons(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | _Reasons:
-    """Why groups are evicted now, or a plan that must come first: a malformed prompt, or DAPO metrics to read."""
+def _evictions(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan:
+    """The groups evicted now, with verl's metrics; or a plan that must come first (an error, DAPO metrics to read)."""
     if part.invalid:
         return Plan(error=ValueError(f"Unknown status or malformed prompt in partition {partition_id!r}: "
                                      + "; ".join(list(part.invalid.values())[:5])))
     if config.dapo_on(partition_id) and part.unclassified:
         return Plan(fetch={uid: list(part.trajectories.get(uid, ())) for uid in part.unclassified})
-    reasons = _Reasons()
-    if partition_id == "val":
-        return reasons
-    if config.dapo_on(partition_id):
-        reasons.dapo = set(part.filtered)
-    if config.asynchronous:
+    stale: set[str] = set()
+    dapo: set[str] = set(part.filtered) if config.dapo_on(partition_id) else set()
+    failed: set[str] = set()
+    if partition_id != "val" and config.asynchronous:
         if config.max_off_policy_strategy == "drop" and config.max_off_policy_threshold is not None:
             # Span global_steps - step + 1 above the threshold: step < global_steps + 1 - threshold.
-            reasons.stale = set(part.older_than(FINISHED, global_steps + 1 - config.max_off_policy_threshold))
-        reasons.failed = set(part.uids(FAILURE))
-    elif config.sync_refill_failed_groups:
-        reasons.failed = {uid for uid in part.uids(FAILURE) if uid not in part.trajectories}
-    return reasons
-
-
-def _eviction_plan(part: GroupPartition, partition_id: str, global_steps: int, reasons: _Reasons) -> Plan:
-    evicted = reasons.evicted
-    plan = Plan(evict=evicted)
-    if not evicted:
+            stale = set(part.older_than(FINISHED, global_steps + 1 - config.max_off_policy_threshold))
+        failed = set(part.uids(FAILURE))
+    elif partition_id != "val" and config.sync_refill_failed_groups:
+        failed = {uid for uid in part.uids(FAILURE) if uid not in part.trajectories}
+    plan = Plan(evict=stale | dapo | failed, failed=len(failed), filtered=len(dapo))
+    if not plan.evict:
         return plan
-    plan.evict_keys = [*evicted, *part.trajectory_keys(evicted)]
+    plan.clear = [*plan.evict, *part.trajectory_keys(plan.evict)]
     prefix = metrics_prefix(partition_id)
-    if reasons.stale:
-        spans = [float(global_steps - part.step[uid] + 1) for uid in reasons.stale]
+    if stale:
+        spans = [float(global_steps - part.step[uid] + 1) for uid in stale]
         plan.metrics.update({
             f"{prefix}/off_policy/evicted_samples": len(spans),
             f"{prefix}/off_policy/evicted_samples_staleness/mean": sum(spans) / len(spans),
             f"{prefix}/off_policy/evicted_samples_staleness/max": max(spans),
             f"{prefix}/off_policy/evicted_samples_staleness/min": min(spans),
         })
-    if reasons.dapo:
-        plan.metrics[f"{prefix}/filter_groups/evicted_samples"] = len(reasons.dapo)
-        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(Counter(part.filtered[uid] for uid in reasons.dapo))
-    if reasons.failed:
-        plan.metrics[f"{prefix}/rollout_failure/evicted_samples"] = len(reasons.failed)
+    if dapo:
+        plan.metrics[f"{prefix}/filter_groups/evicted_samples"] = len(dapo)
+        plan.metrics[DAPO_FILTERED_REWARD_COUNTS_KEY] = dict(Counter(part.filtered[uid] for uid in dapo))
+    if failed:
+        plan.metrics[f"{prefix}/rollout_failure/evicted_samples"] = len(failed)
     return plan
 
 
-def _terminal_count(part: GroupPartition) -> int:
-    return part.count(FINISHED) + part.count(FAILURE)
-
-
 def _select(part: GroupPartition, plan: Plan, n: int) -> None:
-    plan.select = part.oldest(TERMINAL, n, exclude=plan.evict)
+    plan.select = list(islice((uid for uid in part.uids(*TERMINAL) if uid not in plan.evict), n))
     plan.select_keys = part.trajectory_keys(plan.select)
 
 
 def sampleable_count(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int) -> Plan | int:
     """Terminal groups the rules would not evict (or a plan to read DAPO metrics first)."""
-    reasons = _reasons(part, config, partition_id, global_steps)
-    if isinstance(reasons, Plan):
-        return reasons
-    return _terminal_count(part) - len(reasons.evicted)
+    plan = _evictions(part, config, partition_id, global_steps)
+    return plan if plan.fetch or plan.error else part.count(*TERMINAL) - len(plan.evict)
 
 
 def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, batch_size: int,
               state: DrainState) -> Plan | None:
     """One step of verl's synchronous ``sample()``; ``state`` carries DAPO's refill credit."""
-    reasons = _reasons(part, config, partition_id, global_steps)
-    if isinstance(reasons, Plan):
-        return reasons
-    plan = _eviction_plan(part, partition_id, global_steps, reasons)
-    has_enough = _terminal_count(part) - len(plan.evict) >= batch_size
-    inflight = part.count(PENDING) + part.count(RUNNING)
-    failed = len(reasons.failed)
+    plan = _evictions(part, config, partition_id, global_steps)
+    if plan.fetch or plan.error:
+        return plan
+    has_enough = part.count(*TERMINAL) - len(plan.evict) >= batch_size
+    inflight = part.count(*INFLIGHT)
     dapo = config.dapo_on(partition_id)
-    if not dapo and failed and not has_enough:
-        plan.refill = failed
+    if not dapo and plan.failed and not has_enough:
+        plan.refill = plan.failed
         return plan
     if dapo:
         if has_enough:
             # Enough: stop dispatching and drain what is in flight under this policy version.
             state.draining, state.credit = True, 0
         elif not state.draining:
-            state.credit += 2 * len(reasons.dapo) + failed
+            state.credit += 2 * plan.filtered + plan.failed
         if not state.draining and state.credit > 0:
             assert config.train_batch_size is not None and config.gen_batch_size is not None
             slots = max(0, config.max_inflight_gen_batches * config.train_batch_size - inflight)
@@ -181,8 +149,10 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
         if dapo:
             # Sync stays bufferless: what is terminal beyond the batch is discarded.
             chosen = set(plan.select or ())
-            plan.surplus = {uid for uid in part.uids(*TERMINAL) if uid not in chosen and uid not in plan.evict}
-            plan.surplus_keys = [*plan.surplus, *part.trajectory_keys(plan.surplus)]
+            surplus = {uid for uid in part.uids(*TERMINAL) if uid not in chosen and uid not in plan.evict}
+            if surplus:
+                plan.clear += [*surplus, *part.trajectory_keys(surplus)]
+                plan.metrics[f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"] = len(surplus)
         return plan
     return plan if plan.evict else None
 
@@ -190,10 +160,9 @@ def plan_sync(part: GroupPartition, config: SamplerConfig, partition_id: str, gl
 def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, global_steps: int, target: int,
                select: bool) -> Plan | None:
     """One step of verl's ``wait_for_sampleable()`` (and, with ``select``, of ``sample()``)."""
-    reasons = _reasons(part, config, partition_id, global_steps)
-    if isinstance(reasons, Plan):
-        return reasons
-    plan = _eviction_plan(part, partition_id, global_steps, reasons)
+    plan = _evictions(part, config, partition_id, global_steps)
+    if plan.fetch or plan.error:
+        return plan
     if plan.evict:
         plan.refill = len(plan.evict) if config.refill_fn is not None else 0
         return plan
@@ -203,7 +172,7 @@ def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, g
         oldest = part.min_step(INFLIGHT)
         if oldest is not None and global_steps - oldest + 1 >= config.max_off_policy_threshold:
             return None
-    if _terminal_count(part) < target:
+    if part.count(*TERMINAL) < target:
         return None
     plan.ready = True
     if select:
@@ -214,10 +183,7 @@ def plan_async(part: GroupPartition, config: SamplerConfig, partition_id: str, g
 
 
 def classify(values: list[float]) -> float | None:
-    """The value a group's trajectories all share (DAPO filters it), or None when they differ.
-
-    A group of one trajectory always has signal (verl: ``len > 1 and std == 0``).
-    """
+    """The value all of a group's trajectories share (DAPO filters it), else None; one trajectory has signal."""
     if len(values) > 1 and all(value == values[0] for value in values):
         return float(values[0])
     return None
@@ -226,8 +192,7 @@ def classify(values: list[float]) -> float | None:
 def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any]) -> None:
     """Fold one decision's eviction metrics into ``acc`` the way verl does.
 
-    Counts add up; the staleness mean stays a per-sample mean (weighted by the
-    stale samples evicted), max/min stay extremes, and the DAPO value table merges.
+    Counts add up, the staleness mean stays a per-sample mean, max/min stay extremes, the DAPO table merges.
     """
     stale_key = next((key for key in new if key.endswith("/off_policy/evicted_samples")), None)
     before = acc.get(stale_key, 0) if stale_key else 0
@@ -241,8 +206,6 @@ def accumulate_metrics(acc: dict[str, Any], new: dict[str, Any]) -> None:
         elif key.endswith("/evicted_samples_staleness/min"):
             acc[key] = min(acc.get(key, value), value)
         elif key == DAPO_FILTERED_REWARD_COUNTS_KEY:
-            merged = Counter(acc.get(key, {}))
-            merged.update(value)
-            acc[key] = dict(merged)
+            acc[key] = dict(Counter(acc.get(key, {})) + Counter(value))
         else:
             acc[key] = acc.get(key, 0) + value

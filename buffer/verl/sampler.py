@@ -15,24 +15,22 @@ from buffer.verl.rules import (
     DrainState,
     Plan,
     accumulate_metrics,
-    metrics_prefix,
     plan_async,
     plan_sync,
     sampleable_count,
 )
-from buffer.verl.store import SamplerLifecycle
+from buffer.verl.store import StoreLink
 
 __all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync"]
 
 #: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
 Decision = Union[Plan, int]
 
-# A read-your-writes wait started ahead gives up after this long; the next call then waits itself
-# (with its own deadline).
+# A read-your-writes wait started ahead gives up after this long; the next call then waits itself.
 _FRESH_VIEW_AHEAD_TIMEOUT = 60.0
 
-#: The most prompts a waiting call has its poller watch (poller.polling), the newest first: a read of them costs
-#: TransferQueue's controller ~0.3 ms (one key: ~0.26 ms; 256: ~0.6 ms), a fraction of a listing at 100k keys.
+#: The most prompts a waiting call has its poller watch (poller.polling), newest first: reading them costs
+#: TransferQueue's controller ~0.3 ms, a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 
 #: With no listings between calls, a call first asks for one unless the store was listed this recently:
@@ -45,9 +43,7 @@ class ReplayBuffer:
 
     Takes verl's constructor (keywords, or positions as verl's built-in
     class); verl's options may also come in ``sampler_kwargs``, with this
-    sampler's own (:data:`~buffer.verl.config.SAMPLER_KWARGS`: ``sample_timeout``,
-    ``log_interval``, ``wait_poll_interval``, ``source``, ``source_kwargs``,
-    and the buffer's ``start_timeout``, ``close_timeout``, ``max_restarts``).
+    sampler's own (:data:`~buffer.verl.config.SAMPLER_KWARGS`; docs/verl.md, "sampler_kwargs").
 
     ``max_off_policy_threshold=None`` turns off-policy version control off,
     as in verl 0.9.1: no staleness drop (``drop``), no staleness wait (``wait``).
@@ -83,13 +79,11 @@ class ReplayBuffer:
                                        max_off_policy_threshold=max_off_policy_threshold,
                                        max_off_policy_strategy=max_off_policy_strategy,
                                        sampler_kwargs=sampler_kwargs, refill_fn=refill_fn, given=given)
-        # The one options record, read where an option is needed (verl's attributes too, __getattr__).
-        self._config = config
+        self._config = config  # verl's attributes too are read from it (__getattr__)
         self.trainer_config = trainer_config
         self.sampler_kwargs = sampler_kwargs
         self._index = GroupIndex()
-        # The buffer and the store client, started by the first call that needs them.
-        self._lifecycle = SamplerLifecycle(config, self._index)
+        self._store = StoreLink(config, self._index)
         self._needs_fresh_view = False
         self._fresh_view_ahead: SyncAhead | None = None
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0,
@@ -103,21 +97,17 @@ class ReplayBuffer:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        started = self._lifecycle.started
-        buffer = started.buffer if started is not None else None
-        state = "closed" if self._lifecycle.closed else ("running" if buffer is not None else "not started")
+        buffer = self._store.buffer
+        state = "closed" if self._store.closed else ("running" if buffer is not None else "not started")
         return (f"<{type(self).__name__} mode={self.trainer_mode!r} {state} "
                 f"poll_interval={self._config.poll_interval:g}s buffer={buffer!r}>")
-
-    # -- verl's methods -------------------------------------------------------------------
 
     def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
         """Hand out ``batch_size`` whole groups, oldest ``global_steps`` first, after the mode's evictions.
 
         Returns every trajectory of the chosen groups with its tags (a
         ``KVBatchMeta``) and the eviction metrics accrued while waiting. The
-        chosen prompt keys are cleared in the store; the trajectories are left
-        for the trainer to clear after its step.
+        chosen prompt keys are cleared; the trainer clears the trajectories after its step.
 
         Raises:
             TimeoutError: ``sample_timeout`` passed (the message names the prompts in flight).
@@ -127,20 +117,26 @@ class ReplayBuffer:
             PollerCrashed, BufferClosed: the poller is dead for good / the sampler was closed.
         """
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        state = DrainState()
-        plan, metrics = self._run(what, partition_id, lambda part: plan_sync(part, self._config, partition_id,
-                                                                             global_steps, batch_size, state))
+        config, state = self._config, DrainState()
+        plan, metrics = self._run(what, partition_id, lambda part: (
+            plan_async(part, config, partition_id, global_steps, batch_size, True) if config.asynchronous
+            else plan_sync(part, config, partition_id, global_steps, batch_size, state)))
         assert isinstance(plan, Plan) and plan.select is not None
-        if plan.surplus:
-            self._clear(partition_id, plan.surplus_keys)
-            key = f"{metrics_prefix(partition_id)}/filter_groups/discarded_surplus_samples"
-            metrics[key] = metrics.get(key, 0) + len(plan.surplus)
-        if partition_id != "val" and not plan.select_keys:
+        if not config.asynchronous and partition_id != "val" and not plan.select_keys:
             message = "Sync replay buffer selected terminal groups with no materializable trajectories."
-            if not self._config.sync_refill_failed_groups:
+            if not config.sync_refill_failed_groups:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
             raise RuntimeError(message)
-        return self._materialize(partition_id, plan.select, plan.select_keys), metrics
+        seam = self._store.start().seam
+        held = seam.tags(partition_id, plan.select_keys)
+        keys = [key for key in plan.select_keys if key in held]
+        self._clear(partition_id, plan.select)
+        self._counters["batches"] += 1
+        # The next call must see a listing that began after this clear: have it run during the training step.
+        # It also settles the clear: a removed key stays hidden until a listing no longer shows it, and that
+        # listing must come before the store could hold the key again.
+        self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
+        return self._store.batch(partition_id, keys, [held[key] for key in keys]), metrics
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
@@ -152,21 +148,20 @@ class ReplayBuffer:
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; idempotent. verl never calls it: the finalizer does."""
-        report = self._lifecycle.close(timeout)
+        report = self._store.close(timeout)
         if self._fresh_view_ahead is not None:
             self._fresh_view_ahead.done(1.0)  # ends with BufferClosed
         return report
 
     def stats(self) -> dict[str, Any]:
         """The buffer's ``stats()`` (once started) plus this sampler's counters and groups by status."""
-        started = self._lifecycle.running()
-        out: dict[str, Any] = {"started": started is not None, **self._counters,
-                               "index_changes": self._index.changes,
-                               "lists_between_calls": self._lifecycle.lists_between_calls}
-        if started is not None:
-            out.update(started.buffer.stats())
-            out["groups"] = started.seam.look(lambda: {pid: self._index.partition(pid).counts()
-                                                       for pid in self._index.partition_ids()})
+        buffer = self._store.running()
+        out: dict[str, Any] = {"started": buffer is not None, **self._counters,
+                               "lists_between_calls": self._store.lists_between_calls}
+        if buffer is not None:
+            out.update(buffer.stats())
+            out["groups"] = buffer.seam.look(lambda: {pid: self._index.partition(pid).counts()
+                                                      for pid in self._index.partition_ids()})
         return out
 
     def __enter__(self) -> ReplayBuffer:
@@ -174,8 +169,6 @@ class ReplayBuffer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    # -- deciding and carrying out ------------------------------------------------------------
 
     def _run(self, what: str, partition_id: str,
              rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:
@@ -190,29 +183,23 @@ class ReplayBuffer:
 
     def _decide(self, what: str, partition_id: str, deadline: float | None,
                 rule: Callable[[GroupPartition], Decision | None]) -> Decision:
-        """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed.
-
-        While it waits, the poller lists every ``wait_poll_interval``, and the
-        counts in flight are logged every ``log_interval``.
-        """
-        seam = self._lifecycle.start(partition_id).seam
+        """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed."""
+        seam = self._store.start(partition_id).seam
         ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
         # First, before waiting on a listing of a controller the trainer may have replaced.
-        switched = self._lifecycle.follow()
+        switched = self._store.follow()
         if switched:
-            # The new controller's first complete listing began after this call and no decision is made
-            # before it is applied: that view is fresh. The sync ahead settled clears on the old one: dropped
-            # (the new poller answers it, or close() ends it).
+            # No decision is made before the new controller's first complete listing, which began after this
+            # call: that view is fresh. The sync ahead, on the old controller, is dropped.
             self._needs_fresh_view = False
         elif ahead is not None and self._needs_fresh_view:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._needs_fresh_view = not ahead.done(remaining)
         # After the sync ahead: its listing may predate a partition new to the poller.
-        if self._lifecycle.include(partition_id):
+        if self._store.include(partition_id):
             self._needs_fresh_view = True
-        # Without listings between calls, a view older than any verl's sampler acts on is refreshed first:
-        # verl's lists the store at the start of each call.
-        if self._needs_fresh_view or (not switched and not self._lifecycle.lists_between_calls
+        # Without listings between calls, a view older than any verl's own sampler acts on is refreshed first.
+        if self._needs_fresh_view or (not switched and not self._store.lists_between_calls
                                       and seam.view_age() > FRESH_VIEW_SECONDS):
             self._read_your_writes(what, deadline)
 
@@ -242,8 +229,8 @@ class ReplayBuffer:
             return True
         if plan.error is not None:
             raise plan.error
-        if plan.evict:
-            self._clear(partition_id, plan.evict_keys)
+        if plan.clear:
+            self._clear(partition_id, plan.clear)
             accumulate_metrics(metrics, plan.metrics)
         if plan.refill:
             assert self._config.refill_fn is not None
@@ -254,8 +241,8 @@ class ReplayBuffer:
         return plan.select is None and not plan.ready
 
     def _read_your_writes(self, what: str, deadline: float | None) -> None:
-        """Read your writes: wait for a listing that began after this call (the sampler's own clears, refills)."""
-        seam = self._lifecycle.start().seam
+        """Wait for a listing that began after this call: it shows the sampler's own clears and refills."""
+        seam = self._store.start().seam
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._counters["syncs"] += 1
         try:
@@ -266,35 +253,23 @@ class ReplayBuffer:
 
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
-        started = self._lifecycle.start()
-        started.clear(partition_id, keys)
-        started.seam.remove(partition_id, keys)
+        seam = self._store.start().seam
+        self._store.clear(partition_id, keys)
+        seam.remove(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (outside the lock) and record it in the index."""
-        started = self._lifecycle.start()
+        seam = self._store.start().seam
         assert self._config.filter_groups_metric is not None
-        classes = started.classify(partition_id, groups, self._config.filter_groups_metric)
+        classes = self._store.classify(partition_id, groups, self._config.filter_groups_metric)
 
         def record() -> None:  # refused for a group whose trajectories changed since: it is read again
             for uid, (keys, value) in classes.items():
                 self._index.record_metric(partition_id, uid, keys, value)
 
-        started.seam.look(record)
-
-    def _materialize(self, partition_id: str, uids: list[str], keys: list[str]) -> Any:
-        started = self._lifecycle.start()
-        held = started.seam.tags(partition_id, keys)
-        keys = [key for key in keys if key in held]
-        self._clear(partition_id, uids)
-        self._counters["batches"] += 1
-        # The next call must see a listing that began after this clear: have it run during the training step.
-        # It also settles the clear: a key removed here is hidden until a listing no longer shows it, so
-        # that listing must come before the store could hold the key again.
-        self._fresh_view_ahead = SyncAhead(started.seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
-        return started.batch(partition_id, keys, [held[key] for key in keys])
+        seam.look(record)
 
 
 class ReplayBufferAsync(ReplayBuffer):
@@ -313,12 +288,3 @@ class ReplayBufferAsync(ReplayBuffer):
                                                                               global_steps, target_count, False))
         assert isinstance(plan, Plan)
         return plan.sampleable, metrics
-
-    def sample(self, global_steps: int, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
-        what = check_verl_call("sample", global_steps, partition_id, batch_size)
-        plan, metrics = self._run(what, partition_id, lambda part: plan_async(part, self._config, partition_id,
-                                                                              global_steps, batch_size, True))
-        assert isinstance(plan, Plan) and plan.select is not None
-        return self._materialize(partition_id, plan.select, plan.select_keys), metrics
-
-    sample.__doc__ = ReplayBuffer.sample.__doc__

@@ -1,14 +1,10 @@
 """The verl sampler's link to its store: the buffer whose poller lists it, and the client of its own calls.
 
 Constructing the sampler does no I/O, so a trainer whose constructor fails
-after building it leaks nothing: :class:`SamplerLifecycle` starts both on the
-first call, and a finalizer shuts both down when the sampler is dropped
-(verl never calls ``close()``). The sampler's own clears and DAPO reads go
-through ``transfer_queue``'s module functions on TransferQueue (the default
-source), elsewhere through an instance built from the same spec and kwargs.
-On TransferQueue the poller lists, as verl's own sampler does, only when a
-call needs it, only the partitions it was asked about, and the controller
-the trainer's client uses now.
+after building it leaks nothing: both start on the first call, and a
+finalizer shuts both down when the sampler is dropped (verl never calls
+``close()``). The client is ``transfer_queue``'s module on TransferQueue (the
+default source), elsewhere a source built from the same spec and kwargs.
 """
 
 from __future__ import annotations
@@ -20,7 +16,8 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 from buffer.errors import BufferClosed
 from buffer.process import ShutdownReport
@@ -30,19 +27,19 @@ from buffer.verl.groups import GroupIndex
 from buffer.verl.rules import classify
 from poller.wire.sources import SourceSpec, describe_spec, load_source, resolve_spec
 
-__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "SamplerLifecycle", "StoreLink", "VerlBatch"]
+__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "StoreLink", "VerlBatch"]
 
 logger = logging.getLogger(__name__)
 
-#: The poller's TransferQueue source, named by spec: the trainer imports no poller module but the wire.
+#: The poller's TransferQueue source, and its arguments looked up in the trainer's live TransferQueue
+#: (``source_kwargs(conf, **options)``), named by spec: the trainer imports no poller module but the wire.
 TRANSFERQUEUE = "poller.sources.transferqueue:TransferQueueSource"
-#: Its source arguments from the trainer's live TransferQueue (the public ``source_kwargs(conf, **options)``).
 _TRANSFERQUEUE_KWARGS = "poller.sources.transferqueue:source_kwargs"
 #: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
 CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
 
-#: The poller's own schedule when it does not list between calls: the calls ask for every listing
-#: they need (a SYNC), and the store is not listed while the trainer trains.
+#: The poller's schedule when it does not list between calls: the calls ask for each listing they need (a SYNC),
+#: and the store is not listed while the trainer trains.
 QUIET_POLL_INTERVAL = 3600.0
 
 #: The DAPO metric read from the ``rm_scores`` field (verl 0.9.1's FILTER_GROUPS_REWARD_METRIC).
@@ -68,144 +65,36 @@ class VerlBatch:
 
 
 class StoreLink:
-    """A started sampler's buffer and the client of its own clears and reads (no reference to the sampler)."""
-
-    def __init__(self, buffer: ReplayBuffer, client: Any, owned: bool, transferqueue: bool) -> None:
-        self.buffer = buffer
-        self.seam = buffer.seam
-        self.client = client
-        self._owned = owned  # whether the client was built here (and is closed here)
-        self._transferqueue = transferqueue
-        # Whether a kv_clear naming a key already gone may clear nothing (TransferQueue 0.1.8): then every
-        # clear is checked by listing.
-        self.verify_clears = _tq_version() == "0.1.8" if transferqueue else \
-            bool(getattr(client, "clear_is_all_or_nothing", False))
-
-    def close(self) -> None:
-        try:
-            self.buffer.close()
-        finally:
-            _close_client(self.client, self._owned)
-
-    def controller(self) -> Any | None:
-        """The controller info (a ``ZMQServerInfo``) of the ``transfer_queue`` module's current client, or None.
-
-        TransferQueue (0.1.8-0.1.11) keeps it in the private ``_controller``;
-        None without it, and between ``tq.close()`` and the next ``tq.init()``.
-        """
-        get_client = getattr(self.client, "get_client", None)
-        if not callable(get_client):
-            return None
-        try:
-            current = get_client()
-        except AssertionError:  # TransferQueue's words for "not initialised" (after tq.close())
-            return None
-        return getattr(current, "_controller", None)
-
-    def clear(self, partition_id: str, keys: list[str]) -> None:
-        """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
-
-        On TransferQueue 0.1.8 (0.1.9 made it idempotent) a clear naming a key
-        already gone clears nothing at all. So with ``verify_clears``, and after
-        any failed clear, the partition is listed once and the keys still
-        present are cleared again; a store that cannot clear them still raises.
-        """
-        if not keys:
-            return
-        try:
-            self.client.kv_clear(keys=keys, partition_id=partition_id)
-            if not self.verify_clears:
-                return
-        except Exception as exc:
-            logger.debug("kv_clear of %d keys in %r failed (%s): clearing those still there", len(keys),
-                         partition_id, exc)
-        held = (self.client.kv_list(partition_id) or {}).get(partition_id, {})
-        present = [key for key in keys if key in held]
-        if present:
-            self.client.kv_clear(keys=present, partition_id=partition_id)
-
-    def classify(self, partition_id: str, groups: dict[str, list[str]],
-                 metric: str) -> dict[str, tuple[list[str], float | None]]:
-        """uid -> (the trajectory keys read, the value DAPO filters on or None), for finished groups.
-
-        Raises:
-            RuntimeError: a group has no trajectory, or one without the metric (verl's error).
-        """
-        keys = [key for group_keys in groups.values() for key in group_keys]
-        values = iter(self._read_metric(partition_id, keys, metric))
-        classes: dict[str, tuple[list[str], float | None]] = {}
-        missing = []
-        for uid, group_keys in groups.items():
-            group_values = [next(values) for _ in group_keys]
-            present = [value for value in group_values if value is not None]
-            if not group_values or len(present) != len(group_values):
-                missing.append(uid)
-            else:
-                classes[uid] = (group_keys, classify(present))
-        if missing:
-            raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
-        return classes
-
-    def _read_metric(self, partition_id: str, keys: list[str], metric: str) -> list[float | None]:
-        """Each key's DAPO value (None where it is missing).
-
-        ``"reward"``: the key's ``rm_scores`` summed (verl 0.9.1's pre-KL
-        reward) by its own ``.sum()`` (a tensor: no torch import here) or as a
-        list. Any other name: ``extra_fields["reward_extra_info"][metric]``.
-        """
-        if not keys:
-            return []
-        field_name = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
-        data = self.client.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[field_name])
-        column = list(data[field_name])
-        if len(column) != len(keys):
-            raise RuntimeError(f"kv_batch_get returned {len(column)} {field_name} for {len(keys)} keys")
-        if field_name == "rm_scores":
-            return [_summed(scores) for scores in column]
-        values: list[float | None] = []
-        for extra in column:
-            extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
-            info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
-            values.append(float(info[metric]) if isinstance(info, dict) and metric in info else None)
-        return values
-
-    def batch(self, partition_id: str, keys: list[str], tags: list[dict[str, Any]]) -> Any:
-        """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
-        if self._transferqueue or "transfer_queue" in sys.modules:
-            meta = importlib.import_module("transfer_queue").KVBatchMeta
-            return meta(partition_id=partition_id, keys=keys, tags=tags)
-        return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
-
-
-class SamplerLifecycle:
-    """Starts a verl sampler's buffer (``index`` attached) and client on first use; shuts both down once."""
+    """A verl sampler's buffer (``index`` attached) and the client of its own clears and reads (module docstring)."""
 
     def __init__(self, config: SamplerConfig, index: GroupIndex) -> None:
         self._config = config
         self._index = index
         self._lock = threading.Lock()
-        # A store without a change feed (TransferQueue) is listed whole each time, and its controller is
-        # shared by every rollout worker: verl's own sampler lists it only inside its calls.
+        # TransferQueue has no change feed and its controller serves every rollout worker: verl's own sampler
+        # lists it only inside its calls, only the partitions asked about, so does this by default.
         self._follows = _is_transferqueue(config.source)
         self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
                                     else not self._follows)
-        self.started: StoreLink | None = None
+        self.buffer: ReplayBuffer | None = None
         self.closed = False
         self._finalizer: weakref.finalize | None = None
+        self._client: Any = None
+        # Whether a kv_clear naming a key already gone may clear nothing (see clear()).
+        self._verify_clears = False
         # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
         self._listed: set[str] | None = None
-        # On TransferQueue: the controller address the poller lists, and the client's controller info last
-        # compared with it (the same object again needs no comparison).
+        # On TransferQueue: the controller address listed, and the client's controller info last compared with it.
         self._address: str | None = None
         self._compared: Any = None
 
-    def start(self, partition_id: str | None = None) -> StoreLink:
+    def start(self, partition_id: str | None = None) -> ReplayBuffer:
         """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition)."""
         with self._lock:
             if self.closed:
                 raise BufferClosed("the sampler is closed")
-            if self.started is not None:
-                return self.started
+            if self.buffer is not None:
+                return self.buffer
             config = self._config
             spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
             self._listed = {partition_id} if chosen and partition_id is not None else None
@@ -217,85 +106,144 @@ class SamplerLifecycle:
             except BaseException:
                 _close_client(client, owned)
                 raise
-            link = StoreLink(buffer, client, owned, self._follows)
             # Tied to this object, which only the sampler holds: dropping the sampler runs it.
-            self._finalizer = weakref.finalize(self, link.close)
+            self._finalizer = weakref.finalize(self, _shut_down, buffer, client, owned)
             try:
                 buffer.seam.attach(self._index)
             except BaseException:
                 self._finalizer()
                 raise
-            self.started = link
+            self._client = client
+            self._verify_clears = _tq_version() == "0.1.8" if self._follows else \
+                bool(getattr(client, "clear_is_all_or_nothing", False))
+            self.buffer = buffer
             logger.debug("verl sampler started: %r", buffer)
-            return link
+            return buffer
 
-    def running(self) -> StoreLink | None:
-        """What was started (``None``: nothing yet), without starting it."""
+    def running(self) -> ReplayBuffer | None:
+        """The buffer started (``None``: nothing yet), without starting it."""
         with self._lock:
             if self.closed:
                 raise BufferClosed("the sampler is closed")
-            return self.started
+            return self.buffer
 
     def follow(self) -> bool:
-        """On TransferQueue: move the poller to the controller the trainer's TransferQueue client uses now.
+        """On TransferQueue: move the poller to the controller the trainer's client uses now; True when it moved.
 
-        verl's own sampler lists through that client, so it follows
-        ``tq.close()`` and ``tq.init()`` (a new controller, a new port); so does
-        this, by :meth:`buffer.ReplayBuffer.switch_source`, after which no
-        decision is made until the new controller's first complete listing
-        dropped the old one's keys. True when it moved.
+        verl's own sampler lists through that client, so it follows ``tq.close()`` and ``tq.init()`` (a new
+        controller, a new port); so does this, by :meth:`buffer.ReplayBuffer.switch_source`.
         """
-        started = self.started
-        if started is None or not self._follows:
+        buffer = self.buffer
+        if buffer is None or not self._follows:
             return False
-        info = started.controller()
+        get_client = getattr(self._client, "get_client", None)
+        try:  # TransferQueue 0.1.8-0.1.11 keep the client's controller info in the private _controller
+            info = getattr(get_client(), "_controller", None) if callable(get_client) else None
+        except AssertionError:  # TransferQueue's words for "not initialised" (between tq.close() and tq.init())
+            return False
         with self._lock:
             if info is None or info is self._compared:
                 return False
             self._compared = info
-            kwargs = _transferqueue_kwargs(info)
+            kwargs = resolve_spec(_TRANSFERQUEUE_KWARGS)(info)
             changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
             if changes["address"] == self._address:
                 return False
             old, self._address = self._address, changes["address"]
         logger.info("the trainer's TransferQueue client uses the controller at %s: the poller moves there from %s",
                     changes["address"], old)
-        started.buffer.switch_source(changes)
+        buffer.switch_source(changes)
         return True
 
     def include(self, partition_id: str) -> bool:
-        """Have the poller list ``partition_id`` too (verl names its partitions only in its calls).
-
-        True when it joined: the next decision must wait for a listing that includes it.
-        """
+        """Have the poller list ``partition_id`` too (verl names partitions only in its calls); True if it joined."""
         if self._listed is None or partition_id in self._listed:
             return False
-        assert self.started is not None  # _listed is set as the buffer starts
-        self.started.buffer.include_partitions([partition_id])
+        assert self.buffer is not None  # _listed is set as the buffer starts
+        self.buffer.include_partitions([partition_id])
         self._listed.add(partition_id)
         return True
+
+    def clear(self, partition_id: str, keys: list[str]) -> None:
+        """Clear ``keys`` in the store: afterwards none of them is there, whoever cleared one first.
+
+        On TransferQueue 0.1.8 a clear naming a key already gone clears nothing
+        at all. So with ``_verify_clears``, and after any failed clear, the keys
+        still listed are cleared again; a store that cannot clear them raises.
+        """
+        if not keys:
+            return
+        try:
+            self._client.kv_clear(keys=keys, partition_id=partition_id)
+            if not self._verify_clears:
+                return
+        except Exception as exc:
+            logger.debug("kv_clear of %d keys in %r failed (%s): clearing those still there", len(keys),
+                         partition_id, exc)
+        held = (self._client.kv_list(partition_id) or {}).get(partition_id, {})
+        present = [key for key in keys if key in held]
+        if present:
+            self._client.kv_clear(keys=present, partition_id=partition_id)
+
+    def classify(self, partition_id: str, groups: dict[str, list[str]],
+                 metric: str) -> dict[str, tuple[list[str], float | None]]:
+        """uid -> (the trajectory keys read, the value DAPO filters on or None), for finished groups.
+
+        ``"reward"`` is each key's ``rm_scores`` summed (verl 0.9.1's pre-KL reward) by its own ``.sum()``
+        (no torch import here); any other metric is ``extra_fields["reward_extra_info"][metric]``.
+
+        Raises:
+            RuntimeError: a group has no trajectory, or one without the metric (verl's error).
+        """
+        keys = [key for group_keys in groups.values() for key in group_keys]
+        field_name = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
+        column = list(self._client.kv_batch_get(keys=keys, partition_id=partition_id,
+                                                select_fields=[field_name])[field_name]) if keys else []
+        if len(column) != len(keys):
+            raise RuntimeError(f"kv_batch_get returned {len(column)} {field_name} for {len(keys)} keys")
+        read = _summed if field_name == "rm_scores" else partial(_extra_metric, metric=metric)
+        values = iter([read(value) for value in column])
+        classes: dict[str, tuple[list[str], float | None]] = {}
+        missing = []
+        for uid, group_keys in groups.items():
+            group_values = [next(values) for _ in group_keys]
+            if not group_values or None in group_values:
+                missing.append(uid)
+            else:
+                classes[uid] = (group_keys, classify(cast("list[float]", group_values)))
+        if missing:
+            raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
+        return classes
+
+    def batch(self, partition_id: str, keys: list[str], tags: list[dict[str, Any]]) -> Any:
+        """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
+        if self._follows or "transfer_queue" in sys.modules:
+            meta = importlib.import_module("transfer_queue").KVBatchMeta
+            return meta(partition_id=partition_id, keys=keys, tags=tags)
+        return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and close the client; idempotent. Nothing started: a ``no-poller`` report."""
         with self._lock:
             self.closed = True
-            started, finalizer = self.started, self._finalizer
-        if started is None:
+            buffer, finalizer = self.buffer, self._finalizer
+        if buffer is None:
             return ShutdownReport("no-poller", 0.0, None, False)
-        report = started.buffer.close(timeout)
+        report = buffer.close(timeout)
         if finalizer is not None:
             finalizer()
         return report
 
 
+def _shut_down(buffer: ReplayBuffer, client: Any, owned: bool) -> None:
+    try:
+        buffer.close()
+    finally:
+        _close_client(client, owned)
+
+
 def _is_transferqueue(source: SourceSpec | None) -> bool:
     return source is None or source == TRANSFERQUEUE
-
-
-def _transferqueue_kwargs(conf: Any, **options: Any) -> dict[str, Any]:
-    """The TransferQueue source's arguments, the controller's address looked up here, in the trainer."""
-    kwargs: dict[str, Any] = resolve_spec(_TRANSFERQUEUE_KWARGS)(conf, **options)
-    return kwargs
 
 
 def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
@@ -311,7 +259,7 @@ def _poller_source(source: SourceSpec | None, kwargs: dict[str, Any] | None,
     chosen = given.get("partition_ids") is None and partition_id is not None
     if chosen:
         given["partition_ids"] = [partition_id]
-    return TRANSFERQUEUE, given if "address" in given else _transferqueue_kwargs(None, **given), chosen
+    return TRANSFERQUEUE, given if "address" in given else resolve_spec(_TRANSFERQUEUE_KWARGS)(None, **given), chosen
 
 
 def _open_client(source: SourceSpec | None, kwargs: dict[str, Any] | None, need_fields: bool) -> tuple[Any, bool]:
@@ -343,6 +291,12 @@ def _summed(scores: Any) -> float | None:
         return None
     total = scores.sum() if callable(getattr(scores, "sum", None)) else sum(scores)
     return float(total)  # float() of a 0-d tensor or numpy scalar is its value (.item())
+
+
+def _extra_metric(extra: Any, metric: str) -> float | None:
+    extra = getattr(extra, "data", extra)  # TransferQueue wraps non-tensor values
+    info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
+    return float(info[metric]) if isinstance(info, dict) and metric in info else None
 
 
 def _tq_version() -> str | None:

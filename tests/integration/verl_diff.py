@@ -172,7 +172,7 @@ def decide_ours(world: World, sampler: Any, forward: Forward, call: Call, tag: t
     forward.target = refill
     before = {pid: set(world.model[pid]) for pid in PARTITIONS}
     # The state was just written: the decision must look at a listing that began after it.
-    sampler._lifecycle.start(call.pid).buffer.sync(10.0)
+    sampler._store.start(call.pid).sync(10.0)
     box: dict[str, Any] = {}
 
     def run() -> None:
