@@ -7,6 +7,7 @@ import pickle
 import signal
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -55,37 +56,36 @@ def test_a_callable_the_child_cannot_unpickle_is_a_startup_error(tmp_path: Path)
         sys.modules.pop("vanishing_source", None)
 
 
-def test_a_poller_process_on_its_own_starts_and_closes_gracefully():
+@pytest.fixture
+def started_poller() -> Iterator[PollerProcess]:
+    """A poller process on its own, started, streaming to a buffer without a poller of its own."""
     rb = ReplayBuffer(source=None, bind="tcp://127.0.0.1:0")
     process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05)
     try:
         process.start(timeout=30)
-        pid = process.pid
-        assert pid is not None and _alive(pid)
-        assert wait([process.sentinel], 0) == []
-        report = process.close(timeout=5)
-        assert report.stage == "graceful" and report.exitcode == 0
-        assert not _alive(pid)
+        yield process
     finally:
         process.close(timeout=1)
         rb.close()
 
 
-def test_join_gives_up_at_its_timeout_and_reaps_a_child_once_it_is_gone():
-    rb = ReplayBuffer(source=None, bind="tcp://127.0.0.1:0")
-    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05)
-    try:
-        process.start(timeout=30)
-        pid = process.pid
-        assert pid is not None
-        assert process.join(0.01) is None and _alive(pid)
-        os.kill(pid, signal.SIGKILL)
-        assert process.join(5.0) == -signal.SIGKILL  # reaped: no zombie left for close() to find
-        report = process.close(timeout=5)
-        assert report.stage == "already-exited" and report.exitcode == -signal.SIGKILL
-    finally:
-        process.close(timeout=1)
-        rb.close()
+def test_a_poller_process_on_its_own_starts_and_closes_gracefully(started_poller: PollerProcess):
+    pid = started_poller.pid
+    assert pid is not None and _alive(pid)
+    assert wait([started_poller.sentinel], 0) == []
+    report = started_poller.close(timeout=5)
+    assert report.stage == "graceful" and report.exitcode == 0
+    assert not _alive(pid)
+
+
+def test_join_gives_up_at_its_timeout_and_reaps_a_child_once_it_is_gone(started_poller: PollerProcess):
+    pid = started_poller.pid
+    assert pid is not None
+    assert started_poller.join(0.01) is None and _alive(pid)
+    os.kill(pid, signal.SIGKILL)
+    assert started_poller.join(5.0) == -signal.SIGKILL  # reaped: no zombie left for close() to find
+    report = started_poller.close(timeout=5)
+    assert report.stage == "already-exited" and report.exitcode == -signal.SIGKILL
 
 
 def test_wait_returns_what_is_readable_within_the_timeout():
