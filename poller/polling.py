@@ -1,10 +1,8 @@
 """The poller's polling thread: read the source (:mod:`poller.changes`), diff (:mod:`poller.diff`), encode.
 
-A helper thread of the poller process, off the control path: ``kv_list()``
-may block forever (TransferQueue's client has no timeout), and the control
-loop in :mod:`poller.worker` must still answer STOP at once. The thread only
-produces encoded DELTA/ERROR bodies; the control loop owns the socket and
-stamps sequence numbers.
+Off the control path: ``kv_list()`` may block forever (TransferQueue's client has no timeout), and the control
+loop in :mod:`poller.worker` must still answer STOP at once. The thread only produces encoded DELTA/ERROR bodies;
+the control loop owns the socket and stamps sequence numbers.
 """
 
 from __future__ import annotations
@@ -55,18 +53,13 @@ def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits |
 
 
 class PollingThread(threading.Thread):
-    """Polls the source every ``interval`` and emits encoded messages.
+    """Polls the source every ``interval``, start to start, within ``listing_share`` (:mod:`poller.duty`).
 
-    ``emit(kind, body, starts_snapshot)`` hands a message to the control loop
-    and returns False once the poller is stopping. A daemon: if ``kv_list()``
-    never returns, the process exits without it. A *source stall* (the source
-    raised :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall`
-    found the call past ``stall_timeout``) is counted once, not a failure.
-
-    Polls start every ``interval``, start to start, within ``listing_share``
-    (:mod:`poller.duty`): a SYNC is answered by the next listing the share
-    allows; STOP ends any wait. After a stalled call the next comes
-    ``interval`` later, after a failed one the backoff.
+    ``emit(kind, body, starts_snapshot)`` hands a message to the control loop and returns False once the poller is
+    stopping. A daemon: if ``kv_list()`` never returns, the process exits without it. A *source stall* (the source
+    raised :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``)
+    is counted once, not a failure. A SYNC is answered by the next listing the share allows; STOP ends any wait.
+    After a stalled call the next comes ``interval`` later, after a failed one the backoff.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
@@ -142,8 +135,7 @@ class PollingThread(threading.Thread):
     def request_sync(self, token: int, partitions: list[str] | None = None) -> None:
         """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
 
-        That listing and every later one include ``partitions`` (a source that
-        lists a chosen set of them).
+        That listing and every later one include ``partitions`` (a source that lists a chosen set of them).
         """
         if partitions and not self._partitions_wanted.issuperset(partitions):
             # Before the token: a listing that reads the token sees these too.
@@ -283,8 +275,8 @@ class PollingThread(threading.Thread):
     def _resends(self) -> bool:
         """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
-        It repairs the receiver at once, at no cost to the store and outside the
-        share. (With a change feed, :meth:`ListingReader.read` answers.)
+        It repairs the receiver at once, at no cost to the store, outside the share (with a change feed,
+        :meth:`ListingReader.read` answers).
         """
         return self._last_poll is not None and not self._reader.feed
 
