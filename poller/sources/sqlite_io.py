@@ -63,10 +63,7 @@ def listing_of(rows: Iterable[Any]) -> StoredListing:
 
 @contextmanager
 def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
-
-    IMMEDIATE takes the write lock up front: DEFERRED would fail with SQLITE_BUSY on upgrade, not wait.
-    """
+    """``BEGIN IMMEDIATE`` (the write lock up front: DEFERRED fails on upgrade, not waits), COMMIT or ROLLBACK."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         yield conn
