@@ -29,10 +29,7 @@ _WINDOW = 16
 
 
 class ListingDuty:
-    """When the next listing may start, and what the listings cost so far.
-
-    Driven by the polling thread; the control loop reads the plain counters for heartbeats.
-    """
+    """When the next listing may start, and what the listings cost so far (counters read for heartbeats)."""
 
     def __init__(self, share: ListingShare) -> None:
         self.share = share

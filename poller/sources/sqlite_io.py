@@ -91,10 +91,9 @@ def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) ->
 def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[list[Any]]:
     """The rows of ``sql`` in lists of at most ``size``; a TEXT value that is not UTF-8 comes as its bytes.
 
-    One TEXT value that is not UTF-8 fails sqlite3's fetch and every row after it, and a ``text_factory``
-    keeping it as bytes is slow (~0.3 s per 1M keys), so the rows are read in C until one fails, then again
-    with that factory, skipping those given. ``sql`` must order its rows and the call run in one read
-    transaction, so both reads agree.
+    Such a value fails sqlite3's fetch and every row after it, and a ``text_factory`` keeping it as bytes is slow
+    (~0.3 s per 1M keys): rows are read in C until one fails, then with that factory, skipping those given.
+    ``sql`` must order its rows and run in one read transaction, so both reads agree.
     """
     given = 0
     rows = None
