@@ -83,8 +83,8 @@ class ListingDuty:
     def unanswered(self, ended: float) -> None:
         """A call gave up or failed at monotonic ``ended``: the store did not answer.
 
-        verl's cycle waits :data:`VERL_POLL_INTERVAL`, as verl's sampler sleeps after each attempt; with a fixed share
-        the poll schedule alone decides (pause, backoff).
+        verl's cycle waits :data:`VERL_POLL_INTERVAL`, as verl's sampler sleeps after each attempt; a fixed share
+        leaves it to the poll schedule (pause, backoff).
         """
         if self._verl:
             self._poll_open = False
@@ -93,8 +93,8 @@ class ListingDuty:
     def poll_done(self, now: float | None = None) -> None:
         """The poll that took the last listing is over (its diff sent, or its failure reported).
 
-        verl's cycle: the next listing no sooner than :data:`VERL_POLL_INTERVAL` + ``d`` + ``2p``
-        after ``now`` (``p``: from the listing's end to ``now``). Otherwise a no-op.
+        verl's cycle: the next listing no sooner than :data:`VERL_POLL_INTERVAL` + ``d`` + ``2p`` after ``now``
+        (``p``: from the listing's end to ``now``). Otherwise a no-op.
         """
         if not self._poll_open:
             return

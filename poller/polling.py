@@ -201,8 +201,7 @@ class PollingThread(threading.Thread):
     def _pause(self, seconds: float, *, ends_on_request: bool = True) -> None:
         """Wait ``seconds`` (``idle``), reading the watched keys meanwhile.
 
-        Ends sooner at STOP, once a change the watch saw may be listed, and
-        (``ends_on_request``: between two polls) at a SYNC or RESYNC.
+        Ends sooner at STOP, once a change the watch saw may be listed, and if ``ends_on_request`` at a SYNC or RESYNC.
         """
         until = time.monotonic() + seconds
         self.idle = True
@@ -306,8 +305,8 @@ class PollingThread(threading.Thread):
     def _hold(self, full: bool) -> bool | None:
         """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
-        SYNC and RESYNC requests meanwhile are served by the read that follows
-        (a RESYNC makes it a snapshot); a change the watch saw brings it forward.
+        A SYNC or RESYNC meanwhile is served by the read that follows (a RESYNC makes it a snapshot); a change the
+        watch saw brings it forward.
         """
         while True:
             # Every request seen from here on is answered by the coming read; a later one wakes the thread again.
