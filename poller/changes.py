@@ -56,8 +56,7 @@ class ListingReader:
         """This poll's diff against ``sent`` (a full snapshot if ``full``), to be iterated as it is sent.
 
         A store with ``kv_snapshot_pieces()`` is read piece by piece for a snapshot. With a change feed, a later
-        snapshot (a RESYNC: the receiver lost messages) is what was sent plus this poll's changes (1M keys: ~1 s,
-        not a listing's ~5 s).
+        snapshot (a RESYNC: the receiver lost messages) is what was sent plus this poll's changes (~5x cheaper).
 
         Raises:
             Exception: whatever the source raised, or TypeError for a malformed answer.

@@ -32,10 +32,9 @@ logger = logging.getLogger(__name__)
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
-#: Reads of the watched keys while a decision waits on them (``kv_watch``; TransferQueue at 100k keys: a read
-#: ~0.5 ms of the controller's CPU, a listing ~37 ms). A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after
-#: the one before began (``d``: the last listing's duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not
-#: answered within WATCH_TIMEOUT tells nothing.
+#: Reads of the watched keys while a decision waits on them (``kv_watch``: ~1% of a listing's cost at 100k keys).
+#: A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after the one before began (``d``: the last listing's
+#: duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not answered within WATCH_TIMEOUT tells nothing.
 WATCH_INTERVAL = 0.3
 WATCH_BUDGET = 0.25
 WATCH_INTERVAL_MAX = 0.6

@@ -115,12 +115,11 @@ class ChangeFeed(Protocol):
     def kv_changes(self, cursor: Any) -> tuple[Any, Listing, dict[str, list[str]]] | None:
         """``(cursor, upserts, deletes)`` since ``cursor``, or ``None`` to ask for a full listing.
 
-        ``upserts``: the current tags of every key written since ``cursor`` (possibly unchanged ones);
-        ``deletes``: ``{partition_id: [key, ...]}`` removed since then and not stored now (deleted and put
-        again is an upsert). The returned cursor follows exactly these changes. ``None``: the cursor can no
-        longer be served (too old, or the store was replaced or rolled back to a backup, which a cursor must
-        tell apart); the caller takes :meth:`kv_snapshot`. A non-``str`` key or partition id is quarantined
-        (its delete lets it out).
+        ``upserts``: the current tags of every key written since ``cursor`` (possibly unchanged ones); ``deletes``:
+        ``{partition_id: [key, ...]}`` removed since then and not stored now (deleted and put again is an upsert).
+        The returned cursor follows exactly these changes. ``None``: the cursor can no longer be served (too old,
+        or the store was replaced or rolled back to a backup, which a cursor must tell apart): the caller takes
+        :meth:`kv_snapshot`. A non-``str`` key or partition id is quarantined (its delete lets it out).
         """
         ...
 
