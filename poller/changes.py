@@ -32,8 +32,7 @@ RECONCILE_INTERVAL = 600.0
 class ListingReader:
     """Reads the source for one poll and holds the change cursor between polls.
 
-    The cursor :meth:`read` reached takes effect at :meth:`commit`, once the diff was sent: a poll that failed
-    half-way is read again from the old one.
+    The cursor :meth:`read` reached takes effect at :meth:`commit`, once the diff was sent (not on a failed poll).
     """
 
     def __init__(self, source: Source, *, listing_share: ListingShare = DEFAULT_LISTING_SHARE,

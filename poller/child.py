@@ -9,10 +9,9 @@ or stopped), and PR_SET_PDEATHSIG fires when the *thread* that spawned the child
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
-It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the lifeline, or a changed
-parent pid of the poller) it gives the poller a short grace, SIGKILLs it and removes the trainer's ipc directory.
-It is forked before anything heavy is imported: copying a ~20 MB poller's page tables cost most of an idle
-poller's kernel time.
+It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the lifeline, or a changed parent
+pid of the poller) it gives the poller a short grace, SIGKILLs it and removes the trainer's ipc directory. It is
+forked before anything heavy is imported: copying a ~20 MB poller's page tables was most of its idle kernel time.
 """
 
 from __future__ import annotations

@@ -273,8 +273,7 @@ class PollingThread(threading.Thread):
     def _resends(self) -> bool:
         """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
-        It repairs the receiver at once, at no cost to the store, outside the share (with a change feed,
-        :meth:`ListingReader.read` answers).
+        It repairs the receiver at once, free for the store and outside the share (a change feed's reader answers).
         """
         return self._last_poll is not None and not self._reader.feed
 
@@ -304,8 +303,7 @@ class PollingThread(threading.Thread):
     def _hold(self, full: bool) -> bool | None:
         """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
-        A SYNC or RESYNC meanwhile is served by the read that follows (a RESYNC makes it a snapshot); a change the
-        watch saw brings it forward.
+        SYNCs and RESYNCs meanwhile are served by the next read (a RESYNC makes it a snapshot); a watched change, sooner.
         """
         while True:
             # Every request seen from here on is answered by the coming read; a later one wakes the thread again.
