@@ -303,7 +303,7 @@ class PollingThread(threading.Thread):
     def _hold(self, full: bool) -> bool | None:
         """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
-        SYNCs and RESYNCs meanwhile are served by the next read (a RESYNC makes it a snapshot); a watched change, sooner.
+        A SYNC or RESYNC meanwhile is served by the next read (a RESYNC makes it a snapshot); a watched change, sooner.
         """
         while True:
             # Every request seen from here on is answered by the coming read; a later one wakes the thread again.
