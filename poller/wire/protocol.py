@@ -40,8 +40,7 @@ class _LimitFields(NamedTuple):
 class Limits(_LimitFields):
     """Bounds on what one peer can make the buffer decode and hold.
 
-    A message past any decoding bound is a counted, logged :class:`~poller.wire.errors.ProtocolError` and is
-    dropped whole.
+    A message past any bound is dropped whole: a counted, logged :class:`~poller.wire.errors.ProtocolError`.
 
     Attributes:
         max_frame_bytes: size of a body frame; larger frames are also refused by libzmq before they are read whole

@@ -29,8 +29,7 @@ _TAGS_DEPTH = 4
 def pack_tags(tags: Mapping[str, Any], *, exact: bool = False) -> bytes | None:
     """``tags`` packed as a poller packs them for the wire, or ``None`` if msgpack cannot.
 
-    With ``exact``, only when unpacking gives the same values back (no tuple, no subclass): the store's form
-    (:func:`freeze`).
+    ``exact``: only if unpacking gives the same values back (no tuple, no subclass), the store's form (:func:`freeze`).
     """
     try:
         return msgpack.packb(tags, use_bin_type=True, strict_types=exact)  # type: ignore[no-any-return]
