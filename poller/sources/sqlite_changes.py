@@ -8,8 +8,7 @@ written row (``kv.version``, indexed); each delete is logged in ``kv_deleted``::
     kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
     poller ───────▶ rows and deletions with version > cursor, in one read transaction
 
-One writer at a time and the log in the database: version order is commit order, and a cursor taken in a
-read never skips a later commit.
+One writer at a time, the log in the database: version order is commit order, so a read's cursor skips no later commit.
 
 A cursor is ``(store id, version, stamp)``, served only if the file still logs that version with that stamp: a
 restored backup keeps the store id and reuses the versions the poller saw for other writes, but not their stamps,

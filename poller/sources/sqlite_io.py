@@ -253,8 +253,7 @@ def open_connection(path: str, timeout: float,
     directory = os.path.dirname(os.path.abspath(path))
     if path != ":memory:" and not path.startswith("file:"):
         os.makedirs(directory, exist_ok=True)
-    # isolation_level=None: the store issues BEGIN/COMMIT itself. check_same_thread=False:
-    # the poller lists from a helper thread; the store's lock serializes all use.
+    # The store issues BEGIN/COMMIT itself, and its lock serializes all use (the poller lists from a helper thread).
     conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
                            check_same_thread=False, uri=path.startswith("file:"))
     try:

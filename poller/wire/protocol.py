@@ -1,9 +1,8 @@
 """The wire format: pure functions between messages and ZeroMQ frames; no sockets.
 
-Both sides import this module. A message is two frames: ``header = msgpack [version, kind, epoch, seq]`` and
-``body = msgpack map`` shaped by ``kind`` (:mod:`poller.wire.messages`). ``epoch`` is new each time a poller
-process starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means something was lost, and the
-receiver asks for a RESYNC instead of diverging.
+A message is two frames: ``header = msgpack [version, kind, epoch, seq]`` and ``body = msgpack map`` shaped by
+``kind`` (:mod:`poller.wire.messages`). ``epoch`` is new each time a poller process starts; ``seq`` counts an epoch's
+messages from 0 (READY): a gap means something was lost, and the receiver asks for a RESYNC instead of diverging.
 
 Decoding is strict and bounded (:class:`Limits`); every failure is a :class:`~poller.wire.errors.ProtocolError`.
 No pickle. DELTA, the one bulky kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
@@ -134,9 +133,8 @@ def iter_encode_delta(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
     """A poll as DELTA bodies of at most ``chunk_items`` keys, each under ``max_frame_bytes``, one at a time.
 
     The first body of a full snapshot carries ``reset``, the last of every poll ``end``. A piece is taken only when
-    the body before it was handed on (an empty piece sends what came before it at once); ``deletes`` is read once
-    the pieces are exhausted. After a ProtocolError the poll has no ``end`` and is sent again, which the receiver
-    tolerates.
+    the body before it was handed on (an empty piece sends what came before it at once); ``deletes`` is read last.
+    After a ProtocolError the poll has no ``end`` and is sent again, which the receiver tolerates.
 
     Raises:
         ProtocolError: one key whose tags alone exceed ``max_frame_bytes`` (the screen lets none through).
