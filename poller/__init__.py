@@ -1,8 +1,8 @@
-"""The poller process: it lists a key-value store and streams what changed to a :class:`buffer.ReplayBuffer` over
-ZeroMQ (``python -m poller`` runs one standalone).
+"""The poller process: it lists a key-value store and streams what changed to a
+:class:`buffer.ReplayBuffer` over ZeroMQ (``python -m poller`` runs one standalone).
 
-All of it runs in the poller process but :mod:`poller.wire`, which both share. :class:`PollerProcess` (the
-trainer's launcher, :mod:`buffer.process`) is resolved on first use.
+Everything here runs in the poller process, except :mod:`poller.wire`, what both share.
+:class:`PollerProcess` (the trainer's launcher, :mod:`buffer.process`) is resolved on first use.
 """
 
 from __future__ import annotations

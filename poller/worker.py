@@ -8,8 +8,8 @@
                                             │       SIGTERM (wakeup fd), parent pid check
                                             └── READY, HEARTBEAT, LOG, BYE; seq numbers
 
-It never calls the source, so STOP, SIGTERM and parent death are answered within milliseconds even while
-``kv_list()`` is stuck. It owns the only socket.
+The control loop never calls the source, so STOP, SIGTERM and parent death are answered
+within milliseconds even while ``kv_list()`` is stuck. It owns the only socket.
 """
 
 from __future__ import annotations

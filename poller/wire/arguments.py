@@ -1,8 +1,8 @@
 """Checks of the numeric arguments of the public API, and the listing share's values.
 
-Every duration and count is checked where it enters (a ``ValueError`` naming argument and value), never reaching
-a wait: ``nan`` makes a deadline that never passes, ``inf`` makes ``Event.wait`` raise ``OverflowError`` in
-whatever thread waits, and a bool is no count.
+Every duration and count is checked where it enters (a ``ValueError`` naming argument and
+value), never reaching a wait: ``nan`` makes a deadline that never passes, ``inf`` makes
+``Event.wait`` raise ``OverflowError`` in whatever thread waits, and a bool is no count.
 """
 
 from __future__ import annotations

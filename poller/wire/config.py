@@ -1,5 +1,5 @@
-"""What a poller process is told (:class:`WorkerConfig`: pickled to a spawned child over the lifeline, or built
-from a standalone poller's command line), and how it ends (:class:`ExitCode`).
+"""What a poller process is told (:class:`WorkerConfig`: pickled to a spawned child over the
+lifeline, or built from a standalone poller's command line), and how it ends (:class:`ExitCode`).
 """
 
 from __future__ import annotations

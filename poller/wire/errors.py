@@ -12,8 +12,8 @@ class PollerError(Exception):
 class PollerStartupError(PollerError):
     """The poller process could not be started or never said READY.
 
-    ``unavailable``: the same start may work later (the factory raised ``ConnectionError`` or ``TimeoutError``,
-    or no READY came in time); False for a broken poller (bad spec, a crash...).
+    ``unavailable``: the same start may work later (the source's factory raised ``ConnectionError``
+    or ``TimeoutError``, or no READY came in time); False for a broken poller (bad spec, a crash...).
     """
 
     def __init__(self, *args: object, unavailable: bool = False) -> None:

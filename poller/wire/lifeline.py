@@ -1,9 +1,9 @@
 """The private pipe between a trainer and the poller process it spawned.
 
-The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF the moment the parent dies (even by
-SIGKILL), and the parent reads the child's start-up or fatal traceback whether or not the stream is connected.
-Records are JSON ``{"kind": <record name>, <fields>}`` checked field by field, after a 4-byte big-endian length;
-never pickle, but for the child's configuration (:mod:`buffer.process`).
+The ZeroMQ stream carries data; this pipe the lifecycle: the child sees EOF the moment the parent
+dies (even by SIGKILL), and the parent reads the child's start-up or fatal traceback whether or not
+the stream is connected. Records are JSON ``{"kind": <record name>, <fields>}`` checked field by
+field, after a 4-byte big-endian length; never pickle, but for the child's configuration (:mod:`buffer.process`).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ _COMM_LENGTH = 15  # the kernel keeps 16 bytes with the terminating NUL
 def set_process_name(name: str) -> bool:
     """Set this process's name as ``ps -e``, ``top`` and ``pgrep`` show it; False where it failed.
 
-    Call it from the main thread: ``/proc/thread-self/comm`` is the calling thread's ``prctl(PR_SET_NAME)``
-    (importing ctypes would cost the poller ~2 ms).
+    Call it from the main thread: ``/proc/thread-self/comm`` is ``prctl(PR_SET_NAME)`` for the
+    calling thread, written here because importing ctypes costs the poller ~2 ms.
     """
     try:
         with open("/proc/thread-self/comm", "wb") as f:
