@@ -3,17 +3,15 @@
 ``python -m poller.child FD NAME``: the lifeline's fd, and the stream's name (for ``ps`` only).
 The parent's modules, its ``__main__`` and ``multiprocessing`` stay out of the child.
 
-The poller notices its trainer's death only while its control loop runs (not while its factory
-builds, or wedged, or stopped), and PR_SET_PDEATHSIG fires when the *thread* that spawned the
-child ends. So the poller first forks a watchdog::
+The poller notices its trainer's death only while its control loop runs (not while its factory builds, or wedged,
+or stopped), and PR_SET_PDEATHSIG fires when the *thread* that spawned the child ends. So it first forks a watchdog::
 
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
-It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the lifeline,
-or a changed parent pid of the poller) it gives the poller a short grace, SIGKILLs it and removes
-the trainer's ipc directory. It is forked before anything heavy is imported: copying a ~20 MB
-poller's page tables was most of an idle poller's kernel time.
+It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the lifeline, or a changed parent
+pid of the poller) it gives the poller a short grace, SIGKILLs it and removes the trainer's ipc directory. It is
+forked before anything heavy is imported: copying a ~20 MB poller's page tables was most of its idle kernel time.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """``python -m poller``: a standalone poller, CURVE key files, and ``doctor``.
 
-Exit codes: 0 done, 1 ``doctor`` found a problem, 2 bad arguments or a source that cannot be
-built, 3 the source failed for good. Every error is one line on stderr naming the command as it
-was started (``python -m poller run`` or ``poller run``).
+Exit codes: 0 done, 1 ``doctor`` found a problem, 2 bad arguments or a source that cannot be built, 3 the source failed
+for good. Every error is one line on stderr naming the command as typed.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """One poll's diff: what changed since it was sent, screened and packed, piece by piece.
 
-Runs on the poller's polling thread. ``sent`` holds each key's tags as the
-bytes sent; a listed key changed when its tags, packed (by the source where it
-can, :class:`~poller.wire.sources.PackedItems`, so an unchanged key is not
-even decoded), are not those bytes: decided once, here, in C-level passes.
-Only changed tags are screened (:func:`poller.quarantine.screen`). What is sent
-is kept packed: nothing the source owns is kept (1M keys: ~200 MB, not ~670).
+Runs on the poller's polling thread. ``sent`` holds each key's tags as the bytes sent; a listed key changed when
+its tags, packed (by the source where it can, :class:`~poller.wire.sources.PackedItems`, so an unchanged key is
+not even decoded), are not those bytes: decided once, here, in C-level passes. Only changed tags are screened
+(:func:`poller.quarantine.screen`). What is sent is kept packed, nothing the source owns (1M keys: ~200 MB, not ~670).
 """
 
 from __future__ import annotations
@@ -30,14 +28,11 @@ _UNSENT = object()  # equal to nothing: a listed key never sent
 class Diff:
     """One poll against ``sent``: iterating yields its pieces, each made only when the one before was sent.
 
-    ``listings``: one listing, or a snapshot read in pieces, each
-    ``{partition: {key: tags} | PackedItems}`` (``None``: nothing stored).
-    ``full``: every listed key is sent (an unchanged one as the bytes sent)
-    and nothing is deleted: the receiver works out what vanished.
-    ``complete=False``: a change set, whose ``deletes`` are given. ``held``:
-    a snapshot of what is held, sent as it is. What the stream cannot carry
-    is :attr:`refused`, never an error of the poll (and unless ``full``
-    deleted if it was sent). Once iterated, :attr:`deletes` is whole and
+    ``listings``: one listing, or a snapshot read in pieces, each ``{partition: {key: tags} | PackedItems}``
+    (``None``: nothing stored). ``full``: every listed key is sent (an unchanged one as the bytes sent) and nothing
+    is deleted: the receiver works out what vanished. ``complete=False``: a change set, whose ``deletes`` are given.
+    ``held``: a snapshot of what is held, sent as it is. What the stream cannot carry is :attr:`refused`, never an
+    error of the poll (and unless ``full`` deleted if it was sent). Once iterated, :attr:`deletes` is whole and
     :meth:`commit` makes ``sent`` what the receiver holds.
 
     Raises:

@@ -1,9 +1,8 @@
 """``python -m poller doctor``: are ``poller`` and ``buffer`` the files this distribution installed?
 
-Another distribution on the public index also installs a top-level ``buffer``, which overwrites
-or shadows ours while ``pip check`` (requirements, not files) sees nothing. This compares where
-Python would import each package from, and every file's sha256, with the installer's ``RECORD``,
-importing neither package, so a broken ``buffer`` cannot stop the check.
+Another distribution on the public index also installs a top-level ``buffer``, which overwrites or shadows ours while
+``pip check`` (requirements, not files) sees nothing. This compares where Python would import each package from, and
+every file's sha256, with the installer's ``RECORD``, importing neither, so a broken ``buffer`` cannot stop it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The listing share: when a poller may list a store without a change feed again.
 
-Such a store (TransferQueue) is listed in full on every poll, and its controller serves every
-rollout worker: unbounded, ``sync()`` or a waiting verl sampler would keep it listing for us
-nearly all the time. :class:`ListingDuty` decides *when* the next listing may start, never what
-it shows (measurements: docs/transferqueue.md).
+Such a store (TransferQueue) is listed in full on every poll, and its controller serves every rollout worker:
+unbounded, ``sync()`` or a waiting verl sampler would keep it listing for us nearly all the time.
+:class:`ListingDuty` decides *when* the next listing may start, never what it shows (docs/transferqueue.md).
 
-- **A fixed share** in (0, 1] (default 0.15, verl 0.9.1's sampler's own at 100k keys): after a
-  listing of ``d`` seconds the next starts no sooner than ``d / share`` after it started.
-- **verl's cycle** (:data:`VERL_CYCLE`): verl's sampler lists (``d``), processes (``p``), then
-  sleeps 2 s. The next listing starts no sooner than 2 s + ``d`` + ``2p`` after the poll that
-  took the last one is done: the poller lists quicker than verl at the same cost to the
-  controller (counted once, it listed ~10% more often).
+- **A fixed share** in (0, 1] (default 0.15, verl 0.9.1's sampler's own at 100k keys): after a listing of ``d``
+  seconds the next starts no sooner than ``d / share`` after it started.
+- **verl's cycle** (:data:`VERL_CYCLE`): verl's sampler lists (``d``), processes (``p``), then sleeps 2 s. The
+  next listing starts no sooner than 2 s + ``d`` + ``2p`` after the poll that took the last one is done: the
+  poller lists quicker than verl at the same cost to the controller (~10% more often).
 
 A call that stalls or fails is not a listing: its duration counts nowhere.
 """
@@ -31,10 +29,7 @@ _WINDOW = 16
 
 
 class ListingDuty:
-    """When the next listing may start, and what the listings cost so far.
-
-    Driven by the polling thread; the control loop reads the plain counters for heartbeats.
-    """
+    """When the next listing may start, and what the listings cost so far (counters read for heartbeats)."""
 
     def __init__(self, share: ListingShare) -> None:
         self.share = share
@@ -57,10 +52,9 @@ class ListingDuty:
     def wait_for_change(self, now: float | None = None) -> float:
         """Seconds until a listing for a change the watch saw may start (0: now).
 
-        A fixed share keeps :meth:`wait_for`'s bound. verl's cycle brings a listing
-        known to find a change forward: ``2d`` after the last began (the store
-        listing at most half the time) and :data:`VERL_POLL_INTERVAL` after the last
-        one brought forward, so at most about twice verl's rate.
+        A fixed share keeps :meth:`wait_for`'s bound. verl's cycle brings a listing known to find a change forward:
+        ``2d`` after the last began (the store listing at most half the time) and :data:`VERL_POLL_INTERVAL` after
+        the last one brought forward, so at most about twice verl's rate.
         """
         now = time.monotonic() if now is None else now
         if not self._verl:
@@ -89,8 +83,8 @@ class ListingDuty:
     def unanswered(self, ended: float) -> None:
         """A call gave up or failed at monotonic ``ended``: the store did not answer.
 
-        verl's cycle waits :data:`VERL_POLL_INTERVAL`, as verl's sampler sleeps after
-        each attempt; with a fixed share the poll schedule alone decides (pause, backoff).
+        verl's cycle waits :data:`VERL_POLL_INTERVAL`, as verl's sampler sleeps after each attempt; a fixed share
+        leaves it to the poll schedule (pause, backoff).
         """
         if self._verl:
             self._poll_open = False
@@ -99,8 +93,8 @@ class ListingDuty:
     def poll_done(self, now: float | None = None) -> None:
         """The poll that took the last listing is over (its diff sent, or its failure reported).
 
-        verl's cycle: the next listing no sooner than :data:`VERL_POLL_INTERVAL` + ``d`` + ``2p``
-        after ``now`` (``p``: from the listing's end to ``now``). Otherwise a no-op.
+        verl's cycle: the next listing no sooner than :data:`VERL_POLL_INTERVAL` + ``d`` + ``2p`` after ``now``
+        (``p``: from the listing's end to ``now``). Otherwise a no-op.
         """
         if not self._poll_open:
             return

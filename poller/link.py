@@ -1,12 +1,11 @@
-"""The poller's one outgoing path: the :class:`Outbox` stamps every message with the epoch and
-the next sequence number in one place (so BYE names the last one sent), and the :class:`Link`,
-the DEALER socket, carries them. Both belong to the control loop's thread (:mod:`poller.worker`).
+"""The poller's one outgoing path: the :class:`Outbox` stamps every message with the epoch and the next sequence
+number in one place (so BYE names the last one sent), and the :class:`Link`, the DEALER socket, carries them. Both
+belong to the control loop's thread (:mod:`poller.worker`).
 
-ZeroMQ reconnects by itself, and that is the danger: a connection dropped while the buffer was
-stopped (SIGSTOP, a GC pause; the ZMTP heartbeat gives up after 3 s) takes what was queued on it
-along, and the buffer's ROUTER refuses the new connection while it holds the old one under the
-same name. So every new connection after the first asks for a full snapshot, and one that no ACK
-answers within :data:`ACK_TIMEOUT` was not admitted and is dialled again.
+ZeroMQ reconnects by itself, and that is the danger: a connection dropped while the buffer was stopped (SIGSTOP,
+a GC pause; the ZMTP heartbeat gives up after 3 s) takes what was queued on it along, and the buffer's ROUTER
+refuses the new connection while it holds the old one under the same name. So every new connection after the
+first asks for a full snapshot, and one that no ACK answers within :data:`ACK_TIMEOUT` is dialled again.
 """
 
 from __future__ import annotations

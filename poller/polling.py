@@ -1,10 +1,8 @@
 """The poller's polling thread: read the source (:mod:`poller.changes`), diff (:mod:`poller.diff`), encode.
 
-A helper thread of the poller process, off the control path: ``kv_list()``
-may block forever (TransferQueue's client has no timeout), and the control
-loop in :mod:`poller.worker` must still answer STOP at once. The thread only
-produces encoded DELTA/ERROR bodies; the control loop owns the socket and
-stamps sequence numbers.
+Off the control path: ``kv_list()`` may block forever (TransferQueue's client has no timeout), and the control
+loop in :mod:`poller.worker` must still answer STOP at once. The thread only produces encoded DELTA/ERROR bodies;
+the control loop owns the socket and stamps sequence numbers.
 """
 
 from __future__ import annotations
@@ -34,10 +32,9 @@ logger = logging.getLogger(__name__)
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
-#: Reads of the watched keys while a decision waits on them (``kv_watch``; TransferQueue at 100k keys: a read
-#: ~0.5 ms of the controller's CPU, a listing ~37 ms). A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after
-#: the one before began (``d``: the last listing's duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not
-#: answered within WATCH_TIMEOUT tells nothing.
+#: Reads of the watched keys while a decision waits on them (``kv_watch``: ~1% of a listing's cost at 100k keys).
+#: A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after the one before began (``d``: the last listing's
+#: duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not answered within WATCH_TIMEOUT tells nothing.
 WATCH_INTERVAL = 0.3
 WATCH_BUDGET = 0.25
 WATCH_INTERVAL_MAX = 0.6
@@ -55,18 +52,13 @@ def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits |
 
 
 class PollingThread(threading.Thread):
-    """Polls the source every ``interval`` and emits encoded messages.
+    """Polls the source every ``interval``, start to start, within ``listing_share`` (:mod:`poller.duty`).
 
-    ``emit(kind, body, starts_snapshot)`` hands a message to the control loop
-    and returns False once the poller is stopping. A daemon: if ``kv_list()``
-    never returns, the process exits without it. A *source stall* (the source
-    raised :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall`
-    found the call past ``stall_timeout``) is counted once, not a failure.
-
-    Polls start every ``interval``, start to start, within ``listing_share``
-    (:mod:`poller.duty`): a SYNC is answered by the next listing the share
-    allows; STOP ends any wait. After a stalled call the next comes
-    ``interval`` later, after a failed one the backoff.
+    ``emit(kind, body, starts_snapshot)`` hands a message to the control loop and returns False once the poller is
+    stopping. A daemon: if ``kv_list()`` never returns, the process exits without it. A *source stall* (the source
+    raised :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``)
+    is counted once, not a failure. A SYNC is answered by the next listing the share allows; STOP ends any wait.
+    After a stalled call the next comes ``interval`` later, after a failed one the backoff.
     """
 
     def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
@@ -142,8 +134,7 @@ class PollingThread(threading.Thread):
     def request_sync(self, token: int, partitions: list[str] | None = None) -> None:
         """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
 
-        That listing and every later one include ``partitions`` (a source that
-        lists a chosen set of them).
+        That listing and every later one include ``partitions`` (a source that lists a chosen set of them).
         """
         if partitions and not self._partitions_wanted.issuperset(partitions):
             # Before the token: a listing that reads the token sees these too.
@@ -209,8 +200,7 @@ class PollingThread(threading.Thread):
     def _pause(self, seconds: float, *, ends_on_request: bool = True) -> None:
         """Wait ``seconds`` (``idle``), reading the watched keys meanwhile.
 
-        Ends sooner at STOP, once a change the watch saw may be listed, and
-        (``ends_on_request``: between two polls) at a SYNC or RESYNC.
+        Ends sooner at STOP, once a change the watch saw may be listed, and if ``ends_on_request`` at a SYNC or RESYNC.
         """
         until = time.monotonic() + seconds
         self.idle = True
@@ -283,8 +273,7 @@ class PollingThread(threading.Thread):
     def _resends(self) -> bool:
         """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
-        It repairs the receiver at once, at no cost to the store and outside the
-        share. (With a change feed, :meth:`ListingReader.read` answers.)
+        It repairs the receiver at once, free for the store and outside the share (a change feed's reader answers).
         """
         return self._last_poll is not None and not self._reader.feed
 
@@ -314,8 +303,7 @@ class PollingThread(threading.Thread):
     def _hold(self, full: bool) -> bool | None:
         """Wait until the listing share allows this poll's read; return ``full`` as it then is (``None``: STOP).
 
-        SYNC and RESYNC requests meanwhile are served by the read that follows
-        (a RESYNC makes it a snapshot); a change the watch saw brings it forward.
+        A SYNC or RESYNC meanwhile is served by the next read (a RESYNC makes it a snapshot); a watched change, sooner.
         """
         while True:
             # Every request seen from here on is answered by the coming read; a later one wakes the thread again.

@@ -1,19 +1,15 @@
 """Keys the wire cannot carry: screened out of each diff, named, counted, and let back in.
 
-Runs in the poller process. The unit of failure is the record, not the
-listing: a key whose tags the receiver's strict decoder would refuse (see
-:class:`~poller.wire.protocol.Limits`; also a value that is not plain data,
-an int no msgpack int holds), or whose key or partition id is not a ``str``,
-is *quarantined*: left out of the stream (deleted from the receiver if it was
-sent), named in a rate-limited WARNING and counted, while every other key
+Runs in the poller process. The unit of failure is the record, not the listing: a key whose tags the receiver's
+strict decoder would refuse (:class:`~poller.wire.protocol.Limits`; also a value that is not plain data, an int no
+msgpack int holds), or whose key or partition id is not a ``str``, is *quarantined*: left out of the stream
+(deleted from the receiver if it was sent), named in a rate-limited WARNING and counted, while every other key
 flows. It comes back once its tags are valid, and leaves once deleted.
 
-Values with one faithful plain form are converted instead: numpy and torch
-scalars (and 0-d tensors) to ``int`` / ``float`` / ``bool``, their arrays to
-nested lists, tuples to lists. Neither numpy nor torch is imported: such a
-value is recognised by its type's module and read with its own ``item()`` /
-``tolist()``. :func:`screen` is pure; :class:`Quarantine` is the poller's
-memory of what it refused, reported in its heartbeats.
+Values with one faithful plain form are converted instead: numpy and torch scalars (and 0-d tensors) to ``int`` /
+``float`` / ``bool``, their arrays to nested lists, tuples to lists. Neither numpy nor torch is imported: such a
+value is recognised by its type's module and read with its own ``item()`` / ``tolist()``. :func:`screen` is pure;
+:class:`Quarantine` is the poller's memory of what it refused, reported in its heartbeats.
 """
 
 from __future__ import annotations
@@ -82,9 +78,8 @@ def _numeric(value: Any, limits: Limits, depth: int, budget: list[int]) -> Any:
 def _plain(value: Any, limits: Limits, depth: int, budget: list[int]) -> Any:
     """``value`` as plain data the receiver accepts (converted where faithful); raises _Refuse.
 
-    ``budget`` holds how many more values the walk may visit: a structure
-    shared with itself over and over (``a = [x, x]; b = [a, a]; ...``)
-    would otherwise cost 2**depth, and a poller must never hang on a record.
+    ``budget`` holds how many more values the walk may visit: a structure shared with itself over and over
+    (``a = [x, x]; b = [a, a]; ...``) would otherwise cost 2**depth, and a poller must never hang on a record.
     """
     budget[0] -= 1
     if budget[0] < 0:
@@ -208,9 +203,8 @@ def screen(partition: str, items: dict[str, Any], refused: list[Refused], limits
 class Quarantine:
     """What the poller left out of the stream, for its heartbeats and its log.
 
-    :meth:`replace` after a complete listing, :meth:`update` after a change
-    set. Keys are held as the source named them (a non-``str`` too, so that
-    its delete finds it).
+    :meth:`replace` after a complete listing, :meth:`update` after a change set. Keys are held as the source named
+    them (a non-``str`` too, so that its delete finds it).
     """
 
     def __init__(self, *, warnings_per_minute: int = 20) -> None:
@@ -230,9 +224,8 @@ class Quarantine:
     def update(self, refused: Iterable[Refused], sent: Piece, deleted: Mapping[Any, Iterable[Any]]) -> None:
         """Refused keys join; keys ``sent`` (:attr:`poller.diff.Diff.packed`) or deleted leave.
 
-        ``deleted``: the change set's deletes as the source gave them. A delete
-        of a name no stream carries (not a ``str``) lets the record go if it
-        was quarantined, else is counted (:attr:`ignored_deletes`).
+        ``deleted``: the change set's deletes as the source gave them. A delete of a name no stream carries (not a
+        ``str``) lets the record go if it was quarantined, else is counted (:attr:`ignored_deletes`).
         """
         entered = []
         for r in refused:

@@ -201,8 +201,7 @@ class SqliteSource:
                      select_fields: list[str] | str | None = None) -> dict[str, list[Any]]:
         """The stored fields of ``keys`` (which must exist), as columns ``{name: [value per key]}``.
 
-        ``select_fields``: a name or a list (``None``: every field any key has); a key without a field gets
-        ``None`` in that column.
+        ``select_fields``: a name or a list (``None``: every field any key has); a key without one gets ``None``.
 
         Raises:
             KeyError: some keys are not stored (the first few are named).
@@ -271,10 +270,7 @@ class SqliteSource:
 
     @contextmanager
     def _change_log(self) -> Iterator[sqlite3.Connection]:
-        """:meth:`_connection`, the change log checked first (cheap).
-
-        A file restored in place from a backup older than the log is the same file to :meth:`_check_file`.
-        """
+        """:meth:`_connection`, the change log checked first (cheap): a backup restored in place may predate it."""
         with self._connection() as conn:
             ensure_change_log(conn)
             yield conn
@@ -289,9 +285,7 @@ class SqliteSource:
         return st.st_dev, st.st_ino
 
     def _check_file(self) -> None:
-        """Drop a connection whose file was deleted or replaced since it was opened.
-
-        SQLite keeps reading an unlinked file: a deleted store would list its old rows forever.
+        """Drop a connection whose file was deleted or replaced (SQLite would read an unlinked file forever).
 
         Raises:
             FileNotFoundError: the file is gone; the next call starts a new one.

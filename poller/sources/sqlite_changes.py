@@ -8,15 +8,13 @@ written row (``kv.version``, indexed); each delete is logged in ``kv_deleted``::
     kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
     poller ───────▶ rows and deletions with version > cursor, in one read transaction
 
-One writer at a time and the log in the database: version order is commit order, and a cursor taken in a
-read never skips a later commit.
+One writer at a time, the log in the database: version order is commit order, so a read's cursor skips no later commit.
 
-A cursor is ``(store id, version, stamp)``, served only if the file still logs that version with that stamp:
-a restored backup keeps the store id and hands out the version numbers the poller saw again, for other
-writes, but the stamps differ, so a rolled-back file gets ``None`` and a full listing. So does a cursor older
-than the ``keep`` versions the logs keep (:data:`DEFAULT_KEEP_VERSIONS`), ahead of the file or from another
-file. ``kv_clock.version`` stays within 4096 versions of the last one, so a reader of an older version of
-this package re-reads at most that many changes.
+A cursor is ``(store id, version, stamp)``, served only if the file still logs that version with that stamp: a
+restored backup keeps the store id and reuses the versions the poller saw for other writes, but not their stamps,
+so it gets ``None`` and a full listing. So does a cursor older than the logs keep (:data:`DEFAULT_KEEP_VERSIONS`),
+ahead of the file or from another file. ``kv_clock.version`` stays within 4096 versions of the last one, so a
+reader of an older version of this package re-reads at most that many changes.
 """
 
 from __future__ import annotations

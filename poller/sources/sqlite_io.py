@@ -63,10 +63,7 @@ def listing_of(rows: Iterable[Any]) -> StoredListing:
 
 @contextmanager
 def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """A ``BEGIN IMMEDIATE`` transaction: committed on success, else rolled back.
-
-    IMMEDIATE takes the write lock up front: DEFERRED would fail with SQLITE_BUSY on upgrade, not wait.
-    """
+    """``BEGIN IMMEDIATE`` (the write lock up front: DEFERRED fails on upgrade, not waits), COMMIT or ROLLBACK."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         yield conn
@@ -94,10 +91,9 @@ def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) ->
 def fetch_batches(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[list[Any]]:
     """The rows of ``sql`` in lists of at most ``size``; a TEXT value that is not UTF-8 comes as its bytes.
 
-    One TEXT value that is not UTF-8 fails sqlite3's fetch and every row after it, and a ``text_factory``
-    keeping it as bytes is slow (~0.3 s per 1M keys), so the rows are read in C until one fails, then again
-    with that factory, skipping those given. ``sql`` must order its rows and the call run in one read
-    transaction, so both reads agree.
+    Such a value fails sqlite3's fetch and every row after it, and a ``text_factory`` keeping it as bytes is slow
+    (~0.3 s per 1M keys): rows are read in C until one fails, then with that factory, skipping those given.
+    ``sql`` must order its rows and run in one read transaction, so both reads agree.
     """
     given = 0
     rows = None
@@ -257,8 +253,7 @@ def open_connection(path: str, timeout: float,
     directory = os.path.dirname(os.path.abspath(path))
     if path != ":memory:" and not path.startswith("file:"):
         os.makedirs(directory, exist_ok=True)
-    # isolation_level=None: the store issues BEGIN/COMMIT itself. check_same_thread=False:
-    # the poller lists from a helper thread; the store's lock serializes all use.
+    # The store issues BEGIN/COMMIT itself, and its lock serializes all use (the poller lists from a helper thread).
     conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
                            check_same_thread=False, uri=path.startswith("file:"))
     try:

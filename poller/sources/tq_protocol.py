@@ -1,19 +1,14 @@
 """TransferQueue's controller request protocol: pure functions, no sockets.
 
-The controller binds a ZeroMQ ROUTER ("request_handle_socket"); a client connects a DEALER and sends one
-frame per request, a msgpack map::
-
-    {"request_type": "KV_LIST", "sender_id": ..., "receiver_id": ...,
-     "request_id": ..., "timestamp": ..., "body": {"partition_id": None}}
-
-and gets back one such map whose ``request_type`` is the matching response (``KV_LIST_RESPONSE``, body
-``{"partition_info": {...}, "message": ...}``) or ``REQUEST_ERROR`` (body ``{"message": ...}``). Tag values
-are read by :mod:`poller.sources.tq_values`; the two modules alone in the poller know TransferQueue's formats.
+A client connects a DEALER to the controller's ROUTER ("request_handle_socket") and sends one msgpack map per
+request, ``{"request_type": "KV_LIST", "sender_id", "receiver_id", "request_id", "timestamp", "body": {...}}``;
+the reply is one such map of the matching response type (``KV_LIST_RESPONSE``, body ``{"partition_info": {...},
+"message": ...}``) or ``REQUEST_ERROR`` (body ``{"message": ...}``). Tag values are read by
+:mod:`poller.sources.tq_values`; the two modules alone in the poller know TransferQueue's formats.
 
 The controller announces no protocol version, so the start-up probe checks the trainer's release against
 :data:`KNOWN_VERSIONS` and the shape of the probe's reply (:func:`check_probe_reply`): another shape is a
-:class:`TransferQueueProtocolError`; an unknown release whose reply has the known shape is used, with one
-WARNING.
+:class:`TransferQueueProtocolError`; an unknown release whose reply has the known shape is used, with one WARNING.
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ How the controller's codec (msgspec's msgpack with a hook) carries each kind of 
 - an int no msgpack int holds makes the controller pickle the whole reply: :func:`restricted_loads` reads
   the same scalars, arrays and dense tensors (torch's legacy storage format) from it.
 
-An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue` in its place (the poller
-quarantines that key alone), an unreadable map key an :class:`UnreadableKey`. The restricted unpickler
-resolves no global by import.
+An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue` (the poller quarantines that key
+alone), an unreadable map key an :class:`UnreadableKey`. The restricted unpickler resolves no global by import.
 """
 
 from __future__ import annotations

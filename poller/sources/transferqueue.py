@@ -5,7 +5,6 @@
     trainer process                         poller process
     tq.init() ── owns Ray, the controller   TransferQueueSource
     source_kwargs(conf) ── address ───────▶   DEALER ── KV_LIST ──▶ controller's ROUTER
-                                              (a deadline on every call)
 
 The trainer owns TransferQueue: only it may call ``tq.close()`` (from any other process that kills the shared
 controller for everybody). The poller needs only the controller's address, which :func:`source_kwargs` reads

@@ -1,9 +1,8 @@
 """CurveZMQ keys: making key files, loading them, and configuring sockets.
 
-All cryptography is libzmq's. Key files are pyzmq's certificates: ``NAME.key`` holds the public
-key, ``NAME.key_secret`` both halves. The buffer is the *server* (its pair, and the poller public
-keys it allows); each poller a *client* (its pair, and the server's public key, so it cannot be
-talked into streaming to an impostor).
+All cryptography is libzmq's. Key files are pyzmq's certificates: ``NAME.key`` holds the public key,
+``NAME.key_secret`` both halves. The buffer is the *server* (its pair, and the poller public keys it allows); each
+poller a *client* (its pair, and the server's public key, so it cannot be talked into streaming to an impostor).
 """
 
 from __future__ import annotations

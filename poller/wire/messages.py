@@ -1,11 +1,9 @@
 """One record type per message kind: each field's name, type and check live here only.
 
-:mod:`poller.wire.protocol` packs a record's fields as a msgpack map and checks
-a decoded map against the record before building it. A field with a default
-was added after its kind was first defined: a peer that predates it leaves it
-out (and a record leaves it out while ``None``, so an older receiver is not
-shown a ``nil`` it would refuse). Extra fields in a received map are ignored
-(forward compatibility within one protocol version).
+:mod:`poller.wire.protocol` packs a record's fields as a msgpack map and checks a decoded map against the record
+before building it. A field with a default was added after its kind was first defined: a peer that predates it
+leaves it out (and a record leaves it out while ``None``, so an older receiver is not shown a ``nil`` it would
+refuse). Extra fields in a received map are ignored (forward compatibility within one protocol version).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The wire format: pure functions between messages and ZeroMQ frames; no sockets.
 
-Both sides import this module. A message is two frames: ``header = msgpack
-[version, kind, epoch, seq]`` and ``body = msgpack map`` shaped by ``kind``
-(:mod:`poller.wire.messages`). ``epoch`` is new each time a poller process
-starts; ``seq`` counts an epoch's messages from 0 (READY): a gap means
-something was lost, and the receiver asks for a RESYNC instead of diverging.
+A message is two frames: ``header = msgpack [version, kind, epoch, seq]`` and ``body = msgpack map`` shaped by
+``kind`` (:mod:`poller.wire.messages`). ``epoch`` is new each time a poller process starts; ``seq`` counts an epoch's
+messages from 0 (READY): a gap means something was lost, and the receiver asks for a RESYNC instead of diverging.
 
-Decoding is strict and bounded (:class:`Limits`); every failure is a
-:class:`~poller.wire.errors.ProtocolError`. No pickle. DELTA, the one bulky
-kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
+Decoding is strict and bounded (:class:`Limits`); every failure is a :class:`~poller.wire.errors.ProtocolError`.
+No pickle. DELTA, the one bulky kind, is encoded a bounded body at a time (:func:`iter_encode_delta`).
 """
 
 from __future__ import annotations
@@ -42,23 +39,20 @@ class _LimitFields(NamedTuple):
 class Limits(_LimitFields):
     """Bounds on what one peer can make the buffer decode and hold.
 
-    A message past any decoding bound is a counted, logged
-    :class:`~poller.wire.errors.ProtocolError` and is dropped whole.
+    A message past any bound is dropped whole: a counted, logged :class:`~poller.wire.errors.ProtocolError`.
 
     Attributes:
-        max_frame_bytes: size of a body frame; larger frames are also refused
-            by libzmq before they are read whole (``ZMQ_MAXMSGSIZE``), which
-            disconnects the sender.
+        max_frame_bytes: size of a body frame; larger frames are also refused by libzmq before they are read whole
+            (``ZMQ_MAXMSGSIZE``), which disconnects the sender.
         max_header_bytes: size of a header frame.
         max_str_len: length of one string or binary value (keys, tag values).
         max_items: entries of one map or array.
-        max_keys_per_message: partitions plus keys (upserts and deletes) in
-            one DELTA; the poller sends at most 4096 per message.
-        max_depth: nesting of maps and arrays in a body (the DELTA structure
-            itself uses 4 levels), so that no tag value can make ``snapshot()``
-            recurse without bound.
-        max_peers: streams (peer identities) the receiver keeps state for; past
-            it, the one silent longest is forgotten (it resyncs if it returns).
+        max_keys_per_message: partitions plus keys (upserts and deletes) in one DELTA; the poller sends at most
+            4096 per message.
+        max_depth: nesting of maps and arrays in a body (the DELTA structure itself uses 4 levels), so that no tag
+            value can make ``snapshot()`` recurse without bound.
+        max_peers: streams (peer identities) the receiver keeps state for; past it, the one silent longest is
+            forgotten (it resyncs if it returns).
     """
 
     __slots__ = ()
@@ -138,11 +132,9 @@ def iter_encode_delta(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
                       full: bool, chunk_items: int, max_frame_bytes: int, sync: int = 0) -> Iterator[bytes]:
     """A poll as DELTA bodies of at most ``chunk_items`` keys, each under ``max_frame_bytes``, one at a time.
 
-    The first body of a full snapshot carries ``reset``, the last of every
-    poll ``end``. A piece is taken only when the body before it was handed on
-    (an empty piece sends what came before it at once); ``deletes`` is read
-    once the pieces are exhausted. After a ProtocolError the poll has no
-    ``end`` and is sent again, which the receiver tolerates.
+    The first body of a full snapshot carries ``reset``, the last of every poll ``end``. A piece is taken only when
+    the body before it was handed on (an empty piece sends what came before it at once); ``deletes`` is read last.
+    After a ProtocolError the poll has no ``end`` and is sent again, which the receiver tolerates.
 
     Raises:
         ProtocolError: one key whose tags alone exceed ``max_frame_bytes`` (the screen lets none through).

@@ -115,12 +115,11 @@ class ChangeFeed(Protocol):
     def kv_changes(self, cursor: Any) -> tuple[Any, Listing, dict[str, list[str]]] | None:
         """``(cursor, upserts, deletes)`` since ``cursor``, or ``None`` to ask for a full listing.
 
-        ``upserts``: the current tags of every key written since ``cursor`` (possibly unchanged ones);
-        ``deletes``: ``{partition_id: [key, ...]}`` removed since then and not stored now (deleted and put
-        again is an upsert). The returned cursor follows exactly these changes. ``None``: the cursor can no
-        longer be served (too old, or the store was replaced or rolled back to a backup, which a cursor must
-        tell apart); the caller takes :meth:`kv_snapshot`. A non-``str`` key or partition id is quarantined
-        (its delete lets it out).
+        ``upserts``: the current tags of every key written since ``cursor`` (possibly unchanged ones); ``deletes``:
+        ``{partition_id: [key, ...]}`` removed since then and not stored now (deleted and put again is an upsert).
+        The returned cursor follows exactly these changes. ``None``: the cursor can no longer be served (too old,
+        or the store was replaced or rolled back to a backup, which a cursor must tell apart): the caller takes
+        :meth:`kv_snapshot`. A non-``str`` key or partition id is quarantined (its delete lets it out).
         """
         ...
 
@@ -235,8 +234,7 @@ def resolve_spec(spec: str) -> Any:
 def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> Source:
     """Build a source from ``spec``, checked against the contract (:func:`capabilities`).
 
-    ``spec`` names (or is) an object that has ``kv_list`` (used as it is) or a callable, called with
-    ``**kwargs``, whose result must be a source.
+    ``spec`` names (or is) a source (it has ``kv_list``: used as it is) or a factory, called with ``**kwargs``.
 
     Raises:
         ValueError: malformed spec, missing attribute, or kwargs given for an object that is not called.
@@ -245,8 +243,7 @@ def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> So
     """
     target = resolve_spec(spec) if isinstance(spec, str) else spec
     kwargs = dict(kwargs or {})
-    # A class has a kv_list attribute too (the unbound function), so "already
-    # a source" means: has kv_list and is not itself a class.
+    # A class has kv_list too (the unbound function): "already a source" means having kv_list and not being a class.
     if hasattr(target, "kv_list") and not isinstance(target, type):
         if kwargs:
             raise ValueError(f"source {describe_spec(spec)} is already a source object; it takes no kwargs")

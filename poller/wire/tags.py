@@ -1,9 +1,8 @@
 """The tag codec: one key's tags as bytes, on the wire and in the trainer's store.
 
-A poller packs each key's tags alone (:func:`pack_tags`); the trainer checks
-them as they arrive (:func:`unpack_many_tags`), keeps them packed
-(:func:`freeze`) and unpacks what it hands out (:func:`thaw`). Tags packed by
-either side compare as bytes: how both decide "did it change?".
+A poller packs each key's tags alone (:func:`pack_tags`); the trainer checks them as they arrive
+(:func:`unpack_many_tags`), keeps them packed (:func:`freeze`) and unpacks what it hands out (:func:`thaw`). Tags
+packed by either side compare as bytes: how both decide "did it change?".
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ _TAGS_DEPTH = 4
 def pack_tags(tags: Mapping[str, Any], *, exact: bool = False) -> bytes | None:
     """``tags`` packed as a poller packs them for the wire, or ``None`` if msgpack cannot.
 
-    With ``exact``, only when unpacking gives the same values back (no tuple,
-    no subclass): the store's form (:func:`freeze`).
+    ``exact``: only if unpacking gives the same values back (no tuple, no subclass), the store's form (:func:`freeze`).
     """
     try:
         return msgpack.packb(tags, use_bin_type=True, strict_types=exact)  # type: ignore[no-any-return]
@@ -51,8 +49,7 @@ def pack_many_tags(many: Iterable[Any]) -> list[bytes | None]:
 def fresh_strs(strs: Sequence[str]) -> list[str]:
     """New objects equal to ``strs`` (one msgpack round trip, in C).
 
-    A listing's own key objects, kept among its freed tag dicts, would keep
-    its memory resident (1M keys: ~550 MB held for ~200 MB live).
+    A listing's own key objects, kept among its freed tag dicts, would keep its memory resident (1M keys: ~550 MB).
     """
     return msgpack.unpackb(msgpack.packb(list(strs)), raw=False)  # type: ignore[no-any-return]
 
@@ -95,9 +92,8 @@ def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
 def _unpack_each(blobs: Sequence[bytes], limits: Limits | None) -> list[Any]:
     """Each blob's one msgpack object, read by one unpacker from the blobs joined (~0.55 us a key, not ~0.9).
 
-    ``limits=None``: bytes the store holds. Raises ValueError (or msgpack's
-    errors) unless each blob is exactly one object: joined, a long blob and a
-    short one could read as two.
+    ``limits=None``: bytes the store holds. Raises ValueError (or msgpack's errors) unless each blob is exactly one
+    object: joined, a long blob and a short one could read as two.
     """
     joined = b"".join(blobs)
     bounds = {} if limits is None else dict(max_str_len=limits.max_str_len, max_bin_len=limits.max_str_len,
