@@ -1,28 +1,23 @@
 """The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
 
-A *stream* is what one poller sends, named by its ZeroMQ identity. Pure
-bookkeeping (no tags, locks, policies or sockets): the
-:class:`~buffer.partitions.PartitionStore` calls it under its lock and
-applies what it decides. ``tests/test_ledger.py`` checks it against a model.
+A *stream* is what one poller sends, named by its ZeroMQ identity. Pure bookkeeping (no tags, locks,
+policies or sockets): the :class:`~buffer.partitions.PartitionStore` calls it under its lock and applies
+what it decides. ``tests/test_ledger.py`` checks it against a model.
 
-A key the trainer removed while a poll under way still lists it gets a
-*tombstone*, which hides the record *as removed* (the versions each stream
-listed and the store held), never the name: the same version listed again
-stays hidden; another version is a new record, shown at once if listed by a
-poll begun after the removal, else in doubt until the first complete poll
-begun after (shown if still listed). A tombstone ends when no stream lists
-the key; a removal of a key no stream lists is *pending* until the first
-complete poll past it that does not list it.
+A key the trainer removed while a poll under way still lists it gets a *tombstone*, which hides the
+record *as removed* (the versions each stream listed and the store held), never the name: the same
+version listed again stays hidden; another version is a new record, shown at once if listed by a poll
+begun after the removal, else in doubt until the first complete poll begun after (shown if still listed).
+A tombstone ends when no stream lists the key; a removal of a key no stream lists is *pending* until the
+first complete poll past it that does not list it.
 
-"Began after" is told by poll numbers, never by clocks: a removal notes per
-stream the highest poll received, ``m`` (its *horizon*); poll ``m + 1`` may
-be listing already, poll ``m + 2`` began after ``m + 1`` was sent whole.
+"Began after" is told by poll numbers, never by clocks: a removal notes per stream the highest poll
+received, ``m`` (its *horizon*); poll ``m + 1`` may be listing already, ``m + 2`` began after it.
 
-A view is *whole* when the streams it requires (the buffer's own poller) had
-a first complete poll applied and no stream listing the partition is half-way
-through a full listing or awaiting a resync; *fresh* while each required
-stream answers and its last complete poll is at most ``max_age`` s old (the
-trainer's ``time.monotonic()``). A decision needs both.
+A view is *whole* when the streams it requires (the buffer's own poller) had a first complete poll applied
+and no stream listing the partition is half-way through a full listing or awaiting a resync; *fresh* while
+each required stream answers and its last complete poll is at most ``max_age`` s old (the trainer's
+``time.monotonic()``). A decision needs both.
 """
 
 from __future__ import annotations
