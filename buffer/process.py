@@ -67,10 +67,8 @@ _KILL_REAP_TIMEOUT = 5.0
 
 
 def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
-    """The objects (fds or objects with ``fileno()``) readable, EOF or failed within ``timeout``.
-
-    Like ``multiprocessing.connection.wait``, without importing it.
-    """
+    """The objects (fds or objects with ``fileno()``) readable, EOF or failed within ``timeout``
+    (``multiprocessing.connection.wait``, without importing it)."""
     fds = {(o if isinstance(o, int) else o.fileno()): o for o in objects}
     poller = select.poll()
     for fd in fds:
@@ -82,9 +80,8 @@ def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
 class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
-    The child is a fresh interpreter running only the poller: safe in processes that already hold
-    threads or CUDA, and unlike ``multiprocessing``'s ``spawn`` it does not re-run the trainer's
-    ``__main__`` (a script importing torch costs seconds there).
+    The child is a fresh interpreter running only the poller: safe in processes holding threads or CUDA,
+    and unlike ``multiprocessing``'s ``spawn`` it does not re-run the trainer's ``__main__``.
 
     Args:
         source: ``"package.module:attr"`` or a picklable callable (see :func:`poller.load_source`),
@@ -286,10 +283,8 @@ class PollerProcess:
     def close(self, timeout: float = 5.0, *,
               wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
         """Stop the child: STOP, then ``terminate()``, then ``kill()``, the first two waiting up to ``timeout``.
-
         ``wait_drained(seconds)``, asked once the child exited: was everything it sent applied? Idempotent
-        and thread-safe: every caller gets the same report. ``ValueError``: ``timeout`` is not seconds >= 0.
-        """
+        and thread-safe: every caller gets the same report. ``ValueError``: ``timeout`` is not seconds >= 0."""
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         self._close_requested = True  # read by a start() still waiting for READY
         with self._lock:
@@ -344,7 +339,7 @@ class PollerProcess:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         # The pidfd is readable once the child is a zombie, so the reap below finds it at once; after the
-        # pipe (earlier), Popen.wait() polls with growing sleeps (2.7 ms of an idle close()'s 7.7).
+        # pipe (earlier), Popen.wait() would poll with growing sleeps.
         exit_fd = self._pidfd if self._pidfd is not None and not self._fds_closed else self.sentinel
         if timeout is not None and not wait([exit_fd], timeout):
             return
