@@ -191,11 +191,9 @@ class Ledger:
 
     def poll_completed(self, stream: str, epoch: int, poll: int, *, full: bool, sync: int | None,
                        now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
-        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``.
-
-        ``drops``: what a full poll did not list; ``shown``: the new records it
-        settles; ``wake``: a sync answered, a new process's first poll, a view fresh again.
-        """
+        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``: what a
+        full poll did not list, the new records it settles, and whether waiters have news (a sync answered, a
+        new process's first poll, a view fresh again)."""
         drops = self._end_snapshot(stream) if full else []
         shown = self._settle(stream, epoch, poll)
         last = self._completed_at.get(stream)
@@ -255,11 +253,8 @@ class Ledger:
         self._broken[stream] = why
 
     def replaced(self, stream: str) -> list[tuple[str, list[str]]]:
-        """``stream``'s store was replaced: ``(partition, keys)`` to drop, every key only it listed.
-
-        Removed ones too (the new store's keys of those names are new records);
-        not whole until the new store's first full listing ends.
-        """
+        """``stream``'s store was replaced: ``(partition, keys)`` to drop, every key only it listed, removed ones
+        too (the new store's keys of those names are new records); not whole until its first full listing ends."""
         self.abandon_snapshot(stream)
         drops = [(partition, self.unlisted(stream, partition, list(keys)))
                  for partition, keys in list(self._listed.get(stream, {}).items())]

@@ -57,10 +57,8 @@ def _ledger(method: Callable[Concatenate[Ledger, P], T], *,
 
 
 class PartitionStore:
-    """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting.
-
-    The lock is reentrant: a :meth:`wait_until` attempt may call any reader.
-    """
+    """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting. The lock is reentrant: a
+    :meth:`wait_until` attempt may call any reader."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.RLock())

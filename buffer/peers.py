@@ -184,10 +184,8 @@ class PeerTable:
         return Send(identity, Kind.SYNC, self._epoch(identity), Sync(token, self._sync_partitions.get(identity)))
 
     def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
-        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
-
-        Called directly, not through the receiver's command queue: the dict entry is replaced GIL-atomically.
-        """
+        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows); called
+        directly, not through the receiver's command queue: the dict entry is replaced GIL-atomically."""
         held = self._sync_partitions.get(identity, [])
         self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 

@@ -9,13 +9,12 @@ The child is a fresh interpreter, started without ``multiprocessing``::
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
 
 Start-up is a handshake with a deadline over that private pipe (the *lifeline*), the only place pickle
-crosses, to our own child. Closing is one straight-line ladder with named stages, each wait bounded::
+crosses, to our own child. Closing is one ladder with named stages, each wait bounded (a child that had
+already died: ``"already-exited"``)::
 
     STOP ──wait──▶ "graceful"
       └─▶ terminate() ──wait──▶ "terminated"
             └─▶ kill() ──reap──▶ "killed"
-
-A child that had already died is ``"already-exited"``.
 """
 
 from __future__ import annotations
@@ -168,9 +167,8 @@ class PollerProcess:
         logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
 
     def _spawn(self, child_end: Channel) -> None:
-        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration; a configuration
-        that cannot be pickled (a callable source) raises ``PicklingError``/``TypeError``/``AttributeError``
-        before anything starts."""
+        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration; one that cannot be
+        pickled (a callable source) raises ``PicklingError``/``TypeError``/``AttributeError`` before any start."""
         assert self._conn is not None
         try:
             payload = pickle.dumps(self.config, protocol=pickle.HIGHEST_PROTOCOL)

@@ -112,7 +112,6 @@ class _Core:
         self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
                                        stale_after=stale_after, pinned=frozenset({self.name}))
         self.endpoint: str | None = None
-        # What every sampling policy uses of this buffer, the step sampler behind sample() first.
         self.seam = SamplingSeam(self.store, ListingSync(self.store, self.receiver,
                                                          self.name if source is not None else None))
         self.steps = StepSampler(self.seam)
@@ -179,11 +178,9 @@ class _Core:
         return answer.result(close_bound(self.close_timeout))
 
     def _drained(self, process: PollerProcess, final: bool = True) -> Callable[[float], bool]:
-        """Whether everything ``process`` sent before BYE was applied (asked after it exited).
-
-        For the buffer's last poller (``final``, not one a switch replaces) the receiver ends once that BYE
-        is applied, so closing its socket and removing the ipc directory overlap the poller's exit.
-        """
+        """Whether everything ``process`` sent before BYE was applied (asked after it exited). For the buffer's
+        last poller (``final``, not one a switch replaces) the receiver ends once that BYE is applied, so
+        closing its socket and removing the ipc directory overlap the poller's exit."""
         name, epoch = process.name, process.epoch
         if final:
             self.receiver.stop_after_bye(name, epoch, then=self._remove_ipc_dir)

@@ -78,7 +78,6 @@ class SamplingSeam:
         def described() -> str:
             return describe() + self._quarantine_note(partition_id)
 
-        # Only the buffer's own poller is asked to hurry or watch: standalone ones keep their own schedule.
         own = self._listings if self._listings is not None and self._listings.has_own_poller else None
         watcher = None
         if watch is not None and own is not None and timeout != 0:

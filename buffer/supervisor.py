@@ -127,8 +127,7 @@ class Supervisor:
         self.started: Future[None] = Future()
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._wake = WakePipe()
-        # The running child the thread only watches (None at any other moment), and whether a closing
-        # thread took it over; both under the lock.
+        # Under the lock: the running child the thread only watches (else None), and whether a closer took it.
         self._state = threading.Lock()
         self._watched: PollerProcess | None = None
         self._handed_over = False
@@ -138,11 +137,9 @@ class Supervisor:
         self._thread.start()
 
     def switch(self, timeout: float) -> Future[ShutdownReport]:
-        """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
-
-        The future: the old child's close report once the new one is built and ``switched()`` was told;
-        :class:`BufferClosed` when a close came first, or the :class:`PollerCrashed` given up with.
-        """
+        """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash. The
+        future: the old child's close report once the new one is built and ``switched()`` was told;
+        :class:`BufferClosed` when a close came first, or the :class:`PollerCrashed` given up with."""
         request = _SwitchRequest(timeout, Future())
         self._requests.put(request)
         self._wake.poke()
