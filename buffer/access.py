@@ -1,11 +1,10 @@
 """Who may reach the buffer's endpoint: the bind policy, ipc paths and the CURVE gate.
 
-:func:`check_bind`: ``ipc://`` and loopback ``tcp://`` (``tcp://:PORT`` means
-loopback) reach only this host; anything else counts as the network (failing
-closed) and needs CURVE or ``insecure=True`` (logged as a warning). The gate
-(:class:`Gatekeeper`, in the receiver thread): pyzmq's ZAP authenticator
-admits only allowed keys, so no other peer's frame reaches the decoder, and a
-socket monitor counts failed handshakes (``auth_rejected``).
+:func:`check_bind`: ``ipc://`` and loopback ``tcp://`` (``tcp://:PORT`` means loopback) reach only this
+host; anything else counts as the network (failing closed) and needs CURVE or ``insecure=True`` (logged
+as a warning). The gate (:class:`Gatekeeper`, in the receiver thread): pyzmq's ZAP authenticator admits
+only allowed keys, so no other peer's frame reaches the decoder, and a socket monitor counts failed
+handshakes (``auth_rejected``).
 """
 
 from __future__ import annotations
@@ -83,10 +82,9 @@ class EndpointInUseError(OSError):
 def claim_ipc_path(endpoint: str) -> None:
     """Refuse (:class:`EndpointInUseError`) an ``ipc://`` path in use or not a socket; clear a stale one.
 
-    libzmq unlinks whatever sits at the path before it binds, so a second
-    buffer given the same path silently took the first one's stream. A socket
-    nobody listens on was left by a dead process and is removed. (For
-    mistakes, not for a race between two hostile binders.)
+    libzmq unlinks whatever sits at the path before it binds, so a second buffer given the same path
+    silently took the first one's stream. A socket nobody listens on was left by a dead process and is
+    removed. (For mistakes, not for a race between two hostile binders.)
     """
     if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
         return  # only filesystem paths; abstract names fail to bind when taken

@@ -1,9 +1,8 @@
 """Checks of what a trainer passes to the buffer, made once, where it enters; inner layers trust them.
 
-Bad input gets a clear error and changes nothing. Wrong types raise
-``TypeError``, as the SQLite store's ``kv_*`` methods do; numbers out of
-range ``ValueError`` (:mod:`poller.wire.arguments`). Options from config
-files (Hydra/OmegaConf) arrive as plain values and become what the buffer uses.
+Bad input gets a clear error and changes nothing. Wrong types raise ``TypeError``, as the SQLite store's
+``kv_*`` methods do; numbers out of range ``ValueError`` (:mod:`poller.wire.arguments`). Options from
+config files (Hydra/OmegaConf) arrive as plain values and become what the buffer uses.
 """
 
 from __future__ import annotations

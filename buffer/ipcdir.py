@@ -1,12 +1,10 @@
 """The buffer's private ipc directory: a fresh 0700 directory holding the default endpoint's socket.
 
-Removed by the buffer's ``close()`` (or finalizer, or interpreter exit), by
-the poller or its watchdog when the trainer died, else (a trainer killed
-without a poller) by the next buffer on this host, as *stale*: its ``owner``
-file's pid is gone or now belongs to a process started at another time. Only
-the owner removes it (a forked child inherits the finalizer); a directory of
-another user, without a readable owner file, or of another pid namespace (a
-container sharing ``/tmp``) is never touched.
+Removed by the buffer's ``close()`` (or finalizer, or interpreter exit), by the poller or its watchdog
+when the trainer died, else (a trainer killed without a poller) by the next buffer on this host, as
+*stale*: its ``owner`` file's pid is gone or now belongs to a process started at another time. Only the
+owner removes it (a forked child inherits the finalizer); a directory of another user, without a readable
+owner file, or of another pid namespace (a container sharing ``/tmp``) is never touched.
 """
 
 from __future__ import annotations
@@ -40,8 +38,7 @@ def _pid_namespace() -> str | None:
 
 
 class PrivateIpcDir:
-    """A fresh 0700 directory for the buffer's ipc socket, its owner recorded (pid, start time, pid namespace),
-    removed by its owner only."""
+    """A fresh 0700 directory for the buffer's ipc socket, its owner (pid, start time, pid namespace) recorded."""
 
     def __init__(self) -> None:
         path = tempfile.mkdtemp(prefix=PREFIX)

@@ -1,28 +1,23 @@
 """The ledger: what each stream lists, what the trainer removed, and whether a view is whole.
 
-A *stream* is what one poller sends, named by its ZeroMQ identity. Pure
-bookkeeping (no tags, locks, policies or sockets): the
-:class:`~buffer.partitions.PartitionStore` calls it under its lock and
-applies what it decides. ``tests/test_ledger.py`` checks it against a model.
+A *stream* is what one poller sends, named by its ZeroMQ identity. Pure bookkeeping (no tags, locks,
+policies or sockets): the :class:`~buffer.partitions.PartitionStore` calls it under its lock and applies
+what it decides. ``tests/test_ledger.py`` checks it against a model.
 
-A key the trainer removed while a poll under way still lists it gets a
-*tombstone*, which hides the record *as removed* (the versions each stream
-listed and the store held), never the name: the same version listed again
-stays hidden; another version is a new record, shown at once if listed by a
-poll begun after the removal, else in doubt until the first complete poll
-begun after (shown if still listed). A tombstone ends when no stream lists
-the key; a removal of a key no stream lists is *pending* until the first
-complete poll past it that does not list it.
+A key the trainer removed while a poll under way still lists it gets a *tombstone*, which hides the
+record *as removed* (the versions each stream listed and the store held), never the name: the same
+version listed again stays hidden; another version is a new record, shown at once if listed by a poll
+begun after the removal, else in doubt until the first complete poll begun after (shown if still listed).
+A tombstone ends when no stream lists the key; a removal of a key no stream lists is *pending* until the
+first complete poll past it that does not list it.
 
-"Began after" is told by poll numbers, never by clocks: a removal notes per
-stream the highest poll received, ``m`` (its *horizon*); poll ``m + 1`` may
-be listing already, poll ``m + 2`` began after ``m + 1`` was sent whole.
+"Began after" is told by poll numbers, never by clocks: a removal notes per stream the highest poll
+received, ``m`` (its *horizon*); poll ``m + 1`` may be listing already, ``m + 2`` began after it.
 
-A view is *whole* when the streams it requires (the buffer's own poller) had
-a first complete poll applied and no stream listing the partition is half-way
-through a full listing or awaiting a resync; *fresh* while each required
-stream answers and its last complete poll is at most ``max_age`` s old (the
-trainer's ``time.monotonic()``). A decision needs both.
+A view is *whole* when the streams it requires (the buffer's own poller) had a first complete poll applied
+and no stream listing the partition is half-way through a full listing or awaiting a resync; *fresh* while
+each required stream answers and its last complete poll is at most ``max_age`` s old (the trainer's
+``time.monotonic()``). A decision needs both.
 """
 
 from __future__ import annotations
@@ -196,11 +191,9 @@ class Ledger:
 
     def poll_completed(self, stream: str, epoch: int, poll: int, *, full: bool, sync: int | None,
                        now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
-        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``.
-
-        ``drops``: what a full poll did not list; ``shown``: the new records it
-        settles; ``wake``: a sync answered, a new process's first poll, a view fresh again.
-        """
+        """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``: what a
+        full poll did not list, the new records it settles, and whether waiters have news (a sync answered, a
+        new process's first poll, a view fresh again)."""
         drops = self._end_snapshot(stream) if full else []
         shown = self._settle(stream, epoch, poll)
         last = self._completed_at.get(stream)
@@ -260,11 +253,8 @@ class Ledger:
         self._broken[stream] = why
 
     def replaced(self, stream: str) -> list[tuple[str, list[str]]]:
-        """``stream``'s store was replaced: ``(partition, keys)`` to drop, every key only it listed.
-
-        Removed ones too (the new store's keys of those names are new records);
-        not whole until the new store's first full listing ends.
-        """
+        """``stream``'s store was replaced: ``(partition, keys)`` to drop, every key only it listed, removed ones
+        too (the new store's keys of those names are new records); not whole until its first full listing ends."""
         self.abandon_snapshot(stream)
         drops = [(partition, self.unlisted(stream, partition, list(keys)))
                  for partition, keys in list(self._listed.get(stream, {}).items())]

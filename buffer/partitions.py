@@ -1,17 +1,15 @@
 """The shared partition store: ``partition -> {key -> tags}`` under one lock, in the trainer process.
 
-No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`,
-:mod:`buffer.verl.groups`) keep their own indexes from ``on_change`` and wait
-with :meth:`PartitionStore.wait_until`. The trainer writes with
-``add``/``remove``, the pollers' streams one DELTA at a time
-(:meth:`PartitionStore.apply`); the :class:`~buffer.ledger.Ledger` decides,
-under the lock, what a listing merges or drops and whether a view is whole.
+No ZeroMQ and no sampling rules: *policies* (:mod:`buffer.policies`, :mod:`buffer.verl.groups`) keep
+their own indexes from ``on_change`` and wait with :meth:`PartitionStore.wait_until`. The trainer writes
+with ``add``/``remove``, the pollers' streams one DELTA at a time (:meth:`PartitionStore.apply`); the
+:class:`~buffer.ledger.Ledger` decides, under the lock, what a listing merges or drops and whether a view
+is whole.
 
-Tags are held packed (:func:`~poller.wire.tags.freeze`), a poller's as the
-bytes they arrived in: the garbage collector has nothing to traverse (1M
-keys: a full collection in a few ms, not tens), and a resync of an unchanged
-key costs one comparison. Tags msgpack cannot hold exactly (the trainer's
-tuples) stay dicts. Partitions keep arrival order.
+Tags are held packed (:func:`~poller.wire.tags.freeze`), a poller's as the bytes they arrived in: the
+garbage collector has nothing to traverse (1M keys: a full collection in a few ms, not tens), and a resync
+of an unchanged key costs one comparison. Tags msgpack cannot hold exactly (the trainer's tuples) stay
+dicts. Partitions keep arrival order.
 """
 
 from __future__ import annotations
@@ -59,10 +57,8 @@ def _ledger(method: Callable[Concatenate[Ledger, P], T], *,
 
 
 class PartitionStore:
-    """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting.
-
-    The lock is reentrant: a :meth:`wait_until` attempt may call any reader.
-    """
+    """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting. The lock is reentrant: a
+    :meth:`wait_until` attempt may call any reader."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.RLock())
@@ -88,9 +84,8 @@ class PartitionStore:
                    describe: Callable[[], str], view: str | None = None) -> T:
         """Under the lock: call ``attempt()`` now and after every change until it returns non-None.
 
-        With ``view``, ``attempt`` decides on that partition and is called
-        only while its view is whole and fresh (:meth:`view_gap`). ``timeout``
-        was checked by the public method that waits (finite, >= 0, or None).
+        With ``view``, ``attempt`` decides on that partition and is called only while its view is whole and
+        fresh (:meth:`view_gap`). ``timeout`` was checked by the public method that waits.
 
         Raises:
             TimeoutError: ``describe()`` as the message, at the deadline.
@@ -168,13 +163,13 @@ class PartitionStore:
               superseded: bool = False) -> None:
         """Apply one DELTA of ``stream``'s process ``epoch``: its keys, its deletes and, at its ``end``, the poll.
 
-        Tags are unpacked with ``unpack`` only where the store does not hold
-        their bytes already. A ``superseded`` DELTA (a resync is awaited) only
-        counts as received: its poll number still bounds a removal's horizon.
+        Tags are unpacked with ``unpack`` only where the store does not hold their bytes already. A
+        ``superseded`` DELTA (a resync is awaited) only counts as received: its poll number still bounds a
+        removal's horizon.
 
         Raises:
-            ProtocolError: (from ``unpack``) tags the decoder refuses. What came
-                before them is applied: the stream is broken until a resync.
+            ProtocolError: (from ``unpack``) tags the decoder refuses. What came before them is applied: the
+                stream is broken until a resync.
         """
         with self._cond:
             ledger = self.ledger
@@ -210,11 +205,8 @@ class PartitionStore:
 
     def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes],
                       unpack: Callable[[list[bytes]], list[Tags]]) -> bool:
-        """Merge what ``stream`` lists (lock held); True if a key changed.
-
-        A key whose bytes are held already is unchanged, found with no decode
-        (100k unchanged: ~20 ms, not ~100); the others are unpacked first.
-        """
+        """Merge what ``stream`` lists (lock held); True if a key changed. A key whose bytes are held already
+        is unchanged, found with no decode (100k unchanged: ~20 ms, not ~100); the others are unpacked first."""
         items = self._parts.get(partition_id)
         olds = list(map(items.get, keys)) if items else [None] * len(keys)
         changed = list(compress(range(len(keys)), map(ne, olds, blobs)))
@@ -251,9 +243,8 @@ class PartitionStore:
                         blobs: list[bytes], news: list[Tags]) -> None:
         """``_merge`` of keys held packed, all at once in C-level passes (lock held).
 
-        A key whose new tags hold every name of its old ones (a poller lists
-        whole tags) is held as the bytes that arrived; the policies are told
-        in one call (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
+        A key whose new tags hold every name of its old ones (a poller lists whole tags) is held as the bytes
+        that arrived; the policies are told in one call (:meth:`~buffer.policies.BulkPolicy.on_replaced`).
         """
         olds = thaw_many(old_blobs)
         covered = list(map(le, map(dict.keys, olds), map(dict.keys, news)))

@@ -1,21 +1,17 @@
 """The receiver's peer state machine: epochs, sequence numbers, resync, liveness.
 
-No sockets here: :class:`PeerTable` takes an identity, its frames and the
-time, applies the stream to the :class:`~buffer.partitions.PartitionStore`,
-and returns the control messages to send back (:class:`Send`); the thread
-that owns the ROUTER socket (:mod:`buffer.stream`) only moves frames.
+No sockets here: :class:`PeerTable` takes an identity, its frames and the time, applies the stream to the
+:class:`~buffer.partitions.PartitionStore`, and returns the control messages to send back (:class:`Send`);
+the thread owning the ROUTER socket (:mod:`buffer.stream`) only moves frames.
 
 Recovery rules (a stream must converge to its source, whatever was lost):
 
-- a sequence gap, or an epoch joined mid-stream, asks for a RESYNC (a full
-  snapshot) and ignores deltas until one starts (a snapshot's start is
-  itself the answer);
-- a peer silent past ``stale_after`` that speaks again is asked for one too;
-- a heartbeat's ``last_seq`` is answered with ACK (how a poller on a new
-  connection learns it was admitted, :mod:`poller.link`); one that does not
-  match what was received is a gap;
-- an unanswered RESYNC or SYNC is asked again every second
-  (:meth:`PeerTable.tick`): a request sent while the route was down is lost.
+- a sequence gap, or an epoch joined mid-stream, asks for a RESYNC (a full snapshot) and ignores deltas
+  until one starts (a snapshot's start is itself the answer); so does a stale peer speaking again;
+- a heartbeat's ``last_seq`` is answered with ACK (how a poller on a new connection learns it was
+  admitted, :mod:`poller.link`); one that does not match what was received is a gap;
+- an unanswered RESYNC or SYNC is asked again every second (:meth:`PeerTable.tick`): a request sent
+  while the route was down is lost.
 """
 
 from __future__ import annotations
@@ -127,9 +123,8 @@ class Peer:
 class PeerTable:
     """Per-peer stream state, applied to ``store``.
 
-    ``pinned`` names peers never forgotten to make room for others (the
-    buffer's own poller); ``on_change`` is called after a BYE or a first
-    complete poll was applied, for threads waiting on those.
+    ``pinned`` names peers never forgotten to make room for others (the buffer's own poller);
+    ``on_change`` is called after a BYE or a first complete poll was applied, for threads waiting on those.
     """
 
     def __init__(self, store: PartitionStore, *, limits: Limits = DEFAULT_LIMITS, stale_after: float = 5.0,
@@ -189,11 +184,8 @@ class PeerTable:
         return Send(identity, Kind.SYNC, self._epoch(identity), Sync(token, self._sync_partitions.get(identity)))
 
     def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
-        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows).
-
-        Called directly, not through the receiver's command queue: the dict
-        entry is replaced in one GIL-atomic step.
-        """
+        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows); called
+        directly, not through the receiver's command queue: the dict entry is replaced GIL-atomically."""
         held = self._sync_partitions.get(identity, [])
         self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 

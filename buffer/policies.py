@@ -1,10 +1,9 @@
 """Sampling policies over the store: what a policy implements, and how the store tells them.
 
-A policy (:mod:`buffer.steps`, :mod:`buffer.verl.groups`) keeps its own index
-of the keys it samples from, updated under the store's lock for every key
-that changed. :class:`AttachedPolicies` tells them in the order attached, and
-contains a policy that raises: a bug in one fails the store's waits instead
-of the receiver thread.
+A policy (:mod:`buffer.steps`, :mod:`buffer.verl.groups`) keeps its own index of the keys it samples
+from, updated under the store's lock for every key that changed. :class:`AttachedPolicies` tells them in
+the order attached, and contains a policy that raises: a bug in one fails the store's waits instead of the
+receiver thread.
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ class Policy(Protocol):
 
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         """Called with the store lock held after one key changed (old None: added; new None: dropped).
-
-        Must be cheap, must not call back into the store, must not mutate the dicts.
-        """
+        Must be cheap, must not call back into the store, must not mutate the dicts."""
 
 
 class BulkPolicy(Policy, Protocol):
@@ -43,10 +40,8 @@ class BulkPolicy(Policy, Protocol):
 
 
 class AttachedPolicies:
-    """The policies attached to one store, told of each change (under its lock) in the order attached.
-
-    ``failure`` is the first error a policy raised; the store raises it to its waiters.
-    """
+    """The policies attached to one store, told of each change (under its lock) in the order attached;
+    ``failure`` is the first error a policy raised, which the store raises to its waiters."""
 
     def __init__(self) -> None:
         self._policies: list[Policy] = []
@@ -92,7 +87,6 @@ class AttachedPolicies:
             self._failed(policy, partition_id, key, exc)
 
     def _failed(self, policy: Policy, partition_id: str, key: str, exc: Exception) -> None:
-        # A policy bug must not kill the receiver thread (every wait would hang): waiters see it instead.
         logger.error("policy %r failed on %r/%r", policy, partition_id, key, exc_info=exc)
         error = RuntimeError(f"sampling policy {type(policy).__name__} failed: {exc!r}")
         error.__cause__ = exc

@@ -9,13 +9,12 @@ The child is a fresh interpreter, started without ``multiprocessing``::
     send pickled WorkerConfig ──lifeline───▶ poller.child.main(): run_embedded()
 
 Start-up is a handshake with a deadline over that private pipe (the *lifeline*), the only place pickle
-crosses, to our own child. Closing is one straight-line ladder with named stages, each wait bounded::
+crosses, to our own child. Closing is one ladder with named stages, each wait bounded (a child that had
+already died: ``"already-exited"``)::
 
     STOP ──wait──▶ "graceful"
       └─▶ terminate() ──wait──▶ "terminated"
             └─▶ kill() ──reap──▶ "killed"
-
-A child that had already died is ``"already-exited"``.
 """
 
 from __future__ import annotations
@@ -67,10 +66,8 @@ _KILL_REAP_TIMEOUT = 5.0
 
 
 def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
-    """The objects (fds or objects with ``fileno()``) readable, EOF or failed within ``timeout``.
-
-    Like ``multiprocessing.connection.wait``, without importing it.
-    """
+    """The objects (fds or objects with ``fileno()``) readable, EOF or failed within ``timeout``
+    (``multiprocessing.connection.wait``, without importing it)."""
     fds = {(o if isinstance(o, int) else o.fileno()): o for o in objects}
     poller = select.poll()
     for fd in fds:
@@ -82,9 +79,8 @@ def wait(objects: Iterable[Any], timeout: float | None = None) -> list[Any]:
 class PollerProcess:
     """Handle on one poller process. Start it once, close it once (or more).
 
-    The child is a fresh interpreter running only the poller: safe in processes that already hold
-    threads or CUDA, and unlike ``multiprocessing``'s ``spawn`` it does not re-run the trainer's
-    ``__main__`` (a script importing torch costs seconds there).
+    The child is a fresh interpreter running only the poller: safe in processes holding threads or CUDA,
+    and unlike ``multiprocessing``'s ``spawn`` it does not re-run the trainer's ``__main__``.
 
     Args:
         source: ``"package.module:attr"`` or a picklable callable (see :func:`poller.load_source`),
@@ -171,9 +167,8 @@ class PollerProcess:
         logger.debug("poller %s started: pid %s, epoch %s", self.name, self.pid, self.epoch)
 
     def _spawn(self, child_end: Channel) -> None:
-        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration; a configuration
-        that cannot be pickled (a callable source) raises ``PicklingError``/``TypeError``/``AttributeError``
-        before anything starts."""
+        """Launch ``python -m poller.child`` on ``child_end`` and send it its configuration; one that cannot be
+        pickled (a callable source) raises ``PicklingError``/``TypeError``/``AttributeError`` before any start."""
         assert self._conn is not None
         try:
             payload = pickle.dumps(self.config, protocol=pickle.HIGHEST_PROTOCOL)
@@ -286,10 +281,8 @@ class PollerProcess:
     def close(self, timeout: float = 5.0, *,
               wait_drained: Callable[[float], bool] | None = None) -> ShutdownReport:
         """Stop the child: STOP, then ``terminate()``, then ``kill()``, the first two waiting up to ``timeout``.
-
         ``wait_drained(seconds)``, asked once the child exited: was everything it sent applied? Idempotent
-        and thread-safe: every caller gets the same report. ``ValueError``: ``timeout`` is not seconds >= 0.
-        """
+        and thread-safe: every caller gets the same report. ``ValueError``: ``timeout`` is not seconds >= 0."""
         timeout = check_seconds("timeout", timeout, allow_zero=True)
         self._close_requested = True  # read by a start() still waiting for READY
         with self._lock:
@@ -344,7 +337,7 @@ class PollerProcess:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         # The pidfd is readable once the child is a zombie, so the reap below finds it at once; after the
-        # pipe (earlier), Popen.wait() polls with growing sleeps (2.7 ms of an idle close()'s 7.7).
+        # pipe (earlier), Popen.wait() would poll with growing sleeps.
         exit_fd = self._pidfd if self._pidfd is not None and not self._fds_closed else self.sentinel
         if timeout is not None and not wait([exit_fd], timeout):
             return

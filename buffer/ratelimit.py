@@ -1,7 +1,7 @@
 """Rate-limited logging for what peers can make the trainer log (protocol errors, forwarded LOG/ERROR, gaps).
 
-A burst per category, then a trickle, and the next record that passes counts
-what was dropped: a hostile peer cannot flood the log, a real problem still shows.
+A burst per category, then a trickle, and the next record that passes counts what was dropped: a hostile
+peer cannot flood the log, a real problem still shows.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ def clamp_level(level: int) -> int:
 class LogLimiter:
     """At most ``burst`` records per category at once, refilled at ``burst / per`` a second.
 
-    Categories are fixed names chosen by the code, never a peer's strings, so
-    the state stays bounded; ``budgets`` gives some a ``(burst, per)`` of their own.
+    Categories are fixed names chosen by the code, never a peer's strings, so the state stays bounded;
+    ``budgets`` gives some a ``(burst, per)`` of their own.
     """
 
     def __init__(self, logger: logging.Logger, *, burst: int = 10, per: float = 60.0,

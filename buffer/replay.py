@@ -46,9 +46,9 @@ logger = logging.getLogger(__name__)
 
 _FIRST_POLL_WAIT = 5.0
 
-#: The least ``max_view_age=None`` lets a view age. Generous on purpose: the backstop for a poller
-#: that neither completes a poll nor reports a stall (a store that does not answer is caught at its
-#: first stalled or failed call); a TransferQueue of 1M keys listed within its share is well under it.
+#: The least ``max_view_age=None`` lets a view age. Generous on purpose: the backstop for a poller that
+#: neither completes a poll nor reports a stall (a store that does not answer is caught at its first
+#: stalled or failed call).
 DEFAULT_MAX_VIEW_AGE = 60.0
 
 
@@ -112,7 +112,6 @@ class _Core:
         self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
                                        stale_after=stale_after, pinned=frozenset({self.name}))
         self.endpoint: str | None = None
-        # What every sampling policy uses of this buffer, the step sampler behind sample() first.
         self.seam = SamplingSeam(self.store, ListingSync(self.store, self.receiver,
                                                          self.name if source is not None else None))
         self.steps = StepSampler(self.seam)
@@ -179,11 +178,9 @@ class _Core:
         return answer.result(close_bound(self.close_timeout))
 
     def _drained(self, process: PollerProcess, final: bool = True) -> Callable[[float], bool]:
-        """Whether everything ``process`` sent before BYE was applied (asked after it exited).
-
-        For the buffer's last poller (``final``, not one a switch replaces) the receiver ends once that BYE
-        is applied, so closing its socket and removing the ipc directory overlap the poller's exit.
-        """
+        """Whether everything ``process`` sent before BYE was applied (asked after it exited). For the buffer's
+        last poller (``final``, not one a switch replaces) the receiver ends once that BYE is applied, so
+        closing its socket and removing the ipc directory overlap the poller's exit."""
         name, epoch = process.name, process.epoch
         if final:
             self.receiver.stop_after_bye(name, epoch, then=self._remove_ipc_dir)
@@ -248,8 +245,8 @@ class ReplayBuffer:
         source_kwargs: keyword arguments for the source factory.
         poll_interval: seconds from the start of one ``kv_list()`` to the start of the next (a longer
             poll is followed by a pause of a tenth of it; ``listing_share`` may space listings further).
-        bind: endpoint to bind; default a private ``ipc://`` path in a 0700
-            directory removed on close. ``"tcp://127.0.0.1:0"`` takes a free port.
+        bind: endpoint to bind; default a private ``ipc://`` path in a 0700 directory removed on close.
+            ``"tcp://127.0.0.1:0"`` takes a free port.
         start_timeout: seconds to wait for the poller's READY.
         close_timeout: default per-stage bound of :meth:`close`.
         max_restarts: restarts of a dead poller within ``restart_window`` seconds; the next death makes
@@ -259,20 +256,18 @@ class ReplayBuffer:
         curve: a :class:`~poller.wire.curve.CurveServer` (the buffer's key pair, the allowed poller public
             keys): only pollers holding an allowed key get in, the stream is encrypted, and the buffer's
             own poller gets an ephemeral key. See SECURITY.md.
-        insecure: allow binding a network-reachable endpoint without
-            ``curve`` (logged as a warning); otherwise that is refused.
-        limits: decoding and per-peer bounds: a :class:`~poller.wire.protocol.Limits`,
-            or a mapping of some of its fields (a Hydra/OmegaConf config node).
-        stale_after: seconds of silence (pollers beat every second) after
-            which a poller is in ``stats()["stale_peers"]`` and a warning is logged.
-        stall_timeout: seconds after which a ``kv_list()`` still running counts
-            as a source stall (``None``: only stalls the source reports itself).
+        insecure: allow binding a network-reachable endpoint without ``curve`` (logged as a warning).
+        limits: decoding and per-peer bounds: a :class:`~poller.wire.protocol.Limits`, or a mapping of some
+            of its fields (a Hydra/OmegaConf config node).
+        stale_after: seconds of silence (pollers beat every second) after which a poller is in
+            ``stats()["stale_peers"]`` and a warning is logged.
+        stall_timeout: seconds after which a ``kv_list()`` still running counts as a source stall
+            (``None``: only stalls the source reports itself).
         max_view_age: the oldest a view (seconds since the poller's last complete poll was applied)
             :meth:`sample` decides on. Past it, or while the store does not answer (a stalled or failed
             call, a poller silent past ``stale_after``), ``sample()`` waits, and its ``TimeoutError``
             names the store and for how long. ``None``: 60 s, or three ``poll_interval`` if longer.
-        poller_log_level: the level (name or number) from which the poller's
-            log records are re-emitted here under the ``poller`` logger.
+        poller_log_level: the level (name or number) from which poller records are re-emitted under ``poller``.
         listing_share: the most of the wall clock the poller spends in full listings of a source
             without a change feed (TransferQueue): after a listing of ``d`` seconds the next starts no
             sooner than ``max(poll_interval, d / listing_share)`` after it began, and a ``sync()`` asked
@@ -283,8 +278,8 @@ class ReplayBuffer:
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
         InsecureBindError: ``bind`` reaches the network without ``curve`` or ``insecure=True``.
-        ValueError: a number out of range: durations must be finite (and
-            positive, ``close_timeout`` may be 0), ``max_restarts`` an int >= 0.
+        ValueError: a number out of range: durations must be finite (and positive, ``close_timeout`` may be 0),
+            ``max_restarts`` an int >= 0.
     """
 
     def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
@@ -326,8 +321,8 @@ class ReplayBuffer:
         """Merge tags per key (``tags.update(new)``), never replacing; all or nothing (every item is checked first).
 
         Raises:
-            TypeError: ``partition_id`` or a key is not a str, ``items`` or a
-                key's tags is not a mapping, or a tag name is not a str.
+            TypeError: ``partition_id`` or a key is not a str, ``items`` or a key's tags is not a mapping, or a
+                tag name is not a str.
         """
         check_partition(partition_id)
         self._core.store.add(partition_id, check_items(items))
@@ -336,8 +331,8 @@ class ReplayBuffer:
         """Delete keys. They stay removed while the source still lists them.
 
         Raises:
-            TypeError: ``keys`` is one string (pass ``[key]``), or a key or
-                ``partition_id`` is not a str; nothing is removed.
+            TypeError: ``keys`` is one string (pass ``[key]``), or a key or ``partition_id`` is not a str;
+                nothing is removed.
         """
         check_partition(partition_id)
         self._core.store.remove(partition_id, check_keys(keys))
@@ -346,9 +341,8 @@ class ReplayBuffer:
                timeout: float | None = None) -> BatchMeta:
         """Wait for a batch; pass exactly one of ``global_steps`` and ``batch_size``. Nothing is removed.
 
-        ``global_steps=g`` waits until no key of step ``g`` is ``"running"``
-        and returns the step's ``"success"`` keys; ``batch_size=n`` waits for
-        ``n`` ``"success"`` keys and returns the first ``n`` that arrived.
+        ``global_steps=g`` waits until no key of step ``g`` is ``"running"`` and returns the step's
+        ``"success"`` keys; ``batch_size=n`` waits for ``n`` ``"success"`` keys and returns the first ``n``.
 
         Raises:
             TimeoutError: after ``timeout`` seconds, saying what is missing.
@@ -366,13 +360,11 @@ class ReplayBuffer:
     def sync(self, timeout: float | None = None) -> None:
         """Read your writes: return once a listing that began after this call has been applied.
 
-        Asks the buffer's own poller and every standalone poller streaming to
-        it for a poll at once (concurrent calls may share one); one silent
-        past ``stale_after``, or saying BYE, is not waited for.
+        Asks the buffer's own poller and every standalone poller streaming to it for a poll at once
+        (concurrent calls may share one); one silent past ``stale_after``, or saying BYE, is not waited for.
 
         Raises:
-            TimeoutError: no such listing within ``timeout`` seconds (the
-                source stalls or fails); the message says what is known.
+            TimeoutError: no such listing in ``timeout`` seconds (the source stalls or fails); the message says why.
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly by another thread.
             ValueError: ``timeout`` is not a finite number >= 0 (``None`` waits without a limit).
@@ -383,9 +375,8 @@ class ReplayBuffer:
     def include_partitions(self, partition_ids: Iterable[str]) -> None:
         """Have the poller list these partitions too, when its source lists a chosen set of them.
 
-        For a source built with a ``partition_ids`` list (TransferQueue): the
-        listing answering the next :meth:`sync` includes them, and every later
-        one, also after a restart.
+        For a source built with a ``partition_ids`` list (TransferQueue): the listing answering the next
+        :meth:`sync` includes them, and every later one, also after a restart.
 
         Raises:
             TypeError: ``partition_ids`` is one string, or holds a non-str.
@@ -450,9 +441,8 @@ class ReplayBuffer:
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; returns how it ended.
 
-        STOP, wait up to ``timeout`` (default ``close_timeout``) for BYE and
-        exit, then ``terminate()``, wait, then ``kill()``. Idempotent and
-        thread-safe: every caller gets the same report. In a forked child it
+        STOP, wait up to ``timeout`` (default ``close_timeout``) for BYE and exit, then ``terminate()``, wait,
+        then ``kill()``. Idempotent and thread-safe: every caller gets the same report. In a forked child it
         touches nothing of the parent's (stage ``"no-poller"``).
 
         Raises:

@@ -1,10 +1,9 @@
 """The one seam between a buffer and its sampling policies, and the helper threads of their waits.
 
-A sampling policy (``ReplayBuffer.sample``'s, :mod:`buffer.verl`) keeps its own
-index from the store's changes and decides on it through :class:`SamplingSeam`
-alone. The seam knows no transport: it asks the pollers through
-:class:`Listings` (:class:`buffer.sync.ListingSync`), so sampling means the
-same on every source.
+A sampling policy (``ReplayBuffer.sample``'s, :mod:`buffer.verl`) keeps its own index from the store's
+changes and decides on it through :class:`SamplingSeam` alone. The seam knows no transport: it asks the
+pollers through :class:`Listings` (:class:`buffer.sync.ListingSync`), so sampling means the same on every
+source.
 """
 
 from __future__ import annotations
@@ -63,26 +62,22 @@ class SamplingSeam:
                watch: Callable[[], list[str]] | None = None) -> T:
         """``attempt()``'s first non-None result, on a whole view of ``partition_id``, waking on every change.
 
-        ``attempt`` runs under the store's lock and must not block. ``version``
-        (read under the lock, changing whenever anything ``attempt`` reads
-        does) skips wake-ups that find the last run's version. ``log_every``:
-        log ``describe()`` at INFO that often. ``poll_every``: ask the own
-        poller for a listing that often while waiting (``on_poll`` after each).
-        ``watch`` (run under the lock after an attempt that found nothing): at
-        most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the decision
-        waits on, which the poller reads cheaply and lists as soon as one
-        changed, on a source that can (:mod:`poller.polling`).
+        ``attempt`` runs under the store's lock and must not block. ``version`` (read under the lock,
+        changing whenever anything ``attempt`` reads does) skips wake-ups that find the last run's version.
+        ``log_every``: log ``describe()`` at INFO that often. ``poll_every``: ask the own poller for a
+        listing that often while waiting (``on_poll`` after each). ``watch`` (run under the lock after an
+        attempt that found nothing): at most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the decision
+        waits on, which the poller reads cheaply and lists as soon as one changed, on a source that can
+        (:mod:`poller.polling`).
 
         Raises:
-            TimeoutError: at the deadline, with ``describe()`` (and the
-                partition's quarantined keys, which never arrive).
+            TimeoutError: at the deadline, with ``describe()`` (and the partition's quarantined keys).
             PollerCrashed: the poller is dead for good.
             BufferClosed: the buffer was closed, possibly while waiting.
         """
         def described() -> str:
             return describe() + self._quarantine_note(partition_id)
 
-        # Only the buffer's own poller is asked to hurry or watch: standalone ones keep their own schedule.
         own = self._listings if self._listings is not None and self._listings.has_own_poller else None
         watcher = None
         if watch is not None and own is not None and timeout != 0:
@@ -171,12 +166,9 @@ def _watching(attempt: Callable[[], T | None], watch: Callable[[], list[str]],
 
 
 def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashable] | None) -> Callable[[], T | None]:
-    """``attempt`` that returns None at once while ``version()`` is the one its last run saw.
-
-    Every applied poll wakes a waiting decision, and most find nothing new (verl's rule ran ~34 times
-    per ``sample()``, 6 with this). Both reads run under the store's lock, which a change takes before
-    it notifies, so no wake-up is lost.
-    """
+    """``attempt`` that returns None at once while ``version()`` is the one its last run saw: most
+    wake-ups find nothing new (verl's rule ran ~34 times per ``sample()``, 6 with this). Both reads run
+    under the store's lock, which a change takes before it notifies, so no wake-up is lost."""
     if version is None:
         return attempt
     seen: list[Hashable] = []  # the version of the last run; empty: never ran
@@ -219,10 +211,8 @@ _POLL_BOUND = 2.0
 
 def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float,
                         on_poll: Callable[[], None]) -> threading.Event:
-    """Ask for a listing every ``gap`` seconds (``sync``, then ``on_poll``) in a thread, until the event is set.
-
-    Otherwise a waiting decision would see its last change up to a poll interval late.
-    """
+    """Ask for a listing every ``gap`` seconds (``sync``, then ``on_poll``) in a thread, until the event is set
+    (else a waiting decision would see its last change up to a poll interval late)."""
     stopped = threading.Event()
 
     def run() -> None:
@@ -244,10 +234,9 @@ def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float,
 class WatchWhileWaiting:
     """Keeps the own poller watching the keys a waiting decision waits on, until :meth:`stop`.
 
-    :meth:`update` (under the store's lock: it never blocks) gives the keys; a thread sends them in a
-    WATCH when they changed and every :data:`RENEW` seconds, as the poller forgets a watch after
-    :data:`LASTS` seconds (a dead trainer leaves nothing read on its behalf; a restarted poller has the keys
-    within a second).
+    :meth:`update` (under the store's lock: it never blocks) gives the keys; a thread sends them in a WATCH
+    when they changed and every :data:`RENEW` seconds, as the poller forgets a watch after :data:`LASTS`
+    seconds (a dead trainer leaves nothing read on its behalf; a restarted poller has the keys within a second).
     """
 
     #: Seconds between two WATCHes of the same keys.

@@ -1,9 +1,8 @@
 """The receiver: one thread that owns the buffer's ROUTER socket.
 
-It moves frames between the socket and the peer state machine
-(:class:`~buffer.peers.PeerTable`) and sends the messages that returns.
-Other threads reach it only through a command queue and a wake-up pipe, so
-only the thread that created the socket uses it.
+It moves frames between the socket and the peer state machine (:class:`~buffer.peers.PeerTable`) and
+sends the messages that returns. Other threads reach it only through a command queue and a wake-up pipe,
+so only the thread that created the socket uses it.
 """
 
 from __future__ import annotations
@@ -96,8 +95,8 @@ class StreamReceiver:
         """Let the thread end by itself once ``peer``'s BYE of ``epoch`` is applied, then run ``then()``: closing
         the socket (and ``then()``) overlaps the poller's exit instead of following it."""
         self._after_bye = then
-        # The thread reads it after every message and wake-up: waking it for nothing cost the close
-        # ladder a GIL hand-off before its STOP. Only a BYE already applied needs the wake-up.
+        # Read by the thread after every message and wake-up; only a BYE already applied needs a wake-up
+        # (waking it for nothing costs the close ladder a GIL hand-off before its STOP).
         self._last_bye = awaited = (peer.encode(), epoch)
         if self._bye_applied(*awaited):
             self._wake.poke()

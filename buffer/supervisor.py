@@ -8,11 +8,10 @@
                                                 └── a switch: the ladder, a new child (no budget)
 
 One thread at a time touches the child. A close that finds the thread only watching a running child
-takes it over and runs the ladder itself (STOP goes out without a hand-off between threads); at any
-other moment (a start, a restart, its backoff) it asks the thread, as CPython's process-pool manager
-thread serves its executor, and cuts a start under way short. Restarts are counted in a sliding window
-(:class:`RestartBudget`), so a crash after hours of health finds the budget whole; a start refused
-because the store could not be reached, and a switch, use none.
+takes it over and runs the ladder itself (STOP goes out without a hand-off between threads); at any other
+moment (a start, a restart, its backoff) it asks the thread, cutting a start under way short. Restarts
+are counted in a sliding window (:class:`RestartBudget`), so a crash after hours of health finds the
+budget whole; a start refused because the store could not be reached, and a switch, use none.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class RestartBudget:
     def __init__(self, max_restarts: int, window: float) -> None:
         self.max_restarts = max_restarts
         self.window = window
-        # Every restart in the buffer's lifetime (stats()["restarts"], a Prometheus counter): it only grows.
-        self.total = 0
+        self.total = 0  # every restart in the buffer's lifetime (stats()["restarts"]): it only grows
         self._times: collections.deque[float] = collections.deque()
         # The last restart counted was refunded (its store refused it): the next try is the same restart.
         self._refunded = False
@@ -104,11 +102,10 @@ _Request = _CloseRequest | _SwitchRequest
 class Supervisor:
     """Runs one poller child at a time for a buffer (from :meth:`start` on), restarting it within ``budget``.
 
-    ``new_process()`` makes the next (unstarted) child; ``drained(process, final)``
-    says, after its exit, whether everything it sent was applied (``final``:
-    the buffer's last child, not one a switch replaces); ``switched()`` is told
-    once a switch closed the old child and built the new one, before it
-    starts; ``give_up(error)`` once the budget is used up.
+    ``new_process()`` makes the next (unstarted) child; ``drained(process, final)`` says, after its exit,
+    whether everything it sent was applied (``final``: the buffer's last child, not one a switch replaces);
+    ``switched()`` is told once a switch closed the old child and built the new one, before it starts;
+    ``give_up(error)`` once the budget is used up.
     """
 
     def __init__(self, name: str, new_process: Callable[[], PollerProcess], *, start_timeout: float,
@@ -123,16 +120,14 @@ class Supervisor:
         self._switched = switched
         #: The child now (read by stats() from any thread; written by the supervisor only).
         self.process: PollerProcess | None = None
-        #: Restarts refused by an unreachable store, and switches (neither uses the budget).
-        self.start_retries = 0
+        self.start_retries = 0  # restarts refused by an unreachable store; neither they nor switches use the budget
         self.switches = 0
         self._given_up: PollerCrashed | None = None  # a switch asked for later gets it
         #: Done once the first child said READY (or failed to: PollerStartupError).
         self.started: Future[None] = Future()
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._wake = WakePipe()
-        # The running child the thread only watches (None at any other moment), and whether a closing
-        # thread took it over; both under the lock.
+        # Under the lock: the running child the thread only watches (else None), and whether a closer took it.
         self._state = threading.Lock()
         self._watched: PollerProcess | None = None
         self._handed_over = False
@@ -142,11 +137,9 @@ class Supervisor:
         self._thread.start()
 
     def switch(self, timeout: float) -> Future[ShutdownReport]:
-        """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash.
-
-        The future: the old child's close report once the new one is built and ``switched()`` was told;
-        :class:`BufferClosed` when a close came first, or the :class:`PollerCrashed` given up with.
-        """
+        """Replace the running child by a new one from ``new_process()``: a deliberate restart, no crash. The
+        future: the old child's close report once the new one is built and ``switched()`` was told;
+        :class:`BufferClosed` when a close came first, or the :class:`PollerCrashed` given up with."""
         request = _SwitchRequest(timeout, Future())
         self._requests.put(request)
         self._wake.poke()

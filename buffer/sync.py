@@ -1,15 +1,11 @@
 """Read-your-writes over the stream: the transport side of the seam's :class:`~buffer.seam.Listings`.
 
-``sync()`` sends each poller a SYNC with a fresh token; the poller polls at
-once, and each DELTA carries the highest token it had when that poll's
-listing began. Once a complete poll carrying our token (or a later one) is
-applied, every write the store had finished before the call is reflected;
-one listing answers concurrent callers. Standalone pollers are asked too (a
-key cleared in the store would otherwise stay in the view until their next
-poll) unless silent past ``stale_after`` or gone (BYE). A poller process
-that restarts during the wait never got the token, so each new one is asked
-again (and the receiver repeats an unanswered request every second: one sent
-while the stream reconnected is lost).
+``sync()`` sends each poller a SYNC with a fresh token; the poller polls at once, and each DELTA carries
+the highest token it had when that poll's listing began. Once a complete poll carrying our token (or a
+later one) is applied, every write the store had finished before the call is reflected; one listing
+answers concurrent callers. Standalone pollers are asked too (a key cleared in the store would otherwise
+stay in the view until their next poll) unless silent past ``stale_after`` or gone (BYE). A poller
+process that restarts during the wait never got the token, so each new one is asked again.
 """
 
 from __future__ import annotations
@@ -87,8 +83,7 @@ class ListingSync:
     def view_age(self) -> float:
         """Since the later of the start of the latest :meth:`wait` that returned and the start of the own
         poller's latest complete listing (:attr:`~buffer.peers.Peer.listed_at`): a sync answered by a listing
-        the listing share held back is dated by that listing (dated by the request, a fresh view looked 2 s
-        old: ``docs/verl.md``). 0 without an own poller."""
+        the listing share held back is dated by that listing, not the request. 0 without an own poller."""
         if self._stream is None:
             return 0.0
         with self._lock:
