@@ -33,7 +33,7 @@ def _frames(keys: int) -> list[bytes]:
 
 
 def _without_new_bounds(frames: list[bytes]) -> object:
-    body = protocol._unpack(frames[1], DEFAULT_LIMITS, "body")
+    body = protocol.unpack_bounded(frames[1], DEFAULT_LIMITS, "body")
     check_body(Kind.DELTA, body)
     return body
 

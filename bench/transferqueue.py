@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 from bench.lifecycle import kill_floor
 from buffer import ReplayBuffer
 from examples.verl_style_trainer import start_store, stop_store
-from poller.sources.sqlite import SqliteSource
 from poller.sources import transferqueue as tq_source
+from poller.sources.sqlite import SqliteSource
 
 
 def put_to_visible(rb: ReplayBuffer, put: Callable[[str], None], puts: int, tag: str,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from poller.quarantine import Refused, screen
 from poller.wire.protocol import Limits, Piece
 from poller.wire.sources import PackedItems, UnreadableValue
-from poller.wire.tags import _DICT, _STR, fresh_strs, pack_many_tags
+from poller.wire.tags import DICT_ONLY, STR_ONLY, fresh_strs, pack_many_tags
 
 __all__ = ["Diff", "Sent"]
 
@@ -157,7 +157,7 @@ class Diff:
         todo_blobs = [blobs[i] for i in todo]
         tags = decode(todo_blobs) if decode is not None else [values[i] for i in todo]
         before = len(self.refused)
-        plain = set(map(type, todo_keys)) <= _STR and set(map(type, tags)) <= _DICT
+        plain = set(map(type, todo_keys)) <= STR_ONLY and set(map(type, tags)) <= DICT_ONLY
         if plain:
             changed = dict(zip(todo_keys, tags))  # the usual case (a first listing: every key), in C
         else:

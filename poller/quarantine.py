@@ -19,9 +19,9 @@ import time
 from itertools import chain, repeat
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from poller.wire.protocol import _SCALAR_TYPES, Limits, Piece, packed_size
+from poller.wire.protocol import SCALAR_TYPES, Limits, Piece, packed_size
 from poller.wire.sources import UnreadableValue
-from poller.wire.tags import _STR, _TAGS_DEPTH
+from poller.wire.tags import STR_ONLY, TAGS_DEPTH
 
 __all__ = ["Refused", "Quarantine", "screen", "display_name", "MAX_REPORTED"]
 
@@ -135,7 +135,7 @@ def _short(value: Any) -> str:
 
 def _plainly_fine(items: Mapping[str, Any], limits: Limits) -> bool:
     """The common case in C-level passes (flat scalars, str names, short ASCII); ``False``: "look closer" (~10x)."""
-    if limits.max_depth <= _TAGS_DEPTH:
+    if limits.max_depth <= TAGS_DEPTH:
         return False
     try:
         values = list(chain.from_iterable(map(dict.values, items.values())))
@@ -143,7 +143,7 @@ def _plainly_fine(items: Mapping[str, Any], limits: Limits) -> bool:
     except TypeError:  # tags that are Mappings but not dicts
         return False
     types = set(map(type, values))
-    if not types <= _SCALAR_TYPES or not set(map(type, names)) <= _STR:
+    if not types <= SCALAR_TYPES or not set(map(type, names)) <= STR_ONLY:
         return False
     widest = max(map(len, items.values()), default=0)
     if widest > limits.max_items:
@@ -169,8 +169,8 @@ def _plainly_fine(items: Mapping[str, Any], limits: Limits) -> bool:
 def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
     """The plain tags of one key; raises _Refuse naming what the wire cannot carry."""
     if len(key) * 4 > limits.max_str_len or not key.isascii():
-        _plain(key, limits, _TAGS_DEPTH, [1])
-    plain = _plain(tags, limits, _TAGS_DEPTH - 1, [limits.max_items])
+        _plain(key, limits, TAGS_DEPTH, [1])
+    plain = _plain(tags, limits, TAGS_DEPTH - 1, [limits.max_items])
     try:
         size = packed_size(plain)
     except (TypeError, ValueError, OverflowError) as exc:  # what the walk let through and msgpack did not
@@ -184,7 +184,7 @@ def screen(partition: str, items: dict[str, Any], refused: list[Refused], limits
     """Convert what converts, move what the receiver would refuse from ``items`` to ``refused``; True if changed."""
     if len(partition) * 4 > limits.max_str_len or not partition.isascii():
         try:
-            _plain(partition, limits, _TAGS_DEPTH, [1])
+            _plain(partition, limits, TAGS_DEPTH, [1])
         except _Refuse as exc:
             refused.extend(Refused(partition, key, f"partition id: {exc}") for key in items)
             items.clear()
@@ -236,7 +236,7 @@ class Quarantine:
         left: dict[tuple[Any, Any], None] = {}
         ignored: list[tuple[Any, Any]] = []
         for partition, keys in deleted.items():
-            if isinstance(partition, str) and set(map(type, keys)) <= _STR:  # the usual case, in one C-level pass
+            if isinstance(partition, str) and set(map(type, keys)) <= STR_ONLY:  # the usual case, in one C-level pass
                 if self.keys:
                     left.update(dict.fromkeys(pk for pk in zip(repeat(partition), keys) if pk in self.keys))
                 continue

@@ -158,7 +158,7 @@ _STR_ONLY = frozenset({str})
 _BYTES_ONLY = frozenset({bytes})
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -191,13 +191,13 @@ def _packed_ok(value: Any) -> bool:
 
 # Per field type: the type check (else "wrong type"), and the bounds it must keep (else "wrong value").
 _CHECKS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], bool] | None]] = {
-    "int": (_is_int, None),
+    "int": (is_int, None),
     "float": (_is_number, None),
     "str": (lambda v: isinstance(v, str), None),
     "bool": (lambda v: isinstance(v, bool), None),
-    "Count": (_is_int, lambda v: v >= 0),
-    "Token": (_is_int, lambda v: v > 0),
-    "LastSeq": (_is_int, lambda v: v >= -1),
+    "Count": (is_int, lambda v: v >= 0),
+    "Token": (is_int, lambda v: v > 0),
+    "LastSeq": (is_int, lambda v: v >= -1),
     "Seconds": (_is_number, lambda v: 0 <= v < math.inf),
     "Share": (_is_number, lambda v: 0 <= v <= 1),
     "Packed": (_packed_ok, None),

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 import msgpack
 
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import Body, Delta, Kind, _is_int, as_map, check_body, to_record
+from poller.wire.messages import Body, Delta, Kind, as_map, check_body, is_int, to_record
 
 __all__ = ["PROTOCOL_VERSION", "Kind", "Limits", "Message", "Piece", "encode", "encode_body", "encode_header",
            "iter_encode_delta", "decode", "packed_size", "fit_text"]
@@ -222,23 +222,23 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
         raise ProtocolError(f"header frame of {len(header_frame)} bytes exceeds {limits.max_header_bytes}")
     if len(body_frame) > limits.max_frame_bytes:
         raise ProtocolError(f"body frame of {len(body_frame)} bytes exceeds {limits.max_frame_bytes}")
-    header = _unpack(header_frame, limits, "header frame")
+    header = unpack_bounded(header_frame, limits, "header frame")
     if not isinstance(header, list) or len(header) != 4:
         raise ProtocolError("header is not [version, kind, epoch, seq]")
     version, kind_value, epoch, seq = header
-    if not _is_int(version):
+    if not is_int(version):
         raise ProtocolError("header version is not an integer")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
-    if not _is_int(kind_value):
+    if not is_int(kind_value):
         raise ProtocolError("header kind is not an integer")
     try:
         kind = Kind(kind_value)
     except ValueError:
         raise ProtocolError(f"unknown message kind {kind_value}") from None
-    if not _is_int(epoch) or not _is_int(seq) or seq < 0 or epoch < 0:
+    if not is_int(epoch) or not is_int(seq) or seq < 0 or epoch < 0:
         raise ProtocolError("header epoch/seq are not non-negative integers")
-    body = _unpack(body_frame, limits, "body frame")
+    body = unpack_bounded(body_frame, limits, "body frame")
     if not isinstance(body, dict):
         raise ProtocolError(f"{kind.name} body is not a map")
     check_body(kind, body)
@@ -249,15 +249,15 @@ def decode(frames: Sequence[bytes | memoryview], limits: Limits = DEFAULT_LIMITS
         if count > limits.max_keys_per_message:
             raise ProtocolError(f"DELTA holds {count} partitions and keys, more than {limits.max_keys_per_message}")
         nested = {name: value for name, value in body.items() if name not in _DELTA_BULKY_FIELDS}
-    if _deeper_than(nested, limits.max_depth):
+    if deeper_than(nested, limits.max_depth):
         raise ProtocolError(f"{kind.name} body nests deeper than {limits.max_depth}")
     return Message(kind, epoch, seq, to_record(kind, body))
 
 
-_SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
+SCALAR_TYPES = frozenset({str, int, float, bool, bytes, type(None)})
 
 
-def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
+def deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
     """True if maps/arrays in ``value`` (itself at ``depth``) nest past ``limit``. Iterative."""
     stack = [(value, depth)]
     while stack:
@@ -270,7 +270,7 @@ def _deeper_than(value: Any, limit: int, depth: int = 1) -> bool:
     return False
 
 
-def _unpack(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
+def unpack_bounded(frame: bytes | memoryview, limits: Limits, what: str) -> Any:
     try:
         return msgpack.unpackb(frame, raw=False, use_list=True, strict_map_key=True, max_str_len=limits.max_str_len,
                                max_bin_len=limits.max_str_len, max_array_len=limits.max_items,

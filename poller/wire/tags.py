@@ -14,16 +14,16 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgpack
 
 from poller.wire.errors import ProtocolError
-from poller.wire.protocol import _SCALAR_TYPES, DEFAULT_LIMITS, Limits, _deeper_than, _unpack
+from poller.wire.protocol import DEFAULT_LIMITS, SCALAR_TYPES, Limits, deeper_than, unpack_bounded
 from poller.wire.vocabulary import Tags
 
 __all__ = ["pack_tags", "pack_many_tags", "fresh_strs", "unpack_tags", "unpack_many_tags", "freeze", "thaw",
            "thaw_many"]
 
-_STR = frozenset({str})
-_DICT = frozenset({dict})
+STR_ONLY = frozenset({str})
+DICT_ONLY = frozenset({dict})
 # Tags sit at depth 4 of a DELTA body (body -> packed -> partition -> tags), so max_depth counts from there.
-_TAGS_DEPTH = 4
+TAGS_DEPTH = 4
 
 
 def pack_tags(tags: Mapping[str, Any], *, exact: bool = False) -> bytes | None:
@@ -60,10 +60,10 @@ def unpack_tags(blob: bytes, limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     Raises:
         ProtocolError: the bytes are not one msgpack map with ``str`` names within ``limits``.
     """
-    tags = _unpack(blob, limits, "packed tags")
-    if type(tags) is not dict or not set(map(type, tags)) <= _STR:
+    tags = unpack_bounded(blob, limits, "packed tags")
+    if type(tags) is not dict or not set(map(type, tags)) <= STR_ONLY:
         raise ProtocolError("packed tags are not a map with str names")
-    if not _SCALAR_TYPES.issuperset(map(type, tags.values())) and _deeper_than(tags, limits.max_depth, _TAGS_DEPTH):
+    if not SCALAR_TYPES.issuperset(map(type, tags.values())) and deeper_than(tags, limits.max_depth, TAGS_DEPTH):
         raise ProtocolError(f"DELTA tags nest deeper than {limits.max_depth}")
     return tags
 
@@ -79,12 +79,12 @@ def unpack_many_tags(blobs: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
     except Exception:  # one of them is malformed: name it
         return [unpack_tags(blob, limits) for blob in blobs]
     # The names' types from the set of distinct names (a few), not from every key's.
-    if not set(map(type, tags)) <= _DICT or not set(map(type, set().union(*tags))) <= _STR:
+    if not set(map(type, tags)) <= DICT_ONLY or not set(map(type, set().union(*tags))) <= STR_ONLY:
         return [unpack_tags(blob, limits) for blob in blobs]
-    if not _SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, tags)))):
+    if not SCALAR_TYPES.issuperset(map(type, chain.from_iterable(map(dict.values, tags)))):
         for one in tags:
-            if not _SCALAR_TYPES.issuperset(map(type, one.values())) and _deeper_than(one, limits.max_depth,
-                                                                                       _TAGS_DEPTH):
+            if not SCALAR_TYPES.issuperset(map(type, one.values())) and deeper_than(one, limits.max_depth,
+                                                                                       TAGS_DEPTH):
                 raise ProtocolError(f"DELTA tags nest deeper than {limits.max_depth}")
     return tags
 
