@@ -1,4 +1,4 @@
-"""``python -m poller demo``: the product's main job, end to end, on one machine.
+"""``python -m buffer.demo`` (``make demo``): the product's main job, end to end, on one machine.
 
 ::
 
