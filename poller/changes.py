@@ -38,8 +38,10 @@ class ListingReader:
     def __init__(self, source: Source, *, listing_share: ListingShare = DEFAULT_LISTING_SHARE,
                  stall_timeout: float | None = None) -> None:
         self._source: Any = source
-        self.feed = capabilities(source).change_feed
-        self._list: Callable[[], Any] = capabilities(source).kv_list_packed or source.kv_list
+        #: What the source offers, checked once (the polling thread reads its watch from it too).
+        self.offered = capabilities(source)
+        self.feed = self.offered.change_feed
+        self._list: Callable[[], Any] = self.offered.kv_list_packed or source.kv_list
         self.reconcile_interval = RECONCILE_INTERVAL
         self.stall_timeout = stall_timeout
         self.duty = ListingDuty(listing_share)
@@ -84,8 +86,8 @@ class ListingReader:
                 return snapshot
             # Listed at once, within the share or not: a feed that lost its cursor has nothing else to offer.
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
-        in_pieces = getattr(self._source, "kv_snapshot_pieces", None)
-        if full and callable(in_pieces):
+        in_pieces = self.offered.kv_snapshot_pieces
+        if full and in_pieces is not None:
             began = time.monotonic()
             cursor, pieces = self._listing(in_pieces, answered=False)
             self._pending = (cursor, True)
@@ -126,9 +128,8 @@ class ListingReader:
 
     def include(self, partition_ids: frozenset[str]) -> None:
         """List these partitions too from now on (the source's optional ``include_partitions(ids)``)."""
-        include = getattr(self._source, "include_partitions", None)
-        if callable(include):
-            include(sorted(partition_ids))
+        if self.offered.include_partitions is not None:
+            self.offered.include_partitions(sorted(partition_ids))
 
     def commit(self) -> None:
         """The diff :meth:`read` returned was sent: continue from its cursor."""

@@ -21,7 +21,7 @@ from poller.quarantine import Quarantine
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
 from poller.wire.messages import Error
 from poller.wire.protocol import Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
-from poller.wire.sources import Source, SourceStall, WatchRead, capabilities
+from poller.wire.sources import Source, SourceStall, WatchRead
 from poller.wire.tags import thaw
 
 __all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX",
@@ -108,7 +108,7 @@ class PollingThread(threading.Thread):
         # The watch: kv_watch if the source has one; ((partition, keys), until), replaced whole by the control
         # loop; the last read's (partition, keys) and fingerprint (None: the next read compares with what was
         # sent); when the next read is due; whether a read saw a change since the last listing.
-        self._watch_read = capabilities(source).kv_watch
+        self._watch_read = self._reader.offered.kv_watch
         self._watch: tuple[tuple[str, tuple[str, ...]], float] | None = None
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
         self._next_watch_read = -math.inf

@@ -168,6 +168,8 @@ class Capabilities(NamedTuple):
     kv_snapshot_pieces: Callable[[], tuple[Any, Iterator[Any]]] | None = None
     #: None with a change feed, which says what changed already.
     kv_watch: WatchReader | None = None
+    #: ``include_partitions(ids)``: list these partitions too (a source told which partitions it lists).
+    include_partitions: Callable[[list[str]], None] | None = None
 
     @property
     def change_feed(self) -> bool:
