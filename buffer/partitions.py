@@ -182,11 +182,11 @@ class PartitionStore:
             try:
                 for partition_id, (keys, blobs) in delta.packed.items():
                     changed = self._merge_packed(stream, partition_id, keys, blobs, unpack) or changed
-            except ProtocolError:
+            except ProtocolError as exc:
                 ledger.abandon_snapshot(stream)
                 ledger.mark_broken(stream)
                 self._cond.notify_all()
-                raise
+                raise ProtocolError(f"{exc} (key of partition {partition_id!r})") from exc
             for partition_id, keys in delta.deletes.items():
                 for key in ledger.unlisted(stream, partition_id, keys):
                     self._drop(partition_id, key)

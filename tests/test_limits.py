@@ -81,7 +81,8 @@ def limited() -> Iterator[ReplayBuffer]:
     rb.close()
 
 
-def test_the_buffer_applies_its_configured_limits(limited: ReplayBuffer) -> None:
+def test_the_buffer_applies_its_configured_limits(limited: ReplayBuffer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="buffer")
     peer = Peer(limited.endpoint)
     try:
         peer.ready()
@@ -90,6 +91,8 @@ def test_the_buffer_applies_its_configured_limits(limited: ReplayBuffer) -> None
         peer.delta({"p": {f"k{i}": {} for i in range(4)}}, full=True, reset=True)   # 5 > 4
         peer.delta({"p": {"k": {"v": "x" * 100}}})                                  # string too long
         assert wait_until(lambda: limited.stats()["protocol_errors"] == 3)
+        # The refused tags are named by their partition (the store unpacks them, the log says where).
+        assert any("deeper than 8 (key of partition 'p')" in r.getMessage() for r in caplog.records), caplog.text
         peer.delta({"p": {"lost": {"v": 1}}})
         request = peer.recv()  # the dropped messages left a gap: the buffer asks for a snapshot
         assert request is not None and request.kind is Kind.RESYNC

@@ -66,6 +66,23 @@ def test_a_malformed_source_is_refused_naming_what_is_wrong(source: Any, match: 
         load_source(source if hasattr(source, "kv_list") else (lambda: source))
 
 
+class _ClosableHalfFeed(HalfChangeFeed):
+    closed = 0
+
+    def close(self) -> None:
+        type(self).closed += 1
+
+
+def test_a_source_built_and_refused_at_load_is_closed() -> None:
+    with pytest.raises(TypeError, match="change feed needs"):
+        load_source(_ClosableHalfFeed)
+    assert _ClosableHalfFeed.closed == 1
+    ready_made = _ClosableHalfFeed()
+    with pytest.raises(TypeError, match="change feed needs"):
+        load_source(ready_made)
+    assert _ClosableHalfFeed.closed == 1  # not built here: the caller's to close
+
+
 def test_load_names_the_spec_of_a_malformed_source() -> None:
     with pytest.raises(TypeError, match=r"source tests\.helpers\.sources:HalfChangeFeed: 'HalfChangeFeed' offers"):
         load_source("tests.helpers.sources:HalfChangeFeed")

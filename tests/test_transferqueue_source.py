@@ -143,6 +143,18 @@ def test_kv_list_gives_up_at_its_deadline_with_a_stall():
         source.close()
 
 
+def test_an_address_zeromq_cannot_connect_to_fails_every_call_not_as_a_stall():
+    # A failure counts towards max_failures and ends a poller; a stall is only counted. The socket that could
+    # not connect must not be kept for the next call, which would then wait out its deadline.
+    source = TransferQueueSource("tcp://no-port-here", call_timeout=0.2, probe_timeout=None)
+    try:
+        for _ in range(3):
+            with pytest.raises(zmq.ZMQError):
+                source.kv_list()
+    finally:
+        source.close()
+
+
 def test_a_wrong_address_fails_the_start_up_with_a_clear_error():
     started = time.monotonic()
     with pytest.raises(PollerStartupError, match="no answer from the TransferQueue controller"):

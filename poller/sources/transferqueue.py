@@ -185,9 +185,14 @@ class TransferQueueSource:
         if deadline is None:
             deadline = time.monotonic() + timeout
         if self._sock is None:
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.address)
+            sock = self._ctx.socket(zmq.DEALER)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(self.address)
+            except BaseException:  # an address ZeroMQ refuses: a failure of every call, not a stall of the next
+                sock.close(0)
+                raise
+            self._sock = sock
         sock = self._sock
         frames = encode_request(request_type, body, sender_id=self._sender_id, receiver_id=self.controller_id)
         try:

@@ -257,6 +257,9 @@ def load_source(spec: SourceSpec, kwargs: Mapping[str, Any] | None = None) -> So
     try:
         capabilities(source)
     except TypeError as exc:
+        close = getattr(source, "close", None)
+        if source is not target and callable(close):
+            close()  # built here, refused here: what its constructor opened is not left open
         raise TypeError(f"source {describe_spec(spec)}: {exc}") from None
     return source  # type: ignore[no-any-return]
 
