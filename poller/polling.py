@@ -1,8 +1,9 @@
-"""The poller's polling thread: read the source (:mod:`poller.changes`), diff (:mod:`poller.diff`), encode.
+"""The poller's polling thread: read the source and diff (:mod:`poller.diff`), encode, hand over to the Outbox.
 
 Off the control path: ``kv_list()`` may block forever (TransferQueue's client has no timeout), and the control
-loop in :mod:`poller.worker` must still answer STOP at once. The thread only produces encoded DELTA/ERROR bodies;
-the control loop owns the socket and stamps sequence numbers.
+loop in :mod:`poller.worker` must still answer STOP at once. The thread only produces encoded DELTA/ERROR bodies
+and hands them straight to the :class:`~poller.link.Outbox`; the control loop owns the socket and stamps sequence
+numbers.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import time
 import traceback
 from typing import Callable, Iterable, Mapping
 
-from poller.changes import ListingReader
-from poller.diff import Diff, Sent
+from poller.diff import Diff, ListingReader, Quarantine, Sent
 from poller.duty import ListingDuty
-from poller.quarantine import Quarantine
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
 from poller.wire.messages import Error
 from poller.wire.protocol import Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
@@ -54,20 +53,22 @@ def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits |
 class PollingThread(threading.Thread):
     """Polls the source every ``interval``, start to start, within ``listing_share`` (:mod:`poller.duty`).
 
-    ``emit(kind, body, starts_snapshot)`` hands a message to the control loop and returns False once the poller is
-    stopping. A daemon: if ``kv_list()`` never returns, the process exits without it. A *source stall* (the source
-    raised :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``)
-    is counted once, not a failure. A SYNC is answered by the next listing the share allows; STOP ends any wait.
+    ``hand_over(kind, body, starts_snapshot, stopping)`` is :meth:`poller.link.Outbox.emit_from_thread`: it queues a
+    message for the control loop, blocking while the outbox is full, and returns False once ``stopping`` is set.
+    A daemon: if ``kv_list()`` never returns, the process exits without it. A *source stall* (the source raised
+    :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``) is
+    counted once, not a failure. A SYNC is answered by the next listing the share allows; STOP ends any wait.
     After a stalled call the next comes ``interval`` later, after a failed one the backoff.
     """
 
-    def __init__(self, source: Source, emit: Callable[[Kind, bytes, bool], bool], *, interval: float,
+    def __init__(self, source: Source, hand_over: Callable[[Kind, bytes, bool, threading.Event], bool], *,
+                 interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
-        self._emit = emit
+        self._hand_over = hand_over
         self.interval = interval
         self.max_failures = max_failures
         self.chunk_items = chunk_items
@@ -295,7 +296,7 @@ class PollingThread(threading.Thread):
         first = full
         for body in iter_encode_delta(pieces, deletes, poll=poll, started=started, full=full,
                                       chunk_items=self.chunk_items, max_frame_bytes=self.max_frame_bytes, sync=sync):
-            if not self._emit(Kind.DELTA, body, first):
+            if not self._hand_over(Kind.DELTA, body, first, self.stopping):
                 return False
             first = False
         return True
@@ -333,7 +334,7 @@ class PollingThread(threading.Thread):
             self.failed = exc
             self.source_errors += 1
             logger.error("the polling thread died: %r", exc)
-            self._emit(Kind.ERROR, _error_body(exc, fatal=True, count=1), False)
+            self._hand_over(Kind.ERROR, _error_body(exc, fatal=True, count=1), False, self.stopping)
 
     def _poll_until_stopped(self) -> None:
         sent = self.sent
@@ -391,7 +392,7 @@ class PollingThread(threading.Thread):
                 if fatal:
                     self.failed = exc
                 body = _error_body(exc, fatal=fatal, count=failures, limits=self.limits)
-                if not self._emit(Kind.ERROR, body, False) or fatal:
+                if not self._hand_over(Kind.ERROR, body, False, self.stopping) or fatal:
                     return
                 self._reader.duty.poll_done()
                 self._pause(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))

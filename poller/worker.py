@@ -2,7 +2,7 @@
 
 ::
 
-    kv_list() ──▶ PollingThread ──queue──▶ control loop ──DEALER──▶ buffer
+    kv_list() ──▶ PollingThread ──Outbox──▶ control loop ──DEALER──▶ buffer
                   (may block forever)       │   ▲
                                             │   └── STOP / RESYNC / SYNC (zmq), stop / EOF (lifeline),
                                             │       SIGTERM (wakeup fd), parent pid check
@@ -113,10 +113,6 @@ class _ControlLoop:
         if self.stop_reason is None:
             self.stop_reason = signal.Signals(signum).name
 
-    def _emit_from_thread(self, kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
-        assert self.thread is not None
-        return self.outbox.emit_from_thread(kind, body, starts_snapshot, self.thread.stopping)
-
     def _heartbeat(self, thread: PollingThread) -> None:
         self.stalls_reported = thread.source_stalls
         quarantine, duty = thread.quarantine, thread.duty
@@ -204,7 +200,7 @@ class _ControlLoop:
             self.outbox.queue_message(Kind.READY, encode_body(Kind.READY, Ready(os.getpid(), self.config.name,
                                                                                 self.config.interval)))
             self.thread = PollingThread(
-                source, self._emit_from_thread, interval=self.config.interval,
+                source, self.outbox.emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
                 max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout,
                 limits=self.config.limits, listing_share=self.config.listing_share)

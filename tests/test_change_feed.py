@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from poller.changes import ListingReader
-from poller.diff import Sent
+from poller.diff import ListingReader, Sent
 from poller.faults.store import backup as store_backup
 from poller.faults.store import delete, restore
 from poller.polling import PollingThread

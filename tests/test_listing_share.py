@@ -21,8 +21,8 @@ import pytest
 
 from buffer import BufferClosed, ReplayBuffer
 from buffer.verl.config import SamplerConfig, VerlConfigError
-from poller.changes import ListingReader
 from poller.cli import main as poller_main
+from poller.diff import ListingReader
 from poller.duty import ListingDuty
 from poller.polling import PollingThread
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, VERL_POLL_INTERVAL
@@ -375,7 +375,7 @@ def test_a_resync_sends_the_last_poll_again_without_a_listing(tmp_path: Path) ->
     log = str(tmp_path / "listings.log")
     bodies: list[tuple[Kind, bytes, bool]] = []
 
-    def emit(kind: Kind, body: bytes, first: bool) -> bool:
+    def emit(kind: Kind, body: bytes, first: bool, stopping: threading.Event) -> bool:
         bodies.append((kind, body, first))
         return True
 
@@ -406,7 +406,7 @@ def test_after_a_resync_is_answered_the_next_listing_keeps_to_the_poll_schedule(
     log = str(tmp_path / "listings.log")
     bodies: list[bytes] = []
 
-    def emit(kind: Kind, body: bytes, first: bool) -> bool:
+    def emit(kind: Kind, body: bytes, first: bool, stopping: threading.Event) -> bool:
         bodies.append(body)
         return True
 

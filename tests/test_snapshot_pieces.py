@@ -7,8 +7,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from poller.changes import ListingReader
-from poller.diff import Sent
+from poller.diff import ListingReader, Sent
 from poller.polling import PollingThread
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import DEFAULT_LIMITS, Kind
@@ -113,7 +112,7 @@ def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_han
     _fill(store, 200)
     emitted: list[Kind] = []
 
-    def emit(kind: Kind, body: bytes, starts_snapshot: bool) -> bool:
+    def emit(kind: Kind, body: bytes, starts_snapshot: bool, stopping: threading.Event) -> bool:
         emitted.append(kind)
         return True
 

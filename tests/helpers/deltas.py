@@ -5,13 +5,11 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, NamedTuple
 
 from buffer.partitions import PartitionStore
-from poller.changes import ListingReader
-from poller.diff import Diff, Sent
+from poller.diff import Diff, ListingReader, Sent
 from poller.faults.peer import packed_delta
-from poller.quarantine import Refused
 from poller.wire.messages import Delta
 from poller.wire.protocol import DEFAULT_LIMITS, Limits, Piece
-from poller.wire.tags import pack_tags, thaw_many, unpack_many_tags
+from poller.wire.tags import Refused, pack_tags, thaw_many, unpack_many_tags
 
 
 def apply(store: PartitionStore, stream: str, upserts: dict[str, dict[str, Any]] | None = None,
