@@ -31,11 +31,10 @@ TAGS_DEPTH = 4
 
 # -- the poller's half: a source's tags screened against the limits unpack_tags enforces, then packed --
 #
-# The unit of failure is the record, not the listing: a key the receiver would refuse (past a Limits bound, not
-# plain data, an int no msgpack int holds, a non-str name) is left out, with its reason, while the rest flows.
-# Values with one faithful plain form are converted instead: numpy and torch scalars (and 0-d tensors) to int /
-# float / bool, their arrays to nested lists, tuples to lists. Neither numpy nor torch is imported: such a value is
-# recognised by its type's module and read with its own item() / tolist().
+# The unit of failure is the record: a key the receiver would refuse is left out, with its reason, while the rest
+# flows. A value with one faithful plain form is converted instead: numpy and torch scalars (and 0-d tensors) to
+# int / float / bool, their arrays to nested lists, tuples to lists; neither is imported: such a value is known by
+# its type's module and read with its own item() / tolist().
 
 # msgpack's integer range: uint64 above, int64 below.
 _INT_MAX = 2**64 - 1
