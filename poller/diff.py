@@ -252,7 +252,7 @@ class ListingReader:
         self._pending: Any = None
         self._listed_at = time.monotonic()
 
-    def wait_for(self, full: bool) -> float:
+    def wait_for(self) -> float:
         """Seconds to wait before this poll's read (0: now): only without a change feed (:meth:`read` defers)."""
         return 0.0 if self.feed else self.duty.wait_for()
 
@@ -268,9 +268,7 @@ class ListingReader:
         self._pending = None
         if not self.feed:
             return Diff([self._listing(self._list)], sent, full=full, limits=limits, size=size)
-        due = (self.reconcile_interval is not None
-               and time.monotonic() - self._listed_at >= self.reconcile_interval
-               and self.duty.wait_for() == 0)
+        due = time.monotonic() - self._listed_at >= self.reconcile_interval and self.duty.wait_for() == 0
         if not due and self._cursor is not None:
             changes = self._source.kv_changes(self._cursor)
             if changes is not None:

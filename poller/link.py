@@ -1,6 +1,6 @@
-"""The poller's one outgoing path: the :class:`Outbox` stamps every message with the epoch and the next sequence
-number in one place (so BYE names the last one sent), and the :class:`Link`, the DEALER socket, carries them. Both
-belong to the control loop's thread (:mod:`poller.worker`).
+"""The poller's one outgoing path: the :class:`Outbox` takes the polling thread's bodies straight (a bounded queue)
+and stamps every message with the epoch and the next sequence number in one place (so BYE names the last one sent),
+and the :class:`Link`, the DEALER socket, carries them, on the control loop's thread (:mod:`poller.worker`).
 
 ZeroMQ reconnects by itself, and that is the danger: a connection dropped while the buffer was stopped (SIGSTOP,
 a GC pause; the ZMTP heartbeat gives up after 3 s) takes what was queued on it along, and the buffer's ROUTER

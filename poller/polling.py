@@ -316,7 +316,7 @@ class PollingThread(threading.Thread):
             if full and self._resends():
                 wait = 0.0
             else:
-                wait = self._reader.wait_for(full)
+                wait = self._reader.wait_for()
                 if self._change_seen:
                     wait = min(wait, self.duty.wait_for_change())
             if wait <= 0:

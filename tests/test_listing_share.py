@@ -207,7 +207,7 @@ def test_a_call_answered_past_stall_timeout_is_a_stall_not_a_listing(tmp_path: P
     reader = ListingReader(TimedListing(str(tmp_path / "listings.log"), seconds=0.3), listing_share=0.001,
                            stall_timeout=0.2)
     assert read(reader, {}, True).upserts == {"train": {"train-key": {"global_steps": 1, "status": "success"}}}
-    assert reader.duty.listings == 0 and reader.wait_for(full=False) == 0
+    assert reader.duty.listings == 0 and reader.wait_for() == 0
 
 
 def test_a_sync_asked_during_the_hold_is_answered_by_the_next_listing(tmp_path: Path) -> None:
@@ -362,7 +362,7 @@ def test_a_reconciliation_of_a_change_feed_waits_for_the_share(store, share: flo
     reader.reconcile_interval = 0.0  # a reconciliation always due
     sent: dict = {}
     read(reader, sent, True, commit=True)
-    assert reader.wait_for(full=False) == 0 and reader.wait_for(full=True) == 0  # a feed is never held
+    assert reader.wait_for() == 0  # a feed is never held, for a snapshot or not
     store.kv_put("k1", "train", tag={"status": "running"})
     diff = read(reader, sent, False)
     # At share 1e-6 the next full listing may start only ~10^6 listings' time later: the feed is read instead.
