@@ -199,7 +199,7 @@ class SqliteSource:
 
     def _snapshot_pieces(self, size: int) -> Generator[Any, None, None]:
         with self._change_log() as conn:
-            yield from _snapshot_pieces(conn, size)
+            yield from _read_snapshot_pieces(conn, size)
 
     def kv_changes(self, cursor: Any) -> tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
@@ -500,7 +500,7 @@ def _complete(conn: sqlite3.Connection) -> bool:
 
 def _read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, StoredListing]:
     """Every row and the cursor that follows them, from one read transaction."""
-    pieces = _snapshot_pieces(conn, 65536)
+    pieces = _read_snapshot_pieces(conn, 65536)
     cursor = next(pieces)
     listing: StoredListing = {}
     for piece in pieces:
@@ -509,7 +509,7 @@ def _read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, StoredListing]:
     return cursor, listing
 
 
-def _snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
+def _read_snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
     """The cursor, then every row in listings of at most ``size`` rows, from one read transaction (open till closed)."""
     with _read(conn):
         store_id, _ = _clock(conn)

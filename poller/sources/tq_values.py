@@ -16,9 +16,8 @@ How the controller's codec (msgspec's msgpack with a hook) carries each kind of 
 An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue` (the poller quarantines that key
 alone), an unreadable map key an :class:`UnreadableKey`. The restricted unpickler resolves no global by import.
 
-Sections: :class:`ReplyValues` (a reply's msgpack read with these rules: the whole message, or one key's tags
-when the poller decodes a key whose bytes changed), plain values, the extension types, raw array elements, the
-restricted unpickler. The controller's messages themselves are :mod:`poller.sources.transferqueue`'s.
+Sections: :class:`ReplyValues` (a reply read with these rules, whole or one key's tags when the poller decodes a
+changed key), plain values, the extension types, raw array elements, the restricted unpickler.
 """
 
 from __future__ import annotations
@@ -95,10 +94,11 @@ class ReplyValues:
             nonlocal deferred
             if code == 1 and ext in scalars:
                 return scalars[ext]
-            value = _decode_ext(code, ext, frames)
-            if isinstance(value, _Deferred):
+            value = _ext_value(code, ext, frames)
+            if not isinstance(value, (bool, int, float)):  # no hashable scalar
                 deferred = True
-            elif code == 1:
+                return _Deferred(value)
+            if code == 1:
                 scalars[ext] = value
             return value
 
@@ -179,13 +179,8 @@ def _plain_key(key: Any, memo: dict[int, Any]) -> Any:
 _PICKLE, _CLOUDPICKLE, _TENSOR, _NESTED_TENSOR, _NUMPY = 1, 2, 3, 4, 5
 
 
-def _decode_ext(code: int, data: bytes, frames: Sequence[bytes | memoryview]) -> Any:
-    """The value of extension ``code`` in a reply of ``frames``: a hashable scalar, else a :class:`_Deferred`."""
-    value = _ext_value(code, data, frames)
-    return value if isinstance(value, (bool, int, float)) else _Deferred(value)
-
-
 def _ext_value(code: int, data: bytes, frames: Sequence[bytes | memoryview]) -> Any:
+    """The value of extension ``code`` in a reply of ``frames``."""
     if code == _PICKLE:
         try:
             return plain(restricted_loads(data))

@@ -12,8 +12,8 @@ in the trainer as plain keyword arguments, and speaks the controller's protocol 
 Ray or torch in the poller, and a deadline on every call, which TransferQueue's own client lacks (past it,
 :class:`~poller.wire.sources.SourceStall`).
 
-Sections, in order: the protocol (pure functions over frames, no sockets), :class:`TransferQueueSource` (the
-socket and its deadlines, in the poller process), :func:`source_kwargs` (in the trainer).
+Sections: the protocol (pure functions over frames), :class:`TransferQueueSource` (the socket and its deadlines),
+:func:`source_kwargs` (run in the trainer).
 
 A client connects a DEALER to the controller's ROUTER ("request_handle_socket") and sends one msgpack map per
 request, ``{"request_type": "KV_LIST", "sender_id", "receiver_id", "request_id", "timestamp", "body": {...}}``;
