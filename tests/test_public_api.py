@@ -134,10 +134,11 @@ def _source_files() -> list[Path]:
 
 def test_only_the_protocol_modules_import_msgpack() -> None:
     # Our wire format (protocol.py frames, encodes and decodes; tags.py is the tag codec), and
-    # TransferQueue's controller requests (another format).
+    # TransferQueue's controller messages and the tag values in them (another format).
     pattern = re.compile(r"^\s*(import\s+msgpack\b|from\s+msgpack\b)|import_module\(\s*['\"]msgpack", re.M)
     importers = [str(path.relative_to(PACKAGES_ROOT)) for path in _source_files() if pattern.search(path.read_text())]
-    assert importers == ["poller/sources/tq_protocol.py", "poller/wire/protocol.py", "poller/wire/tags.py"]
+    assert importers == ["poller/sources/tq_values.py", "poller/sources/transferqueue.py", "poller/wire/protocol.py",
+                         "poller/wire/tags.py"]
 
 
 def test_py_typed_in_both_packages() -> None:

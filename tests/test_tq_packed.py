@@ -15,7 +15,7 @@ import msgpack
 import pytest
 
 from poller.diff import Diff
-from poller.sources.tq_protocol import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
+from poller.sources.transferqueue import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
 from poller.wire.protocol import DEFAULT_LIMITS
 from poller.wire.sources import PackedItems, capabilities
 from poller.wire.tags import pack_tags

@@ -21,15 +21,17 @@ import zmq
 
 from buffer import ReplayBuffer
 from poller import PollerStartupError
-from poller.sources.tq_protocol import (
+from poller.sources.transferqueue import (
     KNOWN_VERSIONS,
     KV_LIST,
+    SPEC,
     TransferQueueProtocolError,
     TransferQueueReplyError,
+    TransferQueueSource,
     decode_reply,
     encode_request,
+    source_kwargs,
 )
-from poller.sources.transferqueue import SPEC, TransferQueueSource, source_kwargs
 from poller.wire.sources import SourceStall, UnreadableValue
 from tests.conftest import wait_until
 
@@ -372,7 +374,7 @@ def test_in_a_reply_pickled_whole_every_value_reads_as_it_does_unpickled():
 
 
 def test_reading_every_captured_reply_imports_neither_numpy_nor_torch():
-    statement = ("import msgpack; from poller.sources.tq_protocol import decode_reply; "
+    statement = ("import msgpack; from poller.sources.transferqueue import decode_reply; "
                  "d = msgpack.unpackb(open('tests/data/tq_kv_list_replies.msgpack', 'rb').read(), "
                   "strict_map_key=False); "
                  "[decode_reply('KV_LIST', f) for f in [*d['cases'].values(), d['all_at_once']]]")

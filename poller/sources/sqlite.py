@@ -1,13 +1,31 @@
 """The embedded default store: a key-value store of tags (and JSON fields) in one SQLite file.
 
 It speaks TransferQueue's KV API, so the poller, the demo and the tests need no Ray, torch or controller, and
-offers the change feed (:mod:`poller.sources.sqlite_changes`). Any number of processes share a file::
+offers a change feed (the change log, below). Any number of processes share a file::
 
     writer processes ──kv_batch_put──▶ kv.db (WAL) ◀──kv_changes()── poller thread
     trainer ─────────────kv_clear────▶
 
 Built from a spec in any process, so the connection opens on first use, in the process that uses it (anew
 after a fork). Fields are JSON only (not tensors), which verl's DAPO metric is.
+
+The change feed: SQLite triggers log every write inside the writer's own transaction, whatever code wrote.
+Each write appends a row to ``kv_versions`` (rowid = version, with a random 31-bit ``stamp``) and stores the
+version in the written row (``kv.version``, indexed); each delete is logged in ``kv_deleted``::
+
+    kv_batch_put ─▶ kv_versions (version=last+1, stamp) ─▶ kv row (tags, version)
+    kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
+    poller ───────▶ rows and deletions with version > cursor, in one read transaction
+
+One writer at a time, the log in the database: version order is commit order, so a read's cursor skips no
+later commit. A cursor is ``(store id, version, stamp)``, served only if the file still logs that version with
+that stamp: a restored backup keeps the store id and reuses the versions the poller saw for other writes, but
+not their stamps, so it gets ``None`` and a full listing. So does a cursor older than the logs keep
+(:data:`DEFAULT_KEEP_VERSIONS`), ahead of the file or from another file. ``kv_clock.version`` stays within 4096
+versions of the last one, so a reader of an older version of this package re-reads at most that many changes.
+
+Sections, in order: :class:`SqliteSource` (the API), connections and transactions, the change log (its schema,
+triggers and reads). Rows are fetched and parsed, checked and encoded by :mod:`poller.sources.sqlite_io`.
 """
 
 from __future__ import annotations
@@ -16,17 +34,27 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Generator, Iterator, Mapping
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from poller.sources import sqlite_io
-from poller.sources.sqlite_changes import Cursor, ensure_change_log, read_changes, read_snapshot, snapshot_pieces
+from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_listing, fetch_listings
 
-__all__ = ["SqliteSource"]
+__all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "SqliteSource"]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+#: Deletions and stamps of this many recent versions stay in the logs (a poller further behind takes a full
+#: listing); ~13 bytes per version, ~50 per logged delete.
+DEFAULT_KEEP_VERSIONS = 1_000_000
+
+#: ``(store id, version, stamp)``: opaque to the poller.
+Cursor = tuple[str, int, int]
 
 _UPSERTS = {table: f"INSERT INTO {table} (partition_id, key, {column}) VALUES (?, ?, ?)"
                    f" ON CONFLICT (partition_id, key) DO UPDATE SET {column} = excluded.{column}"
@@ -124,7 +152,7 @@ class SqliteSource:
         field_list = None if fields is None else sqlite_io.json_rows("fields", key_list, fields)
         if not key_list:
             return
-        with self._connection() as conn, sqlite_io.immediate(conn):
+        with self._connection() as conn, _immediate(conn):
             for table, updates in (("kv", tag_list), ("kv_fields", field_list)):
                 if updates is None:
                     continue
@@ -135,11 +163,11 @@ class SqliteSource:
                 conn.executemany(_UPSERTS[table], [(partition_id, key, sqlite_io.dumps(merged[key]))
                                                    for key in dict.fromkeys(key_list)])
 
-    def kv_list(self, partition_id: str | None = None) -> sqlite_io.StoredListing:
+    def kv_list(self, partition_id: str | None = None) -> StoredListing:
         """Everything stored (or only ``partition_id``'s) as fresh ``{partition_id: {key: tags}}`` dicts.
 
         One ``SELECT``: a consistent snapshot while others write. A row another tool wrote never fails the
-        listing (:data:`~poller.sources.sqlite_io.StoredListing`): tags that are no JSON object are an
+        listing (:data:`~poller.sources.StoredListing`): tags that are no JSON object are an
         :class:`~poller.wire.sources.UnreadableValue`, a BLOB or non-UTF-8 key or partition id ``bytes``.
 
         Raises:
@@ -149,15 +177,14 @@ class SqliteSource:
             sqlite_io.check_str("partition_id", partition_id)
         where, params = ("", ()) if partition_id is None else (" WHERE partition_id = ?", (partition_id,))
         with self._connection() as conn:
-            rows = sqlite_io.fetch_all(conn, "SELECT partition_id, key, tags FROM kv" + where, params)
-        return sqlite_io.listing_of(rows)
+            return fetch_listing(conn, "SELECT partition_id, key, tags FROM kv" + where, params)
 
-    def kv_snapshot(self) -> tuple[Cursor, sqlite_io.StoredListing]:
+    def kv_snapshot(self) -> tuple[Cursor, StoredListing]:
         """Everything stored, as :meth:`kv_list`, and the change cursor right after it."""
         with self._change_log() as conn:
-            return read_snapshot(conn)
+            return _read_snapshot(conn)
 
-    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[sqlite_io.StoredListing]]:
+    def kv_snapshot_pieces(self, size: int = 4096) -> tuple[Cursor, Iterator[StoredListing]]:
         """:meth:`kv_snapshot` in listings of at most ``size`` rows, each parsed only when taken.
 
         The trainer applies keys as they are read. Every piece comes from the cursor's read transaction, held
@@ -172,19 +199,19 @@ class SqliteSource:
 
     def _snapshot_pieces(self, size: int) -> Generator[Any, None, None]:
         with self._change_log() as conn:
-            yield from snapshot_pieces(conn, size)
+            yield from _read_snapshot_pieces(conn, size)
 
-    def kv_changes(self, cursor: Any) -> tuple[Cursor, sqlite_io.StoredListing, dict[Any, list[Any]]] | None:
+    def kv_changes(self, cursor: Any) -> tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None:
         """What was put or cleared after ``cursor``: ``(cursor, upserts, deletes)``, or ``None``.
 
         ``None``: the cursor is from another file, another history of this one (restored from a backup) or
-        older than the pruned logs (:mod:`poller.sources.sqlite_changes`). Rows read as by :meth:`kv_list`.
+        older than the pruned logs (the change log, below). Rows read as by :meth:`kv_list`.
 
         Raises:
             TypeError: ``cursor`` did not come from this store.
         """
         with self._change_log() as conn:
-            return read_changes(conn, cursor)
+            return _read_changes(conn, cursor)
 
     def kv_clear(self, keys: list[str], partition_id: str) -> None:
         """Delete ``keys`` (and their fields) from ``partition_id``; missing keys are fine."""
@@ -192,7 +219,7 @@ class SqliteSource:
         key_list = sqlite_io.check_keys(keys)
         if not key_list:
             return
-        with self._connection() as conn, sqlite_io.immediate(conn):
+        with self._connection() as conn, _immediate(conn):
             rows = [(partition_id, key) for key in key_list]
             conn.executemany("DELETE FROM kv WHERE partition_id = ? AND key = ?", rows)
             conn.executemany("DELETE FROM kv_fields WHERE partition_id = ? AND key = ?", rows)
@@ -263,7 +290,7 @@ class SqliteSource:
             if self._conn is not None:
                 self._check_file()
             if self._conn is None:
-                self._conn = sqlite_io.open_connection(self._path, self._timeout, migrate=ensure_change_log)
+                self._conn = _open_connection(self._path, self._timeout)
                 self._conn_pid = pid
                 self._conn_file = self._file_id()
             yield self._conn
@@ -272,7 +299,7 @@ class SqliteSource:
     def _change_log(self) -> Iterator[sqlite3.Connection]:
         """:meth:`_connection`, the change log checked first (cheap): a backup restored in place may predate it."""
         with self._connection() as conn:
-            ensure_change_log(conn)
+            _ensure_change_log(conn)
             yield conn
 
     def _file_id(self) -> tuple[int, int] | None:
@@ -301,3 +328,244 @@ class SqliteSource:
         if current is None:
             raise FileNotFoundError(f"{self._path} was deleted while open; the next call opens a new store")
         logger.warning("%s was replaced while open; reopening it", self._path)
+
+
+# -- connections and transactions -----------------------------------------------------------------
+
+@contextmanager
+def _immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """``BEGIN IMMEDIATE`` (the write lock up front: DEFERRED fails on upgrade, not waits), COMMIT or ROLLBACK."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        # Also after a failed COMMIT: a transaction left open would make every later BEGIN fail.
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
+            pass
+        raise
+
+
+# Tags in kv; fields in a table of their own, so files written before fields were kept need no migration.
+_SCHEMA = tuple(
+    f"CREATE TABLE IF NOT EXISTS {table} (partition_id TEXT NOT NULL, key TEXT NOT NULL, {column} TEXT NOT NULL,"
+    " PRIMARY KEY (partition_id, key)) WITHOUT ROWID"
+    for table, column in (("kv", "tags"), ("kv_fields", "fields")))
+
+
+def _open_connection(path: str, timeout: float) -> sqlite3.Connection:
+    """A connection to ``path`` in WAL mode with both tables and the change log, retrying a busy file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if path != ":memory:" and not path.startswith("file:"):
+        os.makedirs(directory, exist_ok=True)
+    # The store issues BEGIN/COMMIT itself, and its lock serializes all use (the poller lists from a helper thread).
+    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
+                           check_same_thread=False, uri=path.startswith("file:"))
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+        # WAL lets kv_list() read while a writer holds the lock; only the first opener changes the file's mode.
+        mode = _retry_busy(timeout, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        if mode != "wal":
+            logger.debug("%s: journal_mode is %s, not wal", path, mode)
+        # NORMAL survives process crashes in WAL; a power loss may drop the last transactions: affordable here.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        for table in _SCHEMA:
+            _retry_busy(timeout, partial(conn.execute, table))
+        _retry_busy(timeout, lambda: _ensure_change_log(conn))
+    except BaseException:
+        conn.close()
+        raise
+    logger.debug("opened %s (pid %d)", path, os.getpid())
+    return conn
+
+
+def _retry_busy(timeout: float, call: Callable[[], _T]) -> _T:
+    """Run ``call``, retrying "database is locked" until ``timeout`` seconds pass.
+
+    Switching a fresh file to WAL needs an exclusive lock, for which SQLite runs no busy handler: processes
+    opening a new file at once got SQLITE_BUSY at once.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            return call()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+# -- the change log -------------------------------------------------------------------------------
+
+# Each statement is idempotent: whichever process opens an older version's file first migrates it in place.
+_TABLES = (
+    "CREATE TABLE IF NOT EXISTS kv_clock ("
+    " id INTEGER PRIMARY KEY CHECK (id = 0),"
+    " store_id TEXT NOT NULL,"
+    " version INTEGER NOT NULL,"
+    " pruned INTEGER NOT NULL,"
+    " keep INTEGER NOT NULL)",
+    f"INSERT OR IGNORE INTO kv_clock VALUES (0, lower(hex(randomblob(8))), 0, 0, {DEFAULT_KEEP_VERSIONS})",
+    "CREATE TABLE IF NOT EXISTS kv_deleted ("
+    " partition_id TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " version INTEGER NOT NULL,"
+    " PRIMARY KEY (partition_id, key)"
+    ") WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS kv_deleted_by_version ON kv_deleted (version)",
+    "CREATE INDEX IF NOT EXISTS kv_by_version ON kv (version)",
+    # The rowid is the version: an append takes max + 1, and the last row is never pruned.
+    "CREATE TABLE IF NOT EXISTS kv_versions (version INTEGER PRIMARY KEY, stamp INTEGER NOT NULL)",
+    # Versions go on from the highest one the file used (also one an older version's triggers wrote).
+    "INSERT INTO kv_versions (version, stamp)"
+    " SELECT v, random() & 2147483647 FROM (SELECT max((SELECT version FROM kv_clock),"
+    " coalesce((SELECT max(version) FROM kv), 0), coalesce((SELECT max(version) FROM kv_deleted), 0)) AS v)"
+    " WHERE v > coalesce((SELECT max(version) FROM kv_versions), -1)",
+)
+
+# A new version: the log's next row; 31 bits of stamp, so that it takes 4 bytes.
+_NEW_VERSION = " INSERT INTO kv_versions (stamp) VALUES (random() & 2147483647);"
+_STAMP_ROW = (
+    _NEW_VERSION +
+    " UPDATE kv SET version = last_insert_rowid()"
+    " WHERE partition_id = NEW.partition_id AND key = NEW.key;"
+)
+
+# Named as older versions named theirs, so an older version opening the file finds them in place (and adds
+# none beside them); a body without kv_versions is old.
+_WRITE_TRIGGERS = {
+    # A key deleted then put again is an upsert: its log entry goes.
+    "kv_version_insert": "CREATE TRIGGER kv_version_insert AFTER INSERT ON kv BEGIN" + _STAMP_ROW +
+    " DELETE FROM kv_deleted WHERE partition_id = NEW.partition_id AND key = NEW.key; END",
+    # A put that leaves the tags as they were is no change.
+    "kv_version_update": "CREATE TRIGGER kv_version_update AFTER UPDATE OF tags ON kv"
+    " WHEN OLD.tags IS NOT NEW.tags BEGIN" + _STAMP_ROW + " END",
+    "kv_version_delete": "CREATE TRIGGER kv_version_delete AFTER DELETE ON kv BEGIN" + _NEW_VERSION +
+    " INSERT OR REPLACE INTO kv_deleted (partition_id, key, version)"
+    " VALUES (OLD.partition_id, OLD.key, last_insert_rowid()); END",
+}
+
+_TRIGGERS = (
+    # Prune in steps of keep/16 versions, so that a delete rarely pays for it.
+    "CREATE TRIGGER IF NOT EXISTS kv_deleted_prune AFTER INSERT ON kv_deleted"
+    " WHEN NEW.version - (SELECT keep FROM kv_clock) > (SELECT pruned FROM kv_clock) + (SELECT keep FROM kv_clock) / 16"
+    " BEGIN"
+    " UPDATE kv_clock SET pruned = NEW.version - keep;"
+    " DELETE FROM kv_deleted WHERE version <= (SELECT pruned FROM kv_clock); END",
+    # Every 4096 versions: the old counter catches up; the version log drops what is older than keep (not its last row).
+    "CREATE TRIGGER IF NOT EXISTS kv_versions_prune AFTER INSERT ON kv_versions"
+    " WHEN NEW.version % 4096 = 0 BEGIN"
+    " UPDATE kv_clock SET version = NEW.version;"
+    " DELETE FROM kv_versions WHERE version < NEW.version - (SELECT keep FROM kv_clock); END",
+)
+
+_NAMES = ("kv_clock", "kv_deleted", "kv_deleted_by_version", "kv_by_version", "kv_versions", "kv_deleted_prune",
+          "kv_versions_prune", *_WRITE_TRIGGERS)
+
+
+def _ensure_change_log(conn: sqlite3.Connection) -> None:
+    """Add the version column, the clock, the logs and the triggers where missing or older.
+
+    One read when all is there; else one ``BEGIN IMMEDIATE`` migration, so processes opening an old file
+    at once migrate it once. Older rows keep their version (0 before the change feed).
+    """
+    if _complete(conn):
+        return
+    with _immediate(conn):
+        if _complete(conn):  # another process migrated it while this one waited for the lock
+            return
+        columns = {row[1] for row in conn.execute("PRAGMA table_info(kv)")}
+        if "version" not in columns:
+            conn.execute("ALTER TABLE kv ADD COLUMN version INTEGER NOT NULL DEFAULT 0")
+        for statement in _TABLES:
+            conn.execute(statement)
+        for name, statement in _WRITE_TRIGGERS.items():
+            conn.execute(f"DROP TRIGGER IF EXISTS {name}")
+            conn.execute(statement)
+        for statement in _TRIGGERS:
+            conn.execute(statement)
+
+
+def _complete(conn: sqlite3.Connection) -> bool:
+    marks = ",".join("?" * len(_NAMES))
+    found = dict(conn.execute(f"SELECT name, sql FROM sqlite_master WHERE name IN ({marks})", _NAMES).fetchall())
+    return len(found) == len(_NAMES) and all("kv_versions" in found[name] for name in _WRITE_TRIGGERS)
+
+
+def _read_snapshot(conn: sqlite3.Connection) -> tuple[Cursor, StoredListing]:
+    """Every row and the cursor that follows them, from one read transaction."""
+    pieces = _read_snapshot_pieces(conn, 65536)
+    cursor = next(pieces)
+    listing: StoredListing = {}
+    for piece in pieces:
+        for partition, items in piece.items():
+            listing.setdefault(partition, {}).update(items)
+    return cursor, listing
+
+
+def _read_snapshot_pieces(conn: sqlite3.Connection, size: int) -> Iterator[Any]:
+    """The cursor, then every row in listings of at most ``size`` rows, from one read transaction (open till closed)."""
+    with _read(conn):
+        store_id, _ = _clock(conn)
+        yield (store_id, *_last_version(conn))
+        yield from fetch_listings(conn, "SELECT partition_id, key, tags FROM kv ORDER BY partition_id, key", size)
+
+
+def _read_changes(conn: sqlite3.Connection, cursor: Any) -> (
+        tuple[Cursor, StoredListing, dict[Any, list[Any]]] | None):
+    """Rows written and keys deleted after ``cursor``, from one read transaction; None when it cannot be served.
+
+    Raises:
+        TypeError: ``cursor`` is not one this module made.
+    """
+    if (not isinstance(cursor, tuple) or len(cursor) != 3 or not isinstance(cursor[0], str)
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in cursor[1:])):
+        raise TypeError(f"not a change cursor of this store: {cursor!r}")
+    store, since, stamp = cursor
+    with _read(conn):
+        store_id, pruned = _clock(conn)
+        if store != store_id or since < pruned:
+            return None
+        logged = conn.execute("SELECT stamp FROM kv_versions WHERE version = ?", (since,)).fetchone()
+        if logged is None or logged[0] != stamp:
+            return None
+        last = _last_version(conn)
+        upserts = fetch_listing(conn, "SELECT partition_id, key, tags FROM kv WHERE version > ?", (since,))
+        gone = fetch_all(conn, "SELECT partition_id, key FROM kv_deleted WHERE version > ?", (since,))
+    deletes: dict[Any, list[Any]] = {}
+    for partition, key in gone:
+        deletes.setdefault(partition, []).append(key)
+    return (store_id, *last), upserts, deletes
+
+
+def _clock(conn: sqlite3.Connection) -> tuple[str, int]:
+    """The file's store id and the deletion log's horizon."""
+    store_id, pruned = conn.execute("SELECT store_id, pruned FROM kv_clock").fetchone()
+    return str(store_id), int(pruned)
+
+
+def _last_version(conn: sqlite3.Connection) -> tuple[int, int]:
+    """The last version written and its stamp."""
+    version, stamp = conn.execute("SELECT version, stamp FROM kv_versions ORDER BY version DESC LIMIT 1").fetchone()
+    return int(version), int(stamp)
+
+
+@contextmanager
+def _read(conn: sqlite3.Connection) -> Iterator[None]:
+    """A read transaction: every SELECT in it sees the same snapshot (WAL)."""
+    conn.execute("BEGIN")
+    try:
+        yield
+    except BaseException:
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error:
+            pass
+        raise
+    conn.execute("COMMIT")

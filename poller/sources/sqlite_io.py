@@ -1,6 +1,8 @@
-"""The SQLite store's connections and rows: reading them whatever wrote them, and checking and encoding what is put.
+"""The SQLite store's rows, for :mod:`poller.sources.sqlite`: read whatever wrote them, checked and encoded when put.
 
-Only values that come back from JSON unchanged are accepted (:func:`check_json`).
+A read is one call here, the rows fetched and parsed (:func:`fetch_listing`, :func:`fetch_listings`): TEXT
+that is not UTF-8 comes as bytes (a fetch that fails on it would lose every later row), tags that are no JSON
+object an UnreadableValue. A put accepts only values that come back from JSON unchanged (:func:`check_json`).
 """
 
 from __future__ import annotations
@@ -8,19 +10,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sqlite3
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from poller.wire.sources import UnreadableValue
 from poller.wire.vocabulary import Tags
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 #: ``{partition_id: {key: tags}}`` as the file holds it: a partition id or key another tool wrote as a BLOB
 #: or non-UTF-8 text is ``bytes``, tags that are no JSON object an UnreadableValue.
@@ -53,28 +51,22 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
     return found
 
 
-def listing_of(rows: Iterable[Any]) -> StoredListing:
+def fetch_listing(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) -> StoredListing:
+    """The ``(partition_id, key, tags)`` rows of ``sql`` as ``{partition_id: {key: tags}}`` (:func:`fetch_all`)."""
+    return _listing_of(fetch_all(conn, sql, params))
+
+
+def fetch_listings(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[StoredListing]:
+    """:func:`fetch_listing` in listings of at most ``size`` rows, each parsed when taken (:func:`fetch_batches`)."""
+    return map(_listing_of, fetch_batches(conn, sql, size))
+
+
+def _listing_of(rows: Iterable[Any]) -> StoredListing:
     """``{partition_id: {key: tags}}`` of ``(partition_id, key, tags)`` rows, each read by :func:`read_tags`."""
     listing: StoredListing = {}
     for partition, key, text in rows:
         listing.setdefault(partition, {})[key] = read_tags(text)
     return listing
-
-
-@contextmanager
-def immediate(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """``BEGIN IMMEDIATE`` (the write lock up front: DEFERRED fails on upgrade, not waits), COMMIT or ROLLBACK."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield conn
-        conn.execute("COMMIT")
-    except BaseException:
-        # Also after a failed COMMIT: a transaction left open would make every later BEGIN fail.
-        try:
-            conn.execute("ROLLBACK")
-        except sqlite3.Error:  # SQLite may already have rolled back (e.g. on SQLITE_FULL)
-            pass
-        raise
 
 
 def fetch_all(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) -> list[Any]:
@@ -238,58 +230,3 @@ def read_tags(text: Any) -> Tags | UnreadableValue:
     if not isinstance(value, dict):
         return UnreadableValue(f"stored tags are {type(value).__name__}, not an object")
     return value
-
-
-# Tags in kv; fields in a table of their own, so files written before fields were kept need no migration.
-_SCHEMA = tuple(
-    f"CREATE TABLE IF NOT EXISTS {table} (partition_id TEXT NOT NULL, key TEXT NOT NULL, {column} TEXT NOT NULL,"
-    " PRIMARY KEY (partition_id, key)) WITHOUT ROWID"
-    for table, column in (("kv", "tags"), ("kv_fields", "fields")))
-
-
-def open_connection(path: str, timeout: float,
-                    migrate: Callable[[sqlite3.Connection], None] | None = None) -> sqlite3.Connection:
-    """A connection to ``path`` in WAL mode with both tables, then ``migrate(conn)``, retrying a busy file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if path != ":memory:" and not path.startswith("file:"):
-        os.makedirs(directory, exist_ok=True)
-    # The store issues BEGIN/COMMIT itself, and its lock serializes all use (the poller lists from a helper thread).
-    conn = sqlite3.connect(path, timeout=timeout, isolation_level=None,
-                           check_same_thread=False, uri=path.startswith("file:"))
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-        # WAL lets kv_list() read while a writer holds the lock; only the first opener changes the file's mode.
-        mode = _retry_busy(timeout, lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
-        if mode != "wal":
-            logger.debug("%s: journal_mode is %s, not wal", path, mode)
-        # NORMAL survives process crashes in WAL; a power loss may drop the last transactions: affordable here.
-        conn.execute("PRAGMA synchronous = NORMAL")
-        for table in _SCHEMA:
-            _retry_busy(timeout, partial(conn.execute, table))
-        if migrate is not None:
-            _retry_busy(timeout, lambda: migrate(conn))
-    except BaseException:
-        conn.close()
-        raise
-    logger.debug("opened %s (pid %d)", path, os.getpid())
-    return conn
-
-
-def _retry_busy(timeout: float, call: Callable[[], _T]) -> _T:
-    """Run ``call``, retrying "database is locked" until ``timeout`` seconds pass.
-
-    Switching a fresh file to WAL needs an exclusive lock, for which SQLite runs no busy handler: processes
-    opening a new file at once got SQLITE_BUSY at once.
-    """
-    deadline = time.monotonic() + timeout
-    delay = 0.001
-    while True:
-        try:
-            return call()
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) and "busy" not in str(exc):
-                raise
-            if time.monotonic() + delay > deadline:
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)

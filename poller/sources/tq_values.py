@@ -15,6 +15,9 @@ How the controller's codec (msgspec's msgpack with a hook) carries each kind of 
 
 An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue` (the poller quarantines that key
 alone), an unreadable map key an :class:`UnreadableKey`. The restricted unpickler resolves no global by import.
+
+Sections: :class:`ReplyValues` (a reply read with these rules, whole or one key's tags when the poller decodes a
+changed key), plain values, the extension types, raw array elements, the restricted unpickler.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import struct
 import sys
 from typing import Any, Callable, Sequence
 
+import msgpack
+
 from poller.wire.sources import UnreadableValue
 
-__all__ = ["MAX_ELEMENTS", "Deferred", "UnreadableKey", "batch_meta_tags", "decode_ext", "plain",
-           "restricted_loads"]
+__all__ = ["MAX_ELEMENTS", "ReplyValues", "UnreadableKey", "batch_meta_tags", "plain", "restricted_loads"]
 
 #: Largest array or tensor turned into a list: the wire refuses more (``Limits.max_items``), and they cost ~30 MB.
 MAX_ELEMENTS = 1_000_000
@@ -50,7 +54,7 @@ class UnreadableKey:
         return f"<unreadable key: {self.reason}>"
 
 
-class Deferred:
+class _Deferred:
     """An extension value that is no hashable scalar, held until :func:`plain` puts it in place.
 
     msgpack's extension hook cannot know whether its value is a map key, which a list cannot be.
@@ -62,13 +66,64 @@ class Deferred:
         self.value = value
 
 
+# -- a reply's msgpack ----------------------------------------------------------------------------
+
+# The heads of msgpack's timestamp extension (type -1): fixext 4, fixext 8, ext 8 of 12 bytes.
+_TIMESTAMP_MARKERS = (b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
+
+
+class ReplyValues:
+    """Reads msgpack of one reply as the controller's codec wrote it: its extension values and timestamps.
+
+    ``malformed(exc)`` is the error a value that does not read raises from :meth:`decode` (the controller
+    client's "malformed reply"), so a listing read packed fails as the same reply read whole would.
+    """
+
+    def __init__(self, frames: Sequence[bytes], malformed: Callable[[Exception], Exception]) -> None:
+        self.frames = frames
+        self.malformed = malformed
+        # Pickled numpy scalars repeat (every key of a step holds the same global_steps): read each once per reply.
+        self.scalars: dict[bytes, Any] = {}
+
+    def read(self, data: bytes) -> Any:
+        """The value packed in ``data`` (the whole message, or one key's tags), its tag values read."""
+        deferred = False
+        scalars, frames = self.scalars, self.frames
+
+        def ext_hook(code: int, ext: bytes) -> Any:
+            nonlocal deferred
+            if code == 1 and ext in scalars:
+                return scalars[ext]
+            value = _ext_value(code, ext, frames)
+            if not isinstance(value, (bool, int, float)):  # no hashable scalar
+                deferred = True
+                return _Deferred(value)
+            if code == 1:
+                scalars[ext] = value
+            return value
+
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=ext_hook, timestamp=3)
+        # A second walk only for a value held back, or a possible timestamp (ext -1, msgspec's aware
+        # datetime), which msgpack reads as a datetime past the hook.
+        if deferred or any(marker in data for marker in _TIMESTAMP_MARKERS):
+            return plain(value)
+        return value
+
+    def decode(self, blobs: list[bytes]) -> list[Any]:
+        """Each key's packed tags read (``PackedItems.decode`` of a listing read packed)."""
+        try:
+            return list(map(self.read, blobs))
+        except Exception as exc:
+            raise self.malformed(exc) from exc
+
+
 # -- plain values ---------------------------------------------------------------------------------
 
 _SCALARS = (str, int, float, bool, type(None), bytes)
 
 
 def plain(obj: Any) -> Any:
-    """``obj`` (from msgpack with :class:`Deferred` values, or the restricted unpickler) made plain.
+    """``obj`` (from msgpack with :class:`_Deferred` values, or the restricted unpickler) made plain.
 
     Tuples and sets become lists, anything unreadable an :class:`UnreadableValue`. A container held more
     than once is converted once and shared, so a pickle nesting one list twice per level stays linear work.
@@ -86,7 +141,7 @@ def _value(obj: Any, memo: dict[int, Any]) -> Any:
 def _plain(obj: Any, memo: dict[int, Any]) -> Any:
     if isinstance(obj, _SCALARS) or isinstance(obj, UnreadableValue):
         return obj
-    if isinstance(obj, Deferred):
+    if isinstance(obj, _Deferred):
         return obj.value
     if id(obj) in memo:
         return memo[id(obj)]
@@ -112,7 +167,7 @@ def _plain_key(key: Any, memo: dict[int, Any]) -> Any:
         return key
     if isinstance(key, tuple):
         return tuple(_plain_key(k, memo) for k in key)
-    value = key.value if isinstance(key, Deferred) else _plain(key, memo)
+    value = key.value if isinstance(key, _Deferred) else _plain(key, memo)
     if isinstance(value, UnreadableValue):
         return UnreadableKey(value.reason)
     return UnreadableKey(f"a {type(value).__name__} as a map key")
@@ -124,13 +179,8 @@ def _plain_key(key: Any, memo: dict[int, Any]) -> Any:
 _PICKLE, _CLOUDPICKLE, _TENSOR, _NESTED_TENSOR, _NUMPY = 1, 2, 3, 4, 5
 
 
-def decode_ext(code: int, data: bytes, frames: Sequence[bytes | memoryview]) -> Any:
-    """The value of extension ``code`` in a reply of ``frames``: a hashable scalar, else a :class:`Deferred`."""
-    value = _ext_value(code, data, frames)
-    return value if isinstance(value, (bool, int, float)) else Deferred(value)
-
-
 def _ext_value(code: int, data: bytes, frames: Sequence[bytes | memoryview]) -> Any:
+    """The value of extension ``code`` in a reply of ``frames``."""
     if code == _PICKLE:
         try:
             return plain(restricted_loads(data))

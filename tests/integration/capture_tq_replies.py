@@ -25,7 +25,7 @@ from typing import Sequence
 import msgpack
 import zmq
 
-from poller.sources.tq_protocol import KV_LIST, encode_request
+from poller.sources.transferqueue import KV_LIST, encode_request
 from tests.integration.store_host import StoreHost
 from tests.integration.tq_values import CASES
 
