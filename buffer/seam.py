@@ -1,9 +1,10 @@
-"""The one seam between a buffer and its sampling policies, and the helper threads of their waits.
+"""The one seam between a buffer and its sampling policies: what a policy uses of a buffer, and what it implements.
 
-A sampling policy (``ReplayBuffer.sample``'s, :mod:`buffer.verl`) keeps its own index from the store's
-changes and decides on it through :class:`SamplingSeam` alone. The seam knows no transport: it asks the
-pollers through :class:`Listings` (:class:`buffer.sync.ListingSync`), so sampling means the same on every
-source.
+A sampling policy (``ReplayBuffer.sample``'s :mod:`buffer.steps`, :mod:`buffer.verl`) keeps its own index
+from the store's changes (:class:`Policy`, :class:`BulkPolicy`) and decides on it through
+:class:`SamplingSeam` alone. The seam knows no transport: it asks the pollers through :class:`Listings`
+(:class:`buffer.sync.ListingSync`), so sampling means the same on every source. The helper threads of its
+waits close the module.
 """
 
 from __future__ import annotations
@@ -11,17 +12,59 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Hashable, Iterable, Protocol, TypeVar
+from itertools import compress
+from operator import and_, eq, itemgetter, methodcaller, not_
+from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 from buffer.partitions import PartitionStore
-from buffer.policies import Policy
 from poller.wire.vocabulary import Tags
 
-__all__ = ["Listings", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
+__all__ = ["BulkPolicy", "Listings", "Policy", "SamplingSeam", "SyncAhead", "WatchWhileWaiting",
+           "positions_that_differ"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Policy(Protocol):
+    """Sampling semantics over a :class:`~buffer.partitions.PartitionStore`: indexes kept from changes."""
+
+    def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
+        """Called with the store lock held after one key changed (old None: added; new None: dropped).
+        Must be cheap, must not call back into the store, must not mutate the dicts."""
+
+
+class BulkPolicy(Policy, Protocol):
+    """A policy that can also take many keys' changes in one call (each method optional): a poll's
+    thousands of changed keys then cost a few C-level passes instead of a Python call each."""
+
+    def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
+        """:meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order."""
+
+    def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
+        """:meth:`Policy.on_change` for each of ``keys``, held before."""
+
+
+def positions_that_differ(olds: Sequence[Mapping[str, Any]], news: Sequence[Mapping[str, Any]],
+                          names: Sequence[str]) -> Sequence[int]:
+    """The positions whose old and new tags differ in any of the tags ``names`` (a tag absent reads ``None``).
+
+    In C-level passes (~0.15 us a key); a value whose ``==`` is not a plain bool puts every position in.
+    """
+    positions = range(len(olds))
+    try:
+        try:  # every tag present (the usual case): one tuple each
+            read = itemgetter(*names)
+            return list(compress(positions, map(not_, map(eq, map(read, olds), map(read, news)))))
+        except KeyError:
+            same = [True] * len(olds)
+            for name in names:
+                get = methodcaller("get", name)
+                same = list(map(and_, same, map(bool, map(eq, map(get, olds), map(get, news)))))
+            return list(compress(positions, map(not_, same)))
+    except Exception:
+        return positions
 
 
 class Listings(Protocol):

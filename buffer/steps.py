@@ -13,8 +13,7 @@ from itertools import compress
 from operator import methodcaller
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from buffer.policies import positions_that_differ
-from buffer.seam import SamplingSeam
+from buffer.seam import SamplingSeam, positions_that_differ
 from poller.wire.vocabulary import RUNNING, SUCCESS, Tags
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]

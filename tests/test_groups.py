@@ -9,15 +9,16 @@ from typing import Any
 import pytest
 
 from buffer.verl.config import SamplerConfig
-from buffer.verl.groups import GroupIndex, uid_of
-from buffer.verl.rules import (
+from buffer.verl.groups import (
     DAPO_FILTERED_REWARD_COUNTS_KEY,
     DrainState,
+    GroupIndex,
     accumulate_metrics,
     classify,
     plan_async,
     plan_sync,
     sampleable_count,
+    uid_of,
 )
 from poller.wire.vocabulary import FINISHED
 

@@ -2,7 +2,7 @@
 
 A Hypothesis state machine plays one source (a poller whose process may
 restart) and a trainer against a real :class:`~buffer.partitions.PartitionStore`
-(whose bookkeeping is the :class:`~buffer.ledger.Ledger`): the store's truth
+(whose bookkeeping is the :class:`~buffer.partitions.Ledger`): the store's truth
 changes, polls begin (at most one under way, as the ledger assumes) and are
 delivered as diffs or as full listings (also split in two, with a removal
 between the parts), the trainer removes keys, the stream loses messages and

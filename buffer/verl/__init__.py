@@ -8,8 +8,8 @@
 
 verl's own sampler lists the whole store in the trainer's thread and sleeps
 ``poll_interval`` between tries. Here the poller lists the store in its own
-process and streams what changed into a group index (:mod:`.groups`); each
-decision of the rules (:mod:`.rules`) sees one consistent view under the
+process and streams what changed into a group index; each decision of the
+rules over it (both in :mod:`.groups`) sees one consistent view under the
 store's lock, and a wait wakes on the change that completes it::
 
     sample() ── decide (store lock) ─▶ Plan ── clear / refill_fn / read DAPO metrics (no lock)
@@ -20,7 +20,7 @@ store's lock, and a wait wakes on the change that completes it::
 """
 
 from buffer.verl.config import VerlConfigError
-from buffer.verl.rules import DAPO_FILTERED_REWARD_COUNTS_KEY
+from buffer.verl.groups import DAPO_FILTERED_REWARD_COUNTS_KEY
 from buffer.verl.sampler import FRESH_VIEW_SECONDS as FRESH_VIEW_SECONDS
 from buffer.verl.sampler import WATCHED_PROMPTS as WATCHED_PROMPTS
 from buffer.verl.sampler import ReplayBuffer, ReplayBufferAsync

@@ -10,9 +10,10 @@ from buffer.arguments import check_verl_call
 from buffer.process import ShutdownReport
 from buffer.seam import SyncAhead
 from buffer.verl.config import VERL_ATTRIBUTES, SamplerConfig
-from buffer.verl.groups import GroupIndex, GroupPartition
-from buffer.verl.rules import (
+from buffer.verl.groups import (
     DrainState,
+    GroupIndex,
+    GroupPartition,
     Plan,
     accumulate_metrics,
     plan_async,

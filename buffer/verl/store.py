@@ -23,8 +23,7 @@ from buffer.errors import BufferClosed
 from buffer.process import ShutdownReport
 from buffer.replay import ReplayBuffer
 from buffer.verl.config import SamplerConfig
-from buffer.verl.groups import GroupIndex
-from buffer.verl.rules import classify
+from buffer.verl.groups import GroupIndex, classify
 from poller.wire.sources import SourceSpec, describe_spec, load_source, resolve_spec
 
 __all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "StoreLink", "VerlBatch"]

@@ -1,7 +1,7 @@
 """A griffe extension for the API reference: reads the packages' reST markup as Markdown.
 
 The docstrings of ``poller`` and ``buffer`` are Google style with Sphinx cross-reference roles
-(``:class:`~buffer.policies.Policy```) and ``::`` literal-block openers. mkdocstrings renders
+(``:class:`~buffer.seam.Policy```) and ``::`` literal-block openers. mkdocstrings renders
 Markdown, where those would show as they are typed; this rewrites each docstring as it is loaded:
 a role becomes inline code of its target (the last part only after ``~``), and a paragraph
 ending in ``::`` ends in ``:`` (the indented block after it is a code block in Markdown too).
