@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import compress, repeat
-from operator import is_, le, ne
+from operator import and_, eq, is_, itemgetter, le, methodcaller, ne, not_
 from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from buffer.errors import BufferClosed
@@ -375,6 +375,25 @@ def _kept(mask: Iterable[Any], *columns: Sequence[Any]) -> list[list[Any]]:
     return [list(compress(column, mask)) for column in columns]
 
 
+def _differ(olds: Sequence[Mapping[str, Any]], news: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[bool]:
+    """Whether each key's old and new tags differ in any of the tags ``names`` (a tag absent reads ``None``).
+
+    In C-level passes (~0.15 us a key); a value whose ``==`` is not a plain bool marks every key.
+    """
+    try:
+        try:  # every tag present (the usual case): one tuple each
+            read = itemgetter(*names)
+            return list(map(not_, map(eq, map(read, olds), map(read, news))))
+        except KeyError:
+            same = [True] * len(olds)
+            for name in names:
+                get = methodcaller("get", name)
+                same = list(map(and_, same, map(bool, map(eq, map(get, olds), map(get, news)))))
+            return list(map(not_, same))
+    except Exception:
+        return [True] * len(olds)
+
+
 def _ledger(method: Callable[Concatenate[Ledger, P], T], *,
             notify: bool = False) -> Callable[Concatenate["PartitionStore", P], T]:
     """The store's method that calls its ledger's ``method`` under the lock (the ledger's docstring says what)."""
@@ -690,17 +709,25 @@ class PartitionStore:
         :class:`~buffer.seam.BulkPolicy` that has it, else ``on_change`` key by key."""
         if not keys:
             return
-        method, arguments = ("on_added", (news,)) if olds is None else ("on_replaced", (olds, news))
         for policy in self._policies:
+            told, told_olds, told_news = keys, olds, news
+            names = None if olds is None else getattr(policy, "indexed_tags", None)
+            if names is not None:  # the keys whose indexed tags kept their values change nothing it holds
+                assert olds is not None
+                told, told_olds, told_news = _kept(_differ(olds, news, names), keys, olds, news)
+                if not told:
+                    continue
+            method, arguments = (("on_added", (told_news,)) if told_olds is None
+                                 else ("on_replaced", (told_olds, told_news)))
             in_bulk = getattr(policy, method, None)
             if in_bulk is None:
-                for key, old, new in zip(keys, repeat(None) if olds is None else olds, news):
+                for key, old, new in zip(told, repeat(None) if told_olds is None else told_olds, told_news):
                     self._tell(policy, partition_id, key, old, new)
                 continue
             try:
-                in_bulk(partition_id, keys, *arguments)
+                in_bulk(partition_id, told, *arguments)
             except Exception as exc:
-                self._policy_failed(policy, partition_id, keys[0], exc)
+                self._policy_failed(policy, partition_id, told[0], exc)
 
     def _tell(self, policy: Policy, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         try:

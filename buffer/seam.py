@@ -12,15 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from itertools import compress
-from operator import and_, eq, itemgetter, methodcaller, not_
-from typing import Any, Callable, Hashable, Iterable, Mapping, Protocol, Sequence, TypeVar
+from typing import Callable, Hashable, Iterable, Protocol, TypeVar
 
 from buffer.partitions import PartitionStore
 from poller.wire.vocabulary import Tags
 
-__all__ = ["BulkPolicy", "Listings", "Policy", "SamplingSeam", "SyncAhead", "WatchWhileWaiting",
-           "positions_that_differ"]
+__all__ = ["BulkPolicy", "Listings", "Policy", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,26 +42,9 @@ class BulkPolicy(Policy, Protocol):
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
         """:meth:`Policy.on_change` for each of ``keys``, held before."""
 
-
-def positions_that_differ(olds: Sequence[Mapping[str, Any]], news: Sequence[Mapping[str, Any]],
-                          names: Sequence[str]) -> Sequence[int]:
-    """The positions whose old and new tags differ in any of the tags ``names`` (a tag absent reads ``None``).
-
-    In C-level passes (~0.15 us a key); a value whose ``==`` is not a plain bool puts every position in.
-    """
-    positions = range(len(olds))
-    try:
-        try:  # every tag present (the usual case): one tuple each
-            read = itemgetter(*names)
-            return list(compress(positions, map(not_, map(eq, map(read, olds), map(read, news)))))
-        except KeyError:
-            same = [True] * len(olds)
-            for name in names:
-                get = methodcaller("get", name)
-                same = list(map(and_, same, map(bool, map(eq, map(get, olds), map(get, news)))))
-            return list(compress(positions, map(not_, same)))
-    except Exception:
-        return positions
+    #: The tag names the index reads (optional): a held key whose tags keep these values is not told of.
+    #: The store compares them, for all of a poll's changed keys at once.
+    indexed_tags: tuple[str, ...]
 
 
 class Listings(Protocol):

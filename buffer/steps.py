@@ -13,7 +13,7 @@ from itertools import compress
 from operator import methodcaller
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from buffer.seam import SamplingSeam, positions_that_differ
+from buffer.seam import SamplingSeam
 from poller.wire.vocabulary import RUNNING, SUCCESS, Tags
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]
@@ -59,6 +59,8 @@ class _Partition:
 
 class StepIndex:
     """The step/status indexes of every partition, kept from store changes."""
+
+    indexed_tags = ("status", "global_steps")
 
     def __init__(self) -> None:
         self.parts: dict[str, _Partition] = {}
@@ -120,10 +122,10 @@ class StepIndex:
                 part.running_by_step.setdefault(step, {}).update(dict.fromkeys(members))
 
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """:meth:`on_change` of each key held before. Most keep their step and status (a reward filled in):
-        C-level passes find and skip those; the others are re-indexed one by one."""
-        for i in positions_that_differ(olds, news, ("status", "global_steps")):
-            self.on_change(partition_id, keys[i], olds[i], news[i])
+        """:meth:`on_change` of each key held before. The store leaves out the keys that kept their step and
+        status (most: a reward filled in; :attr:`indexed_tags`)."""
+        for key, old, new in zip(keys, olds, news):
+            self.on_change(partition_id, key, old, new)
 
     def _reindex(self, part: _Partition, key: str, old: tuple[Any, Any], new: tuple[Any, Any]) -> None:
         if old == new:

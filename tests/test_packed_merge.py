@@ -133,3 +133,33 @@ def test_a_policy_without_bulk_methods_is_told_each_changed_key() -> None:
     apply(store, STREAM, {PART: {"a": {"v": 1}, "b": {"v": 1}}})
     apply(store, STREAM, {PART: {"a": {"v": 2}, "b": {"v": 1}}})
     assert recorder.calls == [("a", None, {"v": 1}), ("b", None, {"v": 1}), ("a", {"v": 1}, {"v": 2})]
+
+
+def test_a_policy_naming_its_indexed_tags_is_told_only_of_keys_where_one_changed() -> None:
+    """The store compares what an index reads (``indexed_tags``) for a poll's held keys; a tag absent reads None."""
+    class Recorder:
+        indexed_tags = ("status",)
+
+        def __init__(self) -> None:
+            self.replaced: list[tuple[list[str], list[Any], list[Any]]] = []
+
+        def on_change(self, partition_id: str, key: str, old: Any, new: Any) -> None:
+            raise AssertionError("told one by one")
+
+        def on_added(self, partition_id: str, keys: list[str], tags: list[Any]) -> None:
+            pass
+
+        def on_replaced(self, partition_id: str, keys: list[str], olds: list[Any], news: list[Any]) -> None:
+            self.replaced.append((keys, [old.get("status") for old in olds], [new.get("status") for new in news]))
+
+    store, recorder = PartitionStore(), Recorder()
+    store.attach(recorder)
+    first = {"a": {"status": "running", "r": 0}, "b": {"status": "running", "r": 0}, "c": {"r": 0},
+             "d": {"status": [1], "r": 0}}
+    apply(store, STREAM, {PART: first})
+    # a: a reward only; b: its status; c: no status either time (None); d: an equal list (unhashable)
+    apply(store, STREAM, {PART: {"a": {"status": "running", "r": 1}, "b": {"status": "success", "r": 0},
+                                 "c": {"r": 1}, "d": {"status": [1], "r": 1}}})
+    assert recorder.replaced == [(["b"], ["running"], ["success"])]
+    apply(store, STREAM, {PART: {"a": {"status": "running", "r": 2}}})
+    assert len(recorder.replaced) == 1  # nothing it reads changed: not told at all

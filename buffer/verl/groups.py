@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from itertools import chain, islice
 from typing import Any
 
-from buffer.seam import positions_that_differ
 from buffer.verl.config import SamplerConfig
 from poller.wire.vocabulary import FAILURE, FINISHED, PENDING, PROMPT_STATUSES, RUNNING, Tags
 
@@ -177,6 +176,8 @@ _EMPTY = GroupPartition()
 class GroupIndex:
     """A store policy keeping every partition's groups: ``on_change`` never raises nor calls back into the store."""
 
+    indexed_tags = _GROUP_TAGS
+
     def __init__(self) -> None:
         self._parts: dict[str, GroupPartition] = {}
         #: partition -> the stamp of the last change of its groups. Dropped with the partition's last
@@ -205,9 +206,9 @@ class GroupIndex:
             del self._versions[partition_id]
 
     def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """:meth:`on_change` of each key held before; those whose group tags kept their values changed no group."""
-        for i in positions_that_differ(olds, news, _GROUP_TAGS):
-            self.on_change(partition_id, keys[i], olds[i], news[i])
+        """:meth:`on_change` of each key held before (the store leaves out those whose group tags kept their values)."""
+        for key, old, new in zip(keys, olds, news):
+            self.on_change(partition_id, key, old, new)
 
     def partition(self, partition_id: str) -> GroupPartition:
         """The groups of ``partition_id`` (an empty, shared view if it has none); read it under the lock."""
