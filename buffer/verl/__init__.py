@@ -23,7 +23,6 @@ from buffer.verl.config import VerlConfigError
 from buffer.verl.groups import DAPO_FILTERED_REWARD_COUNTS_KEY
 from buffer.verl.sampler import FRESH_VIEW_SECONDS as FRESH_VIEW_SECONDS
 from buffer.verl.sampler import WATCHED_PROMPTS as WATCHED_PROMPTS
-from buffer.verl.sampler import ReplayBuffer, ReplayBufferAsync
-from buffer.verl.store import VerlBatch
+from buffer.verl.sampler import ReplayBuffer, ReplayBufferAsync, VerlBatch
 
 __all__ = ["DAPO_FILTERED_REWARD_COUNTS_KEY", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch", "VerlConfigError"]

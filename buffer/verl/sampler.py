@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Union, cast
 
 from buffer.arguments import check_verl_call
@@ -22,7 +25,7 @@ from buffer.verl.groups import (
 )
 from buffer.verl.store import StoreLink
 
-__all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync"]
+__all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
 #: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
 Decision = Union[Plan, int]
@@ -37,6 +40,24 @@ WATCHED_PROMPTS = 64
 #: With no listings between calls, a call first asks for one unless the store was listed this recently:
 #: verl's own sampler decides on a listing up to its poll_interval (2 s) and one listing old.
 FRESH_VIEW_SECONDS = 2.0
+
+
+@dataclass
+class VerlBatch:
+    """A batch shaped like ``transfer_queue.KVBatchMeta``, used when TransferQueue is not loaded."""
+
+    keys: list[str] = field(default_factory=list)
+    tags: list[dict[str, Any]] = field(default_factory=list)
+    partition_id: str | None = None
+    fields: list[str] | None = None
+    extra_info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def size(self) -> int:
+        return len(self.keys)
 
 
 class ReplayBuffer:
@@ -137,7 +158,11 @@ class ReplayBuffer:
         # It also settles the clear: a removed key stays hidden until a listing no longer shows it, and that
         # listing must come before the store could hold the key again.
         self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
-        return self._store.batch(partition_id, keys, [held[key] for key in keys]), metrics
+        tags = [held[key] for key in keys]
+        if self._store.on_transferqueue or "transfer_queue" in sys.modules:  # the type verl's trainer expects
+            meta = importlib.import_module("transfer_queue").KVBatchMeta
+            return meta(partition_id=partition_id, keys=keys, tags=tags), metrics
+        return VerlBatch(keys=keys, tags=tags, partition_id=partition_id), metrics
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""

@@ -12,10 +12,8 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import sys
 import threading
 import weakref
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, cast
 
@@ -26,7 +24,7 @@ from buffer.verl.config import SamplerConfig
 from buffer.verl.groups import GroupIndex, classify
 from poller.wire.sources import SourceSpec, describe_spec, load_source, resolve_spec
 
-__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "StoreLink", "VerlBatch"]
+__all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "StoreLink"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,24 +43,6 @@ QUIET_POLL_INTERVAL = 3600.0
 REWARD_METRIC = "reward"
 
 
-@dataclass
-class VerlBatch:
-    """A batch shaped like ``transfer_queue.KVBatchMeta``, used when TransferQueue is not loaded."""
-
-    keys: list[str] = field(default_factory=list)
-    tags: list[dict[str, Any]] = field(default_factory=list)
-    partition_id: str | None = None
-    fields: list[str] | None = None
-    extra_info: dict[str, Any] = field(default_factory=dict)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def size(self) -> int:
-        return len(self.keys)
-
-
 class StoreLink:
     """A verl sampler's buffer (``index`` attached) and the client of its own clears and reads (module docstring)."""
 
@@ -72,9 +52,9 @@ class StoreLink:
         self._lock = threading.Lock()
         # TransferQueue has no change feed and its controller serves every rollout worker: verl's own sampler
         # lists it only inside its calls, only the partitions asked about, so does this by default.
-        self._follows = _is_transferqueue(config.source)
+        self.on_transferqueue = _is_transferqueue(config.source)  # its answers are TransferQueue's KVBatchMeta
         self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
-                                    else not self._follows)
+                                    else not self.on_transferqueue)
         self.buffer: ReplayBuffer | None = None
         self.closed = False
         self._finalizer: weakref.finalize | None = None
@@ -97,7 +77,7 @@ class StoreLink:
             config = self._config
             spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
             self._listed = {partition_id} if chosen and partition_id is not None else None
-            self._address = kwargs.get("address") if self._follows else None
+            self._address = kwargs.get("address") if self.on_transferqueue else None
             client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
             try:
                 interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
@@ -113,7 +93,7 @@ class StoreLink:
                 self._finalizer()
                 raise
             self._client = client
-            self._verify_clears = _tq_version() == "0.1.8" if self._follows else \
+            self._verify_clears = _tq_version() == "0.1.8" if self.on_transferqueue else \
                 bool(getattr(client, "clear_is_all_or_nothing", False))
             self.buffer = buffer
             logger.debug("verl sampler started: %r", buffer)
@@ -133,7 +113,7 @@ class StoreLink:
         controller, a new port); so does this, by :meth:`buffer.ReplayBuffer.switch_source`.
         """
         buffer = self.buffer
-        if buffer is None or not self._follows:
+        if buffer is None or not self.on_transferqueue:
             return False
         get_client = getattr(self._client, "get_client", None)
         try:  # TransferQueue 0.1.8-0.1.11 keep the client's controller info in the private _controller
@@ -213,13 +193,6 @@ class StoreLink:
         if missing:
             raise RuntimeError(f"Finished groups are missing DAPO metric {metric!r}: {sorted(missing)[:5]}")
         return classes
-
-    def batch(self, partition_id: str, keys: list[str], tags: list[dict[str, Any]]) -> Any:
-        """``transfer_queue.KVBatchMeta`` on TransferQueue or when it is loaded anyway, else a :class:`VerlBatch`."""
-        if self._follows or "transfer_queue" in sys.modules:
-            meta = importlib.import_module("transfer_queue").KVBatchMeta
-            return meta(partition_id=partition_id, keys=keys, tags=tags)
-        return VerlBatch(keys=keys, tags=tags, partition_id=partition_id)
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and close the client; idempotent. Nothing started: a ``no-poller`` report."""
