@@ -25,7 +25,7 @@ from buffer.errors import BufferClosed
 from buffer.ledger import Ledger
 from buffer.policies import AttachedPolicies, Policy
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import Delta
+from poller.wire.protocol import Delta
 from poller.wire.tags import freeze, thaw, thaw_many
 from poller.wire.vocabulary import Tags
 

@@ -25,8 +25,24 @@ from typing import Callable, NamedTuple, Sequence
 from buffer.partitions import PartitionStore
 from buffer.ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import Ack, Body, Bye, Delta, Error, Heartbeat, Log, Ready, Resync, Sync, Watch
-from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
+from poller.wire.protocol import (
+    DEFAULT_LIMITS,
+    Ack,
+    Body,
+    Bye,
+    Delta,
+    Error,
+    Heartbeat,
+    Kind,
+    Limits,
+    Log,
+    Message,
+    Ready,
+    Resync,
+    Sync,
+    Watch,
+    decode,
+)
 from poller.wire.tags import unpack_many_tags
 
 __all__ = ["PeerTable", "Peer", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
@@ -259,7 +275,7 @@ class PeerTable:
         if came_back:
             peer.stale = False
             logger.info("poller %s is back", peer.stream)
-        if message.kind >= Kind.STOP:  # a buffer's message (poller.wire.messages.Kind)
+        if message.kind >= Kind.STOP:  # a buffer's message (poller.wire.protocol.Kind)
             self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return []
         actions: list[Send] = []

@@ -19,8 +19,7 @@ from poller.diff import Diff, Sent
 from poller.duty import ListingDuty
 from poller.quarantine import Quarantine
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
-from poller.wire.messages import Error
-from poller.wire.protocol import Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
+from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
 from poller.wire.sources import Source, SourceStall, WatchRead
 from poller.wire.tags import thaw
 

@@ -15,8 +15,7 @@ from buffer.partitions import PartitionStore
 from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
 from poller.faults.peer import packed_delta
-from poller.wire.messages import Ack, Delta, Heartbeat, Log, Ready
-from poller.wire.protocol import Kind, Limits, Message, encode
+from poller.wire.protocol import Ack, Delta, Heartbeat, Kind, Limits, Log, Message, Ready, encode
 from poller.wire.tags import unpack_many_tags
 
 ID = b"p1"

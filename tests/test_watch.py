@@ -21,8 +21,7 @@ from poller.duty import ListingDuty
 from poller.sources.sqlite import SqliteSource
 from poller.wire.arguments import VERL_CYCLE
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import MAX_WATCH_KEYS, Heartbeat, Watch
-from poller.wire.protocol import Kind, Message, decode, encode, encode_header
+from poller.wire.protocol import MAX_WATCH_KEYS, Heartbeat, Kind, Message, Watch, decode, encode, encode_header
 from tests.conftest import wait_until
 
 WATCHED = "tests.helpers.sources:WatchedSqlite"

@@ -9,8 +9,7 @@ from poller.changes import ListingReader
 from poller.diff import Diff, Sent
 from poller.faults.peer import packed_delta
 from poller.quarantine import Refused
-from poller.wire.messages import Delta
-from poller.wire.protocol import DEFAULT_LIMITS, Limits, Piece
+from poller.wire.protocol import DEFAULT_LIMITS, Delta, Limits, Piece
 from poller.wire.tags import pack_tags, thaw_many, unpack_many_tags
 
 
