@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from buffer.partitions import PartitionStore
-from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
+from buffer.stream import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
 from poller.faults.peer import packed_delta
 from poller.wire.protocol import Ack, Delta, Heartbeat, Kind, Limits, Log, Message, Ready, encode

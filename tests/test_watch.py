@@ -191,7 +191,7 @@ def test_a_change_brings_a_listing_forward_at_most_once_per_verls_sleep() -> Non
 
 
 def test_the_buffer_sums_the_watch_counters_over_poller_processes_and_never_takes_one_back() -> None:
-    from buffer.peers import ListingFigures
+    from buffer.metrics import ListingFigures
 
     figures = ListingFigures()
     figures.report(1, listings=3, last_s=0.1, total_s=0.3, share=0.1, watch_reads=10, watch_listings=2)
