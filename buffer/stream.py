@@ -87,7 +87,6 @@ class Peer:
     awaiting_resync: bool = False
     contiguous: bool = False
     bye_seq: int | None = None
-    pid: int | None = None
     rss: int = 0
     polls_applied: int = 0
     snapshots_applied: int = 0
@@ -143,7 +142,6 @@ class PeerTable:
         self.bytes_received = 0
         self.protocol_errors = 0
         self.source_errors = 0
-        self.peers_forgotten = 0
         self.resyncs_requested = 0
         self.source_stalls = 0
         self.last_message_at: float | None = None
@@ -273,8 +271,7 @@ class PeerTable:
                     return actions
         match message.body:
             case Ready() as ready:
-                peer.pid = ready.pid
-                logger.debug("poller %s ready: pid %s epoch %s", peer.stream, peer.pid, message.epoch)
+                logger.debug("poller %s ready: pid %s epoch %s", peer.stream, ready.pid, message.epoch)
             case Delta() as delta:
                 self._on_delta(identity, peer, message, delta, now, actions)
             case Heartbeat() as beat:
@@ -311,7 +308,6 @@ class PeerTable:
         _, identity = min(candidates)
         peer = self.peers.pop(identity)
         self._store.release(peer.stream)
-        self.peers_forgotten += 1
         self._log.log("forget", logging.WARNING, "more than %d peers: forgot the state of %s (silent longest)",
                       self.limits.max_peers, peer.stream)
 

@@ -149,14 +149,16 @@ def test_frames_are_decoded_within_the_limits(table: PeerTable) -> None:
     assert table.protocol_errors == 1 and table.bytes_received == sum(map(len, frames))
 
 
-def test_past_max_peers_the_one_silent_longest_is_forgotten() -> None:
+def test_past_max_peers_the_one_silent_longest_is_forgotten(caplog: pytest.LogCaptureFixture) -> None:
     store = PartitionStore()
     try:
         table = PeerTable(store, limits=Limits(max_peers=2), pinned=frozenset({b"own"}))
         table.on_message(b"own", ready(), 0.0)
         table.on_message(b"a", ready(), 1.0)
         table.on_message(b"b", ready(), 2.0)
-        assert set(table.peers) == {b"own", b"b"} and table.peers_forgotten == 1
+        forgotten = [r.getMessage() for r in caplog.records if "forgot the state of" in r.getMessage()]
+        assert set(table.peers) == {b"own", b"b"} and forgotten == ["more than 2 peers: forgot the state of a "
+                                                                    "(silent longest)"]
     finally:
         store.close()
 
