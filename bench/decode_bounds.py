@@ -18,8 +18,7 @@ import time
 from typing import Callable, Sequence
 
 from poller.wire import protocol
-from poller.wire.messages import check_body
-from poller.wire.protocol import DEFAULT_LIMITS, Kind, decode, encode_header, iter_encode_delta
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, check_body, decode, encode_header, iter_encode_delta
 from poller.wire.tags import pack_many_tags
 
 

@@ -1,4 +1,5 @@
-"""What a buffer reports about itself: ``stats()`` (typed, to read) and ``metrics()`` (numbers only).
+"""What a buffer reports about itself: ``stats()`` (typed, to read) and ``metrics()`` (numbers only), and the
+figures its pollers' heartbeats carry, summed over their processes (:class:`ListingFigures`).
 
 ``metrics()`` names stay stable across releases, fit for a tracker as they are (verl's, wandb, MLflow);
 :mod:`buffer.prometheus` exports the same table.
@@ -7,13 +8,15 @@
 from __future__ import annotations
 
 import math
+import operator
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
     from buffer.replay import _Core
 
-__all__ = ["BufferStats", "Metric", "METRICS", "collect_stats"]
+__all__ = ["BufferStats", "ListingFigures", "Metric", "METRICS", "collect_stats"]
 
 
 class BufferStats(TypedDict):
@@ -56,6 +59,34 @@ class BufferStats(TypedDict):
     listing_share: float
     watch_reads: int
     watch_listings: int
+
+
+@dataclass
+class ListingFigures:
+    """A peer's listing and watch figures (Heartbeat), summed over its poller processes (each counts from 0)."""
+
+    listings: int = 0
+    total_s: float = 0.0
+    last_s: float = 0.0
+    share: float = 0.0
+    watch_reads: int = 0
+    watch_listings: int = 0
+    epoch: int | None = None
+    # (listings, total_s, watch_reads, watch_listings) of the earlier processes, and of the one now.
+    _earlier: tuple[float, ...] = (0, 0.0, 0, 0)
+    _now: tuple[float, ...] = (0, 0.0, 0, 0)
+
+    def report(self, epoch: int, listings: int, last_s: float, total_s: float, share: float,
+               watch_reads: int = 0, watch_listings: int = 0) -> None:
+        """One heartbeat's figures, from poller process ``epoch``."""
+        if epoch != self.epoch:
+            self._earlier = tuple(map(operator.add, self._earlier, self._now))
+            self.epoch, self._now = epoch, (0, 0.0, 0, 0)
+        # max(): a heartbeat never takes a counter back.
+        self._now = tuple(map(max, self._now, (listings, total_s, watch_reads, watch_listings)))
+        listed, self.total_s, reads, brought = map(operator.add, self._earlier, self._now)
+        self.listings, self.watch_reads, self.watch_listings = int(listed), int(reads), int(brought)
+        self.last_s, self.share = last_s, share
 
 
 def collect_stats(core: _Core) -> BufferStats:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, ParamSpec, TypeV
 
 from buffer.errors import BufferClosed
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import Delta
+from poller.wire.protocol import Delta
 from poller.wire.tags import freeze, thaw, thaw_many
 from poller.wire.vocabulary import Tags
 

@@ -89,7 +89,7 @@ class SamplingSeam:
         changing whenever anything ``attempt`` reads does) skips wake-ups that find the last run's version.
         ``log_every``: log ``describe()`` at INFO that often. ``poll_every``: ask the own poller for a
         listing that often while waiting (``on_poll`` after each). ``watch`` (run under the lock after an
-        attempt that found nothing): at most :data:`~poller.wire.messages.MAX_WATCH_KEYS` keys the decision
+        attempt that found nothing): at most :data:`~poller.wire.protocol.MAX_WATCH_KEYS` keys the decision
         waits on, which the poller reads cheaply and lists as soon as one changed, on a source that can
         (:mod:`poller.polling`).
 

@@ -1,8 +1,18 @@
-"""The receiver: one thread that owns the buffer's ROUTER socket.
+"""The trainer's receiver: its ROUTER socket, the peers streaming to it, each message checked in sequence and applied.
 
-It moves frames between the socket and the peer state machine (:class:`~buffer.peers.PeerTable`) and
-sends the messages that returns. Other threads reach it only through a command queue and a wake-up pipe,
-so only the thread that created the socket uses it.
+:class:`PeerTable` is the peer state machine, with no sockets: an identity, its frames and the time in; the stream
+applied to the :class:`~buffer.partitions.PartitionStore` and the control messages to send back (:class:`Send`) out.
+:class:`StreamReceiver` is the one thread that owns the ROUTER socket and moves frames between it and the table;
+other threads reach it only through a command queue and a wake-up pipe, so only the thread that made it uses it.
+
+Recovery rules (a stream must converge to its source, whatever was lost):
+
+- a sequence gap, or an epoch joined mid-stream, asks for a RESYNC (a full snapshot) and ignores deltas
+  until one starts (a snapshot's start is itself the answer); so does a stale peer speaking again;
+- a heartbeat's ``last_seq`` is answered with ACK (how a poller on a new connection learns it was
+  admitted, :mod:`poller.link`); one that does not match what was received is a gap;
+- an unanswered RESYNC or SYNC is asked again every second (:meth:`PeerTable.tick`): a request sent
+  while the route was down is lost.
 """
 
 from __future__ import annotations
@@ -12,20 +22,401 @@ import logging
 import queue
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
 
 import zmq
 
 from buffer.access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
+from buffer.metrics import ListingFigures
 from buffer.partitions import PartitionStore
-from buffer.peers import Peer, PeerTable, Send
+from buffer.ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
 from poller.wire.curve import CurveServer
-from poller.wire.protocol import DEFAULT_LIMITS, Limits, encode_body, encode_header
+from poller.wire.errors import ProtocolError
+from poller.wire.protocol import (
+    DEFAULT_LIMITS,
+    Ack,
+    Body,
+    Bye,
+    Delta,
+    Error,
+    Heartbeat,
+    Kind,
+    Limits,
+    Log,
+    Message,
+    Ready,
+    Resync,
+    Sync,
+    Watch,
+    decode,
+    encode_body,
+    encode_header,
+)
+from poller.wire.tags import unpack_many_tags
 from poller.wire.wakeup import WakePipe
 
-__all__ = ["StreamReceiver"]
+__all__ = ["StreamReceiver", "PeerTable", "Peer", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
 
 logger = logging.getLogger(__name__)
+
+#: How long a RESYNC or a SYNC may stay unanswered before it is asked for again.
+RESYNC_RETRY_S = SYNC_RETRY_S = 1.0
+
+
+class Send(NamedTuple):
+    """An action: send ``kind`` with ``body`` to the peer ``identity``."""
+
+    identity: bytes
+    kind: Kind
+    epoch: int
+    body: Body
+
+
+def _snapshot_start(message: Message) -> bool:
+    return isinstance(message.body, Delta) and message.body.full and message.body.reset
+
+
+@dataclass
+class Peer:
+    """One stream's state; ``stream`` is its name (the identity the poller connects with)."""
+
+    stream: str
+    epoch: int | None = None
+    next_seq: int = 0
+    awaiting_resync: bool = False
+    contiguous: bool = False
+    bye_seq: int | None = None
+    rss: int = 0
+    polls_applied: int = 0
+    snapshots_applied: int = 0
+    # When its last complete poll's listing began, on this process's time.monotonic() (_on_delta).
+    listed_at: float | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    resync_asked_at: float = 0.0
+    stale: bool = False
+    # The source stalls of poller process ``stalls_epoch``, and its quarantine, as its last heartbeat said.
+    stalls: int = 0
+    stalls_epoch: int | None = None
+    quarantined: int = 0
+    quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
+    listing: ListingFigures = field(default_factory=ListingFigures)
+
+    def report(self, epoch: int, beat: Heartbeat) -> int:
+        """Keep what heartbeat ``beat`` of poller process ``epoch`` says; return the source stalls new in it."""
+        self.rss = beat.rss
+        if beat.quarantined is not None:
+            self.quarantined = beat.quarantined
+            self.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
+        if beat.listings is not None:
+            self.listing.report(epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
+                                beat.listing_share or 0.0, beat.watch_reads or 0, beat.watch_listings or 0)
+        if beat.source_stalls is None:
+            return 0
+        before = self.stalls if self.stalls_epoch == epoch else 0  # each poller process counts from 0
+        self.stalls_epoch, self.stalls = epoch, max(before, beat.source_stalls)
+        return self.stalls - before
+
+
+class PeerTable:
+    """Per-peer stream state, applied to ``store``.
+
+    ``pinned`` names peers never forgotten to make room for others (the buffer's own poller);
+    ``on_change`` is called after a BYE or a first complete poll was applied, for threads waiting on those.
+    """
+
+    def __init__(self, store: PartitionStore, *, limits: Limits = DEFAULT_LIMITS, stale_after: float = 5.0,
+                 pinned: frozenset[bytes] = frozenset(), on_change: Callable[[], None] = lambda: None,
+                 log: LogLimiter | None = None) -> None:
+        self._store = store
+        self.limits = limits
+        self._unpack_tags: Callable[[list[bytes]], list[dict]] = lambda blobs: unpack_many_tags(blobs, limits)
+        self.stale_after = stale_after
+        self._pinned = pinned
+        self._on_change = on_change
+        # Forwarded LOG records get more room: a poller_log_level of INFO is a choice, not a flood.
+        self._log = log or LogLimiter(logger, budgets={"log": (100, 60.0)})
+        self.peers: dict[bytes, Peer] = {}
+        self.messages = 0
+        self.items_received = 0
+        self.bytes_received = 0
+        self.protocol_errors = 0
+        self.source_errors = 0
+        self.resyncs_requested = 0
+        self.source_stalls = 0
+        self.last_message_at: float | None = None
+        # identity -> the one epoch the buffer's own poller process uses, and its earlier processes'.
+        self._expected: dict[bytes, int] = {}
+        self._retired: dict[bytes, set[int]] = {}
+        # identity -> (the highest SYNC token asked and not yet answered, when it was last sent), and the
+        # partitions every SYNC to it names.
+        self._syncs: dict[bytes, tuple[int, float]] = {}
+        self._sync_partitions: dict[bytes, list[str]] = {}
+
+    def expect(self, identity: bytes, epoch: int) -> None:
+        """From now on only ``epoch`` may speak as ``identity``; earlier epochs are dropped quietly."""
+        previous = self._expected.get(identity)
+        if previous is not None:
+            retired = self._retired.setdefault(identity, set())
+            retired.add(previous)
+            if len(retired) > 64:  # restarts are few; keep the set bounded anyway
+                retired.discard(min(retired))
+        self._expected[identity] = epoch
+
+    def quarantined(self) -> tuple[int, list[tuple[str, str, str]]]:
+        """Keys left out of the stream by the peers still streaming: the count, and the ones named."""
+        live = [p for p in list(self.peers.values()) if p.bye_seq is None]
+        return sum(p.quarantined for p in live), [named for p in live for named in p.quarantined_keys]
+
+    def stale_peers(self, now: float) -> list[str]:
+        """Peers silent for more than ``stale_after`` seconds that never said BYE."""
+        return sorted(p.stream for p in list(self.peers.values())
+                      if p.bye_seq is None and now - p.last_seen > self.stale_after)
+
+    def sync(self, identity: bytes, token: int, now: float) -> Send:
+        """A SYNC for ``identity`` (``token``, or a higher one not answered yet), asked again by :meth:`tick`."""
+        asked = self._syncs.get(identity)
+        token = max(token, asked[0]) if asked else token
+        self._syncs[identity] = (token, now)
+        return Send(identity, Kind.SYNC, self._epoch(identity), Sync(token, self._sync_partitions.get(identity)))
+
+    def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
+        """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows); called
+        directly, not through the receiver's command queue: the dict entry is replaced GIL-atomically."""
+        held = self._sync_partitions.get(identity, [])
+        self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
+
+    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
+        """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
+        return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds))
+
+    def _epoch(self, identity: bytes) -> int:
+        """The epoch a control message to ``identity`` is stamped with (0 before it spoke)."""
+        peer = self.peers.get(identity)
+        return peer.epoch if peer is not None and peer.epoch is not None else 0
+
+    # -- time -------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Send]:
+        """Mark silent peers stale; ask again for RESYNCs and SYNCs left unanswered."""
+        actions = []
+        for identity, peer in list(self.peers.items()):
+            if peer.bye_seq is not None:
+                continue
+            silent = now - peer.last_seen
+            if not peer.stale and silent > self.stale_after:
+                peer.stale = True
+                if identity not in self._pinned:
+                    # Nothing it sends can be waited for; decisions go on without it until it is back.
+                    self._store.release(peer.stream)
+                else:
+                    # The buffer's own poller (stopped, or its link down): its store's view is not fresh.
+                    self._store.not_answering(peer.stream, peer.last_seen,
+                                              f"its poller has sent nothing for more than stale_after="
+                                              f"{self.stale_after:g}s")
+                self._log.log("stale", logging.WARNING,
+                              "no message from poller %s for %.1fs (stale_after=%gs): its link is down or it is "
+                              "dead; the buffer keeps what it has", peer.stream, silent, self.stale_after)
+            if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
+                actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
+        for identity, (token, sent_at) in list(self._syncs.items()):
+            if self._store.synced(identity.decode(errors="replace")) >= token:
+                del self._syncs[identity]
+            elif now - sent_at > SYNC_RETRY_S:
+                actions.append(self.sync(identity, token, now))
+        return actions
+
+    # -- messages -----------------------------------------------------------------
+
+    def on_frames(self, identity: bytes, frames: Sequence[bytes | memoryview], now: float) -> list[Send]:
+        """Decode and apply one message from ``identity``; return what to send back."""
+        self.bytes_received += sum(len(f) for f in frames)
+        try:
+            message = decode(frames, self.limits)
+        except ProtocolError as exc:
+            self.protocol_error(identity, str(exc))
+            return []
+        return self.on_message(identity, message, now)
+
+    def on_message(self, identity: bytes, message: Message, now: float) -> list[Send]:
+        """Apply one decoded message from ``identity``; return what to send back."""
+        expected = self._expected.get(identity)
+        if expected is not None and message.epoch != expected:
+            if message.epoch in self._retired.get(identity, ()):
+                logger.debug("dropped a late %s from an earlier process of %r", message.kind.name, identity)
+            else:
+                self.protocol_error(identity, f"epoch {message.epoch} claims the identity of the buffer's "
+                                              f"own poller (epoch {expected}); dropped")
+            return []
+        self.messages += 1
+        self.last_message_at = now
+        peer = self._peer(identity, now)
+        came_back = peer.stale
+        peer.last_seen = now
+        if came_back:
+            peer.stale = False
+            logger.info("poller %s is back", peer.stream)
+        if message.kind >= Kind.STOP:  # a buffer's message (poller.wire.protocol.Kind)
+            self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
+            return []
+        actions: list[Send] = []
+        if not self._sequence_ok(identity, peer, message, now, actions):
+            return actions
+        if came_back:
+            fresh = message.kind is Kind.READY and message.seq == 0
+            if not (fresh or _snapshot_start(message) or peer.awaiting_resync):
+                # Silence can hide loss the sequence cannot show (a poller refused on redial streamed nowhere).
+                actions.append(self._request_resync(identity, peer, "silent peer came back", now))
+                if message.kind is Kind.DELTA:
+                    return actions
+        match message.body:
+            case Ready() as ready:
+                logger.debug("poller %s ready: pid %s epoch %s", peer.stream, ready.pid, message.epoch)
+            case Delta() as delta:
+                self._on_delta(identity, peer, message, delta, now, actions)
+            case Heartbeat() as beat:
+                self._on_heartbeat(identity, peer, message, beat, now, actions)
+            case Error() as error:
+                self._on_error(peer, error, now)
+            case Bye() as bye:
+                self._on_bye(peer, message, bye)
+            case Log() as record:
+                self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.stream, record.name[:200],
+                              record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))
+        return actions
+
+    def protocol_error(self, identity: bytes, why: str) -> None:
+        self.protocol_errors += 1
+        self._log.log("protocol", logging.WARNING, "protocol error #%d from %r: %s", self.protocol_errors, identity,
+                      why)
+
+    def _peer(self, identity: bytes, now: float) -> Peer:
+        """The state of ``identity``, made on first sight within ``Limits.max_peers``."""
+        peer = self.peers.get(identity)
+        if peer is not None:
+            return peer
+        if len(self.peers) >= self.limits.max_peers:
+            self._forget_one()
+        peer = self.peers[identity] = Peer(identity.decode(errors="replace"), last_seen=now)
+        return peer
+
+    def _forget_one(self) -> None:
+        """Drop the peer silent longest (never a pinned one); if it returns, it resyncs."""
+        candidates = [(p.last_seen, identity) for identity, p in self.peers.items() if identity not in self._pinned]
+        if not candidates:
+            return
+        _, identity = min(candidates)
+        peer = self.peers.pop(identity)
+        self._store.release(peer.stream)
+        self._log.log("forget", logging.WARNING, "more than %d peers: forgot the state of %s (silent longest)",
+                      self.limits.max_peers, peer.stream)
+
+    def _sequence_ok(self, identity: bytes, peer: Peer, message: Message, now: float, actions: list[Send]) -> bool:
+        """Check epoch and seq; False drops the message (a RESYNC may have been asked for)."""
+        if message.epoch != peer.epoch:
+            if peer.epoch is not None:
+                self._store.abandon_snapshot(peer.stream)
+            peer.epoch = message.epoch
+            peer.bye_seq = None
+            peer.next_seq = message.seq + 1
+            if message.kind is Kind.READY and message.seq == 0:
+                # A new poller process: its first poll is a full snapshot.
+                peer.awaiting_resync = False
+                peer.contiguous = True
+                return True
+            # Joined an epoch mid-stream (we restarted, or READY was lost).
+            peer.contiguous = False
+            return self._resync_unless_snapshot(identity, peer, message, "unknown epoch", now, actions)
+        if message.seq < peer.next_seq:
+            self.protocol_error(identity, f"replayed or out-of-order seq {message.seq} (expected {peer.next_seq})")
+            return False
+        if message.seq > peer.next_seq:
+            self._log.log("gap", logging.WARNING, "gap in the stream from %s: expected seq %d, got %d; asking for a "
+                          "resync", peer.stream, peer.next_seq, message.seq)
+            peer.contiguous = False
+            peer.next_seq = message.seq + 1
+            self._store.abandon_snapshot(peer.stream)
+            return self._resync_unless_snapshot(identity, peer, message, "sequence gap", now, actions)
+        peer.next_seq += 1
+        return True
+
+    def _resync_unless_snapshot(self, identity: bytes, peer: Peer, message: Message, why: str, now: float,
+                                actions: list[Send]) -> bool:
+        if _snapshot_start(message):
+            # The poller is already sending what a RESYNC would ask for.
+            peer.awaiting_resync = True  # cleared by _on_delta as the snapshot starts
+            return True
+        actions.append(self._request_resync(identity, peer, why, now))
+        return message.kind is not Kind.DELTA
+
+    def _request_resync(self, identity: bytes, peer: Peer, why: str, now: float, retry: bool = False) -> Send:
+        peer.awaiting_resync = True
+        self._store.mark_broken(peer.stream)
+        peer.resync_asked_at = now
+        if not retry:  # counts the resyncs needed, not the requests repeated while one is awaited
+            self.resyncs_requested += 1
+        last_seq = peer.next_seq - 1 if peer.epoch is not None else None
+        return Send(identity, Kind.RESYNC, self._epoch(identity), Resync(why, last_seq))
+
+    # -- per kind -----------------------------------------------------------------
+
+    def _on_delta(self, identity: bytes, peer: Peer, message: Message, body: Delta, now: float,
+                  actions: list[Send]) -> None:
+        if peer.awaiting_resync:
+            if not _snapshot_start(message):
+                # Superseded by the snapshot asked for (tick() asks again if it is lost).
+                self._store.apply(peer.stream, message.epoch, body, self._unpack_tags, superseded=True)
+                return
+            peer.awaiting_resync = False
+        if body.full and body.reset:
+            peer.contiguous = True  # whatever was lost before, the snapshot replaces (close(): drained=True)
+        self.items_received += sum(len(keys) for keys, _ in body.packed.values()) + sum(map(len, body.deletes.values()))
+        try:
+            self._store.apply(peer.stream, message.epoch, body, self._unpack_tags)
+        except ProtocolError as exc:  # tags the decoder refuses: the store holds the stream broken
+            self.protocol_error(identity, f"{exc}; asking for a resync")
+            peer.contiguous = False
+            actions.append(self._request_resync(identity, peer, "undecodable tags", now))
+            return
+        if body.end:
+            if body.full:
+                peer.snapshots_applied += 1
+            peer.polls_applied += 1
+            # The poller's wall-clock stamp, moved to the monotonic clock; one from the future (a clock set
+            # back, another machine's) counts as now: never fresher than the poll's applying.
+            peer.listed_at = now - max(0.0, time.time() - body.t)
+            if peer.polls_applied == 1:
+                self._on_change()
+
+    def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, beat: Heartbeat, now: float,
+                      actions: list[Send]) -> None:
+        stalls = peer.report(message.epoch, beat)
+        if stalls:
+            self.source_stalls += stalls
+            # A stalled call: no decision on this store's view until it answers again (a whole poll).
+            self._store.not_answering(peer.stream, now - beat.stalled_s,
+                                      f"kv_list() stalled, {peer.stalls} stalled call(s) so far")
+        last_seq = beat.last_seq  # None from older pollers, which want no ACK either
+        if last_seq is None:
+            return
+        if last_seq != message.seq - 1 and not peer.awaiting_resync:  # it sent other messages than we counted
+            actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
+        actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
+
+    def _on_error(self, peer: Peer, error: Error, now: float) -> None:
+        self.source_errors += 1
+        self._store.not_answering(peer.stream, now, f"kv_list() failed: {error.type[:200]}")
+        self._log.log("error", logging.ERROR if error.fatal else logging.WARNING,
+                      "poller %s: kv_list() failed%s: %s: %s", peer.stream,
+                      " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",
+                      error.type[:200], error.message[:MAX_FORWARDED_CHARS])
+
+    def _on_bye(self, peer: Peer, message: Message, bye: Bye) -> None:
+        peer.bye_seq = bye.last_seq
+        peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
+        logger.debug("poller %s said BYE: %s", peer.stream, bye.reason)
+        self._on_change()
+
 
 class StreamReceiver:
     """Binds ``endpoint`` and applies what pollers send to ``store``; ``curve`` admits only its allowed keys,
@@ -112,10 +503,9 @@ class StreamReceiver:
 
     def _wait_for(self, peer: str, predicate: Callable[[Peer], bool], timeout: float) -> Peer | None:
         deadline = time.monotonic() + timeout
-        identity = peer.encode()
         with self._events:
             while True:
-                state = self.table.peers.get(identity)
+                state = self.peer_info(peer)
                 if state is not None and predicate(state):
                     return state
                 remaining = deadline - time.monotonic()

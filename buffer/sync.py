@@ -82,7 +82,7 @@ class ListingSync:
 
     def view_age(self) -> float:
         """Since the later of the start of the latest :meth:`wait` that returned and the start of the own
-        poller's latest complete listing (:attr:`~buffer.peers.Peer.listed_at`): a sync answered by a listing
+        poller's latest complete listing (:attr:`~buffer.stream.Peer.listed_at`): a sync answered by a listing
         the listing share held back is dated by that listing, not the request. 0 without an own poller."""
         if self._stream is None:
             return 0.0

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Deque
 
 import zmq
 
-from poller.wire.messages import Log
-from poller.wire.protocol import Kind, Limits, encode_body, encode_header, fit_text
+from poller.wire.protocol import Kind, Limits, Log, encode_body, encode_header, fit_text
 from poller.wire.wakeup import WakePipe
 
 if TYPE_CHECKING:

@@ -18,8 +18,7 @@ from typing import Callable, Iterable, Mapping
 from poller.diff import Diff, ListingReader, Quarantine, Sent
 from poller.duty import ListingDuty
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
-from poller.wire.messages import Error
-from poller.wire.protocol import Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
+from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
 from poller.wire.sources import Source, SourceStall, WatchRead
 from poller.wire.tags import thaw
 

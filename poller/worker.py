@@ -30,9 +30,8 @@ from poller.wire.arguments import check_worker_config
 from poller.wire.config import ExitCode, WorkerConfig
 from poller.wire.errors import PollerCrashed, PollerStartupError, ProtocolError
 from poller.wire.lifeline import Started, StartFailed, StopRequest
-from poller.wire.messages import Bye, Heartbeat, Ready
 from poller.wire.procfs import own_rss_bytes
-from poller.wire.protocol import Kind, decode, encode_body
+from poller.wire.protocol import Bye, Heartbeat, Kind, Ready, decode, encode_body
 from poller.wire.sources import describe_spec, load_source
 from poller.wire.wakeup import WakePipe
 

@@ -27,8 +27,7 @@ from poller.duty import ListingDuty
 from poller.polling import PollingThread
 from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, VERL_POLL_INTERVAL
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import Heartbeat, Sync
-from poller.wire.protocol import Kind, Message, decode, encode, encode_header
+from poller.wire.protocol import Heartbeat, Kind, Message, Sync, decode, encode, encode_header
 from tests.conftest import wait_until
 from tests.helpers.deltas import read
 from tests.helpers.gaps import lose_a_message

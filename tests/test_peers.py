@@ -12,11 +12,10 @@ import msgpack
 import pytest
 
 from buffer.partitions import PartitionStore
-from buffer.peers import RESYNC_RETRY_S, PeerTable, Send
+from buffer.stream import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
 from poller.faults.peer import packed_delta
-from poller.wire.messages import Ack, Delta, Heartbeat, Log, Ready
-from poller.wire.protocol import Kind, Limits, Message, encode
+from poller.wire.protocol import Ack, Delta, Heartbeat, Kind, Limits, Log, Message, Ready, encode
 from poller.wire.tags import unpack_many_tags
 
 ID = b"p1"
@@ -150,14 +149,16 @@ def test_frames_are_decoded_within_the_limits(table: PeerTable) -> None:
     assert table.protocol_errors == 1 and table.bytes_received == sum(map(len, frames))
 
 
-def test_past_max_peers_the_one_silent_longest_is_forgotten() -> None:
+def test_past_max_peers_the_one_silent_longest_is_forgotten(caplog: pytest.LogCaptureFixture) -> None:
     store = PartitionStore()
     try:
         table = PeerTable(store, limits=Limits(max_peers=2), pinned=frozenset({b"own"}))
         table.on_message(b"own", ready(), 0.0)
         table.on_message(b"a", ready(), 1.0)
         table.on_message(b"b", ready(), 2.0)
-        assert set(table.peers) == {b"own", b"b"} and table.peers_forgotten == 1
+        forgotten = [r.getMessage() for r in caplog.records if "forgot the state of" in r.getMessage()]
+        assert set(table.peers) == {b"own", b"b"} and forgotten == ["more than 2 peers: forgot the state of a "
+                                                                    "(silent longest)"]
     finally:
         store.close()
 

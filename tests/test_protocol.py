@@ -9,9 +9,8 @@ import msgpack
 import pytest
 
 from poller.wire.errors import PollerError, ProtocolError
-from poller.wire.messages import RECORDS, Delta, to_record
-from poller.wire.protocol import (PROTOCOL_VERSION, Kind, Limits, Message, decode, encode, encode_body, encode_header,
-                                  iter_encode_delta)
+from poller.wire.protocol import (PROTOCOL_VERSION, RECORDS, Delta, Kind, Limits, Message, decode, encode, encode_body,
+                                  encode_header, iter_encode_delta, to_record)
 from poller.wire.tags import unpack_many_tags, unpack_tags
 from tests.helpers.deltas import delta_tags, packed_sent, pieces_of, polled
 
@@ -182,7 +181,7 @@ def test_body_not_a_map(obj: Any) -> None:
 
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
 def test_every_missing_field_is_refused(kind: Kind) -> None:
-    from poller.wire.messages import RECORDS
+    from poller.wire.protocol import RECORDS
 
     record = RECORDS[kind]
     for name in (n for n in record._fields if n not in record._field_defaults):

@@ -20,8 +20,7 @@ import zmq
 
 from buffer.process import PollerProcess
 from poller.sources.sqlite import SqliteSource
-from poller.wire.messages import Delta, Resync, Sync
-from poller.wire.protocol import Kind, Message, decode, encode
+from poller.wire.protocol import Delta, Kind, Message, Resync, Sync, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
 

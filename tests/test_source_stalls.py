@@ -13,8 +13,7 @@ import pytest
 from buffer import ReplayBuffer
 from poller import PollerProcess, ProtocolError
 from poller.wire.arguments import VERL_POLL_INTERVAL
-from poller.wire.messages import as_map
-from poller.wire.protocol import Kind, Message, decode, encode
+from poller.wire.protocol import Kind, Message, as_map, decode, encode
 from tests.conftest import wait_until
 from tests.helpers.stalls import call_starts
 from tests.test_stream import Peer

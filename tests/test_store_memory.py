@@ -11,7 +11,7 @@ import pytest
 from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
-from poller.wire.messages import Delta
+from poller.wire.protocol import Delta
 from poller.wire.tags import unpack_many_tags
 from tests.helpers.deltas import apply, apply_blobs
 

@@ -21,8 +21,7 @@ from poller.duty import ListingDuty
 from poller.sources.sqlite import SqliteSource
 from poller.wire.arguments import VERL_CYCLE
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import MAX_WATCH_KEYS, Heartbeat, Watch
-from poller.wire.protocol import Kind, Message, decode, encode, encode_header
+from poller.wire.protocol import MAX_WATCH_KEYS, Heartbeat, Kind, Message, Watch, decode, encode, encode_header
 from tests.conftest import wait_until
 
 WATCHED = "tests.helpers.sources:WatchedSqlite"
@@ -192,7 +191,7 @@ def test_a_change_brings_a_listing_forward_at_most_once_per_verls_sleep() -> Non
 
 
 def test_the_buffer_sums_the_watch_counters_over_poller_processes_and_never_takes_one_back() -> None:
-    from buffer.peers import ListingFigures
+    from buffer.metrics import ListingFigures
 
     figures = ListingFigures()
     figures.report(1, listings=3, last_s=0.1, total_s=0.3, share=0.1, watch_reads=10, watch_listings=2)

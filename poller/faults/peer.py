@@ -18,8 +18,7 @@ from typing import Any, Sequence
 
 import zmq
 
-from poller.wire.messages import Delta
-from poller.wire.protocol import Kind, Message, decode, encode, encode_header
+from poller.wire.protocol import Delta, Kind, Message, decode, encode, encode_header
 from poller.wire.tags import pack_tags
 
 __all__ = ["RoguePeer", "WIRE_FAULTS", "packed_delta"]

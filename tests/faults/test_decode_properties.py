@@ -10,8 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from poller.wire.errors import ProtocolError
-from poller.wire.messages import RECORDS
-from poller.wire.protocol import PROTOCOL_VERSION, Kind, Message, decode
+from poller.wire.protocol import PROTOCOL_VERSION, RECORDS, Kind, Message, decode
 
 _FIELDS = sorted({name for record in RECORDS.values() for name in record._fields})
 

@@ -7,8 +7,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 from buffer.partitions import PartitionStore
 from poller.diff import Diff, ListingReader, Sent
 from poller.faults.peer import packed_delta
-from poller.wire.messages import Delta
-from poller.wire.protocol import DEFAULT_LIMITS, Limits, Piece
+from poller.wire.protocol import DEFAULT_LIMITS, Delta, Limits, Piece
 from poller.wire.tags import Refused, pack_tags, thaw_many, unpack_many_tags
 
 

@@ -1,6 +1,6 @@
 """Make a buffer's receiver see a gap in its own poller's stream, as if a message had been lost.
 
-The buffer's answer to a gap is the real way a RESYNC is asked for (:mod:`buffer.peers`):
+The buffer's answer to a gap is the real way a RESYNC is asked for (:mod:`buffer.stream`):
 it marks the view broken, drops deltas until the full snapshot, and the snapshot repairs it.
 """
 
