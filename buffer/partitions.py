@@ -423,13 +423,20 @@ class PartitionStore:
     # -- policies and waiting ---------------------------------------------------
 
     def attach(self, policy: Policy) -> None:
-        """Attach ``policy``; it first sees every key held as an addition."""
+        """Attach ``policy``; it first sees every key held as an addition (a partition in one ``on_added``
+        call where it has one). What it raises meanwhile reaches the caller."""
         with self._cond:
             self.check_open()
             self._policies.append(policy)
+            in_bulk = getattr(policy, "on_added", None)
             for partition_id, items in self._parts.items():
-                for key, held in items.items():
-                    policy.on_change(partition_id, key, None, thaw(held))
+                held = list(items.values())
+                tags = thaw_many(held) if all(map(bytes.__instancecheck__, held)) else list(map(thaw, held))
+                if in_bulk is not None:
+                    in_bulk(partition_id, list(items), tags)
+                    continue
+                for key, one in zip(items, tags):
+                    policy.on_change(partition_id, key, None, one)
             self._cond.notify_all()
 
     def wait_until(self, attempt: Callable[[], T | None], *, timeout: float | None,

@@ -114,11 +114,21 @@ class _Core:
         self.endpoint: str | None = None
         self.seam = SamplingSeam(self.store, ListingSync(self.store, self.receiver,
                                                          self.name if source is not None else None))
-        self.steps = StepSampler(self.seam)
+        self._steps: StepSampler | None = None
+        self._steps_lock = threading.Lock()
         if source is not None:
             # No decision on a view that was never whole: decisions wait for the poller's first complete listing.
             self.store.require(self.name)
         _OPEN_CORES.add(self)
+
+    @property
+    def steps(self) -> StepSampler:
+        """``sample()``'s step index, attached on first use: a buffer nothing samples by step (``buffer.verl``'s,
+        one serving a policy of its own) indexes no key for it."""
+        with self._steps_lock:
+            if self._steps is None:
+                self._steps = StepSampler(self.seam)
+            return self._steps
 
     @property
     def process(self) -> PollerProcess | None:

@@ -163,3 +163,39 @@ def test_a_policy_naming_its_indexed_tags_is_told_only_of_keys_where_one_changed
     assert recorder.replaced == [(["b"], ["running"], ["success"])]
     apply(store, STREAM, {PART: {"a": {"status": "running", "r": 2}}})
     assert len(recorder.replaced) == 1  # nothing it reads changed: not told at all
+
+
+def test_a_policy_attached_to_a_store_holding_keys_is_told_each_partition_in_one_call() -> None:
+    """What the store holds before a policy attaches (a ``ReplayBuffer``'s step index attaches on the first
+    ``sample()``) reaches it as additions: in one ``on_added`` per partition, or key by key without one."""
+    store = PartitionStore()
+    apply(store, STREAM, {PART: {"a": {"status": "running"}, "b": {"status": "success"}}, "val": {"c": {"v": 1}}})
+    store.add(PART, {"a": {"mine": (1, 2)}})  # a tag msgpack cannot hold exactly: this key is held as a dict
+
+    class Bulk:
+        def __init__(self) -> None:
+            self.added: list[tuple[str, list[str], list[Any]]] = []
+
+        def on_change(self, partition_id: str, key: str, old: Any, new: Any) -> None:
+            raise AssertionError("told one by one")
+
+        def on_added(self, partition_id: str, keys: list[str], tags: list[Any]) -> None:
+            self.added.append((partition_id, keys, tags))
+
+    class Each:
+        def __init__(self) -> None:
+            self.changes: list[tuple[str, str, Any, Any]] = []
+
+        def on_change(self, partition_id: str, key: str, old: Any, new: Any) -> None:
+            self.changes.append((partition_id, key, old, new))
+
+    bulk, each = Bulk(), Each()
+    store.attach(bulk)
+    store.attach(each)
+    held = [(PART, ["a", "b"], [{"status": "running", "mine": (1, 2)}, {"status": "success"}]),
+            ("val", ["c"], [{"v": 1}])]
+    assert sorted(bulk.added) == held
+    assert sorted(each.changes) == [(pid, key, None, tags) for pid, keys, tagss in held for key, tags in zip(keys, tagss)]
+    index = StepIndex()
+    store.attach(index)
+    assert set(index.parts[PART].arrival) == {"a"} and set(index.parts[PART].success) == {"b"}

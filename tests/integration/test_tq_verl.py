@@ -125,3 +125,19 @@ def test_verl_0_9_1_loads_and_builds_the_sampler_itself(store):
     # verl's load_extern_type("pkg://buffer.verl", ...) and PPOTrainer._build_replay_buffer, run as installed.
     out = run(store, "built_by_verl")
     assert set(out) == {"sync", "colocate_async"}, out
+
+
+def test_one_finished_prompt_runs_through_the_modules_the_page_lists(store, tmp_path):
+    """docs/how-it-works.md's TransferQueue column, against what runs (tests/test_data_path.py does SQLite's).
+    Besides the steps, only modules the page names as deciding when the key moves, or as running beside the
+    path (buffer.verl reaching its buffer, its options, the record a packed listing travels in), may run."""
+    from tests.helpers.tracing import ALSO_RUN, WHEN_ONLY, documented
+
+    steps, section = documented(2)
+    listed = {name for names in steps for name in names}
+    assert all(f"`{name}`" in section for name in ALSO_RUN.values())
+    out = store.call("run", f"{SCENARIOS}:traced_sample", timeout=240, trace_file=str(tmp_path / "trace.json"))
+    assert len(out["keys"]) == 1 and out["closed"] == "graceful", out  # the group's one trajectory
+    ran = set().union(*map(set, out["poller"].values()), *map(set, out["trainer"].values()))
+    assert ran - WHEN_ONLY.keys() - ALSO_RUN.keys() - listed == set(), json.dumps(out)
+    assert listed - ran == set(), json.dumps(out)

@@ -8,6 +8,7 @@ observations for the test. Nothing here runs in the test process.
 from __future__ import annotations
 
 import gc
+import json
 import threading
 import time
 import uuid
@@ -405,3 +406,54 @@ def watched_finish(conf: Any) -> dict[str, Any]:
                 "watch_listings": stats["watch_listings"], "watch_reads": stats["watch_reads"]}
     finally:
         _closed(rb)
+
+
+def traced_sample(conf: Any, trace_file: str) -> dict[str, Any]:
+    """One prompt finishing while ``sample()`` waits, with the product modules that run meanwhile recorded: in
+    the sampler's poller (tests/helpers/trace_site) and in this process (tests/test_data_path.py's way)."""
+    import os
+    import sys
+
+    import transfer_queue as tq
+
+    from tests.helpers.tracing import ROOT, TRACE_SITE, Recorder
+
+    uid = _uid()
+    submit("train", [uid], 1)
+    agent_loop("train", uid, 1, status="running")
+    flag = trace_file + ".on"
+    trainer = Recorder()
+    # The poller child's path is this process's sys.path (buffer.process): it finds the trace site there.
+    saved_path = list(sys.path)
+    sys.path[:0] = [str(TRACE_SITE), str(ROOT)]
+    os.environ["REPLAY_TRACE_FILE"] = trace_file
+    threading.setprofile(trainer.profile)  # the buffer's threads start on the first call
+    rb = custom_path("sync")
+    try:
+        assert rb.get_sampleable_count(global_steps=1, partition_id="train") == 0
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        sys.path[:] = saved_path
+        del os.environ["REPLAY_TRACE_FILE"]
+    finished = threading.Thread(target=tq.kv_put, name="writer",
+                                kwargs={"key": uid, "partition_id": "train", "tag": {"status": "finished"}})
+    open(flag, "w").close()
+    trainer.recording.set()
+    sys.setprofile(trainer.profile)
+    try:
+        finished.start()
+        batch, _ = rb.sample(global_steps=1, partition_id="train", batch_size=1)
+    finally:
+        sys.setprofile(None)
+        trainer.recording.clear()
+        os.remove(flag)
+        finished.join(30)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(trace_file) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    report = rb.close()
+    with open(trace_file) as out:
+        poller = json.load(out)
+    tq.kv_clear(keys=list(batch.keys), partition_id="train")
+    return {"keys": list(batch.keys), "closed": report.stage, "poller": poller,
+            "trainer": {thread: sorted(modules) for thread, modules in trainer.modules.items() if thread != "writer"}}

@@ -1,0 +1,97 @@
+"""Which product modules run while one changed key moves, and which ones docs/how-it-works.md lists.
+
+``python tests/helpers/tracing.py TRACE_FILE ARGS...`` runs ``python -m poller ARGS...`` recorded by
+:func:`record_process`; a poller child (``-m poller.child``) started with ``tests/helpers/trace_site`` on its
+``PYTHONPATH`` and ``REPLAY_TRACE_FILE`` set records itself the same way. A process records while the file
+``TRACE_FILE + ".on"`` exists and writes ``{thread: [modules]}`` as JSON to ``TRACE_FILE`` when it is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE_SITE = Path(__file__).resolve().parent / "trace_site"
+# Modules that decide when the key moves, never what it is, as the page names them: the listing schedule,
+# the control loop, the outbox's wake-up pipe, read-your-writes, argument checks, and a heartbeat that may
+# fall in the window (the poller's memory, the buffer's figures).
+WHEN_ONLY = {"poller.duty": "duty.py", "poller.worker": "worker.py", "poller.wire.wakeup": "wire/wakeup.py",
+             "buffer.sync": "sync.py", "buffer.arguments": "buffer/arguments.py",
+             "poller.wire.arguments": "wire/arguments.py", "poller.wire.procfs": "wire/procfs.py",
+             "buffer.metrics": "buffer/metrics.py"}
+# What else the page names as running but no step: the record a packed listing travels in (TransferQueue's),
+# and what buffer.verl's sample() reaches its buffer through (its options, its link to the buffer, the buffer).
+ALSO_RUN = {"poller.wire.sources": "wire/sources.py", "buffer.verl.config": "verl/config.py",
+            "buffer.verl.store": "verl/store.py", "buffer.replay": "replay.py"}
+
+
+def _module(path: str) -> str:
+    """``sources/sqlite.py`` -> ``poller.sources.sqlite``; ``wire/tags.py`` -> ``poller.wire.tags``."""
+    if path.startswith(("sources/", "wire/")):
+        path = "poller/" + path
+    return path.removesuffix(".py").replace("/", ".")
+
+
+def documented(column: int) -> tuple[list[list[str]], str]:
+    """The modules each step of the page's table names (column 1: SQLite, 2: TransferQueue; "the same" is
+    SQLite's), in order; and the section's text."""
+    text = (ROOT / "docs" / "how-it-works.md").read_text()
+    section = text.split("## One changed key, module by module", 1)[1].split("\n## ", 1)[0]
+    steps = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            cell = cells[1] if cells[column] == "the same" else cells[column]
+            steps.append([_module(path) for path in re.findall(r"`([\w/]+/\w+\.py)`", cell)])
+    return steps, section
+
+
+class Recorder:
+    """The product modules each thread of this process calls into while :meth:`recording` is set."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, set[str]] = {}
+        self.recording = threading.Event()
+
+    def profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and self.recording.is_set():
+            module = frame.f_globals.get("__name__") or ""
+            if module.startswith(("poller", "buffer")):
+                self.modules.setdefault(threading.current_thread().name, set()).add(module)
+
+
+def record_process(trace_file: str) -> None:
+    """Record every thread of this process while ``trace_file + ".on"`` exists; write the record when it is
+    removed (an embedded poller ends with ``os._exit``: no exit handler would run)."""
+    recorder = Recorder()
+    flag = trace_file + ".on"
+
+    def watch() -> None:
+        while True:
+            if os.path.exists(flag):
+                recorder.recording.set()
+            elif recorder.recording.is_set():
+                recorder.recording.clear()
+                with open(trace_file + ".part", "w") as out:
+                    json.dump({thread: sorted(modules) for thread, modules in recorder.modules.items()}, out)
+                os.replace(trace_file + ".part", trace_file)
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, name="trace-watch", daemon=True).start()
+    threading.setprofile(recorder.profile)
+    sys.setprofile(recorder.profile)
+
+
+if __name__ == "__main__":
+    record_process(sys.argv[1])
+    sys.argv = ["poller", *sys.argv[2:]]
+    runpy.run_module("poller", run_name="__main__", alter_sys=True)
