@@ -121,10 +121,8 @@ class _Core:
             self.store.require(self.name)
         _OPEN_CORES.add(self)
 
-    @property
-    def steps(self) -> StepSampler:
-        """``sample()``'s step index, attached on first use: a buffer nothing samples by step (``buffer.verl``'s,
-        one serving a policy of its own) indexes no key for it."""
+    def step_sampler(self) -> StepSampler:
+        """``sample()``'s step index, made and attached on the first call (``ReplayBuffer._step_index_at_start``)."""
         with self._steps_lock:
             if self._steps is None:
                 self._steps = StepSampler(self.seam)
@@ -292,6 +290,10 @@ class ReplayBuffer:
             ``max_restarts`` an int >= 0.
     """
 
+    # sample()'s step index follows every change from the start (attached to an empty store, it replays
+    # nothing); a buffer that never samples by step (buffer.verl's) makes it only if sample() is called.
+    _step_index_at_start = True
+
     def __init__(self, source: SourceSpec | None = None, *, source_kwargs: Mapping[str, Any] | None = None,
                  poll_interval: float = 1.0, bind: str | None = None, start_timeout: float = 30.0,
                  close_timeout: float = 5.0, max_restarts: int = 3, restart_window: float = 600.0,
@@ -308,6 +310,8 @@ class ReplayBuffer:
         core = _Core(source, source_kwargs, poll_interval, bind, start_timeout, close_timeout, max_restarts,
                      restart_window, curve, resolved_limits, stale_after,
                      default_max_view_age(poll_interval) if max_view_age is None else max_view_age, poller_options)
+        if self._step_index_at_start:
+            core.step_sampler()
         try:
             core.start()
         except BaseException:
@@ -364,8 +368,8 @@ class ReplayBuffer:
         """
         check_partition(partition_id)
         timeout = check_sample(global_steps, batch_size, timeout)
-        return self._core.steps.sample(partition_id, global_steps=global_steps, batch_size=batch_size,
-                                       timeout=timeout)
+        return self._core.step_sampler().sample(partition_id, global_steps=global_steps, batch_size=batch_size,
+                                                timeout=timeout)
 
     def sync(self, timeout: float | None = None) -> None:
         """Read your writes: return once a listing that began after this call has been applied.

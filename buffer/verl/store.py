@@ -43,6 +43,12 @@ QUIET_POLL_INTERVAL = 3600.0
 REWARD_METRIC = "reward"
 
 
+class _GroupBuffer(ReplayBuffer):
+    """The sampler's buffer: it samples by group (its own index), so it keeps no step index for ``sample()``."""
+
+    _step_index_at_start = False
+
+
 class StoreLink:
     """A verl sampler's buffer (``index`` attached) and the client of its own clears and reads (module docstring)."""
 
@@ -81,7 +87,7 @@ class StoreLink:
             client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
             try:
                 interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
-                buffer = ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
+                buffer = _GroupBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
             except BaseException:
                 _close_client(client, owned)
                 raise
