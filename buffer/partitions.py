@@ -713,7 +713,8 @@ class PartitionStore:
 
     def _tell_bulk(self, partition_id: str, keys: list[str], olds: list[Tags] | None, news: list[Tags]) -> None:
         """Tell of many keys' changes (``olds`` None: all added): one ``on_added``/``on_replaced`` call to a
-        :class:`~buffer.seam.BulkPolicy` that has it, else ``on_change`` key by key."""
+        :class:`~buffer.seam.BulkPolicy` that has it, else ``on_change`` key by key. A policy naming its
+        ``indexed_tags`` hears of a held key only where one of them changed."""
         if not keys:
             return
         for policy in self._policies:
