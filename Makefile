@@ -48,7 +48,8 @@ OTHER_PYTHONS := 3.10 3.13
 FAST_TESTS := tests/test_protocol.py tests/test_packed_merge.py tests/test_ledger.py tests/test_tombstones.py \
 	tests/test_quarantine.py tests/test_change_feed.py tests/test_sqlite_source.py tests/test_snapshot_pieces.py \
 	tests/test_buffer.py tests/test_verl.py tests/test_public_api.py tests/test_import_graph.py \
-	tests/test_config.py tests/test_limits.py tests/test_tq_pickles.py tests/test_peers.py
+	tests/test_config.py tests/test_limits.py tests/test_tq_pickles.py tests/test_peers.py \
+	tests/test_data_path.py
 PYENV_ROOT ?= $(or $(shell pyenv root 2>/dev/null),$(HOME)/.pyenv)
 
 .venv-%/.installed: setup.cfg pyproject.toml
