@@ -42,7 +42,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from poller.sources import sqlite_io
-from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_listing, fetch_listings
+from poller.sources.sqlite_io import StoredListing, fetch_all, fetch_listing, fetch_listings, listing_of
 
 __all__ = ["DEFAULT_KEEP_VERSIONS", "Cursor", "SqliteSource"]
 
@@ -167,7 +167,7 @@ class SqliteSource:
         """Everything stored (or only ``partition_id``'s) as fresh ``{partition_id: {key: tags}}`` dicts.
 
         One ``SELECT``: a consistent snapshot while others write. A row another tool wrote never fails the
-        listing (:data:`~poller.sources.StoredListing`): tags that are no JSON object are an
+        listing (:data:`~poller.sources.sqlite_io.StoredListing`): tags that are no JSON object are an
         :class:`~poller.wire.sources.UnreadableValue`, a BLOB or non-UTF-8 key or partition id ``bytes``.
 
         Raises:
@@ -177,7 +177,8 @@ class SqliteSource:
             sqlite_io.check_str("partition_id", partition_id)
         where, params = ("", ()) if partition_id is None else (" WHERE partition_id = ?", (partition_id,))
         with self._connection() as conn:
-            return fetch_listing(conn, "SELECT partition_id, key, tags FROM kv" + where, params)
+            rows = fetch_all(conn, "SELECT partition_id, key, tags FROM kv" + where, params)
+        return listing_of(rows)  # parsed outside the lock: another thread's call need not wait for it
 
     def kv_snapshot(self) -> tuple[Cursor, StoredListing]:
         """Everything stored, as :meth:`kv_list`, and the change cursor right after it."""

@@ -1,8 +1,9 @@
 """The SQLite store's rows, for :mod:`poller.sources.sqlite`: read whatever wrote them, checked and encoded when put.
 
-A read is one call here, the rows fetched and parsed (:func:`fetch_listing`, :func:`fetch_listings`): TEXT
-that is not UTF-8 comes as bytes (a fetch that fails on it would lose every later row), tags that are no JSON
-object an UnreadableValue. A put accepts only values that come back from JSON unchanged (:func:`check_json`).
+A read is one call here, the rows fetched and parsed (:func:`fetch_listing`, :func:`fetch_listings`; or fetched
+under a lock and parsed by :func:`listing_of` once it is released): TEXT that is not UTF-8 comes as bytes (a fetch
+that fails on it would lose every later row), tags that are no JSON object an UnreadableValue. A put accepts only
+values that come back from JSON unchanged (:func:`check_json`).
 """
 
 from __future__ import annotations
@@ -53,15 +54,15 @@ def select_json(conn: sqlite3.Connection, partition_id: str, keys: list[str], ta
 
 def fetch_listing(conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()) -> StoredListing:
     """The ``(partition_id, key, tags)`` rows of ``sql`` as ``{partition_id: {key: tags}}`` (:func:`fetch_all`)."""
-    return _listing_of(fetch_all(conn, sql, params))
+    return listing_of(fetch_all(conn, sql, params))
 
 
 def fetch_listings(conn: sqlite3.Connection, sql: str, size: int) -> Iterator[StoredListing]:
     """:func:`fetch_listing` in listings of at most ``size`` rows, each parsed when taken (:func:`fetch_batches`)."""
-    return map(_listing_of, fetch_batches(conn, sql, size))
+    return map(listing_of, fetch_batches(conn, sql, size))
 
 
-def _listing_of(rows: Iterable[Any]) -> StoredListing:
+def listing_of(rows: Iterable[Any]) -> StoredListing:
     """``{partition_id: {key: tags}}`` of ``(partition_id, key, tags)`` rows, each read by :func:`read_tags`."""
     listing: StoredListing = {}
     for partition, key, text in rows:
