@@ -431,7 +431,7 @@ class PartitionStore:
             in_bulk = getattr(policy, "on_added", None)
             for partition_id, items in self._parts.items():
                 held = list(items.values())
-                tags = thaw_many(held) if all(map(bytes.__instancecheck__, held)) else list(map(thaw, held))
+                tags = thaw_many(held) if set(map(type, held)) <= {bytes} else list(map(thaw, held))
                 if in_bulk is not None:
                     in_bulk(partition_id, list(items), tags)
                     continue

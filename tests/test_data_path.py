@@ -76,7 +76,11 @@ def test_one_changed_key_runs_through_the_modules_the_page_lists(tmp_path: Path)
     finally:
         if child is not None:
             child.send_signal(signal.SIGTERM)
-            child.wait(30)
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(10)
         buffer.close()
         store.close()
     assert child.returncode == 0

@@ -430,28 +430,30 @@ def traced_sample(conf: Any, trace_file: str) -> dict[str, Any]:
     threading.setprofile(trainer.profile)  # the buffer's threads start on the first call
     rb = custom_path("sync")
     try:
-        assert rb.get_sampleable_count(global_steps=1, partition_id="train") == 0
+        try:
+            assert rb.get_sampleable_count(global_steps=1, partition_id="train") == 0
+        finally:
+            threading.setprofile(None)  # type: ignore[arg-type]
+            sys.path[:] = saved_path
+            del os.environ["REPLAY_TRACE_FILE"]
+        finished = threading.Thread(target=tq.kv_put, name="writer",
+                                    kwargs={"key": uid, "partition_id": "train", "tag": {"status": "finished"}})
+        open(flag, "w").close()
+        trainer.recording.set()
+        sys.setprofile(trainer.profile)
+        try:
+            finished.start()
+            batch, _ = rb.sample(global_steps=1, partition_id="train", batch_size=1)
+        finally:
+            sys.setprofile(None)
+            trainer.recording.clear()
+            os.remove(flag)
+            finished.join(30)
+        deadline = time.monotonic() + 10
+        while not os.path.exists(trace_file) and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
-        threading.setprofile(None)  # type: ignore[arg-type]
-        sys.path[:] = saved_path
-        del os.environ["REPLAY_TRACE_FILE"]
-    finished = threading.Thread(target=tq.kv_put, name="writer",
-                                kwargs={"key": uid, "partition_id": "train", "tag": {"status": "finished"}})
-    open(flag, "w").close()
-    trainer.recording.set()
-    sys.setprofile(trainer.profile)
-    try:
-        finished.start()
-        batch, _ = rb.sample(global_steps=1, partition_id="train", batch_size=1)
-    finally:
-        sys.setprofile(None)
-        trainer.recording.clear()
-        os.remove(flag)
-        finished.join(30)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(trace_file) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    report = rb.close()
+        report = rb.close()  # on a failure too: the sampler's poller must not outlive the scenario
     with open(trace_file) as out:
         poller = json.load(out)
     tq.kv_clear(keys=list(batch.keys), partition_id="train")
