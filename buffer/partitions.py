@@ -411,7 +411,9 @@ class PartitionStore:
     """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting. The lock is reentrant: a
     :meth:`wait_until` attempt may call any reader."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        #: The trainer's clock, for whether a view is fresh (a simulation gives its own).
+        self.clock = clock
         self._cond = threading.Condition(threading.RLock())
         self._parts: dict[str, dict[str, _Held]] = {}
         self._policies: list[Policy] = []
@@ -552,7 +554,7 @@ class PartitionStore:
                     changed = True
             if delta.end:  # the poll was applied whole: a snapshot's vanished keys go, settled records show
                 drops, shown, wake = ledger.poll_completed(stream, epoch, delta.poll, full=delta.full,
-                                                           sync=delta.sync, now=time.monotonic())
+                                                           sync=delta.sync, now=self.clock())
                 for partition_id, keys in drops:
                     for key in keys:
                         self._drop(partition_id, key)
@@ -643,7 +645,7 @@ class PartitionStore:
     def view_stale(self) -> str | None:
         """Why a whole view is not fresh now (its store does not answer, or it is too old); None if it is."""
         with self._cond:
-            return self.ledger.view_stale(time.monotonic())
+            return self.ledger.view_stale(self.clock())
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -675,7 +677,7 @@ class PartitionStore:
         gap = self.ledger.view_gap(partition_id)
         if gap is not None:
             return f"not whole: {gap}"
-        stale = self.ledger.view_stale(time.monotonic())
+        stale = self.ledger.view_stale(self.clock())
         return None if stale is None else f"not fresh: {stale}"
 
     def _merge(self, partition_id: str, key: str, new: Mapping[str, Any], blob: bytes | None = None) -> None:

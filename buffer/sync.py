@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-import time
 from typing import TYPE_CHECKING
 
 from buffer.partitions import PartitionStore
@@ -21,7 +20,7 @@ from buffer.partitions import PartitionStore
 if TYPE_CHECKING:  # the receiver is handed in by the core: only its type is named here
     from buffer.stream import StreamReceiver
 
-__all__ = ["ListingSync"]
+__all__ = ["ListingSync", "SyncRequest"]
 
 
 class ListingSync:
@@ -37,36 +36,24 @@ class ListingSync:
 
     def wait(self, timeout: float | None, standalone: bool = True) -> None:
         """A ``TimeoutError`` says why no listing was applied."""
-        token = next(self._tokens)
-        started = time.monotonic()
+        request = self.begin(standalone)
+        self._store.wait_until(request.attempt, timeout=timeout, describe=lambda: request.describe(timeout))
+        self.answered(request)
+
+    def begin(self, standalone: bool = True) -> SyncRequest:
+        """A new request: a fresh token, for the own poller (and the standalone ones streaming now); nothing sent
+        yet (:meth:`SyncRequest.attempt` sends)."""
         streams = [self._stream] if self._stream is not None else []
         if standalone:
             streams += [name for name in self._receiver.streaming() if name != self._stream]
-        # stream -> the poller epochs asked; each a list so attempt() can extend it.
-        asked: dict[str, list[int | None]] = {stream: [] for stream in streams}
+        return SyncRequest(self, next(self._tokens), self._store.clock(), streams)
 
-        def attempt() -> bool | None:
-            waiting = False
-            for stream, epochs in asked.items():
-                if self._store.synced(stream) >= token:
-                    continue
-                peer = self._receiver.peer_info(stream)
-                if stream != self._stream and (peer is None or peer.stale or peer.bye_seq is not None):
-                    continue  # a standalone poller gone: not waited for
-                epoch = peer.epoch if peer is not None else None
-                if not epochs or epochs[-1] != epoch:
-                    # First time, or a new poller process since: it never saw the token.
-                    epochs.append(epoch)
-                    self._receiver.send_sync(stream, token)
-                waiting = True
-            return None if waiting else True
-
-        self._store.wait_until(attempt, timeout=timeout, describe=lambda: self._describe(timeout, started, asked,
-                                                                                         token))
+    def answered(self, request: SyncRequest) -> None:
+        """``request`` was answered: the view is as new as its start (:meth:`view_age`)."""
         if self._stream is not None:
             with self._lock:
-                if self._answered is None or started > self._answered:
-                    self._answered = started
+                if self._answered is None or request.started > self._answered:
+                    self._answered = request.started
 
     def watch(self, partition: str, keys: list[str], seconds: float) -> None:
         if self._stream is not None:
@@ -91,25 +78,60 @@ class ListingSync:
         peer = self._receiver.peer_info(self._stream)
         listed = peer.listed_at if peer is not None and peer.polls_applied > 0 else None
         since = max((since for since in (answered, listed) if since is not None), default=None)
-        return math.inf if since is None else time.monotonic() - since
+        return math.inf if since is None else self._store.clock() - since
 
-    def _describe(self, timeout: float | None, started: float, asked: dict[str, list[int | None]],
-                  token: int) -> str:
-        waited = time.monotonic() - started
-        unanswered = [stream for stream in asked if self._store.synced(stream) < token]
+
+
+class SyncRequest:
+    """One ``sync()``: its token, the pollers asked, and whether a complete listing of each answered.
+
+    :meth:`attempt` is what :meth:`ListingSync.wait` waits on under the store's lock (a simulation of the
+    buffer steps it directly): it (re)sends the token to each poller process not asked yet, and is true
+    once every poller still streaming answered.
+    """
+
+    def __init__(self, sync: ListingSync, token: int, started: float, streams: list[str]) -> None:
+        self._sync = sync
+        self.token = token
+        self.started = started
+        # stream -> the poller epochs asked; a new epoch since (a restart) never saw the token.
+        self.asked: dict[str, list[int | None]] = {stream: [] for stream in streams}
+
+    def attempt(self) -> bool | None:
+        """True once answered; None while waiting (sending the token where a new process did not get it)."""
+        sync = self._sync
+        waiting = False
+        for stream, epochs in self.asked.items():
+            if sync._store.synced(stream) >= self.token:
+                continue
+            peer = sync._receiver.peer_info(stream)
+            if stream != sync._stream and (peer is None or peer.stale or peer.bye_seq is not None):
+                continue  # a standalone poller gone: not waited for
+            epoch = peer.epoch if peer is not None else None
+            if not epochs or epochs[-1] != epoch:
+                # First time, or a new poller process since: it never saw the token.
+                epochs.append(epoch)
+                sync._receiver.send_sync(stream, self.token)
+            waiting = True
+        return None if waiting else True
+
+    def describe(self, timeout: float | None) -> str:
+        sync = self._sync
+        waited = sync._store.clock() - self.started
+        unanswered = [stream for stream in self.asked if sync._store.synced(stream) < self.token]
         why = [(f"sync() timed out after {waited:.3g}s (timeout={timeout}s): no complete listing of poller "
                 f"{', '.join(unanswered)} that began after the call was applied")]
         for stream in unanswered:
-            peer = self._receiver.peer_info(stream)
+            peer = sync._receiver.peer_info(stream)
             if peer is None:
                 why.append(f"{stream} has not connected")
                 continue
             why.append(f"{peer.polls_applied} poll(s) applied from {stream} in all")
             if peer.stale:
                 why.append(f"{stream} has been silent past stale_after")
-            if len(asked[stream]) > 1:
-                why.append(f"asked {len(asked[stream])} processes of {stream} (it restarted)")
-        counters = self._receiver.table
+            if len(self.asked[stream]) > 1:
+                why.append(f"asked {len(self.asked[stream])} processes of {stream} (it restarted)")
+        counters = sync._receiver.table
         if counters.source_stalls:
             why.append(f"kv_list() stalled {counters.source_stalls} time(s) (see stats()['source_stalls'])")
         if counters.source_errors:

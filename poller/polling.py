@@ -91,6 +91,7 @@ class PollingThread(threading.Thread):
         self._stalled_call = 0  # number of the last call counted as stalled
         self._episode: tuple[float, int] | None = None  # (started, stalled calls) while stalled
         self.failed: BaseException | None = None
+        self._failures = 0  # failed calls in a row
         # True while the thread waits for its next poll (read by the control loop at STOP).
         self.idle = False
         # Here, not in the loop's frame: a thread that ends at STOP frees nothing on its way out (1M keys: ~0.1 s).
@@ -277,17 +278,16 @@ class PollingThread(threading.Thread):
         """
         return self._last_poll is not None and not self._reader.feed
 
-    def _resend(self, sent: Sent) -> bool:
-        """Send ``sent`` as a full snapshot of the last poll; False once the poller is stopping."""
+    def _resend(self) -> float | None:
+        """Send ``sent`` as a full snapshot of the last poll; the pause before the next listing (None: stopping)."""
         assert self._last_poll is not None
         started, began, covered = self._last_poll
         # Screened and packed when it was first sent: encoded as it is.
-        held = Diff((), sent, full=True, limits=self._screen_limits, size=self.chunk_items, held=sent)
+        held = Diff((), self.sent, full=True, limits=self._screen_limits, size=self.chunk_items, held=self.sent)
         if not self._send(held, {}, poll=self.polls, started=started, full=True, sync=covered):
-            return False
+            return None
         # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
-        self._pause(self.interval - (time.monotonic() - began))
-        return True
+        return self.interval - (time.monotonic() - began)
 
     def _send(self, pieces: Iterable[Piece], deletes: Mapping[str, list[str]], *, poll: int, started: float,
               full: bool, sync: int) -> bool:
@@ -306,12 +306,7 @@ class PollingThread(threading.Thread):
         A SYNC or RESYNC meanwhile is served by the next read (a RESYNC makes it a snapshot); a watched change, sooner.
         """
         while True:
-            # Every request seen from here on is answered by the coming read; a later one wakes the thread again.
-            self._wake.clear()
-            self._poll_asked = False
-            if self._resync.is_set():
-                self._resync.clear()
-                full = True
+            full = self.claim_requests(full)
             if full and self._resends():
                 wait = 0.0
             else:
@@ -323,6 +318,16 @@ class PollingThread(threading.Thread):
             self._pause(wait, ends_on_request=False)
             if self.stopping.is_set():
                 return None
+
+    def claim_requests(self, full: bool) -> bool:
+        """Every request seen from now on is answered by the coming read (a later one wakes the thread again);
+        whether that read must be a full one (``full``, or a RESYNC came)."""
+        self._wake.clear()
+        self._poll_asked = False
+        if self._resync.is_set():
+            self._resync.clear()
+            return True
+        return full
 
     def run(self) -> None:
         try:
@@ -336,84 +341,92 @@ class PollingThread(threading.Thread):
             self._hand_over(Kind.ERROR, _error_body(exc, fatal=True, count=1), False, self.stopping)
 
     def _poll_until_stopped(self) -> None:
-        sent = self.sent
         full = True
-        failures = 0
         while not self.stopping.is_set():
             held = self._hold(full)
             if held is None:
                 return
-            full = held
-            if full and self._resends():
-                if not self._resend(sent):
-                    return
-                full = False
-                continue
-            # The next read compares with what this listing sends: a change it misses is one it did not list.
-            brought_forward = self._change_seen
-            self._change_seen = False
-            self._baseline = None
-            started = time.time()
-            began = time.monotonic()
-            if brought_forward:
-                self.watch_listings += 1
-                self.duty.brought_forward(began)
-            covered = self.sync_received  # before the listing: it answers only requests received by now
-            wanted = self._partitions_wanted  # read after the token (see request_sync)
-            self._calls += 1
-            call = self._calls
-            diff: Diff | None = None
+            step = self.poll(held)
+            if step is None:
+                return
+            full, pause = step
+            self._pause(pause)
+
+    def poll(self, full: bool) -> tuple[bool, float] | None:
+        """One poll, now: a listing (or a change read) diffed and handed over; or, for a snapshot of a source
+        without a change feed, what the last poll sent, sent again (:meth:`_resends`).
+
+        Returns whether the next poll must be a full one and the pause before it; ``None`` once the poller
+        stops (handing over refused, or the source failed for good). The thread calls it when
+        :meth:`_hold` allows; a simulation of the poller (tests/simulation) calls it directly.
+        """
+        if full and self._resends():
+            pause = self._resend()
+            return None if pause is None else (False, pause)
+        sent = self.sent
+        # The next read compares with what this listing sends: a change it misses is one it did not list.
+        brought_forward = self._change_seen
+        self._change_seen = False
+        self._baseline = None
+        started = time.time()
+        began = time.monotonic()
+        if brought_forward:
+            self.watch_listings += 1
+            self.duty.brought_forward(began)
+        covered = self.sync_received  # before the listing: it answers only requests received by now
+        wanted = self._partitions_wanted  # read after the token (see request_sync)
+        self._calls += 1
+        call = self._calls
+        diff: Diff | None = None
+        try:
+            if wanted != self._partitions_included:
+                self._reader.include(wanted)
+                self._partitions_included = wanted
+            self._current = (call, began)
             try:
-                if wanted != self._partitions_included:
-                    self._reader.include(wanted)
-                    self._partitions_included = wanted
-                self._current = (call, began)
-                try:
-                    diff = self._reader.read(sent, full, limits=self._screen_limits, size=self.chunk_items)
-                finally:
-                    self._current = None
-                self._answered()
-                # A piece at a time, each sent before the next is made: a snapshot is applied while it is packed.
-                if not self._send(diff, diff.deletes, poll=self.polls + 1, started=started, full=full, sync=covered):
-                    return
-            except SourceStall as exc:
-                self._stalled(call, str(exc) or type(exc).__name__)
-                self._reader.duty.poll_done()
-                # Asked again one interval after the call gave up (a SYNC wakes it sooner).
-                self._pause(self.interval)
-                continue
-            except Exception as exc:  # any source failure is reported, never fatal to the trainer
-                self._answered()  # an error is an answer: it ends a stall episode
-                failures += 1
-                self.source_errors += 1
-                fatal = failures >= self.max_failures
-                logger.debug("kv_list() failed (%d in a row): %r", failures, exc)
-                if fatal:
-                    self.failed = exc
-                body = _error_body(exc, fatal=fatal, count=failures, limits=self.limits)
-                if not self._hand_over(Kind.ERROR, body, False, self.stopping) or fatal:
-                    return
-                self._reader.duty.poll_done()
-                self._pause(min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP))
-                continue
+                diff = self._reader.read(sent, full, limits=self._screen_limits, size=self.chunk_items)
             finally:
-                if diff is not None:
-                    # A store read in pieces holds a read transaction: a poll cut short must not keep it.
-                    diff.close()
-            failures = 0
-            assert diff is not None
-            diff.commit(sent)
-            if diff.complete:
-                self.quarantine.replace(diff.refused)
-            else:
-                self.quarantine.update(diff.refused, diff.packed, diff.gone)
-            self._reader.commit()
-            # Not kept until the next poll: after a snapshot of a million keys it holds every key sent.
-            del diff
-            full = False
-            self.polls += 1
-            self._last_poll = (started, began, covered)
-            self._reader.duty.poll_done()  # listed, diffed and sent: verl's cycle's pause starts now
-            # Start to start (a change waits interval/2 on average); a slow poll still leaves a tenth of it.
-            elapsed = time.monotonic() - began
-            self._pause(max(self.interval - elapsed, self.interval * 0.1))
+                self._current = None
+            self._answered()
+            # A piece at a time, each sent before the next is made: a snapshot is applied while it is packed.
+            if not self._send(diff, diff.deletes, poll=self.polls + 1, started=started, full=full, sync=covered):
+                return None
+        except SourceStall as exc:
+            self._stalled(call, str(exc) or type(exc).__name__)
+            self._reader.duty.poll_done()
+            # Asked again one interval after the call gave up (a SYNC wakes it sooner).
+            return full, self.interval
+        except Exception as exc:  # any source failure is reported, never fatal to the trainer
+            self._answered()  # an error is an answer: it ends a stall episode
+            self._failures += 1
+            failures = self._failures
+            self.source_errors += 1
+            fatal = failures >= self.max_failures
+            logger.debug("kv_list() failed (%d in a row): %r", failures, exc)
+            if fatal:
+                self.failed = exc
+            body = _error_body(exc, fatal=fatal, count=failures, limits=self.limits)
+            if not self._hand_over(Kind.ERROR, body, False, self.stopping) or fatal:
+                return None
+            self._reader.duty.poll_done()
+            return full, min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP)
+        finally:
+            if diff is not None:
+                # A store read in pieces holds a read transaction: a poll cut short must not keep it.
+                diff.close()
+        self._failures = 0
+        assert diff is not None
+        diff.commit(sent)
+        if diff.complete:
+            self.quarantine.replace(diff.refused)
+        else:
+            self.quarantine.update(diff.refused, diff.packed, diff.gone)
+        self._reader.commit()
+        # Not kept until the next poll: after a snapshot of a million keys it holds every key sent.
+        del diff
+        self.polls += 1
+        self._last_poll = (started, began, covered)
+        self._reader.duty.poll_done()  # listed, diffed and sent: verl's cycle's pause starts now
+        # Start to start (a change waits interval/2 on average); a slow poll still leaves a tenth of it.
+        elapsed = time.monotonic() - began
+        return False, max(self.interval - elapsed, self.interval * 0.1)

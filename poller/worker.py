@@ -31,11 +31,11 @@ from poller.wire.config import ExitCode, WorkerConfig
 from poller.wire.errors import PollerCrashed, PollerStartupError, ProtocolError
 from poller.wire.lifeline import Started, StartFailed, StopRequest
 from poller.wire.procfs import own_rss_bytes
-from poller.wire.protocol import Bye, Heartbeat, Kind, Ready, decode, encode_body
+from poller.wire.protocol import Bye, Heartbeat, Kind, Ready, Resync, decode, encode_body
 from poller.wire.sources import describe_spec, load_source
 from poller.wire.wakeup import WakePipe
 
-__all__ = ["run_embedded", "run_standalone"]
+__all__ = ["resync_answered", "run_embedded", "run_standalone"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,13 @@ def run_standalone(config: WorkerConfig) -> int:
         raise PollerCrashed(f"kv_list() of {describe_spec(config.source)} failed {config.max_failures} times in "
                             f"a row, last with {type(failed).__name__}: {failed}") from failed
     return code
+
+
+def resync_answered(resync: Resync, stamped: int, epoch: int, snapshot_seq: int) -> bool:
+    """Whether a RESYNC stamped with epoch ``stamped`` is answered already by the snapshot this process (``epoch``)
+    began sending at ``snapshot_seq``: it began after the last message the buffer received (at 1M keys a second
+    snapshot costs seconds)."""
+    return resync.after is not None and stamped == epoch and snapshot_seq > resync.after
 
 
 class _ControlLoop:
@@ -151,9 +158,8 @@ class _ControlLoop:
             elif message.kind is Kind.STOP:
                 self.stop_reason = self.stop_reason or f"STOP: {body.reason}"
             elif message.kind is Kind.RESYNC:
-                if body.after is not None and message.epoch == self.epoch and self.outbox.snapshot_seq > body.after:
-                    # A snapshot started since answers it (at 1M keys a second one costs seconds).
-                    logger.debug("resync requested (%s) after seq %d: the snapshot from seq %d answers it",
+                if resync_answered(body, message.epoch, self.epoch, self.outbox.snapshot_seq):
+                    logger.debug("resync requested (%s) after seq %s: the snapshot from seq %d answers it",
                                  body.reason, body.after, self.outbox.snapshot_seq)
                 else:
                     logger.debug("resync requested: %s", body.reason)

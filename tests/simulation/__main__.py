@@ -1,0 +1,5 @@
+import sys
+
+from tests.simulation.explore import main
+
+sys.exit(main())
