@@ -111,6 +111,7 @@ class _Core:
             curve = curve.allowing(public)
         self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
                                        stale_after=stale_after, pinned=frozenset({self.name}))
+        self.store.on_removed = self.receiver.send_marks
         self.endpoint: str | None = None
         self.seam = SamplingSeam(self.store, ListingSync(self.store, self.receiver,
                                                          self.name if source is not None else None))

@@ -95,6 +95,12 @@ class Peer:
     last_seen: float = field(default_factory=time.monotonic)
     resync_asked_at: float = 0.0
     stale: bool = False
+    # A standalone poller first heard of, or silent so long that what only it listed was dropped (Ledger.withdraw):
+    # it vouches for nothing until it lists anew, a listing that answers ``relist_token`` (one begun before, or a
+    # resend of an older poll, may predate a removal the ledger no longer remembers).
+    relist: bool = False
+    withdrawn: bool = False
+    relist_token: int = 0
     # The source stalls of poller process ``stalls_epoch``, and its quarantine, as its last heartbeat said.
     stalls: int = 0
     stalls_epoch: int | None = None
@@ -148,9 +154,9 @@ class PeerTable:
         # identity -> the one epoch the buffer's own poller process uses, and its earlier processes'.
         self._expected: dict[bytes, int] = {}
         self._retired: dict[bytes, set[int]] = {}
-        # identity -> (the highest SYNC token asked and not yet answered, when it was last sent), and the
-        # partitions every SYNC to it names.
-        self._syncs: dict[bytes, tuple[int, float]] = {}
+        # identity -> (the highest SYNC token asked and not yet answered, when it was last sent, whether a poll was
+        # asked for: not only marks), and the partitions every SYNC to it names.
+        self._syncs: dict[bytes, tuple[int, float, bool]] = {}
         self._sync_partitions: dict[bytes, list[str]] = {}
 
     def expect(self, identity: bytes, epoch: int) -> None:
@@ -173,12 +179,20 @@ class PeerTable:
         return sorted(p.stream for p in list(self.peers.values())
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
 
-    def sync(self, identity: bytes, token: int, now: float) -> Send:
-        """A SYNC for ``identity`` (``token``, or a higher one not answered yet), asked again by :meth:`tick`."""
+    def sync(self, identity: bytes, token: int, now: float, mark: bool = False) -> Send:
+        """A SYNC for ``identity`` (``token``, or a higher one not answered yet), asked again by :meth:`tick`.
+        A ``mark`` asks for no poll now: the next one as scheduled answers it (unless a poll was asked already)."""
         asked = self._syncs.get(identity)
-        token = max(token, asked[0]) if asked else token
-        self._syncs[identity] = (token, now)
-        return Send(identity, Kind.SYNC, self._epoch(identity), Sync(token, self._sync_partitions.get(identity)))
+        if asked is not None:
+            token, mark = max(token, asked[0]), mark and not asked[2]
+        self._syncs[identity] = (token, now, not mark)
+        return Send(identity, Kind.SYNC, self._epoch(identity),
+                    Sync(token, self._sync_partitions.get(identity), True if mark else None))
+
+    def marks(self, token: int, now: float) -> list[Send]:
+        """A removal's token for every poller that may still list what it removed (not withdrawn, no BYE)."""
+        return [self.sync(identity, token, now, mark=True) for identity, peer in list(self.peers.items())
+                if peer.bye_seq is None and not peer.withdrawn and peer.epoch is not None]
 
     def include_partitions(self, identity: bytes, partition_ids: Sequence[str]) -> None:
         """Every SYNC to ``identity`` from now on names these partitions too (a set that only grows); called
@@ -201,30 +215,43 @@ class PeerTable:
         """Mark silent peers stale; ask again for RESYNCs and SYNCs left unanswered."""
         actions = []
         for identity, peer in list(self.peers.items()):
-            if peer.bye_seq is not None:
-                continue
             silent = now - peer.last_seen
-            if not peer.stale and silent > self.stale_after:
+            if peer.bye_seq is not None:
+                self._withdraw_if_gone(identity, peer, silent)
+                continue
+            if not peer.stale and silent > self.stale_after and peer.bye_seq is None:
                 peer.stale = True
                 if identity not in self._pinned:
-                    # Nothing it sends can be waited for; decisions go on without it until it is back.
+                    # No full listing of it is awaited; what only it lists holds decisions back (Ledger.view_stale).
                     self._store.release(peer.stream)
-                else:
-                    # The buffer's own poller (stopped, or its link down): its store's view is not fresh.
-                    self._store.not_answering(peer.stream, peer.last_seen,
-                                              f"its poller has sent nothing for more than stale_after="
-                                              f"{self.stale_after:g}s")
+                # Its store's view is not fresh: the own poller's, or where a standalone one alone lists keys.
+                self._store.not_answering(peer.stream, peer.last_seen,
+                                          f"its poller has sent nothing for more than stale_after="
+                                          f"{self.stale_after:g}s")
                 self._log.log("stale", logging.WARNING,
                               "no message from poller %s for %.1fs (stale_after=%gs): its link is down or it is "
                               "dead; the buffer keeps what it has", peer.stream, silent, self.stale_after)
+            self._withdraw_if_gone(identity, peer, silent)
             if peer.awaiting_resync and not peer.stale and now - peer.resync_asked_at > RESYNC_RETRY_S:
                 actions.append(self._request_resync(identity, peer, "resync still awaited", now, retry=True))
-        for identity, (token, sent_at) in list(self._syncs.items()):
+        for identity, (token, sent_at, poll) in list(self._syncs.items()):
             if self._store.synced(identity.decode(errors="replace")) >= token:
                 del self._syncs[identity]
             elif now - sent_at > SYNC_RETRY_S:
-                actions.append(self.sync(identity, token, now))
+                actions.append(self.sync(identity, token, now, mark=not poll))
         return actions
+
+    def _withdraw_if_gone(self, identity: bytes, peer: Peer, silent: float) -> None:
+        """Withdraw a standalone poller silent (or gone with BYE) past ``max_view_age``: what only it listed is
+        dropped, so decisions go on without it; back, it lists anew."""
+        max_age = self._store.ledger.max_age
+        if identity in self._pinned or peer.withdrawn or max_age is None or silent <= max_age:
+            return
+        peer.withdrawn = peer.relist = True
+        dropped = self._store.withdraw(peer.stream)
+        self._log.log("withdraw", logging.WARNING,
+                      "poller %s has sent nothing for %.0fs (max_view_age=%gs): dropped the %d key(s) only it "
+                      "listed; if it returns, it lists anew", peer.stream, silent, max_age, dropped)
 
     # -- messages -----------------------------------------------------------------
 
@@ -262,7 +289,9 @@ class PeerTable:
         actions: list[Send] = []
         if not self._sequence_ok(identity, peer, message, now, actions):
             return actions
-        if came_back:
+        if peer.relist:
+            self._relist(identity, peer, now, actions)  # its deltas are ignored until the new listing (_on_delta)
+        elif came_back:
             fresh = message.kind is Kind.READY and message.seq == 0
             if not (fresh or _snapshot_start(message) or peer.awaiting_resync):
                 # Silence can hide loss the sequence cannot show (a poller refused on redial streamed nowhere).
@@ -279,11 +308,22 @@ class PeerTable:
             case Error() as error:
                 self._on_error(peer, error, now)
             case Bye() as bye:
-                self._on_bye(peer, message, bye)
+                self._on_bye(identity, peer, message, bye, now)
             case Log() as record:
                 self._log.log("log", clamp_level(record.level), "[poller %s] %s: %s", peer.stream, record.name[:200],
                               record.message[:MAX_FORWARDED_CHARS], logger=logging.getLogger("poller"))
         return actions
+
+    def _relist(self, identity: bytes, peer: Peer, now: float, actions: list[Send]) -> None:
+        """A standalone poller speaks, first or after it was withdrawn: ask for a listing that answers a new sync
+        token (the SYNC first, so that the RESYNC is answered by a listing, not by the last poll sent again:
+        poller.polling); until one applies, its deltas are ignored."""
+        peer.relist = peer.withdrawn = False
+        peer.relist_token = self._store.issue_token()
+        actions.append(self.sync(identity, peer.relist_token, now))
+        # No loss to count: a first listing, or one after the buffer let the poller go.
+        actions.append(self._request_resync(identity, peer, "a standalone poller lists anew (first heard of, or "
+                                                            "withdrawn)", now, retry=True))
 
     def protocol_error(self, identity: bytes, why: str) -> None:
         self.protocol_errors += 1
@@ -297,7 +337,8 @@ class PeerTable:
             return peer
         if len(self.peers) >= self.limits.max_peers:
             self._forget_one()
-        peer = self.peers[identity] = Peer(identity.decode(errors="replace"), last_seen=now)
+        peer = self.peers[identity] = Peer(identity.decode(errors="replace"), last_seen=now,
+                                           relist=identity not in self._pinned)
         return peer
 
     def _forget_one(self) -> None:
@@ -307,7 +348,7 @@ class PeerTable:
             return
         _, identity = min(candidates)
         peer = self.peers.pop(identity)
-        self._store.release(peer.stream)
+        self._store.withdraw(peer.stream)
         self._log.log("forget", logging.WARNING, "more than %d peers: forgot the state of %s (silent longest)",
                       self.limits.max_peers, peer.stream)
 
@@ -316,11 +357,12 @@ class PeerTable:
         if message.epoch != peer.epoch:
             if peer.epoch is not None:
                 self._store.abandon_snapshot(peer.stream)
+            self._store.announce(peer.stream, message.epoch)
             peer.epoch = message.epoch
             peer.bye_seq = None
             peer.next_seq = message.seq + 1
             if message.kind is Kind.READY and message.seq == 0:
-                # A new poller process: its first poll is a full snapshot.
+                # A new poller process: its first poll is a full snapshot, a listing it makes anew.
                 peer.awaiting_resync = False
                 peer.contiguous = True
                 return True
@@ -363,11 +405,12 @@ class PeerTable:
     def _on_delta(self, identity: bytes, peer: Peer, message: Message, body: Delta, now: float,
                   actions: list[Send]) -> None:
         if peer.awaiting_resync:
-            if not _snapshot_start(message):
+            if not _snapshot_start(message) or (body.sync or 0) < peer.relist_token:
                 # Superseded by the snapshot asked for (tick() asks again if it is lost).
                 self._store.apply(peer.stream, message.epoch, body, self._unpack_tags, superseded=True)
                 return
             peer.awaiting_resync = False
+            peer.relist_token = 0
         if body.full and body.reset:
             peer.contiguous = True  # whatever was lost before, the snapshot replaces (close(): drained=True)
         self.items_received += sum(len(keys) for keys, _ in body.packed.values()) + sum(map(len, body.deletes.values()))
@@ -411,8 +454,12 @@ class PeerTable:
                       " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",
                       error.type[:200], error.message[:MAX_FORWARDED_CHARS])
 
-    def _on_bye(self, peer: Peer, message: Message, bye: Bye) -> None:
+    def _on_bye(self, identity: bytes, peer: Peer, message: Message, bye: Bye, now: float) -> None:
         peer.bye_seq = bye.last_seq
+        if identity not in self._pinned:
+            # Gone on purpose: what only it lists holds decisions back until it lists again or is withdrawn.
+            self._store.release(peer.stream)
+            self._store.not_answering(peer.stream, now, "its poller said BYE")
         peer.contiguous = peer.contiguous and not peer.awaiting_resync and peer.bye_seq == message.seq - 1
         logger.debug("poller %s said BYE: %s", peer.stream, bye.reason)
         self._on_change()
@@ -471,6 +518,10 @@ class StreamReceiver:
         """Queue a SYNC ``token`` for ``peer``: it polls at once and tags that listing with the token."""
         identity = peer.encode()
         self._command(lambda: [self.table.sync(identity, token, time.monotonic())])
+
+    def send_marks(self, token: int) -> None:
+        """Queue a removal's token for every poller (:meth:`PeerTable.marks`); called under the store's lock."""
+        self._command(lambda: self.table.marks(token, time.monotonic()))
 
     def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float) -> None:
         """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed (no keys: stop)."""

@@ -10,7 +10,6 @@ process that restarts during the wait never got the token, so each new one is as
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from typing import TYPE_CHECKING
@@ -30,7 +29,6 @@ class ListingSync:
         self._store = store
         self._receiver = receiver
         self._stream = stream  # the buffer's own poller (None: standalone pollers only)
-        self._tokens = itertools.count(1)  # next() is atomic: concurrent callers get distinct tokens
         self._answered: float | None = None  # the start of the latest wait() that returned
         self._lock = threading.Lock()
 
@@ -46,7 +44,7 @@ class ListingSync:
         streams = [self._stream] if self._stream is not None else []
         if standalone:
             streams += [name for name in self._receiver.streaming() if name != self._stream]
-        return SyncRequest(self, next(self._tokens), self._store.clock(), streams)
+        return SyncRequest(self, self._store.issue_token(), self._store.clock(), streams, standalone)
 
     def answered(self, request: SyncRequest) -> None:
         """``request`` was answered: the view is as new as its start (:meth:`view_age`)."""
@@ -90,30 +88,43 @@ class SyncRequest:
     once every poller still streaming answered.
     """
 
-    def __init__(self, sync: ListingSync, token: int, started: float, streams: list[str]) -> None:
+    def __init__(self, sync: ListingSync, token: int, started: float, streams: list[str], standalone: bool) -> None:
         self._sync = sync
+        self.standalone = standalone
         self.token = token
         self.started = started
         # stream -> the poller epochs asked; a new epoch since (a restart) never saw the token.
         self.asked: dict[str, list[int | None]] = {stream: [] for stream in streams}
 
     def attempt(self) -> bool | None:
-        """True once answered; None while waiting (sending the token where a new process did not get it)."""
+        """True once answered; None while waiting (sending the token where a new process did not get it).
+
+        A standalone poller that fell silent (past ``stale_after``, or BYE) is not waited for, unless no poller
+        asked has answered at all (nothing was read back). Nor is a view any silent poller alone lists keys of
+        (they cannot be read back): until it lists again or is withdrawn (``max_view_age``).
+        """
         sync = self._sync
-        waiting = False
+        waiting = answered = gone = False
+        if self.standalone:  # a poller streaming again (or first) since the call is asked too
+            for stream in sync._receiver.streaming():
+                self.asked.setdefault(stream, [])
+        if sync._store.unvouched():
+            waiting = True
         for stream, epochs in self.asked.items():
             if sync._store.synced(stream) >= self.token:
+                answered = True
                 continue
             peer = sync._receiver.peer_info(stream)
             if stream != sync._stream and (peer is None or peer.stale or peer.bye_seq is not None):
-                continue  # a standalone poller gone: not waited for
+                gone = True
+                continue
             epoch = peer.epoch if peer is not None else None
             if not epochs or epochs[-1] != epoch:
                 # First time, or a new poller process since: it never saw the token.
                 epochs.append(epoch)
                 sync._receiver.send_sync(stream, self.token)
             waiting = True
-        return None if waiting else True
+        return None if waiting or (gone and not answered) else True
 
     def describe(self, timeout: float | None) -> str:
         sync = self._sync
@@ -127,10 +138,13 @@ class SyncRequest:
                 why.append(f"{stream} has not connected")
                 continue
             why.append(f"{peer.polls_applied} poll(s) applied from {stream} in all")
-            if peer.stale:
-                why.append(f"{stream} has been silent past stale_after")
+            if peer.stale or peer.bye_seq is not None:
+                why.append(f"{stream} has been silent past stale_after" if peer.stale else f"{stream} said BYE")
             if len(self.asked[stream]) > 1:
                 why.append(f"asked {len(self.asked[stream])} processes of {stream} (it restarted)")
+        for stream in sync._store.unvouched():
+            why.append(f"poller {stream} is silent and alone lists {len(sync._store.lonely(stream))} key(s) of the "
+                       f"view, which cannot be read back until it lists again or is withdrawn (max_view_age)")
         counters = sync._receiver.table
         if counters.source_stalls:
             why.append(f"kv_list() stalled {counters.source_stalls} time(s) (see stats()['source_stalls'])")

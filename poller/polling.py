@@ -27,6 +27,8 @@ __all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATC
 
 logger = logging.getLogger(__name__)
 
+#: The most a standalone poller's first listing waits for the buffer to admit it (its first ACK).
+ADMISSION_WAIT = 2.0
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
@@ -64,7 +66,8 @@ class PollingThread(threading.Thread):
                  interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  stall_timeout: float | None = None, limits: Limits | None = None,
-                 listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: ListingShare = DEFAULT_LISTING_SHARE,
+                 admitted: threading.Event | None = None) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._hand_over = hand_over
@@ -74,6 +77,8 @@ class PollingThread(threading.Thread):
         self.max_frame_bytes = max_frame_bytes
         self.limits = limits
         self.stopping = threading.Event()
+        #: Set by the control loop at the buffer's first ACK; the first poll waits for it (None: no wait).
+        self.admitted = admitted
         self._wake = threading.Event()
         self._resync = threading.Event()
         # Read by the control loop for heartbeats (plain ints, safe under the GIL), with the quarantine.
@@ -132,8 +137,9 @@ class PollingThread(threading.Thread):
         """The listing duty cycle: what the listings cost, and when the next may start."""
         return self._reader.duty
 
-    def request_sync(self, token: int, partitions: list[str] | None = None) -> None:
-        """Poll now; the listing that begins next answers SYNC ``token`` (and every earlier one).
+    def request_sync(self, token: int, partitions: list[str] | None = None, mark: bool = False) -> None:
+        """Poll now (a ``mark``: when due); the listing that begins next answers SYNC ``token`` (and every earlier
+        one).
 
         That listing and every later one include ``partitions`` (a source that lists a chosen set of them).
         """
@@ -143,8 +149,9 @@ class PollingThread(threading.Thread):
         # A token already received is asked again (lost on a reconnect): its poll is due already.
         if token > self.sync_received:
             self.sync_received = token
-            self._poll_asked = True
-            self._wake.set()
+            if not mark:
+                self._poll_asked = True
+                self._wake.set()
 
     def request_watch(self, partition: str, keys: list[str], seconds: float) -> None:
         """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op)."""
@@ -275,8 +282,10 @@ class PollingThread(threading.Thread):
         """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
         It repairs the receiver at once, free for the store and outside the share (a change feed's reader answers).
+        Not when a SYNC came since that poll: the listing it asks for answers both (and is what a buffer that
+        dropped this poller's keys, having heard nothing of it for long, waits for: buffer.stream).
         """
-        return self._last_poll is not None and not self._reader.feed
+        return self._last_poll is not None and not self._reader.feed and self.sync_received <= self._last_poll[2]
 
     def _resend(self) -> float | None:
         """Send ``sent`` as a full snapshot of the last poll; the pause before the next listing (None: stopping)."""
@@ -342,6 +351,13 @@ class PollingThread(threading.Thread):
 
     def _poll_until_stopped(self) -> None:
         full = True
+        if self.admitted is not None:
+            # A standalone poller lists first once the buffer admitted it: the buffer's first-listing request (a
+            # SYNC and a RESYNC, buffer.stream) comes before the ACK, so that listing answers it; at worst, it
+            # lists anyway after ADMISSION_WAIT (the buffer then asks again).
+            deadline = time.monotonic() + ADMISSION_WAIT
+            while not self.admitted.is_set() and not self.stopping.is_set() and time.monotonic() < deadline:
+                self.admitted.wait(min(0.05, max(0.0, deadline - time.monotonic())))
         while not self.stopping.is_set():
             held = self._hold(full)
             if held is None:

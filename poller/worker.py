@@ -155,6 +155,8 @@ class _ControlLoop:
             body = message.body
             if message.kind is Kind.ACK:
                 link.on_ack()
+                if thread.admitted is not None:
+                    thread.admitted.set()
             elif message.kind is Kind.STOP:
                 self.stop_reason = self.stop_reason or f"STOP: {body.reason}"
             elif message.kind is Kind.RESYNC:
@@ -165,7 +167,7 @@ class _ControlLoop:
                     logger.debug("resync requested: %s", body.reason)
                     thread.request_resync()
             elif message.kind is Kind.SYNC:
-                thread.request_sync(body.token, body.partitions)
+                thread.request_sync(body.token, body.partitions, bool(body.mark))
             elif message.kind is Kind.WATCH:
                 thread.request_watch(body.partition, body.keys, body.seconds)
             else:
@@ -208,7 +210,9 @@ class _ControlLoop:
                 source, self.outbox.emit_from_thread, interval=self.config.interval,
                 max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
                 max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout,
-                limits=self.config.limits, listing_share=self.config.listing_share)
+                limits=self.config.limits, listing_share=self.config.listing_share,
+                # The buffer asks a standalone poller for a first listing of its own (buffer.stream): wait for it.
+                admitted=None if self.embedded else threading.Event())
             self.thread.start()
             if self.lifeline is not None:
                 lifeline.send(self.lifeline, Started(self.epoch, os.getpid()))

@@ -2,27 +2,28 @@
 
 A Hypothesis state machine plays one source (a poller whose process may
 restart) and a trainer against a real :class:`~buffer.partitions.PartitionStore`
-(whose bookkeeping is the :class:`~buffer.partitions.Ledger`): the store's truth
-changes, polls begin (at most one under way, as the ledger assumes) and are
-delivered as diffs or as full listings (also split in two, with a removal
-between the parts), the trainer removes keys, the stream loses messages and
+(whose bookkeeping is the :class:`~buffer.ledger.Ledger`): the store's truth
+changes, polls begin (any number of them on their way unreceived) and are
+delivered in order as diffs or as full listings (also split in two, with a
+removal between the parts), the trainer removes keys, the poller receives the
+removals' marks (their tokens) late or never, the stream loses messages and
 resyncs. After every step the keys held must be exactly the model's, and the
 view must be whole exactly when the model says so.
 
 The model, in plain words: the keys held are those the last delivered poll
 listed, minus the removed ones. Each put gives a key a new version (its
-tags). A removal hides the versions of the key removed (the one held). It
-ends when a delivered poll does not list the key (except that such a poll
-that may have begun before the removal, numbered at most one past the last
-poll anything was received of, does not end the removal of a key that was not
-listed when it was removed), or when a poll begun after the removal lists a
-version not removed: a new record. A new version listed by a poll that may
-have begun before the removal stays hidden until such a poll.
+tags). A removal hides the versions of the key removed (the one held and the
+one listed). A poll began after it when it answers the removal's token (the
+poller had received it when the poll began). The removal ends once a
+delivered poll began after it and the store does not list a removed version;
+a new version listed by a poll that began after the removal (or by any poll,
+once one did) is shown; a new version listed by an earlier poll stays hidden
+until a poll that began after it lists it still.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -37,15 +38,18 @@ PART = "train"
 
 
 @dataclass
-class _Removal:
-    epoch: int
-    horizon: int            # polls numbered above it (in the same epoch) began after the removal
-    listed_then: bool       # listed when removed
-    versions: set[int]      # the versions of the key removed
-    listed_since: bool = False
+class _Poll:
+    number: int
+    listing: dict[str, int]
+    token: int  # the highest token the poller had received when it began
 
-    def began_after(self, epoch: int, poll: int) -> bool:
-        return poll > (self.horizon if self.epoch == epoch else 1)
+
+@dataclass
+class _Removal:
+    token: int
+    versions: set[int]
+    passed: bool = False   # a delivered poll began after it
+    doubt: bool = False    # a new version was listed by a poll that may have begun before it
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -53,12 +57,15 @@ class LedgerMachine(RuleBasedStateMachine):
         super().__init__()
         self.store = PartitionStore()
         self.store.require(SOURCE)
+        self.issued: list[int] = []
+        self.store.on_removed = self.issued.append
         self.truth: dict[str, int] = {}    # key -> its version
         self.version = 0
         self.epoch = 1
+        self.store.announce(SOURCE, self.epoch)
         self.next_poll = 1
-        self.seen_poll = 0                  # highest poll of this epoch anything was received of
-        self.in_flight: tuple[int, dict[str, int]] | None = None
+        self.received = 0                   # the highest token the poller received
+        self.in_flight: list[_Poll] = []
         self.sent: dict[str, int] = {}      # what the last delivered poll listed
         self.removals: dict[str, _Removal] = {}
         self.completed = False
@@ -77,53 +84,60 @@ class LedgerMachine(RuleBasedStateMachine):
     def clear(self, key: str) -> None:
         self.truth.pop(key, None)
 
-    @precondition(lambda self: self.in_flight is None)
+    @precondition(lambda self: len(self.in_flight) < 3)
     @rule()
     def begin_poll(self) -> None:
-        self.in_flight = (self.next_poll, dict(self.truth))
+        self.in_flight.append(_Poll(self.next_poll, dict(self.truth), self.received))
         self.next_poll += 1
 
-    @precondition(lambda self: self.in_flight is not None and not self.must_be_full and not self.broken)
+    @precondition(lambda self: bool(self.issued))
+    @rule()
+    def receive_marks(self) -> None:
+        """The poller reads the removals' marks: the polls it begins from now on answer them."""
+        self.received = max(self.received, self.issued[-1])
+
+    @precondition(lambda self: bool(self.in_flight) and not self.must_be_full and not self.broken)
     @rule()
     def deliver_diff(self) -> None:
         """What changed since the last delivered poll: new keys, new versions, keys gone."""
-        assert self.in_flight is not None
-        poll, listing = self.in_flight
-        self._seen(poll)
-        apply(self.store, SOURCE, {PART: {key: {"v": version} for key, version in sorted(listing.items())
+        poll = self.in_flight.pop(0)
+        apply(self.store, SOURCE, {PART: {key: {"v": version} for key, version in sorted(poll.listing.items())
                                           if self.sent.get(key) != version}},
-              {PART: sorted(self.sent.keys() - listing.keys())}, epoch=self.epoch, poll=poll, end=True)
-        self._completed(poll, listing)
+              {PART: sorted(self.sent.keys() - poll.listing.keys())}, epoch=self.epoch, poll=poll.number, end=True,
+              sync=poll.token)
+        self._completed(poll)
 
-    @precondition(lambda self: self.in_flight is not None)
+    @precondition(lambda self: bool(self.in_flight))
     @rule(removed=st.none() | KEYS)
     def deliver_full(self, removed: str | None) -> None:
         """A full listing in two parts; the trainer may remove a key between them."""
-        assert self.in_flight is not None
-        poll, listing = self.in_flight
+        poll = self.in_flight.pop(0)
+        listing = poll.listing
         keys = sorted(listing)
         first, second = keys[:len(keys) // 2], keys[len(keys) // 2:]
-        self._seen(poll)
-        apply(self.store, SOURCE, {PART: {key: {"v": listing[key]} for key in first}}, epoch=self.epoch, poll=poll,
-              full=True, reset=True)
+        apply(self.store, SOURCE, {PART: {key: {"v": listing[key]} for key in first}}, epoch=self.epoch,
+              poll=poll.number, full=True, reset=True, sync=poll.token)
+        self._listing(poll, first)
         if removed is not None:
             # Listed now: by the last poll, or by the first part of this one (then at its version).
             listed = {self.sent[removed]} if removed in self.sent else set()
             if removed in first:
                 listed.add(listing[removed])
             self._remove(removed, listed)
-        apply(self.store, SOURCE, {PART: {key: {"v": listing[key]} for key in second}}, epoch=self.epoch, poll=poll,
-              full=True, end=True)
+        apply(self.store, SOURCE, {PART: {key: {"v": listing[key]} for key in second}}, epoch=self.epoch,
+              poll=poll.number, full=True, end=True, sync=poll.token)
         self.broken = False
-        self._completed(poll, listing)
+        self._completed(poll)
 
     @rule()
     def restart(self) -> None:
-        """A new poller process: a new epoch, polls numbered from 1, a full listing first."""
+        """A new poller process: a new epoch, polls numbered from 1, a full listing first; it has no token yet."""
         self.store.abandon_snapshot(SOURCE)
         self.epoch += 1
-        self.next_poll, self.seen_poll = 1, 0
-        self.in_flight = None
+        self.store.announce(SOURCE, self.epoch)
+        self.next_poll = 1
+        self.received = 0
+        self.in_flight = []
         self.must_be_full = True
 
     @rule()
@@ -140,34 +154,42 @@ class LedgerMachine(RuleBasedStateMachine):
     # -- the model -----------------------------------------------------------------------
 
     def _remove(self, key: str, listed: set[int]) -> None:
+        issued = len(self.issued)
         self.store.remove(PART, [key])
         before = self.removals.get(key)
-        versions = listed | (before.versions if before is not None else set())
-        self.removals[key] = _Removal(self.epoch, self.seen_poll + 1, bool(listed), versions)
+        versions = listed | (before.versions & listed if before is not None else set())
+        assert len(self.issued) == issued + 1, "a removal with a stream to answer it issues a token"
+        self.removals[key] = _Removal(self.issued[-1], versions)
 
-    def _seen(self, poll: int) -> None:
-        self.seen_poll = max(self.seen_poll, poll)
-
-    def _completed(self, poll: int, listing: dict[str, int]) -> None:
-        began_after = {key: removal.began_after(self.epoch, poll) for key, removal in self.removals.items()}
-        for key, removal in list(self.removals.items()):
-            if key in listing:
-                if listing[key] not in removal.versions and began_after[key]:
-                    del self.removals[key]  # a new record of the name, listed after the removal
-                else:
-                    removal.listed_since = True  # removed, or in doubt (listed by a poll under way)
+    def _listing(self, poll: _Poll, keys: list[str]) -> None:
+        """The part of ``poll`` listing ``keys`` was applied."""
+        for key in keys:
+            removal = self.removals.get(key)
+            if removal is None or poll.listing[key] in removal.versions:
                 continue
-            if removal.listed_then or removal.listed_since or began_after[key]:
-                del self.removals[key]
-        self.sent = dict(listing)
-        self.in_flight = None
+            if not (removal.passed or poll.token >= removal.token):
+                removal.doubt = True
+
+    def _completed(self, poll: _Poll) -> None:
+        self._listing(poll, sorted(poll.listing))
+        for key, removal in list(self.removals.items()):
+            if poll.token >= removal.token:
+                removal.passed = True
+                removal.doubt = False
+            if removal.passed and poll.listing.get(key) not in removal.versions:
+                del self.removals[key]  # no listing begun before it may come, none lists what was removed
+        self.sent = dict(poll.listing)
         self.completed = True
         self.must_be_full = False
+
+    def _hidden(self, key: str) -> bool:
+        removal = self.removals.get(key)
+        return removal is not None and (self.sent[key] in removal.versions or removal.doubt)
 
     @invariant()
     def holds_what_the_store_lists_minus_what_was_removed(self) -> None:
         held = self.store.snapshot(PART)
-        expected = {key: {"v": version} for key, version in self.sent.items() if key not in self.removals}
+        expected = {key: {"v": version} for key, version in self.sent.items() if not self._hidden(key)}
         assert held == expected, (held, self.sent, self.removals)
 
     @invariant()

@@ -27,8 +27,9 @@ def ready(seq: int = 0, epoch: int = EPOCH) -> Message:
 
 
 def delta(seq: int, upserts: dict[str, Any], *, full: bool = False, reset: bool = False, end: bool = True,
-          deletes: dict[str, list[str]] | None = None, epoch: int = EPOCH) -> Message:
-    return Message(Kind.DELTA, epoch, seq, packed_delta(upserts, deletes, poll=seq, full=full, reset=reset, end=end))
+          deletes: dict[str, list[str]] | None = None, epoch: int = EPOCH, sync: int | None = None) -> Message:
+    return Message(Kind.DELTA, epoch, seq, packed_delta(upserts, deletes, poll=seq, full=full, reset=reset, end=end,
+                                                        sync=sync))
 
 
 def heartbeat(seq: int, last_seq: int | None = None, epoch: int = EPOCH) -> Message:
@@ -50,9 +51,16 @@ def snapshot(table: PeerTable) -> dict[str, Any]:
     return table._store.snapshot()
 
 
+def joined(table: PeerTable, identity: bytes = ID, now: float = 0.0) -> int:
+    """READY from a standalone poller, which the buffer asks to list anew: the token its first listing answers."""
+    actions = table.on_message(identity, ready(), now)
+    assert kinds(actions) == [Kind.SYNC, Kind.RESYNC]  # the SYNC first: a listing answers the RESYNC, not a resend
+    return int(actions[0].body.token)
+
+
 def started(table: PeerTable) -> None:
-    assert table.on_message(ID, ready(), 0.0) == []
-    assert table.on_message(ID, delta(1, {"p": {"a": {"v": 1}}}, full=True, reset=True), 0.0) == []
+    token = joined(table)
+    assert table.on_message(ID, delta(1, {"p": {"a": {"v": 1}}}, full=True, reset=True, sync=token), 0.0) == []
     assert snapshot(table) == {"p": {"a": {"v": 1}}}
 
 

@@ -26,7 +26,7 @@ from poller.cli import main
 from poller.faults.peer import packed_delta
 from poller.sources.sqlite import SqliteSource
 from poller.wire.curve import CurveClient, CurveServer, generate_pair, load_key_pair, load_public_key, make_keys
-from poller.wire.protocol import Kind, Message, encode
+from poller.wire.protocol import Kind, Message, decode, encode
 from tests.conftest import wait_until
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
@@ -184,10 +184,16 @@ class _Dealer:
             curve.apply(self.sock)
         self.sock.connect(endpoint)
 
-    def send_snapshot(self, items: dict[str, Any], epoch: int = 5) -> None:
+    def send_snapshot(self, items: dict[str, Any], epoch: int = 5, join: bool = False) -> None:
+        """READY, then a snapshot; with ``join``, one answering the token the buffer asks a first listing with."""
         self.sock.send_multipart(encode(Message(Kind.READY, epoch, 0, {"pid": 1, "name": "x", "interval": 0.1})))
+        token = None
+        while join and token is None and self.sock.poll(10_000):
+            message = decode(self.sock.recv_multipart())
+            if message.kind is Kind.SYNC:
+                token = message.body.token
         self.sock.send_multipart(encode(Message(Kind.DELTA, epoch, 1, packed_delta({"p": items}, full=True,
-                                                                                   reset=True))))
+                                                                                   reset=True, sync=token))))
 
     def close(self) -> None:
         self.sock.close(0)
@@ -210,7 +216,7 @@ def test_curve_admits_allowed_keys_only(server_keys: dict[str, Path]) -> None:
             assert wait_until(lambda: rb.stats()["auth_rejected"] > i), name
         good = _Dealer(rb.endpoint, allowed, b"good")
         peers.append(good)
-        good.send_snapshot({"ok": {"status": "success"}})
+        good.send_snapshot({"ok": {"status": "success"}}, join=True)
         assert wait_until(lambda: rb.snapshot() == {"p": {"ok": {"status": "success"}}})
         stats = rb.stats()
         assert stats["messages"] == 2 and stats["peers"] == 1 and stats["protocol_errors"] == 0

@@ -67,6 +67,7 @@ class RoguePeer:
         self.sock.connect(endpoint)
         self.epoch = epoch
         self.seq = 0
+        self.token = 0  # the sync token of the buffer's first-listing request, once joined
 
     def send(self, kind: Kind, body: Any, seq: int | None = None, epoch: int | None = None) -> None:
         """A well-formed message; ``seq`` defaults to the next one."""
@@ -77,13 +78,25 @@ class RoguePeer:
     def send_raw(self, frames: Sequence[bytes]) -> None:
         self.sock.send_multipart(list(frames))
 
-    def ready(self) -> None:
+    def ready(self, join: bool = True, timeout: float = 10.0) -> None:
+        """READY; with ``join``, then the first listing a buffer asks a standalone poller for (a SYNC token and a
+        RESYNC: buffer.stream), empty and answering the token, as a poller's is: the deltas sent next apply."""
         self.send(Kind.READY, {"pid": 1, "name": "rogue", "interval": 0.1}, seq=0)
+        if not join:
+            return
+        deadline = time.monotonic() + timeout
+        while self.token == 0:
+            message = self.recv(max(0.0, deadline - time.monotonic()))
+            if message is None:
+                raise TimeoutError(f"the buffer asked no first listing within {timeout}s")
+            if message.kind is Kind.SYNC:
+                self.token = message.body.token
+        self.send(Kind.DELTA, packed_delta({}, full=True, reset=True, sync=self.token))
 
     def delta(self, upserts: dict[str, Any], deletes: dict[str, Any] | None = None, *, full: bool = False,
               reset: bool = False, seq: int | None = None) -> None:
         """A whole poll, ``{partition: {key: tags}}`` packed as a poller packs them."""
-        self.send(Kind.DELTA, packed_delta(upserts, deletes, full=full, reset=reset), seq=seq)
+        self.send(Kind.DELTA, packed_delta(upserts, deletes, full=full, reset=reset, sync=self.token or None), seq=seq)
 
     def recv(self, timeout: float = 5.0) -> Message | None:
         """The next control message for this peer, or None after ``timeout``."""

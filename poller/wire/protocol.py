@@ -143,6 +143,9 @@ class Sync(NamedTuple):
     # Partitions the listing that answers ``token`` must include (and every later one), on a source that lists
     # a chosen set of them (poller.sources.transferqueue).
     partitions: PartitionIds | None = None
+    # A mark: the token is answered by the next poll as scheduled, none is asked for now (a removal's token,
+    # buffer.ledger: a poll that answers it began after the removal).
+    mark: bool | None = None
 
 
 class Ack(NamedTuple):

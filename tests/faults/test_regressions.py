@@ -153,7 +153,7 @@ def test_only_the_pinned_epoch_may_speak_for_a_name():
     with ReplayBuffer(bind="tcp://127.0.0.1:0") as rb:
         rb._core.receiver.expect("worker", 5)
         with RoguePeer(rb.endpoint, name="worker", epoch=6) as impostor:
-            impostor.ready()
+            impostor.ready(join=False)  # refused: no first listing is asked of it
             impostor.delta({"p": {"evil": {}}}, full=True, reset=True)
             assert wait_until(lambda: rb.stats()["protocol_errors"] == 2)
         with RoguePeer(rb.endpoint, name="worker", epoch=5) as own:

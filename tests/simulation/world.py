@@ -358,7 +358,7 @@ class SimPoller:
             send = self.inq.popleft()
             body = send.body
             if isinstance(body, Sync):
-                self.thread.request_sync(body.token, body.partitions)
+                self.thread.request_sync(body.token, body.partitions, bool(body.mark))
             elif isinstance(body, Resync):
                 if not resync_answered(body, send.epoch, self.epoch, self.snapshot_seq):
                     self.thread.request_resync()
@@ -406,7 +406,8 @@ class _Removal:
 
     versions: set[str] = field(default_factory=set)
     step: int = 0
-    # A backup restored the store to one of these versions: a new history, shown or not (both are right).
+    # A backup restored the store to one of these versions: a new history, in which that version may be shown
+    # again (or stay hidden): from then on neither is wrong.
     restored: bool = False
 
 
@@ -427,6 +428,7 @@ class World:
         self.table = PeerTable(self.buffer, stale_after=STALE_AFTER,
                                pinned=frozenset({b"own"}) if own_name else frozenset())
         self.listings = ListingSync(self.buffer, _Receiver(self), own_name)
+        self.buffer.on_removed = lambda token: self.route(self.table.marks(token, self.clock.now))
         self.sampler = StepSampler(SamplingSeam(self.buffer, self.listings))
         self.pollers: dict[str, SimPoller] = {}
         if config.own is not None:
@@ -442,7 +444,7 @@ class World:
         self.removed: dict[Name, _Removal] = {}
         self.removal_steps: list[int] = []
         self.models: dict[str, dict[Name, str]] = {name: {} for name in self.pollers}  # what each stream lists
-        self.applied_at: dict[str, int] = {}  # stream -> the step its last complete poll was applied
+        self.applied_at: dict[str, list[int]] = {}  # stream -> the steps its last two complete polls were applied
         self.heard: dict[str, float] = {}  # stream -> when the buffer last received a message of it
         self.syncs: list[_PendingSync] = []
         self.violations: list[Violation] = []
@@ -478,9 +480,6 @@ class World:
             self.violation("d:api-write", f"a write through the store's API failed: {type(exc).__name__}: {exc}")
         for name in names:
             self.written[name] = self.step
-            removal = self.removed.get(name)
-            if removal is not None:
-                removal.restored = False  # written again: its removed versions are never shown again
 
     def _op_put(self, partition: str, keys: tuple[str, ...], status: str, step: int) -> None:
         truth = self.store.truth()
@@ -653,7 +652,6 @@ class World:
             name = (partition, key)
             removal = self.removed.setdefault(name, _Removal())
             removal.step = self.step
-            removal.restored = False
             if name in view:
                 removal.versions.add(view[name])
             removal.versions.update(model[name] for model in self.models.values() if name in model)
@@ -704,7 +702,7 @@ class World:
         peer = self.table.peers.get(poller.identity)
         if message.listing is not None and peer is not None and peer.polls_applied > applied:
             self.models[poller.name] = message.listing
-            self.applied_at[poller.name] = self.step
+            self.applied_at[poller.name] = [*self.applied_at.get(poller.name, [0, 0])[1:], self.step]
 
     # -- the oracle -----------------------------------------------------------------------
 
@@ -720,6 +718,11 @@ class World:
         poller = self.pollers[stream]
         heard = self.heard.get(stream)
         return poller.state != "running" and (heard is None or self.clock.now - heard > STALE_AFTER)
+
+    def _gone(self, stream: str) -> bool:
+        heard = self.heard.get(stream)
+        return (self.pollers[stream].state != "running"
+                and (heard is None or self.clock.now - heard > MAX_VIEW_AGE + HEARTBEAT_S))
 
     def check(self) -> None:
         self._answer_syncs()
@@ -768,7 +771,7 @@ class World:
 
     def _check_fresh(self, view: dict[Name, str]) -> None:
         for partition in {name[0] for name in view}:
-            if self.buffer.view_gap(partition) is not None or self.buffer.view_stale() is not None:
+            if self.buffer.view_gap(partition) is not None or self.buffer.view_stale(partition) is not None:
                 continue
             for name in view:
                 if name[0] != partition:
@@ -780,11 +783,14 @@ class World:
                     return
 
     def _check_memory(self) -> None:
-        ledger = self.buffer.ledger
-        tombs = list(ledger._tomb_pending.values()) + [t for part in ledger._tomb_listed.values()
-                                                      for t in part.values()]
+        ledger = self.buffer.ledger  # its private state: what it holds is what this checks
+        tombs = [tomb for part in ledger._tombs.values() for tomb in part.values()]
         listed = sum(len(keys) for parts in ledger._listed.values() for keys in parts.values())
-        live = [self.applied_at.get(stream, 0) for stream in self.pollers if not self._silent(stream)]
+        # A poll under way at a removal may list the key: its tombstone waits for the poll after (two applied).
+        # The buffer's own poller is waited for while down too (its supervisor restarts it), a standalone one until
+        # withdrawn (silent past max_view_age).
+        live = [self.applied_at.get(stream, [0, 0])[0] for stream in self.pollers
+                if stream == "own" or not self._gone(stream)]
         recent = sum(1 for step in self.removal_steps if step > min(live)) if live else 0
         bound = self.buffer.key_count() + listed + recent + 8
         if len(tombs) > bound:
