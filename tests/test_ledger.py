@@ -23,7 +23,7 @@ until a poll that began after it lists it still.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hypothesis import settings
 from hypothesis import strategies as st

@@ -12,8 +12,8 @@ import msgpack
 import pytest
 
 from buffer.partitions import PartitionStore
-from buffer.stream import RESYNC_RETRY_S, PeerTable, Send
 from buffer.ratelimit import LogLimiter, clamp_level
+from buffer.stream import RESYNC_RETRY_S, PeerTable, Send
 from poller.faults.peer import packed_delta
 from poller.wire.protocol import Ack, Delta, Heartbeat, Kind, Limits, Log, Message, Ready, encode
 from poller.wire.tags import unpack_many_tags
