@@ -489,3 +489,64 @@ def test_a_restored_backup_is_noticed_although_its_counter_moved_past_the_cursor
             store.kv_put("later", "p", tag={})
             rb.sync(timeout=30)
             assert "later" in rb.snapshot("p") and rb.stats()["restarts"] == 0
+
+
+# -- renames by another tool ---------------------------------------------------------------------------------
+
+def _tool(path: Path | str, *statements: str) -> None:
+    """Another tool sharing the file: plain sqlite3, its statements in one transaction."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            for statement in statements:
+                conn.execute(statement)
+    finally:
+        conn.close()
+
+
+# what another tool runs: (the statement, the upserts and the deletes the feed must give)
+RENAMES = {
+    "key": ("UPDATE kv SET key = 'a2' WHERE key = 'a'", {"p": {"a2": {"v": 1}}}, {"p": ["a"]}),
+    "partition": ("UPDATE kv SET partition_id = 'q' WHERE key = 'a'", {"q": {"a": {"v": 1}}}, {"p": ["a"]}),
+    "both-and-tags": ("UPDATE kv SET partition_id = 'q', key = 'a2', tags = '{\"v\": 9}' WHERE key = 'a'",
+                      {"q": {"a2": {"v": 9}}}, {"p": ["a"]}),
+    "onto-a-deleted-name": ("UPDATE kv SET key = 'gone' WHERE key = 'a'", {"p": {"gone": {"v": 1}}}, {"p": ["a"]}),
+}
+
+
+@pytest.mark.parametrize("created", ["now", "before-the-fix"])
+@pytest.mark.parametrize("what", sorted(RENAMES))
+def test_a_rename_by_another_tool_is_a_delete_of_the_old_name_and_an_upsert_of_the_new(db: Path, what: str,
+                                                                                        created: str) -> None:
+    # Before: the update trigger fired only on a change of the tags, so a renamed key or partition logged nothing:
+    # kv_changes() gave neither the delete nor the new row, and the buffer served the old name until the
+    # 10-minute reconciliation.
+    statement, upserts, deletes = RENAMES[what]
+    with SqliteSource(db) as store:
+        store.kv_batch_put(["a", "b", "gone"], "p", tags=[{"v": 1}, {"v": 2}, {}])
+        store.kv_clear(["gone"], "p")
+    if created == "before-the-fix":  # a file whose change log has no trigger for renames
+        _tool(db, "DROP TRIGGER IF EXISTS kv_version_rename")
+    with SqliteSource(db) as store:
+        cursor, _ = store.kv_snapshot()
+        _tool(db, statement)
+        changed = store.kv_changes(cursor)
+        assert changed is not None
+        _, got_upserts, got_deletes = changed
+        assert (got_upserts, got_deletes) == (upserts, deletes)
+        assert got_upserts == {p: {k: store.kv_list(p)[p][k] for k in items} for p, items in upserts.items()}
+
+
+@pytest.mark.parametrize("what", ["key", "partition"])
+def test_a_rename_by_another_tool_reaches_the_buffer_at_the_next_sync(db: Path, what: str) -> None:
+    with SqliteSource(db) as store:
+        store.kv_batch_put(["a", "b"], "p", tags=[{"v": 1}, {"v": 2}])
+        with ReplayBuffer(SQLITE, source_kwargs={"path": str(db)}, poll_interval=0.05) as rb:
+            rb.sync(timeout=30)
+            assert rb.snapshot() == {"p": {"a": {"v": 1}, "b": {"v": 2}}}
+            _tool(db, RENAMES[what][0])
+            rb.sync(timeout=30)
+            assert _non_empty(rb.snapshot()) == store.kv_list() == {
+                "key": {"p": {"a2": {"v": 1}, "b": {"v": 2}}},
+                "partition": {"p": {"b": {"v": 2}}, "q": {"a": {"v": 1}}}}[what]
+            assert rb.stats()["restarts"] == 0 and rb.stats()["source_errors"] == 0

@@ -11,10 +11,12 @@ after a fork). Fields are JSON only (not tensors), which verl's DAPO metric is.
 
 The change feed: SQLite triggers log every write inside the writer's own transaction, whatever code wrote.
 Each write appends a row to ``kv_versions`` (rowid = version, with a random 31-bit ``stamp``) and stores the
-version in the written row (``kv.version``, indexed); each delete is logged in ``kv_deleted``::
+version in the written row (``kv.version``, indexed); each delete is logged in ``kv_deleted``, and a rename
+(another tool's ``UPDATE`` of ``key`` or ``partition_id``) is both::
 
     kv_batch_put ─▶ kv_versions (version=last+1, stamp) ─▶ kv row (tags, version)
     kv_clear ─────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (partition, key, version)
+    rename ───────▶ kv_versions (version=last+1, stamp) ─▶ kv_deleted (the old name) and kv row (the new)
     poller ───────▶ rows and deletions with version > cursor, in one read transaction
 
 One writer at a time, the log in the database: version order is commit order, so a read's cursor skips no
@@ -439,7 +441,7 @@ _STAMP_ROW = (
 )
 
 # Named as older versions named theirs, so an older version opening the file finds them in place (and adds
-# none beside them); a body without kv_versions is old.
+# none beside them); a body without kv_versions is old. kv_version_rename is new: older versions leave it be.
 _WRITE_TRIGGERS = {
     # A key deleted then put again is an upsert: its log entry goes.
     "kv_version_insert": "CREATE TRIGGER kv_version_insert AFTER INSERT ON kv BEGIN" + _STAMP_ROW +
@@ -450,6 +452,15 @@ _WRITE_TRIGGERS = {
     "kv_version_delete": "CREATE TRIGGER kv_version_delete AFTER DELETE ON kv BEGIN" + _NEW_VERSION +
     " INSERT OR REPLACE INTO kv_deleted (partition_id, key, version)"
     " VALUES (OLD.partition_id, OLD.key, last_insert_rowid()); END",
+    # This class never renames, another tool may (UPDATE kv SET key = ...): the old name is deleted and the new
+    # one put, in one version. Without it the feed saw neither, and a buffer served the old name for up to
+    # RECONCILE_INTERVAL (10 minutes; issue 38).
+    "kv_version_rename": "CREATE TRIGGER kv_version_rename AFTER UPDATE OF partition_id, key ON kv"
+    " WHEN OLD.partition_id IS NOT NEW.partition_id OR OLD.key IS NOT NEW.key BEGIN" + _NEW_VERSION +
+    " INSERT OR REPLACE INTO kv_deleted (partition_id, key, version)"
+    " VALUES (OLD.partition_id, OLD.key, last_insert_rowid());"
+    " UPDATE kv SET version = last_insert_rowid() WHERE partition_id = NEW.partition_id AND key = NEW.key;"
+    " DELETE FROM kv_deleted WHERE partition_id = NEW.partition_id AND key = NEW.key; END",
 }
 
 _TRIGGERS = (
