@@ -9,9 +9,14 @@ or stopped), and PR_SET_PDEATHSIG fires when the *thread* that spawned the child
     trainer ══lifeline══▶ poller ──exit pipe──▶ watchdog
                  ╚═══════════(watched for hang-up)═══╝
 
-It exits with the poller (EOF on the exit pipe); when the trainer goes (hang-up on the lifeline, or a changed parent
-pid of the poller) it gives the poller a short grace, SIGKILLs it and removes the trainer's ipc directory. It is
-forked before anything heavy is imported: copying a ~20 MB poller's page tables was most of its idle kernel time.
+When the trainer goes (hang-up on the lifeline, or a changed parent pid of the poller) it gives the poller a short
+grace, SIGKILLs it and removes the trainer's ipc directory. It is forked before anything heavy is imported: copying a
+~20 MB poller's page tables was most of its idle kernel time.
+
+A poller that exits by itself (a close, a crash, its trainer gone) ends its watchdog last, SIGKILL then waitpid, so it
+leaves no process behind: an orphaned watchdog was adopted by the nearest subreaper, and a trainer that never reaps
+(PID 1 in a container) collected one zombie per poller (issue 38). One killed from outside leaves its watchdog to see
+EOF on the exit pipe and exit too, orphaned.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import select
 import signal
 import sys
+import time
 
 from poller.wire.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE
 from poller.wire.procfs import parent_of, set_process_name
@@ -35,12 +41,14 @@ _MAX_CONFIG_BYTES = 64 * 1024 * 1024
 # How often the watchdog checks the poller's parent; its grace for a healthy orphan (one tick and a margin).
 _CHECK_S = 0.2
 _GRACE_S = 0.4
+# The most a poller waits to reap the watchdog it killed (~1 ms; a machine stalled for longer leaves it orphaned).
+_REAP_S = 1.0
 
 
 def main(lifeline_fd: int) -> None:
     """Fork the watchdog, read the configuration from the lifeline, then run; never returns."""
     set_process_name(POLLER_PROCESS_NAME)  # for ps -e, top, pgrep: not "python3.11"
-    _start_watchdog(lifeline_fd, os.environ.pop(CLEANUP_VARIABLE, None) or None)
+    watchdog = _start_watchdog(lifeline_fd, os.environ.pop(CLEANUP_VARIABLE, None) or None)
     _take_parent_path()
 
     import pickle
@@ -55,8 +63,9 @@ def main(lifeline_fd: int) -> None:
     except BaseException as exc:
         # e.g. a callable source whose module this interpreter cannot import
         lifeline.send(channel, lifeline.failure(exc, lifeline.StartFailed))
+        _end_watchdog(watchdog)
         os._exit(ExitCode.STARTUP_FAILED)
-    run_embedded(config, channel)
+    run_embedded(config, channel, before_exit=lambda: _end_watchdog(watchdog))
 
 
 def _take_parent_path() -> None:
@@ -70,24 +79,19 @@ def _take_parent_path() -> None:
         os.environ["PYTHONPATH"] = previous
 
 
-def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
-    """Fork the watchdog of this process. Call it before starting any thread."""
+def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> int:
+    """Fork the watchdog of this process and return its pid. Call it before starting any thread."""
     poller_pid = os.getpid()
     trainer_pid = os.getppid()
     exit_r, exit_w = os.pipe()  # exit_w stays open, never written: the watchdog sees EOF when we are gone
-    if os.fork():
+    pid = os.fork()
+    if pid:
         os.close(exit_r)
-        return
+        return pid
     try:
         set_process_name(WATCHDOG_PROCESS_NAME)
-        # Run only when no other task wants a core: its exit (~1 ms) would take one from its poller's.
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):
-            try:
-                os.nice(19)
-            except OSError:
-                pass
+        # At the poller's own priority: its exit (~1 ms) comes first now and the poller waits for it (_end_watchdog).
+        # At SCHED_IDLE, with both cores busy, that wait made a graceful close take ~40-370 ms instead of ~10.
         # Above all the launcher's sentinel pipe: while we held it, the trainer would not see the poller die.
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd > 2 and fd not in (lifeline_fd, exit_r):
@@ -98,6 +102,28 @@ def _start_watchdog(lifeline_fd: int, orphan_cleanup: str | None) -> None:
         _watch(poller_pid, trainer_pid, lifeline_fd, exit_r, orphan_cleanup)
     finally:
         os._exit(0)
+
+
+def _end_watchdog(pid: int) -> None:
+    """SIGKILL the watchdog and reap it, waiting at most ``_REAP_S``: this poller is about to exit by itself.
+
+    Called last, right before ``os._exit``: until then the watchdog still guards a poller that wedges on its way out.
+    """
+    try:
+        os.kill(pid, signal.SIGKILL)  # not the exit pipe: a child the source forked may hold its write end too
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + _REAP_S
+    delay = 0.0002
+    while True:
+        try:
+            reaped, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already
+            return
+        if reaped or time.monotonic() >= deadline:
+            return  # not reaped in time: the old way, adopted by whoever reaps orphans
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
 
 
 def _watch(poller_pid: int, trainer_pid: int, lifeline_fd: int, exit_r: int, cleanup: str | None) -> None:

@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -43,8 +43,12 @@ logger = logging.getLogger(__name__)
 _THREAD_END_S = 0.05
 
 
-def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
-    """Run a poller spawned by :class:`~poller.PollerProcess`; ends with ``os._exit`` (``kv_list()`` may be stuck)."""
+def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel, *,
+                 before_exit: Callable[[], None] | None = None) -> None:
+    """Run a poller spawned by :class:`~poller.PollerProcess`; ends with ``os._exit`` (``kv_list()`` may be stuck).
+
+    ``before_exit`` runs last, right before ``os._exit`` (:mod:`poller.child` ends its watchdog there).
+    """
     code = ExitCode.CRASHED
     try:
         code = _ControlLoop(config, lifeline_conn).run()
@@ -53,7 +57,11 @@ def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel) -> None:
         lifeline.send(lifeline_conn, lifeline.failure(exc))
     finally:
         logging.shutdown()
-        os._exit(code)
+        try:
+            if before_exit is not None:
+                before_exit()
+        finally:
+            os._exit(code)
 
 
 def run_standalone(config: WorkerConfig) -> int:

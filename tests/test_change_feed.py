@@ -413,11 +413,13 @@ def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) 
         for interval, reader in readers.items():
             reader.reconcile_interval = interval
             read(reader, sent[interval], True, commit=True)
-        conn = sqlite3.connect(db)  # an edit the triggers do not see
+        conn = sqlite3.connect(db)  # an edit the triggers do not see, by a tool that puts them back as they were
         try:
             with conn:
+                trigger, = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'kv_version_update'").fetchone()
                 conn.execute("DROP TRIGGER kv_version_update")
                 conn.execute("UPDATE kv SET tags = '{\"v\": 2}' WHERE key = 'a'")
+                conn.execute(trigger)
         finally:
             conn.close()
         assert read(readers[3600.0], sent[3600.0], False).upserts == {}
@@ -426,7 +428,7 @@ def test_the_periodic_reconciliation_catches_a_change_the_feed_missed(db: Path) 
     finally:
         for counting in stores.values():
             counting.close()
-    with SqliteSource(db) as store:  # the next read of the feed (or opener) puts the missing trigger back
+    with SqliteSource(db) as store:  # the feed goes on
         cursor, _ = store.kv_snapshot()
         store.kv_put("a", "p", tag={"v": 3})
         assert _served(store.kv_changes(cursor)) == ((cursor[0], cursor[1] + 1), {"p": {"a": {"v": 3}}}, {})
@@ -489,3 +491,153 @@ def test_a_restored_backup_is_noticed_although_its_counter_moved_past_the_cursor
             store.kv_put("later", "p", tag={})
             rb.sync(timeout=30)
             assert "later" in rb.snapshot("p") and rb.stats()["restarts"] == 0
+
+
+# -- renames by another tool ---------------------------------------------------------------------------------
+
+def _tool(path: Path | str, *statements: str) -> None:
+    """Another tool sharing the file: plain sqlite3, its statements in one transaction."""
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            for statement in statements:
+                conn.execute(statement)
+    finally:
+        conn.close()
+
+
+# what another tool runs: (the statement, the upserts and the deletes the feed must give)
+RENAMES = {
+    "key": ("UPDATE kv SET key = 'a2' WHERE key = 'a'", {"p": {"a2": {"v": 1}}}, {"p": ["a"]}),
+    "partition": ("UPDATE kv SET partition_id = 'q' WHERE key = 'a'", {"q": {"a": {"v": 1}}}, {"p": ["a"]}),
+    "both-and-tags": ("UPDATE kv SET partition_id = 'q', key = 'a2', tags = '{\"v\": 9}' WHERE key = 'a'",
+                      {"q": {"a2": {"v": 9}}}, {"p": ["a"]}),
+    "onto-a-deleted-name": ("UPDATE kv SET key = 'gone' WHERE key = 'a'", {"p": {"gone": {"v": 1}}}, {"p": ["a"]}),
+}
+
+
+@pytest.mark.parametrize("created", ["now", "before-the-fix"])
+@pytest.mark.parametrize("what", sorted(RENAMES))
+def test_a_rename_by_another_tool_is_a_delete_of_the_old_name_and_an_upsert_of_the_new(db: Path, what: str,
+                                                                                        created: str) -> None:
+    # Before: the update trigger fired only on a change of the tags, so a renamed key or partition logged nothing:
+    # kv_changes() gave neither the delete nor the new row, and the buffer served the old name until the
+    # 10-minute reconciliation.
+    statement, upserts, deletes = RENAMES[what]
+    with SqliteSource(db) as store:
+        store.kv_batch_put(["a", "b", "gone"], "p", tags=[{"v": 1}, {"v": 2}, {}])
+        store.kv_clear(["gone"], "p")
+    if created == "before-the-fix":  # a file whose change log has no trigger for renames
+        _tool(db, "DROP TRIGGER IF EXISTS kv_version_rename")
+    with SqliteSource(db) as store:
+        cursor, _ = store.kv_snapshot()
+        _tool(db, statement)
+        changed = store.kv_changes(cursor)
+        assert changed is not None
+        _, got_upserts, got_deletes = changed
+        assert (got_upserts, got_deletes) == (upserts, deletes)
+        assert got_upserts == {p: {k: store.kv_list(p)[p][k] for k in items} for p, items in upserts.items()}
+
+
+@pytest.mark.parametrize("what", ["key", "partition"])
+def test_a_rename_by_another_tool_reaches_the_buffer_at_the_next_sync(db: Path, what: str) -> None:
+    with SqliteSource(db) as store:
+        store.kv_batch_put(["a", "b"], "p", tags=[{"v": 1}, {"v": 2}])
+        with ReplayBuffer(SQLITE, source_kwargs={"path": str(db)}, poll_interval=0.05) as rb:
+            rb.sync(timeout=30)
+            assert rb.snapshot() == {"p": {"a": {"v": 1}, "b": {"v": 2}}}
+            _tool(db, RENAMES[what][0])
+            rb.sync(timeout=30)
+            assert _non_empty(rb.snapshot()) == store.kv_list() == {
+                "key": {"p": {"a2": {"v": 1}, "b": {"v": 2}}},
+                "partition": {"p": {"b": {"v": 2}}, "q": {"a": {"v": 1}}}}[what]
+            assert rb.stats()["restarts"] == 0 and rb.stats()["source_errors"] == 0
+
+
+# -- the change log, emptied, dropped or trimmed by another tool ----------------------------------------------
+
+# what another tool does to the file, as statements (each list one transaction; VACUUM runs alone)
+LOG_DAMAGE = {
+    "DELETE FROM kv_versions": ["DELETE FROM kv_versions"],
+    "DROP TABLE kv_versions": ["DROP TABLE kv_versions"],
+    "kv_versions trimmed by hand": ["DELETE FROM kv_versions WHERE version < (SELECT max(version) FROM kv_versions)"],
+    # A clear by the tool in the same transaction: its delete is in the log the tool empties.
+    "DELETE FROM kv_deleted": ["DELETE FROM kv WHERE key = 'b'", "DELETE FROM kv_deleted"],
+    "kv_deleted trimmed by hand": ["DELETE FROM kv WHERE key = 'b'",
+                                   "DELETE FROM kv_deleted WHERE version <= (SELECT max(version) FROM kv_deleted)"],
+    "DROP TABLE kv_deleted": ["DELETE FROM kv WHERE key = 'b'", "DROP TABLE kv_deleted"],
+    "DROP TABLE kv_clock": ["DROP TABLE kv_clock"],
+    "DELETE FROM kv_clock": ["DELETE FROM kv_clock"],
+    "everything": ["DELETE FROM kv WHERE key = 'b'", "DROP TABLE kv_versions", "DROP TABLE kv_deleted",
+                   "DROP TABLE kv_clock"],
+    # Its edit made while the trigger was missing: the repair cannot know what it missed, so it lists.
+    "a trigger dropped, then a write": ["DROP TRIGGER kv_version_update",
+                                        "UPDATE kv SET tags = '{\"v\": 20}' WHERE key = 'a'"],
+    "VACUUM": ["VACUUM"],
+}
+
+
+@pytest.mark.parametrize("first", ["poller", "writer"], ids=["then-the-poller-reads", "then-the-writer-writes"])
+@pytest.mark.parametrize("damage", sorted(LOG_DAMAGE))
+def test_a_change_log_another_tool_emptied_or_dropped_costs_at_most_a_full_listing(db: Path, damage: str,
+                                                                                   first: str) -> None:
+    # Before: an emptied kv_versions made kv_snapshot() raise TypeError (no last version): source errors, then
+    # PollerCrashed (~5 s). A dropped one failed every put of a writer already open until a poller re-created it
+    # (kv_clock: every clear). An emptied kv_deleted lost the deletes since the cursor: the buffer kept the keys.
+    with SqliteSource(db) as store:  # the store's own writer, open throughout
+        store.kv_batch_put(["a", "b", "c"], "p", tags=[{"v": 1}, {"v": 2}, {"v": 3}])
+        # The poller reads only when sync() asks (the interval is long): what it reads first is the test's to say.
+        with ReplayBuffer(SQLITE, source_kwargs={"path": str(db)}, poll_interval=60.0) as rb:
+            rb.sync(timeout=30)
+            assert rb.snapshot() == store.kv_list()
+            if damage == "VACUUM":
+                conn = sqlite3.connect(db, isolation_level=None)
+                try:
+                    conn.execute("VACUUM")
+                finally:
+                    conn.close()
+            else:
+                _tool(db, *LOG_DAMAGE[damage])
+            if first == "poller":
+                rb.sync(timeout=30)
+                assert _non_empty(rb.snapshot()) == store.kv_list()
+            store.kv_batch_put(["c", "d"], "p", tags=[{"v": 30}, {"v": 4}])
+            store.kv_clear(["a"], "p")
+            rb.sync(timeout=30)
+            assert _non_empty(rb.snapshot()) == store.kv_list()
+            store.kv_put("e", "p", tag={"v": 5})
+            store.kv_clear(["d"], "p")
+            rb.sync(timeout=30)
+            assert _non_empty(rb.snapshot()) == store.kv_list()
+            assert sorted(store.kv_list()["p"]) == (["b"] if "'b'" not in " ".join(LOG_DAMAGE[damage]) else []) + [
+                "c", "e"]
+            stats = rb.stats()
+            assert stats["restarts"] == 0 and stats["source_errors"] == 0 and stats["poller_alive"]
+
+
+def test_an_emptied_version_log_is_seeded_where_the_file_left_off_and_old_cursors_get_none(db: Path) -> None:
+    with SqliteSource(db) as store:
+        store.kv_batch_put(["a", "b"], "p", tags=[{"v": 1}, {"v": 2}])
+        store.kv_clear(["b"], "p")
+        cursor, _ = store.kv_snapshot()
+        _tool(db, "DELETE FROM kv_versions")
+        assert store.kv_changes(cursor) is None  # it cannot tell what happened since: a full listing
+        again, listing = store.kv_snapshot()
+        assert listing == {"p": {"a": {"v": 1}}} and again[1] > cursor[1]  # versions go on, never back
+        assert store.kv_changes(again) == (again, {}, {})
+        _tool(db, "DELETE FROM kv_versions")
+        # Another tool writes before any read (its write numbered from 1 again, below the rows' versions): the
+        # next read finds the log behind them, and versions still go on from the highest one the file used.
+        _tool(db, "UPDATE kv SET tags = '{\"v\": 9}' WHERE key = 'a'")
+        assert store.kv_changes(again) is None
+        last, listing = store.kv_snapshot()
+        assert listing == {"p": {"a": {"v": 9}}} and last[1] > again[1]
+        assert store.kv_changes(last) == (last, {}, {})  # the rows numbered low are not listed again and again
+        # The same with no deletion logged: the horizon the last mend set still tells that the log is behind.
+        _tool(db, "DELETE FROM kv_deleted", "DELETE FROM kv_versions", "UPDATE kv SET tags = '{}' WHERE key = 'a'")
+        assert store.kv_changes(last) is None
+        latest, listing = store.kv_snapshot()
+        assert listing == {"p": {"a": {}}} and latest[1] > last[1]
+        assert store.kv_changes(latest) == (latest, {}, {})  # served: not a full listing at every poll
+        store.kv_put("c", "p", tag={})
+        assert _served(store.kv_changes(latest)) == ((latest[0], latest[1] + 1), {"p": {"c": {}}}, {})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -220,6 +221,53 @@ def test_parent_sigkill_leaves_no_orphan(tmp_path, db, source):
         trainer.kill()
         trainer.wait(10)
         trainer.stdout.close()
+
+# A trainer that adopts orphans and never reaps them, as one that is PID 1 in a container does (here a child
+# subreaper, prctl(PR_SET_CHILD_SUBREAPER)): what a closed buffer leaves behind becomes its child, zombie or not.
+_SUBREAPER_TRAINER = textwrap.dedent("""
+    import ctypes, json, os, sys, time
+    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        sys.exit(f"prctl: errno {ctypes.get_errno()}")
+    from buffer import ReplayBuffer
+
+    def children():
+        found = []
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # gone meanwhile
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            state, parent = stat.rsplit(")", 1)[1].split()[:2]
+            if int(parent) == os.getpid():
+                found.append([int(entry), state, name])
+        return found
+
+    if __name__ == "__main__":
+        stages = []
+        for _ in range(int(sys.argv[2])):
+            rb = ReplayBuffer(source="poller.sources.sqlite:SqliteSource", source_kwargs={"path": sys.argv[1]},
+                              poll_interval=0.02)
+            stages.append(rb.close().stage)
+        print(json.dumps({"stages": stages, "children": children()}), flush=True)
+        time.sleep(0.5)  # nothing may turn up later either (a watchdog exits after its poller)
+        print(json.dumps({"children": children()}), flush=True)
+""")
+
+
+def test_a_graceful_close_leaves_no_process_behind_not_even_a_zombie(tmp_path, db):
+    # Before: each poller's watchdog outlived it, orphaned, and was adopted by the nearest subreaper; a trainer
+    # that never reaps (PID 1 in a container) collected one zombie `replay-watchdog` per open/close cycle.
+    script = tmp_path / "trainer.py"
+    script.write_text(_SUBREAPER_TRAINER)
+    trainer = subprocess.run([sys.executable, str(script), db, "10"], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert trainer.returncode == 0, trainer.stderr
+    first, later = map(json.loads, trainer.stdout.splitlines())
+    assert first["stages"] == ["graceful"] * 10
+    assert first["children"] == [] and later["children"] == [], (first, later)
+
 
 def test_a_picklable_callable_works_as_source(db, store):
     from poller.sources.sqlite import SqliteSource

@@ -108,6 +108,7 @@ UNREADABLE_ROWS = {
     "tags-not-json": ("bad", "are not JSON"),
     "tags-not-an-object": ("bad", "are list, not an object"),
     "tags-not-utf8": ("bad", "are not UTF-8 text"),
+    "tags-nested-too-deep": ("bad", "nest deeper than JSON can be read"),
     "key-not-utf8": ("b'key\\xff' (bytes)", "key is bytes, not str"),
     "blob-key": ("b'blob' (bytes)", "key is bytes, not str"),
 }
@@ -165,6 +166,29 @@ def test_a_row_the_store_cannot_read_is_quarantined_and_every_partition_flows(db
         assert rb.sample("train", global_steps=1, timeout=10).keys == ["a", "b", "c", "d"]
         stats = rb.stats()
         assert stats["restarts"] == 0 and stats["source_errors"] == 0 and stats["poller_alive"]
+
+
+# A tag value nested past any limit, as a store client can hand it over in-process (a custom source's kv_list(),
+# TransferQueue's unpickled tags): within the receiver's max_depth, and past the interpreter's recursion limit.
+DEEP_LIMITS = {"default": None, "max_depth past the recursion limit": {"max_depth": 100_000}}
+
+
+@pytest.mark.parametrize("limits", sorted(DEEP_LIMITS))
+@pytest.mark.parametrize("kind", ["dict", "list"])
+def test_a_tag_value_nested_past_any_limit_is_quarantined_whatever_the_source(kind: str, limits: str) -> None:
+    # Before: with a max_depth the interpreter cannot recurse to, the screen's walk raised RecursionError: every
+    # poll failed, and the poller ended (PollerCrashed) although one record was at fault.
+    with ReplayBuffer("tests.helpers.sources:DeepTags", source_kwargs={"kind": kind, "levels": 5000},
+                      poll_interval=0.05, listing_share=1.0, limits=DEEP_LIMITS[limits], max_restarts=0) as rb:
+        rb.sync(timeout=30)
+        rb.sync(timeout=30)  # every listing holds a new key: each one flows past the quarantined key
+        assert wait_until(lambda: rb.stats()["quarantined"] == 1)
+        (partition, key, why), = rb.stats()["quarantined_keys"]
+        assert (partition, key) == ("train", "deep") and "nested deeper than" in why, why
+        listed = rb.snapshot("train")
+        assert "a" in listed and "deep" not in listed and len([k for k in listed if k.startswith("later")]) == 1
+        stats = rb.stats()
+        assert stats["source_errors"] == 0 and stats["restarts"] == 0 and stats["poller_alive"]
 
 
 def test_deleting_a_blob_key_neither_fails_a_poll_nor_restarts_the_poller(db: str, store: SqliteSource) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from poller.sources.sqlite import SqliteSource
 from poller.wire.sources import UnreadableValue, load_source
+from tests.helpers.sources import nested_past_any_limit
 
 JOIN_TIMEOUT = 30.0
 
@@ -247,6 +248,40 @@ def test_rows_another_tool_wrote_are_listed_by_every_read_instead_of_failing_it(
     with pytest.raises(ValueError, match="stored tags of 'b'/'list' are list, not an object"):
         store.kv_batch_put(["fine", "list"], "b", tags=[{}, {}])
     assert "fine" not in store.kv_list("b")["b"]
+
+
+def test_tags_nested_past_the_json_decoder_are_unreadable_in_every_read_and_refused_by_writes(store: SqliteSource,
+                                                                                            db: Path) -> None:
+    # Before: JSON nested 2,000 deep made the decoder raise RecursionError (no ValueError), which every read
+    # let through: kv_list() and both snapshots raised, and a poller failed every poll until PollerCrashed.
+    deep = '{"deep": ' + "[" * 2000 + "]" * 2000 + "}"
+    store.kv_put("fine", "p", tag={"v": 1})
+    cursor, _ = store.kv_snapshot()
+    with sqlite3.connect(db) as conn:
+        conn.execute("INSERT INTO kv (partition_id, key, tags) VALUES ('p', 'deep', ?)", (deep,))
+        conn.execute("INSERT INTO kv_fields (partition_id, key, fields) VALUES ('p', 'fine', ?)", (deep,))
+    conn.close()
+    unreadable = store.kv_list()["p"]["deep"]
+    assert isinstance(unreadable, UnreadableValue) and "nest deeper than JSON can be read" in unreadable.reason
+    expected = {"p": {"fine": {"v": 1}, "deep": unreadable}}
+    assert store.kv_list() == store.kv_list("p") == store.kv_snapshot()[1] == expected
+    _, pieces = store.kv_snapshot_pieces(1)
+    merged: dict[Any, dict[Any, Any]] = {}
+    for piece in pieces:
+        for partition, items in piece.items():
+            merged.setdefault(partition, {}).update(items)
+    assert merged == expected
+    changes = store.kv_changes(cursor)
+    assert changes is not None and changes[1] == {"p": {"deep": unreadable}}
+    # A read or a merge of such a row says which and why, and writes nothing.
+    for call in (lambda: store.kv_batch_get(["deep"], "p"), lambda: store.kv_put("deep", "p", tag={"v": 2}),
+                 lambda: store.kv_batch_get(["fine"], "p"), lambda: store.kv_put("fine", "p", fields={"f": 1})):
+        with pytest.raises(ValueError, match=r"stored tags of 'p'/'(deep|fine)' nest deeper than JSON can be read"):
+            call()
+    # Tags too deep to store are refused as clearly.
+    with pytest.raises(ValueError, match="tags of key 'k' nest too deep to be stored as JSON"):
+        store.kv_put("k", "p", tag={"deep": nested_past_any_limit("dict", 5000)})
+    assert store.kv_list() == expected
 
 
 def test_reopen_after_close(db: Path) -> None:

@@ -94,6 +94,8 @@ UNREADABLE: dict[str, tuple[str, str]] = {
     "tags-not-utf8": ("'bad'", "CAST(X'7b22ff227d' AS TEXT)"),
     "key-not-utf8": ("CAST(X'6b6579ff' AS TEXT)", "'{}'"),  # b"key\xff": TEXT that is not UTF-8
     "blob-key": ("X'626c6f62'", "'{}'"),  # b"blob": a BLOB in the TEXT column
+    # Valid JSON, nested past what the JSON decoder can read (it raises RecursionError, not ValueError).
+    "tags-nested-too-deep": ("'bad'", "'{\"deep\": " + "[" * 2000 + "]" * 2000 + "}'"),
 }
 
 

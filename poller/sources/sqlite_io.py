@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import sqlite3
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -170,7 +171,10 @@ def json_rows(what: str, keys: list[str], given: Any) -> list[Tags]:
     for key, row in zip(keys, rows):
         if not isinstance(row, dict):
             raise TypeError(f"{what} of key {key!r} must be a dict, got {type(row).__name__}")
-        check_json(row, f"{what} of key {key!r}")
+        try:
+            check_json(row, f"{what} of key {key!r}")
+        except RecursionError:
+            raise ValueError(f"{what} of key {key!r} nest too deep to be stored as JSON") from None
     return rows
 
 
@@ -199,7 +203,15 @@ def check_json(value: Any, where: str) -> None:
 
 
 def dumps(tags: Tags) -> str:
-    return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    """``tags`` as the store writes them.
+
+    Raises:
+        ValueError: they nest too deep for the encoder (stored tags merged with a put, each read at its limit).
+    """
+    try:
+        return json.dumps(tags, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except RecursionError:
+        raise ValueError("the merged tags nest too deep to be stored as JSON") from None
 
 
 # A row this module wrote has no surrounding whitespace for json.loads to check: raw_decode reads
@@ -219,6 +231,8 @@ def read_tags(text: Any) -> Tags | UnreadableValue:
                 return value
         except ValueError:
             pass
+        except RecursionError:  # valid JSON nested ~1000 deep: the row's problem, never the read's (issue 38)
+            return _too_deep()
     if isinstance(text, bytes):
         try:
             text = text.decode()
@@ -228,6 +242,15 @@ def read_tags(text: Any) -> Tags | UnreadableValue:
         value = json.loads(text)
     except (TypeError, ValueError) as exc:
         return UnreadableValue(f"stored tags are not JSON: {exc}")
+    except RecursionError:
+        return _too_deep()
     if not isinstance(value, dict):
         return UnreadableValue(f"stored tags are {type(value).__name__}, not an object")
     return value
+
+
+def _too_deep() -> UnreadableValue:
+    # The C decoder recurses once per level: JSON nested past the recursion limit raises RecursionError, which is
+    # no ValueError; uncaught, it failed every listing of the store and ended the poller.
+    return UnreadableValue(f"stored tags nest deeper than JSON can be read here (recursion limit "
+                           f"{sys.getrecursionlimit()})")

@@ -10,6 +10,7 @@ bytes: how both decide "did it change?".
 from __future__ import annotations
 
 import copy
+import sys
 from itertools import chain
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
@@ -169,7 +170,12 @@ def _screen_tags(key: str, tags: Any, limits: Limits) -> Any:
     """The plain tags of one key; raises _Refuse naming what the wire cannot carry."""
     if len(key) * 4 > limits.max_str_len or not key.isascii():
         _plain(key, limits, TAGS_DEPTH, [1])
-    plain = _plain(tags, limits, TAGS_DEPTH - 1, [limits.max_items])
+    try:
+        plain = _plain(tags, limits, TAGS_DEPTH - 1, [limits.max_items])
+    except RecursionError:
+        # max_depth is the receiver's to choose: past this interpreter's recursion limit the walk itself gives out
+        # before it. Uncaught, one such record (any source's) failed every poll and ended the poller (issue 38).
+        raise _Refuse(f"nested deeper than the poller can walk (recursion limit {sys.getrecursionlimit()})") from None
     try:
         size = packed_size(plain)
     except (TypeError, ValueError, OverflowError) as exc:  # what the walk let through and msgpack did not

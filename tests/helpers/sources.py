@@ -262,3 +262,25 @@ class HalfChangeFeed:
 
     def kv_changes(self, cursor: Any) -> Any:
         return None
+
+
+def nested_past_any_limit(kind: str, levels: int) -> Any:
+    """A value ``levels`` deep: dicts (``{"x": {"x": ...}}``) or lists (``[[...]]``), built without recursion."""
+    value: Any = {} if kind == "dict" else []
+    for _ in range(levels):
+        value = {"x": value} if kind == "dict" else [value]
+    return value
+
+
+class DeepTags:
+    """Lists one key whose tag value is nested ``levels`` deep (what a custom store client or unpickled
+    TransferQueue tags can hand over), beside keys that are fine; ``deep_too`` adds one each poll after it."""
+
+    def __init__(self, kind: str = "dict", levels: int = 5000) -> None:
+        self.deep = nested_past_any_limit(kind, levels)
+        self.polls = 0
+
+    def kv_list(self) -> Any:
+        self.polls += 1
+        fine = {"global_steps": 1, "status": "success"}
+        return {"train": {"a": dict(fine), "deep": {**fine, "deep": self.deep}, f"later{self.polls}": dict(fine)}}
