@@ -275,10 +275,18 @@ class PartitionStore:
         changed = list(compress(range(len(keys)), map(ne, olds, blobs)))
         decoded = unpack([blobs[i] for i in changed]) if changed else []
         merge, hidden = self.ledger.listed(stream, partition_id, keys, blobs)
-        for key in hidden:  # what the view showed of it, no stream lists now
+        # What the view showed of these, no stream lists now: dropped last (a partition emptied goes with its dict).
+        took = self._take_changed(partition_id, items, keys, olds, blobs, changed, decoded, merge)
+        for key in hidden:
             self._drop(partition_id, key)
+        return took or bool(hidden)
+
+    def _take_changed(self, partition_id: str, items: dict[str, _Held] | None, keys: Sequence[str],
+                      olds: list[Any], blobs: Sequence[bytes], changed: list[int], decoded: list[Tags],
+                      merge: list[str] | None) -> bool:
+        """The rest of :meth:`_merge_packed`: the ``changed`` keys taken (``merge``: only those), bulk first."""
         if not changed:
-            return bool(hidden)
+            return False
         if items is None:
             items = self._parts[partition_id] = {}
         if merge is None and len(changed) == len(keys) and not any(olds):

@@ -64,6 +64,10 @@ LINK_LOST_AFTER = 3.0
 MAX_TOMB_VERSIONS = 16
 
 
+class ToolRefused(Exception):
+    """Another tool's write failed because a tool dropped the change log the triggers write to."""
+
+
 class Violation(AssertionError):
     """A guarantee broken: ``kind`` names how (``rule:what``, the rule the oracle's letter), ``text`` what was seen."""
 
@@ -173,12 +177,22 @@ class Store:
         return Truth(readable, unreadable)
 
     def tool(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
-        """Run ``statements`` in one transaction from another program's connection."""
+        """Run ``statements`` in one transaction from another program's connection.
+
+        Raises:
+            ToolRefused: the store's triggers need the change log another tool dropped (the store mends it at its
+                next read or write; a program of its own cannot write meanwhile).
+        """
         with closing(sqlite3.connect(self.path, isolation_level=None, timeout=10.0)) as conn:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 for sql, params in statements:
                     conn.execute(sql, params)
+            except sqlite3.OperationalError as exc:
+                conn.execute("ROLLBACK")
+                if "no such table" in str(exc):
+                    raise ToolRefused(str(exc)) from exc
+                raise
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
@@ -476,6 +490,8 @@ class World:
         names = list(names)
         try:
             call()
+        except ToolRefused:
+            return  # nothing was written
         except Exception as exc:  # the store's own writers must keep working, whatever another tool did
             self.violation("d:api-write", f"a write through the store's API failed: {type(exc).__name__}: {exc}")
         for name in names:
@@ -513,7 +529,9 @@ class World:
         tags = self.store.truth().readable.get((partition, key))
         if tags is None:
             return False
-        self._write([(partition, key)], lambda: store_faults.replace(self.store.path, partition, key, tags))
+        self._write([(partition, key)], lambda: self.store.tool(
+            ("DELETE FROM kv WHERE partition_id = ? AND key = ?", (partition, key)),
+            ("INSERT INTO kv (partition_id, key, tags) VALUES (?, ?, ?)", (partition, key, json.dumps(tags)))))
         return True
 
     def _op_tool_rename(self, partition: str, key: str, to_partition: str, to_key: str) -> bool:
@@ -548,6 +566,8 @@ class World:
     def _op_tool_log(self, edit: str) -> None:
         try:
             self.store.edit_log(edit)
+        except ToolRefused:
+            return
         except sqlite3.Error as exc:
             self.violation("d:tool-failed", f"another tool could not {edit} the change log: {exc}")
 
