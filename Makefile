@@ -10,7 +10,7 @@ TQ_STAMP := $(VENV)/.installed-transferqueue
 # or a range TransferQueue's dependencies pick) pulls a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-versions lint check-dist test-integration install bench docs clean
+.PHONY: demo test test-versions lint check-dist test-integration install bench docs clean simulate
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ demo: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest
+
+# The simulation of what decides the view (tests/simulation) over more seeds than `make test` runs:
+# `make simulate SEEDS=2000`; a failure prints its seed and a shrunk schedule.
+SEEDS ?= 500
+STEPS ?= 400
+
+simulate: $(STAMP)
+	$(BIN)/python -m tests.simulation --seeds $(SEEDS) --steps $(STEPS)
 
 # The range the package claims (setup.cfg: Python 3.10-3.13): a fast subset of the suite under the
 # oldest and the newest, each in a venv of its own, from pyenv's builds (`pyenv root`) or pythonX.Y
