@@ -254,7 +254,7 @@ def _wire(action: str, rb: ReplayBuffer) -> int:
     """Play a wire fault from a rogue peer; return the protocol errors it must cause."""
     if action == "same-identity":
         with RoguePeer(rb.endpoint, name=rb.stats()["poller_name"], epoch=5) as peer:
-            peer.ready()
+            peer.ready(join=False)  # refused while the poller holds the name: nothing answers it
             peer.delta({PARTITION: {"evil": {"global_steps": 2, "status": "success"}}}, full=True, reset=True)
             time.sleep(0.2)  # long enough to be applied, were it accepted
         return 0

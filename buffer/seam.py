@@ -154,6 +154,10 @@ class SamplingSeam:
         if self._listings is not None:
             self._listings.wait(timeout)
 
+    def not_fresh(self) -> str | None:
+        """Why no decision could be made on the view now (its store not answering, how long; too old); None."""
+        return self._store.view_stale()
+
     def view_age(self) -> float:
         """Seconds since the store was last known to be listed whole into the view (0: nobody to ask)."""
         return self._listings.view_age() if self._listings is not None else 0.0

@@ -142,6 +142,9 @@ class SyncRequest:
                 why.append(f"{stream} has been silent past stale_after" if peer.stale else f"{stream} said BYE")
             if len(self.asked[stream]) > 1:
                 why.append(f"asked {len(self.asked[stream])} processes of {stream} (it restarted)")
+        stale = sync._store.view_stale()
+        if stale is not None:
+            why.append(stale)
         for stream in sync._store.unvouched():
             why.append(f"poller {stream} is silent and alone lists {len(sync._store.lonely(stream))} key(s) of the "
                        f"view, which cannot be read back until it lists again or is withdrawn (max_view_age)")

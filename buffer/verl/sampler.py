@@ -204,7 +204,7 @@ class ReplayBuffer:
         metrics: dict[str, Any] = {}
         while True:
             result = self._decide(what, partition_id, deadline, rule)
-            if isinstance(result, int) or not self._carry_out(result, partition_id, metrics, deadline):
+            if isinstance(result, int) or not self._carry_out(result, what, partition_id, metrics, deadline):
                 return result, metrics
 
     def _decide(self, what: str, partition_id: str, deadline: float | None,
@@ -248,7 +248,8 @@ class ReplayBuffer:
         except TimeoutError as exc:
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
 
-    def _carry_out(self, plan: Plan, partition_id: str, metrics: dict[str, Any], deadline: float | None) -> bool:
+    def _carry_out(self, plan: Plan, what: str, partition_id: str, metrics: dict[str, Any],
+                   deadline: float | None) -> bool:
         """Do the plan's I/O; True when the caller must decide again."""
         if plan.fetch:
             self._fetch(partition_id, plan.fetch)
@@ -263,18 +264,25 @@ class ReplayBuffer:
             self._counters["refills"] += 1
             self._config.refill_fn(plan.refill)
             # What refill_fn wrote (synchronously) is in the next view.
-            self._read_your_writes("refill_fn", deadline)
+            self._read_your_writes(what, deadline, after="refill_fn")
         return plan.select is None and not plan.ready
 
-    def _read_your_writes(self, what: str, deadline: float | None) -> None:
-        """Wait for a listing that began after this call: it shows the sampler's own clears and refills."""
+    def _read_your_writes(self, what: str, deadline: float | None, after: str = "its clears") -> None:
+        """Wait for a listing that began after this call: it shows the sampler's own clears and refills.
+
+        Raises:
+            TimeoutError: ``sample_timeout`` passed first; the message names the call and, when the store stopped
+                answering, for how long it has not.
+        """
         seam = self._store.start().seam
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._counters["syncs"] += 1
         try:
             seam.sync(remaining)
-        except TimeoutError as exc:
-            raise TimeoutError(f"{what}: no fresh listing of the store before the deadline: {exc}") from None
+        except TimeoutError:
+            stale = seam.not_fresh()
+            raise TimeoutError(f"{what} timed out after {self._config.sample_timeout:g}s: no listing of the store "
+                               f"that began after {after} was applied" + (f"; {stale}" if stale else "")) from None
         self._needs_fresh_view = False
 
     def _clear(self, partition_id: str, keys: list[str]) -> None:

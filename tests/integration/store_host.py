@@ -135,6 +135,16 @@ class _Store:
         tq.close()
         self.open = False
 
+    def after_controller_killed(self) -> None:
+        """A test killed the TransferQueue controller: close the client side (bounded: it may wait on the dead
+        controller) so that :meth:`ensure_open` starts a new one."""
+        import transfer_queue as tq
+
+        closing = threading.Thread(target=tq.close, daemon=True)
+        closing.start()
+        closing.join(30)
+        self.open = False
+
     def ensure_open(self) -> None:
         """After a test closed TransferQueue: wait for the old controller to go, then init again."""
         if self.open:

@@ -141,3 +141,16 @@ def test_one_finished_prompt_runs_through_the_modules_the_page_lists(store, tmp_
     ran = set().union(*map(set, out["poller"].values()), *map(set, out["trainer"].values()))
     assert ran - WHEN_ONLY.keys() - ALSO_RUN.keys() - listed == set(), json.dumps(out)
     assert listed - ran == set(), json.dumps(out)
+
+
+def test_a_sample_after_the_controller_died_says_which_call_timed_out_and_how_long_the_store_is_silent(store):
+    # It read "sync() timed out after 5.13e-05s (timeout=0.0s) ... after 15.0s": an inner wait, and not how long
+    # the store had not answered, which docs/transferqueue.md promises.
+    try:
+        out = run(store, "sample_after_the_controller_died")
+    finally:
+        store.call("after_controller_killed")
+    message = out["message"]
+    assert message.startswith("sample(") and "timed out after 8s" in message, message
+    assert "has not answered for" in message and "timeout=0" not in message, message
+    assert out["waited_s"] < 30, out

@@ -459,3 +459,23 @@ def traced_sample(conf: Any, trace_file: str) -> dict[str, Any]:
     tq.kv_clear(keys=list(batch.keys), partition_id="train")
     return {"keys": list(batch.keys), "closed": report.stage, "poller": poller,
             "trainer": {thread: sorted(modules) for thread, modules in trainer.modules.items() if thread != "writer"}}
+
+
+def sample_after_the_controller_died(conf: Any) -> dict[str, Any]:
+    """A sampler whose TransferQueue controller was killed under it: a call's TimeoutError names the call, its
+    timeout, and for how long the store has not answered (not an inner wait of 0 s)."""
+    import ray
+
+    group("train", "finished", step=0)
+    rb = custom_path("sync", sample_timeout=8.0)
+    rb.sample(global_steps=0, partition_id="train", batch_size=1)  # the poller runs; the next call syncs first
+    ray.kill(ray.get_actor("TransferQueueController", namespace="transfer_queue"), no_restart=True)
+    started = time.monotonic()
+    message = "no TimeoutError"
+    try:
+        rb.sample(global_steps=0, partition_id="train", batch_size=1)
+    except TimeoutError as exc:
+        message = str(exc)
+    waited = time.monotonic() - started
+    rb.close()
+    return {"message": message, "waited_s": waited}
