@@ -317,6 +317,7 @@ class Ledger:
         self.abandon_snapshot(stream)
         drops = [(partition, self.unlisted(stream, partition, list(keys)))
                  for partition, keys in list(self._listed.get(stream, {}).items())]
+        self._forget_in_tombs(stream)  # its old store's listings are no more: none of them can come
         self.mark_broken(stream, "has a new store")
         return drops
 
@@ -334,13 +335,17 @@ class Ledger:
         drops = [(partition, self.unlisted(stream, partition, list(keys)))
                  for partition, keys in list(self._listed.get(stream, {}).items())]
         self._listed.pop(stream, None)
+        self._forget_in_tombs(stream)
+        return drops
+
+    def _forget_in_tombs(self, stream: str) -> None:
+        """No tombstone waits on ``stream`` (gone, or its store replaced)."""
         for partition, key in self._waiting_on.pop(stream, ()):
             tomb = self._tombs.get(partition, {}).get(key)
             if tomb is not None:
                 tomb.waiting.discard(stream)
                 tomb.doubt.discard(stream)
                 self._end_if_over(partition, key, tomb)
-        return drops
 
     def bound_age(self, max_age: float) -> None:
         """A view is fresh only while each required stream's last complete poll is at most ``max_age`` s old;

@@ -183,6 +183,8 @@ class PeerTable:
         """A SYNC for ``identity`` (``token``, or a higher one not answered yet), asked again by :meth:`tick`.
         A ``mark`` asks for no poll now: the next one as scheduled answers it (unless a poll was asked already)."""
         asked = self._syncs.get(identity)
+        if asked is not None and self._store.synced(identity.decode(errors="replace")) >= asked[0]:
+            asked = None  # answered already (tick() has not forgotten it yet)
         if asked is not None:
             token, mark = max(token, asked[0]), mark and not asked[2]
         self._syncs[identity] = (token, now, not mark)
@@ -287,11 +289,12 @@ class PeerTable:
             self.protocol_error(identity, f"{message.kind.name} is not a poller's message")
             return []
         actions: list[Send] = []
-        if not self._sequence_ok(identity, peer, message, now, actions):
-            return actions
+        in_sequence = self._sequence_ok(identity, peer, message, now, actions)
         if peer.relist:
             self._relist(identity, peer, now, actions)  # its deltas are ignored until the new listing (_on_delta)
-        elif came_back:
+        if not in_sequence:
+            return actions
+        if came_back and not peer.awaiting_resync:
             fresh = message.kind is Kind.READY and message.seq == 0
             if not (fresh or _snapshot_start(message) or peer.awaiting_resync):
                 # Silence can hide loss the sequence cannot show (a poller refused on redial streamed nowhere).
@@ -316,11 +319,11 @@ class PeerTable:
 
     def _relist(self, identity: bytes, peer: Peer, now: float, actions: list[Send]) -> None:
         """A standalone poller speaks, first or after it was withdrawn: ask for a listing that answers a new sync
-        token (the SYNC first, so that the RESYNC is answered by a listing, not by the last poll sent again:
-        poller.polling); until one applies, its deltas are ignored."""
+        token, and a snapshot; until a snapshot answering it starts, its deltas are ignored (a RESYNC answered
+        with the last poll sent again is refused, and asked again until the listing answering the token is)."""
         peer.relist = peer.withdrawn = False
         peer.relist_token = self._store.issue_token()
-        actions.append(self.sync(identity, peer.relist_token, now))
+        actions.insert(0, self.sync(identity, peer.relist_token, now))  # before any RESYNC
         # No loss to count: a first listing, or one after the buffer let the poller go.
         actions.append(self._request_resync(identity, peer, "a standalone poller lists anew (first heard of, or "
                                                             "withdrawn)", now, retry=True))

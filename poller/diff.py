@@ -285,8 +285,10 @@ class ListingReader:
                                 held=whole)
                 snapshot.refused = diff.refused
                 return snapshot
-            # Listed at once, within the share or not: a feed that lost its cursor has nothing else to offer.
+            # Listed at once, within the share or not: a feed that lost its cursor has nothing else to offer. Sent
+            # as a snapshot: the store may be another history (a backup restored), and the buffer counts it as one.
             logger.info("the source cannot serve change cursor %r: taking a full listing", self._cursor)
+            full = True
         in_pieces = self.offered.kv_snapshot_pieces
         if full and in_pieces is not None:
             began = time.monotonic()

@@ -282,10 +282,10 @@ class PollingThread(threading.Thread):
         """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
 
         It repairs the receiver at once, free for the store and outside the share (a change feed's reader answers).
-        Not when a SYNC came since that poll: the listing it asks for answers both (and is what a buffer that
-        dropped this poller's keys, having heard nothing of it for long, waits for: buffer.stream).
+        A buffer that needs a listing begun after a token (buffer.stream, a poller it lets list anew) refuses it
+        and asks again: the listing answering its SYNC is then sent again, and taken.
         """
-        return self._last_poll is not None and not self._reader.feed and self.sync_received <= self._last_poll[2]
+        return self._last_poll is not None and not self._reader.feed
 
     def _resend(self) -> float | None:
         """Send ``sent`` as a full snapshot of the last poll; the pause before the next listing (None: stopping)."""
@@ -405,7 +405,7 @@ class PollingThread(threading.Thread):
                 self._current = None
             self._answered()
             # A piece at a time, each sent before the next is made: a snapshot is applied while it is packed.
-            if not self._send(diff, diff.deletes, poll=self.polls + 1, started=started, full=full, sync=covered):
+            if not self._send(diff, diff.deletes, poll=self.polls + 1, started=started, full=diff.full, sync=covered):
                 return None
         except SourceStall as exc:
             self._stalled(call, str(exc) or type(exc).__name__)

@@ -124,11 +124,13 @@ def test_per_peer_state_is_capped(limited: ReplayBuffer, caplog: pytest.LogCaptu
             assert wait_until(lambda: f"part{i}" in limited.snapshot())
         assert limited.stats()["peers"] == 3
         assert any("forgot the state of peer" in r.getMessage() for r in caplog.records)
-        # A forgotten peer that speaks again is asked to resync, not trusted mid-stream.
+        # A forgotten peer is withdrawn: what only it listed is dropped (nothing vouches for it any more).
+        assert "part0" not in limited.snapshot()
+        # Speaking again, it is asked to list anew (a token, then a resync), not trusted mid-stream.
         peers[0].delta({"part0": {"k": {"v": 99}}})
-        request = peers[0].recv()
-        assert request is not None and request.kind is Kind.RESYNC
-        assert limited.snapshot("part0") == {"k": {"v": 0}}
+        asked = [peers[0].recv(), peers[0].recv()]
+        assert [m.kind for m in asked if m is not None] == [Kind.SYNC, Kind.RESYNC]  # the token first
+        assert "part0" not in limited.snapshot()
     finally:
         for peer in peers:
             peer.close()

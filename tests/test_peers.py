@@ -225,3 +225,46 @@ def test_undecodable_packed_tags_break_the_view_and_ask_for_a_resync(table: Peer
     assert "x" not in snapshot(table)["p"]
     assert table.on_message(ID, blobs_delta(4, {"p": [["ok"], [good]]}, full=True, reset=True), 0.3) == []
     assert snapshot(table) == {"p": {"ok": {"v": 3}}} and table._store.view_gap("p") is None
+
+
+def test_a_standalone_pollers_first_listing_applies_only_when_it_answers_the_buffers_token(table: PeerTable) -> None:
+    # A listing begun before the buffer heard of the poller may predate a removal it no longer remembers.
+    token = joined(table)
+    assert table.on_message(ID, delta(1, {"p": {"old": {}}}, full=True, reset=True, sync=token - 1), 0.0) == []
+    assert snapshot(table) == {}
+    assert table.on_message(ID, delta(2, {"p": {"new": {}}}, full=True, reset=True, sync=token), 0.1) == []
+    assert snapshot(table) == {"p": {"new": {}}}
+
+
+def test_a_standalone_poller_silent_past_max_view_age_is_withdrawn_and_lists_anew_when_back(table: PeerTable) -> None:
+    table._store.bound_age(10.0)
+    started(table)
+    table.tick(6.0)  # stale: the view of what only it lists is not fresh
+    assert table._store.view_stale("p") is not None and snapshot(table) == {"p": {"a": {"v": 1}}}
+    table.tick(11.0)  # silent past max_view_age: withdrawn
+    assert snapshot(table) == {} and table._store.view_stale("p") is None
+    table._store.remove("p", ["gone"])  # a removal no live stream could answer leaves nothing
+    assert table._store.ledger._tombs == {}
+    # Back: a new listing, answering a new token, is asked for; its deltas wait for it.
+    actions = table.on_message(ID, delta(2, {"p": {"b": {}}}), 12.0)
+    assert kinds(actions) == [Kind.SYNC, Kind.RESYNC]
+    assert snapshot(table) == {}
+    token = actions[0].body.token
+    table.on_message(ID, delta(3, {"p": {"b": {}}}, full=True, reset=True, sync=token), 12.1)
+    assert snapshot(table) == {"p": {"b": {}}}
+
+
+def test_a_removal_is_marked_to_every_poller_and_a_poll_answering_the_mark_settles_it(table: PeerTable) -> None:
+    marks: list[int] = []
+    table._store.on_removed = marks.append
+    started(table)
+    table._store.remove("p", ["a"])
+    assert len(marks) == 1
+    [mark] = table.marks(marks[0], 0.2)
+    assert mark.kind is Kind.SYNC and mark.body.mark is True and mark.body.token == marks[0]
+    # A poll on its way that began before the removal lists a new version: in doubt, hidden.
+    table.on_message(ID, delta(2, {"p": {"a": {"v": 2}}}), 0.3)
+    assert "a" not in snapshot(table).get("p", {})
+    # The next poll answers the mark: it began after, and lists the new version still: shown.
+    table.on_message(ID, delta(3, {}, sync=marks[0]), 0.4)
+    assert snapshot(table)["p"]["a"] == {"v": 2}

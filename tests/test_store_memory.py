@@ -49,12 +49,18 @@ def test_merging_an_object_msgpack_cannot_hold_keeps_merge_semantics():
     assert store.sample("train", global_steps=1).keys == ["k"]
 
 
-def test_a_resync_of_the_same_tags_changes_nothing():
+def test_a_resync_of_the_same_tags_changes_nothing_and_a_listing_replaces_what_its_stream_listed():
     store = _Store()
     apply(store, "src", {"train": {"k": {"global_steps": 1, "status": "running"}}})
     apply(store, "src", {"train": {"k": {"global_steps": 1, "status": "running"}}})
+    store.add("train", {"k": {"mark": 7}})
+    apply(store, "src", {"train": {"k": {"global_steps": 1, "status": "success"}}})
+    assert store.sample("train", global_steps=1).tags == [{"global_steps": 1, "status": "success", "mark": 7}]
+    # A stream lists a key's whole tags: one it no longer lists (another tool rewrote the row) is gone from the
+    # view, and the trainer's own stays.
     apply(store, "src", {"train": {"k": {"status": "success"}}})
-    assert store.sample("train", global_steps=1).tags == [{"global_steps": 1, "status": "success"}]
+    assert store.snapshot("train") == {"k": {"status": "success", "mark": 7}}
+    assert store.sample("train", global_steps=1).keys == []
 
 
 def test_after_one_full_collection_the_big_containers_are_not_tracked():

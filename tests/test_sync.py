@@ -176,3 +176,59 @@ def test_sync_waits_for_standalone_pollers_too(db, store):
                 assert rb.snapshot("train")["k"] == {"status": "success", "round": round_}
         finally:
             standalone.close(5)
+
+
+def test_a_stopped_then_killed_standalone_poller_never_vouches_for_a_fresh_view(db, store):
+    """A standalone poller of the same store is SIGSTOPped, then SIGKILLed, and a key only it still lists is cleared.
+
+    Before, sync() returned after stale_after with the cleared key shown, and 15 s after the kill the view held it
+    while stats() said view_fresh=True and sample() handed it out. Now the view is not fresh while that poller
+    alone lists the key, sync() and sample() wait, and once it has been silent for max_view_age it is withdrawn:
+    the key only it listed is dropped.
+    """
+    import os
+    import signal
+
+    from poller import PollerProcess
+
+    keys = [f"k{i}" for i in range(9)]
+    store.kv_batch_put(keys, "train", tags=[{"status": "success"} for _ in keys])
+    with ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05, stale_after=1.0,
+                      max_view_age=4.0) as rb:
+        standalone = PollerProcess(SQLITE, source_kwargs={"path": db}, endpoint=rb.endpoint, name="standalone",
+                                   interval=30.0)
+        standalone.start(30)
+        try:
+            assert wait_until(lambda: rb.stats()["peers"] == 2, timeout=30)
+            rb.sync(timeout=30)
+            assert sorted(rb.snapshot("train")) == keys
+            assert standalone.pid is not None
+            os.kill(standalone.pid, signal.SIGSTOP)
+            store.kv_clear(["k8"], "train")
+            assert wait_until(lambda: not rb.stats()["view_fresh"], timeout=10)
+            assert "standalone" in (rb.stats()["view_stale"] or "")
+            with pytest.raises(TimeoutError, match="standalone"):
+                rb.sync(timeout=0.5)
+            with pytest.raises(TimeoutError, match="not fresh"):
+                rb.sample("train", batch_size=9, timeout=0.5)
+            os.kill(standalone.pid, signal.SIGKILL)
+            # Silent past max_view_age: withdrawn, and what only it listed dropped.
+            assert wait_until(lambda: "k8" not in rb.snapshot("train") and rb.stats()["view_fresh"], timeout=20)
+            rb.sync(timeout=10)
+            assert sorted(rb.snapshot("train")) == keys[:8]
+            assert sorted(rb.sample("train", batch_size=8, timeout=5).keys) == keys[:8]
+        finally:
+            standalone.close(5)
+
+
+def test_removals_leave_nothing_behind_when_no_poller_streams():
+    """A buffer no poller streams to (source=None, or every standalone poller gone) kept a tombstone per removed
+    key: 200,000 add + remove grew the trainer by ~84 MB. Nothing can list a removed key back: nothing is kept."""
+    with ReplayBuffer() as rb:
+        for start in range(0, 200_000, 20_000):
+            batch = {f"k{i}": {"status": "success"} for i in range(start, start + 20_000)}
+            rb.add("train", batch)
+            rb.remove("train", list(batch))
+        ledger = rb._core.store.ledger
+        assert ledger._tombs == {} and ledger._waiting_on == {}
+        assert rb.snapshot() == {}

@@ -69,8 +69,9 @@ class StoreLink:
         self._verify_clears = False
         # The partitions the poller lists, when the sampler chose them (None: the source's own choice, or all).
         self._listed: set[str] | None = None
-        # On TransferQueue: the controller address listed, and the client's controller info last compared with it.
-        self._address: str | None = None
+        # On TransferQueue: the controller listed (its address and its id: a new controller may reuse a port), and
+        # the client's controller info last compared with it.
+        self._controller: tuple[Any, Any] | None = None
         self._compared: Any = None
 
     def start(self, partition_id: str | None = None) -> ReplayBuffer:
@@ -83,7 +84,8 @@ class StoreLink:
             config = self._config
             spec, kwargs, chosen = _poller_source(config.source, config.source_kwargs, partition_id)
             self._listed = {partition_id} if chosen and partition_id is not None else None
-            self._address = kwargs.get("address") if self.on_transferqueue else None
+            self._controller = ((kwargs.get("address"), kwargs.get("controller_id")) if self.on_transferqueue
+                                else None)
             client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
             try:
                 interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
@@ -132,11 +134,12 @@ class StoreLink:
             self._compared = info
             kwargs = resolve_spec(_TRANSFERQUEUE_KWARGS)(info)
             changes = {name: kwargs[name] for name in CONTROLLER_KWARGS}
-            if changes["address"] == self._address:
+            controller = (changes["address"], changes["controller_id"])
+            if controller == self._controller:
                 return False
-            old, self._address = self._address, changes["address"]
-        logger.info("the trainer's TransferQueue client uses the controller at %s: the poller moves there from %s",
-                    changes["address"], old)
+            old, self._controller = self._controller, controller
+        logger.info("the trainer's TransferQueue client uses controller %s at %s: the poller moves there from %s",
+                    changes["controller_id"], changes["address"], old and f"{old[1]} at {old[0]}")
         buffer.switch_source(changes)
         return True
 

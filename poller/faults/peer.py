@@ -85,12 +85,14 @@ class RoguePeer:
         if not join:
             return
         deadline = time.monotonic() + timeout
-        while self.token == 0:
+        resync = False
+        while self.token == 0 or not resync:
             message = self.recv(max(0.0, deadline - time.monotonic()))
             if message is None:
                 raise TimeoutError(f"the buffer asked no first listing within {timeout}s")
             if message.kind is Kind.SYNC:
                 self.token = message.body.token
+            resync = resync or message.kind is Kind.RESYNC
         self.send(Kind.DELTA, packed_delta({}, full=True, reset=True, sync=self.token))
 
     def delta(self, upserts: dict[str, Any], deletes: dict[str, Any] | None = None, *, full: bool = False,
