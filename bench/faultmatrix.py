@@ -272,12 +272,13 @@ def _wire(action: str, rb: ReplayBuffer) -> int:
         peer.delta({"rogue": {"r1": {"v": 1}}}, full=True, reset=True)
         if action == "replayed-seq":
             peer.delta({"rogue": {"r1": {"v": 99}}}, seq=1)
-        else:  # out of order: seq 3 (a gap: a RESYNC request), then the late seq 2
-            peer.delta({"rogue": {"r2": {"v": 3}}}, seq=3)
+        else:  # out of order: one seq skipped (a gap: a RESYNC request), then the late one
+            late = peer.seq
+            peer.delta({"rogue": {"r2": {"v": 3}}}, seq=late + 1)
             request = peer.recv(5.0)
             if request is None or request.kind is not Kind.RESYNC:
                 raise AssertionError(f"the gap brought no RESYNC but {request}")
-            peer.delta({"rogue": {"r1": {"v": 99}}}, seq=2)
+            peer.delta({"rogue": {"r1": {"v": 99}}}, seq=late)
         if not _wait(lambda: rb.stats()["protocol_errors"] >= 1, 10.0):
             raise AssertionError("the replayed message was not counted")
         if rb.snapshot("rogue").get("r1") != {"v": 1}:
