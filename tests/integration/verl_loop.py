@@ -347,6 +347,14 @@ def check(record: dict[str, Any]) -> list[str]:
     return problems
 
 
+def completed(record: dict[str, Any]) -> list[str]:
+    """The part of :func:`check` that needs no snapshot of the store: the run ended, ran its steps, cleared each
+    batch and left nothing running (the benchmark's runs do not list the store at each clear)."""
+    problems = [f"the run failed: {record['error'][-3000:]}"] if record.get("error") else []
+    problems += _check_steps(record)
+    return problems + [f"still running after the run: {what}" for what in record.get("left_running", [])]
+
+
 def _call_args(call: dict[str, Any], *names: str) -> list[Any]:
     values = list(call["args"])
     return [values[i] if i < len(values) else call["kwargs"][name] for i, name in enumerate(names)]
