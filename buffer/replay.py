@@ -34,7 +34,7 @@ from buffer.steps import BatchMeta, StepSampler
 from buffer.stream import StreamReceiver
 from buffer.supervisor import RestartBudget, Supervisor, close_bound
 from buffer.sync import ListingSync
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare, check_optional_seconds
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, check_optional_seconds
 from poller.wire.curve import CurveClient, CurveServer, generate_pair
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from poller.wire.sources import SourceSpec
@@ -302,7 +302,7 @@ class ReplayBuffer:
                  limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
                  stall_timeout: float | None = 30.0, max_view_age: float | None = None,
                  poller_log_level: int | str = "WARNING",
-                 listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
         resolved_limits, poller_options = check_buffer_args(
             poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after, curve, limits,
             stall_timeout, max_view_age, poller_log_level, listing_share)

@@ -202,9 +202,10 @@ class PeerTable:
         held = self._sync_partitions.get(identity, [])
         self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 
-    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
+    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float,
+              every: float | None = None) -> Send:
         """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
-        return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds))
+        return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds, every))
 
     def _epoch(self, identity: bytes) -> int:
         """The epoch a control message to ``identity`` is stamped with (0 before it spoke)."""
@@ -526,10 +527,12 @@ class StreamReceiver:
         """Queue a removal's token for every poller (:meth:`PeerTable.marks`); called under the store's lock."""
         self._command(lambda: self.table.marks(token, time.monotonic()))
 
-    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float) -> None:
-        """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed (no keys: stop)."""
+    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float,
+                   every: float | None = None) -> None:
+        """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed, no sooner than
+        ``every`` after the last listing a change brought forward (no keys: stop)."""
         identity = peer.encode()
-        self._command(lambda: [self.table.watch(identity, partition, keys, seconds)])
+        self._command(lambda: [self.table.watch(identity, partition, keys, seconds, every)])
 
     def expect(self, peer: str, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``peer`` (called before that process starts). Not through the

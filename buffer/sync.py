@@ -53,9 +53,9 @@ class ListingSync:
                 if self._answered is None or request.started > self._answered:
                     self._answered = request.started
 
-    def watch(self, partition: str, keys: list[str], seconds: float) -> None:
+    def watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
         if self._stream is not None:
-            self._receiver.send_watch(self._stream, partition, keys, seconds)
+            self._receiver.send_watch(self._stream, partition, keys, seconds, every)
 
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
         _, named = self._receiver.table.quarantined()

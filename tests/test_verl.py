@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 
 from buffer import BufferClosed
-from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, FRESH_VIEW_SECONDS, ReplayBuffer, ReplayBufferAsync, VerlBatch
+from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, ReplayBuffer, ReplayBufferAsync, VerlBatch
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import alive, wait_until
 
@@ -115,12 +115,11 @@ def test_dispatch_on_trainer_mode_and_verls_full_signature(db: str) -> None:
     assert type(sync) is ReplayBuffer and type(other) is ReplayBufferAsync and type(full) is ReplayBuffer
     assert not hasattr(sync, "wait_for_sampleable") and hasattr(other, "get_sampleable_count")
     assert (full.poll_interval, full.filter_groups_metric, full.max_inflight_gen_batches) == (0.5, "acc", 2)
-    assert sync.poll_interval == 0.2  # the default, neither given
-    # A store with a change feed is followed between calls; TransferQueue (no source given) is not, as verl's.
-    assert sync.stats()["lists_between_calls"] is True
+    # The default, neither given: verl's own sampler's, which verl's hybrid switch reads to judge a step idle.
+    assert sync.poll_interval == 2.0
     on_tq = ReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=2,
                          max_off_policy_strategy="drop", sampler_kwargs={})
-    assert on_tq.stats()["lists_between_calls"] is False and on_tq.close().stage == "no-poller"
+    assert on_tq.close().stage == "no-poller"
     # No I/O: nothing started (the no_leaks fixture also sees no process or thread).
     assert sync.stats()["started"] is False and "not started" in repr(sync)
     for rb in (sync, other, full):
@@ -142,7 +141,7 @@ def test_dispatch_on_trainer_mode_and_verls_full_signature(db: str) -> None:
     ({"filter_groups_metric": "acc", "refill_fn": print}, ValueError, "needs train_batch_size"),
     ({"sampler_kwargs": {"poll_intervall": 1}}, ValueError, "unknown sampler_kwargs"),
     ({"sampler_kwargs": {"sample_timeout": -1}}, ValueError, "sample_timeout"),
-    ({"sampler_kwargs": {"list_between_calls": "no"}}, ValueError, "list_between_calls must be a bool"),
+    ({"sampler_kwargs": {"wait_poll_interval": 0.1}}, ValueError, "unknown sampler_kwargs"),
     ({"sampler_kwargs": {"poll_interval": 0.5}, "poll_interval": 1.0}, ValueError, "given twice"),
     ({"sampler_kwargs": ["x"]}, TypeError, "mapping"),
     ({"refill_fn": 3}, TypeError, "callable"),
@@ -194,8 +193,8 @@ def test_sample_returns_whole_terminal_groups_oldest_first_and_clears_their_prom
     # Read-your-writes: at once, the next sample cannot hand the same groups out again.
     batch, _ = rb.sample(global_steps=5, partition_id="train", batch_size=1)
     assert uids_of(batch.keys) == {newest}
-    # The listing that proves it was started right after the clear, in the background: no sync in the call.
-    assert rb.stats()["syncs"] == 0
+    # The first call decided on its poller's first listing; the second listed as it began, as verl's sampler does.
+    assert rb.stats()["syncs"] == 1
 
 
 def test_sample_waits_on_the_change_that_completes_it(make, store) -> None:
@@ -212,12 +211,12 @@ def test_sample_waits_on_the_change_that_completes_it(make, store) -> None:
     assert late in uids_of(batch.keys) and len(batch.keys) == 2
 
 
-def test_a_waiting_sample_has_the_poller_list_every_wait_poll_interval(make, store) -> None:
-    # The poller's own schedule (30 s) would hand this batch out far past the sample's deadline (20 s);
-    # while sample() waits, the sampler asks for a listing every wait_poll_interval instead.
+def test_a_waiting_sample_has_the_poller_list_every_poll_interval(make, store) -> None:
+    # The poller lists nothing on its own; while sample() waits, the sampler asks for a listing every
+    # poll_interval (verl's own sampler's rate: it lists, sleeps poll_interval, lists).
     produce(store, "train", "finished")
     late = produce(store, "train", "running")
-    rb = make(poll_interval=30.0, wait_poll_interval=0.05, sample_timeout=20)
+    rb = make(poll_interval=0.05, sample_timeout=20)
     assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
     consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=2))
     consumer.start()
@@ -231,49 +230,27 @@ def test_a_waiting_sample_has_the_poller_list_every_wait_poll_interval(make, sto
     assert rb.stats()["wait_polls"] == polls  # and stops once it returned
 
 
-@pytest.mark.parametrize("between", [False, True])
-def test_without_listings_between_calls_a_call_lists_first_unless_the_view_is_fresh(make, store, between) -> None:
-    # list_between_calls=False (TransferQueue's default): the store is listed only when a call needs it.
+def test_the_store_is_listed_at_the_start_of_every_call_and_never_between_calls(make, store) -> None:
+    # As verl's own sampler: a call decides on a listing that began after it started, asked for at once (it
+    # never waits for a listing paced after the one before), and nothing lists the store while the trainer trains.
     produce(store, "train", "finished")
-    rb = make(list_between_calls=between)
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
+    produce(store, "train", "finished")
+    rb = make("colocate_async", threshold=None)
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2  # the first listing: its poller's
     polls = rb.stats()["polls"]
     time.sleep(1.0)
-    idle_polls = rb.stats()["polls"] - polls
-    assert idle_polls == 0 if not between else idle_polls >= 5  # its own schedule: every 0.05 s
+    assert rb.stats()["polls"] == polls  # no listing between calls
     produce(store, "train", "finished")  # written between calls
-    time.sleep(FRESH_VIEW_SECONDS + 0.3)
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2  # listed as the call began
-    if not between:
-        assert rb.stats()["polls"] == polls + 1
-        # A batch's clear is settled by a listing right after it, during the training step ...
-        rb.sample(global_steps=0, partition_id="train", batch_size=1)
-        assert wait_until(lambda: rb.stats()["polls"] == polls + 2)
-        settled = time.monotonic()
-        # ... which a call that comes soon after takes as its view, without listing again.
-        assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
-        if time.monotonic() - settled < FRESH_VIEW_SECONDS - 0.5:  # a machine stalled that long lists again
-            assert rb.stats()["polls"] == polls + 2
-        quiet = rb.stats()["polls"]
-        time.sleep(1.0)
-        assert rb.stats()["polls"] == quiet
-
-
-def test_a_sync_ahead_held_back_by_verl_cycle_is_a_fresh_view_for_the_next_call(make, store, db) -> None:
-    # Without a change feed and between-call listings (TransferQueue), the listing that settles a batch's
-    # clear comes a whole verl cycle (2 s + d + 2p) after the one before it. The next call waited for it
-    # and then, dating the view by the request (2.6 s before), asked for one listing more, another
-    # cycle later: on d03d3b3 stats()["syncs"] went up by one and that call took ~5.2 s here.
-    produce(store, "train", "finished")
-    produce(store, "train", "finished")
-    rb = make("colocate_async", threshold=None, list_between_calls=False,
-              source="tests.helpers.sources:SlowListedSqlite", source_kwargs={"path": db, "seconds": 0.3})
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2
-    rb.sample(global_steps=0, partition_id="train", batch_size=1)  # its clear is settled by a sync ahead
-    syncs, polls = rb.stats()["syncs"], rb.stats()["polls"]
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1  # waits for that listing
-    assert rb.stats()["syncs"] == syncs, "the sync ahead's listing began ~0.3 s before: no listing more"
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 3  # listed as the call began
     assert rb.stats()["polls"] == polls + 1
+    rb.sample(global_steps=0, partition_id="train", batch_size=1)  # lists once more: its own start
+    assert rb.stats()["polls"] == polls + 2
+    # A call right after a sample() lists again at once, as verl's sampler does, and sees the clear.
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2
+    assert rb.stats()["polls"] == polls + 3
+    quiet = rb.stats()["polls"]
+    time.sleep(1.0)
+    assert rb.stats()["polls"] == quiet
 
 
 def test_empty_failure_groups_pass_through_by_default_and_all_empty_raises(make, store) -> None:

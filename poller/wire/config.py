@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
+from poller.wire.arguments import DEFAULT_LISTING_SHARE
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from poller.wire.sources import SourceSpec
 
@@ -53,4 +53,4 @@ class WorkerConfig(NamedTuple):
     limits: Limits | None = None
     log_level: int = logging.WARNING  # records from this level on are sent to the buffer as LOG
     # The listing share of a source without a change feed, or "verl" (poller.duty).
-    listing_share: ListingShare = DEFAULT_LISTING_SHARE
+    listing_share: float = DEFAULT_LISTING_SHARE
