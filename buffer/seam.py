@@ -61,6 +61,9 @@ class Listings(Protocol):
         """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop); a change it sees
         brings a listing forward, no sooner than ``every`` after the last one it brought forward."""
 
+    def silence(self) -> str | None:
+        """How long the store has not answered the listing the own poller has under way, if it is long."""
+
     def view_age(self) -> float:
         """Seconds since the store was last known to be listed whole into the view (``inf``: never)."""
 
@@ -156,8 +159,12 @@ class SamplingSeam:
             self._listings.wait(timeout)
 
     def not_fresh(self) -> str | None:
-        """Why no decision could be made on the view now (its store not answering, how long; too old); None."""
-        return self._store.view_stale()
+        """Why no decision could be made on the view now (its store not answering, how long; too old), or that the
+        store has not answered a listing under way for long; None."""
+        stale = self._store.view_stale()
+        if stale is None and self._listings is not None:
+            stale = self._listings.silence()
+        return stale
 
     def view_age(self) -> float:
         """Seconds since the store was last known to be listed whole into the view (0: nobody to ask)."""

@@ -106,6 +106,9 @@ class Peer:
     stalls_epoch: int | None = None
     quarantined: int = 0
     quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
+    # How long its source call under way had run, and when that was heard (its last heartbeat).
+    call_s: float = 0.0
+    call_heard: float = 0.0
     listing: ListingFigures = field(default_factory=ListingFigures)
 
     def report(self, epoch: int, beat: Heartbeat) -> int:
@@ -438,6 +441,7 @@ class PeerTable:
     def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, beat: Heartbeat, now: float,
                       actions: list[Send]) -> None:
         stalls = peer.report(message.epoch, beat)
+        peer.call_s, peer.call_heard = beat.stalled_s, now
         if stalls:
             self.source_stalls += stalls
             # A stalled call: no decision on this store's view until it answers again (a whole poll).

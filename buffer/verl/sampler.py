@@ -24,7 +24,7 @@ from buffer.verl.groups import (
 )
 from buffer.verl.store import StoreLink
 
-__all__ = ["WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
+__all__ = ["SAMPLER_METRICS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
 #: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
 Decision = Union[Plan, int]
@@ -33,6 +33,39 @@ Decision = Union[Plan, int]
 #: TransferQueue's controller ~0.3 ms, a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 
+
+
+#: The figures ``sample()`` adds to the metrics verl logs each step, under a prefix verl does not use.
+SAMPLER_METRICS = {
+    "sampler/wait_s": "seconds the call took, until it handed out its batch",
+    "sampler/group_age_s/p50": "how long before the batch was handed out its groups were seen finished, median",
+    "sampler/group_age_s/max": "the same, the oldest",
+    "sampler/groups_left/pending": "prompt groups left in the partition, pending",
+    "sampler/groups_left/running": "the same, running",
+    "sampler/groups_left/finished": "the same, finished",
+    "sampler/groups_left/failure": "the same, failure",
+    "sampler/listings": "listings of the store the call asked for",
+    "sampler/watch_reads": "reads of the prompts it waited on (as the poller's last heartbeat said)",
+    "sampler/view_fresh": "1 when the view the call answered from was fresh, else 0",
+}
+
+
+def _ages(part: GroupPartition, uids: list[str]) -> list[float]:
+    """Seconds since each terminal group of ``uids`` was first seen terminal (under the store's lock)."""
+    now = time.monotonic()
+    return [now - part.terminal_at[uid] for uid in uids if uid in part.terminal_at]
+
+
+def _figures(waited: float, ages: list[float], left: dict[str, int], listings: int, reads: int,
+             fresh: bool) -> dict[str, float]:
+    ordered = sorted(ages)
+    figures = {"sampler/wait_s": waited,
+               "sampler/group_age_s/p50": ordered[len(ordered) // 2] if ordered else 0.0,
+               "sampler/group_age_s/max": ordered[-1] if ordered else 0.0,
+               "sampler/listings": float(listings), "sampler/watch_reads": float(reads),
+               "sampler/view_fresh": 1.0 if fresh else 0.0}
+    figures.update((f"sampler/groups_left/{status}", float(count)) for status, count in left.items())
+    return figures
 
 
 @dataclass
@@ -120,7 +153,9 @@ class ReplayBuffer:
         """Hand out ``batch_size`` whole groups, oldest ``global_steps`` first, after the mode's evictions.
 
         Returns every trajectory of the chosen groups with its tags (a
-        ``KVBatchMeta``) and the eviction metrics accrued while waiting. The
+        ``KVBatchMeta``) and the metrics verl logs: the eviction metrics accrued
+        while waiting, and this sampler's own figures of the call under
+        ``sampler/`` (a prefix verl does not use; :data:`SAMPLER_METRICS`). The
         chosen prompt keys are cleared; the trainer clears the trajectories after its step.
 
         Raises:
@@ -132,6 +167,7 @@ class ReplayBuffer:
         """
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
         config, state = self._config, DrainState()
+        started, asked, reads = time.monotonic(), self._counters["syncs"] + self._counters["wait_polls"], self._reads()
         plan, metrics = self._run(what, partition_id, lambda part: (
             plan_async(part, config, partition_id, global_steps, batch_size, True) if config.asynchronous
             else plan_sync(part, config, partition_id, global_steps, batch_size, state)))
@@ -142,11 +178,16 @@ class ReplayBuffer:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
             raise RuntimeError(message)
         seam = self._store.start().seam
+        waited = time.monotonic() - started
         held = seam.tags(partition_id, plan.select_keys)
         keys = [key for key in plan.select_keys if key in held]
+        ages = seam.look(lambda: _ages(self._index.partition(partition_id), plan.select or []))
         self._clear(partition_id, plan.select)
         self._counters["batches"] += 1
         tags = [held[key] for key in keys]
+        left = seam.look(lambda: self._index.partition(partition_id).counts())
+        metrics.update(_figures(waited, ages, left, self._counters["syncs"] + self._counters["wait_polls"] - asked,
+                                self._reads() - reads, seam.not_fresh() is None))
         if self._store.on_transferqueue or "transfer_queue" in sys.modules:  # the type verl's trainer expects
             meta = importlib.import_module("transfer_queue").KVBatchMeta
             return meta(partition_id=partition_id, keys=keys, tags=tags), metrics
@@ -179,6 +220,11 @@ class ReplayBuffer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _reads(self) -> int:
+        """The poller's reads of watched keys so far, as its last heartbeat said (0: not started)."""
+        buffer = self._store.buffer
+        return int(buffer.stats()["watch_reads"]) if buffer is not None else 0
 
     def _run(self, what: str, partition_id: str,
              rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:
