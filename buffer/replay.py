@@ -281,8 +281,8 @@ class ReplayBuffer:
             without a change feed (TransferQueue): after a listing of ``d`` seconds the next starts no
             sooner than ``max(poll_interval, d / listing_share)`` after it began, and a ``sync()`` asked
             sooner is answered by that one. In (0, 1]; 1 sets no bound. The default, 0.15, is verl's
-            sampler's own share at 100k TransferQueue keys; ``"verl"`` is its cycle (docs/using.md, "The
-            listing share"). A call that stalls or fails is not a listing.
+            sampler's own share at 100k TransferQueue keys (docs/using.md, "The listing share"). A call
+            that stalls or fails is not a listing.
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.

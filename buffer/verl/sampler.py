@@ -269,7 +269,9 @@ class ReplayBuffer:
                 on_poll=counted_poll, version=lambda: self._index.version(partition_id),
                 watch=lambda: self._index.partition(partition_id).in_flight(WATCHED_PROMPTS)))
         except TimeoutError as exc:
-            raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
+            stale = seam.not_fresh()  # the store may have stopped answering after the call's first listing
+            note = f"; {stale}" if stale is not None and stale not in str(exc) else ""
+            raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}{note}") from None
 
     def _carry_out(self, plan: Plan, what: str, partition_id: str, metrics: dict[str, Any],
                    deadline: float | None) -> bool:

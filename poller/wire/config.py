@@ -52,5 +52,5 @@ class WorkerConfig(NamedTuple):
     # The receiver's decoding bounds: tags it would refuse are one clear source error here (None: defaults).
     limits: Limits | None = None
     log_level: int = logging.WARNING  # records from this level on are sent to the buffer as LOG
-    # The listing share of a source without a change feed, or "verl" (poller.duty).
+    # The listing share of a source without a change feed (poller.duty).
     listing_share: float = DEFAULT_LISTING_SHARE
