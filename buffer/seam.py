@@ -10,6 +10,7 @@ waits close the module.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Hashable, Iterable, Protocol, TypeVar
@@ -92,7 +93,7 @@ class SamplingSeam:
         ``attempt`` runs under the store's lock and must not block. ``version`` (read under the lock,
         changing whenever anything ``attempt`` reads does) skips wake-ups that find the last run's version.
         ``log_every``: log ``describe()`` at INFO that often. ``poll_every``: while waiting, ask the own poller
-        for a listing once the view is that old (``on_poll`` after each). ``watch`` (run under the lock after an
+        for a listing every that many seconds from the wait's start (``on_poll`` after each). ``watch`` (run under the lock after an
         attempt that found nothing): at most :data:`~poller.wire.protocol.MAX_WATCH_KEYS` keys the decision
         waits on, which the poller reads cheaply and lists as soon as one changed, no more often than
         ``poll_every`` (:mod:`poller.polling`), on a source that can.
@@ -220,28 +221,37 @@ def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashabl
 
 # Each sync() of _poll_while_waiting is bounded, so a stalled source cannot keep its thread long past the stop.
 _POLL_BOUND = 2.0
+# A slot of _poll_while_waiting is spared when a listing began within this share of its gap before it.
+_SLOT_SPARED = 0.1
 
 
 def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None],
                         view_age: Callable[[], float]) -> threading.Event:
-    """Ask for a listing once the view is ``gap`` seconds old (``sync``, then ``on_poll``), in a thread, until the
-    event is set: a listing a watched change brought forward meanwhile counts (else a waiting decision would see
-    its last change up to a poll interval late, and the store be listed more often than every ``gap``)."""
+    """Ask for a listing every ``gap`` seconds from now (``sync``, then ``on_poll``), in a thread, until the event is
+    set: the listings verl's sampler makes while it waits, at the same times, so a waiting decision never sees a
+    change later than with it. A slot is skipped when a listing began within :data:`_SLOT_SPARED` of it (one a
+    watched change brought forward: listing again would show almost nothing more)."""
     stopped = threading.Event()
+    anchor = time.monotonic()
 
     def run() -> None:
+        slot = 1
         while not stopped.is_set():
-            due = gap - view_age()
+            due = anchor + slot * gap - time.monotonic()
             if due > 0:
                 stopped.wait(due)
                 continue
-            try:
-                sync(_POLL_BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
-            except TimeoutError:
-                continue  # a stall or a restart: the waiter's own deadline and log cover it
-            except BaseException:  # closed or crashed: the waiting decision raises it itself
-                return
-            on_poll()
+            if view_age() >= gap * _SLOT_SPARED:
+                try:
+                    sync(_POLL_BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
+                except TimeoutError:
+                    pass  # a stall or a restart: the waiter's own deadline and log cover it
+                except BaseException:  # closed or crashed: the waiting decision raises it itself
+                    return
+                else:
+                    on_poll()
+            # The next slot still ahead (a slow listing may have spanned several).
+            slot = max(slot + 1, math.floor((time.monotonic() - anchor) / gap) + 1)
 
     threading.Thread(target=run, name="replay-wait-poll", daemon=True).start()
     return stopped

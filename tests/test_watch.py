@@ -186,6 +186,37 @@ def test_a_change_brings_a_listing_forward_at_most_once_per_the_watchs_every() -
     assert shared.wait_for_change(0.1, 10.5) == shared.wait_for(10.5) == pytest.approx(0.5)  # within the share
 
 
+def test_a_waiting_decision_lists_at_its_own_times_whatever_the_watch_brought_forward(
+        store: SqliteSource, db: str) -> None:
+    # verl's sampler lists every poll_interval from the start of its wait; a listing the watch brings forward in
+    # between must not push the decision's next one later (a change after it would be seen later than with verl).
+    store.kv_put("p", "train", tag={"status": "running"})
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+        asked: list[float] = []
+        outcome: list[Any] = []
+        started = time.monotonic()
+
+        def run() -> None:
+            try:
+                outcome.append(rb.seam.decide(_finished(rb, "p"), partition_id="train", timeout=20.0,
+                                              describe=lambda: "test", poll_every=2.0, watch=lambda: ["p"],
+                                              on_poll=lambda: asked.append(time.monotonic() - started)))
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, name="test-decide", daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        store.kv_put("p", "train", tag={"note": "halfway"})  # watched, not what the decision waits for
+        assert wait_until(lambda: rb.seam.tags("train", ["p"]).get("p", {}).get("note") == "halfway", timeout=1.0)
+        assert wait_until(lambda: len(asked) >= 1, timeout=10.0)
+        store.kv_put("p", "train", tag={"status": "finished"})
+        thread.join(15.0)
+        assert not thread.is_alive() and outcome == [True]
+    # Its own listing 2 s after the wait began, not 2 s after the one brought forward (at ~1-1.6 s).
+    assert asked[0] < 2.7, asked
+
+
 def test_the_buffer_sums_the_watch_counters_over_poller_processes_and_never_takes_one_back() -> None:
     from buffer.metrics import ListingFigures
 
