@@ -68,6 +68,9 @@ class Listings(Protocol):
     def view_age(self) -> float:
         """Seconds since the store was last known to be listed whole into the view (``inf``: never)."""
 
+    def watch_reads(self) -> int:
+        """The own poller's reads of watched keys so far, as its last heartbeat said."""
+
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
         """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
 
@@ -170,6 +173,10 @@ class SamplingSeam:
     def view_age(self) -> float:
         """Seconds since the store was last known to be listed whole into the view (0: nobody to ask)."""
         return self._listings.view_age() if self._listings is not None else 0.0
+
+    def watch_reads(self) -> int:
+        """The own poller's reads of watched keys so far, summed over its processes (0: no poller of its own)."""
+        return self._listings.watch_reads() if self._listings is not None else 0
 
     def remove(self, partition_id: str, keys: Iterable[str]) -> None:
         """Drop keys from the buffer's view; a poll still listing them does not bring them back."""

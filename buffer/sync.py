@@ -62,6 +62,10 @@ class ListingSync:
         running = peer.call_s + max(0.0, self._store.clock() - peer.call_heard)
         return f"the store has not answered the listing poller {self._stream} began {running:.1f}s ago"
 
+    def watch_reads(self) -> int:
+        peer = self._receiver.peer_info(self._stream) if self._stream is not None else None
+        return peer.listing.watch_reads if peer is not None else 0
+
     def watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
         if self._stream is not None:
             self._receiver.send_watch(self._stream, partition, keys, seconds, every)

@@ -224,7 +224,7 @@ class ReplayBuffer:
     def _reads(self) -> int:
         """The poller's reads of watched keys so far, as its last heartbeat said (0: not started)."""
         buffer = self._store.buffer
-        return int(buffer.stats()["watch_reads"]) if buffer is not None else 0
+        return buffer.seam.watch_reads() if buffer is not None else 0
 
     def _run(self, what: str, partition_id: str,
              rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:

@@ -87,11 +87,8 @@ def verl_sampler(kwargs: dict[str, Any], refill: Callable[[int], Any], on_wait: 
 def our_sampler(kwargs: dict[str, Any], refill: Callable[[int], Any]) -> Any:
     from buffer.verl import ReplayBuffer
 
-    # No listing share: it only delays decisions (every decision here syncs first), and thousands of them
-    # at ~70 listings' time apart would not fit the test's time; the share has its own tests.
     return ReplayBuffer(**kwargs, refill_fn=refill,
-                        sampler_kwargs={"poll_interval": 0.02, "sample_timeout": _OUR_TIMEOUT,
-                                        "listing_share": 1.0})
+                        sampler_kwargs={"poll_interval": 0.02, "sample_timeout": _OUR_TIMEOUT})
 
 
 class Forward:
