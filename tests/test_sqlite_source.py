@@ -252,9 +252,9 @@ def test_rows_another_tool_wrote_are_listed_by_every_read_instead_of_failing_it(
 
 def test_tags_nested_past_the_json_decoder_are_unreadable_in_every_read_and_refused_by_writes(store: SqliteSource,
                                                                                             db: Path) -> None:
-    # Before: JSON nested 2,000 deep made the decoder raise RecursionError (no ValueError), which every read
+    # Before: JSON nested past the decoder's limit made the decoder raise RecursionError (no ValueError), which every read
     # let through: kv_list() and both snapshots raised, and a poller failed every poll until PollerCrashed.
-    deep = '{"deep": ' + "[" * 2000 + "]" * 2000 + "}"
+    deep = '{"deep": ' + "[" * 100_000 + "]" * 100_000 + "}"  # past the decoder's limit in every Python
     store.kv_put("fine", "p", tag={"v": 1})
     cursor, _ = store.kv_snapshot()
     with sqlite3.connect(db) as conn:
