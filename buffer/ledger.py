@@ -12,7 +12,9 @@ A *stream* is what one poller sends, named by its ZeroMQ identity. Three questio
   is a new record, shown at once when listed by a poll that began after the removal, else *in doubt* until that
   stream's first complete poll that did (then shown if still listed). A tombstone lasts while a stream may still
   send a listing begun before the removal (it is *waiting* on that stream) or while a stream lists a removed
-  version; then it ends, and a later listing of the name is new.
+  version; then it ends, and a later listing of the name is new. A removal of keys the trainer *cleared* in the
+  store first (buffer.verl) hides them only from listings that may predate it: the store no longer held them, so a
+  listing begun after it that shows one, whatever its version, shows it put again.
 - **Whether a view is whole and fresh.** Whole: the streams it requires (the buffer's own poller) had a first
   complete poll applied and no stream listing the partition is half-way through a full listing or awaiting a
   resync. Fresh: each required stream answers and its last complete poll is at most ``max_age`` s old, and no
@@ -46,17 +48,24 @@ _NAMED = 3
 class _Tomb:
     """A removal: its token, the versions removed, and the streams it still waits on or doubts."""
 
-    __slots__ = ("token", "versions", "waiting", "doubt")
+    __slots__ = ("token", "versions", "waiting", "doubt", "cleared")
 
-    def __init__(self, token: int, versions: list[Version], waiting: set[str]) -> None:
+    def __init__(self, token: int, versions: list[Version], waiting: set[str], cleared: bool = False) -> None:
         self.token = token  # issued at the removal: a poll answering it (or a later one) began after
         self.versions = versions
+        self.cleared = cleared  # the store no longer held the keys at the removal: a later listing shows them
         self.waiting = waiting  # streams that may still send a listing begun before the removal
         self.doubt: set[str] = set()  # streams listing a new version that may predate the removal
 
     def began_after(self, sync: int) -> bool:
         """Whether a poll answering sync token ``sync`` began after the removal."""
         return sync >= self.token
+
+    def hides(self, stream: str, version: Version) -> bool:
+        """Whether ``version``, as ``stream`` lists it now, is the record removed (or may be)."""
+        if self.cleared and stream not in self.waiting:
+            return stream in self.doubt  # listed since the clear: put again
+        return version in self.versions or stream in self.doubt
 
 
 class Ledger:
@@ -140,6 +149,10 @@ class Ledger:
             tomb = tombs.get(key)
             if tomb is None:
                 merge.append(key)
+            elif tomb.cleared and (stream not in tomb.waiting or tomb.began_after(sync)):
+                tomb.doubt.discard(stream)
+                merge.append(key)  # listed since the clear: the store holds it again
+                self._end_if_over(partition, key, tomb)
             elif version in tomb.versions:
                 tomb.doubt.discard(stream)  # the record removed, listed again: hidden
                 hidden.append(key)
@@ -174,10 +187,11 @@ class Ledger:
         return drop
 
     def _end_if_over(self, partition: str, key: str, tomb: _Tomb) -> None:
-        """End ``tomb`` once no stream may send a listing begun before it and none lists a removed version."""
+        """End ``tomb`` once no stream may send a listing begun before it and none lists a removed version (one the
+        trainer cleared: none may send a listing begun before it)."""
         if tomb.waiting:
             return
-        for parts in self._listed.values():
+        for parts in self._listed.values() if not tomb.cleared else ():
             items = parts.get(partition)
             if items is not None and items.get(key, _UNLISTED) in tomb.versions:
                 return
@@ -204,10 +218,11 @@ class Ledger:
                 continue
             waiting.discard(name)
             tomb.waiting.discard(stream)
-            if stream in tomb.doubt:
+            if stream in tomb.doubt or tomb.cleared:
                 tomb.doubt.discard(stream)
                 version = self._listed.get(stream, {}).get(partition, {}).get(key, _UNLISTED)
-                if version is not _UNLISTED and version not in tomb.versions:
+                # A cleared key this poll still lists was put again (a poller sends no unchanged key anew).
+                if version is not _UNLISTED and (tomb.cleared or version not in tomb.versions):
                     shown.append((partition, key, version))
             self._end_if_over(partition, key, tomb)
         if not waiting:
@@ -258,8 +273,9 @@ class Ledger:
 
     # -- the trainer ------------------------------------------------------------------
 
-    def removed(self, partition: str, held: Mapping[str, Version | None]) -> int | None:
+    def removed(self, partition: str, held: Mapping[str, Version | None], cleared: bool = False) -> int | None:
         """The trainer removed ``held``'s keys (with the version the store held, or None); see the module docstring.
+        ``cleared``: the trainer cleared them in the store before (the store held none of them at the removal).
         Returns the removal's token, for the pollers as a mark (None: no tombstone needs one).
 
         A removal that no stream could answer with a listing begun before it (none streams, or a key none lists
@@ -281,7 +297,7 @@ class Ledger:
                 continue
             if token is None:
                 token = self.issue_token()
-            tomb = _Tomb(token, versions, set(live))
+            tomb = _Tomb(token, versions, set(live), cleared)
             if tombs is None:
                 tombs = self._tombs[partition] = {}
             tombs[key] = tomb
@@ -296,8 +312,7 @@ class Ledger:
         tomb = self._tombs.get(partition, {}).get(key)
         for stream, parts in self._listed.items():
             version = parts.get(partition, {}).get(key, _UNLISTED)
-            if version is not _UNLISTED and (tomb is None or (version not in tomb.versions
-                                                               and stream not in tomb.doubt)):
+            if version is not _UNLISTED and (tomb is None or not tomb.hides(stream, version)):
                 return True
         return False
 
@@ -403,7 +418,7 @@ class Ledger:
             other_parts = [listed.get(part, {}) for listed in others]
             for key, version in items.items():
                 tomb = tombs.get(key)
-                if tomb is not None and (version in tomb.versions or stream in tomb.doubt):
+                if tomb is not None and tomb.hides(stream, version):
                     continue  # hidden from the view
                 if not any(key in other for other in other_parts):
                     lonely.append((part, key))

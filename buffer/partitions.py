@@ -195,15 +195,16 @@ class PartitionStore:
                 self._merge(partition_id, key, tags)
             self._cond.notify_all()
 
-    def remove(self, partition_id: str, keys: Iterable[str]) -> None:
-        """Delete keys; a poll still listing them will not bring them back."""
+    def remove(self, partition_id: str, keys: Iterable[str], cleared: bool = False) -> None:
+        """Delete keys; a poll still listing them will not bring them back. ``cleared``: the caller cleared them in
+        the store first, so a poll that began after this shows them again if listed (they were put again)."""
         with self._cond:
             self.check_open()
             items = self._parts.get(partition_id)
             held = {key: items.get(key) if items else None for key in keys}
             for key in held:
                 self._drop(partition_id, key)
-            token = self.ledger.removed(partition_id, held)
+            token = self.ledger.removed(partition_id, held, cleared)
             if token is not None:
                 self.on_removed(token)
             self._cond.notify_all()

@@ -178,9 +178,11 @@ class SamplingSeam:
         """The own poller's reads of watched keys so far, summed over its processes (0: no poller of its own)."""
         return self._listings.watch_reads() if self._listings is not None else 0
 
-    def remove(self, partition_id: str, keys: Iterable[str]) -> None:
-        """Drop keys from the buffer's view; a poll still listing them does not bring them back."""
-        self._store.remove(partition_id, keys)
+    def forget_cleared(self, partition_id: str, keys: Iterable[str]) -> None:
+        """Drop keys the policy cleared in the store (the clear returned) from the buffer's view: a poll that began
+        before still listing them does not bring them back; one that began after shows them if the store holds
+        them again, as the store's own listing would."""
+        self._store.remove(partition_id, keys, cleared=True)
 
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
         """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""

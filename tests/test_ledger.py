@@ -18,7 +18,10 @@ poller had received it when the poll began). The removal ends once a
 delivered poll began after it and the store does not list a removed version;
 a new version listed by a poll that began after the removal (or by any poll,
 once one did) is shown; a new version listed by an earlier poll stays hidden
-until a poll that began after it lists it still.
+until a poll that began after it lists it still. A removal of a key the trainer
+cleared in the store first hides whatever a poll that began before it lists,
+and nothing a later one lists (the key was put again); it ends with the first
+delivered poll that began after it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class _Removal:
     versions: set[int]
     passed: bool = False   # a delivered poll began after it
     doubt: bool = False    # a new version was listed by a poll that may have begun before it
+    cleared: bool = False  # the trainer cleared the key in the store before removing it
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -60,6 +64,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.issued: list[int] = []
         self.store.on_removed = self.issued.append
         self.truth: dict[str, int] = {}    # key -> its version
+        self.former: dict[str, int] = {}   # key -> the version it had when last cleared
         self.version = 0
         self.epoch = 1
         self.store.announce(SOURCE, self.epoch)
@@ -82,7 +87,15 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(key=KEYS)
     def clear(self, key: str) -> None:
-        self.truth.pop(key, None)
+        if key in self.truth:
+            self.former[key] = self.truth.pop(key)
+
+    @precondition(lambda self: bool(self.former))
+    @rule(data=st.data())
+    def put_back(self, data: st.DataObject) -> None:
+        """A cleared key put again with the very tags it had (a writer retrying, a store rewound)."""
+        key = data.draw(st.sampled_from(sorted(self.former)))
+        self.truth[key] = self.former[key]
 
     @precondition(lambda self: len(self.in_flight) < 3)
     @rule()
@@ -151,15 +164,21 @@ class LedgerMachine(RuleBasedStateMachine):
     def remove(self, key: str) -> None:
         self._remove(key, {self.sent[key]} if key in self.sent else set())
 
+    @rule(key=KEYS)
+    def clear_then_remove(self, key: str) -> None:
+        """buffer.verl's clear: the key goes from the store, then from the view."""
+        self.clear(key)
+        self._remove(key, {self.sent[key]} if key in self.sent else set(), cleared=True)
+
     # -- the model -----------------------------------------------------------------------
 
-    def _remove(self, key: str, listed: set[int]) -> None:
+    def _remove(self, key: str, listed: set[int], cleared: bool = False) -> None:
         issued = len(self.issued)
-        self.store.remove(PART, [key])
+        self.store.remove(PART, [key], cleared=cleared)
         before = self.removals.get(key)
         versions = listed | (before.versions & listed if before is not None else set())
         assert len(self.issued) == issued + 1, "a removal with a stream to answer it issues a token"
-        self.removals[key] = _Removal(self.issued[-1], versions)
+        self.removals[key] = _Removal(self.issued[-1], versions, cleared=cleared)
 
     def _listing(self, poll: _Poll, keys: list[str]) -> None:
         """The part of ``poll`` listing ``keys`` was applied."""
@@ -176,7 +195,7 @@ class LedgerMachine(RuleBasedStateMachine):
             if poll.token >= removal.token:
                 removal.passed = True
                 removal.doubt = False
-            if removal.passed and poll.listing.get(key) not in removal.versions:
+            if removal.passed and (removal.cleared or poll.listing.get(key) not in removal.versions):
                 del self.removals[key]  # no listing begun before it may come, none lists what was removed
         self.sent = dict(poll.listing)
         self.completed = True
@@ -184,6 +203,8 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _hidden(self, key: str) -> bool:
         removal = self.removals.get(key)
+        if removal is not None and removal.cleared:
+            return not removal.passed  # listed by a poll that began before the clear
         return removal is not None and (self.sent[key] in removal.versions or removal.doubt)
 
     @invariant()

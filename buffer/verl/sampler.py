@@ -314,7 +314,7 @@ class ReplayBuffer:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
         seam = self._store.start().seam
         self._store.clear(partition_id, keys)
-        seam.remove(partition_id, keys)
+        seam.forget_cleared(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
 
