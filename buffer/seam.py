@@ -96,10 +96,11 @@ class SamplingSeam:
         ``attempt`` runs under the store's lock and must not block. ``version`` (read under the lock,
         changing whenever anything ``attempt`` reads does) skips wake-ups that find the last run's version.
         ``log_every``: log ``describe()`` at INFO that often. ``poll_every``: while waiting, ask the own poller
-        for a listing every that many seconds from the wait's start (``on_poll`` after each). ``watch`` (run under the lock after an
-        attempt that found nothing): at most :data:`~poller.wire.protocol.MAX_WATCH_KEYS` keys the decision
-        waits on, which the poller reads cheaply and lists as soon as one changed, no more often than
-        ``poll_every`` (:mod:`poller.polling`), on a source that can.
+        for a listing every that many seconds from the wait's start (``on_poll`` after each). ``watch`` (run
+        under the lock after an attempt that found nothing): at most
+        :data:`~poller.wire.protocol.MAX_WATCH_KEYS` keys the decision waits on, which the poller reads
+        cheaply and lists as soon as one changed, no more often than ``poll_every`` (:mod:`poller.polling`),
+        on a source that can.
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the partition's quarantined keys).
