@@ -138,13 +138,12 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                        "call for the phase, as between verl's calls while the trainer trains (verl's own sampler "
                        "runs no code then); its listings are its polls applied, as in b")
     table.notes.append("both samplers as verl builds them: trainer_mode colocate_async, threshold None, no "
-                       "sampler_kwargs, so each lists at its defaults while sample() waits (buffer.verl: every "
-                       "wait_poll_interval = 0.02 s; verl: every poll_interval = 2 s); between calls neither lists "
-                       "TransferQueue")
-    table.notes.append("the product runs with its default listing_share: verl's own cycle, its next listing no "
-                       "sooner than 2 s + d + 2p after the poll that took the previous one (d s) is done (listing, "
-                       "diff, screen, send: p s after the listing), as verl's sampler sleeps 2 s after it has "
-                       "listed and processed the store (poller/duty.py)")
+                       "sampler_kwargs, so each lists at its defaults while sample() waits (both every "
+                       "poll_interval = 2 s, verl's default; buffer.verl also lists when its watch sees a prompt "
+                       "change, at most once per poll_interval); between calls neither lists TransferQueue")
+    table.notes.append("the product keeps verl's sampler's own schedule: its poller lists only when a call asks (a "
+                       "listing as the call begins, then every poll_interval, counted from when the view was last "
+                       "listed whole, while it waits), with no listing share (1.0); buffer/verl/sampler.py")
     table.notes.append("listings counted exactly: verl's tq.kv_list() calls at the call site (the sampler module's "
                        "tq wrapped, counted as each returns), the product's stats()['listings']; with a sampler "
                        "every rate is taken over whole listing cycles, from the first listing done with in the "

@@ -40,7 +40,7 @@ from .report import Goal, Table, line_plot, median, percentile
 from .verl_workload import KEYS_PER_GROUP, PARTITION, SESSIONS, Rollouts, fill, uid_of
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
-INTERVAL = 0.2  # both pollers' interval (buffer.verl's default; verl's own default is 2 s)
+INTERVAL = 0.2  # both samplers' poll_interval (given to both; verl's own default, and buffer.verl's, is 2 s)
 BATCH = 64  # groups per sample
 # The rollouts' schedule per sample, the same at every K: before it was spread over verl's poll
 # periods, which grow with K, so at 1M the product waited ~20 s and ~1000 polls per sample and
@@ -288,8 +288,11 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                     cpu.goals.append(Goal("verl-v1 / product trainer-thread CPU per sample, K=100,000",
                                           median(base["thread_cpu"]) / median(mine["thread_cpu"]), 50.0,
                                           higher_is_better=True))
-                    lat.goals.append(Goal("product p99 ms, K=100,000", percentile(mine["latency"], 99) * 1e3,
-                                          5 + INTERVAL * 1e3 / 2))
+                    # buffer.verl keeps verl's schedule (a listing every poll_interval while a call waits):
+                    # on this store it is to see a change no later than verl's sampler does.
+                    lat.goals.append(Goal("product p99 ms ≤ verl-v1's, K=100,000",
+                                          percentile(mine["latency"], 99) * 1e3,
+                                          percentile(base["latency"], 99) * 1e3))
     if product and len(process_ms) > 1:
         _flat_goal(cpu, process_ms, quick)
     if not product:
@@ -303,13 +306,15 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
                      "waits) over the same call; a sample() includes its wait for the groups, as in verl, where the "
                      "trainer's thread lists and rebuilds the whole store every poll while it waits")
     cpu.notes.append(f"every K waits the same way: {schedule}; so the product's wait sees about as many polls "
-                     "(asked for every wait_poll_interval, interval/10) and as many changes at every K. Polls and "
-                     "rule evaluations per sample are the medians of the sampler's own counters (stats()['wait_polls'],"
-                     " ['decisions']): a poll that changed no group of the partition re-runs no rule")
+                     "(asked for every poll_interval, counted from the view's age) and as many changes at every K. "
+                     "Polls and rule evaluations per sample are the medians of the sampler's own counters "
+                     "(stats()['wait_polls'], ['decisions']): a poll that changed no group of the partition re-runs "
+                     "no rule")
     lat.notes.append("a change waits for the next poll to start and for that poll's read, diff and transfer. "
                      "verl-v1's period is the larger of the interval and one listing. The product reads the SQLite "
                      "store by change (a poll costs milliseconds whatever K), and while sample() waits its poller "
-                     "polls every wait_poll_interval (interval/10), so a change waits about interval/20 on average")
+                     "polls every poll_interval (the SQLite store has no kv_watch), so a change waits about "
+                     "interval/2 on average")
     lat.notes.append(f"from the rollout process's commit that made the last of the batch's groups terminal to "
                      f"sample() returning; {schedule}, a random phase of the product's poll schedule and of verl-v1's "
                      "at 10,000 keys; at larger K one verl-v1 listing outlasts the schedule, so it returns after the "

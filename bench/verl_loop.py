@@ -96,9 +96,10 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
         "step's start, wait_for_sampleable while lending the trainer's replicas, a count and a sample per "
         "mini-batch, a count of the next step at the step's end); max_off_policy_threshold 2, drop",
         "verl's sampler lists the store at the start of every call and every poll_interval (2 s) while it waits; "
-        "buffer.verl with its defaults (poll_interval 0.2, listing share of verl's cycle, no listing between calls "
-        f"on TransferQueue); other keys: {OTHER_KEYS:,} trajectory keys of 6,250 prompt-less groups in 'train', put "
-        "before fit",
+        "buffer.verl with its defaults (poll_interval 2.0 as verl's: a listing at each call's start and every "
+        "poll_interval while it waits, the watch bringing one forward when an in-flight prompt changed; nothing "
+        f"listed between calls); other keys: {OTHER_KEYS:,} trajectory keys of 6,250 prompt-less groups in "
+        "'train', put before fit",
         "the fakes (tests/integration/verl_loop_fakes.py): an LLM call is a seeded 0.1-1.2 s sleep (the same per "
         "prompt and session for both samplers), update_actor 0.3 s, log probs 0.02 s, weight sync 0.05 s; one "
         "agent loop worker, one TransferQueue storage unit",

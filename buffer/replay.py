@@ -34,7 +34,7 @@ from buffer.steps import BatchMeta, StepSampler
 from buffer.stream import StreamReceiver
 from buffer.supervisor import RestartBudget, Supervisor, close_bound
 from buffer.sync import ListingSync
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare, check_optional_seconds
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, check_optional_seconds
 from poller.wire.curve import CurveClient, CurveServer, generate_pair
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from poller.wire.sources import SourceSpec
@@ -281,8 +281,8 @@ class ReplayBuffer:
             without a change feed (TransferQueue): after a listing of ``d`` seconds the next starts no
             sooner than ``max(poll_interval, d / listing_share)`` after it began, and a ``sync()`` asked
             sooner is answered by that one. In (0, 1]; 1 sets no bound. The default, 0.15, is verl's
-            sampler's own share at 100k TransferQueue keys; ``"verl"`` is its cycle (docs/using.md, "The
-            listing share"). A call that stalls or fails is not a listing.
+            sampler's own share at 100k TransferQueue keys (docs/using.md, "The listing share"). A call
+            that stalls or fails is not a listing.
 
     Raises:
         PollerStartupError: the poller could not start; nothing is left running.
@@ -302,7 +302,7 @@ class ReplayBuffer:
                  limits: Limits | Mapping[str, int] | None = None, stale_after: float = 5.0,
                  stall_timeout: float | None = 30.0, max_view_age: float | None = None,
                  poller_log_level: int | str = "WARNING",
-                 listing_share: ListingShare = DEFAULT_LISTING_SHARE) -> None:
+                 listing_share: float = DEFAULT_LISTING_SHARE) -> None:
         resolved_limits, poller_options = check_buffer_args(
             poll_interval, start_timeout, close_timeout, max_restarts, restart_window, stale_after, curve, limits,
             stall_timeout, max_view_age, poller_log_level, listing_share)

@@ -10,6 +10,7 @@ waits close the module.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, Hashable, Iterable, Protocol, TypeVar
@@ -17,7 +18,7 @@ from typing import Callable, Hashable, Iterable, Protocol, TypeVar
 from buffer.partitions import PartitionStore
 from poller.wire.vocabulary import Tags
 
-__all__ = ["BulkPolicy", "Listings", "Policy", "SamplingSeam", "SyncAhead", "WatchWhileWaiting"]
+__all__ = ["BulkPolicy", "Listings", "Policy", "SamplingSeam", "WatchWhileWaiting"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,12 @@ class Listings(Protocol):
     def wait(self, timeout: float | None, standalone: bool = True) -> None:
         """Return once a listing that began after the call is applied, from the own poller (and standalone ones)."""
 
-    def watch(self, partition: str, keys: list[str], seconds: float) -> None:
-        """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop)."""
+    def watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
+        """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop); a change it sees
+        brings a listing forward, no sooner than ``every`` after the last one it brought forward."""
+
+    def silence(self) -> str | None:
+        """How long the store has not answered the listing the own poller has under way, if it is long."""
 
     def view_age(self) -> float:
         """Seconds since the store was last known to be listed whole into the view (``inf``: never)."""
@@ -87,11 +92,11 @@ class SamplingSeam:
 
         ``attempt`` runs under the store's lock and must not block. ``version`` (read under the lock,
         changing whenever anything ``attempt`` reads does) skips wake-ups that find the last run's version.
-        ``log_every``: log ``describe()`` at INFO that often. ``poll_every``: ask the own poller for a
-        listing that often while waiting (``on_poll`` after each). ``watch`` (run under the lock after an
+        ``log_every``: log ``describe()`` at INFO that often. ``poll_every``: while waiting, ask the own poller
+        for a listing every that many seconds from the wait's start (``on_poll`` after each). ``watch`` (run under the lock after an
         attempt that found nothing): at most :data:`~poller.wire.protocol.MAX_WATCH_KEYS` keys the decision
-        waits on, which the poller reads cheaply and lists as soon as one changed, on a source that can
-        (:mod:`poller.polling`).
+        waits on, which the poller reads cheaply and lists as soon as one changed, no more often than
+        ``poll_every`` (:mod:`poller.polling`), on a source that can.
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the partition's quarantined keys).
@@ -104,7 +109,7 @@ class SamplingSeam:
         own = self._listings if self._listings is not None and self._listings.has_own_poller else None
         watcher = None
         if watch is not None and own is not None and timeout != 0:
-            watcher = WatchWhileWaiting(own.watch, partition_id)
+            watcher = WatchWhileWaiting(own.watch, partition_id, poll_every)
             attempt = _watching(attempt, watch, watcher)
         attempt = _when_changed(attempt, version)
         hurry: threading.Event | None = None  # set: stop asking
@@ -118,7 +123,7 @@ class SamplingSeam:
                     raise
             deadline = None if timeout is None else time.monotonic() + timeout
             if poll_every is not None and own is not None:
-                hurry = _poll_while_waiting(own.wait, poll_every, on_poll or (lambda: None))
+                hurry = _poll_while_waiting(own.wait, poll_every, on_poll or (lambda: None), own.view_age)
             started = last_log = time.monotonic()
             while True:
                 now = time.monotonic()
@@ -155,8 +160,12 @@ class SamplingSeam:
             self._listings.wait(timeout)
 
     def not_fresh(self) -> str | None:
-        """Why no decision could be made on the view now (its store not answering, how long; too old); None."""
-        return self._store.view_stale()
+        """Why no decision could be made on the view now (its store not answering, how long; too old), or that the
+        store has not answered a listing under way for long; None."""
+        stale = self._store.view_stale()
+        if stale is None and self._listings is not None:
+            stale = self._listings.silence()
+        return stale
 
     def view_age(self) -> float:
         """Seconds since the store was last known to be listed whole into the view (0: nobody to ask)."""
@@ -210,49 +219,39 @@ def _when_changed(attempt: Callable[[], T | None], version: Callable[[], Hashabl
     return gated
 
 
-class SyncAhead:
-    """``sync(timeout)`` in a thread, started right after a decision's last write: the listing it waits for
-    runs while the trainer trains, so the next decision usually finds it applied."""
-
-    def __init__(self, sync: Callable[[float | None], None], timeout: float) -> None:
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(sync, timeout), name="replay-sync-ahead",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, sync: Callable[[float | None], None], timeout: float) -> None:
-        try:
-            sync(timeout)
-        except BaseException as exc:  # closed, crashed, stalled: the caller syncs itself and sees it
-            self.error = exc
-
-    def done(self, timeout: float | None) -> bool:
-        """True once the sync succeeded (waiting up to ``timeout``)."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive() and self.error is None
-
-
 # Each sync() of _poll_while_waiting is bounded, so a stalled source cannot keep its thread long past the stop.
 _POLL_BOUND = 2.0
+# A slot of _poll_while_waiting is spared when a listing began within this share of its gap before it.
+_SLOT_SPARED = 0.1
 
 
-def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float,
-                        on_poll: Callable[[], None]) -> threading.Event:
-    """Ask for a listing every ``gap`` seconds (``sync``, then ``on_poll``) in a thread, until the event is set
-    (else a waiting decision would see its last change up to a poll interval late)."""
+def _poll_while_waiting(sync: Callable[[float | None, bool], None], gap: float, on_poll: Callable[[], None],
+                        view_age: Callable[[], float]) -> threading.Event:
+    """Ask for a listing every ``gap`` seconds from now (``sync``, then ``on_poll``), in a thread, until the event is
+    set: the listings verl's sampler makes while it waits, at the same times, so a waiting decision never sees a
+    change later than with it. A slot is skipped when a listing began within :data:`_SLOT_SPARED` of it (one a
+    watched change brought forward: listing again would show almost nothing more)."""
     stopped = threading.Event()
+    anchor = time.monotonic()
 
     def run() -> None:
+        slot = 1
         while not stopped.is_set():
-            started = time.monotonic()
-            try:
-                sync(_POLL_BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
-            except TimeoutError:
-                continue  # a stall or a restart: the waiter's own deadline and log cover it
-            except BaseException:  # closed or crashed: the waiting decision raises it itself
-                return
-            on_poll()
-            stopped.wait(max(0.0, gap - (time.monotonic() - started)))
+            due = anchor + slot * gap - time.monotonic()
+            if due > 0:
+                stopped.wait(due)
+                continue
+            if view_age() >= gap * _SLOT_SPARED:
+                try:
+                    sync(_POLL_BOUND, False)  # the buffer's own poller alone: standalone ones keep their schedule
+                except TimeoutError:
+                    pass  # a stall or a restart: the waiter's own deadline and log cover it
+                except BaseException:  # closed or crashed: the waiting decision raises it itself
+                    return
+                else:
+                    on_poll()
+            # The next slot still ahead (a slow listing may have spanned several).
+            slot = max(slot + 1, math.floor((time.monotonic() - anchor) / gap) + 1)
 
     threading.Thread(target=run, name="replay-wait-poll", daemon=True).start()
     return stopped
@@ -271,9 +270,11 @@ class WatchWhileWaiting:
     #: How long the poller keeps watching after a WATCH (a few renewals may be lost).
     LASTS = 3.0
 
-    def __init__(self, send: Callable[[str, list[str], float], None], partition: str) -> None:
+    def __init__(self, send: Callable[[str, list[str], float, float | None], None], partition: str,
+                 every: float | None = None) -> None:
         self._send = send
         self._partition = partition
+        self._every = every  # the least time between two listings a change it sees brings forward
         self._keys: list[str] | None = None
         self._changed = threading.Event()
         self._stopped = threading.Event()
@@ -295,11 +296,11 @@ class WatchWhileWaiting:
             keys = self._keys
             self._changed.clear()
             if keys or (keys is not None and sent):  # new keys or a renewal; or none now, after some: stop
-                self._send(self._partition, keys or [], self.LASTS if keys else 0.0)
+                self._send(self._partition, keys or [], self.LASTS if keys else 0.0, self._every)
                 sent = keys
             self._changed.wait(self.RENEW)  # a stop wakes it too, ending the loop before another WATCH
         if sent:
-            self._send(self._partition, [], 0.0)
+            self._send(self._partition, [], 0.0, self._every)
 
     def stop(self) -> None:
         """End the watch (the poller is told); waits for the thread briefly (it never blocks on the store)."""

@@ -106,6 +106,9 @@ class Peer:
     stalls_epoch: int | None = None
     quarantined: int = 0
     quarantined_keys: list[tuple[str, str, str]] = field(default_factory=list)
+    # How long its source call under way had run, and when that was heard (its last heartbeat).
+    call_s: float = 0.0
+    call_heard: float = 0.0
     listing: ListingFigures = field(default_factory=ListingFigures)
 
     def report(self, epoch: int, beat: Heartbeat) -> int:
@@ -202,9 +205,10 @@ class PeerTable:
         held = self._sync_partitions.get(identity, [])
         self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 
-    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float) -> Send:
+    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float,
+              every: float | None = None) -> Send:
         """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
-        return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds))
+        return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds, every))
 
     def _epoch(self, identity: bytes) -> int:
         """The epoch a control message to ``identity`` is stamped with (0 before it spoke)."""
@@ -437,6 +441,7 @@ class PeerTable:
     def _on_heartbeat(self, identity: bytes, peer: Peer, message: Message, beat: Heartbeat, now: float,
                       actions: list[Send]) -> None:
         stalls = peer.report(message.epoch, beat)
+        peer.call_s, peer.call_heard = beat.stalled_s, now
         if stalls:
             self.source_stalls += stalls
             # A stalled call: no decision on this store's view until it answers again (a whole poll).
@@ -526,10 +531,12 @@ class StreamReceiver:
         """Queue a removal's token for every poller (:meth:`PeerTable.marks`); called under the store's lock."""
         self._command(lambda: self.table.marks(token, time.monotonic()))
 
-    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float) -> None:
-        """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed (no keys: stop)."""
+    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float,
+                   every: float | None = None) -> None:
+        """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed, no sooner than
+        ``every`` after the last listing a change brought forward (no keys: stop)."""
         identity = peer.encode()
-        self._command(lambda: [self.table.watch(identity, partition, keys, seconds)])
+        self._command(lambda: [self.table.watch(identity, partition, keys, seconds, every)])
 
     def expect(self, peer: str, epoch: int) -> None:
         """From now on only ``epoch`` may speak as ``peer`` (called before that process starts). Not through the

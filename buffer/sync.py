@@ -53,9 +53,18 @@ class ListingSync:
                 if self._answered is None or request.started > self._answered:
                     self._answered = request.started
 
-    def watch(self, partition: str, keys: list[str], seconds: float) -> None:
+    def silence(self) -> str | None:
+        """How long the store has not answered the listing the own poller has under way (None: one second or less,
+        or none under way, as of its last heartbeat)."""
+        peer = self._receiver.peer_info(self._stream) if self._stream is not None else None
+        if peer is None or peer.call_s <= 1.0:
+            return None
+        running = peer.call_s + max(0.0, self._store.clock() - peer.call_heard)
+        return f"the store has not answered the listing poller {self._stream} began {running:.1f}s ago"
+
+    def watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
         if self._stream is not None:
-            self._receiver.send_watch(self._stream, partition, keys, seconds)
+            self._receiver.send_watch(self._stream, partition, keys, seconds, every)
 
     def quarantined(self, partition_id: str) -> list[tuple[str, str]]:
         _, named = self._receiver.table.quarantined()
@@ -142,7 +151,7 @@ class SyncRequest:
                 why.append(f"{stream} has been silent past stale_after" if peer.stale else f"{stream} said BYE")
             if len(self.asked[stream]) > 1:
                 why.append(f"asked {len(self.asked[stream])} processes of {stream} (it restarted)")
-        stale = sync._store.view_stale()
+        stale = sync._store.view_stale() or sync.silence()
         if stale is not None:
             why.append(stale)
         for stream in sync._store.unvouched():

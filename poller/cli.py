@@ -16,7 +16,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from poller._version import __version__
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, check_seconds, check_share
+from poller.wire.arguments import DEFAULT_LISTING_SHARE, check_seconds, check_share
 from poller.wire.config import ExitCode, WorkerConfig
 from poller.wire.curve import CurveClient, make_keys
 from poller.wire.errors import PollerCrashed, PollerStartupError
@@ -40,10 +40,10 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
     run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
-    run.add_argument("--listing-share", type=_number_or_word, default=DEFAULT_LISTING_SHARE,
+    run.add_argument("--listing-share", type=float, default=DEFAULT_LISTING_SHARE,
                      help="the most of the wall clock spent listing a store without a change feed: after a listing "
                           f"of d s the next starts max(interval, d/share) after it (0 < share <= 1, 1 = no bound; "
-                          f"default {DEFAULT_LISTING_SHARE:g}); '{VERL_CYCLE}': verl's sampler's cycle")
+                          f"default {DEFAULT_LISTING_SHARE:g})")
     run.add_argument("--name", default=None, help="stream name; a restarted poller with the same name continues "
                                                    "the same stream (default: derived from host, source and kwargs)")
     run.add_argument("--log-level", default="WARNING", help="logging level on stderr (default WARNING)")
@@ -63,13 +63,6 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
                         description="Compare the poller and buffer Python would import with this distribution's "
                                     "install record; exit 1 and say how to fix it when they differ.")
     return parser
-
-
-def _number_or_word(text: str) -> float | str:  # --listing-share: a number or 'verl' (check_share)
-    try:
-        return float(text)
-    except ValueError:
-        return text
 
 
 def _error(args: argparse.Namespace, error: object, code: int = ExitCode.STARTUP_FAILED) -> int:

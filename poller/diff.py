@@ -25,7 +25,7 @@ from operator import eq, ne, not_
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from poller.duty import ListingDuty
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
+from poller.wire.arguments import DEFAULT_LISTING_SHARE
 from poller.wire.protocol import Limits, Piece
 from poller.wire.sources import PackedItems, Source, UnreadableValue, capabilities
 from poller.wire.tags import DICT_ONLY, STR_ONLY, Refused, fresh_strs, pack_many_tags, screen
@@ -238,7 +238,7 @@ class ListingReader:
     The cursor :meth:`read` reached takes effect at :meth:`commit`, once the diff was sent (not on a failed poll).
     """
 
-    def __init__(self, source: Source, *, listing_share: ListingShare = DEFAULT_LISTING_SHARE,
+    def __init__(self, source: Source, *, listing_share: float = DEFAULT_LISTING_SHARE,
                  stall_timeout: float | None = None) -> None:
         self._source: Any = source
         #: What the source offers, checked once (the polling thread reads its watch from it too).
@@ -300,12 +300,10 @@ class ListingReader:
         return Diff([listing], sent, full=full, limits=limits, size=size)
 
     def _timed(self, pieces: Iterator[Any], began: float) -> Iterator[Any]:
-        """``pieces``, the listing read in pieces, timed into the duty cycle once read whole (else unanswered)."""
+        """``pieces``, the listing read in pieces, timed into the duty cycle once read whole (a poll cut short, or
+        a read that failed, is no listing)."""
         try:
             yield from pieces
-        except BaseException:  # GeneratorExit too: a poll cut short
-            self.duty.unanswered(time.monotonic())
-            raise
         finally:
             close = getattr(pieces, "close", None)
             if callable(close):
@@ -315,17 +313,11 @@ class ListingReader:
     def _listing(self, call: Callable[[], _T], *, answered: bool = True) -> _T:
         """``call()``, a full listing, timed into the duty cycle if answered within ``stall_timeout`` (or by _timed)."""
         began = time.monotonic()
-        try:
-            listing = call()
-        except BaseException:
-            self.duty.unanswered(time.monotonic())
-            raise
+        listing = call()  # one that fails is no listing
         if not answered:
             return listing
         ended = time.monotonic()
-        if self.stall_timeout is not None and ended - began >= self.stall_timeout:
-            self.duty.unanswered(ended)
-        else:
+        if self.stall_timeout is None or ended - began < self.stall_timeout:  # a stalled call is no listing
             self.duty.record(began, ended - began)
         return listing
 

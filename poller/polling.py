@@ -17,13 +17,13 @@ from typing import Callable, Iterable, Mapping
 
 from poller.diff import Diff, ListingReader, Quarantine, Sent
 from poller.duty import ListingDuty
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
+from poller.wire.arguments import DEFAULT_LISTING_SHARE
 from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
 from poller.wire.sources import Source, SourceStall, WatchRead
 from poller.wire.tags import thaw
 
-__all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_INTERVAL", "WATCH_INTERVAL_MAX",
-           "WATCH_TIMEOUT"]
+__all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_EVERY", "WATCH_INTERVAL",
+           "WATCH_INTERVAL_MAX", "WATCH_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ BACKOFF_CAP = 5.0
 #: A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after the one before began (``d``: the last listing's
 #: duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not answered within WATCH_TIMEOUT tells nothing.
 WATCH_INTERVAL = 0.3
+#: The least time between two listings a watched change brings forward, unless the WATCH says (a waiting
+#: buffer.verl call: its poll_interval, verl's own sampler's rate).
+WATCH_EVERY = 2.0
 WATCH_BUDGET = 0.25
 WATCH_INTERVAL_MAX = 0.6
 WATCH_TIMEOUT = 1.0
@@ -66,7 +69,7 @@ class PollingThread(threading.Thread):
                  interval: float,
                  max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  stall_timeout: float | None = None, limits: Limits | None = None,
-                 listing_share: ListingShare = DEFAULT_LISTING_SHARE,
+                 listing_share: float = DEFAULT_LISTING_SHARE,
                  admitted: threading.Event | None = None) -> None:
         super().__init__(name="poller-source", daemon=True)
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
@@ -119,6 +122,7 @@ class PollingThread(threading.Thread):
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
         self._next_watch_read = -math.inf
         self._change_seen = False
+        self._watch_every = WATCH_EVERY
 
     @property
     def call_started(self) -> float | None:
@@ -153,13 +157,16 @@ class PollingThread(threading.Thread):
                 self._poll_asked = True
                 self._wake.set()
 
-    def request_watch(self, partition: str, keys: list[str], seconds: float) -> None:
-        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op)."""
+    def request_watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
+        """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op); a
+        change seen brings a listing forward, no sooner than ``every`` after the last one it brought forward
+        (None: :data:`WATCH_EVERY`)."""
         if self._watch_read is None:
             return
         if not keys or seconds <= 0:
             self._watch = None
             return
+        self._watch_every = WATCH_EVERY if every is None else every
         self._watch = ((partition, tuple(keys)), time.monotonic() + seconds)
         self._wake.set()  # a pause reads the new keys at once; it ends only for a poll asked for
 
@@ -217,7 +224,7 @@ class PollingThread(threading.Thread):
             if (ends_on_request and self._poll_asked) or now >= until:
                 break
             if self._change_seen:
-                wait = self.duty.wait_for_change(now)
+                wait = self.duty.wait_for_change(self._watch_every, now)
                 if wait <= 0:
                     break
                 self._wake.wait(min(until - now, wait))
@@ -321,7 +328,7 @@ class PollingThread(threading.Thread):
             else:
                 wait = self._reader.wait_for()
                 if self._change_seen:
-                    wait = min(wait, self.duty.wait_for_change())
+                    wait = min(wait, self.duty.wait_for_change(self._watch_every))
             if wait <= 0:
                 return None if self.stopping.is_set() else full
             self._pause(wait, ends_on_request=False)
@@ -409,7 +416,6 @@ class PollingThread(threading.Thread):
                 return None
         except SourceStall as exc:
             self._stalled(call, str(exc) or type(exc).__name__)
-            self._reader.duty.poll_done()
             # Asked again one interval after the call gave up (a SYNC wakes it sooner).
             return full, self.interval
         except Exception as exc:  # any source failure is reported, never fatal to the trainer
@@ -424,7 +430,6 @@ class PollingThread(threading.Thread):
             body = _error_body(exc, fatal=fatal, count=failures, limits=self.limits)
             if not self._hand_over(Kind.ERROR, body, False, self.stopping) or fatal:
                 return None
-            self._reader.duty.poll_done()
             return full, min(BACKOFF_BASE * 2 ** (failures - 1), BACKOFF_CAP)
         finally:
             if diff is not None:
@@ -442,7 +447,6 @@ class PollingThread(threading.Thread):
         del diff
         self.polls += 1
         self._last_poll = (started, began, covered)
-        self._reader.duty.poll_done()  # listed, diffed and sent: verl's cycle's pause starts now
         # Start to start (a change waits interval/2 on average); a slow poll still leaves a tenth of it.
         elapsed = time.monotonic() - began
         return False, max(self.interval - elapsed, self.interval * 0.1)

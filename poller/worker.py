@@ -177,7 +177,7 @@ class _ControlLoop:
             elif message.kind is Kind.SYNC:
                 thread.request_sync(body.token, body.partitions, bool(body.mark))
             elif message.kind is Kind.WATCH:
-                thread.request_watch(body.partition, body.keys, body.seconds)
+                thread.request_watch(body.partition, body.keys, body.seconds, body.every)
             else:
                 logger.warning("poller %s ignored an unexpected %s message", self.config.name, message.kind.name)
 

@@ -25,9 +25,10 @@ from poller.cli import main as poller_main
 from poller.diff import ListingReader
 from poller.duty import ListingDuty
 from poller.polling import PollingThread
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, VERL_CYCLE, VERL_POLL_INTERVAL
+from poller.wire.arguments import DEFAULT_LISTING_SHARE
 from poller.wire.errors import ProtocolError
-from poller.wire.protocol import Heartbeat, Kind, Message, Sync, decode, encode, encode_header
+from poller.wire.protocol import DEFAULT_LIMITS, Heartbeat, Kind, Message, Sync, decode, encode, encode_header
+from poller.wire.sources import SourceStall
 from tests.conftest import wait_until
 from tests.helpers.deltas import read
 from tests.helpers.gaps import lose_a_message
@@ -113,85 +114,27 @@ def test_by_default_an_expensive_listing_keeps_to_the_default_share(tmp_path: Pa
     assert min(gaps) >= seconds / DEFAULT_LISTING_SHARE, gaps
 
 
-def test_verls_cycle_keeps_to_verls_own_cycle_at_any_duration(tmp_path: Path) -> None:
-    # verl's sampler lists (d), processes the listing (p), then sleeps 2 s: a share of d / (d + p + 2)
-    # whatever d is. With "verl" the next listing starts no sooner than 2 s + d + 2p after the poll
-    # that took the one before is done (again: verl takes a listing slower than the poller), so at
-    # least 2d + 2 s after that one started.
-    seconds = 0.3
-    gaps = _gaps_while_syncs_ask_every_20ms(tmp_path, seconds, listings=4, syncs=2, listing_share=VERL_CYCLE)
-    assert min(gaps) >= 2 * seconds + VERL_POLL_INTERVAL, gaps
-
-
-def test_in_verls_cycle_the_pause_begins_when_the_poll_is_done_not_when_its_listing_ended(tmp_path: Path) -> None:
-    # A poll whose sending takes 0.5 s (the poller's own processing, p): in verl's cycle the next listing
-    # waits 2 s + d + 2p after that, as verl's sampler sleeps after it has processed its listing.
-    log = str(tmp_path / "listings.log")
-    sends: list[float] = []  # when each body was handed on
-
-    def slow_send(kind: Kind, body: bytes, *_: object) -> bool:
-        time.sleep(0.5)
-        sends.append(time.monotonic())
-        return True
-
-    seconds = 0.05
-    thread = PollingThread(TimedListing(log, seconds=seconds), slow_send, interval=0.02, listing_share=VERL_CYCLE)
-    thread.start()
-    try:
-        token = 0
-        while len(listing_starts(log)) < 3:  # a waiting sampler's SYNC every 20 ms
-            token += 1
-            thread.request_sync(token)
-            time.sleep(0.02)
-            assert token < 3000, listing_starts(log)
-    finally:
-        thread.stop()
-        thread.join(10)
-    assert not thread.is_alive()
-    for start, _ in listing_starts(log)[1:]:
-        last_send = max(sent for sent in sends if sent < start)
-        assert start - last_send >= VERL_POLL_INTERVAL + seconds + 2 * 0.5, (start, sends)
-    assert thread.duty.listings >= 3
-
-
-def test_verls_cycle_and_a_fixed_share_time_the_next_listing_from_different_ends() -> None:
-    verl = ListingDuty(VERL_CYCLE)
-    verl.record(started=100.0, seconds=0.3)
-    assert verl.wait_for(now=100.3) == VERL_POLL_INTERVAL  # until the poll is done: 2 s after the listing
-    verl.poll_done(now=100.8)  # the listing's diff, screen and sending took 0.5 s: 2 s + d + 2p from now
-    assert verl.wait_for(now=100.8) == pytest.approx(VERL_POLL_INTERVAL + 0.3 + 2 * 0.5)
-    assert verl.wait_for(now=104.11) == 0
-    verl.poll_done(now=101.5)  # a poll without a listing of its own (a change feed's read) moves nothing
-    assert verl.wait_for(now=104.11) == 0
+def test_a_fixed_share_times_the_next_listing_from_the_start_of_the_last() -> None:
     fixed = ListingDuty(0.25)
     fixed.record(started=100.0, seconds=0.3)
-    fixed.poll_done(now=100.8)
     assert fixed.wait_for(now=100.8) == pytest.approx(0.4)  # d / share after the start, however long the poll
     default = ListingDuty(DEFAULT_LISTING_SHARE)
     default.record(started=100.0, seconds=0.001)  # a cheap listing: the poll schedule alone decides
     assert default.wait_for(now=100.01) == 0
 
 
-def test_a_call_that_stalls_or_fails_is_not_a_listing_and_never_lengthens_the_next_wait() -> None:
+def test_a_call_that_stalls_or_fails_is_not_a_listing_and_never_lengthens_the_next_wait(tmp_path: Path) -> None:
     # TransferQueue's call gives up after call_timeout (10 s): the store did not answer, so its 10 s are not a
-    # listing's d. verl's cycle asks again 2 s after it gave up (d03d3b3: 2 s + 10 s after, 22 s after it began);
-    # a fixed share leaves it to the poll schedule.
-    verl = ListingDuty(VERL_CYCLE)
-    verl.record(started=90.0, seconds=0.3)
-    verl.poll_done(now=90.5)
-    verl.unanswered(ended=110.0)
-    verl.poll_done(now=110.0)  # the stalled poll is over: nothing more to wait for
-    assert verl.wait_for(now=110.0) == pytest.approx(VERL_POLL_INTERVAL)
-    assert (verl.listings, verl.last_seconds, verl.total_seconds) == (1, 0.3, 0.3)  # the listing only
-    fixed = ListingDuty(0.01)
-    fixed.record(started=90.0, seconds=0.01)  # the next no sooner than 91.0
-    fixed.unanswered(ended=90.5)  # a failure in between moves nothing
-    assert fixed.wait_for(now=90.5) == pytest.approx(0.5)
-    fixed.unanswered(ended=110.0)
-    assert fixed.wait_for(now=110.0) == 0 and fixed.listings == 1
+    # listing's d; the next listing is left to the poll schedule.
+    log = str(tmp_path / "listings.log")
+    failing = TimedListing(log, seconds=0.0, stall=True)
+    reader = ListingReader(failing, listing_share=0.01, stall_timeout=None)
+    with pytest.raises(SourceStall):
+        reader.read({}, True, limits=DEFAULT_LIMITS, size=4096)
+    assert reader.duty.listings == 0 and reader.duty.wait_for() == 0
 
 
-@pytest.mark.parametrize("share", [0.25, VERL_CYCLE])
+@pytest.mark.parametrize("share", [0.25, 1.0])
 def test_stalled_calls_are_counted_as_stalls_not_as_listings(tmp_path: Path, share: object) -> None:
     log = str(tmp_path / "listings.log")
     with ReplayBuffer(TIMED, source_kwargs={"log": log, "seconds": 0.05, "stall": True}, poll_interval=0.02,
@@ -308,22 +251,28 @@ def test_a_source_without_partition_ids_is_left_as_it_is(tmp_path: Path) -> None
 
 # -- the option where it enters, and the wire ---------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), float("inf"), True, "0.1", None, "VERL"])
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, float("nan"), float("inf"), True, "0.1", None, "verl"])
 def test_a_share_outside_0_to_1_is_refused_where_it_enters(bad: object) -> None:
     with pytest.raises(ValueError, match="listing_share"):
         ReplayBuffer(TIMED, source_kwargs={"log": "/nonexistent"}, listing_share=bad)  # type: ignore[arg-type]
-    with pytest.raises(VerlConfigError, match="listing_share"):
-        SamplerConfig.resolve(asynchronous=False, trainer_mode="sync", max_off_policy_threshold=None,
-                              max_off_policy_strategy="drop", sampler_kwargs={"listing_share": bad},
-                              refill_fn=None, given={})
+
+
+def test_buffer_verl_takes_no_schedule_knob_but_poll_interval() -> None:
+    # Its calls keep verl's own sampler's schedule: the share, a separate wait interval and listings between
+    # calls are not options of its.
+    for name in ("listing_share", "wait_poll_interval", "list_between_calls"):
+        with pytest.raises(VerlConfigError, match="unknown sampler_kwargs"):
+            SamplerConfig.resolve(asynchronous=False, trainer_mode="sync", max_off_policy_threshold=None,
+                                  max_off_policy_strategy="drop", sampler_kwargs={name: 0.5},
+                                  refill_fn=None, given={})
 
 
 def test_the_cli_takes_and_checks_listing_share(capsys: pytest.CaptureFixture[str]) -> None:
     for bad in ("0", "fast", "None"):
         assert poller_main(["run", "--source", TIMED, "--connect", "tcp://127.0.0.1:1", "--listing-share", bad]) == 2
         assert "--listing-share" in capsys.readouterr().err
-    # verl's cycle by its name passes the check; the source (no log given) is what then fails to start.
-    assert poller_main(["run", "--source", TIMED, "--connect", "tcp://127.0.0.1:1", "--listing-share", "verl"]) == 2
+    # A share that passes the check; the source (no log given) is what then fails to start.
+    assert poller_main(["run", "--source", TIMED, "--connect", "tcp://127.0.0.1:1", "--listing-share", "0.5"]) == 2
     assert "--listing-share" not in (err := capsys.readouterr().err) and "cannot start poller" in err
     poller_main(["run", "--help"])
     assert "--listing-share" in capsys.readouterr().out

@@ -91,11 +91,12 @@ def test_bulk_merge_holds_and_tells_what_a_merge_per_key_does(seed: int) -> None
     rng = random.Random(seed)
     pair = _Pair()
     listed: set[str] = set()
+    most_held = 0
     for step in range(150):
         roll = rng.random()
         if roll < 0.6:  # a poll: some keys new or changed, maybe some no longer listed
             chosen = rng.sample(KEYS, rng.randint(1, len(KEYS)))
-            unlisted = sorted(key for key in listed - set(chosen) if rng.random() < 0.2)
+            unlisted = [key for key in sorted(listed - set(chosen)) if rng.random() < 0.2]  # hash-seed proof
             pair.poll({key: _source_tags(rng, key) for key in chosen}, unlisted)
             listed = (listed | set(chosen)) - set(unlisted)
         elif roll < 0.8:  # the trainer's own tag beside the source's; a tuple stays a dict
@@ -104,7 +105,10 @@ def test_bulk_merge_holds_and_tells_what_a_merge_per_key_does(seed: int) -> None
         else:
             pair.both("remove", PART, [rng.choice(KEYS)])
         pair.check()
-    assert pair.bulk.key_count() > 0
+        most_held = max(most_held, pair.bulk.key_count())
+    # Not a comparison of two empty stores: keys were held on the way (removed keys re-listed by polls that
+    # never answered a removal's token stay hidden, so a history may well end with none).
+    assert most_held > 0
 
 
 def test_a_poll_replacing_every_tag_keeps_the_bytes_that_arrived() -> None:

@@ -257,8 +257,8 @@ def test_buffer_verl_surface() -> None:
 
     assert SAMPLER_KWARGS == {"poll_interval", "filter_groups_metric", "train_batch_size", "gen_batch_size",
                               "max_inflight_gen_batches", "sync_refill_failed_groups", "sample_timeout",
-                              "log_interval", "wait_poll_interval", "source", "source_kwargs", "start_timeout",
-                              "close_timeout", "max_restarts", "listing_share", "list_between_calls"}
+                              "log_interval", "source", "source_kwargs", "start_timeout",
+                              "close_timeout", "max_restarts"}
 
 
 def test_sqlite_source_reads_fields_back() -> None:

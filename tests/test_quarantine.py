@@ -137,7 +137,7 @@ def test_a_row_the_store_cannot_read_is_quarantined_and_every_partition_flows(db
         write_unreadable(db, "other", what)
     spec, kwargs = READS[read]
     kwargs = {**kwargs, "inner_kwargs": {"path": db}} if kwargs else {"path": db}
-    # listing_share=1.0: a kv_list() source is listed at every poll, not held to verl's cycle (poller.duty).
+    # listing_share=1.0: a kv_list() source is listed at every poll, not held to the default share (poller.duty).
     with ReplayBuffer(spec, source_kwargs=kwargs, poll_interval=0.05, listing_share=1.0) as rb:
         if read != "snapshot":
             rb.sync(timeout=30)

@@ -6,7 +6,9 @@ explorer found on the code before it held (each shrunk to the few operations tha
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -19,8 +21,13 @@ BUDGET_S = 80.0
 
 
 @pytest.fixture(autouse=True)
-def quiet() -> None:
+def quiet() -> Iterator[None]:
+    """The simulation's thousands of resyncs unlogged, and the loggers' levels as they were afterwards."""
+    levels = {name: logging.getLogger(name).level for name in ("buffer", "poller")}
     quiet_logs()
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.mark.timeout(150)

@@ -17,9 +17,10 @@ from typing import Any, Callable
 import pytest
 
 from buffer import BufferClosed
-from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, FRESH_VIEW_SECONDS, ReplayBuffer, ReplayBufferAsync, VerlBatch
+from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, ReplayBuffer, ReplayBufferAsync, VerlBatch
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import alive, wait_until
+from tests.helpers.verl import verls
 
 SPEC = "poller.sources.sqlite:SqliteSource"
 
@@ -115,12 +116,11 @@ def test_dispatch_on_trainer_mode_and_verls_full_signature(db: str) -> None:
     assert type(sync) is ReplayBuffer and type(other) is ReplayBufferAsync and type(full) is ReplayBuffer
     assert not hasattr(sync, "wait_for_sampleable") and hasattr(other, "get_sampleable_count")
     assert (full.poll_interval, full.filter_groups_metric, full.max_inflight_gen_batches) == (0.5, "acc", 2)
-    assert sync.poll_interval == 0.2  # the default, neither given
-    # A store with a change feed is followed between calls; TransferQueue (no source given) is not, as verl's.
-    assert sync.stats()["lists_between_calls"] is True
+    # The default, neither given: verl's own sampler's, which verl's hybrid switch reads to judge a step idle.
+    assert sync.poll_interval == 2.0
     on_tq = ReplayBuffer(trainer_mode="sync", trainer_config={}, max_off_policy_threshold=2,
                          max_off_policy_strategy="drop", sampler_kwargs={})
-    assert on_tq.stats()["lists_between_calls"] is False and on_tq.close().stage == "no-poller"
+    assert on_tq.close().stage == "no-poller"
     # No I/O: nothing started (the no_leaks fixture also sees no process or thread).
     assert sync.stats()["started"] is False and "not started" in repr(sync)
     for rb in (sync, other, full):
@@ -142,7 +142,7 @@ def test_dispatch_on_trainer_mode_and_verls_full_signature(db: str) -> None:
     ({"filter_groups_metric": "acc", "refill_fn": print}, ValueError, "needs train_batch_size"),
     ({"sampler_kwargs": {"poll_intervall": 1}}, ValueError, "unknown sampler_kwargs"),
     ({"sampler_kwargs": {"sample_timeout": -1}}, ValueError, "sample_timeout"),
-    ({"sampler_kwargs": {"list_between_calls": "no"}}, ValueError, "list_between_calls must be a bool"),
+    ({"sampler_kwargs": {"wait_poll_interval": 0.1}}, ValueError, "unknown sampler_kwargs"),
     ({"sampler_kwargs": {"poll_interval": 0.5}, "poll_interval": 1.0}, ValueError, "given twice"),
     ({"sampler_kwargs": ["x"]}, TypeError, "mapping"),
     ({"refill_fn": 3}, TypeError, "callable"),
@@ -185,7 +185,7 @@ def test_sample_returns_whole_terminal_groups_oldest_first_and_clears_their_prom
     running = produce(store, "train", "running", step=0)
     rb = make()
     batch, metrics = rb.sample(global_steps=5, partition_id="train", batch_size=2)
-    assert isinstance(batch, VerlBatch) and batch.partition_id == "train" and metrics == {}
+    assert isinstance(batch, VerlBatch) and batch.partition_id == "train" and verls(metrics) == {}
     assert uids_of(batch.keys) == {oldest, middle} and len(batch.keys) == 4
     assert batch.tags == [{"status": "success", "global_steps": s, "seq_len": 3} for s in (1, 2, 2, 2)]
     listed = store.kv_list()["train"]
@@ -194,8 +194,8 @@ def test_sample_returns_whole_terminal_groups_oldest_first_and_clears_their_prom
     # Read-your-writes: at once, the next sample cannot hand the same groups out again.
     batch, _ = rb.sample(global_steps=5, partition_id="train", batch_size=1)
     assert uids_of(batch.keys) == {newest}
-    # The listing that proves it was started right after the clear, in the background: no sync in the call.
-    assert rb.stats()["syncs"] == 0
+    # The first call decided on its poller's first listing; the second listed as it began, as verl's sampler does.
+    assert rb.stats()["syncs"] == 1
 
 
 def test_sample_waits_on_the_change_that_completes_it(make, store) -> None:
@@ -212,12 +212,12 @@ def test_sample_waits_on_the_change_that_completes_it(make, store) -> None:
     assert late in uids_of(batch.keys) and len(batch.keys) == 2
 
 
-def test_a_waiting_sample_has_the_poller_list_every_wait_poll_interval(make, store) -> None:
-    # The poller's own schedule (30 s) would hand this batch out far past the sample's deadline (20 s);
-    # while sample() waits, the sampler asks for a listing every wait_poll_interval instead.
+def test_a_waiting_sample_has_the_poller_list_every_poll_interval(make, store) -> None:
+    # The poller lists nothing on its own; while sample() waits, the sampler asks for a listing every
+    # poll_interval (verl's own sampler's rate: it lists, sleeps poll_interval, lists).
     produce(store, "train", "finished")
     late = produce(store, "train", "running")
-    rb = make(poll_interval=30.0, wait_poll_interval=0.05, sample_timeout=20)
+    rb = make(poll_interval=0.05, sample_timeout=20)
     assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
     consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=2))
     consumer.start()
@@ -231,49 +231,27 @@ def test_a_waiting_sample_has_the_poller_list_every_wait_poll_interval(make, sto
     assert rb.stats()["wait_polls"] == polls  # and stops once it returned
 
 
-@pytest.mark.parametrize("between", [False, True])
-def test_without_listings_between_calls_a_call_lists_first_unless_the_view_is_fresh(make, store, between) -> None:
-    # list_between_calls=False (TransferQueue's default): the store is listed only when a call needs it.
+def test_the_store_is_listed_at_the_start_of_every_call_and_never_between_calls(make, store) -> None:
+    # As verl's own sampler: a call decides on a listing that began after it started, asked for at once (it
+    # never waits for a listing paced after the one before), and nothing lists the store while the trainer trains.
     produce(store, "train", "finished")
-    rb = make(list_between_calls=between)
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
+    produce(store, "train", "finished")
+    rb = make("colocate_async", threshold=None)
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2  # the first listing: its poller's
     polls = rb.stats()["polls"]
     time.sleep(1.0)
-    idle_polls = rb.stats()["polls"] - polls
-    assert idle_polls == 0 if not between else idle_polls >= 5  # its own schedule: every 0.05 s
+    assert rb.stats()["polls"] == polls  # no listing between calls
     produce(store, "train", "finished")  # written between calls
-    time.sleep(FRESH_VIEW_SECONDS + 0.3)
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2  # listed as the call began
-    if not between:
-        assert rb.stats()["polls"] == polls + 1
-        # A batch's clear is settled by a listing right after it, during the training step ...
-        rb.sample(global_steps=0, partition_id="train", batch_size=1)
-        assert wait_until(lambda: rb.stats()["polls"] == polls + 2)
-        settled = time.monotonic()
-        # ... which a call that comes soon after takes as its view, without listing again.
-        assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1
-        if time.monotonic() - settled < FRESH_VIEW_SECONDS - 0.5:  # a machine stalled that long lists again
-            assert rb.stats()["polls"] == polls + 2
-        quiet = rb.stats()["polls"]
-        time.sleep(1.0)
-        assert rb.stats()["polls"] == quiet
-
-
-def test_a_sync_ahead_held_back_by_verl_cycle_is_a_fresh_view_for_the_next_call(make, store, db) -> None:
-    # Without a change feed and between-call listings (TransferQueue), the listing that settles a batch's
-    # clear comes a whole verl cycle (2 s + d + 2p) after the one before it. The next call waited for it
-    # and then, dating the view by the request (2.6 s before), asked for one listing more, another
-    # cycle later: on d03d3b3 stats()["syncs"] went up by one and that call took ~5.2 s here.
-    produce(store, "train", "finished")
-    produce(store, "train", "finished")
-    rb = make("colocate_async", threshold=None, list_between_calls=False,
-              source="tests.helpers.sources:SlowListedSqlite", source_kwargs={"path": db, "seconds": 0.3})
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2
-    rb.sample(global_steps=0, partition_id="train", batch_size=1)  # its clear is settled by a sync ahead
-    syncs, polls = rb.stats()["syncs"], rb.stats()["polls"]
-    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 1  # waits for that listing
-    assert rb.stats()["syncs"] == syncs, "the sync ahead's listing began ~0.3 s before: no listing more"
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 3  # listed as the call began
     assert rb.stats()["polls"] == polls + 1
+    rb.sample(global_steps=0, partition_id="train", batch_size=1)  # lists once more: its own start
+    assert rb.stats()["polls"] == polls + 2
+    # A call right after a sample() lists again at once, as verl's sampler does, and sees the clear.
+    assert rb.get_sampleable_count(global_steps=0, partition_id="train") == 2
+    assert rb.stats()["polls"] == polls + 3
+    quiet = rb.stats()["polls"]
+    time.sleep(1.0)
+    assert rb.stats()["polls"] == quiet
 
 
 def test_empty_failure_groups_pass_through_by_default_and_all_empty_raises(make, store) -> None:
@@ -281,7 +259,7 @@ def test_empty_failure_groups_pass_through_by_default_and_all_empty_raises(make,
     produce(store, "train", "failure", sessions=0)
     rb = make()
     batch, metrics = rb.sample(global_steps=0, partition_id="train", batch_size=2)
-    assert uids_of(batch.keys) == {finished} and metrics == {}
+    assert uids_of(batch.keys) == {finished} and verls(metrics) == {}
     produce(store, "train", "failure", sessions=0)
     with pytest.raises(RuntimeError, match="sync_refill_failed_groups"):
         rb.sample(global_steps=0, partition_id="train", batch_size=1)
@@ -294,7 +272,7 @@ def test_sync_failure_refill_replaces_empty_failed_groups(make, store) -> None:
     rb = make(refill_fn=refiller, sync_refill_failed_groups=True, gen_batch_size=1)
     batch, metrics = rb.sample(global_steps=1, partition_id="train", batch_size=2)
     assert uids_of(batch.keys) == {finished, *refiller.produced} and refiller.calls == [1]
-    assert metrics == {"training/rollout_failure/evicted_samples": 1}
+    assert verls(metrics) == {"training/rollout_failure/evicted_samples": 1}
 
 
 def test_sync_ignores_staleness_and_validation_never_evicts(make, store) -> None:
@@ -303,9 +281,9 @@ def test_sync_ignores_staleness_and_validation_never_evicts(make, store) -> None
     val_failure = produce(store, "val", "failure", step=0)
     rb = make(threshold=1, refill_fn=Refiller(store, "train", 5), sync_refill_failed_groups=True, gen_batch_size=1)
     batch, metrics = rb.sample(global_steps=5, partition_id="train", batch_size=2)
-    assert uids_of(batch.keys) == {stale, fresh} and metrics == {}
+    assert uids_of(batch.keys) == {stale, fresh} and verls(metrics) == {}
     batch, metrics = rb.sample(global_steps=5, partition_id="val", batch_size=1)
-    assert uids_of(batch.keys) == {val_failure} and metrics == {}
+    assert uids_of(batch.keys) == {val_failure} and verls(metrics) == {}
 
 
 def test_sync_dapo_reads_metrics_refills_twice_and_discards_surplus(make, store) -> None:
@@ -316,7 +294,7 @@ def test_sync_dapo_reads_metrics_refills_twice_and_discards_surplus(make, store)
     batch, metrics = rb.sample(global_steps=1, partition_id="train", batch_size=2)
     sampled = uids_of(batch.keys)
     assert same not in sampled and mixed in sampled and refiller.calls == [2]
-    assert metrics == {"training/filter_groups/evicted_samples": 1, DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1},
+    assert verls(metrics) == {"training/filter_groups/evicted_samples": 1, DAPO_FILTERED_REWARD_COUNTS_KEY: {0.0: 1},
                        "training/filter_groups/discarded_surplus_samples": 1}
     surplus = (set(refiller.produced) - sampled).pop()
     listed = store.kv_list()["train"]
@@ -370,7 +348,7 @@ def test_sync_dapo_counts_what_refill_fn_just_submitted_as_in_flight(make, store
     refill.finish(calls[0])
     batch, metrics = consumer.outcome()
     assert uids_of(batch.keys) == set(calls[0]) and len(calls) == 1
-    assert metrics["training/filter_groups/evicted_samples"] == 2
+    assert verls(metrics)["training/filter_groups/evicted_samples"] == 2
 
 
 def test_sync_dapo_refill_without_eviction_is_synced_before_the_next_decision(make, store) -> None:
@@ -409,7 +387,7 @@ def test_async_drop_evicts_and_refills_inside_the_wait_with_verls_metrics(make, 
     sampled = uids_of(batch.keys)
     assert {boundary, fresh} <= sampled and stale not in sampled and inflight not in sampled
     assert refiller.calls == [1] and len(sampled & set(refiller.produced)) == 1
-    assert metrics == {"training/off_policy/evicted_samples": 1,
+    assert verls(metrics) == {"training/off_policy/evicted_samples": 1,
                        "training/off_policy/evicted_samples_staleness/mean": 6.0,
                        "training/off_policy/evicted_samples_staleness/max": 6.0,
                        "training/off_policy/evicted_samples_staleness/min": 6.0}
@@ -428,7 +406,7 @@ def test_a_group_that_turns_stale_during_refill_is_dropped_on_the_next_view(make
     rb = make("colocate_async", threshold=1, refill_fn=refiller)
     batch, metrics = rb.sample(global_steps=5, partition_id="train", batch_size=1)
     assert uids_of(batch.keys) <= set(refiller.produced) and refiller.calls == [1, 1]
-    assert metrics["training/off_policy/evicted_samples"] == 2
+    assert verls(metrics)["training/off_policy/evicted_samples"] == 2
     assert {stale_finished, stale_running}.isdisjoint(store.kv_list()["train"])
 
 
@@ -444,7 +422,7 @@ def test_async_wait_strategy_holds_until_the_stale_prompt_finishes(make, store) 
     store.kv_put(stale, "train", tag={"status": "finished"})
     batch, metrics = consumer.outcome()
     assert uids_of(batch.keys) == {stale, fresh[0]} or len(uids_of(batch.keys)) == 2
-    assert metrics == {}
+    assert verls(metrics) == {}
 
 
 def test_async_failure_evicts_and_refills_exactly(make, store) -> None:
@@ -454,7 +432,7 @@ def test_async_failure_evicts_and_refills_exactly(make, store) -> None:
     rb = make("colocate_async", refill_fn=refiller)
     batch, metrics = rb.sample(global_steps=1, partition_id="train", batch_size=2)
     assert uids_of(batch.keys) == {finished, *refiller.produced} and failure not in uids_of(batch.keys)
-    assert refiller.calls == [1] and metrics == {"training/rollout_failure/evicted_samples": 1}
+    assert refiller.calls == [1] and verls(metrics) == {"training/rollout_failure/evicted_samples": 1}
 
 
 def test_sampleable_count_and_wait_for_sampleable_consume_nothing(make, store) -> None:
@@ -471,7 +449,7 @@ def test_sampleable_count_and_wait_for_sampleable_consume_nothing(make, store) -
     store.kv_put(pending, "train", tag={"status": "finished"})
     sampleable, metrics = waiter.outcome()
     # The wait evicts what sample() would (no refill_fn here: nothing replaces it) and consumes nothing else.
-    assert sampleable == {fresh, pending} and metrics["training/off_policy/evicted_samples"] == 1
+    assert sampleable == {fresh, pending} and verls(metrics)["training/off_policy/evicted_samples"] == 1
     assert stale not in store.kv_list()["train"] and {fresh, pending} <= set(store.kv_list()["train"])
     assert rb.get_sampleable_count(global_steps=5, partition_id="train") == 2
 
@@ -480,9 +458,12 @@ def test_sampleable_count_and_wait_for_sampleable_consume_nothing(make, store) -
 
 def test_a_stuck_prompt_times_out_naming_it_and_progress_is_logged(make, store, caplog) -> None:
     stuck = produce(store, "train", "running", step=2)
-    rb = make(sample_timeout=1.0, log_interval=0.2)
-    with caplog.at_level(logging.INFO, logger="buffer.verl"):
-        with pytest.raises(TimeoutError, match=rf"batch_size=1\) timed out after 1s: .*1 running.*in flight: {stuck}"):
+    rb = make(sample_timeout=1.5, log_interval=0.2)
+    # The poller starts (a process: seconds on a loaded machine) on a call before the one timed.
+    assert rb.get_sampleable_count(global_steps=2, partition_id="train") == 0
+    # The waiting is logged by buffer.seam: the package's logger at INFO, whatever another test left the root at.
+    with caplog.at_level(logging.INFO, logger="buffer"):
+        with pytest.raises(TimeoutError, match=rf"batch_size=1\) timed out after 1\.5s: .*1 running.*in flight: {stuck}"):
             rb.sample(global_steps=2, partition_id="train", batch_size=1)
     assert any("waiting for" in r.getMessage() and "1 running" in r.getMessage() for r in caplog.records)
 

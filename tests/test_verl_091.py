@@ -16,6 +16,7 @@ import pytest
 
 from buffer.verl import DAPO_FILTERED_REWARD_COUNTS_KEY, ReplayBuffer, VerlConfigError
 from tests.conftest import wait_until
+from tests.helpers.verl import verls
 from tests.test_verl import Consumer, Refiller, produce, uid, uids_of
 from tests.test_verl import make as make  # noqa: F401 (a fixture, used by name)
 
@@ -83,7 +84,7 @@ def test_a_null_threshold_with_drop_evicts_nothing_for_staleness(make, store) ->
     fresh = produce(store, "train", "finished", step=9)
     rb = make("colocate_async", threshold=None, strategy="drop", refill_fn=Refiller(store, "train", 9))
     batch, metrics = rb.sample(global_steps=9, partition_id="train", batch_size=2)
-    assert uids_of(batch.keys) == {stale, fresh} and metrics == {}
+    assert uids_of(batch.keys) == {stale, fresh} and verls(metrics) == {}
 
 
 def test_a_null_threshold_with_wait_does_not_wait_for_old_prompts_in_flight(make, store) -> None:
@@ -92,7 +93,7 @@ def test_a_null_threshold_with_wait_does_not_wait_for_old_prompts_in_flight(make
     rb = make("separate_async", threshold=None, strategy="wait", sample_timeout=10)
     assert rb.wait_for_sampleable(9, "train", 1) == ({fresh}, {})
     batch, metrics = rb.sample(global_steps=9, partition_id="train", batch_size=1)
-    assert uids_of(batch.keys) == {fresh} and metrics == {}
+    assert uids_of(batch.keys) == {fresh} and verls(metrics) == {}
 
 
 # -- filter_groups_metric="reward" -----------------------------------------------------------------
@@ -116,7 +117,7 @@ def test_the_reward_metric_sums_each_trajectorys_rm_scores(make, store) -> None:
     rb = make(refill_fn=refiller, filter_groups_metric="reward", train_batch_size=1, gen_batch_size=1)
     batch, metrics = rb.sample(global_steps=0, partition_id="train", batch_size=1)
     assert uids_of(batch.keys) == {mixed} and same not in store.kv_list()["train"]
-    assert metrics == {"training/filter_groups/evicted_samples": 1, DAPO_FILTERED_REWARD_COUNTS_KEY: {1.0: 1}}
+    assert verls(metrics) == {"training/filter_groups/evicted_samples": 1, DAPO_FILTERED_REWARD_COUNTS_KEY: {1.0: 1}}
     assert refiller.calls == []  # enough groups already: sync DAPO drains instead of refilling
 
 
@@ -146,7 +147,7 @@ def test_a_clear_naming_a_key_already_gone_still_clears_the_rest_on_0_1_8(db: st
         assert rb.get_sampleable_count(0, "train") == 1  # the poller listed the store: the view holds failure_0_0
         store.kv_clear([f"{failure}_0_0"], "train")  # someone else clears it; the next listing is 30 s away
         batch, metrics = rb.sample(global_steps=0, partition_id="train", batch_size=1)
-        assert uids_of(batch.keys) == {finished} and metrics == {"training/rollout_failure/evicted_samples": 1}
+        assert uids_of(batch.keys) == {finished} and verls(metrics) == {"training/rollout_failure/evicted_samples": 1}
         listed = store.kv_list()["train"]
         assert failure not in listed and finished not in listed  # the evicted prompt and the sampled one
     finally:

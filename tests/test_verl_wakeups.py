@@ -1,6 +1,6 @@
 """buffer.verl re-runs a waiting decision only when its partition's groups changed.
 
-While ``sample()`` waits, the poller lists every ``wait_poll_interval`` and
+While ``sample()`` waits, the poller lists every ``poll_interval`` and
 every applied listing wakes the wait; the sampler's ``decisions`` counter
 counts the rule evaluations. Real poller process, real SQLite store.
 """
@@ -27,7 +27,7 @@ def _settled(rb: Any, polls: int) -> int:
 def test_polls_that_change_nothing_in_the_partition_rerun_no_rule(make, store: SqliteSource) -> None:
     produce(store, "train", "finished")
     late = produce(store, "train", "running")
-    rb = make("colocate_async", wait_poll_interval=0.02)
+    rb = make("colocate_async", poll_interval=0.02)
     consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=2))
     consumer.start()
     before = _settled(rb, 3)  # waiting: the first look and whatever was in flight are decided
@@ -46,7 +46,7 @@ def test_polls_that_change_nothing_in_the_partition_rerun_no_rule(make, store: S
 
 def test_a_relevant_change_that_does_not_complete_the_wait_is_decided_once(make, store: SqliteSource) -> None:
     produce(store, "train", "finished")
-    rb = make(wait_poll_interval=0.02)
+    rb = make(poll_interval=0.02)
     consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=3))
     consumer.start()
     before = _settled(rb, 3)
@@ -64,7 +64,7 @@ def test_a_change_landing_at_any_moment_of_the_wait_is_never_missed(make, store:
     # The version is read under the store's lock and the wait releases that lock atomically, so a change
     # between the check and the wait still wakes it: changes at random moments, each sample must answer.
     rng = random.Random(3)
-    rb = make("colocate_async", wait_poll_interval=0.01)
+    rb = make("colocate_async", poll_interval=0.01)
     for _ in range(15):
         late = produce(store, "train", "running")
         consumer = Consumer(lambda: rb.sample(global_steps=0, partition_id="train", batch_size=1))

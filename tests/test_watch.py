@@ -2,7 +2,7 @@
 
 Real poller processes, real ZeroMQ and a real SQLite file read without its change feed
 (:class:`tests.helpers.sources.WatchedSqlite`, which offers ``kv_watch`` as TransferQueue's source
-does). The poll schedule is made long (verl's cycle and a 60 s ``poll_interval``), so only the
+does). The poll schedule is made long (a 60 s ``poll_interval``), so only the
 watch can bring a listing forward: a decision that returns within seconds was woken by it. What
 the buffer shows is checked against the store itself: the watch decides when, never what.
 """
@@ -19,14 +19,13 @@ import pytest
 from buffer import ReplayBuffer
 from poller.duty import ListingDuty
 from poller.sources.sqlite import SqliteSource
-from poller.wire.arguments import VERL_CYCLE
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import MAX_WATCH_KEYS, Heartbeat, Kind, Message, Watch, decode, encode, encode_header
 from tests.conftest import wait_until
 
 WATCHED = "tests.helpers.sources:WatchedSqlite"
 # Far longer than any wait below: a listing that comes sooner was brought forward by the watch (or a SYNC).
-SLOW_SCHEDULE: dict[str, Any] = {"poll_interval": 60.0, "listing_share": VERL_CYCLE}
+SLOW_SCHEDULE: dict[str, Any] = {"poll_interval": 60.0, "listing_share": 1.0}
 # The other end: a listing as often as the poll schedule allows, no share held back.
 FAST_SCHEDULE: dict[str, Any] = {"poll_interval": 0.01, "listing_share": 1.0}
 
@@ -161,7 +160,7 @@ def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: st
 
 
 def test_watch_messages_cross_the_wire_and_bad_ones_are_refused() -> None:
-    body = Watch("train", ["a", "b"], 3.0)
+    body = Watch("train", ["a", "b"], 3.0, 2.0)
     message = decode(encode(Message(Kind.WATCH, 5, 1, body)))
     assert message.kind is Kind.WATCH and message.body == body
     beat = Heartbeat(polls=1, source_errors=0, rss=1, stalled_s=0.0, watch_reads=7, watch_listings=2)
@@ -174,20 +173,48 @@ def test_watch_messages_cross_the_wire_and_bad_ones_are_refused() -> None:
             decode([encode_header(Kind.WATCH, 5, 1), msgpack.packb(bad, use_bin_type=True)])
 
 
-def test_a_change_brings_a_listing_forward_at_most_once_per_verls_sleep() -> None:
-    duty = ListingDuty(VERL_CYCLE)
+def test_a_change_brings_a_listing_forward_at_most_once_per_the_watchs_every() -> None:
+    duty = ListingDuty(1.0)
     duty.record(100.0, 0.1)
-    duty.poll_done(100.2)
-    assert duty.wait_for(100.3) > 2.0  # verl's cycle: 2 s + d + 2p after the poll was done
-    assert duty.wait_for_change(100.3) == 0.0  # a change: once the store has rested 2d
-    assert duty.wait_for_change(100.15) == pytest.approx(0.05)
+    assert duty.wait_for(100.3) == 0.0 and duty.wait_for_change(2.0, 100.3) == 0.0
     duty.brought_forward(100.3)
     duty.record(100.3, 0.1)
-    duty.poll_done(100.5)
-    assert duty.wait_for_change(101.0) == pytest.approx(1.3)  # one brought forward per VERL_POLL_INTERVAL
+    assert duty.wait_for_change(2.0, 101.0) == pytest.approx(1.3)  # one brought forward per `every`
+    assert duty.wait_for(101.0) == 0.0  # a listing asked for (a SYNC) is not held back
     shared = ListingDuty(0.15)
     shared.record(10.0, 0.15)
-    assert shared.wait_for_change(10.5) == shared.wait_for(10.5) == pytest.approx(0.5)
+    assert shared.wait_for_change(0.1, 10.5) == shared.wait_for(10.5) == pytest.approx(0.5)  # within the share
+
+
+def test_a_waiting_decision_lists_at_its_own_times_whatever_the_watch_brought_forward(
+        store: SqliteSource, db: str) -> None:
+    # verl's sampler lists every poll_interval from the start of its wait; a listing the watch brings forward in
+    # between must not push the decision's next one later (a change after it would be seen later than with verl).
+    store.kv_put("p", "train", tag={"status": "running"})
+    with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
+        asked: list[float] = []
+        outcome: list[Any] = []
+        started = time.monotonic()
+
+        def run() -> None:
+            try:
+                outcome.append(rb.seam.decide(_finished(rb, "p"), partition_id="train", timeout=20.0,
+                                              describe=lambda: "test", poll_every=2.0, watch=lambda: ["p"],
+                                              on_poll=lambda: asked.append(time.monotonic() - started)))
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                outcome.append(exc)
+
+        thread = threading.Thread(target=run, name="test-decide", daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        store.kv_put("p", "train", tag={"note": "halfway"})  # watched, not what the decision waits for
+        assert wait_until(lambda: rb.seam.tags("train", ["p"]).get("p", {}).get("note") == "halfway", timeout=1.0)
+        assert wait_until(lambda: len(asked) >= 1, timeout=10.0)
+        store.kv_put("p", "train", tag={"status": "finished"})
+        thread.join(15.0)
+        assert not thread.is_alive() and outcome == [True]
+    # Its own listing 2 s after the wait began, not 2 s after the one brought forward (at ~1-1.6 s).
+    assert asked[0] < 2.7, asked
 
 
 def test_the_buffer_sums_the_watch_counters_over_poller_processes_and_never_takes_one_back() -> None:

@@ -13,28 +13,28 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from poller.wire.arguments import VERL_CYCLE, check_count, check_optional_seconds, check_seconds, check_share
+from poller.wire.arguments import check_count, check_optional_seconds, check_seconds
 from poller.wire.sources import SourceSpec
 
 __all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VERL_ATTRIBUTES", "VerlConfigError"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds between the poller's listings when neither the constructor nor sampler_kwargs say.
-DEFAULT_POLL_INTERVAL = 0.2
+#: Seconds between two listings of the store while a call waits, when neither the constructor nor sampler_kwargs
+#: say: verl 0.9.1's own sampler's default, which verl's trainer also reads (its hybrid switch judges a step idle
+#: when sampling waited longer than this).
+DEFAULT_POLL_INTERVAL = 2.0
 
 #: The constructor's options that sampler_kwargs may carry too, with their defaults.
 _SHARED = {"poll_interval": None, "filter_groups_metric": None, "train_batch_size": None, "gen_batch_size": None,
            "max_inflight_gen_batches": 1, "sync_refill_failed_groups": False}
-#: Options only sampler_kwargs carries, with their defaults. The listing share is verl's own sampler's
-#: cycle: this one must list the shared store no more often (poller.duty).
-_OWN = {"sample_timeout": None, "log_interval": 60.0, "wait_poll_interval": None, "source": None,
-        "source_kwargs": None, "start_timeout": 30.0, "close_timeout": 5.0, "max_restarts": 3,
-        "listing_share": VERL_CYCLE, "list_between_calls": None}
+#: Options only sampler_kwargs carries, with their defaults.
+_OWN = {"sample_timeout": None, "log_interval": 60.0, "source": None, "source_kwargs": None, "start_timeout": 30.0,
+        "close_timeout": 5.0, "max_restarts": 3}
 #: Every key sampler_kwargs may hold.
 SAMPLER_KWARGS = frozenset(_SHARED) | frozenset(_OWN)
 #: The options the sampler passes on to its buffer.
-_BUFFER_OPTIONS = ("start_timeout", "close_timeout", "max_restarts", "listing_share")
+_BUFFER_OPTIONS = ("start_timeout", "close_timeout", "max_restarts")
 #: verl's sampler attributes, read from the options record (``ReplayBuffer.__getattr__``).
 VERL_ATTRIBUTES = frozenset(_SHARED) | {"trainer_mode", "max_off_policy_threshold", "max_off_policy_strategy",
                                         "refill_fn"}
@@ -73,12 +73,9 @@ class SamplerConfig:
     sync_refill_failed_groups: bool
     sample_timeout: float | None
     log_interval: float
-    wait_poll_interval: float
     source: SourceSpec | None
     source_kwargs: dict[str, Any] | None
     buffer_kwargs: dict[str, Any] = field(default_factory=dict)
-    # Whether the poller lists between verl's calls; None: not on TransferQueue, yes elsewhere (store.py).
-    list_between_calls: bool | None = None
 
     def dapo_on(self, partition_id: str) -> bool:
         """Whether DAPO group filtering applies to ``partition_id`` (never to validation)."""
@@ -117,10 +114,6 @@ class SamplerConfig:
         options.update((name, kwargs.get(name, default)) for name, default in _OWN.items())
         if options["poll_interval"] is None:
             options["poll_interval"] = DEFAULT_POLL_INTERVAL
-        poll = options["poll_interval"]
-        if options["wait_poll_interval"] is None and isinstance(poll, (int, float)) and not isinstance(poll, bool):
-            # A waiting trainer thread is idle: listing ten times as often then brings the batch sooner.
-            options["wait_poll_interval"] = poll / 10
         buffer_kwargs = {name: options.pop(name) for name in _BUFFER_OPTIONS}
         config = cls(trainer_mode=trainer_mode, asynchronous=asynchronous,
                      max_off_policy_threshold=max_off_policy_threshold,
@@ -135,17 +128,14 @@ class SamplerConfig:
     def _check(self) -> None:
         check_seconds("poll_interval", self.poll_interval)
         check_optional_seconds("sample_timeout", self.sample_timeout)
-        for name, seconds in (("log_interval", self.log_interval), ("wait_poll_interval", self.wait_poll_interval),
+        for name, seconds in (("log_interval", self.log_interval),
                               ("start_timeout", self.buffer_kwargs["start_timeout"]),
                               ("close_timeout", self.buffer_kwargs["close_timeout"])):
             check_seconds(name, seconds)
         check_count("max_restarts", self.buffer_kwargs["max_restarts"])
-        check_share("listing_share", self.buffer_kwargs["listing_share"])
         metric = self.filter_groups_metric
         if metric is not None and (not isinstance(metric, str) or not metric):
             raise VerlConfigError(f"filter_groups_metric must be a non-empty string or None, got {metric!r}")
-        if self.list_between_calls is not None and not isinstance(self.list_between_calls, bool):
-            raise VerlConfigError(f"list_between_calls must be a bool or None, got {self.list_between_calls!r}")
         if not isinstance(self.sync_refill_failed_groups, bool):
             raise VerlConfigError(f"sync_refill_failed_groups must be a bool, got {self.sync_refill_failed_groups!r}")
         for name, size in (("train_batch_size", self.train_batch_size), ("gen_batch_size", self.gen_batch_size)):

@@ -26,6 +26,7 @@ Eviction, per mode (``k`` groups evicted; ``"val"`` never evicts):
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ def uid_of(key: str) -> str:
 class GroupPartition:
     """The groups of one partition. Read it with the store lock held."""
 
-    __slots__ = ("status", "step", "buckets", "trajectories", "invalid", "unclassified", "filtered")
+    __slots__ = ("status", "step", "buckets", "trajectories", "invalid", "unclassified", "filtered", "terminal_at")
 
     def __init__(self) -> None:
         #: uid -> status of every valid prompt.
@@ -70,6 +71,8 @@ class GroupPartition:
         self.unclassified: dict[str, None] = {}
         #: finished uid -> the metric value all its trajectories share (DAPO filters it).
         self.filtered: dict[str, float] = {}
+        #: terminal uid -> when the view first showed it finished or failed (time.monotonic()).
+        self.terminal_at: dict[str, float] = {}
 
     def __repr__(self) -> str:
         return f"<GroupPartition {self.counts()} groups_with_trajectories={len(self.trajectories)}>"
@@ -201,6 +204,10 @@ class GroupIndex:
             part._unindex(key, old)
         if new is not None:
             part._index(key, new)
+        if part.status.get(key) in TERMINAL:
+            part.terminal_at.setdefault(key, time.monotonic())
+        else:
+            part.terminal_at.pop(key, None)
         if not (part.status or part.trajectories or part.invalid):
             del self._parts[partition_id]
             del self._versions[partition_id]

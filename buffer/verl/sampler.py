@@ -11,7 +11,6 @@ from typing import Any, Union, cast
 
 from buffer.arguments import check_verl_call
 from buffer.process import ShutdownReport
-from buffer.seam import SyncAhead
 from buffer.verl.config import VERL_ATTRIBUTES, SamplerConfig
 from buffer.verl.groups import (
     DrainState,
@@ -25,21 +24,48 @@ from buffer.verl.groups import (
 )
 from buffer.verl.store import StoreLink
 
-__all__ = ["FRESH_VIEW_SECONDS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
+__all__ = ["SAMPLER_METRICS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
 #: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
 Decision = Union[Plan, int]
-
-# A read-your-writes wait started ahead gives up after this long; the next call then waits itself.
-_FRESH_VIEW_AHEAD_TIMEOUT = 60.0
 
 #: The most prompts a waiting call has its poller watch (poller.polling), newest first: reading them costs
 #: TransferQueue's controller ~0.3 ms, a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 
-#: With no listings between calls, a call first asks for one unless the store was listed this recently:
-#: verl's own sampler decides on a listing up to its poll_interval (2 s) and one listing old.
-FRESH_VIEW_SECONDS = 2.0
+
+
+#: The figures ``sample()`` adds to the metrics verl logs each step, under a prefix verl does not use.
+SAMPLER_METRICS = {
+    "sampler/wait_s": "seconds the call took, until it handed out its batch",
+    "sampler/group_age_s/p50": "how long before the batch was handed out its groups were seen finished, median",
+    "sampler/group_age_s/max": "the same, the oldest",
+    "sampler/groups_left/pending": "prompt groups left in the partition, pending",
+    "sampler/groups_left/running": "the same, running",
+    "sampler/groups_left/finished": "the same, finished",
+    "sampler/groups_left/failure": "the same, failure",
+    "sampler/listings": "listings of the store the call asked for",
+    "sampler/watch_reads": "reads of the prompts it waited on (as the poller's last heartbeat said)",
+    "sampler/view_fresh": "1 when the view the call answered from was fresh, else 0",
+}
+
+
+def _ages(part: GroupPartition, uids: list[str]) -> list[float]:
+    """Seconds since each terminal group of ``uids`` was first seen terminal (under the store's lock)."""
+    now = time.monotonic()
+    return [now - part.terminal_at[uid] for uid in uids if uid in part.terminal_at]
+
+
+def _figures(waited: float, ages: list[float], left: dict[str, int], listings: int, reads: int,
+             fresh: bool) -> dict[str, float]:
+    ordered = sorted(ages)
+    figures = {"sampler/wait_s": waited,
+               "sampler/group_age_s/p50": ordered[len(ordered) // 2] if ordered else 0.0,
+               "sampler/group_age_s/max": ordered[-1] if ordered else 0.0,
+               "sampler/listings": float(listings), "sampler/watch_reads": float(reads),
+               "sampler/view_fresh": 1.0 if fresh else 0.0}
+    figures.update((f"sampler/groups_left/{status}", float(count)) for status, count in left.items())
+    return figures
 
 
 @dataclass
@@ -107,7 +133,6 @@ class ReplayBuffer:
         self._index = GroupIndex()
         self._store = StoreLink(config, self._index)
         self._needs_fresh_view = False
-        self._fresh_view_ahead: SyncAhead | None = None
         self._counters = {"decisions": 0, "syncs": 0, "refills": 0, "cleared_keys": 0, "batches": 0,
                           "wait_polls": 0}
 
@@ -128,7 +153,9 @@ class ReplayBuffer:
         """Hand out ``batch_size`` whole groups, oldest ``global_steps`` first, after the mode's evictions.
 
         Returns every trajectory of the chosen groups with its tags (a
-        ``KVBatchMeta``) and the eviction metrics accrued while waiting. The
+        ``KVBatchMeta``) and the metrics verl logs: the eviction metrics accrued
+        while waiting, and this sampler's own figures of the call under
+        ``sampler/`` (a prefix verl does not use; :data:`SAMPLER_METRICS`). The
         chosen prompt keys are cleared; the trainer clears the trajectories after its step.
 
         Raises:
@@ -140,6 +167,7 @@ class ReplayBuffer:
         """
         what = check_verl_call("sample", global_steps, partition_id, batch_size)
         config, state = self._config, DrainState()
+        started, asked, reads = time.monotonic(), self._counters["syncs"] + self._counters["wait_polls"], self._reads()
         plan, metrics = self._run(what, partition_id, lambda part: (
             plan_async(part, config, partition_id, global_steps, batch_size, True) if config.asynchronous
             else plan_sync(part, config, partition_id, global_steps, batch_size, state)))
@@ -150,15 +178,16 @@ class ReplayBuffer:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
             raise RuntimeError(message)
         seam = self._store.start().seam
+        waited = time.monotonic() - started
         held = seam.tags(partition_id, plan.select_keys)
         keys = [key for key in plan.select_keys if key in held]
+        ages = seam.look(lambda: _ages(self._index.partition(partition_id), plan.select or []))
         self._clear(partition_id, plan.select)
         self._counters["batches"] += 1
-        # The next call must see a listing that began after this clear: have it run during the training step.
-        # It also settles the clear: a removed key stays hidden until a listing no longer shows it, and that
-        # listing must come before the store could hold the key again.
-        self._fresh_view_ahead = SyncAhead(seam.sync, _FRESH_VIEW_AHEAD_TIMEOUT)
         tags = [held[key] for key in keys]
+        left = seam.look(lambda: self._index.partition(partition_id).counts())
+        metrics.update(_figures(waited, ages, left, self._counters["syncs"] + self._counters["wait_polls"] - asked,
+                                self._reads() - reads, seam.not_fresh() is None))
         if self._store.on_transferqueue or "transfer_queue" in sys.modules:  # the type verl's trainer expects
             meta = importlib.import_module("transfer_queue").KVBatchMeta
             return meta(partition_id=partition_id, keys=keys, tags=tags), metrics
@@ -174,16 +203,12 @@ class ReplayBuffer:
 
     def close(self, timeout: float | None = None) -> ShutdownReport:
         """Stop the poller and release everything; idempotent. verl never calls it: the finalizer does."""
-        report = self._store.close(timeout)
-        if self._fresh_view_ahead is not None:
-            self._fresh_view_ahead.done(1.0)  # ends with BufferClosed
-        return report
+        return self._store.close(timeout)
 
     def stats(self) -> dict[str, Any]:
         """The buffer's ``stats()`` (once started) plus this sampler's counters and groups by status."""
         buffer = self._store.running()
-        out: dict[str, Any] = {"started": buffer is not None, **self._counters,
-                               "lists_between_calls": self._store.lists_between_calls}
+        out: dict[str, Any] = {"started": buffer is not None, **self._counters}
         if buffer is not None:
             out.update(buffer.stats())
             out["groups"] = buffer.seam.look(lambda: {pid: self._index.partition(pid).counts()
@@ -196,12 +221,19 @@ class ReplayBuffer:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _reads(self) -> int:
+        """The poller's reads of watched keys so far, as its last heartbeat said (0: not started)."""
+        buffer = self._store.buffer
+        return int(buffer.stats()["watch_reads"]) if buffer is not None else 0
+
     def _run(self, what: str, partition_id: str,
              rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:
         """Decide and carry out plans until one hands out, is ready or is a count; with the eviction metrics."""
         timeout = self._config.sample_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         metrics: dict[str, Any] = {}
+        # As verl's own sampler, every call decides on a listing that began after it started.
+        self._needs_fresh_view = True
         while True:
             result = self._decide(what, partition_id, deadline, rule)
             if isinstance(result, int) or not self._carry_out(result, what, partition_id, metrics, deadline):
@@ -211,22 +243,13 @@ class ReplayBuffer:
                 rule: Callable[[GroupPartition], Decision | None]) -> Decision:
         """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed."""
         seam = self._store.start(partition_id).seam
-        ahead, self._fresh_view_ahead = self._fresh_view_ahead, None
-        # First, before waiting on a listing of a controller the trainer may have replaced.
-        switched = self._store.follow()
-        if switched:
-            # No decision is made before the new controller's first complete listing, which began after this
-            # call: that view is fresh. The sync ahead, on the old controller, is dropped.
-            self._needs_fresh_view = False
-        elif ahead is not None and self._needs_fresh_view:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._needs_fresh_view = not ahead.done(remaining)
-        # After the sync ahead: its listing may predate a partition new to the poller.
-        if self._store.include(partition_id):
+        # A poller this call started, or one moved to the controller the trainer re-initialised: no decision is
+        # made before its first complete listing, which began after the call.
+        if self._store.started_now or self._store.follow():
+            self._needs_fresh_view = self._store.include(partition_id)
+        elif self._store.include(partition_id):
             self._needs_fresh_view = True
-        # Without listings between calls, a view older than any verl's own sampler acts on is refreshed first.
-        if self._needs_fresh_view or (not switched and not self._store.lists_between_calls
-                                      and seam.view_age() > FRESH_VIEW_SECONDS):
+        if self._needs_fresh_view:
             self._read_your_writes(what, deadline)
 
         def attempt() -> Decision | None:
@@ -242,11 +265,13 @@ class ReplayBuffer:
                 attempt, partition_id=partition_id,
                 timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                 describe=lambda: self._index.partition(partition_id).describe(partition_id),
-                log_every=config.log_interval, what=what, poll_every=config.wait_poll_interval,
+                log_every=config.log_interval, what=what, poll_every=config.poll_interval,
                 on_poll=counted_poll, version=lambda: self._index.version(partition_id),
                 watch=lambda: self._index.partition(partition_id).in_flight(WATCHED_PROMPTS)))
         except TimeoutError as exc:
-            raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}") from None
+            stale = seam.not_fresh()  # the store may have stopped answering after the call's first listing
+            note = f"; {stale}" if stale is not None and stale not in str(exc) else ""
+            raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}{note}") from None
 
     def _carry_out(self, plan: Plan, what: str, partition_id: str, metrics: dict[str, Any],
                    deadline: float | None) -> bool:

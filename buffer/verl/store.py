@@ -35,8 +35,8 @@ _TRANSFERQUEUE_KWARGS = "poller.sources.transferqueue:source_kwargs"
 #: The poller's source arguments that name the TransferQueue controller it lists (the rest are options).
 CONTROLLER_KWARGS = ("address", "controller_id", "controller_version")
 
-#: The poller's schedule when it does not list between calls: the calls ask for each listing they need (a SYNC),
-#: and the store is not listed while the trainer trains.
+#: The poller's own schedule: none to speak of. As verl's own sampler, the calls list the store (a SYNC at the start
+#: of each, and while one waits), and nothing lists it while the trainer trains.
 QUIET_POLL_INTERVAL = 3600.0
 
 #: The DAPO metric read from the ``rm_scores`` field (verl 0.9.1's FILTER_GROUPS_REWARD_METRIC).
@@ -56,12 +56,9 @@ class StoreLink:
         self._config = config
         self._index = index
         self._lock = threading.Lock()
-        # TransferQueue has no change feed and its controller serves every rollout worker: verl's own sampler
-        # lists it only inside its calls, only the partitions asked about, so does this by default.
         self.on_transferqueue = _is_transferqueue(config.source)  # its answers are TransferQueue's KVBatchMeta
-        self.lists_between_calls = (config.list_between_calls if config.list_between_calls is not None
-                                    else not self.on_transferqueue)
         self.buffer: ReplayBuffer | None = None
+        self.started_now = False
         self.closed = False
         self._finalizer: weakref.finalize | None = None
         self._client: Any = None
@@ -75,10 +72,12 @@ class StoreLink:
         self._compared: Any = None
 
     def start(self, partition_id: str | None = None) -> ReplayBuffer:
-        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition)."""
+        """The buffer and client, started on first use; the poller lists ``partition_id`` (None: every partition).
+        :attr:`started_now` says whether this call started them."""
         with self._lock:
             if self.closed:
                 raise BufferClosed("the sampler is closed")
+            self.started_now = self.buffer is None
             if self.buffer is not None:
                 return self.buffer
             config = self._config
@@ -88,8 +87,9 @@ class StoreLink:
                                 else None)
             client, owned = _open_client(config.source, config.source_kwargs, config.filter_groups_metric is not None)
             try:
-                interval = config.poll_interval if self.lists_between_calls else QUIET_POLL_INTERVAL
-                buffer = _GroupBuffer(spec, source_kwargs=kwargs, poll_interval=interval, **config.buffer_kwargs)
+                # Listings only when a call asks: at once (the calls keep verl's own sampler's schedule).
+                buffer = _GroupBuffer(spec, source_kwargs=kwargs, poll_interval=QUIET_POLL_INTERVAL,
+                                      listing_share=1.0, **config.buffer_kwargs)
             except BaseException:
                 _close_client(client, owned)
                 raise

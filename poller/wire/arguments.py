@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Literal, Union
+from typing import Any
 
-__all__ = ["DEFAULT_LISTING_SHARE", "VERL_CYCLE", "VERL_POLL_INTERVAL", "ListingShare", "check_count",
-           "check_optional_seconds", "check_seconds", "check_share", "check_worker_config"]
+__all__ = ["DEFAULT_LISTING_SHARE", "check_count", "check_optional_seconds", "check_seconds", "check_share",
+           "check_worker_config"]
 
-#: verl's sampler's cycle instead of a fixed listing share (poller.duty).
-VERL_CYCLE: Literal["verl"] = "verl"
-#: A fixed share of the wall clock (in (0, 1], 1.0: no bound), or :data:`VERL_CYCLE`.
-ListingShare = Union[float, Literal["verl"]]
-#: The generic buffer's and the standalone poller's share: verl's sampler's own at 100k TransferQueue keys.
+#: The share of the wall clock a poller may spend listing a store without a change feed (poller.duty), unless
+#: configured: verl's own sampler's at 100k TransferQueue keys.
 DEFAULT_LISTING_SHARE = 0.15
-#: Seconds verl 0.9.1's sampler sleeps between two listings of the store (its default ``poll_interval``).
-VERL_POLL_INTERVAL = 2.0
 
 # The longest wait the threading primitives accept (OverflowError beyond it).
 MAX_SECONDS = float(threading.TIMEOUT_MAX)
@@ -67,11 +62,8 @@ def check_worker_config(config: Any) -> None:
     check_share("listing_share", config.listing_share)
 
 
-def check_share(name: str, value: Any) -> ListingShare:
-    """``value`` as a listing share: a number in (0, 1] (a bool is refused), or ``"verl"`` (verl's cycle)."""
-    if value == VERL_CYCLE:
-        return VERL_CYCLE
+def check_share(name: str, value: Any) -> float:
+    """``value`` as a listing share: a number in (0, 1] (a bool is refused)."""
     if not _is_number(value) or math.isnan(value) or not 0 < value <= 1:
-        raise ValueError(f"{name} must be a share of the wall clock in (0, 1] (1: no bound), or {VERL_CYCLE!r} "
-                         f"for verl's sampler's cycle, got {value!r}")
+        raise ValueError(f"{name} must be a share of the wall clock in (0, 1] (1: no bound), got {value!r}")
     return float(value)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, ListingShare
+from poller.wire.arguments import DEFAULT_LISTING_SHARE
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
 from poller.wire.sources import SourceSpec
 
@@ -52,5 +52,5 @@ class WorkerConfig(NamedTuple):
     # The receiver's decoding bounds: tags it would refuse are one clear source error here (None: defaults).
     limits: Limits | None = None
     log_level: int = logging.WARNING  # records from this level on are sent to the buffer as LOG
-    # The listing share of a source without a change feed, or "verl" (poller.duty).
-    listing_share: ListingShare = DEFAULT_LISTING_SHARE
+    # The listing share of a source without a change feed (poller.duty).
+    listing_share: float = DEFAULT_LISTING_SHARE

@@ -158,6 +158,8 @@ class Watch(NamedTuple):
     partition: str
     keys: WatchKeys
     seconds: Seconds
+    # The least time between two listings a change seen brings forward (the waiting call's own listing rate).
+    every: Seconds | None = None
 
 
 Body = Union[Ready, Delta, Heartbeat, Error, Bye, Log, Stop, Resync, Sync, Ack, Watch]

@@ -76,13 +76,11 @@ def partitions_given_are_kept(conf: Any) -> dict[str, Any]:
     return {"waited_s": time.monotonic() - started}
 
 
-def verl_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
-    """A buffer on a real TransferQueue in verl's cycle (buffer.verl's listing share), asked to sync every 20 ms
-    (as a waiting verl sampler asks): when each listing began and ended (the source logs them) and what stats()
-    said."""
+def share_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
+    """A buffer on a real TransferQueue with the default listing share, asked to sync every 20 ms: when each
+    listing began and ended (the source logs them) and what stats() said."""
     from buffer import ReplayBuffer
     from poller.sources.transferqueue import source_kwargs
-    from poller.wire.arguments import VERL_CYCLE
 
     for _ in range(3):
         group("train", "finished", step=1)
@@ -90,7 +88,7 @@ def verl_cycle_while_syncs_ask_every_20ms(conf: Any) -> dict[str, Any]:
     kwargs = {"log": log, **source_kwargs(conf, partition_ids=["train"])}
     stop, answered, errors = threading.Event(), [], []
     with ReplayBuffer("tests.helpers.sources:logged_transferqueue", source_kwargs=kwargs,
-                      poll_interval=0.02, listing_share=VERL_CYCLE) as rb:
+                      poll_interval=0.02) as rb:
         def ask() -> None:
             while not stop.is_set():
                 try:

@@ -22,6 +22,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tests.helpers.verl import verls
 from tests.integration.verl_world import PARTITIONS, Refill, World, unblock
 
 #: Waits verl may need in one decision before the scenario gives up on it.
@@ -125,12 +126,13 @@ def _record(outcome: Outcome, call: Call, result: Any) -> None:
         batch, metrics = result
         outcome.batch = {key: dict(tag) for key, tag in zip(batch.keys, batch.tags)}
         outcome.batch_order = list(batch.keys)
-        outcome.metrics = dict(metrics)
+        # buffer.verl's own figures of the call (sampler/...) are added beside verl's: compared, verl's.
+        outcome.metrics = verls(metrics)
     elif call.kind == "get_sampleable_count":
         outcome.count = int(result)
     else:
         sampleable, metrics = result
-        outcome.sampleable, outcome.metrics = set(sampleable), dict(metrics)
+        outcome.sampleable, outcome.metrics = set(sampleable), verls(metrics)
 
 
 def _cleared(world: World, before: dict[str, set[str]]) -> dict[str, set[str]]:
