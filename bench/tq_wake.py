@@ -77,8 +77,8 @@ KINDS = {
 }
 _MODES = {"sample": "colocate_async", "wait": "separate_async", "sync": "sync"}
 #: The family's blocks end this long after the last call's train step began (less the step, at least 0): what
-#: that call set off (buffer.verl lists once after a sample() cleared its batch, within verl's 2 s cycle) ends
-#: inside the block, so the controller's CPU it costs is the block's own.
+#: that call set off (a listing under way, the watch's last reads) ends inside the block, so the controller's CPU
+#: it costs is the block's own.
 SETTLE = 3.0
 #: How many of a sampler's last wake-ups its predictions draw on.
 _HISTORY = 10
