@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from . import latency, lifecycle, memory, million, overhead, throughput, tq, verl, verl_loop
+from . import latency, lifecycle, memory, million, overhead, throughput, tq, verl, verl_loop, wake_family
 from .report import LoadMonitor, Table, environment_lines, write_markdown
 
 Benchmark = Callable[[Callable[[str], None], bool], "Table | list[Table]"]
@@ -34,14 +34,15 @@ BENCHMARKS: dict[str, Benchmark] = {
     "verl": verl.run,
     "tq": tq.run,
     "verl-loop": verl_loop.run,
+    "wake-family": wake_family.run,
 }
 
 # Left out of a whole `--quick` run (named with --only, they run in their short form), to keep it
 # under 3 minutes: Ray and TransferQueue take ~25 s to start and verl ~10 s to import on a 2-core
 # machine; filling a store for `million` takes ~20 s even at its quick size, and its goals are
 # set at 1M keys, where start-up costs no longer weigh. verl-loop starts verl's TaskRunner and agent loop worker
-# (~25 s) for each of its runs.
-NOT_QUICK = {"tq", "million", "verl-loop"}
+# (~25 s) for each of its runs; wake-family times hundreds of wake-ups of seconds each (~10 min even quick).
+NOT_QUICK = {"tq", "million", "verl-loop", "wake-family"}
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

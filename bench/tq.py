@@ -80,7 +80,8 @@ class Plan:
 def plan(quick: bool) -> Plan:
     """The full plan, or the quick one (one K, no added rounds, one wake-up kind at 10 samples)."""
     # Full: 25 phases per K (~7 min at K=10k on 2 cores), and 6 more (90 s) for each round added, at most 4 per K.
-    # The wake-up line: ~2.8 s a sample, 3 kinds x 2 samplers x 30 samples: ~8.5 min per K.
+    # The wake-up line: ~2.8 s a sample, 3 kinds x 2 samplers x 30 samples, and a warm-up per block of 5: ~9 min
+    # per K.
     if quick:
         return Plan((10_000,), 2, 2, 5.0, 10, ("sample",))
     return Plan((10_000, 100_000), 4, 8, 15.0, 30, ("sample", "wait", "sync"))
@@ -121,7 +122,7 @@ def run(progress: Callable[[str], None], quick: bool) -> list[Table]:
         phases = "abd"
         table.notes.append(f"phase c skipped ({no_verl}): verl 0.9.1 is installed by `make bench`")
         progress(f"tq: phase c skipped: {no_verl}")
-    records, alone, wakes = _host(progress, chosen, phases)
+    records, alone, wakes = _host(progress, "serve", chosen, phases)
     sizes = list(chosen.sizes)
     _fill(table, records, sizes, phases, {k: costs["listings"] for k, costs in alone.items()},
           {k: costs["reads"] for k, costs in alone.items()}, chosen.max_rounds)
@@ -291,9 +292,13 @@ def wake_table(records: list[dict[str, Any]], sizes: list[int], alone: dict[int,
     table.notes.append(f"each wake-up: the trainer puts a prompt of step 1 as running, makes the call in a thread, "
                        f"and {DELAY[0]:g}-{DELAY[1]:g} s (uniform) after the call one kv_batch_put "
                        "writes its 2 successful trajectories and marks it finished; the figure is that put's "
-                       f"return -> the call returns; then the group is handed out and cleared and the trainer "
-                       f"'trains' {TRAIN_STEP:g} s; the store holds K keys (phase a's preload: a running prompt of "
-                       "step 0 and 15 trajectories per group), no writer running")
+                       f"return -> the call returns; then the group is handed out, the trainer 'trains' "
+                       f"{TRAIN_STEP:g} s and clears its trajectories, as verl's trainer does after its step; each "
+                       "block of a sampler begins with an untimed warm-up wake-up (its group finished before the "
+                       "call), so its first timed call follows one made a train step before, as every other does "
+                       "(the family, --only wake-family, shares this harness: bench/tq_wake.py); the store holds K "
+                       "keys (phase a's preload: a running prompt of step 0 and 15 trajectories per group), no "
+                       "writer running")
     table.notes.append("kinds: " + "; ".join(f"{kind}: {text}" for kind, text in KINDS.items()))
     table.notes.append("both samplers as verl builds them (threshold None, no sampler_kwargs; buffer.verl, a custom "
                        "sampler, gets verl's six keywords; verl's own sync ReplayBuffer also gets what verl's trainer "
@@ -521,18 +526,19 @@ def _listing_cpu(record: dict[str, Any]) -> float:
     return float(record["around_cpu"] - record["around_batches"] * rest_cpu / max(rest_batches, 1))
 
 
-def _host(progress: Callable[[str], None], chosen: Plan,
-          phases: str) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], list[dict[str, Any]]]:
-    """Run :func:`bench.tq_host.serve` in a spawned process; its phase records, per K the controller's
+def _host(progress: Callable[[str], None], serve: str,
+          *args: Any) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """Run ``bench.tq_host.<serve>(conn, *args)`` (:func:`bench.tq_host.serve`, or
+    :func:`bench.tq_host.serve_family`) in a spawned process; its phase records, per K the controller's
     CPU per listing and per targeted read with nothing else running (:func:`bench.tq_host.costs_alone`),
-    and the wake-up line's records.
+    and the wake-up records.
 
     The host leads a session of its own: whatever happens here, it and the
     processes it started (Ray's, the poller) are signalled by that group.
     """
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe(duplex=False)
-    host = ctx.Process(target=_session, args=(child, chosen, phases),
+    host = ctx.Process(target=_session, args=(child, serve, args),
                        name="bench-tq-host")
     host.start()
     child.close()
@@ -576,11 +582,11 @@ def _host(progress: Callable[[str], None], chosen: Plan,
         _reap(host)
 
 
-def _session(conn: Any, chosen: Plan, phases: str) -> None:
+def _session(conn: Any, serve: str, args: tuple[Any, ...]) -> None:
     from . import tq_host
 
     os.setsid()
-    tq_host.serve(conn, chosen, phases)
+    getattr(tq_host, serve)(conn, *args)
 
 
 def _reap(host: Any, timeout: float = 60.0) -> None:

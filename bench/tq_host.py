@@ -21,10 +21,16 @@ for the sampler (buffer.verl's poller process, or the thread that runs verl's
 ``sample()``) and its listings, over a window of whole listing cycles inside
 the writer's run (:func:`window`; phase a: the whole run). Nothing here is imported by the
 runner process: Ray's threads and processes stay out of the other benchmarks.
+
+``python -m bench --only wake-family`` runs in the same host (:func:`serve_family`): the same
+store and preload (:func:`live_store`, :func:`preload`), no writer, the wake-up family of
+:mod:`bench.tq_wake`, with the controller's CPU read from the threads that serve requests
+(:class:`ControllerCpu`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -33,8 +39,9 @@ import threading
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 PARTITION = "train"
 BATCH_KEYS = 16  # one GRPO group of rollouts per put, as verl's agent loop finishes them
@@ -533,6 +540,47 @@ def _controller_pid() -> int:
     return int(pid)
 
 
+@contextlib.contextmanager
+def live_store(conn: Connection, with_verl: bool) -> Iterator[int]:
+    """Ray and TransferQueue started in this process, as verl's TaskRunner has them (and verl's sampler
+    module imported, with ``with_verl``); yields the controller actor's pid. Stops them on the way out.
+
+    The product's restarts and escalations and verl's INFO lines are noise here, as in the runner; the
+    host says where it imports ``buffer`` from (a worktree's run must measure that worktree's product).
+    """
+    # Ray's socket paths must fit in 108 bytes: a short directory under /tmp.
+    temp_dir = tempfile.mkdtemp(prefix="bench-tq-", dir="/tmp")
+    started_store = False
+    try:
+        from examples.verl_style_trainer import start_store
+
+        conn.send(("progress", "tq: starting Ray and TransferQueue"))
+        start_store(temp_dir=temp_dir)
+        started_store = True
+        if with_verl:
+            conn.send(("progress", "tq: importing verl"))
+            with warnings.catch_warnings():
+                # One UserWarning per training engine this CPU install lacks (megatron, torchtitan, ...).
+                warnings.simplefilter("ignore")
+                import verl.trainer.ppo.v1.replay_buffer  # noqa: F401  (seconds: not a phase's cost)
+        # After verl's import, which sets its own level.
+        for name, level in (("buffer", logging.CRITICAL), ("poller", logging.CRITICAL),
+                            ("verl.trainer.ppo.v1.replay_buffer", logging.WARNING)):
+            logging.getLogger(name).setLevel(level)
+        import buffer
+
+        conn.send(("progress", f"tq: the host imports buffer from {os.path.dirname(os.path.abspath(buffer.__file__))}"))
+        yield _controller_pid()
+    finally:
+        try:
+            if started_store:
+                from examples.verl_style_trainer import stop_store
+
+                stop_store()
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def serve(conn: Connection, plan: Any, phases: str) -> None:
     """The whole benchmark of ``plan`` (a :class:`bench.tq.Plan`) in this process.
 
@@ -547,77 +595,163 @@ def serve(conn: Connection, plan: Any, phases: str) -> None:
     before it returns."""
     from .tq import resolved, slowdowns_of
 
-    # Ray's socket paths must fit in 108 bytes: a short directory under /tmp.
-    temp_dir = tempfile.mkdtemp(prefix="bench-tq-", dir="/tmp")
-    started_store = False
-    writer: Any = None
     try:
-        from examples.verl_style_trainer import start_store
+        with live_store(conn, "c" in phases) as controller:
+            import ray
 
-        conn.send(("progress", "tq: starting Ray and TransferQueue"))
-        start_store(temp_dir=temp_dir)
-        started_store = True
-        if "c" in phases:
-            conn.send(("progress", "tq: importing verl"))
-            with warnings.catch_warnings():
-                # One UserWarning per training engine this CPU install lacks (megatron, torchtitan, ...).
-                warnings.simplefilter("ignore")
-                import verl.trainer.ppo.v1.replay_buffer  # noqa: F401  (seconds: not a phase's cost)
-        # As in the runner: the product's restarts and escalations, and verl's INFO lines, are noise here
-        # (after verl's import, which sets its own level).
-        for name, level in (("buffer", logging.CRITICAL), ("poller", logging.CRITICAL),
-                            ("verl.trainer.ppo.v1.replay_buffer", logging.WARNING)):
-            logging.getLogger(name).setLevel(level)
-        import ray
+            writer: Any = None
+            try:
+                actor_class: Any = ray.remote(num_cpus=1)(Writer)
+                writer = actor_class.remote([f"g{n:07d}" for n in range(WRITER_POOL)])
+                groups = 0
+                for k in plan.sizes:
+                    conn.send(("progress", f"tq: preloading {k:,} keys"))
+                    preload(groups, k // GROUP_KEYS)
+                    if not groups:
+                        ray.get(writer.run.remote(0.5), timeout=_CALL_TIMEOUT)  # the actor is up, its client warm
+                    groups = k // GROUP_KEYS
+                    if "c" in phases:
+                        conn.send(("progress", f"tq: K={k:,}: the controller's CPU per listing and per read, alone"))
+                        prompts = [f"g{n:07d}" for n in range(min(max(WATCH_KEYS), groups))]
+                        conn.send(("alone", {"k": k, "costs": costs_alone(controller, k, plan.min_rounds, prompts)}))
+                    records: list[dict[str, Any]] = []
+                    order, rounds = schedule(phases, plan.min_rounds), plan.min_rounds
+                    while True:
+                        for r, name in order:
+                            record = _phase(name, writer, controller, plan.seconds)
+                            record.update(k=k, round=r, seq=len(records))
+                            records.append(record)
+                            conn.send(("phase", record))
+                        if rounds >= plan.max_rounds or resolved(slowdowns_of(records)):
+                            break
+                        conn.send(("progress", f"tq: K={k:,}: a slowdown interval is still wider than the goal's "
+                                               f"resolution after {rounds} rounds: one more"))
+                        order, rounds = more_rounds(phases, rounds), rounds + 1
+                    if plan.wake_samples:
+                        from . import tq_wake
 
-        controller = _controller_pid()
-        actor_class: Any = ray.remote(num_cpus=1)(Writer)
-        writer = actor_class.remote([f"g{n:07d}" for n in range(WRITER_POOL)])
-        groups = 0
-        for k in plan.sizes:
-            conn.send(("progress", f"tq: preloading {k:,} keys"))
-            preload(groups, k // GROUP_KEYS)
-            if not groups:
-                ray.get(writer.run.remote(0.5), timeout=_CALL_TIMEOUT)  # the actor is up and its client warm
-            groups = k // GROUP_KEYS
-            if "c" in phases:
-                conn.send(("progress", f"tq: K={k:,}: the controller's CPU per listing and per read, alone"))
-                prompts = [f"g{n:07d}" for n in range(min(max(WATCH_KEYS), groups))]
-                conn.send(("alone", {"k": k, "costs": costs_alone(controller, k, plan.min_rounds, prompts)}))
-            records: list[dict[str, Any]] = []
-            order, rounds = schedule(phases, plan.min_rounds), plan.min_rounds
-            while True:
-                for r, name in order:
-                    record = _phase(name, writer, controller, plan.seconds)
-                    record.update(k=k, round=r, seq=len(records))
-                    records.append(record)
-                    conn.send(("phase", record))
-                if rounds >= plan.max_rounds or resolved(slowdowns_of(records)):
-                    break
-                conn.send(("progress", f"tq: K={k:,}: a slowdown interval is still wider than the goal's "
-                                       f"resolution after {rounds} rounds: one more"))
-                order, rounds = more_rounds(phases, rounds), rounds + 1
-            if plan.wake_samples:
-                from . import tq_wake
-
-                conn.send(("progress", f"tq: K={k:,}: finished -> the call returns, {plan.wake_samples} per "
-                                       f"sampler and kind"))
-                for record in tq_wake.run(k, plan.wake_samples, "c" in phases, plan.wake_kinds,
-                                          lambda text: conn.send(("progress", text))):
-                    conn.send(("wake", record))
-        conn.send(("done", None))
+                        conn.send(("progress", f"tq: K={k:,}: finished -> the call returns, {plan.wake_samples} "
+                                               f"per sampler and kind"))
+                        for record in tq_wake.run(k, plan.wake_samples, "c" in phases, plan.wake_kinds,
+                                                  lambda text: conn.send(("progress", text))):
+                            conn.send(("wake", record))
+                conn.send(("done", None))
+            finally:
+                if writer is not None:
+                    ray.kill(writer)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
     finally:
-        try:
-            if writer is not None:
-                import ray
+        conn.close()
 
-                ray.kill(writer)
-        finally:
-            if started_store:
-                from examples.verl_style_trainer import stop_store
 
-                stop_store()
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            conn.close()
+#: Seconds over which the controller's idle CPU is read before the family's wake-ups at each K.
+IDLE_SECONDS = 5.0
+#: A controller thread serves requests when a burst of them costs it at least this share of their CPU.
+_SERVING_SHARE = 0.05
+
+
+def _task_cpu(path: str) -> float | None:
+    """CPU seconds from a ``/proc/<pid>/task/<tid>/schedstat`` file (nanoseconds on the CPU); None once gone."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0]) / 1e9
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+@dataclass
+class ControllerCpu:
+    """The TransferQueue controller's CPU, read two ways: the threads that serve requests (``schedstat``,
+    nanoseconds) and the whole process (``/proc/<pid>/stat``, 10 ms ticks); each with its idle CPU per second.
+
+    At 10k keys a listing costs the controller ~2 ms while its process idles at ~5 ms a second (Ray's own
+    threads, mostly its main thread), counted in 10 ms ticks: a wake-up's share of the whole process is lost
+    in the noise, that of the serving threads is not.
+    """
+
+    pid: int
+    threads: list[str]
+    idle_threads: float = 0.0
+    idle_process: float = 0.0
+
+    def serving(self) -> float:
+        """CPU seconds of the serving threads so far (a thread gone since counts no more)."""
+        return sum(value for value in map(_task_cpu, self.threads) if value is not None)
+
+    def process(self) -> float:
+        """CPU seconds of the whole process so far."""
+        return cpu_seconds(f"/proc/{self.pid}/stat")
+
+
+def controller_cpu(pid: int, probe: Callable[[], Any], requests: int = 20, quiet: float = 2.0) -> ControllerCpu:
+    """Find the controller's serving threads: those whose CPU, beyond their own idle rate over ``quiet`` s,
+    rose by at least :data:`_SERVING_SHARE` of what ``requests`` calls of ``probe`` cost; then read both idle
+    rates over :data:`IDLE_SECONDS`."""
+
+    def snapshot() -> dict[str, float]:
+        out = {}
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            value = _task_cpu(f"/proc/{pid}/task/{tid}/schedstat")
+            if value is not None:
+                out[tid] = value
+        return out
+
+    first, began = snapshot(), time.monotonic()
+    time.sleep(quiet)
+    second, middle = snapshot(), time.monotonic()
+    for _ in range(requests):
+        probe()
+    third, ended = snapshot(), time.monotonic()
+    excess = {tid: value - second[tid] - (second[tid] - first[tid]) / (middle - began) * (ended - middle)
+              for tid, value in third.items() if tid in second and tid in first}
+    total = sum(max(0.0, value) for value in excess.values())
+    threads = [f"/proc/{pid}/task/{tid}/schedstat" for tid, value in sorted(excess.items())
+               if total > 0 and value >= _SERVING_SHARE * total]
+    meter = ControllerCpu(pid, threads)
+    serving, process, began = meter.serving(), meter.process(), time.monotonic()
+    time.sleep(IDLE_SECONDS)
+    seconds = time.monotonic() - began
+    meter.idle_threads = (meter.serving() - serving) / seconds
+    meter.idle_process = (meter.process() - process) / seconds
+    return meter
+
+
+def serve_family(conn: Connection, plan: Any) -> None:
+    """The wake-up family of ``plan`` (a :class:`bench.wake_family.FamilyPlan`) in this process.
+
+    Per K (the store preloaded as for ``--only tq``, no writer): the
+    controller's serving threads and idle CPU (:func:`controller_cpu`), then
+    :func:`bench.tq_wake.run_family`. Sends ``("progress", text)``
+    throughout, a ``("wake", record)`` per block, and at the end ``("done",
+    None)`` or ``("error", traceback)``. Everything started here is stopped
+    before it returns.
+    """
+    import transfer_queue as tq
+
+    from . import tq_wake
+
+    def probe() -> None:
+        # The requests the wake-ups send: verl's listing, a rollout's put, a trainer's clear.
+        tq.kv_list()
+        tq.kv_put(key="probe", partition_id=PARTITION, tag={"global_steps": 0, "status": "success"})
+        tq.kv_clear(keys=["probe"], partition_id=PARTITION)
+
+    try:
+        with live_store(conn, True) as controller:
+            groups = 0
+            for k in plan.sizes:
+                conn.send(("progress", f"wake-family: preloading {k:,} keys"))
+                preload(groups, k // GROUP_KEYS)
+                groups = k // GROUP_KEYS
+                meter = controller_cpu(controller, probe)
+                conn.send(("progress", f"wake-family: K={k:,}: the controller's {len(meter.threads)} serving "
+                                       f"thread(s) idle at {meter.idle_threads * 1e3:.2g} ms/s, its process at "
+                                       f"{meter.idle_process * 1e3:.2g} ms/s"))
+                tq_wake.run_family(k, plan, meter, lambda record: conn.send(("wake", record)),
+                                   lambda text: conn.send(("progress", text)))
+            conn.send(("done", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
