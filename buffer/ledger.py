@@ -149,16 +149,14 @@ class Ledger:
             tomb = tombs.get(key)
             if tomb is None:
                 merge.append(key)
-            elif tomb.cleared and (stream not in tomb.waiting or tomb.began_after(sync)):
-                tomb.doubt.discard(stream)
-                merge.append(key)  # listed since the clear: the store holds it again
-                self._end_if_over(partition, key, tomb)
-            elif version in tomb.versions:
+                continue
+            after = stream not in tomb.waiting or tomb.began_after(sync)  # this listing began after the removal
+            if version in tomb.versions and not (tomb.cleared and after):
                 tomb.doubt.discard(stream)  # the record removed, listed again: hidden
                 hidden.append(key)
-            elif stream not in tomb.waiting or tomb.began_after(sync):
+            elif after:
                 tomb.doubt.discard(stream)
-                merge.append(key)  # a new record of the removed key's name
+                merge.append(key)  # a new record of the removed key's name (a cleared one: put again)
                 self._end_if_over(partition, key, tomb)
             else:
                 tomb.doubt.add(stream)  # may predate the removal: settled when the stream passes it
@@ -191,10 +189,11 @@ class Ledger:
         trainer cleared: none may send a listing begun before it)."""
         if tomb.waiting:
             return
-        for parts in self._listed.values() if not tomb.cleared else ():
-            items = parts.get(partition)
-            if items is not None and items.get(key, _UNLISTED) in tomb.versions:
-                return
+        if not tomb.cleared:
+            for parts in self._listed.values():
+                items = parts.get(partition)
+                if items is not None and items.get(key, _UNLISTED) in tomb.versions:
+                    return
         tombs = self._tombs[partition]
         if tombs.get(key) is tomb:
             del tombs[key]
