@@ -1,7 +1,7 @@
 """Checks of what a trainer passes to the buffer, made once, where it enters; inner layers trust them.
 
 Bad input gets a clear error and changes nothing. Wrong types raise ``TypeError``, as the SQLite store's
-``kv_*`` methods do; numbers out of range ``ValueError`` (:mod:`poller.wire.arguments`). Options from
+``kv_*`` methods do; numbers out of range ``ValueError`` (:mod:`poller.common.checks`). Options from
 config files (Hydra/OmegaConf) arrive as plain values and become what the buffer uses.
 """
 
@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from poller.wire.arguments import check_count, check_optional_seconds, check_seconds, check_share
+from poller.common.checks import check_count, check_optional_seconds, check_seconds, check_share
 from poller.wire.curve import CurveServer
 from poller.wire.protocol import Limits
 from poller.wire.vocabulary import Tags

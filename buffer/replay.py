@@ -34,10 +34,10 @@ from buffer.steps import BatchMeta, StepSampler
 from buffer.stream import StreamReceiver
 from buffer.supervisor import RestartBudget, Supervisor, close_bound
 from buffer.sync import ListingSync
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, check_optional_seconds
+from poller.common.checks import DEFAULT_LISTING_SHARE, check_optional_seconds
+from poller.sources.contract import SourceSpec
 from poller.wire.curve import CurveClient, CurveServer, generate_pair
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
-from poller.wire.sources import SourceSpec
 from poller.wire.vocabulary import Tags
 
 __all__ = ["ReplayBuffer"]

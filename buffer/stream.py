@@ -31,6 +31,7 @@ from buffer.access import EndpointInUseError, Gatekeeper, claim_ipc_path, restri
 from buffer.metrics import ListingFigures
 from buffer.partitions import PartitionStore
 from buffer.ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
+from poller.common.wakeup import WakePipe
 from poller.wire.curve import CurveServer
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import (
@@ -54,7 +55,6 @@ from poller.wire.protocol import (
     encode_header,
 )
 from poller.wire.tags import unpack_many_tags
-from poller.wire.wakeup import WakePipe
 
 __all__ = ["StreamReceiver", "PeerTable", "Peer", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
 

@@ -16,8 +16,8 @@ import sys
 from typing import NoReturn, Sequence
 
 from poller._version import __version__
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, check_seconds, check_share
-from poller.wire.config import ExitCode, WorkerConfig
+from poller.common.checks import DEFAULT_LISTING_SHARE, check_seconds, check_share
+from poller.common.config import ExitCode, WorkerConfig
 from poller.wire.curve import CurveClient, make_keys
 from poller.wire.errors import PollerCrashed, PollerStartupError
 from poller.worker import run_standalone

@@ -3,7 +3,7 @@
 Runs on the poller's polling thread (:mod:`poller.polling`), in three parts:
 
 - :class:`Diff`, one poll against ``sent`` (each key's tags as the bytes sent): a listed key changed when its tags,
-  packed (by the source where it can, :class:`~poller.wire.sources.PackedItems`, so an unchanged key is not even
+  packed (by the source where it can, :class:`~poller.sources.contract.PackedItems`, so an unchanged key is not even
   decoded), are not those bytes: decided once, here, in C-level passes. Only changed tags are screened
   (:func:`poller.wire.tags.screen`). What is sent is kept packed, nothing the source owns (1M keys: ~200 MB, not ~670).
 - :class:`ListingReader`, the source read for one poll: by its change feed when it has one (the SQLite store),
@@ -24,11 +24,12 @@ from itertools import compress, filterfalse, repeat
 from operator import eq, ne, not_
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
+from poller.common.checks import DEFAULT_LISTING_SHARE
 from poller.duty import ListingDuty
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.sources.contract import PackedItems, Source, capabilities
 from poller.wire.protocol import Limits, Piece
-from poller.wire.sources import PackedItems, Source, UnreadableValue, capabilities
 from poller.wire.tags import DICT_ONLY, STR_ONLY, Refused, fresh_strs, pack_many_tags, screen
+from poller.wire.vocabulary import UnreadableValue
 
 __all__ = ["Diff", "Sent", "ListingReader", "RECONCILE_INTERVAL", "Quarantine", "display_name", "MAX_REPORTED"]
 

@@ -20,7 +20,7 @@ import math
 import time
 from typing import Deque
 
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.common.checks import DEFAULT_LISTING_SHARE
 
 __all__ = ["ListingDuty"]
 

@@ -15,11 +15,11 @@ import time
 import traceback
 from typing import Callable, Iterable, Mapping
 
+from poller.common.checks import DEFAULT_LISTING_SHARE
 from poller.diff import Diff, ListingReader, Quarantine, Sent
 from poller.duty import ListingDuty
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.sources.contract import Source, SourceStall, WatchRead
 from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
-from poller.wire.sources import Source, SourceStall, WatchRead
 from poller.wire.tags import thaw
 
 __all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_EVERY", "WATCH_INTERVAL",
@@ -60,7 +60,7 @@ class PollingThread(threading.Thread):
     ``hand_over(kind, body, starts_snapshot, stopping)`` is :meth:`poller.link.Outbox.emit_from_thread`: it queues a
     message for the control loop, blocking while the outbox is full, and returns False once ``stopping`` is set.
     A daemon: if ``kv_list()`` never returns, the process exits without it. A *source stall* (the source raised
-    :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``) is
+    :class:`~poller.sources.contract.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``) is
     counted once, not a failure. A SYNC is answered by the next listing the share allows; STOP ends any wait.
     After a stalled call the next comes ``interval`` later, after a failed one the backoff.
     """

@@ -23,17 +23,17 @@ from typing import Any, Callable
 
 import zmq
 
+from poller.common import lifeline
+from poller.common.checks import check_worker_config
+from poller.common.config import ExitCode, WorkerConfig
+from poller.common.lifeline import Started, StartFailed, StopRequest
+from poller.common.procfs import own_rss_bytes
+from poller.common.wakeup import WakePipe
 from poller.link import Link, Outbox
 from poller.polling import PollingThread
-from poller.wire import lifeline
-from poller.wire.arguments import check_worker_config
-from poller.wire.config import ExitCode, WorkerConfig
+from poller.sources.contract import describe_spec, load_source
 from poller.wire.errors import PollerCrashed, PollerStartupError, ProtocolError
-from poller.wire.lifeline import Started, StartFailed, StopRequest
-from poller.wire.procfs import own_rss_bytes
 from poller.wire.protocol import Bye, Heartbeat, Kind, Ready, Resync, decode, encode_body
-from poller.wire.sources import describe_spec, load_source
-from poller.wire.wakeup import WakePipe
 
 __all__ = ["resync_answered", "run_embedded", "run_standalone"]
 

@@ -22,13 +22,13 @@ import pytest
 from buffer import BufferClosed, ReplayBuffer
 from buffer.verl.config import SamplerConfig, VerlConfigError
 from poller.cli import main as poller_main
+from poller.common.checks import DEFAULT_LISTING_SHARE
 from poller.diff import ListingReader
 from poller.duty import ListingDuty
 from poller.polling import PollingThread
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.sources.contract import SourceStall
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import DEFAULT_LIMITS, Heartbeat, Kind, Message, Sync, decode, encode, encode_header
-from poller.wire.sources import SourceStall
 from tests.conftest import wait_until
 from tests.helpers.deltas import read
 from tests.helpers.gaps import lose_a_message

@@ -9,8 +9,20 @@ import msgpack
 import pytest
 
 from poller.wire.errors import PollerError, ProtocolError
-from poller.wire.protocol import (PROTOCOL_VERSION, RECORDS, Delta, Kind, Limits, Message, decode, encode, encode_body,
-                                  encode_header, iter_encode_delta, to_record)
+from poller.wire.protocol import (
+    PROTOCOL_VERSION,
+    RECORDS,
+    Delta,
+    Kind,
+    Limits,
+    Message,
+    decode,
+    encode,
+    encode_body,
+    encode_header,
+    iter_encode_delta,
+    to_record,
+)
 from poller.wire.tags import unpack_many_tags, unpack_tags
 from tests.helpers.deltas import delta_tags, packed_sent, pieces_of, polled
 

@@ -1,4 +1,4 @@
-"""The source contract (poller.wire.sources): one Protocol per capability, checked once when a source is
+"""The source contract (poller.sources.contract): one Protocol per capability, checked once when a source is
 loaded, what it offers then read from one record. The packed-listing rule: tests/test_tq_packed.py; a
 malformed source failing a real poller's start-up: tests/test_lifecycle.py."""
 
@@ -11,14 +11,14 @@ import pytest
 
 from buffer.verl.store import _open_client
 from poller.faults import slow
-from poller.sources.sqlite import SqliteSource
-from poller.wire.sources import (
+from poller.sources.contract import (
     ChangeFeed,
     Source,
     capabilities,
     load_source,
     resolve_spec,
 )
+from poller.sources.sqlite import SqliteSource
 from tests.helpers.sources import HalfChangeFeed, ListedSqlite, WatchedSqlite
 
 

@@ -14,32 +14,12 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Seque
 from poller.wire.vocabulary import Listing
 
 __all__ = ["Capabilities", "ChangeFeed", "FieldReads", "PackedItems", "PackedListing", "Source", "SourceSpec",
-           "SourceStall", "StoreClient", "UnreadableValue", "Watch", "WatchRead", "capabilities", "describe_spec",
+           "SourceStall", "StoreClient", "Watch", "WatchRead", "capabilities", "describe_spec",
            "load_source", "resolve_spec"]
 
 
 class SourceStall(TimeoutError):
     """A source gave up waiting for its store: counted as a stall, not a failure."""
-
-
-class UnreadableValue:
-    """A tag value a source could not turn into a plain one, standing in the listing in its place.
-
-    The poller quarantines every key whose tags hold one (named with ``reason``): the listing still serves.
-    """
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"<unreadable value: {self.reason}>"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, UnreadableValue) and other.reason == self.reason
-
-    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
 
 
 class PackedItems:

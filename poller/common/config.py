@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.common.checks import DEFAULT_LISTING_SHARE
+from poller.sources.contract import SourceSpec
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
-from poller.wire.sources import SourceSpec
 
 if TYPE_CHECKING:  # poller.wire.curve imports zmq.auth and asyncio (~35 ms): only for CURVE
     from poller.wire.curve import CurveClient

@@ -50,7 +50,7 @@ def check_count(name: str, value: Any, *, minimum: int = 0) -> int:
 
 
 def check_worker_config(config: Any) -> None:
-    """Check the numeric fields of a :class:`~poller.wire.config.WorkerConfig` (the first bad one raises)."""
+    """Check the numeric fields of a :class:`~poller.common.config.WorkerConfig` (the first bad one raises)."""
     check_seconds("interval", config.interval)
     check_seconds("heartbeat_interval", config.heartbeat_interval)
     check_count("max_failures", config.max_failures, minimum=1)
