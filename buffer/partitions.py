@@ -317,8 +317,8 @@ class PartitionStore:
                         blobs: list[bytes], news: list[Tags]) -> None:
         """:meth:`_take_listed` of keys held packed, all at once in C-level passes (lock held).
 
-        A key the trainer added no tag to is held as the bytes that arrived; the policies are told in one call
-        (:meth:`~buffer.seam.BulkPolicy.on_replaced`).
+        A key the trainer added no tag to is held as the bytes that arrived; a policy hears of a key only where a tag
+        it reads changed (:attr:`~buffer.seam.BulkPolicy.indexed_tags`).
         """
         olds = thaw_many(old_blobs)
         added = self._added.get(partition_id)
@@ -447,7 +447,7 @@ class PartitionStore:
             self._tell(policy, partition_id, key, old, new)
 
     def _tell_bulk(self, partition_id: str, keys: list[str], olds: list[Tags] | None, news: list[Tags]) -> None:
-        """Tell of many keys' changes (``olds`` None: all added): one ``on_added``/``on_replaced`` call to a
+        """Tell of many keys' changes (``olds`` None: all added): one ``on_added`` call for additions to a
         :class:`~buffer.seam.BulkPolicy` that has it, else ``on_change`` key by key. A policy naming its
         ``indexed_tags`` hears of a held key only where one of them changed."""
         if not keys:
@@ -460,15 +460,13 @@ class PartitionStore:
                 told, told_olds, told_news = _kept(_differ(olds, news, names), keys, olds, news)
                 if not told:
                     continue
-            method, arguments = (("on_added", (told_news,)) if told_olds is None
-                                 else ("on_replaced", (told_olds, told_news)))
-            in_bulk = getattr(policy, method, None)
+            in_bulk = getattr(policy, "on_added", None) if told_olds is None else None
             if in_bulk is None:
                 for key, old, new in zip(told, repeat(None) if told_olds is None else told_olds, told_news):
                     self._tell(policy, partition_id, key, old, new)
                 continue
             try:
-                in_bulk(partition_id, told, *arguments)
+                in_bulk(partition_id, told, told_news)
             except Exception as exc:
                 self._policy_failed(policy, partition_id, told[0], exc)
 

@@ -34,14 +34,12 @@ class Policy(Protocol):
 
 
 class BulkPolicy(Policy, Protocol):
-    """A policy that can also take many keys' changes in one call (each method optional): a poll's
-    thousands of changed keys then cost a few C-level passes instead of a Python call each."""
+    """A policy that can also take many new keys in one call, and names the tags it reads (each optional): a
+    snapshot's thousands of keys then cost a few C-level passes instead of a Python call each, and a poll's
+    changed keys are told of only where a tag it reads changed."""
 
     def on_added(self, partition_id: str, keys: list[str], tags: list[Tags]) -> None:
         """:meth:`Policy.on_change` with ``old=None`` for each of ``keys`` in order."""
-
-    def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """:meth:`Policy.on_change` for each of ``keys``, held before."""
 
     #: The tag names the index reads (optional): a held key whose tags keep these values is not told of.
     #: The store compares them, for all of a poll's changed keys at once.
@@ -58,7 +56,7 @@ class Listings(Protocol):
     def wait(self, timeout: float | None, standalone: bool = True) -> None:
         """Return once a listing that began after the call is applied, from the own poller (and standalone ones)."""
 
-    def watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
+    def watch(self, partition: str, keys: list[str], seconds: float, every: float) -> None:
         """Have the own poller watch ``keys`` of ``partition`` for ``seconds`` (no keys: stop); a change it sees
         brings a listing forward, no sooner than ``every`` after the last one it brought forward."""
 
@@ -100,7 +98,7 @@ class SamplingSeam:
         under the lock after an attempt that found nothing): at most
         :data:`~poller.wire.protocol.MAX_WATCH_KEYS` keys the decision waits on, which the poller reads
         cheaply and lists as soon as one changed, no more often than ``poll_every`` (:mod:`poller.polling`),
-        on a source that can.
+        on a source that can (only with ``poll_every``).
 
         Raises:
             TimeoutError: at the deadline, with ``describe()`` (and the partition's quarantined keys).
@@ -112,7 +110,7 @@ class SamplingSeam:
 
         own = self._listings if self._listings is not None and self._listings.has_own_poller else None
         watcher = None
-        if watch is not None and own is not None and timeout != 0:
+        if watch is not None and poll_every is not None and own is not None and timeout != 0:
             watcher = WatchWhileWaiting(own.watch, partition_id, poll_every)
             attempt = _watching(attempt, watch, watcher)
         attempt = _when_changed(attempt, version)
@@ -280,8 +278,7 @@ class WatchWhileWaiting:
     #: How long the poller keeps watching after a WATCH (a few renewals may be lost).
     LASTS = 3.0
 
-    def __init__(self, send: Callable[[str, list[str], float, float | None], None], partition: str,
-                 every: float | None = None) -> None:
+    def __init__(self, send: Callable[[str, list[str], float, float], None], partition: str, every: float) -> None:
         self._send = send
         self._partition = partition
         self._every = every  # the least time between two listings a change it sees brings forward

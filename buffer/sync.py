@@ -66,7 +66,7 @@ class ListingSync:
         peer = self._receiver.peer_info(self._stream) if self._stream is not None else None
         return peer.listing.watch_reads if peer is not None else 0
 
-    def watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
+    def watch(self, partition: str, keys: list[str], seconds: float, every: float) -> None:
         if self._stream is not None:
             self._receiver.send_watch(self._stream, partition, keys, seconds, every)
 

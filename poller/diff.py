@@ -241,11 +241,10 @@ class ListingReader:
 
     def __init__(self, source: Source, *, listing_share: float = DEFAULT_LISTING_SHARE,
                  stall_timeout: float | None = None) -> None:
-        self._source: Any = source
         #: What the source offers, checked once (the polling thread reads its watch from it too).
         self.offered = capabilities(source)
         self.feed = self.offered.change_feed
-        self._list: Callable[[], Any] = self.offered.kv_list_packed or source.kv_list
+        self._list: Callable[[], Any] = self.offered.kv_list_packed or self.offered.kv_list
         self.reconcile_interval = RECONCILE_INTERVAL
         self.stall_timeout = stall_timeout
         self.duty = ListingDuty(listing_share)
@@ -271,7 +270,7 @@ class ListingReader:
             return Diff([self._listing(self._list)], sent, full=full, limits=limits, size=size)
         due = time.monotonic() - self._listed_at >= self.reconcile_interval and self.duty.wait_for() == 0
         if not due and self._cursor is not None:
-            changes = self._source.kv_changes(self._cursor)
+            changes = self.offered.kv_changes(self._cursor)  # type: ignore[misc]  # a feed has it
             if changes is not None:
                 cursor, upserts, deletes = changes
                 self._pending = (cursor, False)
@@ -296,7 +295,7 @@ class ListingReader:
             cursor, pieces = self._listing(in_pieces, answered=False)
             self._pending = (cursor, True)
             return Diff(self._timed(pieces, began), sent, full=True, limits=limits, size=size)
-        cursor, listing = self._listing(self._source.kv_snapshot)
+        cursor, listing = self._listing(self.offered.kv_snapshot)  # type: ignore[arg-type]  # a feed has it
         self._pending = (cursor, True)
         return Diff([listing], sent, full=full, limits=limits, size=size)
 

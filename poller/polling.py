@@ -13,7 +13,7 @@ import math
 import threading
 import time
 import traceback
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 from poller.common.checks import DEFAULT_LISTING_SHARE
 from poller.diff import Diff, ListingReader, Quarantine, Sent
@@ -22,13 +22,15 @@ from poller.sources.contract import Source, SourceStall, WatchRead
 from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
 from poller.wire.tags import thaw
 
-__all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_EVERY", "WATCH_INTERVAL",
+__all__ = ["PollingThread", "MAX_FAILURES", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_INTERVAL",
            "WATCH_INTERVAL_MAX", "WATCH_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
 #: The most a standalone poller's first listing waits for the buffer to admit it (its first ACK).
 ADMISSION_WAIT = 2.0
+#: Failed calls in a row that end the poller (PollerCrashed in the trainer); a stall is no failure.
+MAX_FAILURES = 5
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
@@ -36,9 +38,6 @@ BACKOFF_CAP = 5.0
 #: A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after the one before began (``d``: the last listing's
 #: duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not answered within WATCH_TIMEOUT tells nothing.
 WATCH_INTERVAL = 0.3
-#: The least time between two listings a watched change brings forward, unless the WATCH says (a waiting
-#: buffer.verl call: its poll_interval, verl's own sampler's rate).
-WATCH_EVERY = 2.0
 WATCH_BUDGET = 0.25
 WATCH_INTERVAL_MAX = 0.6
 WATCH_TIMEOUT = 1.0
@@ -67,7 +66,7 @@ class PollingThread(threading.Thread):
 
     def __init__(self, source: Source, hand_over: Callable[[Kind, bytes, bool, threading.Event], bool], *,
                  interval: float,
-                 max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
+                 chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  listing_share: float = DEFAULT_LISTING_SHARE,
                  admitted: threading.Event | None = None) -> None:
@@ -75,7 +74,6 @@ class PollingThread(threading.Thread):
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._hand_over = hand_over
         self.interval = interval
-        self.max_failures = max_failures
         self.chunk_items = chunk_items
         self.max_frame_bytes = max_frame_bytes
         self.limits = limits
@@ -122,7 +120,7 @@ class PollingThread(threading.Thread):
         self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
         self._next_watch_read = -math.inf
         self._change_seen = False
-        self._watch_every = WATCH_EVERY
+        self._watch_every = 0.0  # the WATCH in force says
 
     @property
     def call_started(self) -> float | None:
@@ -141,7 +139,7 @@ class PollingThread(threading.Thread):
         """The listing duty cycle: what the listings cost, and when the next may start."""
         return self._reader.duty
 
-    def request_sync(self, token: int, partitions: list[str] | None = None, mark: bool = False) -> None:
+    def request_sync(self, token: int, partitions: Sequence[str] = (), mark: bool = False) -> None:
         """Poll now (a ``mark``: when due); the listing that begins next answers SYNC ``token`` (and every earlier
         one).
 
@@ -157,16 +155,15 @@ class PollingThread(threading.Thread):
                 self._poll_asked = True
                 self._wake.set()
 
-    def request_watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
+    def request_watch(self, partition: str, keys: list[str], seconds: float, every: float) -> None:
         """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op); a
-        change seen brings a listing forward, no sooner than ``every`` after the last one it brought forward
-        (None: :data:`WATCH_EVERY`)."""
+        change seen brings a listing forward, no sooner than ``every`` after the last one it brought forward."""
         if self._watch_read is None:
             return
         if not keys or seconds <= 0:
             self._watch = None
             return
-        self._watch_every = WATCH_EVERY if every is None else every
+        self._watch_every = every
         self._watch = ((partition, tuple(keys)), time.monotonic() + seconds)
         self._wake.set()  # a pause reads the new keys at once; it ends only for a poll asked for
 
@@ -423,7 +420,7 @@ class PollingThread(threading.Thread):
             self._failures += 1
             failures = self._failures
             self.source_errors += 1
-            fatal = failures >= self.max_failures
+            fatal = failures >= MAX_FAILURES
             logger.debug("kv_list() failed (%d in a row): %r", failures, exc)
             if fatal:
                 self.failed = exc

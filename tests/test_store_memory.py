@@ -106,7 +106,7 @@ def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy():
         return unpack_many_tags(blobs)
 
     items["k7"] = {"global_steps": 7, "status": "failure"}
-    store.apply("src", 1, Delta(2, 0.0, True, True, True, {"train": [*_packed(items)]}, {}), counting_unpack)
+    store.apply("src", 1, Delta(2, 0.0, True, True, True, {"train": [*_packed(items)]}, {}, 0), counting_unpack)
     assert unpacked == [msgpack.packb(items["k7"])]  # only the changed key was unpacked
     assert policy.changes[100:] == [("k7", {"global_steps": 7, "status": "success"}, items["k7"])]
     assert store.snapshot("train") == items

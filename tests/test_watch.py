@@ -20,8 +20,9 @@ from buffer import ReplayBuffer
 from poller.duty import ListingDuty
 from poller.sources.sqlite import SqliteSource
 from poller.wire.errors import ProtocolError
-from poller.wire.protocol import MAX_WATCH_KEYS, Heartbeat, Kind, Message, Watch, decode, encode, encode_header
+from poller.wire.protocol import MAX_WATCH_KEYS, Kind, Message, Watch, decode, encode_header
 from tests.conftest import wait_until
+from tests.helpers.messages import heartbeat, to_frames
 
 WATCHED = "tests.helpers.sources:WatchedSqlite"
 # Far longer than any wait below: a listing that comes sooner was brought forward by the watch (or a SYNC).
@@ -44,8 +45,10 @@ def _decide_in_thread(rb: ReplayBuffer, attempt: Callable[[], bool | None], watc
 
     def run() -> None:
         try:
+            # A watch brings listings forward at most every poll_every (verl's 2 s, as buffer.verl's); without
+            # one, the decision waits on the poller's own schedule.
             outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test",
-                                          watch=watch))
+                                          poll_every=None if watch is None else 2.0, watch=watch))
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             outcome.append(exc)
 
@@ -150,7 +153,7 @@ def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: st
     """A trainer that stops renewing (stopped, dead) leaves nothing read on its behalf for long."""
     store.kv_put("p", "train", tag={"status": "running"})
     with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-        rb.seam._listings.watch("train", ["p"], 1.0)  # one WATCH, never renewed
+        rb.seam._listings.watch("train", ["p"], 1.0, 2.0)  # one WATCH, never renewed
         assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
         time.sleep(2.5)  # the watch lapsed; the last heartbeat counted every read
         reads = rb.stats()["watch_reads"]
@@ -161,10 +164,10 @@ def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: st
 
 def test_watch_messages_cross_the_wire_and_bad_ones_are_refused() -> None:
     body = Watch("train", ["a", "b"], 3.0, 2.0)
-    message = decode(encode(Message(Kind.WATCH, 5, 1, body)))
+    message = decode(to_frames(Message(Kind.WATCH, 5, 1, body)))
     assert message.kind is Kind.WATCH and message.body == body
-    beat = Heartbeat(polls=1, source_errors=0, rss=1, stalled_s=0.0, watch_reads=7, watch_listings=2)
-    assert decode(encode(Message(Kind.HEARTBEAT, 5, 2, beat))).body == beat
+    beat = heartbeat(watch_reads=7, watch_listings=2)
+    assert decode(to_frames(Message(Kind.HEARTBEAT, 5, 2, beat))).body == beat
     for bad, match in (({"partition": "train", "keys": ["k"] * (MAX_WATCH_KEYS + 1), "seconds": 1.0}, "keys"),
                        ({"partition": "train", "keys": [1], "seconds": 1.0}, "keys"),
                        ({"partition": "train", "keys": ["k"], "seconds": -1.0}, "wrong value"),

@@ -139,7 +139,6 @@ class Capabilities(NamedTuple):
     A NamedTuple, not a dataclass: the poller process does not import ``dataclasses`` (tests/test_launch.py).
     """
 
-    source: Any
     kv_list: Callable[[], Any]
     #: Only where it stands for the ``kv_list()`` in effect (:class:`PackedListing`).
     kv_list_packed: Callable[[], Any] | None = None
@@ -166,7 +165,7 @@ def capabilities(source: object) -> Capabilities:
     kind = type(source).__name__
     if not callable(getattr(source, "kv_list", None)):
         raise TypeError(f"{kind!r} has no kv_list()")
-    offered = {name: getattr(source, name, None) for name in Capabilities._fields[2:]}  # the optional calls
+    offered = {name: getattr(source, name, None) for name in Capabilities._fields[1:]}  # the optional calls
     broken = [name for name, method in offered.items() if method is not None and not callable(method)]
     if broken:
         raise TypeError(f"{kind!r} has {', '.join(broken)}, which is not callable")
@@ -178,7 +177,7 @@ def capabilities(source: object) -> Capabilities:
         offered["kv_list_packed"] = None
     if feed:
         offered["kv_watch"] = None
-    return Capabilities(source, source.kv_list, **offered)  # type: ignore[attr-defined]
+    return Capabilities(source.kv_list, **offered)  # type: ignore[attr-defined]
 
 
 def _packed_stands_for_list(source: object) -> bool:

@@ -13,7 +13,7 @@ from poller.wire.tags import Refused, pack_tags, thaw_many, unpack_many_tags
 
 def apply(store: PartitionStore, stream: str, upserts: dict[str, dict[str, Any]] | None = None,
           deletes: dict[str, list[str]] | None = None, *, epoch: int = 1, poll: int = 1, full: bool = False,
-          reset: bool = False, end: bool = False, sync: int | None = None,
+          reset: bool = False, end: bool = False, sync: int = 0,
           unpack: Callable[[list[bytes]], list[Any]] = unpack_many_tags) -> None:
     """``upserts`` (``{partition: {key: tags}}``, packed as a poller packs them) and ``deletes`` as one DELTA."""
     store.apply(stream, epoch, packed_delta(upserts or {}, deletes, poll=poll, full=full, reset=reset, end=end,
@@ -23,7 +23,7 @@ def apply(store: PartitionStore, stream: str, upserts: dict[str, dict[str, Any]]
 def apply_blobs(store: PartitionStore, stream: str, partition: str, keys: list[str], blobs: list[Any], *,
                 epoch: int = 1, poll: int = 1, unpack: Callable[[list[bytes]], list[Any]] = unpack_many_tags) -> None:
     """One DELTA part of ``keys`` whose tags are ``blobs``, as they would arrive."""
-    store.apply(stream, epoch, Delta(poll, 0.0, False, False, False, {partition: [keys, blobs]}, {}), unpack)
+    store.apply(stream, epoch, Delta(poll, 0.0, False, False, False, {partition: [keys, blobs]}, {}, 0), unpack)
 
 
 # -- the poller's side: a listing diffed against what was sent, as a poll diffs it -------------------

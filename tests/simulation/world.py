@@ -396,8 +396,7 @@ class _Receiver:
     def send_sync(self, peer: str, token: int) -> None:
         self._world.route([self.table.sync(peer.encode(), token, self._world.clock.now)])
 
-    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float,
-                   every: float | None = None) -> None:
+    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float, every: float) -> None:
         pass  # no source here watches (a change feed is never watched)
 
 
