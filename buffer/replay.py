@@ -88,7 +88,7 @@ class _Core:
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
         self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
-        self.store = PartitionStore()
+        self.store = PartitionStore(limits=limits or DEFAULT_LIMITS)
         self.store.bound_age(max_view_age)
         # Only this process may stop the poller or remove the ipc directory (a forked child inherits the finalizer).
         self.owner_pid = os.getpid()

@@ -54,7 +54,6 @@ from poller.wire.protocol import (
     encode_body,
     encode_header,
 )
-from poller.wire.tags import unpack_many_tags
 
 __all__ = ["StreamReceiver", "PeerTable", "Peer", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
 
@@ -135,7 +134,6 @@ class PeerTable:
                  log: LogLimiter | None = None) -> None:
         self._store = store
         self.limits = limits
-        self._unpack_tags: Callable[[list[bytes]], list[dict]] = lambda blobs: unpack_many_tags(blobs, limits)
         self.stale_after = stale_after
         self._pinned = pinned
         self._on_change = on_change
@@ -409,7 +407,7 @@ class PeerTable:
         if peer.awaiting_resync:
             if not _snapshot_start(message) or body.sync < peer.relist_token:
                 # Superseded by the snapshot asked for (tick() asks again if it is lost).
-                self._store.apply(peer.stream, message.epoch, body, self._unpack_tags, superseded=True)
+                self._store.apply(peer.stream, message.epoch, body, superseded=True)
                 return
             peer.awaiting_resync = False
             peer.relist_token = 0
@@ -417,7 +415,7 @@ class PeerTable:
             peer.contiguous = True  # whatever was lost before, the snapshot replaces (close(): drained=True)
         self.items_received += sum(len(keys) for keys, _ in body.packed.values()) + sum(map(len, body.deletes.values()))
         try:
-            self._store.apply(peer.stream, message.epoch, body, self._unpack_tags)
+            self._store.apply(peer.stream, message.epoch, body)
         except ProtocolError as exc:  # tags the decoder refuses: the store holds the stream broken
             self.protocol_error(identity, f"{exc}; asking for a resync")
             peer.contiguous = False

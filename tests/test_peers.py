@@ -16,7 +16,6 @@ from buffer.ratelimit import LogLimiter, clamp_level
 from buffer.stream import RESYNC_RETRY_S, PeerTable, Send
 from poller.faults.peer import packed_delta
 from poller.wire.protocol import Ack, Delta, Kind, Limits, Log, Message, Ready
-from poller.wire.tags import unpack_many_tags
 
 ID = b"p1"
 EPOCH = 41
@@ -217,8 +216,7 @@ def test_packed_upserts_are_held_as_they_arrived(table: PeerTable) -> None:
 def test_undecodable_packed_tags_break_the_view_and_ask_for_a_resync(table: PeerTable) -> None:
     started(table)
     good, bad = msgpack.packb({"v": 3}), msgpack.packb({"deep": [[[[[[[[[[1]]]]]]]]]]})
-    table.limits = Limits(max_depth=8)
-    table._unpack_tags = lambda blobs: unpack_many_tags(blobs, table.limits)
+    table.limits = table._store.limits = Limits(max_depth=8)
     actions = table.on_message(ID, blobs_delta(2, {"p": [["ok", "deep"], [good, bad]]}), 0.1)
     assert kinds(actions) == [Kind.RESYNC] and table.protocol_errors == 1
     assert "a" in snapshot(table)["p"] and "ok" not in snapshot(table)["p"]  # nothing of that partition changed
