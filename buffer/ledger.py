@@ -1,6 +1,6 @@
 """The ledger: which stream lists which key, what the trainer removed, and whether a view is whole and fresh.
 
-Pure bookkeeping, no tags, locks, policies or sockets: :class:`~buffer.partitions.PartitionStore` calls it under
+Pure bookkeeping, no tags, locks, policies or sockets: :class:`~buffer.store.PartitionStore` calls it under
 its lock and applies what it decides, and the simulation (tests/simulation) drives it step by step.
 
 A *stream* is what one poller sends, named by its ZeroMQ identity. Three questions are answered here:

@@ -23,14 +23,14 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 from buffer.access import check_bind
-from buffer.arguments import check_buffer_args, check_items, check_keys, check_partition, check_sample
+from buffer.checks import check_buffer_args, check_items, check_keys, check_partition, check_sample
 from buffer.errors import BufferClosed
 from buffer.ipcdir import PrivateIpcDir, remove_stale
 from buffer.metrics import METRICS, BufferStats, collect_stats
-from buffer.partitions import PartitionStore
 from buffer.process import PollerProcess, ShutdownReport
 from buffer.seam import SamplingSeam
 from buffer.steps import BatchMeta, StepSampler
+from buffer.store import PartitionStore
 from buffer.stream import StreamReceiver
 from buffer.supervisor import RestartBudget, Supervisor, close_bound
 from buffer.sync import ListingSync

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Hashable, Iterable, Protocol, TypeVar
 
-from buffer.partitions import PartitionStore
+from buffer.store import PartitionStore
 from poller.wire.vocabulary import Tags
 
 __all__ = ["BulkPolicy", "Listings", "Policy", "SamplingSeam", "WatchWhileWaiting"]
@@ -26,7 +26,7 @@ T = TypeVar("T")
 
 
 class Policy(Protocol):
-    """Sampling semantics over a :class:`~buffer.partitions.PartitionStore`: indexes kept from changes."""
+    """Sampling semantics over a :class:`~buffer.store.PartitionStore`: indexes kept from changes."""
 
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         """Called with the store lock held after one key changed (old None: added; new None: dropped).

@@ -1,7 +1,7 @@
 """The trainer's receiver: its ROUTER socket, the peers streaming to it, each message checked in sequence and applied.
 
 :class:`PeerTable` is the peer state machine, with no sockets: an identity, its frames and the time in; the stream
-applied to the :class:`~buffer.partitions.PartitionStore` and the control messages to send back (:class:`Send`) out.
+applied to the :class:`~buffer.store.PartitionStore` and the control messages to send back (:class:`Send`) out.
 :class:`StreamReceiver` is the one thread that owns the ROUTER socket and moves frames between it and the table;
 other threads reach it only through a command queue and a wake-up pipe, so only the thread that made it uses it.
 
@@ -29,8 +29,8 @@ import zmq
 
 from buffer.access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
 from buffer.metrics import ListingFigures
-from buffer.partitions import PartitionStore
 from buffer.ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
+from buffer.store import PartitionStore
 from poller.common.wakeup import WakePipe
 from poller.wire.curve import CurveServer
 from poller.wire.errors import ProtocolError

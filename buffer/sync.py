@@ -14,7 +14,7 @@ import math
 import threading
 from typing import TYPE_CHECKING
 
-from buffer.partitions import PartitionStore
+from buffer.store import PartitionStore
 
 if TYPE_CHECKING:  # the receiver is handed in by the core: only its type is named here
     from buffer.stream import StreamReceiver

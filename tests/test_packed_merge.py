@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from buffer.partitions import PartitionStore
 from buffer.steps import StepIndex
+from buffer.store import PartitionStore
 from buffer.verl.groups import GroupIndex
 from poller.wire.tags import pack_tags
 from tests.helpers.deltas import apply, apply_blobs

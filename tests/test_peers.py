@@ -11,8 +11,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from buffer.partitions import PartitionStore
 from buffer.ratelimit import LogLimiter, clamp_level
+from buffer.store import PartitionStore
 from buffer.stream import RESYNC_RETRY_S, PeerTable, Send
 from poller.faults.peer import packed_delta
 from poller.wire.protocol import Ack, Delta, Kind, Limits, Log, Message, Ready

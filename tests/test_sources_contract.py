@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from buffer.verl.store import _open_client
+from buffer.verl.link import _open_client
 from poller.faults import slow
 from poller.sources.contract import (
     ChangeFeed,

@@ -8,10 +8,10 @@ from fractions import Fraction
 import msgpack
 import pytest
 
-import buffer.partitions
-from buffer.partitions import PartitionStore
+import buffer.store
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
+from buffer.store import PartitionStore
 from poller.wire.protocol import Delta, Limits
 from poller.wire.tags import unpack_many_tags
 from tests.helpers.deltas import apply, apply_blobs
@@ -106,7 +106,7 @@ def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy(monkeypatch:
         unpacked.extend(blobs)
         return unpack_many_tags(blobs, limits)
 
-    monkeypatch.setattr(buffer.partitions, "unpack_many_tags", counting_unpack)  # the codec, counted
+    monkeypatch.setattr(buffer.store, "unpack_many_tags", counting_unpack)  # the codec, counted
     items["k7"] = {"global_steps": 7, "status": "failure"}
     store.apply("src", 1, Delta(2, 0.0, True, True, True, {"train": [*_packed(items)]}, {}, 0))
     assert unpacked == [msgpack.packb(items["k7"])]  # only the changed key was unpacked

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
+from buffer.store import PartitionStore
 from buffer.verl import ReplayBuffer as VerlSampler
 from poller.sources.sqlite import SqliteSource
 from tests.conftest import wait_until

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, NamedTuple
 
-from buffer.partitions import PartitionStore
+from buffer.store import PartitionStore
 from poller.diff import Diff, ListingReader, Sent
 from poller.faults.peer import packed_delta
 from poller.wire.protocol import DEFAULT_LIMITS, Delta, Limits, Piece

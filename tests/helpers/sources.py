@@ -87,7 +87,7 @@ class StrictClearSqlite:
     already gone clears nothing at all (the controller logs an error and the
     client returns), and an empty key list is a ``ValueError``. The attribute
     ``clear_is_all_or_nothing`` tells the verl sampler so, as
-    ``buffer.verl.store`` reads it. Everything else is the plain SQLite store.
+    ``buffer.verl.link`` reads it. Everything else is the plain SQLite store.
     """
 
     clear_is_all_or_nothing = True

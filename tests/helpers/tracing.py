@@ -25,13 +25,13 @@ TRACE_SITE = Path(__file__).resolve().parent / "trace_site"
 # the control loop, the outbox's wake-up pipe, read-your-writes, argument checks, and a heartbeat that may
 # fall in the window (the poller's memory, the buffer's figures).
 WHEN_ONLY = {"poller.duty": "duty.py", "poller.worker": "worker.py", "poller.common.wakeup": "common/wakeup.py",
-             "buffer.sync": "sync.py", "buffer.arguments": "buffer/arguments.py",
+             "buffer.sync": "sync.py", "buffer.checks": "buffer/checks.py",
              "poller.common.checks": "common/checks.py", "poller.common.procfs": "common/procfs.py",
              "buffer.metrics": "buffer/metrics.py"}
 # What else the page names as running but no step: the record a packed listing travels in (TransferQueue's),
 # and what buffer.verl's sample() reaches its buffer through (its options, its link to the buffer, the buffer).
 ALSO_RUN = {"poller.sources.contract": "sources/contract.py", "buffer.verl.config": "verl/config.py",
-            "buffer.verl.store": "verl/store.py", "buffer.replay": "replay.py"}
+            "buffer.verl.link": "verl/link.py", "buffer.replay": "replay.py"}
 
 
 def _module(path: str) -> str:

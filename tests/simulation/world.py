@@ -30,9 +30,9 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
+from buffer.store import PartitionStore
 from buffer.stream import Peer, PeerTable, Send
 from buffer.sync import ListingSync, SyncRequest
 from poller.faults import store as store_faults
