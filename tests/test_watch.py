@@ -17,6 +17,7 @@ import msgpack
 import pytest
 
 from buffer import ReplayBuffer
+from buffer.verl import waiting
 from poller.duty import ListingDuty
 from poller.sources.sqlite import SqliteSource
 from poller.wire.errors import ProtocolError
@@ -45,10 +46,14 @@ def _decide_in_thread(rb: ReplayBuffer, attempt: Callable[[], bool | None], watc
 
     def run() -> None:
         try:
-            # A watch brings listings forward at most every poll_every (verl's 2 s, as buffer.verl's); without
-            # one, the decision waits on the poller's own schedule.
-            outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test",
-                                          poll_every=None if watch is None else 2.0, watch=watch))
+            # With a watch, the decision waits as buffer.verl's calls do (a listing every 2 s, verl's, and the
+            # watch bringing one forward); without one, on the poller's own schedule.
+            if watch is None:
+                outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test"))
+            else:
+                outcome.append(waiting.decide(rb.seam, attempt, partition_id="train", timeout=timeout,
+                                              describe=lambda: "test", log_every=None, what="test", poll_every=2.0,
+                                              on_poll=lambda: None, version=None, watch=watch))
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             outcome.append(exc)
 
@@ -201,9 +206,10 @@ def test_a_waiting_decision_lists_at_its_own_times_whatever_the_watch_brought_fo
 
         def run() -> None:
             try:
-                outcome.append(rb.seam.decide(_finished(rb, "p"), partition_id="train", timeout=20.0,
-                                              describe=lambda: "test", poll_every=2.0, watch=lambda: ["p"],
-                                              on_poll=lambda: asked.append(time.monotonic() - started)))
+                outcome.append(waiting.decide(rb.seam, _finished(rb, "p"), partition_id="train", timeout=20.0,
+                                              describe=lambda: "test", log_every=None, what="test", poll_every=2.0,
+                                              on_poll=lambda: asked.append(time.monotonic() - started),
+                                              version=None, watch=lambda: ["p"]))
             except BaseException as exc:  # noqa: BLE001 - the test reports it
                 outcome.append(exc)
 

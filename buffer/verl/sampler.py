@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union, cast
 
 from buffer.process import ShutdownReport
+from buffer.verl import waiting
 from buffer.verl.config import VERL_ATTRIBUTES, SamplerConfig
 from buffer.verl.groups import (
     DrainState,
@@ -278,8 +279,8 @@ class ReplayBuffer:
 
         config = self._config
         try:
-            return cast(Decision, seam.decide(
-                attempt, partition_id=partition_id,
+            return cast(Decision, waiting.decide(
+                seam, attempt, partition_id=partition_id,
                 timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                 describe=lambda: self._index.partition(partition_id).describe(partition_id),
                 log_every=config.log_interval, what=what, poll_every=config.poll_interval,
