@@ -200,7 +200,7 @@ class PeerTable:
         self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 
     def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float, every: float) -> Send:
-        """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
+        """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.watch)."""
         return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds, every))
 
     def _epoch(self, identity: bytes) -> int:

@@ -135,26 +135,12 @@ class _ControlLoop:
             self.stop_reason = signal.Signals(signum).name
 
     def _heartbeat(self, thread: PollingThread) -> None:
-        self.stalls_reported = thread.source_stalls
-        quarantine, duty = thread.quarantine, thread.duty
-        self.quarantine_reported = quarantine.changes
+        self.quarantine_reported = thread.quarantine.changes
+        figures = thread.figures()
+        self.stalls_reported = figures.source_stalls
+        # last_seq also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
         self.outbox.queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
-            polls=thread.polls,
-            source_errors=thread.source_errors,
-            rss=own_rss_bytes(),
-            stalled_s=thread.stalled_for(),
-            source_stalls=self.stalls_reported,
-            # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
-            last_seq=self.outbox.seq,
-            quarantined=len(quarantine.keys),
-            quarantined_keys=quarantine.names(),
-            listings=duty.listings,
-            listing_s=duty.last_seconds,
-            listing_total_s=duty.total_seconds,
-            listing_share=duty.measured_share(),
-            watch_reads=thread.watch_reads,
-            watch_listings=thread.watch_listings,
-        )))
+            rss=own_rss_bytes(), last_seq=self.outbox.seq, **figures._asdict())))
 
     def _on_control(self, link: Link, thread: PollingThread) -> None:
         while True:
@@ -245,7 +231,7 @@ class _ControlLoop:
             if self.embedded:  # os._exit follows: handlers and the pipe go with the process
                 thread = self.thread
                 # A woken thread ends now, so os._exit ends a process of one thread; one in kv_list() cannot.
-                if thread is not None and self.thread_woken and thread.call_started is None:
+                if thread is not None and self.thread_woken and thread.stalls.call_started is None:
                     thread.join(_THREAD_END_S)
             else:
                 root.removeHandler(self.outbox)
@@ -296,10 +282,10 @@ class _ControlLoop:
                 outbox.pull_items()  # the fatal ERROR itself
                 self.stop_reason = "source failed"
                 self.exit_code = ExitCode.SOURCE_FAILED
-            thread.check_stall()
+            thread.stalls.check()
             # A new stall or quarantine is reported at once, not at the next heartbeat.
             if (self.heartbeat_now or time.monotonic() >= next_heartbeat
-                    or thread.source_stalls != self.stalls_reported
+                    or thread.stalls.count != self.stalls_reported
                     or thread.quarantine.changes != self.quarantine_reported):
                 self.heartbeat_now = False
                 self._heartbeat(thread)

@@ -29,7 +29,7 @@ __all__ = ["SAMPLER_METRICS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAs
 #: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
 Decision = Union[Plan, int]
 
-#: The most prompts a waiting call has its poller watch (poller.polling), newest first: reading them costs
+#: The most prompts a waiting call has its poller watch (poller.watch), newest first: reading them costs
 #: TransferQueue's controller ~0.3 ms, a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 

@@ -31,7 +31,7 @@ def decide(seam: SamplingSeam, attempt: Callable[[], T | None], *, partition_id:
     listing every ``poll_every`` seconds from the wait's start (``on_poll`` after each). ``watch`` (run under the
     lock after an attempt that found nothing): at most :data:`~poller.wire.protocol.MAX_WATCH_KEYS` keys the
     decision waits on, which the poller reads cheaply and lists as soon as one changed, no more often than
-    ``poll_every`` (:mod:`poller.polling`), on a source that can.
+    ``poll_every`` (:mod:`poller.watch`), on a source that can.
     """
     own = seam.own_poller
     watcher = None

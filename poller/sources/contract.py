@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Seque
 from poller.wire.vocabulary import Listing
 
 __all__ = ["Capabilities", "ChangeFeed", "FieldReads", "PackedItems", "PackedListing", "Source", "SourceSpec",
-           "SourceStall", "StoreClient", "Watch", "WatchRead", "capabilities", "describe_spec",
+           "SourceStall", "StoreClient", "Watch", "WatchRead", "WatchReader", "capabilities", "describe_spec",
            "load_source", "resolve_spec"]
 
 

@@ -101,7 +101,7 @@ class Heartbeat(NamedTuple):
     listing_s: Seconds
     listing_total_s: Seconds
     listing_share: Share
-    # The watch (poller.polling): reads of waited-on keys so far, and the listings a change seen there brought forward.
+    # The watch (poller.watch): reads of waited-on keys so far, and the listings a change seen there brought forward.
     watch_reads: Count
     watch_listings: Count
 
