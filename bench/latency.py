@@ -11,8 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from buffer import ReplayBuffer
 from buffer.metrics import BufferStats
+from poller.common.checks import DEFAULT_LISTING_SHARE
 from poller.sources.sqlite import SqliteSource
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
 
 from .baselines.thread import ThreadBuffer
 from .overhead import SOURCE, UNBOUNDED, ours

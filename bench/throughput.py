@@ -6,9 +6,9 @@ import time
 from typing import Any, Callable
 
 from buffer import ReplayBuffer
-from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
+from buffer.store import PartitionStore
 from poller.diff import Diff
 from poller.wire.protocol import DEFAULT_LIMITS, Kind, decode, encode_header, iter_encode_delta
 from poller.wire.tags import unpack_many_tags

@@ -39,8 +39,8 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from poller.wire.arguments import check_count, check_seconds
-from poller.wire.sources import load_source
+from poller.common.checks import check_count, check_seconds
+from poller.sources.contract import load_source
 
 __all__ = ["run_demo"]
 

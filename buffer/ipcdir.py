@@ -17,7 +17,7 @@ import shutil
 import stat
 import tempfile
 
-from poller.wire.procfs import start_time, state
+from poller.common.procfs import start_time, state
 
 __all__ = ["PrivateIpcDir", "remove_stale"]
 

@@ -1,6 +1,6 @@
 """The ledger: which stream lists which key, what the trainer removed, and whether a view is whole and fresh.
 
-Pure bookkeeping, no tags, locks, policies or sockets: :class:`~buffer.partitions.PartitionStore` calls it under
+Pure bookkeeping, no tags, locks, policies or sockets: :class:`~buffer.store.PartitionStore` calls it under
 its lock and applies what it decides, and the simulation (tests/simulation) drives it step by step.
 
 A *stream* is what one poller sends, named by its ZeroMQ identity. Three questions are answered here:
@@ -111,9 +111,9 @@ class Ledger:
         if seen is None or seen[0] != epoch:
             self._seen[stream] = (epoch, 0)
 
-    def poll_seen(self, stream: str, epoch: int, poll: int, sync: int | None = None) -> None:
+    def poll_seen(self, stream: str, epoch: int, poll: int, sync: int = 0) -> None:
         """A message of poll ``poll`` (answering sync token ``sync``) of ``stream``'s process ``epoch`` arrived."""
-        self._current[stream] = sync or 0
+        self._current[stream] = sync
         seen = self._seen.get(stream)
         if seen is None or seen[0] != epoch or seen[1] < poll:
             self._seen[stream] = (epoch, poll)
@@ -248,20 +248,20 @@ class Ledger:
         self._snapshots.pop(stream, None)
         self._unseen.pop(stream, None)
 
-    def poll_completed(self, stream: str, epoch: int, poll: int, *, full: bool, sync: int | None,
+    def poll_completed(self, stream: str, epoch: int, poll: int, *, full: bool, sync: int,
                        now: float) -> tuple[list[tuple[str, list[str]]], list[tuple[str, str, Version]], bool]:
         """Poll ``poll`` of ``stream``/``epoch`` was applied whole at ``now``: ``(drops, shown, wake)``: what a
         full poll did not list, the new records it settles, and whether waiters have news (a sync answered, a
         new process's first poll, a view fresh again)."""
         drops = self._end_snapshot(stream) if full else []
-        shown = self._passed(stream, sync or 0)
+        shown = self._passed(stream, sync)
         last = self._completed_at.get(stream)
         wake = self._silent.pop(stream, None) is not None or (
             self._max_age is not None and last is not None and now - last > self._max_age)
         self._completed_at[stream] = now
-        if (sync is not None and sync > self._synced.get(stream, 0)) or self._completed_epoch.get(stream) != epoch:
+        if sync > self._synced.get(stream, 0) or self._completed_epoch.get(stream) != epoch:
             # Answered, or a new poller process to ask again.
-            self._synced[stream] = max(sync or 0, self._synced.get(stream, 0))
+            self._synced[stream] = max(sync, self._synced.get(stream, 0))
             self._completed_epoch[stream] = epoch
             wake = True
         return drops, shown, wake

@@ -138,7 +138,7 @@ def collect_stats(core: _Core) -> BufferStats:
         "listing_seconds": peer.listing.last_s if peer else 0.0,
         "listing_seconds_total": peer.listing.total_s if peer else 0.0,
         "listing_share": peer.listing.share if peer else 0.0,
-        # Its watch of the keys a waiting decision waits on (poller.polling), as its last heartbeat said.
+        # Its watch of the keys a waiting decision waits on (poller.watch), as its last heartbeat said.
         "watch_reads": peer.listing.watch_reads if peer else 0,
         "watch_listings": peer.listing.watch_listings if peer else 0,
     }

@@ -30,12 +30,12 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Literal, NamedTuple, Optional
 
-from poller.wire import lifeline
-from poller.wire.arguments import check_seconds, check_worker_config
-from poller.wire.config import WorkerConfig
+from poller.common import lifeline
+from poller.common.checks import check_seconds, check_worker_config
+from poller.common.config import WorkerConfig
+from poller.common.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE, Channel
+from poller.sources.contract import SourceSpec, describe_spec
 from poller.wire.errors import PollerError, PollerStartupError, RemoteTraceback
-from poller.wire.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE, Channel
-from poller.wire.sources import SourceSpec, describe_spec
 
 __all__ = ["PollerProcess", "ShutdownReport", "Stage", "wait"]
 

@@ -23,21 +23,21 @@ import weakref
 from typing import Any, Callable, Iterable, Mapping
 
 from buffer.access import check_bind
-from buffer.arguments import check_buffer_args, check_items, check_keys, check_partition, check_sample
+from buffer.checks import check_buffer_args, check_items, check_keys, check_partition, check_sample
 from buffer.errors import BufferClosed
 from buffer.ipcdir import PrivateIpcDir, remove_stale
 from buffer.metrics import METRICS, BufferStats, collect_stats
-from buffer.partitions import PartitionStore
 from buffer.process import PollerProcess, ShutdownReport
 from buffer.seam import SamplingSeam
 from buffer.steps import BatchMeta, StepSampler
+from buffer.store import PartitionStore
 from buffer.stream import StreamReceiver
 from buffer.supervisor import RestartBudget, Supervisor, close_bound
 from buffer.sync import ListingSync
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, check_optional_seconds
+from poller.common.checks import DEFAULT_LISTING_SHARE, check_optional_seconds
+from poller.sources.contract import SourceSpec
 from poller.wire.curve import CurveClient, CurveServer, generate_pair
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
-from poller.wire.sources import SourceSpec
 from poller.wire.vocabulary import Tags
 
 __all__ = ["ReplayBuffer"]
@@ -88,7 +88,7 @@ class _Core:
         self.start_timeout = start_timeout
         self.close_timeout = close_timeout
         self.budget = RestartBudget(max_restarts, restart_window)  # spent by the supervisor
-        self.store = PartitionStore()
+        self.store = PartitionStore(limits=limits or DEFAULT_LIMITS)
         self.store.bound_age(max_view_age)
         # Only this process may stop the poller or remove the ipc directory (a forked child inherits the finalizer).
         self.owner_pid = os.getpid()

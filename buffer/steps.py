@@ -121,12 +121,6 @@ class StepIndex:
             if status == RUNNING and step is not None:
                 part.running_by_step.setdefault(step, {}).update(dict.fromkeys(members))
 
-    def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """:meth:`on_change` of each key held before. The store leaves out the keys that kept their step and
-        status (most: a reward filled in; :attr:`indexed_tags`)."""
-        for key, old, new in zip(keys, olds, news):
-            self.on_change(partition_id, key, old, new)
-
     def _reindex(self, part: _Partition, key: str, old: tuple[Any, Any], new: tuple[Any, Any]) -> None:
         if old == new:
             return

@@ -1,7 +1,7 @@
 """The trainer's receiver: its ROUTER socket, the peers streaming to it, each message checked in sequence and applied.
 
 :class:`PeerTable` is the peer state machine, with no sockets: an identity, its frames and the time in; the stream
-applied to the :class:`~buffer.partitions.PartitionStore` and the control messages to send back (:class:`Send`) out.
+applied to the :class:`~buffer.store.PartitionStore` and the control messages to send back (:class:`Send`) out.
 :class:`StreamReceiver` is the one thread that owns the ROUTER socket and moves frames between it and the table;
 other threads reach it only through a command queue and a wake-up pipe, so only the thread that made it uses it.
 
@@ -29,8 +29,9 @@ import zmq
 
 from buffer.access import EndpointInUseError, Gatekeeper, claim_ipc_path, restrict_ipc_socket
 from buffer.metrics import ListingFigures
-from buffer.partitions import PartitionStore
 from buffer.ratelimit import MAX_FORWARDED_CHARS, LogLimiter, clamp_level
+from buffer.store import PartitionStore
+from poller.common.wakeup import WakePipe
 from poller.wire.curve import CurveServer
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import (
@@ -53,8 +54,6 @@ from poller.wire.protocol import (
     encode_body,
     encode_header,
 )
-from poller.wire.tags import unpack_many_tags
-from poller.wire.wakeup import WakePipe
 
 __all__ = ["StreamReceiver", "PeerTable", "Peer", "Send", "RESYNC_RETRY_S", "SYNC_RETRY_S"]
 
@@ -114,14 +113,10 @@ class Peer:
     def report(self, epoch: int, beat: Heartbeat) -> int:
         """Keep what heartbeat ``beat`` of poller process ``epoch`` says; return the source stalls new in it."""
         self.rss = beat.rss
-        if beat.quarantined is not None:
-            self.quarantined = beat.quarantined
-            self.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys or ()]
-        if beat.listings is not None:
-            self.listing.report(epoch, beat.listings, beat.listing_s or 0.0, beat.listing_total_s or 0.0,
-                                beat.listing_share or 0.0, beat.watch_reads or 0, beat.watch_listings or 0)
-        if beat.source_stalls is None:
-            return 0
+        self.quarantined = beat.quarantined
+        self.quarantined_keys = [(p, k, why) for p, k, why in beat.quarantined_keys]
+        self.listing.report(epoch, beat.listings, beat.listing_s, beat.listing_total_s, beat.listing_share,
+                            beat.watch_reads, beat.watch_listings)
         before = self.stalls if self.stalls_epoch == epoch else 0  # each poller process counts from 0
         self.stalls_epoch, self.stalls = epoch, max(before, beat.source_stalls)
         return self.stalls - before
@@ -139,7 +134,6 @@ class PeerTable:
                  log: LogLimiter | None = None) -> None:
         self._store = store
         self.limits = limits
-        self._unpack_tags: Callable[[list[bytes]], list[dict]] = lambda blobs: unpack_many_tags(blobs, limits)
         self.stale_after = stale_after
         self._pinned = pinned
         self._on_change = on_change
@@ -192,7 +186,7 @@ class PeerTable:
             token, mark = max(token, asked[0]), mark and not asked[2]
         self._syncs[identity] = (token, now, not mark)
         return Send(identity, Kind.SYNC, self._epoch(identity),
-                    Sync(token, self._sync_partitions.get(identity), True if mark else None))
+                    Sync(token, self._sync_partitions.get(identity, []), mark))
 
     def marks(self, token: int, now: float) -> list[Send]:
         """A removal's token for every poller that may still list what it removed (not withdrawn, no BYE)."""
@@ -205,9 +199,8 @@ class PeerTable:
         held = self._sync_partitions.get(identity, [])
         self._sync_partitions[identity] = held + sorted(set(partition_ids) - set(held))
 
-    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float,
-              every: float | None = None) -> Send:
-        """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.polling)."""
+    def watch(self, identity: bytes, partition: str, keys: list[str], seconds: float, every: float) -> Send:
+        """A WATCH for ``identity``: read ``keys`` of ``partition`` while a decision waits on them (poller.watch)."""
         return Send(identity, Kind.WATCH, self._epoch(identity), Watch(partition, keys, seconds, every))
 
     def _epoch(self, identity: bytes) -> int:
@@ -404,7 +397,7 @@ class PeerTable:
         peer.resync_asked_at = now
         if not retry:  # counts the resyncs needed, not the requests repeated while one is awaited
             self.resyncs_requested += 1
-        last_seq = peer.next_seq - 1 if peer.epoch is not None else None
+        last_seq = peer.next_seq - 1 if peer.epoch is not None else -1
         return Send(identity, Kind.RESYNC, self._epoch(identity), Resync(why, last_seq))
 
     # -- per kind -----------------------------------------------------------------
@@ -412,9 +405,9 @@ class PeerTable:
     def _on_delta(self, identity: bytes, peer: Peer, message: Message, body: Delta, now: float,
                   actions: list[Send]) -> None:
         if peer.awaiting_resync:
-            if not _snapshot_start(message) or (body.sync or 0) < peer.relist_token:
+            if not _snapshot_start(message) or body.sync < peer.relist_token:
                 # Superseded by the snapshot asked for (tick() asks again if it is lost).
-                self._store.apply(peer.stream, message.epoch, body, self._unpack_tags, superseded=True)
+                self._store.apply(peer.stream, message.epoch, body, superseded=True)
                 return
             peer.awaiting_resync = False
             peer.relist_token = 0
@@ -422,7 +415,7 @@ class PeerTable:
             peer.contiguous = True  # whatever was lost before, the snapshot replaces (close(): drained=True)
         self.items_received += sum(len(keys) for keys, _ in body.packed.values()) + sum(map(len, body.deletes.values()))
         try:
-            self._store.apply(peer.stream, message.epoch, body, self._unpack_tags)
+            self._store.apply(peer.stream, message.epoch, body)
         except ProtocolError as exc:  # tags the decoder refuses: the store holds the stream broken
             self.protocol_error(identity, f"{exc}; asking for a resync")
             peer.contiguous = False
@@ -447,10 +440,7 @@ class PeerTable:
             # A stalled call: no decision on this store's view until it answers again (a whole poll).
             self._store.not_answering(peer.stream, now - beat.stalled_s,
                                       f"kv_list() stalled, {peer.stalls} stalled call(s) so far")
-        last_seq = beat.last_seq  # None from older pollers, which want no ACK either
-        if last_seq is None:
-            return
-        if last_seq != message.seq - 1 and not peer.awaiting_resync:  # it sent other messages than we counted
+        if beat.last_seq != message.seq - 1 and not peer.awaiting_resync:  # it sent other messages than we counted
             actions.append(self._request_resync(identity, peer, "heartbeat last_seq mismatch", now))
         actions.append(Send(identity, Kind.ACK, message.epoch, Ack(message.seq)))
 
@@ -459,7 +449,7 @@ class PeerTable:
         self._store.not_answering(peer.stream, now, f"kv_list() failed: {error.type[:200]}")
         self._log.log("error", logging.ERROR if error.fatal else logging.WARNING,
                       "poller %s: kv_list() failed%s: %s: %s", peer.stream,
-                      " for good" if error.fatal else f" ({error.count or '?'} in a row), retrying",
+                      " for good" if error.fatal else f" ({error.count} in a row), retrying",
                       error.type[:200], error.message[:MAX_FORWARDED_CHARS])
 
     def _on_bye(self, identity: bytes, peer: Peer, message: Message, bye: Bye, now: float) -> None:
@@ -531,8 +521,7 @@ class StreamReceiver:
         """Queue a removal's token for every poller (:meth:`PeerTable.marks`); called under the store's lock."""
         self._command(lambda: self.table.marks(token, time.monotonic()))
 
-    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float,
-                   every: float | None = None) -> None:
+    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float, every: float) -> None:
         """Queue a WATCH for ``peer``: read ``keys`` for ``seconds`` and list as soon as one changed, no sooner than
         ``every`` after the last listing a change brought forward (no keys: stop)."""
         identity = peer.encode()

@@ -26,8 +26,8 @@ from typing import Callable, NamedTuple
 
 from buffer.errors import BufferClosed
 from buffer.process import PollerProcess, ShutdownReport, wait
+from poller.common.wakeup import WakePipe
 from poller.wire.errors import PollerCrashed, PollerStartupError
-from poller.wire.wakeup import WakePipe
 
 __all__ = ["Supervisor", "RestartBudget", "close_bound"]
 

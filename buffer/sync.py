@@ -14,7 +14,7 @@ import math
 import threading
 from typing import TYPE_CHECKING
 
-from buffer.partitions import PartitionStore
+from buffer.store import PartitionStore
 
 if TYPE_CHECKING:  # the receiver is handed in by the core: only its type is named here
     from buffer.stream import StreamReceiver
@@ -66,7 +66,7 @@ class ListingSync:
         peer = self._receiver.peer_info(self._stream) if self._stream is not None else None
         return peer.listing.watch_reads if peer is not None else 0
 
-    def watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
+    def watch(self, partition: str, keys: list[str], seconds: float, every: float) -> None:
         if self._stream is not None:
             self._receiver.send_watch(self._stream, partition, keys, seconds, every)
 

@@ -27,8 +27,8 @@ import signal
 import sys
 import time
 
-from poller.wire.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE
-from poller.wire.procfs import parent_of, set_process_name
+from poller.common.lifeline import CLEANUP_VARIABLE, PATH_VARIABLE
+from poller.common.procfs import parent_of, set_process_name
 
 __all__ = ["main"]
 
@@ -53,8 +53,8 @@ def main(lifeline_fd: int) -> None:
 
     import pickle
 
-    from poller.wire import lifeline
-    from poller.wire.config import ExitCode
+    from poller.common import lifeline
+    from poller.common.config import ExitCode
     from poller.worker import run_embedded
 
     channel = lifeline.Channel(lifeline_fd)

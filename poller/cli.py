@@ -16,13 +16,16 @@ import sys
 from typing import NoReturn, Sequence
 
 from poller._version import __version__
-from poller.wire.arguments import DEFAULT_LISTING_SHARE, check_seconds, check_share
-from poller.wire.config import ExitCode, WorkerConfig
+from poller.common.checks import DEFAULT_LISTING_SHARE, check_seconds, check_share
+from poller.common.config import ExitCode, WorkerConfig
 from poller.wire.curve import CurveClient, make_keys
 from poller.wire.errors import PollerCrashed, PollerStartupError
 from poller.worker import run_standalone
 
 __all__ = ["main", "main_entry"]
+
+# Commands that moved: where each went (the demo runs a trainer, so it lives in the trainer's package).
+MOVED = {"demo": "the demo moved to the trainer's package: run 'python -m buffer.demo' (or 'make demo')"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,6 +142,10 @@ def _doctor(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "python -m poller") -> int:
     """Run the CLI on ``argv`` (default ``sys.argv[1:]``) as ``prog`` (the command as typed); return the exit code."""
     parser = _build_parser(prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in MOVED:
+        print(f"{prog} {argv[0]}: error: {MOVED[argv[0]]}", file=sys.stderr)
+        return 2
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:

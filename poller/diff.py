@@ -3,7 +3,7 @@
 Runs on the poller's polling thread (:mod:`poller.polling`), in three parts:
 
 - :class:`Diff`, one poll against ``sent`` (each key's tags as the bytes sent): a listed key changed when its tags,
-  packed (by the source where it can, :class:`~poller.wire.sources.PackedItems`, so an unchanged key is not even
+  packed (by the source where it can, :class:`~poller.sources.contract.PackedItems`, so an unchanged key is not even
   decoded), are not those bytes: decided once, here, in C-level passes. Only changed tags are screened
   (:func:`poller.wire.tags.screen`). What is sent is kept packed, nothing the source owns (1M keys: ~200 MB, not ~670).
 - :class:`ListingReader`, the source read for one poll: by its change feed when it has one (the SQLite store),
@@ -24,11 +24,12 @@ from itertools import compress, filterfalse, repeat
 from operator import eq, ne, not_
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
+from poller.common.checks import DEFAULT_LISTING_SHARE
 from poller.duty import ListingDuty
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.sources.contract import PackedItems, Source, capabilities
 from poller.wire.protocol import Limits, Piece
-from poller.wire.sources import PackedItems, Source, UnreadableValue, capabilities
 from poller.wire.tags import DICT_ONLY, STR_ONLY, Refused, fresh_strs, pack_many_tags, screen
+from poller.wire.vocabulary import UnreadableValue
 
 __all__ = ["Diff", "Sent", "ListingReader", "RECONCILE_INTERVAL", "Quarantine", "display_name", "MAX_REPORTED"]
 
@@ -240,11 +241,10 @@ class ListingReader:
 
     def __init__(self, source: Source, *, listing_share: float = DEFAULT_LISTING_SHARE,
                  stall_timeout: float | None = None) -> None:
-        self._source: Any = source
         #: What the source offers, checked once (the polling thread reads its watch from it too).
         self.offered = capabilities(source)
         self.feed = self.offered.change_feed
-        self._list: Callable[[], Any] = self.offered.kv_list_packed or source.kv_list
+        self._list: Callable[[], Any] = self.offered.kv_list_packed or self.offered.kv_list
         self.reconcile_interval = RECONCILE_INTERVAL
         self.stall_timeout = stall_timeout
         self.duty = ListingDuty(listing_share)
@@ -270,7 +270,7 @@ class ListingReader:
             return Diff([self._listing(self._list)], sent, full=full, limits=limits, size=size)
         due = time.monotonic() - self._listed_at >= self.reconcile_interval and self.duty.wait_for() == 0
         if not due and self._cursor is not None:
-            changes = self._source.kv_changes(self._cursor)
+            changes = self.offered.kv_changes(self._cursor)  # type: ignore[misc]  # a feed has it
             if changes is not None:
                 cursor, upserts, deletes = changes
                 self._pending = (cursor, False)
@@ -295,7 +295,7 @@ class ListingReader:
             cursor, pieces = self._listing(in_pieces, answered=False)
             self._pending = (cursor, True)
             return Diff(self._timed(pieces, began), sent, full=True, limits=limits, size=size)
-        cursor, listing = self._listing(self._source.kv_snapshot)
+        cursor, listing = self._listing(self.offered.kv_snapshot)  # type: ignore[arg-type]  # a feed has it
         self._pending = (cursor, True)
         return Diff([listing], sent, full=full, limits=limits, size=size)
 

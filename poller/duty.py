@@ -6,7 +6,7 @@ unbounded, ``sync()`` or a waiting decision would keep it listing for us nearly 
 
 - **A fixed share** in (0, 1] (default 0.15, 1: no bound): after a listing of ``d`` seconds the next starts no
   sooner than ``d / share`` after it started.
-- **A change the watch saw** (:mod:`poller.polling`) brings a listing forward, no sooner than ``every`` seconds
+- **A change the watch saw** (:mod:`poller.watch`) brings a listing forward, no sooner than ``every`` seconds
   after the last one it brought forward (the waiting decision says how often: buffer.verl, its ``poll_interval``,
   so that it lists no more often than verl's own sampler would for the same call).
 
@@ -20,7 +20,7 @@ import math
 import time
 from typing import Deque
 
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.common.checks import DEFAULT_LISTING_SHARE
 
 __all__ = ["ListingDuty"]
 
@@ -38,7 +38,7 @@ class ListingDuty:
         self.total_seconds = 0.0
         self._allowed_at = -math.inf
         self._recent: Deque[tuple[float, float]] = collections.deque(maxlen=_WINDOW)  # (start, seconds)
-        # The start of the last listing brought forward by a change the watch saw (poller.polling).
+        # The start of the last listing brought forward by a change the watch saw (poller.watch).
         self._last_brought_forward = -math.inf
 
     def wait_for(self, now: float | None = None) -> float:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Deque
 
 import zmq
 
+from poller.common.wakeup import WakePipe
 from poller.wire.protocol import Kind, Limits, Log, encode_body, encode_header, fit_text
-from poller.wire.wakeup import WakePipe
 
 if TYPE_CHECKING:
     from poller.wire.curve import CurveClient

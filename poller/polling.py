@@ -9,39 +9,118 @@ numbers.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import traceback
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
+from poller.common.checks import DEFAULT_LISTING_SHARE
 from poller.diff import Diff, ListingReader, Quarantine, Sent
 from poller.duty import ListingDuty
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.sources.contract import Source, SourceStall
+from poller.watch import KeyWatch
 from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
-from poller.wire.sources import Source, SourceStall, WatchRead
-from poller.wire.tags import thaw
 
-__all__ = ["PollingThread", "BACKOFF_BASE", "BACKOFF_CAP", "WATCH_BUDGET", "WATCH_EVERY", "WATCH_INTERVAL",
-           "WATCH_INTERVAL_MAX", "WATCH_TIMEOUT"]
+__all__ = ["PollingThread", "CallStalls", "PollFigures", "MAX_FAILURES", "BACKOFF_BASE", "BACKOFF_CAP"]
 
 logger = logging.getLogger(__name__)
 
 #: The most a standalone poller's first listing waits for the buffer to admit it (its first ACK).
 ADMISSION_WAIT = 2.0
+#: Failed calls in a row that end the poller (PollerCrashed in the trainer); a stall is no failure.
+MAX_FAILURES = 5
 #: After the n-th failed call in a row the next comes min(BACKOFF_BASE * 2 ** (n - 1), BACKOFF_CAP) s later.
 BACKOFF_BASE = 0.1
 BACKOFF_CAP = 5.0
-#: Reads of the watched keys while a decision waits on them (``kv_watch``: ~1% of a listing's cost at 100k keys).
-#: A read of ``r`` s comes ``(r / d) / WATCH_BUDGET`` s after the one before began (``d``: the last listing's
-#: duration), within WATCH_INTERVAL and WATCH_INTERVAL_MAX; one not answered within WATCH_TIMEOUT tells nothing.
-WATCH_INTERVAL = 0.3
-#: The least time between two listings a watched change brings forward, unless the WATCH says (a waiting
-#: buffer.verl call: its poll_interval, verl's own sampler's rate).
-WATCH_EVERY = 2.0
-WATCH_BUDGET = 0.25
-WATCH_INTERVAL_MAX = 0.6
-WATCH_TIMEOUT = 1.0
+
+
+class PollFigures(NamedTuple):
+    """What a heartbeat says of the polling thread, read at once."""
+
+    polls: int
+    source_errors: int
+    source_stalls: int
+    stalled_s: float
+    quarantined: int
+    quarantined_keys: list[list[str]]
+    listings: int
+    listing_s: float
+    listing_total_s: float
+    listing_share: float
+    watch_reads: int
+    watch_listings: int
+
+
+class CallStalls:
+    """The source call under way, and the calls counted as stalled: a call the source gave up on
+    (:class:`~poller.sources.contract.SourceStall`), or one running past ``timeout`` (:meth:`check`, each tick of
+    the control loop: a blocked call never raises). Each call is counted once, whichever path sees it first."""
+
+    def __init__(self, timeout: float | None) -> None:
+        self.timeout = timeout
+        #: Calls counted as stalled so far (read by the control loop for heartbeats).
+        self.count = 0
+        # (call number, monotonic start) of the call under way, in one assignment: never mixed up.
+        self._current: tuple[int, float] | None = None
+        self._calls = 0
+        self._lock = threading.Lock()
+        self._counted = 0  # number of the last call counted as stalled
+        self._episode: tuple[float, int] | None = None  # (started, stalled calls) while stalled
+
+    @property
+    def call_started(self) -> float | None:
+        """Monotonic start of the call under way, if any."""
+        current = self._current
+        return None if current is None else current[1]
+
+    def running_for(self) -> float:
+        """Seconds the call under way has been running (0 if none)."""
+        started = self.call_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def next_call(self) -> int:
+        """The number of the next call."""
+        self._calls += 1
+        return self._calls
+
+    def begin(self, call: int, began: float) -> None:
+        self._current = (call, began)
+
+    def end(self) -> None:
+        self._current = None
+
+    def check(self) -> None:
+        """Count the call under way as stalled once past ``timeout``."""
+        current = self._current
+        if current is None or self.timeout is None:
+            return
+        call, started = current
+        running = time.monotonic() - started
+        if running >= self.timeout:
+            self.stalled(call, f"kv_list() has not returned for {running:.3g}s (stall timeout {self.timeout:g}s)")
+
+    def stalled(self, call: int, why: str) -> None:
+        """Count call ``call`` as stalled (once), logging the first of an episode."""
+        with self._lock:
+            if self._counted == call:
+                return  # this call was already counted (by the other path)
+            self._counted = call
+            self.count += 1
+            first = self._episode is None
+            since, count = self._episode or (time.monotonic(), 0)
+            self._episode = (since, count + 1)
+        if first:
+            logger.warning("source stall: %s; polling goes on (logged once until kv_list() answers again)", why)
+        else:
+            logger.debug("source stall #%d: %s", self.count, why)
+
+    def answered(self) -> None:
+        """The source answered (a listing or an error): a stall episode ends."""
+        with self._lock:
+            episode, self._episode = self._episode, None
+        if episode is not None:
+            logger.info("kv_list() answers again after %d stalled call(s) over %.3gs",
+                        episode[1], time.monotonic() - episode[0])
 
 
 def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits | None = None) -> bytes:
@@ -60,14 +139,15 @@ class PollingThread(threading.Thread):
     ``hand_over(kind, body, starts_snapshot, stopping)`` is :meth:`poller.link.Outbox.emit_from_thread`: it queues a
     message for the control loop, blocking while the outbox is full, and returns False once ``stopping`` is set.
     A daemon: if ``kv_list()`` never returns, the process exits without it. A *source stall* (the source raised
-    :class:`~poller.wire.sources.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``) is
-    counted once, not a failure. A SYNC is answered by the next listing the share allows; STOP ends any wait.
-    After a stalled call the next comes ``interval`` later, after a failed one the backoff.
+    :class:`~poller.sources.contract.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``) is
+    counted once, not a failure (:class:`CallStalls`). A SYNC is answered by the next listing the share allows;
+    STOP ends any wait; a change the watch saw (:class:`~poller.watch.KeyWatch`) brings one forward. After a
+    stalled call the next comes ``interval`` later, after a failed one the backoff.
     """
 
     def __init__(self, source: Source, hand_over: Callable[[Kind, bytes, bool, threading.Event], bool], *,
                  interval: float,
-                 max_failures: int = 5, chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
+                 chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  listing_share: float = DEFAULT_LISTING_SHARE,
                  admitted: threading.Event | None = None) -> None:
@@ -75,7 +155,6 @@ class PollingThread(threading.Thread):
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._hand_over = hand_over
         self.interval = interval
-        self.max_failures = max_failures
         self.chunk_items = chunk_items
         self.max_frame_bytes = max_frame_bytes
         self.limits = limits
@@ -84,20 +163,12 @@ class PollingThread(threading.Thread):
         self.admitted = admitted
         self._wake = threading.Event()
         self._resync = threading.Event()
-        # Read by the control loop for heartbeats (plain ints, safe under the GIL), with the quarantine.
+        # Read by the control loop for heartbeats (plain ints, safe under the GIL): figures().
         self.polls = 0
         self.source_errors = 0
-        self.source_stalls = 0
-        self.watch_reads = 0
-        self.watch_listings = 0
         self.quarantine = Quarantine()
-        self.stall_timeout = stall_timeout
-        # (call number, monotonic start) of the call under way, in one assignment: never mixed up.
-        self._current: tuple[int, float] | None = None
-        self._calls = 0
-        self._stall_lock = threading.Lock()
-        self._stalled_call = 0  # number of the last call counted as stalled
-        self._episode: tuple[float, int] | None = None  # (started, stalled calls) while stalled
+        self.stalls = CallStalls(stall_timeout)
+        self.watch = KeyWatch(self._reader.offered.kv_watch, self._reader.duty)
         self.failed: BaseException | None = None
         self._failures = 0  # failed calls in a row
         # True while the thread waits for its next poll (read by the control loop at STOP).
@@ -114,21 +185,13 @@ class PollingThread(threading.Thread):
         self._screen_limits = limits or Limits(max_frame_bytes=max_frame_bytes)
         # A SYNC, RESYNC or STOP arrived since the last hold began (_hold): a pause between polls ends.
         self._poll_asked = False
-        # The watch: kv_watch if the source has one; ((partition, keys), until), replaced whole by the control
-        # loop; the last read's (partition, keys) and fingerprint (None: the next read compares with what was
-        # sent); when the next read is due; whether a read saw a change since the last listing.
-        self._watch_read = self._reader.offered.kv_watch
-        self._watch: tuple[tuple[str, tuple[str, ...]], float] | None = None
-        self._baseline: tuple[tuple[str, tuple[str, ...]], bytes] | None = None
-        self._next_watch_read = -math.inf
-        self._change_seen = False
-        self._watch_every = WATCH_EVERY
 
-    @property
-    def call_started(self) -> float | None:
-        """Monotonic start of the ``kv_list()`` call under way, if any."""
-        current = self._current
-        return None if current is None else current[1]
+    def figures(self) -> PollFigures:
+        """What a heartbeat says: polls, errors, stalls, the quarantine, the listings and the watch."""
+        quarantine, duty, watch = self.quarantine, self.duty, self.watch
+        return PollFigures(self.polls, self.source_errors, self.stalls.count, self.stalls.running_for(),
+                           len(quarantine.keys), quarantine.names(), duty.listings, duty.last_seconds,
+                           duty.total_seconds, duty.measured_share(), watch.reads, watch.listings)
 
     def request_resync(self) -> None:
         """Send a full snapshot on the next poll, and poll now."""
@@ -141,7 +204,7 @@ class PollingThread(threading.Thread):
         """The listing duty cycle: what the listings cost, and when the next may start."""
         return self._reader.duty
 
-    def request_sync(self, token: int, partitions: list[str] | None = None, mark: bool = False) -> None:
+    def request_sync(self, token: int, partitions: Sequence[str] = (), mark: bool = False) -> None:
         """Poll now (a ``mark``: when due); the listing that begins next answers SYNC ``token`` (and every earlier
         one).
 
@@ -157,60 +220,16 @@ class PollingThread(threading.Thread):
                 self._poll_asked = True
                 self._wake.set()
 
-    def request_watch(self, partition: str, keys: list[str], seconds: float, every: float | None = None) -> None:
+    def request_watch(self, partition: str, keys: list[str], seconds: float, every: float) -> None:
         """Watch ``keys`` of ``partition`` for ``seconds`` from now (no keys or 0 s: stop; no ``kv_watch``: no-op); a
-        change seen brings a listing forward, no sooner than ``every`` after the last one it brought forward
-        (None: :data:`WATCH_EVERY`)."""
-        if self._watch_read is None:
-            return
-        if not keys or seconds <= 0:
-            self._watch = None
-            return
-        self._watch_every = WATCH_EVERY if every is None else every
-        self._watch = ((partition, tuple(keys)), time.monotonic() + seconds)
-        self._wake.set()  # a pause reads the new keys at once; it ends only for a poll asked for
+        change seen brings a listing forward, no sooner than ``every`` after the last one it brought forward."""
+        if self.watch.request(partition, keys, seconds, every):
+            self._wake.set()  # a pause reads the new keys at once; it ends only for a poll asked for
 
     def stop(self) -> None:
         self.stopping.set()
         self._poll_asked = True
         self._wake.set()
-
-    def stalled_for(self) -> float:
-        """Seconds the current ``kv_list()`` call has been running (0 if none)."""
-        started = self.call_started
-        return 0.0 if started is None else time.monotonic() - started
-
-    def check_stall(self) -> None:
-        """Count the call under way as stalled once past ``stall_timeout`` (each tick: a blocked call never raises)."""
-        current = self._current
-        if current is None or self.stall_timeout is None:
-            return
-        call, started = current
-        running = time.monotonic() - started
-        if running >= self.stall_timeout:
-            self._stalled(call, f"kv_list() has not returned for {running:.3g}s "
-                                f"(stall timeout {self.stall_timeout:g}s)")
-
-    def _stalled(self, call: int, why: str) -> None:
-        with self._stall_lock:
-            if self._stalled_call == call:
-                return  # this call was already counted (by the other path)
-            self._stalled_call = call
-            self.source_stalls += 1
-            first = self._episode is None
-            since, count = self._episode or (time.monotonic(), 0)
-            self._episode = (since, count + 1)
-        if first:
-            logger.warning("source stall: %s; polling goes on (logged once until kv_list() answers again)", why)
-        else:
-            logger.debug("source stall #%d: %s", self.source_stalls, why)
-
-    def _answered(self) -> None:
-        with self._stall_lock:
-            episode, self._episode = self._episode, None
-        if episode is not None:
-            logger.info("kv_list() answers again after %d stalled call(s) over %.3gs",
-                        episode[1], time.monotonic() - episode[0])
 
     def _pause(self, seconds: float, *, ends_on_request: bool = True) -> None:
         """Wait ``seconds`` (``idle``), reading the watched keys meanwhile.
@@ -223,67 +242,19 @@ class PollingThread(threading.Thread):
             now = time.monotonic()
             if (ends_on_request and self._poll_asked) or now >= until:
                 break
-            if self._change_seen:
-                wait = self.duty.wait_for_change(self._watch_every, now)
+            if self.watch.change_seen:
+                wait = self.watch.wait_for_change(now)
                 if wait <= 0:
                     break
                 self._wake.wait(min(until - now, wait))
             else:
-                due = self._watch_due(now)
+                due = self.watch.due(now)
                 if due is not None and due[1] <= now:
-                    self._read_watch(*due[0], now)
+                    self.watch.read(due[0], now, self.sent)
                     continue
                 self._wake.wait((until if due is None else min(until, due[1])) - now)
             self._wake.clear()
         self.idle = False
-
-    def _watch_due(self, now: float) -> tuple[tuple[str, tuple[str, ...]], float] | None:
-        """The watched ``(partition, keys)`` while a watch lasts, and when next read (now, if other keys than last)."""
-        watch = self._watch
-        if watch is None or now >= watch[1]:
-            return None
-        watched, baseline = watch[0], self._baseline
-        return watched, now if baseline is not None and baseline[0] != watched else self._next_watch_read
-
-    def _read_watch(self, partition: str, keys: tuple[str, ...], now: float) -> None:
-        """Read the watched keys; a change the buffer was not sent sets ``_change_seen``."""
-        assert self._watch_read is not None  # a watch is set only for a source with kv_watch
-        watched = (partition, keys)
-        try:
-            read = self._watch_read(partition, keys, WATCH_TIMEOUT)
-        except Exception as exc:  # a read that fails tells nothing: the listings go on as scheduled
-            logger.debug("kv_watch() of %d key(s) of %r failed: %r", len(keys), partition, exc)
-            read = None
-        else:
-            self.watch_reads += 1
-        took = time.monotonic() - now
-        listing = self.duty.last_seconds
-        pace = (took / listing) / WATCH_BUDGET if listing > 0 else 0.0
-        self._next_watch_read = now + min(max(WATCH_INTERVAL, pace), WATCH_INTERVAL_MAX)
-        if read is None:
-            return
-        baseline = self._baseline
-        if baseline is not None and baseline[0] == watched:
-            changed = read.fingerprint != baseline[1]
-        else:
-            changed = self._not_sent(partition, keys, read)
-        self._baseline = (watched, read.fingerprint)
-        if changed:
-            self._change_seen = True
-
-    def _not_sent(self, partition: str, keys: tuple[str, ...], read: WatchRead) -> bool:
-        """Whether ``read`` shows the keys otherwise than the listings sent them (False when it cannot tell)."""
-        found, tags = read.held()
-        if found < len(keys):
-            return True  # a key the buffer holds is gone from the store
-        if tags is None:
-            return False
-        held = self.sent.get(partition, {})
-        for key in keys:
-            sent = held.get(key)
-            if sent is None or tags.get(key) != thaw(sent):
-                return True
-        return False
 
     def _resends(self) -> bool:
         """Whether a snapshot now (a RESYNC) is ``sent`` again under the last poll, not a listing.
@@ -327,8 +298,8 @@ class PollingThread(threading.Thread):
                 wait = 0.0
             else:
                 wait = self._reader.wait_for()
-                if self._change_seen:
-                    wait = min(wait, self.duty.wait_for_change(self._watch_every))
+                if self.watch.change_seen:
+                    wait = min(wait, self.watch.wait_for_change())
             if wait <= 0:
                 return None if self.stopping.is_set() else full
             self._pause(wait, ends_on_request=False)
@@ -387,43 +358,36 @@ class PollingThread(threading.Thread):
             pause = self._resend()
             return None if pause is None else (False, pause)
         sent = self.sent
-        # The next read compares with what this listing sends: a change it misses is one it did not list.
-        brought_forward = self._change_seen
-        self._change_seen = False
-        self._baseline = None
         started = time.time()
         began = time.monotonic()
-        if brought_forward:
-            self.watch_listings += 1
-            self.duty.brought_forward(began)
+        self.watch.listing_began(began)
         covered = self.sync_received  # before the listing: it answers only requests received by now
         wanted = self._partitions_wanted  # read after the token (see request_sync)
-        self._calls += 1
-        call = self._calls
+        call = self.stalls.next_call()
         diff: Diff | None = None
         try:
             if wanted != self._partitions_included:
                 self._reader.include(wanted)
                 self._partitions_included = wanted
-            self._current = (call, began)
+            self.stalls.begin(call, began)
             try:
                 diff = self._reader.read(sent, full, limits=self._screen_limits, size=self.chunk_items)
             finally:
-                self._current = None
-            self._answered()
+                self.stalls.end()
+            self.stalls.answered()
             # A piece at a time, each sent before the next is made: a snapshot is applied while it is packed.
             if not self._send(diff, diff.deletes, poll=self.polls + 1, started=started, full=diff.full, sync=covered):
                 return None
         except SourceStall as exc:
-            self._stalled(call, str(exc) or type(exc).__name__)
+            self.stalls.stalled(call, str(exc) or type(exc).__name__)
             # Asked again one interval after the call gave up (a SYNC wakes it sooner).
             return full, self.interval
         except Exception as exc:  # any source failure is reported, never fatal to the trainer
-            self._answered()  # an error is an answer: it ends a stall episode
+            self.stalls.answered()  # an error is an answer: it ends a stall episode
             self._failures += 1
             failures = self._failures
             self.source_errors += 1
-            fatal = failures >= self.max_failures
+            fatal = failures >= MAX_FAILURES
             logger.debug("kv_list() failed (%d in a row): %r", failures, exc)
             if fatal:
                 self.failed = exc

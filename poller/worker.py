@@ -23,17 +23,17 @@ from typing import Any, Callable
 
 import zmq
 
+from poller.common import lifeline
+from poller.common.checks import check_worker_config
+from poller.common.config import ExitCode, WorkerConfig
+from poller.common.lifeline import Started, StartFailed, StopRequest
+from poller.common.procfs import own_rss_bytes
+from poller.common.wakeup import WakePipe
 from poller.link import Link, Outbox
-from poller.polling import PollingThread
-from poller.wire import lifeline
-from poller.wire.arguments import check_worker_config
-from poller.wire.config import ExitCode, WorkerConfig
+from poller.polling import MAX_FAILURES, PollingThread
+from poller.sources.contract import describe_spec, load_source
 from poller.wire.errors import PollerCrashed, PollerStartupError, ProtocolError
-from poller.wire.lifeline import Started, StartFailed, StopRequest
-from poller.wire.procfs import own_rss_bytes
 from poller.wire.protocol import Bye, Heartbeat, Kind, Ready, Resync, decode, encode_body
-from poller.wire.sources import describe_spec, load_source
-from poller.wire.wakeup import WakePipe
 
 __all__ = ["resync_answered", "run_embedded", "run_standalone"]
 
@@ -41,6 +41,12 @@ logger = logging.getLogger(__name__)
 
 # Before os._exit, the most to wait for a woken polling thread to end (<1 ms; alive, it delays the exit).
 _THREAD_END_S = 0.05
+#: Seconds between two heartbeats (the buffer's stale_after is a few of them).
+HEARTBEAT_INTERVAL = 1.0
+#: How often the idle control loop wakes: bounds how late it notices a dead parent that left no EOF.
+TICK = 0.2
+#: The most BYE and what precedes it may wait for the socket at the end.
+LINGER = 1.0
 
 
 def run_embedded(config: WorkerConfig, lifeline_conn: lifeline.Channel, *,
@@ -69,7 +75,8 @@ def run_standalone(config: WorkerConfig) -> int:
 
     Raises:
         PollerStartupError: the source could not be built or the endpoint not connected (``__cause__``).
-        PollerCrashed: ``kv_list()`` failed ``max_failures`` times in a row (the last one is the ``__cause__``).
+        PollerCrashed: ``kv_list()`` failed :data:`~poller.polling.MAX_FAILURES` times in a row (the last one is
+            the ``__cause__``).
         ValueError: a numeric field of ``config`` is out of range (e.g. ``interval=inf``).
     """
     check_worker_config(config)
@@ -80,7 +87,7 @@ def run_standalone(config: WorkerConfig) -> int:
                                  f"{type(exc).__name__}: {exc}") from exc
     failed = loop.thread.failed if loop.thread is not None else None
     if code == ExitCode.SOURCE_FAILED and failed is not None:
-        raise PollerCrashed(f"kv_list() of {describe_spec(config.source)} failed {config.max_failures} times in "
+        raise PollerCrashed(f"kv_list() of {describe_spec(config.source)} failed {MAX_FAILURES} times in "
                             f"a row, last with {type(failed).__name__}: {failed}") from failed
     return code
 
@@ -89,7 +96,7 @@ def resync_answered(resync: Resync, stamped: int, epoch: int, snapshot_seq: int)
     """Whether a RESYNC stamped with epoch ``stamped`` is answered already by the snapshot this process (``epoch``)
     began sending at ``snapshot_seq``: it began after the last message the buffer received (at 1M keys a second
     snapshot costs seconds)."""
-    return resync.after is not None and stamped == epoch and snapshot_seq > resync.after
+    return resync.after >= 0 and stamped == epoch and snapshot_seq > resync.after
 
 
 class _ControlLoop:
@@ -128,26 +135,12 @@ class _ControlLoop:
             self.stop_reason = signal.Signals(signum).name
 
     def _heartbeat(self, thread: PollingThread) -> None:
-        self.stalls_reported = thread.source_stalls
-        quarantine, duty = thread.quarantine, thread.duty
-        self.quarantine_reported = quarantine.changes
+        self.quarantine_reported = thread.quarantine.changes
+        figures = thread.figures()
+        self.stalls_reported = figures.source_stalls
+        # last_seq also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
         self.outbox.queue_message(Kind.HEARTBEAT, encode_body(Kind.HEARTBEAT, Heartbeat(
-            polls=thread.polls,
-            source_errors=thread.source_errors,
-            rss=own_rss_bytes(),
-            stalled_s=thread.stalled_for(),
-            source_stalls=self.stalls_reported,
-            # Also asks the buffer for an ACK, which proves a new connection admitted (poller.link).
-            last_seq=self.outbox.seq,
-            quarantined=len(quarantine.keys),
-            quarantined_keys=quarantine.names(),
-            listings=duty.listings,
-            listing_s=duty.last_seconds,
-            listing_total_s=duty.total_seconds,
-            listing_share=duty.measured_share(),
-            watch_reads=thread.watch_reads,
-            watch_listings=thread.watch_listings,
-        )))
+            rss=own_rss_bytes(), last_seq=self.outbox.seq, **figures._asdict())))
 
     def _on_control(self, link: Link, thread: PollingThread) -> None:
         while True:
@@ -175,7 +168,7 @@ class _ControlLoop:
                     logger.debug("resync requested: %s", body.reason)
                     thread.request_resync()
             elif message.kind is Kind.SYNC:
-                thread.request_sync(body.token, body.partitions, bool(body.mark))
+                thread.request_sync(body.token, body.partitions, body.mark)
             elif message.kind is Kind.WATCH:
                 thread.request_watch(body.partition, body.keys, body.seconds, body.every)
             else:
@@ -200,7 +193,7 @@ class _ControlLoop:
                 source = load_source(self.config.source, self.config.source_kwargs)
                 ctx = zmq.Context()
                 link = Link(ctx, name=self.config.name, endpoint=self.config.endpoint,
-                            linger=self.config.linger, curve=self.config.curve)
+                            linger=LINGER, curve=self.config.curve)
             except BaseException as exc:
                 if self.lifeline is not None:
                     # A store that cannot be reached now is worth retrying; a broken source is not.
@@ -216,7 +209,7 @@ class _ControlLoop:
                                                                                 self.config.interval)))
             self.thread = PollingThread(
                 source, self.outbox.emit_from_thread, interval=self.config.interval,
-                max_failures=self.config.max_failures, chunk_items=self.config.chunk_items,
+                chunk_items=self.config.chunk_items,
                 max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout,
                 limits=self.config.limits, listing_share=self.config.listing_share,
                 # The buffer asks a standalone poller for a first listing of its own (buffer.stream): wait for it.
@@ -238,7 +231,7 @@ class _ControlLoop:
             if self.embedded:  # os._exit follows: handlers and the pipe go with the process
                 thread = self.thread
                 # A woken thread ends now, so os._exit ends a process of one thread; one in kv_list() cannot.
-                if thread is not None and self.thread_woken and thread.call_started is None:
+                if thread is not None and self.thread_woken and thread.stalls.call_started is None:
                     thread.join(_THREAD_END_S)
             else:
                 root.removeHandler(self.outbox)
@@ -260,13 +253,13 @@ class _ControlLoop:
         for watched in (sock, self.wake.read_fd, link.monitor, lifeline_fd):
             if watched is not None:
                 poller.register(watched, zmq.POLLIN)
-        next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+        next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL
         outbox = self.outbox
         while self.stop_reason is None:
             outbox.pull_items()
             outbox.send_pending(sock)
             poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if outbox.pending else 0))
-            wait = min(self.config.tick, max(0.0, next_heartbeat - time.monotonic()))
+            wait = min(TICK, max(0.0, next_heartbeat - time.monotonic()))
             events = dict(poller.poll(int(wait * 1000)))
             if self.wake.read_fd in events:
                 self.wake.drain()
@@ -289,14 +282,14 @@ class _ControlLoop:
                 outbox.pull_items()  # the fatal ERROR itself
                 self.stop_reason = "source failed"
                 self.exit_code = ExitCode.SOURCE_FAILED
-            thread.check_stall()
+            thread.stalls.check()
             # A new stall or quarantine is reported at once, not at the next heartbeat.
             if (self.heartbeat_now or time.monotonic() >= next_heartbeat
-                    or thread.source_stalls != self.stalls_reported
+                    or thread.stalls.count != self.stalls_reported
                     or thread.quarantine.changes != self.quarantine_reported):
                 self.heartbeat_now = False
                 self._heartbeat(thread)
-                next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+                next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL
 
     def _stop_thread(self, thread: PollingThread) -> None:
         if self.embedded:
@@ -318,7 +311,7 @@ class _ControlLoop:
             while outbox.pull_items():  # take everything the thread already handed over
                 outbox.send_pending(sock)
             outbox.queue_message(Kind.BYE, encode_body(Kind.BYE, Bye(outbox.seq, self.stop_reason or "")))
-            deadline = time.monotonic() + self.config.linger
+            deadline = time.monotonic() + LINGER
             while outbox.pending and time.monotonic() < deadline:
                 outbox.send_pending(sock)
                 if outbox.pending:

@@ -11,8 +11,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.helpers.processes import is_running
 from tests.helpers import leaks
+from tests.helpers.processes import is_running
 
 # Each run gets its own temporary directory (inherited by every child), so
 # the ipc-directory check sees only this run's files, not another run's.

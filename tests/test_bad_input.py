@@ -147,8 +147,8 @@ def test_buffer_refuses_bad_numbers_naming_the_argument(name, value):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"interval": INF}, {"interval": NAN}, {"stall_timeout": NAN}, {"heartbeat_interval": 0}, {"tick": INF},
-    {"max_failures": 0}, {"chunk_items": True}, {"linger": -1},
+    {"interval": INF}, {"interval": NAN}, {"stall_timeout": NAN}, {"chunk_items": True}, {"chunk_items": 0},
+    {"max_frame_bytes": -1}, {"listing_share": 0},
 ])
 def test_poller_process_refuses_bad_numbers(kwargs: dict[str, Any]):
     name = next(iter(kwargs))

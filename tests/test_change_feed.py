@@ -16,9 +16,9 @@ from poller.diff import ListingReader, Sent
 from poller.faults.store import backup as store_backup
 from poller.faults.store import delete, restore
 from poller.polling import PollingThread
+from poller.sources.contract import ChangeFeed, capabilities
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import Kind
-from poller.wire.sources import ChangeFeed, capabilities
 from tests.conftest import wait_until
 from tests.helpers.deltas import Polled, held_tags, packed_sent, polled, read
 from tests.helpers.processes import run_to_the_end

@@ -89,6 +89,13 @@ def test_bad_interval(capsys: pytest.CaptureFixture[str], interval: str) -> None
     assert "interval" in _one_error_line(capsys)
 
 
+def test_a_command_that_moved_says_where_it_went(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--seconds", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m poller demo: error: ") and "python -m buffer.demo" in err
+    assert err.count("\n") == 1  # one line, as every bad-input path
+
+
 def test_bad_demo_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     from buffer.demo import main as demo_main
 

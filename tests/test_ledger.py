@@ -1,7 +1,7 @@
 """The ledger against a plain model: what the store says, minus what the trainer removed.
 
 A Hypothesis state machine plays one source (a poller whose process may
-restart) and a trainer against a real :class:`~buffer.partitions.PartitionStore`
+restart) and a trainer against a real :class:`~buffer.store.PartitionStore`
 (whose bookkeeping is the :class:`~buffer.ledger.Ledger`): the store's truth
 changes, polls begin (any number of them on their way unreceived) and are
 delivered in order as diffs or as full listings (also split in two, with a
@@ -32,7 +32,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from buffer.partitions import PartitionStore
+from buffer.store import PartitionStore
 from tests.helpers.deltas import apply
 
 KEYS = st.sampled_from(["a", "b", "c", "d", "e"])

@@ -14,9 +14,10 @@ from zmq.utils.monitor import recv_monitor_message
 from buffer import ReplayBuffer
 from poller.faults.peer import packed_delta
 from poller.wire.errors import ProtocolError
-from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode, encode
+from poller.wire.protocol import DEFAULT_LIMITS, Kind, Limits, Message, decode
 from poller.wire.tags import unpack_many_tags
 from tests.conftest import wait_until
+from tests.helpers.messages import HEARTBEAT, to_frames
 from tests.test_stream import Peer
 
 
@@ -28,7 +29,7 @@ def _nested(depth: int) -> Any:
 
 
 def _delta(upserts: dict[str, Any], deletes: dict[str, Any] | None = None) -> list[bytes]:
-    return encode(Message(Kind.DELTA, 1, 1, packed_delta(upserts, deletes)))
+    return to_frames(Message(Kind.DELTA, 1, 1, packed_delta(upserts, deletes)))
 
 
 def _received(frames: list[bytes], limits: Limits = DEFAULT_LIMITS) -> None:
@@ -55,13 +56,13 @@ def test_keys_per_message_counts_partitions_upserts_and_deletes() -> None:
 @pytest.mark.parametrize("kind, body", [
     (Kind.DELTA, lambda v: packed_delta({"p": {"k": {"deep": v}}})),
     (Kind.DELTA, lambda v: {**packed_delta({}, sync=0)._asdict(), "extra": v}),
-    (Kind.HEARTBEAT, lambda v: {"polls": 1, "source_errors": 0, "rss": 0, "stalled_s": 0.0, "extra": v}),
+    (Kind.HEARTBEAT, lambda v: {**HEARTBEAT, "extra": v}),
 ])
 def test_nesting_is_bounded_in_every_body(kind: Kind, body: Any) -> None:
     limits = Limits(max_depth=8)
-    _received(encode(Message(kind, 1, 1, body(_nested(3)))), limits)
+    _received(to_frames(Message(kind, 1, 1, body(_nested(3)))), limits)
     with pytest.raises(ProtocolError, match="deeper than 8"):
-        _received(encode(Message(kind, 1, 1, body(_nested(9)))), limits)
+        _received(to_frames(Message(kind, 1, 1, body(_nested(9)))), limits)
 
 
 def test_default_nesting_bound_keeps_snapshot_safe() -> None:
@@ -145,7 +146,7 @@ def test_a_silent_peer_is_reported_stale_then_back(limited: ReplayBuffer, caplog
         assert limited.stats()["stale_peers"] == []
         assert wait_until(lambda: limited.stats()["stale_peers"] == ["quiet"], timeout=5)
         assert wait_until(lambda: any("no message from poller quiet" in r.getMessage() for r in caplog.records))
-        peer.send(Kind.HEARTBEAT, {"polls": 1, "source_errors": 0, "rss": 0, "stalled_s": 0.0})
+        peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, last_seq=peer.seq - 1))
         assert wait_until(lambda: limited.stats()["stale_peers"] == [])
         # A peer that said BYE left on purpose: it is not stale.
         peer.send(Kind.BYE, {"last_seq": peer.seq - 1, "reason": "done"})

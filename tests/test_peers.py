@@ -11,15 +11,16 @@ from typing import Any
 import msgpack
 import pytest
 
-from buffer.partitions import PartitionStore
 from buffer.ratelimit import LogLimiter, clamp_level
+from buffer.store import PartitionStore
 from buffer.stream import RESYNC_RETRY_S, PeerTable, Send
 from poller.faults.peer import packed_delta
-from poller.wire.protocol import Ack, Delta, Heartbeat, Kind, Limits, Log, Message, Ready, encode
-from poller.wire.tags import unpack_many_tags
+from poller.wire.protocol import Ack, Delta, Kind, Limits, Log, Message, Ready
 
 ID = b"p1"
 EPOCH = 41
+from tests.helpers import messages
+from tests.helpers.messages import to_frames
 
 
 def ready(seq: int = 0, epoch: int = EPOCH) -> Message:
@@ -27,13 +28,14 @@ def ready(seq: int = 0, epoch: int = EPOCH) -> Message:
 
 
 def delta(seq: int, upserts: dict[str, Any], *, full: bool = False, reset: bool = False, end: bool = True,
-          deletes: dict[str, list[str]] | None = None, epoch: int = EPOCH, sync: int | None = None) -> Message:
+          deletes: dict[str, list[str]] | None = None, epoch: int = EPOCH, sync: int = 0) -> Message:
     return Message(Kind.DELTA, epoch, seq, packed_delta(upserts, deletes, poll=seq, full=full, reset=reset, end=end,
                                                         sync=sync))
 
 
 def heartbeat(seq: int, last_seq: int | None = None, epoch: int = EPOCH) -> Message:
-    return Message(Kind.HEARTBEAT, epoch, seq, Heartbeat(1, 0, 1, 0.0, last_seq=last_seq))
+    """A HEARTBEAT at ``seq`` saying the last message before it was ``last_seq`` (default: ``seq - 1``)."""
+    return Message(Kind.HEARTBEAT, epoch, seq, messages.heartbeat(last_seq=seq - 1 if last_seq is None else last_seq))
 
 
 def kinds(actions: list[Send]) -> list[Kind]:
@@ -103,10 +105,10 @@ def test_a_heartbeat_whose_last_seq_disagrees_asks_for_a_resync(table: PeerTable
     assert kinds(table.on_message(ID, heartbeat(2, last_seq=7), 0.1)) == [Kind.RESYNC, Kind.ACK]
 
 
-def test_an_older_heartbeat_without_last_seq_gets_no_ack(table: PeerTable) -> None:
+def test_a_heartbeat_in_sequence_is_acknowledged_alone(table: PeerTable) -> None:
     started(table)
-    assert table.on_message(ID, heartbeat(2), 0.1) == []
-    assert kinds(table.on_message(ID, heartbeat(3, last_seq=2), 0.2)) == [Kind.ACK]
+    assert kinds(table.on_message(ID, heartbeat(2), 0.1)) == [Kind.ACK]
+    assert kinds(table.on_message(ID, heartbeat(3), 0.2)) == [Kind.ACK]
 
 
 def test_a_silent_peer_that_comes_back_is_resynced(table: PeerTable) -> None:
@@ -152,7 +154,7 @@ def test_replayed_seq_and_control_kinds_are_protocol_errors(table: PeerTable) ->
 
 def test_frames_are_decoded_within_the_limits(table: PeerTable) -> None:
     table.limits = Limits(max_keys_per_message=2)
-    frames = encode(delta(0, {"p": {"a": {}, "b": {}, "c": {}}}))
+    frames = to_frames(delta(0, {"p": {"a": {}, "b": {}, "c": {}}}))
     assert table.on_frames(ID, frames, 0.0) == []
     assert table.protocol_errors == 1 and table.bytes_received == sum(map(len, frames))
 
@@ -199,7 +201,7 @@ def test_clamp_level(level: int, clamped: int) -> None:
 
 def blobs_delta(seq: int, packed: dict[str, Any], *, full: bool = False, reset: bool = False,
                 end: bool = True) -> Message:
-    return Message(Kind.DELTA, EPOCH, seq, Delta(seq, 1.0, full, reset, end, packed, {}))
+    return Message(Kind.DELTA, EPOCH, seq, Delta(seq, 1.0, full, reset, end, packed, {}, 0))
 
 
 def test_packed_upserts_are_held_as_they_arrived(table: PeerTable) -> None:
@@ -214,8 +216,7 @@ def test_packed_upserts_are_held_as_they_arrived(table: PeerTable) -> None:
 def test_undecodable_packed_tags_break_the_view_and_ask_for_a_resync(table: PeerTable) -> None:
     started(table)
     good, bad = msgpack.packb({"v": 3}), msgpack.packb({"deep": [[[[[[[[[[1]]]]]]]]]]})
-    table.limits = Limits(max_depth=8)
-    table._unpack_tags = lambda blobs: unpack_many_tags(blobs, table.limits)
+    table.limits = table._store.limits = Limits(max_depth=8)
     actions = table.on_message(ID, blobs_delta(2, {"p": [["ok", "deep"], [good, bad]]}), 0.1)
     assert kinds(actions) == [Kind.RESYNC] and table.protocol_errors == 1
     assert "a" in snapshot(table)["p"] and "ok" not in snapshot(table)["p"]  # nothing of that partition changed

@@ -9,10 +9,22 @@ import msgpack
 import pytest
 
 from poller.wire.errors import PollerError, ProtocolError
-from poller.wire.protocol import (PROTOCOL_VERSION, RECORDS, Delta, Kind, Limits, Message, decode, encode, encode_body,
-                                  encode_header, iter_encode_delta, to_record)
+from poller.wire.protocol import (
+    PROTOCOL_VERSION,
+    RECORDS,
+    Delta,
+    Kind,
+    Limits,
+    Message,
+    decode,
+    encode_body,
+    encode_header,
+    iter_encode_delta,
+    to_record,
+)
 from poller.wire.tags import unpack_many_tags, unpack_tags
 from tests.helpers.deltas import delta_tags, packed_sent, pieces_of, polled
+from tests.helpers.messages import HEARTBEAT, to_frames
 
 
 def _encoded(upserts: dict[str, dict[str, Any]], deletes: dict[str, list[str]], **options: Any) -> list[bytes]:
@@ -32,18 +44,19 @@ BODIES: dict[Kind, dict[str, Any]] = {
         "poll": 3, "t": 1700000000.25, "full": True, "reset": True, "end": False,
         "packed": {"train": [["k1", "k2"], [msgpack.packb({"global_steps": 1, "status": "running"}), b"\x80"]],
                    "eval": [["ü-key"], [msgpack.packb({"nested": {"a": [1, 2.5, None, "x"]}})]]},
-        "deletes": {"train": ["k0", "k-1"]},
+        "deletes": {"train": ["k0", "k-1"]}, "sync": 0,
     },
-    Kind.HEARTBEAT: {"polls": 10, "source_errors": 0, "rss": 123456, "stalled_s": 0.0},
+    Kind.HEARTBEAT: {**HEARTBEAT, "polls": 10, "rss": 123456, "quarantined": 1,
+                     "quarantined_keys": [["train", "k9", "its tags could not be read"]]},
     Kind.ERROR: {"type": "RuntimeError", "message": "boom", "traceback": "Traceback ...", "fatal": False,
                  "count": 2},
     Kind.BYE: {"last_seq": 41, "reason": "SIGTERM"},
     Kind.LOG: {"level": 30, "name": "poller.worker", "message": "careful"},
     Kind.STOP: {"reason": "close"},
-    Kind.RESYNC: {"reason": "sequence gap"},
-    Kind.SYNC: {"token": 12},
+    Kind.RESYNC: {"reason": "sequence gap", "after": -1},
+    Kind.SYNC: {"token": 12, "partitions": [], "mark": False},
     Kind.ACK: {"seq": 9},
-    Kind.WATCH: {"partition": "train", "keys": ["p1", "p2"], "seconds": 3.0},
+    Kind.WATCH: {"partition": "train", "keys": ["p1", "p2"], "seconds": 3.0, "every": 2.0},
 }
 
 
@@ -62,13 +75,13 @@ def test_every_kind_is_covered() -> None:
 @pytest.mark.parametrize("kind", list(Kind), ids=lambda k: k.name)
 def test_round_trip_of_every_kind(kind: Kind) -> None:
     message = Message(kind, epoch=2**61 + 5, seq=17, body=BODIES[kind])
-    frames = encode(message)
+    frames = to_frames(message)
     assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
     decoded = decode(frames)
     # Decoded, the body is the kind's record; fields it does not know are left out.
     assert decoded == message._replace(body=to_record(kind, BODIES[kind]))
     assert decoded.kind is kind and isinstance(decoded.body, RECORDS[kind])
-    assert decode(encode(decoded)) == decoded  # a record encodes as well as a map
+    assert decode(to_frames(decoded)) == decoded  # a record encodes as well as a map
     # memoryview frames (what the receiver hands in) decode the same.
     assert decode([memoryview(f) for f in frames]) == decoded
 
@@ -78,8 +91,8 @@ def test_round_trip_of_a_delta_built_from_its_parts() -> None:
     deletes = {"train": ["gone"]}
     raw, = _encoded(upserts, deletes, poll=9, started=12.5, full=False, chunk_items=10, max_frame_bytes=10**6,
                     sync=4)
-    # Upserts travel packed, each key's tags alone; ``upserts`` is written empty, for older buffers.
-    assert msgpack.unpackb(raw)["upserts"] == {}
+    # Tags travel packed, each key's alone; the body holds the record's fields and nothing else.
+    assert set(msgpack.unpackb(raw)) == set(Delta._fields)
     message = decode([encode_header(Kind.DELTA, 1, 3), raw])
     assert message.body.packed == {"train": [["k"], [msgpack.packb({"status": "success", "global_steps": 4})]]}
     assert delta_tags(message.body) == upserts
@@ -87,25 +100,17 @@ def test_round_trip_of_a_delta_built_from_its_parts() -> None:
                                                      deletes=deletes, sync=4)
 
 
-def test_a_delta_with_upserts_is_refused() -> None:
-    """Protocol 2's first form, tags as plain maps in ``upserts``: refused, and the message says why."""
-    frames = [header(kind=int(Kind.DELTA)), body(dict(BODIES[Kind.DELTA], upserts={"p": {"k": {"v": 1}}}))]
-    with pytest.raises(ProtocolError, match="upserts must be empty.*packed"):
-        decode(frames)
-    decode([header(kind=int(Kind.DELTA)), body(dict(BODIES[Kind.DELTA], upserts={}))])  # empty: accepted
-
-
 @pytest.mark.parametrize("kind, field, value", [(Kind.SYNC, "token", 0), (Kind.SYNC, "token", "1"),
                                                 (Kind.DELTA, "sync", -1), (Kind.DELTA, "sync", 1.5)])
 def test_sync_tokens_are_positive_ints(kind: Kind, field: str, value: Any) -> None:
     with pytest.raises(ProtocolError, match=field):
-        decode(encode(Message(kind, 5, 1, {**BODIES[kind], field: value})))
+        decode(to_frames(Message(kind, 5, 1, {**BODIES[kind], field: value})))
 
 
 # -- decode rejects, with ProtocolError only ------------------------------------------------------
 
 def _valid_frames(kind: Kind = Kind.DELTA) -> list[bytes]:
-    return encode(Message(kind, 5, 1, BODIES[kind]))
+    return to_frames(Message(kind, 5, 1, BODIES[kind]))
 
 
 @pytest.mark.parametrize("frames", [[], [b"x"], _valid_frames()[:1], _valid_frames() + [b""]],
@@ -184,7 +189,7 @@ def test_every_missing_field_is_refused(kind: Kind) -> None:
     from poller.wire.protocol import RECORDS
 
     record = RECORDS[kind]
-    for name in (n for n in record._fields if n not in record._field_defaults):
+    for name in record._fields:
         broken = {k: v for k, v in BODIES[kind].items() if k != name}
         with pytest.raises(ProtocolError, match=repr(name)):
             decode([header(kind=int(kind)), body(broken)])
@@ -213,20 +218,9 @@ def test_mistyped_field(kind: Kind, name: str, value: Any) -> None:
         encode_body(kind, broken)
 
 
-@pytest.mark.parametrize("upserts, deletes", [
-    ({"train": {"k": [1, 2]}}, {}),
-    ({"train": {"k": "running"}}, {}),
-    ({"train": {"k": None}}, {}),
-    ({"train": ["k"]}, {}),
-    ([], {}),
-    (None, {}),
-    ({}, {"train": "k"}),
-    ({}, {"train": [1]}),
-    ({}, ["k"]),
-    ({}, None),
-], ids=lambda v: repr(v))
-def test_delta_items_are_checked(upserts: Any, deletes: Any) -> None:
-    broken = dict(BODIES[Kind.DELTA], upserts=upserts, deletes=deletes)
+@pytest.mark.parametrize("deletes", [{"train": "k"}, {"train": [1]}, ["k"], None], ids=lambda v: repr(v))
+def test_delta_deletes_are_checked(deletes: Any) -> None:
+    broken = dict(BODIES[Kind.DELTA], deletes=deletes)
     with pytest.raises(ProtocolError, match="DELTA"):
         decode([header(kind=int(Kind.DELTA)), body(broken)])
     with pytest.raises(ProtocolError, match="DELTA"):
@@ -299,11 +293,11 @@ def test_non_str_map_keys_are_refused() -> None:
 def test_oversized_frames() -> None:
     limits = Limits(max_frame_bytes=256)
     big = dict(BODIES[Kind.LOG], message="x" * 300)
-    frames = encode(Message(Kind.LOG, 1, 0, big))
+    frames = to_frames(Message(Kind.LOG, 1, 0, big))
     assert decode(frames).body.message == "x" * 300  # fine with the default limits
     with pytest.raises(ProtocolError, match="exceeds 256"):
         decode(frames, limits)
-    just_fits = encode(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="")))
+    just_fits = to_frames(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="")))
     assert len(just_fits[1]) <= 256
     assert decode(just_fits, limits).kind is Kind.LOG
     with pytest.raises(ProtocolError, match="header"):
@@ -311,11 +305,11 @@ def test_oversized_frames() -> None:
 
 
 def test_string_and_item_limits() -> None:
-    frames = encode(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="y" * 100)))
+    frames = to_frames(Message(Kind.LOG, 1, 0, dict(BODIES[Kind.LOG], message="y" * 100)))
     with pytest.raises(ProtocolError):
         decode(frames, Limits(max_str_len=50))
     many = dict(BODIES[Kind.DELTA], packed={"train": [[f"k{i}" for i in range(20)], [b"\x80"] * 20]})
-    frames = encode(Message(Kind.DELTA, 1, 0, many))
+    frames = to_frames(Message(Kind.DELTA, 1, 0, many))
     with pytest.raises(ProtocolError):
         decode(frames, Limits(max_items=10))
 
@@ -340,7 +334,7 @@ def test_extension_types_are_refused() -> None:
 
 def test_fuzzed_frames_raise_only_protocol_error() -> None:
     rng = random.Random(1234)
-    seeds = [encode(Message(kind, 3, 2, BODIES[kind])) for kind in Kind]
+    seeds = [to_frames(Message(kind, 3, 2, BODIES[kind])) for kind in Kind]
     accepted = refused = 0
     for _ in range(3000):
         head, raw = (bytearray(f) for f in rng.choice(seeds))

@@ -64,9 +64,10 @@ def test_poller_all() -> None:
     for name in poller.__all__:
         assert hasattr(poller, name)
     assert PollerProcess is buffer.process.PollerProcess
-    assert load_source is poller.wire.sources.load_source
+    assert load_source is poller.sources.contract.load_source
     # Where README names them too.
-    from poller.wire import curve, errors, protocol, sources
+    from poller.sources import contract as sources
+    from poller.wire import curve, errors, protocol
 
     assert poller.Limits is protocol.Limits and poller.CurveServer is curve.CurveServer
     assert poller.SourceStall is sources.SourceStall and poller.RemoteTraceback is errors.RemoteTraceback

@@ -20,11 +20,12 @@ import zmq
 
 from buffer.process import PollerProcess
 from poller.sources.sqlite import SqliteSource
-from poller.wire.protocol import Delta, Kind, Message, Resync, Sync, decode, encode
+from poller.wire.protocol import Delta, Kind, Message, Resync, Sync, decode
 
 pytestmark = pytest.mark.timeout(60)
 
 DEADLINE_S = 20.0
+from tests.helpers.messages import to_frames
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def _snapshot_start(sock: zmq.Socket, deadline: float) -> tuple[bytes, Message]:
 
 
 def _send(sock: zmq.Socket, identity: bytes, message: Message) -> None:
-    sock.send_multipart([identity, *encode(message)])
+    sock.send_multipart([identity, *to_frames(message)])
 
 
 def test_a_resync_the_latest_snapshot_answers_is_skipped_and_a_later_one_is_not(router, db: str,
@@ -83,19 +84,19 @@ def test_a_resync_the_latest_snapshot_answers_is_skipped_and_a_later_one_is_not(
         # Asked "after" a seq before that snapshot: it already answers, so no second one comes.
         _send(sock, identity, Message(Kind.RESYNC, epoch, 0, Resync("test", after=first.seq - 1)))
         # A SYNC round trip proves the poller read the RESYNC and listed since (one socket, in order).
-        _send(sock, identity, Message(Kind.SYNC, epoch, 0, Sync(token=1)))
+        _send(sock, identity, Message(Kind.SYNC, epoch, 0, Sync(token=1, partitions=[], mark=False)))
         while True:
             _, message = _next(sock, Kind.DELTA, deadline)
             body = message.body
             assert not (body.full and body.reset), "a second snapshot answered a resync already answered"
-            if body.end and (body.sync or 0) >= 1:
+            if body.end and body.sync >= 1:
                 break
         # Asked after the latest seq received: a new snapshot, as before.
         _send(sock, identity, Message(Kind.RESYNC, epoch, 0, Resync("test", after=message.seq)))
         _, again = _snapshot_start(sock, deadline)
         assert again.seq > message.seq
-        # Without "after" (an older buffer) every RESYNC is answered.
-        _send(sock, identity, Message(Kind.RESYNC, epoch, 0, Resync("test")))
+        # Asked after no message received (-1): every such RESYNC is answered.
+        _send(sock, identity, Message(Kind.RESYNC, epoch, 0, Resync("test", after=-1)))
         _, third = _snapshot_start(sock, deadline)
         assert third.seq > again.seq
     finally:

@@ -26,8 +26,9 @@ from poller.cli import main
 from poller.faults.peer import packed_delta
 from poller.sources.sqlite import SqliteSource
 from poller.wire.curve import CurveClient, CurveServer, generate_pair, load_key_pair, load_public_key, make_keys
-from poller.wire.protocol import Kind, Message, decode, encode
+from poller.wire.protocol import Kind, Message, decode
 from tests.conftest import wait_until
+from tests.helpers.messages import HEARTBEAT, to_frames
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 NOBODY = 65534
@@ -186,13 +187,13 @@ class _Dealer:
 
     def send_snapshot(self, items: dict[str, Any], epoch: int = 5, join: bool = False) -> None:
         """READY, then a snapshot; with ``join``, one answering the token the buffer asks a first listing with."""
-        self.sock.send_multipart(encode(Message(Kind.READY, epoch, 0, {"pid": 1, "name": "x", "interval": 0.1})))
-        token = None
-        while join and token is None and self.sock.poll(10_000):
+        self.sock.send_multipart(to_frames(Message(Kind.READY, epoch, 0, {"pid": 1, "name": "x", "interval": 0.1})))
+        token = 0
+        while join and not token and self.sock.poll(10_000):
             message = decode(self.sock.recv_multipart())
             if message.kind is Kind.SYNC:
                 token = message.body.token
-        self.sock.send_multipart(encode(Message(Kind.DELTA, epoch, 1, packed_delta({"p": items}, full=True,
+        self.sock.send_multipart(to_frames(Message(Kind.DELTA, epoch, 1, packed_delta({"p": items}, full=True,
                                                                                    reset=True, sync=token))))
 
     def close(self) -> None:
@@ -318,8 +319,9 @@ def test_a_peer_cannot_flood_the_trainers_log(caplog: pytest.LogCaptureFixture) 
         for _ in range(100):
             for _ in range(3):  # forwarded LOG has a larger budget (100 a minute) than the rest (10)
                 peer.send(Kind.LOG, {"level": 10**6, "name": "x", "message": "y" * 100_000})
-            peer.send(Kind.ERROR, {"type": "E", "message": "z" * 100_000, "traceback": "", "fatal": False})
-            peer.send(Kind.HEARTBEAT, {"polls": 0, "source_errors": 0, "rss": 0, "stalled_s": 0.0},
+            peer.send(Kind.ERROR, {"type": "E", "message": "z" * 100_000, "traceback": "", "fatal": False,
+                                   "count": 1})
+            peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, last_seq=peer.seq - 1),
                       seq=peer.seq + 1)  # a gap every time
         assert wait_until(lambda: rb.stats()["messages"] >= 501, timeout=20)
         assert rb.stats()["source_errors"] == 100  # all counted, whatever was logged

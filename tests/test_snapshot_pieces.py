@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from poller.diff import ListingReader, Sent
-from poller.polling import PollingThread
+from poller.polling import MAX_FAILURES, PollingThread
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import DEFAULT_LIMITS, Kind
 
@@ -116,7 +116,7 @@ def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_han
         emitted.append(kind)
         return True
 
-    thread = PollingThread(store, emit, interval=0.01, max_failures=3)
+    thread = PollingThread(store, emit, interval=0.01)
     thread.start()
     try:
         thread.join(JOIN_TIMEOUT)
@@ -126,8 +126,8 @@ def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_han
         thread.join(JOIN_TIMEOUT)
         store.close()
     # Each attempt sent the pieces before the failure, then failed; the store was free for the next one.
-    assert store.snapshots == 3 and isinstance(thread.failed, sqlite3.OperationalError)
-    assert emitted.count(Kind.ERROR) == 3 and Kind.DELTA in emitted
+    assert store.snapshots == MAX_FAILURES and isinstance(thread.failed, sqlite3.OperationalError)
+    assert emitted.count(Kind.ERROR) == MAX_FAILURES and Kind.DELTA in emitted
 
 
 def test_the_reader_times_a_listing_read_in_pieces_once_it_is_read(db: Path) -> None:

@@ -1,7 +1,7 @@
 """A real poller over 100k keys: the first listing, a change set and a resync leave the buffer equal to the store.
 
 Snapshots travel packed per key and the buffer keeps the bytes as they
-arrived (:meth:`buffer.partitions.PartitionStore.apply`); whatever
+arrived (:meth:`buffer.store.PartitionStore.apply`); whatever
 shortcut that takes, what the buffer holds must be what the store lists.
 """
 

@@ -12,12 +12,11 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller import PollerProcess, ProtocolError
-from poller.wire.protocol import Kind, Message, as_map, decode, encode
+from poller.wire.protocol import Kind, Message, as_map, decode
 from tests.conftest import wait_until
+from tests.helpers.messages import HEARTBEAT, to_frames
 from tests.helpers.stalls import call_starts
 from tests.test_stream import Peer
-
-HEARTBEAT = {"polls": 1, "source_errors": 0, "rss": 1, "stalled_s": 0.0}
 
 
 def _stall_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -63,25 +62,27 @@ def test_the_receiver_sums_stalls_over_poller_restarts():
         try:
             peer.ready(join=False)  # heartbeats only: no listing to make
             for count in (2, 3, 3):
-                peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=count))
+                peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=count, last_seq=peer.seq - 1))
             assert wait_until(lambda: rb.stats()["source_stalls"] == 3)
             peer.epoch, peer.seq = 6, 0  # a restarted poller counts from zero again
             peer.ready(join=False)
-            peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=1))
+            peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=1, last_seq=peer.seq - 1))
             assert wait_until(lambda: rb.stats()["source_stalls"] == 4)
-            peer.send(Kind.HEARTBEAT, HEARTBEAT)  # an older poller sends no count
+            peer.send(Kind.HEARTBEAT, dict(HEARTBEAT, source_stalls=1, last_seq=peer.seq - 1))  # none new
             assert wait_until(lambda: rb.stats()["messages"] == 7)  # 2 READY and 5 HEARTBEAT
             assert rb.stats()["source_stalls"] == 4 and rb.stats()["protocol_errors"] == 0
         finally:
             peer.close()
 
 
-def test_the_heartbeat_stall_count_is_optional_but_checked():
-    for body in (HEARTBEAT, dict(HEARTBEAT, source_stalls=0), dict(HEARTBEAT, source_stalls=12)):
-        assert as_map(Kind.HEARTBEAT, decode(encode(Message(Kind.HEARTBEAT, 1, 1, body))).body) == body
+def test_the_heartbeat_stall_count_is_required_and_checked():
+    for body in (HEARTBEAT, dict(HEARTBEAT, source_stalls=12)):
+        assert as_map(Kind.HEARTBEAT, decode(to_frames(Message(Kind.HEARTBEAT, 1, 1, body))).body) == body
+    with pytest.raises(ProtocolError, match="lacks field 'source_stalls'"):
+        to_frames(Message(Kind.HEARTBEAT, 1, 1, {k: v for k, v in HEARTBEAT.items() if k != "source_stalls"}))
     for bad in (-1, "3", 1.5, True, None):
         with pytest.raises(ProtocolError, match="source_stalls"):
-            encode(Message(Kind.HEARTBEAT, 1, 1, dict(HEARTBEAT, source_stalls=bad)))
+            to_frames(Message(Kind.HEARTBEAT, 1, 1, dict(HEARTBEAT, source_stalls=bad)))
 
 
 STALL_S = 3.0  # a store that stops answering: the call gives up after this long (TransferQueue's call_timeout)

@@ -1,4 +1,4 @@
-"""The source contract (poller.wire.sources): one Protocol per capability, checked once when a source is
+"""The source contract (poller.sources.contract): one Protocol per capability, checked once when a source is
 loaded, what it offers then read from one record. The packed-listing rule: tests/test_tq_packed.py; a
 malformed source failing a real poller's start-up: tests/test_lifecycle.py."""
 
@@ -9,16 +9,16 @@ from typing import Any
 
 import pytest
 
-from buffer.verl.store import _open_client
+from buffer.verl.link import _open_client
 from poller.faults import slow
-from poller.sources.sqlite import SqliteSource
-from poller.wire.sources import (
+from poller.sources.contract import (
     ChangeFeed,
     Source,
     capabilities,
     load_source,
     resolve_spec,
 )
+from poller.sources.sqlite import SqliteSource
 from tests.helpers.sources import HalfChangeFeed, ListedSqlite, WatchedSqlite
 
 
@@ -91,11 +91,12 @@ def test_load_names_the_spec_of_a_malformed_source() -> None:
 def test_what_each_source_offers_is_read_from_one_record(tmp_path: Path) -> None:
     store = SqliteSource(tmp_path / "kv.db")
     try:
-        offered = capabilities(load_source("poller.sources.sqlite:SqliteSource", {"path": str(tmp_path / "kv.db")}))
-        assert isinstance(offered.source, SqliteSource) and offered.change_feed
+        loaded = load_source("poller.sources.sqlite:SqliteSource", {"path": str(tmp_path / "kv.db")})
+        offered = capabilities(loaded)
+        assert isinstance(loaded, SqliteSource) and offered.change_feed
         assert offered.kv_list_packed is None and offered.kv_watch is None
-        assert offered.kv_snapshot_pieces is not None
-        offered.source.close()
+        assert offered.kv_snapshot_pieces is not None and offered.kv_changes == loaded.kv_changes
+        loaded.close()
         assert isinstance(store, ChangeFeed)
         assert capabilities(store).change_feed and capabilities(store).kv_watch is None
         with pytest.raises(AttributeError):

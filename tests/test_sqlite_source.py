@@ -11,8 +11,9 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from poller.sources.contract import load_source
 from poller.sources.sqlite import SqliteSource
-from poller.wire.sources import UnreadableValue, load_source
+from poller.wire.vocabulary import UnreadableValue
 from tests.helpers.sources import nested_past_any_limit
 
 JOIN_TIMEOUT = 30.0

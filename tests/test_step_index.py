@@ -4,8 +4,8 @@ The model keeps each key's arrival number and tags; the index must hold
 exactly what follows from them: running keys per step, "success" keys with
 their arrival numbers (overall and per step), and every other key's arrival
 number in ``arrival``. Keys go through every status, step and removal, and
-snapshots of new keys and a poll's changed keys are told at once
-(``on_added``, ``on_replaced``), as the store does.
+snapshots of new keys are told at once (``on_added``) and a poll's changed keys one by one, as the store
+does.
 """
 
 from __future__ import annotations
@@ -69,8 +69,8 @@ def test_the_index_holds_what_the_changes_imply(seed: int) -> None:
         elif model and rng.random() < 0.2:  # a poll's changed keys, told at once
             keys = rng.sample(sorted(model), rng.randint(1, len(model)))
             news = [_tags(rng) for _ in keys]
-            index.on_replaced("train", keys, [model[key][1] for key in keys], news)
             for key, new in zip(keys, news):
+                index.on_change("train", key, model[key][1], new)
                 model[key] = (model[key][0], new)
         else:
             key = rng.choice(KEYS)

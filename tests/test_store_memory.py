@@ -8,10 +8,11 @@ from fractions import Fraction
 import msgpack
 import pytest
 
-from buffer.partitions import PartitionStore
+import buffer.store
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
-from poller.wire.protocol import Delta
+from buffer.store import PartitionStore
+from poller.wire.protocol import Delta, Limits
 from poller.wire.tags import unpack_many_tags
 from tests.helpers.deltas import apply, apply_blobs
 
@@ -92,7 +93,7 @@ def _packed(items: dict[str, dict[str, object]]) -> tuple[list[str], list[bytes]
     return list(items), [msgpack.packb(tags, use_bin_type=True) for tags in items.values()]
 
 
-def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy():
+def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy(monkeypatch: pytest.MonkeyPatch):
     store = PartitionStore()
     policy = _Counting()
     store.attach(policy)
@@ -101,12 +102,13 @@ def test_packed_tags_held_already_cost_no_decode_and_tell_no_policy():
     assert len(policy.changes) == 100 and store.snapshot("train") == items
     unpacked: list[bytes] = []
 
-    def counting_unpack(blobs: list[bytes]) -> list[dict]:
+    def counting_unpack(blobs: list[bytes], limits: Limits) -> list[dict]:
         unpacked.extend(blobs)
-        return unpack_many_tags(blobs)
+        return unpack_many_tags(blobs, limits)
 
+    monkeypatch.setattr(buffer.store, "unpack_many_tags", counting_unpack)  # the codec, counted
     items["k7"] = {"global_steps": 7, "status": "failure"}
-    store.apply("src", 1, Delta(2, 0.0, True, True, True, {"train": [*_packed(items)]}, {}), counting_unpack)
+    store.apply("src", 1, Delta(2, 0.0, True, True, True, {"train": [*_packed(items)]}, {}, 0))
     assert unpacked == [msgpack.packb(items["k7"])]  # only the changed key was unpacked
     assert policy.changes[100:] == [("k7", {"global_steps": 7, "status": "success"}, items["k7"])]
     assert store.snapshot("train") == items

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from buffer import ReplayBuffer
-from buffer.partitions import PartitionStore
+from buffer.store import PartitionStore
 from buffer.stream import StreamReceiver
 from poller.faults.peer import RoguePeer as Peer
 from poller.wire.protocol import Kind, encode_body, encode_header

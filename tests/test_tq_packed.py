@@ -15,9 +15,9 @@ import msgpack
 import pytest
 
 from poller.diff import Diff
+from poller.sources.contract import PackedItems, capabilities
 from poller.sources.transferqueue import KV_LIST, TransferQueueReplyError, decode_listing_reply, decode_reply
 from poller.wire.protocol import DEFAULT_LIMITS
-from poller.wire.sources import PackedItems, capabilities
 from poller.wire.tags import pack_tags
 from tests.helpers.deltas import polled
 from tests.test_transferqueue_source import GOOD, REPLIES, _reply, typed

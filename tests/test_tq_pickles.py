@@ -13,9 +13,9 @@ import time
 import msgpack
 import pytest
 
-from poller.sources.transferqueue import KV_LIST, TransferQueueReplyError, decode_reply
 from poller.sources.tq_values import MAX_ELEMENTS, UnreadableKey, plain, restricted_loads
-from poller.wire.sources import UnreadableValue
+from poller.sources.transferqueue import KV_LIST, TransferQueueReplyError, decode_reply
+from poller.wire.vocabulary import UnreadableValue
 from tests.test_transferqueue_source import GOOD, _reply, typed
 
 

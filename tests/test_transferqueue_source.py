@@ -21,6 +21,7 @@ import zmq
 
 from buffer import ReplayBuffer
 from poller import PollerStartupError
+from poller.sources.contract import SourceStall
 from poller.sources.transferqueue import (
     KNOWN_VERSIONS,
     KV_LIST,
@@ -32,7 +33,7 @@ from poller.sources.transferqueue import (
     encode_request,
     source_kwargs,
 )
-from poller.wire.sources import SourceStall, UnreadableValue
+from poller.wire.vocabulary import UnreadableValue
 from tests.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent

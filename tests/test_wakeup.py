@@ -1,11 +1,11 @@
-"""The self-pipe that wakes a waiting thread (poller.wire.wakeup.WakePipe)."""
+"""The self-pipe that wakes a waiting thread (poller.common.wakeup.WakePipe)."""
 
 from __future__ import annotations
 
 import os
 import select
 
-from poller.wire.wakeup import WakePipe
+from poller.common.wakeup import WakePipe
 
 
 def test_a_poke_after_close_writes_nowhere_not_into_a_file_that_reused_the_number() -> None:

@@ -17,11 +17,13 @@ import msgpack
 import pytest
 
 from buffer import ReplayBuffer
+from buffer.verl import waiting
 from poller.duty import ListingDuty
 from poller.sources.sqlite import SqliteSource
 from poller.wire.errors import ProtocolError
-from poller.wire.protocol import MAX_WATCH_KEYS, Heartbeat, Kind, Message, Watch, decode, encode, encode_header
+from poller.wire.protocol import MAX_WATCH_KEYS, Kind, Message, Watch, decode, encode_header
 from tests.conftest import wait_until
+from tests.helpers.messages import heartbeat, to_frames
 
 WATCHED = "tests.helpers.sources:WatchedSqlite"
 # Far longer than any wait below: a listing that comes sooner was brought forward by the watch (or a SYNC).
@@ -44,8 +46,14 @@ def _decide_in_thread(rb: ReplayBuffer, attempt: Callable[[], bool | None], watc
 
     def run() -> None:
         try:
-            outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test",
-                                          watch=watch))
+            # With a watch, the decision waits as buffer.verl's calls do (a listing every 2 s, verl's, and the
+            # watch bringing one forward); without one, on the poller's own schedule.
+            if watch is None:
+                outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test"))
+            else:
+                outcome.append(waiting.decide(rb.seam, attempt, partition_id="train", timeout=timeout,
+                                              describe=lambda: "test", log_every=None, what="test", poll_every=2.0,
+                                              on_poll=lambda: None, version=None, watch=watch))
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             outcome.append(exc)
 
@@ -150,7 +158,7 @@ def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: st
     """A trainer that stops renewing (stopped, dead) leaves nothing read on its behalf for long."""
     store.kv_put("p", "train", tag={"status": "running"})
     with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-        rb.seam._listings.watch("train", ["p"], 1.0)  # one WATCH, never renewed
+        rb.seam._listings.watch("train", ["p"], 1.0, 2.0)  # one WATCH, never renewed
         assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
         time.sleep(2.5)  # the watch lapsed; the last heartbeat counted every read
         reads = rb.stats()["watch_reads"]
@@ -161,10 +169,10 @@ def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: st
 
 def test_watch_messages_cross_the_wire_and_bad_ones_are_refused() -> None:
     body = Watch("train", ["a", "b"], 3.0, 2.0)
-    message = decode(encode(Message(Kind.WATCH, 5, 1, body)))
+    message = decode(to_frames(Message(Kind.WATCH, 5, 1, body)))
     assert message.kind is Kind.WATCH and message.body == body
-    beat = Heartbeat(polls=1, source_errors=0, rss=1, stalled_s=0.0, watch_reads=7, watch_listings=2)
-    assert decode(encode(Message(Kind.HEARTBEAT, 5, 2, beat))).body == beat
+    beat = heartbeat(watch_reads=7, watch_listings=2)
+    assert decode(to_frames(Message(Kind.HEARTBEAT, 5, 2, beat))).body == beat
     for bad, match in (({"partition": "train", "keys": ["k"] * (MAX_WATCH_KEYS + 1), "seconds": 1.0}, "keys"),
                        ({"partition": "train", "keys": [1], "seconds": 1.0}, "keys"),
                        ({"partition": "train", "keys": ["k"], "seconds": -1.0}, "wrong value"),
@@ -198,9 +206,10 @@ def test_a_waiting_decision_lists_at_its_own_times_whatever_the_watch_brought_fo
 
         def run() -> None:
             try:
-                outcome.append(rb.seam.decide(_finished(rb, "p"), partition_id="train", timeout=20.0,
-                                              describe=lambda: "test", poll_every=2.0, watch=lambda: ["p"],
-                                              on_poll=lambda: asked.append(time.monotonic() - started)))
+                outcome.append(waiting.decide(rb.seam, _finished(rb, "p"), partition_id="train", timeout=20.0,
+                                              describe=lambda: "test", log_every=None, what="test", poll_every=2.0,
+                                              on_poll=lambda: asked.append(time.monotonic() - started),
+                                              version=None, watch=lambda: ["p"]))
             except BaseException as exc:  # noqa: BLE001 - the test reports it
                 outcome.append(exc)
 

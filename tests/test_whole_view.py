@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
+from buffer.store import PartitionStore
 from buffer.verl import ReplayBuffer as VerlSampler
 from poller.sources.sqlite import SqliteSource
-from tests.helpers.deltas import apply
 from tests.conftest import wait_until
+from tests.helpers.deltas import apply
 
 SQLITE = "poller.sources.sqlite:SqliteSource"
 # Longer than the constructor's capped wait for the first listing (5 s).

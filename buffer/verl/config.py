@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from poller.wire.arguments import check_count, check_optional_seconds, check_seconds
-from poller.wire.sources import SourceSpec
+from poller.common.checks import check_count, check_optional_seconds, check_seconds
+from poller.sources.contract import SourceSpec
 
 __all__ = ["SamplerConfig", "DEFAULT_POLL_INTERVAL", "SAMPLER_KWARGS", "VERL_ATTRIBUTES", "VerlConfigError"]
 
@@ -121,7 +121,7 @@ class SamplerConfig:
                      buffer_kwargs=buffer_kwargs, **options)
         try:
             config._check()
-        except ValueError as exc:  # poller.wire.arguments' checks too: one class for every configuration error
+        except ValueError as exc:  # poller.common.checks' checks too: one class for every configuration error
             raise exc if isinstance(exc, VerlConfigError) else VerlConfigError(str(exc)) from None
         return config
 

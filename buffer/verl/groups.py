@@ -212,11 +212,6 @@ class GroupIndex:
             del self._parts[partition_id]
             del self._versions[partition_id]
 
-    def on_replaced(self, partition_id: str, keys: list[str], olds: list[Tags], news: list[Tags]) -> None:
-        """:meth:`on_change` of each key held before (the store leaves out those whose group tags kept their values)."""
-        for key, old, new in zip(keys, olds, news):
-            self.on_change(partition_id, key, old, new)
-
     def partition(self, partition_id: str) -> GroupPartition:
         """The groups of ``partition_id`` (an empty, shared view if it has none); read it under the lock."""
         return self._parts.get(partition_id, _EMPTY)

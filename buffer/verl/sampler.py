@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union, cast
 
-from buffer.arguments import check_verl_call
 from buffer.process import ShutdownReport
+from buffer.verl import waiting
 from buffer.verl.config import VERL_ATTRIBUTES, SamplerConfig
 from buffer.verl.groups import (
     DrainState,
@@ -22,14 +22,14 @@ from buffer.verl.groups import (
     plan_sync,
     sampleable_count,
 )
-from buffer.verl.store import StoreLink
+from buffer.verl.link import StoreLink
 
 __all__ = ["SAMPLER_METRICS", "WATCHED_PROMPTS", "ReplayBuffer", "ReplayBufferAsync", "VerlBatch"]
 
 #: What a rule decides: a plan to carry out, or (get_sampleable_count) a count.
 Decision = Union[Plan, int]
 
-#: The most prompts a waiting call has its poller watch (poller.polling), newest first: reading them costs
+#: The most prompts a waiting call has its poller watch (poller.watch), newest first: reading them costs
 #: TransferQueue's controller ~0.3 ms, a fraction of a listing at 100k keys.
 WATCHED_PROMPTS = 64
 
@@ -66,6 +66,24 @@ def _figures(waited: float, ages: list[float], left: dict[str, int], listings: i
                "sampler/view_fresh": 1.0 if fresh else 0.0}
     figures.update((f"sampler/groups_left/{status}", float(count)) for status, count in left.items())
     return figures
+
+
+def check_call(name: str, global_steps: Any, partition_id: Any, count: Any = None,
+                    count_name: str = "batch_size") -> str:
+    """Check a sampler call's arguments; return the call as text, for its logs and errors.
+
+    Raises:
+        TypeError: ``global_steps`` is not an int, ``partition_id`` not a non-empty str.
+        ValueError: the batch size / target count is not an int >= 0.
+    """
+    if not isinstance(global_steps, int) or isinstance(global_steps, bool):
+        raise TypeError(f"global_steps must be an int, got {global_steps!r}")
+    if not isinstance(partition_id, str) or not partition_id:
+        raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+        raise ValueError(f"the batch size / target count must be an int >= 0, got {count!r}")
+    tail = "" if count is None else f", {count_name}={count}"
+    return f"{name}(global_steps={global_steps}, partition_id={partition_id!r}{tail})"
 
 
 @dataclass
@@ -165,7 +183,7 @@ class ReplayBuffer:
             ValueError: a prompt in the partition has an unknown status.
             PollerCrashed, BufferClosed: the poller is dead for good / the sampler was closed.
         """
-        what = check_verl_call("sample", global_steps, partition_id, batch_size)
+        what = check_call("sample", global_steps, partition_id, batch_size)
         config, state = self._config, DrainState()
         started, asked, reads = time.monotonic(), self._counters["syncs"] + self._counters["wait_polls"], self._reads()
         plan, metrics = self._run(what, partition_id, lambda part: (
@@ -195,7 +213,7 @@ class ReplayBuffer:
 
     def get_sampleable_count(self, global_steps: int, partition_id: str) -> int:
         """How many terminal groups the rules would let ``sample`` hand out now (nothing is consumed)."""
-        what = check_verl_call("get_sampleable_count", global_steps, partition_id)
+        what = check_call("get_sampleable_count", global_steps, partition_id)
         count, _ = self._run(what, partition_id,
                              lambda part: sampleable_count(part, self._config, partition_id, global_steps))
         assert isinstance(count, int)
@@ -261,8 +279,8 @@ class ReplayBuffer:
 
         config = self._config
         try:
-            return cast(Decision, seam.decide(
-                attempt, partition_id=partition_id,
+            return cast(Decision, waiting.decide(
+                seam, attempt, partition_id=partition_id,
                 timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                 describe=lambda: self._index.partition(partition_id).describe(partition_id),
                 log_every=config.log_interval, what=what, poll_every=config.poll_interval,
@@ -342,7 +360,7 @@ class ReplayBufferAsync(ReplayBuffer):
 
         Returns their uids and the eviction metrics; nothing is consumed.
         """
-        what = check_verl_call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
+        what = check_call("wait_for_sampleable", global_steps, partition_id, target_count, "target_count")
         plan, metrics = self._run(what, partition_id, lambda part: plan_async(part, self._config, partition_id,
                                                                               global_steps, target_count, False))
         assert isinstance(plan, Plan)

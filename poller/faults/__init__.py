@@ -36,7 +36,7 @@ import time
 from typing import Any, Mapping
 
 from poller.faults.shapes import GARBAGE
-from poller.wire.sources import SourceSpec, SourceStall, load_source
+from poller.sources.contract import SourceSpec, SourceStall, load_source
 
 __all__ = [
     "FAULTS",
@@ -377,7 +377,7 @@ class _Stall(Fault):
 
 def stall(*, seconds: float = 1.0, **trigger: Any) -> Fault:
     """The store stops answering a client with a deadline: each call gives up after ``seconds`` with
-    :class:`~poller.wire.sources.SourceStall`, as the TransferQueue source does at its ``call_timeout``."""
+    :class:`~poller.sources.contract.SourceStall`, as the TransferQueue source does at its ``call_timeout``."""
     return _Stall(seconds=seconds, **trigger)
 
 

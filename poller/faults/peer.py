@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import zmq
 
-from poller.wire.protocol import Delta, Kind, Message, decode, encode, encode_header
+from poller.wire.protocol import Delta, Kind, Message, decode, encode_body, encode_header
 from poller.wire.tags import pack_tags
 
 __all__ = ["RoguePeer", "WIRE_FAULTS", "packed_delta"]
@@ -48,7 +48,7 @@ WIRE_FAULTS: dict[str, Any] = {
 
 
 def packed_delta(upserts: dict[str, Any], deletes: dict[str, Any] | None = None, *, poll: int = 1,
-                 full: bool = False, reset: bool = False, end: bool = True, sync: int | None = None) -> Delta:
+                 full: bool = False, reset: bool = False, end: bool = True, sync: int = 0) -> Delta:
     """A DELTA of ``{partition: {key: tags}}``, each key's tags packed alone as a poller packs them."""
     packed = {partition: [list(items), [pack_tags(tags) for tags in items.values()]]
               for partition, items in upserts.items()}
@@ -72,7 +72,8 @@ class RoguePeer:
     def send(self, kind: Kind, body: Any, seq: int | None = None, epoch: int | None = None) -> None:
         """A well-formed message; ``seq`` defaults to the next one."""
         seq = self.seq if seq is None else seq
-        self.sock.send_multipart(encode(Message(kind, self.epoch if epoch is None else epoch, seq, body)))
+        self.sock.send_multipart([encode_header(kind, self.epoch if epoch is None else epoch, seq),
+                                  encode_body(kind, body)])
         self.seq = seq + 1
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
@@ -98,7 +99,7 @@ class RoguePeer:
     def delta(self, upserts: dict[str, Any], deletes: dict[str, Any] | None = None, *, full: bool = False,
               reset: bool = False, seq: int | None = None) -> None:
         """A whole poll, ``{partition: {key: tags}}`` packed as a poller packs them."""
-        self.send(Kind.DELTA, packed_delta(upserts, deletes, full=full, reset=reset, sync=self.token or None), seq=seq)
+        self.send(Kind.DELTA, packed_delta(upserts, deletes, full=full, reset=reset, sync=self.token), seq=seq)
 
     def recv(self, timeout: float = 5.0) -> Message | None:
         """The next control message for this peer, or None after ``timeout``."""

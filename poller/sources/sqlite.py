@@ -177,7 +177,7 @@ class SqliteSource:
 
         One ``SELECT``: a consistent snapshot while others write. A row another tool wrote never fails the
         listing (:data:`~poller.sources.sqlite_io.StoredListing`): tags that are no JSON object are an
-        :class:`~poller.wire.sources.UnreadableValue`, a BLOB or non-UTF-8 key or partition id ``bytes``.
+        :class:`~poller.wire.vocabulary.UnreadableValue`, a BLOB or non-UTF-8 key or partition id ``bytes``.
 
         Raises:
             TypeError: ``partition_id`` is neither None nor a str.

@@ -16,8 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from poller.wire.sources import UnreadableValue
-from poller.wire.vocabulary import Tags
+from poller.wire.vocabulary import Tags, UnreadableValue
 
 logger = logging.getLogger(__name__)
 
@@ -219,7 +218,7 @@ _raw_decode = json.JSONDecoder().raw_decode
 
 
 def read_tags(text: Any) -> Tags | UnreadableValue:
-    """A stored tags (or fields) value as a dict, or an :class:`~poller.wire.sources.UnreadableValue` saying why not.
+    """A stored tags (or fields) value as a dict, or an :class:`~poller.wire.vocabulary.UnreadableValue` saying why not.
 
     A BLOB holding a JSON object in UTF-8 is read.
     """

@@ -13,7 +13,7 @@ How the controller's codec (msgspec's msgpack with a hook) carries each kind of 
 - an int no msgpack int holds makes the controller pickle the whole reply: :func:`restricted_loads` reads
   the same scalars, arrays and dense tensors (torch's legacy storage format) from it.
 
-An unreadable value becomes an :class:`~poller.wire.sources.UnreadableValue` (the poller quarantines that key
+An unreadable value becomes an :class:`~poller.wire.vocabulary.UnreadableValue` (the poller quarantines that key
 alone), an unreadable map key an :class:`UnreadableKey`. The restricted unpickler resolves no global by import.
 
 Sections: :class:`ReplyValues` (a reply read with these rules, whole or one key's tags when the poller decodes a
@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import msgpack
 
-from poller.wire.sources import UnreadableValue
+from poller.wire.vocabulary import UnreadableValue
 
 __all__ = ["MAX_ELEMENTS", "ReplyValues", "UnreadableKey", "batch_meta_tags", "plain", "restricted_loads"]
 

@@ -10,7 +10,7 @@ The trainer owns TransferQueue: only it may call ``tq.close()`` (from any other 
 controller for everybody). The poller needs only the controller's address, which :func:`source_kwargs` reads
 in the trainer as plain keyword arguments, and speaks the controller's protocol itself: no ``transfer_queue``,
 Ray or torch in the poller, and a deadline on every call, which TransferQueue's own client lacks (past it,
-:class:`~poller.wire.sources.SourceStall`).
+:class:`~poller.sources.contract.SourceStall`).
 
 Sections: the protocol (pure functions over frames), :class:`TransferQueueSource` (the socket and its deadlines),
 :func:`source_kwargs` (run in the trainer).
@@ -38,8 +38,8 @@ from typing import Any, Callable, Mapping, Sequence
 import msgpack
 import zmq
 
+from poller.sources.contract import PackedItems, SourceStall, WatchRead
 from poller.sources.tq_values import ReplyValues, batch_meta_tags, plain, restricted_loads
-from poller.wire.sources import PackedItems, SourceStall, WatchRead
 
 __all__ = ["SPEC", "TransferQueueSource", "source_kwargs", "KV_LIST", "KV_RETRIEVE_META", "LIST_PARTITIONS",
            "KNOWN_VERSIONS", "TransferQueueReplyError", "TransferQueueProtocolError", "encode_request", "decode_reply",
@@ -161,7 +161,7 @@ def decode_listing_reply(frames: Sequence[bytes]) -> dict[str, Any]:
 
 
 def decode_watch_reply(frames: Sequence[bytes], keys: Sequence[str]) -> WatchRead | None:
-    """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.wire.sources.WatchRead`).
+    """What a ``KV_RETRIEVE_META`` reply for ``keys`` says of them (:class:`~poller.sources.contract.WatchRead`).
 
     The controller pickles a ``BatchMeta`` of the keys found into one extension value: its bytes are the
     fingerprint, its tags read (restricted unpickler) only when ``held`` is called. None: a reply pickled

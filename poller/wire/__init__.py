@@ -1,5 +1,5 @@
-"""What both processes share: the wire between a trainer and its pollers.
+"""The wire between a trainer and its pollers: the protocol, the tag codec, the shared words, the errors, CURVE.
 
-:mod:`buffer` and :mod:`poller` never import each other; both import this, which imports nothing
-outside itself and nothing heavy (a poller imports it before it forks its watchdog).
+Both processes import it; it imports nothing outside itself and nothing heavy (a poller imports it before it
+forks its watchdog).
 """

@@ -2,10 +2,8 @@
 
 Pure functions, no sockets, in four sections:
 
-- records: one per :class:`Kind`, each field's name, type and check here only. A field with a default was added
-  after its kind was first defined: a peer that predates it leaves it out (and a record leaves it out while
-  ``None``, so an older receiver is not shown a ``nil`` it would refuse); extra fields in a received map are
-  ignored (forward compatibility within one protocol version).
+- records: one per :class:`Kind`, each field's name, type and check here only. Every field is required; extra
+  fields in a received map are ignored.
 - frames: ``header = msgpack [version, kind, epoch, seq]``, ``body = msgpack map`` of the record's fields. ``epoch``
   is new per poller process; ``seq`` counts its messages from 0 (READY): a gap means a loss, answered by a RESYNC.
 - encoding: DELTA, the one bulky kind, a bounded body at a time (:func:`iter_encode_delta`).
@@ -24,11 +22,10 @@ from poller.wire.errors import ProtocolError
 
 __all__ = ["PROTOCOL_VERSION", "Kind", "Ready", "Delta", "Heartbeat", "Error", "Bye", "Log", "Stop", "Resync", "Sync",
            "Ack", "Watch", "Body", "MAX_WATCH_KEYS", "RECORDS", "check_body", "to_record", "as_map", "Limits",
-           "Message", "Piece", "encode", "encode_body", "encode_header", "iter_encode_delta", "decode", "packed_size",
+           "Message", "Piece", "encode_body", "encode_header", "iter_encode_delta", "decode", "packed_size",
            "fit_text"]
 
-# 2: DELTA upserts travel packed per key (``Delta.packed``).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 1
 
 
 # -- records -------------------------------------------------------------------------------------------------
@@ -85,7 +82,7 @@ class Delta(NamedTuple):
     packed: Packed
     deletes: Deletes
     # The highest SYNC token the poller had received when this poll's listing began (0: none).
-    sync: Count | None = None
+    sync: Count
 
 
 class Heartbeat(NamedTuple):
@@ -93,20 +90,20 @@ class Heartbeat(NamedTuple):
     source_errors: int
     rss: int
     stalled_s: float
-    source_stalls: Count | None = None
-    # The seq of the last message sent before this heartbeat; a poller that sends it asks for an ACK.
-    last_seq: LastSeq | None = None
+    source_stalls: Count
+    # The seq of the last message sent before this heartbeat; the receiver ACKs it (a mismatch asks a RESYNC).
+    last_seq: LastSeq
     # Keys the poller leaves out of the stream (poller.diff): how many, and the first few by name.
-    quarantined: Count | None = None
-    quarantined_keys: Named | None = None
+    quarantined: Count
+    quarantined_keys: Named
     # Full listings of the source (poller.duty): how many, the last one's duration, their total, their share.
-    listings: Count | None = None
-    listing_s: Seconds | None = None
-    listing_total_s: Seconds | None = None
-    listing_share: Share | None = None
-    # The watch (poller.polling): reads of waited-on keys so far, and the listings a change seen there brought forward.
-    watch_reads: Count | None = None
-    watch_listings: Count | None = None
+    listings: Count
+    listing_s: Seconds
+    listing_total_s: Seconds
+    listing_share: Share
+    # The watch (poller.watch): reads of waited-on keys so far, and the listings a change seen there brought forward.
+    watch_reads: Count
+    watch_listings: Count
 
 
 class Error(NamedTuple):
@@ -114,7 +111,7 @@ class Error(NamedTuple):
     message: str
     traceback: str
     fatal: bool
-    count: int | None = None  # type: ignore[assignment]  # the wire name; shadows tuple.count
+    count: int  # type: ignore[assignment]  # failures in a row; the wire name shadows tuple.count
 
 
 class Bye(NamedTuple):
@@ -134,18 +131,18 @@ class Stop(NamedTuple):
 
 class Resync(NamedTuple):
     reason: str
-    # The last seq the buffer had received when it asked: a snapshot started after it is already the answer.
-    after: LastSeq | None = None
+    # The last seq the buffer had received when it asked (-1: none): a snapshot started after it is the answer.
+    after: LastSeq
 
 
 class Sync(NamedTuple):
     token: Token
     # Partitions the listing that answers ``token`` must include (and every later one), on a source that lists
-    # a chosen set of them (poller.sources.transferqueue).
-    partitions: PartitionIds | None = None
+    # a chosen set of them (poller.sources.transferqueue); empty: none named.
+    partitions: PartitionIds
     # A mark: the token is answered by the next poll as scheduled, none is asked for now (a removal's token,
     # buffer.ledger: a poll that answers it began after the removal).
-    mark: bool | None = None
+    mark: bool
 
 
 class Ack(NamedTuple):
@@ -159,7 +156,7 @@ class Watch(NamedTuple):
     keys: WatchKeys
     seconds: Seconds
     # The least time between two listings a change seen brings forward (the waiting call's own listing rate).
-    every: Seconds | None = None
+    every: Seconds
 
 
 Body = Union[Ready, Delta, Heartbeat, Error, Bye, Log, Stop, Resync, Sync, Ack, Watch]
@@ -229,13 +226,12 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], bool] | None]] =
 }
 
 
-def _fields(record: Any) -> list[tuple[str, str, bool]]:
-    """(name, type name, required) of each field of ``record``, from its annotations."""
+def _fields(record: Any) -> list[tuple[str, str]]:
+    """(name, type name) of each field of ``record``, from its annotations."""
     out = []
     for name in record._fields:
         hint = record.__annotations__[name]
-        annotation = str(getattr(hint, "__forward_arg__", hint))  # NamedTuple keeps them as ForwardRef
-        out.append((name, annotation.split(" | ")[0], name not in record._field_defaults))
+        out.append((name, str(getattr(hint, "__forward_arg__", hint))))  # NamedTuple keeps them as ForwardRef
     return out
 
 
@@ -246,16 +242,11 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
     """Check ``body`` against the record of ``kind``.
 
     Raises:
-        ProtocolError: a required field is missing, or a field has the wrong type or value.
+        ProtocolError: a field is missing, or has the wrong type or value.
     """
-    if kind is Kind.DELTA and body.get("upserts", {}) != {}:
-        raise ProtocolError("DELTA upserts must be empty: since protocol 2 tags travel packed per key in "
-                            "'packed' (a poller writes 'upserts' empty, for the first protocol 2 buffers)")
-    for name, type_name, required in _SCHEMAS[kind]:
+    for name, type_name in _SCHEMAS[kind]:
         if name not in body:
-            if required:
-                raise ProtocolError(f"{kind.name} body lacks field {name!r}")
-            continue
+            raise ProtocolError(f"{kind.name} body lacks field {name!r}")
         value, (is_type, in_bounds) = body[name], _CHECKS[type_name]
         if not is_type(value):
             raise ProtocolError(f"{kind.name} field {name!r} has the wrong type {type(value).__name__}")
@@ -266,18 +257,15 @@ def check_body(kind: Kind, body: Mapping[str, Any]) -> None:
 def to_record(kind: Kind, body: Mapping[str, Any]) -> Body:
     """The record of ``kind`` from a map :func:`check_body` accepted."""
     record = RECORDS[kind]
-    return record(*(body.get(name) for name in record._fields))  # type: ignore[no-any-return]
+    return record(*(body[name] for name in record._fields))  # type: ignore[no-any-return]
 
 
 def as_map(kind: Kind, body: Body | Mapping[str, Any]) -> Mapping[str, Any]:
-    """What goes on the wire for ``body``: a record's fields (less unset optional ones), or a map as it is."""
+    """What goes on the wire for ``body``: a record's fields, or a map as it is."""
     if isinstance(body, tuple):
-        record = RECORDS[kind]
-        if not isinstance(body, record):
+        if not isinstance(body, RECORDS[kind]):
             raise ProtocolError(f"a {type(body).__name__} is not a {kind.name} body")
-        defaults = record._field_defaults
-        return {name: value for name, value in zip(record._fields, body)
-                if not (value is None and name in defaults)}
+        return body._asdict()
     return body
 
 
@@ -359,11 +347,6 @@ def encode_body(kind: Kind, body: Body | Mapping[str, Any]) -> bytes:
         raise ProtocolError(f"cannot encode {kind.name} body: {exc}") from exc
 
 
-def encode(message: Message) -> list[bytes]:
-    """Encode a whole message into its two frames."""
-    return [encode_header(message.kind, message.epoch, message.seq), encode_body(message.kind, message.body)]
-
-
 def packed_size(value: Any) -> int:
     """How many bytes ``value`` takes in a body, as a DELTA packs it (raises as msgpack if it cannot)."""
     return len(msgpack.packb(value, use_bin_type=True))
@@ -385,7 +368,7 @@ Piece = dict[str, tuple[list[str], list[bytes]]]
 
 # The fields a DELTA body packs once as its payload (the rest are packed from the record before it),
 # and an upper bound of what goes before them.
-_DELTA_BULKY_FIELDS = ("upserts", "packed", "deletes")
+_DELTA_BULKY_FIELDS = ("packed", "deletes")
 _DELTA_HEAD_BYTES = 64
 
 
@@ -458,8 +441,7 @@ def _batches(pieces: Iterable[Piece], deletes: Mapping[str, list[str]],
 def _payloads(batches: Iterable[tuple[Piece, dict[str, list[str]]]], max_frame_bytes: int) -> Iterator[bytes]:
     for upserts, deletes in batches:
         packer = msgpack.Packer(use_bin_type=True)
-        payload = (packer.pack("upserts") + packer.pack({}) + packer.pack("packed") + packer.pack(upserts)
-                   + packer.pack("deletes") + packer.pack(deletes))
+        payload = packer.pack("packed") + packer.pack(upserts) + packer.pack("deletes") + packer.pack(deletes)
         if len(payload) + _DELTA_HEAD_BYTES <= max_frame_bytes:
             yield payload
             continue

@@ -18,8 +18,7 @@ import msgpack
 
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import DEFAULT_LIMITS, SCALAR_TYPES, Limits, deeper_than, packed_size, unpack_bounded
-from poller.wire.sources import UnreadableValue
-from poller.wire.vocabulary import Tags
+from poller.wire.vocabulary import Tags, UnreadableValue
 
 __all__ = ["Refused", "screen", "pack_tags", "pack_many_tags", "fresh_strs", "unpack_tags", "unpack_many_tags",
            "freeze", "thaw", "thaw_many"]

@@ -218,7 +218,7 @@ def test_ctrl_c_while_sample_waits_raises_keyboard_interrupt_and_close_still_wor
 
 def test_a_start_cut_short_by_its_owner_leaves_nothing(tmp_path):
     """The supervisor's way to honour a close while a child starts: PollerProcess.start(abort_fd=...)."""
-    from poller.wire.wakeup import WakePipe
+    from poller.common.wakeup import WakePipe
 
     process = PollerProcess("poller.faults:slow", endpoint="tcp://127.0.0.1:9", source_kwargs={"start_s": 60})
     abort = WakePipe()

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from poller.wire.procfs import state
-from tests.helpers.processes import children_of
+from poller.common.procfs import state
 from tests.conftest import alive, wait_until
+from tests.helpers.processes import children_of
 
 REPO = Path(__file__).resolve().parents[2]
 SQLITE = "poller.sources.sqlite:SqliteSource"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
-from buffer.partitions import PartitionStore
+from buffer.store import PartitionStore
 from poller.diff import Diff, ListingReader, Sent
 from poller.faults.peer import packed_delta
 from poller.wire.protocol import DEFAULT_LIMITS, Delta, Limits, Piece
@@ -13,17 +13,16 @@ from poller.wire.tags import Refused, pack_tags, thaw_many, unpack_many_tags
 
 def apply(store: PartitionStore, stream: str, upserts: dict[str, dict[str, Any]] | None = None,
           deletes: dict[str, list[str]] | None = None, *, epoch: int = 1, poll: int = 1, full: bool = False,
-          reset: bool = False, end: bool = False, sync: int | None = None,
-          unpack: Callable[[list[bytes]], list[Any]] = unpack_many_tags) -> None:
+          reset: bool = False, end: bool = False, sync: int = 0) -> None:
     """``upserts`` (``{partition: {key: tags}}``, packed as a poller packs them) and ``deletes`` as one DELTA."""
     store.apply(stream, epoch, packed_delta(upserts or {}, deletes, poll=poll, full=full, reset=reset, end=end,
-                                            sync=sync), unpack)
+                                            sync=sync))
 
 
 def apply_blobs(store: PartitionStore, stream: str, partition: str, keys: list[str], blobs: list[Any], *,
-                epoch: int = 1, poll: int = 1, unpack: Callable[[list[bytes]], list[Any]] = unpack_many_tags) -> None:
+                epoch: int = 1, poll: int = 1) -> None:
     """One DELTA part of ``keys`` whose tags are ``blobs``, as they would arrive."""
-    store.apply(stream, epoch, Delta(poll, 0.0, False, False, False, {partition: [keys, blobs]}, {}), unpack)
+    store.apply(stream, epoch, Delta(poll, 0.0, False, False, False, {partition: [keys, blobs]}, {}, 0))
 
 
 # -- the poller's side: a listing diffed against what was sent, as a poll diffs it -------------------

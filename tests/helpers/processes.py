@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any, Callable, Sequence
 
-from poller.wire.procfs import state
+from poller.common.procfs import state
 
 __all__ = ["children_of", "close_from_threads", "is_running", "run_to_the_end"]
 

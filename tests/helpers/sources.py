@@ -87,7 +87,7 @@ class StrictClearSqlite:
     already gone clears nothing at all (the controller logs an error and the
     client returns), and an empty key list is a ``ValueError``. The attribute
     ``clear_is_all_or_nothing`` tells the verl sampler so, as
-    ``buffer.verl.store`` reads it. Everything else is the plain SQLite store.
+    ``buffer.verl.link`` reads it. Everything else is the plain SQLite store.
     """
 
     clear_is_all_or_nothing = True
@@ -141,7 +141,7 @@ class WatchedSqlite(ListedSqlite):
         self.failing_watch = failing_watch
 
     def kv_watch(self, partition_id: str, keys: list[str], timeout: float) -> Any:
-        from poller.wire.sources import WatchRead
+        from poller.sources.contract import WatchRead
 
         if self.failing_watch:
             raise RuntimeError("this store refuses targeted reads")
@@ -178,7 +178,7 @@ class TimedListing:
     count listings and measure the gaps between their starts. It holds one
     key in each of ``stored`` partitions and, like the TransferQueue source,
     lists only ``partition_ids`` when given (growing with ``include_partitions``).
-    With ``stall`` every call raises :class:`~poller.wire.sources.SourceStall` after ``seconds``.
+    With ``stall`` every call raises :class:`~poller.sources.contract.SourceStall` after ``seconds``.
     """
 
     def __init__(self, log: str, seconds: float = 0.0, stored: tuple[str, ...] = ("train",),
@@ -201,7 +201,7 @@ class TimedListing:
             f.write(f"{time.monotonic()!r} {','.join(listed)}\n")
         time.sleep(self.seconds)
         if self.stall:
-            from poller.wire.sources import SourceStall
+            from poller.sources.contract import SourceStall
 
             raise SourceStall(f"no answer within {self.seconds}s")
         return {p: {f"{p}-key": {"global_steps": 1, "status": "success"}} for p in listed}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from poller.wire.sources import SourceStall
+from poller.sources.contract import SourceStall
 
 
 class ScriptedStalls:
@@ -27,7 +27,7 @@ class TimedStalls:
     """A store that stops answering for a while: each kv_list() follows ``script``.
 
     ``L`` answers at once, ``S`` gives up after ``seconds`` with
-    :class:`~poller.wire.sources.SourceStall` (as the TransferQueue source does at
+    :class:`~poller.sources.contract.SourceStall` (as the TransferQueue source does at
     its ``call_timeout``); past the end of the script every call answers.
     Each call appends ``"<time.monotonic()> <step>"`` to ``log`` as it begins
     (CLOCK_MONOTONIC: the test process reads the same clock). An answer holds

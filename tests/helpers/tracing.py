@@ -22,21 +22,22 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 TRACE_SITE = Path(__file__).resolve().parent / "trace_site"
 # Modules that decide when the key moves, never what it is, as the page names them: the listing schedule,
-# the control loop, the outbox's wake-up pipe, read-your-writes, argument checks, and a heartbeat that may
-# fall in the window (the poller's memory, the buffer's figures).
-WHEN_ONLY = {"poller.duty": "duty.py", "poller.worker": "worker.py", "poller.wire.wakeup": "wire/wakeup.py",
-             "buffer.sync": "sync.py", "buffer.arguments": "buffer/arguments.py",
-             "poller.wire.arguments": "wire/arguments.py", "poller.wire.procfs": "wire/procfs.py",
-             "buffer.metrics": "buffer/metrics.py"}
+# the control loop, the outbox's wake-up pipe, read-your-writes, argument checks, a heartbeat that may
+# fall in the window (the poller's memory, the buffer's figures), how a buffer.verl call waits and the watch.
+WHEN_ONLY = {"poller.duty": "duty.py", "poller.worker": "worker.py", "poller.common.wakeup": "common/wakeup.py",
+             "buffer.sync": "sync.py", "buffer.checks": "buffer/checks.py",
+             "poller.common.checks": "common/checks.py", "poller.common.procfs": "common/procfs.py",
+             "buffer.metrics": "buffer/metrics.py", "buffer.verl.waiting": "verl/waiting.py",
+             "poller.watch": "poller/watch.py"}
 # What else the page names as running but no step: the record a packed listing travels in (TransferQueue's),
 # and what buffer.verl's sample() reaches its buffer through (its options, its link to the buffer, the buffer).
-ALSO_RUN = {"poller.wire.sources": "wire/sources.py", "buffer.verl.config": "verl/config.py",
-            "buffer.verl.store": "verl/store.py", "buffer.replay": "replay.py"}
+ALSO_RUN = {"poller.sources.contract": "sources/contract.py", "buffer.verl.config": "verl/config.py",
+            "buffer.verl.link": "verl/link.py", "buffer.replay": "replay.py"}
 
 
 def _module(path: str) -> str:
     """``sources/sqlite.py`` -> ``poller.sources.sqlite``; ``wire/tags.py`` -> ``poller.wire.tags``."""
-    if path.startswith(("sources/", "wire/")):
+    if path.startswith(("sources/", "wire/", "common/")):
         path = "poller/" + path
     return path.removesuffix(".py").replace("/", ".")
 

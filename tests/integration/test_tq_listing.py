@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.common.checks import DEFAULT_LISTING_SHARE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -11,7 +11,7 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller.sources.transferqueue import SPEC
-from poller.wire.sources import UnreadableValue
+from poller.wire.vocabulary import UnreadableValue
 from tests.conftest import wait_until
 from tests.integration.tq_values import CASE_KEY, CASES, GOOD_KEY, INT_PARTITION_CASE
 from tests.test_transferqueue_source import EXPECTED_TAGS

@@ -16,7 +16,7 @@ import pytest
 
 from buffer import ReplayBuffer
 from poller.sources.transferqueue import SPEC, TransferQueueSource
-from poller.wire.sources import UnreadableValue
+from poller.wire.vocabulary import UnreadableValue
 from tests.conftest import wait_until
 from tests.integration.tq_values import CASE_KEY, CASES, GOOD_KEY, GOOD_TAGS, INT_PARTITION_CASE
 from tests.test_transferqueue_source import EXPECTED_TAGS, typed

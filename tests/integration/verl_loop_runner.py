@@ -40,7 +40,7 @@ SETTINGS_FILE = "run.json"
 _PRELOAD_CHUNK = 10_000
 _CALL_TIMEOUT = 60.0
 
-SAMPLER_MODULES = {"buffer.verl.store": "sampler", "buffer.verl.sampler": "sampler",
+SAMPLER_MODULES = {"buffer.verl.link": "sampler", "buffer.verl.sampler": "sampler",
                    "verl.trainer.ppo.v1.replay_buffer": "sampler", "verl.trainer.ppo.v1.trainer_base": "trainer"}
 
 

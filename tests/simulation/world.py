@@ -30,9 +30,9 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from buffer.partitions import PartitionStore
 from buffer.seam import SamplingSeam
 from buffer.steps import StepSampler
+from buffer.store import PartitionStore
 from buffer.stream import Peer, PeerTable, Send
 from buffer.sync import ListingSync, SyncRequest
 from poller.faults import store as store_faults
@@ -396,8 +396,7 @@ class _Receiver:
     def send_sync(self, peer: str, token: int) -> None:
         self._world.route([self.table.sync(peer.encode(), token, self._world.clock.now)])
 
-    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float,
-                   every: float | None = None) -> None:
+    def send_watch(self, peer: str, partition: str, keys: list[str], seconds: float, every: float) -> None:
         pass  # no source here watches (a change feed is never watched)
 
 

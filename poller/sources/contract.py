@@ -14,32 +14,12 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Protocol, Seque
 from poller.wire.vocabulary import Listing
 
 __all__ = ["Capabilities", "ChangeFeed", "FieldReads", "PackedItems", "PackedListing", "Source", "SourceSpec",
-           "SourceStall", "StoreClient", "UnreadableValue", "Watch", "WatchRead", "capabilities", "describe_spec",
+           "SourceStall", "StoreClient", "Watch", "WatchRead", "WatchReader", "capabilities", "describe_spec",
            "load_source", "resolve_spec"]
 
 
 class SourceStall(TimeoutError):
     """A source gave up waiting for its store: counted as a stall, not a failure."""
-
-
-class UnreadableValue:
-    """A tag value a source could not turn into a plain one, standing in the listing in its place.
-
-    The poller quarantines every key whose tags hold one (named with ``reason``): the listing still serves.
-    """
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"<unreadable value: {self.reason}>"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, UnreadableValue) and other.reason == self.reason
-
-    __hash__ = None  # type: ignore[assignment]  # compared, never hashed
 
 
 class PackedItems:
@@ -159,7 +139,6 @@ class Capabilities(NamedTuple):
     A NamedTuple, not a dataclass: the poller process does not import ``dataclasses`` (tests/test_launch.py).
     """
 
-    source: Any
     kv_list: Callable[[], Any]
     #: Only where it stands for the ``kv_list()`` in effect (:class:`PackedListing`).
     kv_list_packed: Callable[[], Any] | None = None
@@ -186,7 +165,7 @@ def capabilities(source: object) -> Capabilities:
     kind = type(source).__name__
     if not callable(getattr(source, "kv_list", None)):
         raise TypeError(f"{kind!r} has no kv_list()")
-    offered = {name: getattr(source, name, None) for name in Capabilities._fields[2:]}  # the optional calls
+    offered = {name: getattr(source, name, None) for name in Capabilities._fields[1:]}  # the optional calls
     broken = [name for name, method in offered.items() if method is not None and not callable(method)]
     if broken:
         raise TypeError(f"{kind!r} has {', '.join(broken)}, which is not callable")
@@ -198,7 +177,7 @@ def capabilities(source: object) -> Capabilities:
         offered["kv_list_packed"] = None
     if feed:
         offered["kv_watch"] = None
-    return Capabilities(source, source.kv_list, **offered)  # type: ignore[attr-defined]
+    return Capabilities(source.kv_list, **offered)  # type: ignore[attr-defined]
 
 
 def _packed_stands_for_list(source: object) -> bool:

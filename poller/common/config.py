@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
-from poller.wire.arguments import DEFAULT_LISTING_SHARE
+from poller.common.checks import DEFAULT_LISTING_SHARE
+from poller.sources.contract import SourceSpec
 from poller.wire.protocol import DEFAULT_LIMITS, Limits
-from poller.wire.sources import SourceSpec
 
 if TYPE_CHECKING:  # poller.wire.curve imports zmq.auth and asyncio (~35 ms): only for CURVE
     from poller.wire.curve import CurveClient
@@ -35,13 +35,8 @@ class WorkerConfig(NamedTuple):
     name: str
     source_kwargs: Mapping[str, Any] = {}  # never mutated
     interval: float = 1.0
-    heartbeat_interval: float = 1.0
-    max_failures: int = 5
     chunk_items: int = 4096
     max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes
-    linger: float = 1.0  # the most BYE and what precedes it may wait for the socket
-    # How often the idle control loop wakes: bounds how late it notices a dead parent that left no EOF.
-    tick: float = 0.2
     # The parent's private ipc directory: an orphaned poller removes it, since the parent cannot.
     orphan_cleanup: str | None = None
     # The parent's choice, so its receiver knows it before the first message and refuses impostors.

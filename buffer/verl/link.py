@@ -22,7 +22,7 @@ from buffer.process import ShutdownReport
 from buffer.replay import ReplayBuffer
 from buffer.verl.config import SamplerConfig
 from buffer.verl.groups import GroupIndex, classify
-from poller.wire.sources import SourceSpec, describe_spec, load_source, resolve_spec
+from poller.sources.contract import SourceSpec, describe_spec, load_source, resolve_spec
 
 __all__ = ["QUIET_POLL_INTERVAL", "TRANSFERQUEUE", "StoreLink"]
 

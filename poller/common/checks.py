@@ -50,14 +50,10 @@ def check_count(name: str, value: Any, *, minimum: int = 0) -> int:
 
 
 def check_worker_config(config: Any) -> None:
-    """Check the numeric fields of a :class:`~poller.wire.config.WorkerConfig` (the first bad one raises)."""
+    """Check the numeric fields of a :class:`~poller.common.config.WorkerConfig` (the first bad one raises)."""
     check_seconds("interval", config.interval)
-    check_seconds("heartbeat_interval", config.heartbeat_interval)
-    check_count("max_failures", config.max_failures, minimum=1)
     check_count("chunk_items", config.chunk_items, minimum=1)
     check_count("max_frame_bytes", config.max_frame_bytes, minimum=1)
-    check_seconds("linger", config.linger, allow_zero=True)
-    check_seconds("tick", config.tick)
     check_optional_seconds("stall_timeout", config.stall_timeout)
     check_share("listing_share", config.listing_share)
 

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 from buffer.errors import BufferClosed
 from buffer.ledger import Ledger
 from poller.wire.errors import ProtocolError
-from poller.wire.protocol import Delta
-from poller.wire.tags import freeze, thaw, thaw_many
+from poller.wire.protocol import DEFAULT_LIMITS, Delta, Limits
+from poller.wire.tags import freeze, thaw, thaw_many, unpack_many_tags
 from poller.wire.vocabulary import Tags
 
 if TYPE_CHECKING:  # buffer.seam imports this module
@@ -104,9 +104,11 @@ class PartitionStore:
     """Thread-safe ``partition -> {key -> tags}``, stream bookkeeping, and waiting. The lock is reentrant: a
     :meth:`wait_until` attempt may call any reader."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, limits: Limits = DEFAULT_LIMITS) -> None:
         #: The trainer's clock, for whether a view is fresh (a simulation gives its own).
         self.clock = clock
+        #: The receiver's decoding bounds: what arrives packed is unpacked within them.
+        self.limits = limits
         self._cond = threading.Condition(threading.RLock())
         self._parts: dict[str, dict[str, _Held]] = {}
         self._policies: list[Policy] = []
@@ -223,16 +225,15 @@ class PartitionStore:
 
     # -- source side (called by the stream receiver) ----------------------------
 
-    def apply(self, stream: str, epoch: int, delta: Delta, unpack: Callable[[list[bytes]], list[Tags]], *,
-              superseded: bool = False) -> None:
+    def apply(self, stream: str, epoch: int, delta: Delta, *, superseded: bool = False) -> None:
         """Apply one DELTA of ``stream``'s process ``epoch``: its keys, its deletes and, at its ``end``, the poll.
 
-        Tags are unpacked with ``unpack`` only where the store does not hold their bytes already. A
+        Tags are unpacked (within :attr:`limits`) only where the store does not hold their bytes already. A
         ``superseded`` DELTA (a resync is awaited) only counts as received: its poll number still bounds a
         removal's horizon.
 
         Raises:
-            ProtocolError: (from ``unpack``) tags the decoder refuses. What came before them is applied: the
+            ProtocolError: tags the decoder refuses. What came before them is applied: the
                 stream is broken until a resync.
         """
         with self._cond:
@@ -245,7 +246,7 @@ class PartitionStore:
             changed = False
             try:
                 for partition_id, (keys, blobs) in delta.packed.items():
-                    changed = self._merge_packed(stream, partition_id, keys, blobs, unpack) or changed
+                    changed = self._merge_packed(stream, partition_id, keys, blobs) or changed
             except ProtocolError as exc:
                 ledger.abandon_snapshot(stream)
                 ledger.mark_broken(stream)
@@ -267,14 +268,13 @@ class PartitionStore:
             if changed:  # what a waiter could see: keys, a whole view, a sync answered, a new poller
                 self._cond.notify_all()
 
-    def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes],
-                      unpack: Callable[[list[bytes]], list[Tags]]) -> bool:
+    def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes]) -> bool:
         """Merge what ``stream`` lists (lock held); True if a key changed. A key whose bytes are held already
         is unchanged, found with no decode (100k unchanged: ~20 ms, not ~100); the others are unpacked first."""
         items = self._parts.get(partition_id)
         olds = list(map(items.get, keys)) if items else [None] * len(keys)
         changed = list(compress(range(len(keys)), map(ne, olds, blobs)))
-        decoded = unpack([blobs[i] for i in changed]) if changed else []
+        decoded = unpack_many_tags([blobs[i] for i in changed], self.limits) if changed else []
         merge, hidden = self.ledger.listed(stream, partition_id, keys, blobs)
         # What the view showed of these, no stream lists now: dropped last (a partition emptied goes with its dict).
         took = self._take_changed(partition_id, items, keys, olds, blobs, changed, decoded, merge)
@@ -317,8 +317,8 @@ class PartitionStore:
                         blobs: list[bytes], news: list[Tags]) -> None:
         """:meth:`_take_listed` of keys held packed, all at once in C-level passes (lock held).
 
-        A key the trainer added no tag to is held as the bytes that arrived; the policies are told in one call
-        (:meth:`~buffer.seam.BulkPolicy.on_replaced`).
+        A key the trainer added no tag to is held as the bytes that arrived; a policy hears of a key only where a tag
+        it reads changed (:attr:`~buffer.seam.BulkPolicy.indexed_tags`).
         """
         olds = thaw_many(old_blobs)
         added = self._added.get(partition_id)
@@ -447,7 +447,7 @@ class PartitionStore:
             self._tell(policy, partition_id, key, old, new)
 
     def _tell_bulk(self, partition_id: str, keys: list[str], olds: list[Tags] | None, news: list[Tags]) -> None:
-        """Tell of many keys' changes (``olds`` None: all added): one ``on_added``/``on_replaced`` call to a
+        """Tell of many keys' changes (``olds`` None: all added): one ``on_added`` call for additions to a
         :class:`~buffer.seam.BulkPolicy` that has it, else ``on_change`` key by key. A policy naming its
         ``indexed_tags`` hears of a held key only where one of them changed."""
         if not keys:
@@ -460,15 +460,13 @@ class PartitionStore:
                 told, told_olds, told_news = _kept(_differ(olds, news, names), keys, olds, news)
                 if not told:
                     continue
-            method, arguments = (("on_added", (told_news,)) if told_olds is None
-                                 else ("on_replaced", (told_olds, told_news)))
-            in_bulk = getattr(policy, method, None)
+            in_bulk = getattr(policy, "on_added", None) if told_olds is None else None
             if in_bulk is None:
                 for key, old, new in zip(told, repeat(None) if told_olds is None else told_olds, told_news):
                     self._tell(policy, partition_id, key, old, new)
                 continue
             try:
-                in_bulk(partition_id, told, *arguments)
+                in_bulk(partition_id, told, told_news)
             except Exception as exc:
                 self._policy_failed(policy, partition_id, told[0], exc)
 

@@ -1,7 +1,7 @@
 """Checks of what a trainer passes to the buffer, made once, where it enters; inner layers trust them.
 
 Bad input gets a clear error and changes nothing. Wrong types raise ``TypeError``, as the SQLite store's
-``kv_*`` methods do; numbers out of range ``ValueError`` (:mod:`poller.wire.arguments`). Options from
+``kv_*`` methods do; numbers out of range ``ValueError`` (:mod:`poller.common.checks`). Options from
 config files (Hydra/OmegaConf) arrive as plain values and become what the buffer uses.
 """
 
@@ -11,12 +11,12 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from poller.wire.arguments import check_count, check_optional_seconds, check_seconds, check_share
+from poller.common.checks import check_count, check_optional_seconds, check_seconds, check_share
 from poller.wire.curve import CurveServer
 from poller.wire.protocol import Limits
 from poller.wire.vocabulary import Tags
 
-__all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample", "check_verl_call"]
+__all__ = ["check_buffer_args", "check_items", "check_keys", "check_partition", "check_sample"]
 
 
 def check_partition(partition_id: Any) -> str:
@@ -102,21 +102,3 @@ def check_buffer_args(poll_interval: Any, start_timeout: Any, close_timeout: Any
     share = check_share("listing_share", listing_share)
     check_optional_seconds("max_view_age", max_view_age)
     return limits, {"stall_timeout": stall, "log_level": level, "listing_share": share}
-
-
-def check_verl_call(name: str, global_steps: Any, partition_id: Any, count: Any = None,
-                    count_name: str = "batch_size") -> str:
-    """Check a verl sampler call's arguments; return the call as text, for its logs and errors.
-
-    Raises:
-        TypeError: ``global_steps`` is not an int, ``partition_id`` not a non-empty str.
-        ValueError: the batch size / target count is not an int >= 0.
-    """
-    if not isinstance(global_steps, int) or isinstance(global_steps, bool):
-        raise TypeError(f"global_steps must be an int, got {global_steps!r}")
-    if not isinstance(partition_id, str) or not partition_id:
-        raise TypeError(f"partition_id must be a non-empty str, got {partition_id!r}")
-    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
-        raise ValueError(f"the batch size / target count must be an int >= 0, got {count!r}")
-    tail = "" if count is None else f", {count_name}={count}"
-    return f"{name}(global_steps={global_steps}, partition_id={partition_id!r}{tail})"
