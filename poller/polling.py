@@ -15,8 +15,10 @@ import traceback
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from poller.common.checks import DEFAULT_LISTING_SHARE
-from poller.diff import Diff, ListingReader, Quarantine, Sent
+from poller.diff import Diff, Sent
 from poller.duty import ListingDuty
+from poller.quarantine import Quarantine
+from poller.reader import ListingReader
 from poller.sources.contract import Source, SourceStall
 from poller.watch import KeyWatch
 from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from poller.diff import ListingReader, Sent
+from poller.diff import Sent
 from poller.faults.store import backup as store_backup
 from poller.faults.store import delete, restore
 from poller.polling import PollingThread
+from poller.reader import ListingReader
 from poller.sources.contract import ChangeFeed, capabilities
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import Kind

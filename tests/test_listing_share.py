@@ -23,9 +23,9 @@ from buffer import BufferClosed, ReplayBuffer
 from buffer.verl.config import SamplerConfig, VerlConfigError
 from poller.cli import main as poller_main
 from poller.common.checks import DEFAULT_LISTING_SHARE
-from poller.diff import ListingReader
 from poller.duty import ListingDuty
 from poller.polling import PollingThread
+from poller.reader import ListingReader
 from poller.sources.contract import SourceStall
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import DEFAULT_LIMITS, Kind, Message, Sync, decode, encode_header

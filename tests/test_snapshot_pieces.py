@@ -7,8 +7,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from poller.diff import ListingReader, Sent
+from poller.diff import Sent
 from poller.polling import MAX_FAILURES, PollingThread
+from poller.reader import ListingReader
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import DEFAULT_LIMITS, Kind
 
