@@ -328,7 +328,7 @@ def test_a_resync_sends_the_last_poll_again_without_a_listing(tmp_path: Path) ->
         return True
 
     # A share of 0.001: after its first listing the source may be listed again only ~50 s later.
-    thread = PollingThread(TimedListing(log, seconds=0.05), emit, interval=60.0, listing_share=0.001)
+    thread = PollingThread(TimedListing(log, seconds=0.05), emit, poll_interval=60.0, listing_share=0.001)
     thread.start()
     try:
         assert wait_until(lambda: thread.polls == 1, timeout=10)
@@ -358,7 +358,7 @@ def test_after_a_resync_is_answered_the_next_listing_keeps_to_the_poll_schedule(
         bodies.append(body)
         return True
 
-    thread = PollingThread(TimedListing(log, seconds=0.0), emit, interval=60.0, listing_share=1.0)
+    thread = PollingThread(TimedListing(log, seconds=0.0), emit, poll_interval=60.0, listing_share=1.0)
     thread.start()
     try:
         assert wait_until(lambda: thread.polls == 1, timeout=10)

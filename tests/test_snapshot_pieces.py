@@ -117,7 +117,7 @@ def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_han
         emitted.append(kind)
         return True
 
-    thread = PollingThread(store, emit, interval=0.01)
+    thread = PollingThread(store, emit, poll_interval=0.01)
     thread.start()
     try:
         thread.join(JOIN_TIMEOUT)

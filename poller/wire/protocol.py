@@ -64,7 +64,7 @@ WatchKeys = list     # [key, ...]: at most MAX_WATCH_KEYS str
 class Ready(NamedTuple):
     pid: int
     name: str
-    interval: float
+    poll_interval: float
 
 
 class Delta(NamedTuple):
