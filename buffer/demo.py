@@ -316,7 +316,7 @@ def _train(rb: Any, store: Any, shared: _Shared, procs: Sequence[BaseProcess], t
         print(traceback.format_exc().rstrip(), file=out)
 
 
-def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64, interval: float = 0.05,
+def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64, poll_interval: float = 0.05,
              out: TextIO = sys.stdout) -> int:
     """Run writers, a poller and a trainer against a fresh SQLite store; print progress.
 
@@ -324,7 +324,7 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
         seconds: how long to start new steps (the last one is always finished).
         writers: number of rollout-writer processes.
         keys_per_step: keys each writer writes per step.
-        interval: the poller's ``kv_list()`` interval in seconds.
+        poll_interval: the poller's ``kv_list()`` interval in seconds.
         out: where progress and the report go.
 
     Returns:
@@ -338,7 +338,7 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
     check_seconds("seconds", seconds, allow_zero=True)
     check_count("writers", writers, minimum=1)
     check_count("keys_per_step", keys_per_step, minimum=1)
-    check_seconds("interval", interval)
+    check_seconds("poll_interval", poll_interval)
     from buffer import ReplayBuffer  # here: buffer imports this module only when asked
 
     ctx = multiprocessing.get_context("spawn")
@@ -351,12 +351,12 @@ def run_demo(seconds: float = 10.0, *, writers: int = 2, keys_per_step: int = 64
             procs = [ctx.Process(target=_writer_main, args=(w, str(db), keys_per_step, shared),
                                  name=f"demo-writer-{w}") for w in range(writers)]
             print(f"demo: {writers} writer(s) x {keys_per_step} keys per step, poll interval "
-                  f"{interval * 1000:g} ms, {seconds:g} s, store {db}", file=out, flush=True)
+                  f"{poll_interval * 1000:g} ms, {seconds:g} s, store {db}", file=out, flush=True)
             try:
                 for proc in procs:
                     proc.start()
                 with ReplayBuffer(source=SOURCE_SPEC, source_kwargs={"path": str(db)},
-                                  poll_interval=interval) as rb:
+                                  poll_interval=poll_interval) as rb:
                     _train(rb, store, shared, procs, tally, seconds, keys_per_step, out)
                 report = rb.close()  # the same report the with block produced
             finally:
@@ -409,7 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rollout-writer processes (default: %(default)s)")
     parser.add_argument("--keys-per-step", type=_number(int, 1, False), default=64,
                         help="keys per writer and step (default: %(default)s)")
-    parser.add_argument("--interval", type=_number(float, 0, True), default=0.05,
+    parser.add_argument("--poll-interval", type=_number(float, 0, True), default=0.05,
                         help="poll interval in seconds (default: %(default)s)")
 
 
@@ -418,7 +418,7 @@ def main_from_args(args: argparse.Namespace) -> int:
     # sys.stdout looked up now, not at import: callers (and tests) may have replaced it.
     try:
         return run_demo(args.seconds, writers=args.writers, keys_per_step=args.keys_per_step,
-                        interval=args.interval, out=sys.stdout)
+                        poll_interval=args.poll_interval, out=sys.stdout)
     except KeyboardInterrupt:  # before or after the steps: nothing to report but that
         print("demo: interrupted", file=sys.stderr)
         return 130

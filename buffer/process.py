@@ -89,15 +89,16 @@ class PollerProcess:
         source_kwargs: keyword arguments for the source factory.
         name: the stream's identity; a restarted poller with the same name continues the same stream
             (the buffer computes what vanished).
-        interval: seconds between ``kv_list()`` calls.
+        poll_interval: seconds between ``kv_list()`` calls, start to start.
         **options: further :class:`~poller.worker.WorkerConfig` fields.
     """
 
     def __init__(self, source: SourceSpec, *, endpoint: str, source_kwargs: dict[str, Any] | None = None,
-                 name: str | None = None, interval: float = 1.0, **options: Any) -> None:
+                 name: str | None = None, poll_interval: float = 1.0, **options: Any) -> None:
         self.name = name or f"poller-{os.getpid()}-{id(self):x}"
         self.config = WorkerConfig(source=source, endpoint=endpoint, name=self.name,
-                                   source_kwargs=dict(source_kwargs or {}), interval=interval, **options)
+                                   source_kwargs=dict(source_kwargs or {}), poll_interval=poll_interval,
+                                   **options)
         check_worker_config(self.config)
         self._popen: subprocess.Popen[bytes] | None = None
         # The read end of a pipe whose only write end the child holds: readable as the child's fds are

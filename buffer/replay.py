@@ -208,7 +208,7 @@ class _Core:
         # The poller checks tags against the receiver's whole limits, or a tag the receiver refuses would fail
         # every resync; a chunk of n keys spans at most n partitions, so 2n stays within the keys-per-message bound.
         return PollerProcess(self.source, endpoint=self.endpoint, source_kwargs=self.source_kwargs,
-                             name=self.name, interval=self.poll_interval,
+                             name=self.name, poll_interval=self.poll_interval,
                              orphan_cleanup=self._ipc_dir.path if self._ipc_dir else None, epoch=epoch,
                              curve=self.child_curve, max_frame_bytes=limits.max_frame_bytes, limits=limits,
                              chunk_items=max(1, min(4096, limits.max_keys_per_message // 2)), **self.poller_options)

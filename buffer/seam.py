@@ -26,7 +26,7 @@ class Policy(Protocol):
     """Sampling semantics over a :class:`~buffer.store.PartitionStore`: indexes kept from changes."""
 
     def on_change(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
-        """Called with the store lock held after one key changed (old None: added; new None: dropped).
+        """Called under the store's lock after one key changed (old None: added; new None: dropped).
         Must be cheap, must not call back into the store, must not mutate the dicts."""
 
 

@@ -175,7 +175,7 @@ class StepSampler:
         tags = self._seam.tags(partition_id, keys)
         return BatchMeta(partition_id, keys, [tags[k] for k in keys])
 
-    def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:  # the attempts: store lock held
+    def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:  # the attempts: under the store's lock
         part = self.index.parts.get(partition_id)
         if part is None:
             return BatchMeta(partition_id, [], [])

@@ -269,7 +269,7 @@ class PartitionStore:
                 self._cond.notify_all()
 
     def _merge_packed(self, stream: str, partition_id: str, keys: Sequence[str], blobs: Sequence[bytes]) -> bool:
-        """Merge what ``stream`` lists (lock held); True if a key changed. A key whose bytes are held already
+        """Merge what ``stream`` lists (under the lock); True if a key changed. A key whose bytes are held already
         is unchanged, found with no decode (100k unchanged: ~20 ms, not ~100); the others are unpacked first."""
         items = self._parts.get(partition_id)
         olds = list(map(items.get, keys)) if items else [None] * len(keys)
@@ -315,7 +315,7 @@ class PartitionStore:
 
     def _replace_packed(self, partition_id: str, items: dict[str, _Held], keys: list[str], old_blobs: list[bytes],
                         blobs: list[bytes], news: list[Tags]) -> None:
-        """:meth:`_take_listed` of keys held packed, all at once in C-level passes (lock held).
+        """:meth:`_take_listed` of keys held packed, all at once in C-level passes (under the lock).
 
         A key the trainer added no tag to is held as the bytes that arrived; a policy hears of a key only where a tag
         it reads changed (:attr:`~buffer.seam.BulkPolicy.indexed_tags`).
@@ -392,10 +392,10 @@ class PartitionStore:
         if self._closed:
             raise BufferClosed("the replay buffer is closed")
 
-    # -- internals (lock held) ----------------------------------------------------
+    # -- internals (under the lock) ----------------------------------------------------
 
     def _view_gap(self, partition_id: str | None) -> str | None:
-        """``"not whole: why"``, ``"not fresh: why"``, or None (lock held)."""
+        """``"not whole: why"``, ``"not fresh: why"``, or None (under the lock)."""
         gap = self.ledger.view_gap(partition_id)
         if gap is not None:
             return f"not whole: {gap}"
@@ -440,7 +440,7 @@ class PartitionStore:
         if self._policies:
             self._tell_changed(partition_id, key, thaw(held), None)
 
-    # -- telling the policies (lock held) -------------------------------------------
+    # -- telling the policies (under the lock) -------------------------------------------
 
     def _tell_changed(self, partition_id: str, key: str, old: Tags | None, new: Tags | None) -> None:
         for policy in self._policies:

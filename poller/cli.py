@@ -42,10 +42,11 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     run.add_argument("--source", default=None, help="source spec, 'package.module:attr' (required unless --fault)")
     run.add_argument("--source-kwargs", default="{}", help="JSON object of keyword arguments for the source")
     run.add_argument("--connect", required=True, help="the buffer's endpoint, e.g. tcp://trainer:5555")
-    run.add_argument("--interval", type=float, default=1.0, help="seconds between kv_list() calls (default 1)")
+    run.add_argument("--poll-interval", type=float, default=1.0,
+                     help="seconds between kv_list() calls, start to start (default 1)")
     run.add_argument("--listing-share", type=float, default=DEFAULT_LISTING_SHARE,
                      help="the most of the wall clock spent listing a store without a change feed: after a listing "
-                          f"of d s the next starts max(interval, d/share) after it (0 < share <= 1, 1 = no bound; "
+                          f"of d s the next starts max(poll interval, d/share) after it (0 < share <= 1, 1 = no bound; "
                           f"default {DEFAULT_LISTING_SHARE:g})")
     run.add_argument("--name", default=None, help="stream name; a restarted poller with the same name continues "
                                                    "the same stream (default: derived from host, source and kwargs)")
@@ -102,7 +103,7 @@ def _config_of(args: argparse.Namespace) -> tuple[WorkerConfig, int]:
         spec, kwargs = parse_fault(args.fault, args.source, kwargs if args.source is not None else None)
     elif spec is None:
         raise ValueError("--source is required (or --fault)")
-    check_seconds("--interval", args.interval)  # nan, inf, <= 0
+    check_seconds("--poll-interval", args.poll_interval)  # nan, inf, <= 0
     listing_share = check_share("--listing-share", args.listing_share)
     level = logging.getLevelName(args.log_level.upper())
     if not isinstance(level, int):
@@ -118,7 +119,7 @@ def _config_of(args: argparse.Namespace) -> tuple[WorkerConfig, int]:
         digest = hashlib.sha256(f"{spec}\0{kwargs_json}".encode()).hexdigest()[:12]
         name = f"{socket.gethostname()}:{digest}"
     return WorkerConfig(source=spec, source_kwargs=kwargs, endpoint=args.connect, name=name,
-                        interval=args.interval, curve=curve, listing_share=listing_share), level
+                        poll_interval=args.poll_interval, curve=curve, listing_share=listing_share), level
 
 
 def _keys(args: argparse.Namespace) -> int:

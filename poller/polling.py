@@ -15,8 +15,10 @@ import traceback
 from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 from poller.common.checks import DEFAULT_LISTING_SHARE
-from poller.diff import Diff, ListingReader, Quarantine, Sent
+from poller.diff import Diff, Sent
 from poller.duty import ListingDuty
+from poller.quarantine import Quarantine
+from poller.reader import ListingReader
 from poller.sources.contract import Source, SourceStall
 from poller.watch import KeyWatch
 from poller.wire.protocol import Error, Kind, Limits, Piece, encode_body, fit_text, iter_encode_delta
@@ -134,7 +136,7 @@ def _error_body(exc: BaseException, *, fatal: bool, count: int, limits: Limits |
 
 
 class PollingThread(threading.Thread):
-    """Polls the source every ``interval``, start to start, within ``listing_share`` (:mod:`poller.duty`).
+    """Polls the source every ``poll_interval``, start to start, within ``listing_share`` (:mod:`poller.duty`).
 
     ``hand_over(kind, body, starts_snapshot, stopping)`` is :meth:`poller.link.Outbox.emit_from_thread`: it queues a
     message for the control loop, blocking while the outbox is full, and returns False once ``stopping`` is set.
@@ -142,11 +144,11 @@ class PollingThread(threading.Thread):
     :class:`~poller.sources.contract.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``) is
     counted once, not a failure (:class:`CallStalls`). A SYNC is answered by the next listing the share allows;
     STOP ends any wait; a change the watch saw (:class:`~poller.watch.KeyWatch`) brings one forward. After a
-    stalled call the next comes ``interval`` later, after a failed one the backoff.
+    stalled call the next comes ``poll_interval`` later, after a failed one the backoff.
     """
 
     def __init__(self, source: Source, hand_over: Callable[[Kind, bytes, bool, threading.Event], bool], *,
-                 interval: float,
+                 poll_interval: float,
                  chunk_items: int = 4096, max_frame_bytes: int = 64 * 1024 * 1024,
                  stall_timeout: float | None = None, limits: Limits | None = None,
                  listing_share: float = DEFAULT_LISTING_SHARE,
@@ -154,7 +156,7 @@ class PollingThread(threading.Thread):
         super().__init__(name="poller-source", daemon=True)
         self._reader = ListingReader(source, listing_share=listing_share, stall_timeout=stall_timeout)
         self._hand_over = hand_over
-        self.interval = interval
+        self.poll_interval = poll_interval
         self.chunk_items = chunk_items
         self.max_frame_bytes = max_frame_bytes
         self.limits = limits
@@ -274,7 +276,7 @@ class PollingThread(threading.Thread):
         if not self._send(held, {}, poll=self.polls, started=started, full=True, sync=covered):
             return None
         # Not a poll: the next listing is due when it was (a request that came meanwhile wakes it).
-        return self.interval - (time.monotonic() - began)
+        return self.poll_interval - (time.monotonic() - began)
 
     def _send(self, pieces: Iterable[Piece], deletes: Mapping[str, list[str]], *, poll: int, started: float,
               full: bool, sync: int) -> bool:
@@ -380,8 +382,8 @@ class PollingThread(threading.Thread):
                 return None
         except SourceStall as exc:
             self.stalls.stalled(call, str(exc) or type(exc).__name__)
-            # Asked again one interval after the call gave up (a SYNC wakes it sooner).
-            return full, self.interval
+            # Asked again one poll interval after the call gave up (a SYNC wakes it sooner).
+            return full, self.poll_interval
         except Exception as exc:  # any source failure is reported, never fatal to the trainer
             self.stalls.answered()  # an error is an answer: it ends a stall episode
             self._failures += 1
@@ -411,6 +413,6 @@ class PollingThread(threading.Thread):
         del diff
         self.polls += 1
         self._last_poll = (started, began, covered)
-        # Start to start (a change waits interval/2 on average); a slow poll still leaves a tenth of it.
+        # Start to start (a change waits poll_interval/2 on average); a slow poll still leaves a tenth of it.
         elapsed = time.monotonic() - began
-        return False, max(self.interval - elapsed, self.interval * 0.1)
+        return False, max(self.poll_interval - elapsed, self.poll_interval * 0.1)

@@ -77,7 +77,7 @@ def run_standalone(config: WorkerConfig) -> int:
         PollerStartupError: the source could not be built or the endpoint not connected (``__cause__``).
         PollerCrashed: ``kv_list()`` failed :data:`~poller.polling.MAX_FAILURES` times in a row (the last one is
             the ``__cause__``).
-        ValueError: a numeric field of ``config`` is out of range (e.g. ``interval=inf``).
+        ValueError: a numeric field of ``config`` is out of range (e.g. ``poll_interval=inf``).
     """
     check_worker_config(config)
     loop = _ControlLoop(config, None)
@@ -206,9 +206,9 @@ class _ControlLoop:
                 return self.exit_code
             previous_signals = self._install_signals()
             self.outbox.queue_message(Kind.READY, encode_body(Kind.READY, Ready(os.getpid(), self.config.name,
-                                                                                self.config.interval)))
+                                                                                self.config.poll_interval)))
             self.thread = PollingThread(
-                source, self.outbox.emit_from_thread, interval=self.config.interval,
+                source, self.outbox.emit_from_thread, poll_interval=self.config.poll_interval,
                 chunk_items=self.config.chunk_items,
                 max_frame_bytes=self.config.max_frame_bytes, stall_timeout=self.config.stall_timeout,
                 limits=self.config.limits, listing_share=self.config.listing_share,

@@ -147,7 +147,7 @@ def test_buffer_refuses_bad_numbers_naming_the_argument(name, value):
 
 
 @pytest.mark.parametrize("kwargs", [
-    {"interval": INF}, {"interval": NAN}, {"stall_timeout": NAN}, {"chunk_items": True}, {"chunk_items": 0},
+    {"poll_interval": INF}, {"poll_interval": NAN}, {"stall_timeout": NAN}, {"chunk_items": True}, {"chunk_items": 0},
     {"max_frame_bytes": -1}, {"listing_share": 0},
 ])
 def test_poller_process_refuses_bad_numbers(kwargs: dict[str, Any]):
@@ -167,12 +167,12 @@ def test_poller_process_start_and_close_refuse_bad_timeouts():
 
 @pytest.mark.parametrize("interval", ["inf", "nan", "1e300"])
 def test_cli_run_refuses_a_non_finite_interval(capsys: pytest.CaptureFixture[str], interval: str):
-    assert main(["run", "--source", SQLITE, "--connect", "tcp://127.0.0.1:1", "--interval", interval]) == 2
+    assert main(["run", "--source", SQLITE, "--connect", "tcp://127.0.0.1:1", "--poll-interval", interval]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--interval must be" in err[0], err
+    assert len(err) == 1 and "--poll-interval must be" in err[0], err
 
 
-@pytest.mark.parametrize("option, value", [("--seconds", "nan"), ("--interval", "inf"), ("--interval", "nan")])
+@pytest.mark.parametrize("option, value", [("--seconds", "nan"), ("--poll-interval", "inf"), ("--poll-interval", "nan")])
 def test_cli_demo_refuses_non_finite_numbers(capsys: pytest.CaptureFixture[str], option: str, value: str):
     from buffer.demo import main as demo_main
 
@@ -189,10 +189,10 @@ class _OneListing:
 
 
 def test_a_polling_thread_that_dies_records_why_and_sends_a_fatal_error():
-    # interval=inf passed PollerProcess before it was checked; the thread then died in Event.wait(inf)
+    # poll_interval=inf passed PollerProcess before it was checked; the thread then died in Event.wait(inf)
     # after the first listing, and the poller went on heartbeating as if all were well.
     sent: list[tuple[Kind, bytes]] = []
-    thread = PollingThread(_OneListing(), lambda kind, body, *_: sent.append((kind, body)) is None, interval=INF)
+    thread = PollingThread(_OneListing(), lambda kind, body, *_: sent.append((kind, body)) is None, poll_interval=INF)
     thread.start()
     thread.join(10)
     assert not thread.is_alive()

@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from poller.diff import ListingReader, Sent
+from poller.diff import Sent
 from poller.faults.store import backup as store_backup
 from poller.faults.store import delete, restore
 from poller.polling import PollingThread
+from poller.reader import ListingReader
 from poller.sources.contract import ChangeFeed, capabilities
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import Kind
@@ -340,7 +341,7 @@ def test_the_poller_lists_the_store_once_then_reads_only_changes(db: Path) -> No
     source = _CountingSqliteSource(str(db))
     source.kv_batch_put([f"k{i}" for i in range(100)], "p")
     emitted: list[Kind] = []
-    thread = PollingThread(source, lambda kind, body, *_: emitted.append(kind) is None, interval=0.01)
+    thread = PollingThread(source, lambda kind, body, *_: emitted.append(kind) is None, poll_interval=0.01)
     thread.start()
     try:
         assert wait_until(lambda: thread.polls >= 20, timeout=JOIN_TIMEOUT)

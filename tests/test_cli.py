@@ -85,7 +85,7 @@ def test_bad_source_kwargs(capsys: pytest.CaptureFixture[str], kwargs: str) -> N
 
 @pytest.mark.parametrize("interval", ["0", "-1", "fast"])
 def test_bad_interval(capsys: pytest.CaptureFixture[str], interval: str) -> None:
-    assert main(["run", "--source", SPEC, "--connect", "tcp://127.0.0.1:1", "--interval", interval]) == 2
+    assert main(["run", "--source", SPEC, "--connect", "tcp://127.0.0.1:1", "--poll-interval", interval]) == 2
     assert "interval" in _one_error_line(capsys)
 
 
@@ -138,7 +138,7 @@ def test_standalone_poller_streams_to_a_buffer_and_exits_0_on_sigterm(tmp_path: 
         with open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "poller", "run", "--source", SPEC, "--source-kwargs", json.dumps({"path": db}),
-                 "--connect", rb.endpoint, "--interval", "0.05"],
+                 "--connect", rb.endpoint, "--poll-interval", "0.05"],
                 cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
 
         expected: dict[str, dict[str, Any]] = {
@@ -234,7 +234,7 @@ def test_a_source_failing_for_good_exits_3_with_the_reason_on_stderr(tmp_path: P
         result = _run_cli([sys.executable, "-m", "poller", "run", "--source", SPEC,
                            "--source-kwargs", json.dumps({"path": str(tmp_path / "kv.db")}),
                            "--fault", "raise_:exc=ConnectionError,message=store unreachable",
-                           "--connect", rb.endpoint, "--interval", "0.01"])
+                           "--connect", rb.endpoint, "--poll-interval", "0.01"])
     finally:
         rb.close()
     assert result.returncode == 3, result.stderr
@@ -250,8 +250,8 @@ def test_the_console_script_names_itself_in_errors() -> None:
     result = _run_cli([sys.executable, "-c", code, "run", "--connect", "tcp://127.0.0.1:1"])
     assert result.returncode == 2
     assert result.stderr == "poller run: error: --source is required (or --fault)\n"
-    result = _run_cli([sys.executable, "-c", code, "run", "--source", SPEC, "--connect", "x", "--interval", "0"])
-    assert result.stderr == "poller run: error: --interval must be a number of seconds > 0, got 0.0\n"
+    result = _run_cli([sys.executable, "-c", code, "run", "--source", SPEC, "--connect", "x", "--poll-interval", "0"])
+    assert result.stderr == "poller run: error: --poll-interval must be a number of seconds > 0, got 0.0\n"
     result = _run_cli([sys.executable, "-c", code, "run"])
     assert result.stderr.startswith("poller run: error: ") and "python -m" not in result.stderr
     # Started as python -m poller, they say so.

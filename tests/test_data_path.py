@@ -55,7 +55,7 @@ def test_one_changed_key_runs_through_the_modules_the_page_lists(tmp_path: Path)
         child = subprocess.Popen([sys.executable, str(ROOT / "tests" / "helpers" / "tracing.py"), str(trace_file),
                                   "run", "--source", "poller.sources.sqlite:SqliteSource",
                                   "--source-kwargs", json.dumps({"path": path}), "--connect", buffer.endpoint,
-                                  "--interval", "0.05"], env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                  "--poll-interval", "0.05"], env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert wait_until(lambda: buffer.snapshot("train") == {"k0": {"status": "running", "global_steps": 1}},
                           timeout=30)
         flag.touch()

@@ -60,7 +60,7 @@ def test_a_callable_the_child_cannot_unpickle_is_a_startup_error(tmp_path: Path)
 def started_poller() -> Iterator[PollerProcess]:
     """A poller process on its own, started, streaming to a buffer without a poller of its own."""
     rb = ReplayBuffer(source=None, bind="tcp://127.0.0.1:0")
-    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, interval=0.05)
+    process = PollerProcess(f"{HELPERS}:ReportsModules", endpoint=rb.endpoint, poll_interval=0.05)
     try:
         process.start(timeout=30)
         yield process

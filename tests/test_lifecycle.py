@@ -55,7 +55,7 @@ def test_a_polling_thread_waiting_for_its_next_poll_ends_at_once_and_keeps_what_
 
     listing = {"p": {"k": {"status": "success"}}}
     thread = PollingThread(type("Source", (), {"kv_list": lambda self: listing})(), lambda *_: True,
-                           interval=30.0)
+                           poll_interval=30.0)
     thread.start()
     try:
         assert wait_until(lambda: thread.polls == 1 and thread.idle)

@@ -23,9 +23,9 @@ from buffer import BufferClosed, ReplayBuffer
 from buffer.verl.config import SamplerConfig, VerlConfigError
 from poller.cli import main as poller_main
 from poller.common.checks import DEFAULT_LISTING_SHARE
-from poller.diff import ListingReader
 from poller.duty import ListingDuty
 from poller.polling import PollingThread
+from poller.reader import ListingReader
 from poller.sources.contract import SourceStall
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import DEFAULT_LIMITS, Kind, Message, Sync, decode, encode_header
@@ -328,7 +328,7 @@ def test_a_resync_sends_the_last_poll_again_without_a_listing(tmp_path: Path) ->
         return True
 
     # A share of 0.001: after its first listing the source may be listed again only ~50 s later.
-    thread = PollingThread(TimedListing(log, seconds=0.05), emit, interval=60.0, listing_share=0.001)
+    thread = PollingThread(TimedListing(log, seconds=0.05), emit, poll_interval=60.0, listing_share=0.001)
     thread.start()
     try:
         assert wait_until(lambda: thread.polls == 1, timeout=10)
@@ -358,7 +358,7 @@ def test_after_a_resync_is_answered_the_next_listing_keeps_to_the_poll_schedule(
         bodies.append(body)
         return True
 
-    thread = PollingThread(TimedListing(log, seconds=0.0), emit, interval=60.0, listing_share=1.0)
+    thread = PollingThread(TimedListing(log, seconds=0.0), emit, poll_interval=60.0, listing_share=1.0)
     thread.start()
     try:
         assert wait_until(lambda: thread.polls == 1, timeout=10)

@@ -85,7 +85,7 @@ def test_peers_stop_counting_a_poller_that_said_bye(tmp_path: Path, db: str) -> 
     SqliteSource(db).close()
     rb = ReplayBuffer(bind="tcp://127.0.0.1:0")
     proc = subprocess.Popen([sys.executable, "-m", "poller", "run", "--source", SPEC, "--source-kwargs",
-                             json.dumps({"path": db}), "--connect", rb.endpoint, "--interval", "0.05"],
+                             json.dumps({"path": db}), "--connect", rb.endpoint, "--poll-interval", "0.05"],
                             cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert wait_until(lambda: rb.stats()["peers"] == 1, timeout=20)

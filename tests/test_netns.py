@@ -67,7 +67,7 @@ class Pollers:
 
     def start(self, db: str, endpoint: str, name: str, *curve_args: str) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", "poller", "run", "--source", SPEC, "--source-kwargs",
-                json.dumps({"path": db}), "--connect", endpoint, "--interval", "0.05", "--name", name, *curve_args]
+                json.dumps({"path": db}), "--connect", endpoint, "--poll-interval", "0.05", "--name", name, *curve_args]
         with open(self.tmp_path / f"{name}.stderr", "wb") as err:
             proc = subprocess.Popen(self.hosts.in_poller_host(argv), cwd=ROOT, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=err)

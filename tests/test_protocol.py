@@ -39,7 +39,7 @@ def _listed(raw: Any) -> dict[str, Any]:
 
 # One valid body per kind, with the types the schema demands.
 BODIES: dict[Kind, dict[str, Any]] = {
-    Kind.READY: {"pid": 1234, "name": "poller-a", "interval": 0.5, "source": "m:attr", "host": "h"},
+    Kind.READY: {"pid": 1234, "name": "poller-a", "poll_interval": 0.5, "source": "m:attr", "host": "h"},
     Kind.DELTA: {
         "poll": 3, "t": 1700000000.25, "full": True, "reset": True, "end": False,
         "packed": {"train": [["k1", "k2"], [msgpack.packb({"global_steps": 1, "status": "running"}), b"\x80"]],
@@ -198,7 +198,7 @@ def test_every_missing_field_is_refused(kind: Kind) -> None:
 @pytest.mark.parametrize("kind, name, value", [
     (Kind.READY, "pid", "1234"),
     (Kind.READY, "pid", True),          # bool is not an int here
-    (Kind.READY, "interval", "fast"),
+    (Kind.READY, "poll_interval", "fast"),
     (Kind.READY, "name", 3),
     (Kind.DELTA, "full", 1),
     (Kind.DELTA, "poll", 1.0),
@@ -374,7 +374,7 @@ def test_encode_body_of_an_unencodable_value() -> None:
 
 def test_encode_body_checks_the_schema() -> None:
     with pytest.raises(ProtocolError, match="'pid'"):
-        encode_body(Kind.READY, {"name": "x", "interval": 1.0})
+        encode_body(Kind.READY, {"name": "x", "poll_interval": 1.0})
 
 
 # -- iter_encode_delta -------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import pytest
 
 from buffer import ReplayBuffer
 from buffer.verl import ReplayBuffer as VerlSampler
-from poller.diff import Quarantine
 from poller.faults.shapes import nested
 from poller.faults.store import UNREADABLE, delete_unreadable, write_unreadable
+from poller.quarantine import Quarantine
 from poller.sources.sqlite import SqliteSource
 from poller.wire.tags import Refused
 from tests.conftest import wait_until
@@ -220,7 +220,7 @@ def test_a_delete_of_a_name_no_stream_carries_releases_it_or_is_counted(caplog) 
     quarantine = Quarantine()
     quarantine.replace([Refused("p", b"blob", "key is bytes, not str"), Refused("p", "bad", "its tags ...")])
     assert quarantine.names() == [["p", "b'blob' (bytes)", "key is bytes, not str"], ["p", "bad", "its tags ..."]]
-    with caplog.at_level(logging.INFO, logger="poller.diff"):
+    with caplog.at_level(logging.INFO, logger="poller.quarantine"):
         quarantine.update([], {}, {"p": [b"blob", b"never", ["unhashable"]], b"q": ["k"], "r": ["fine"]})
     assert list(quarantine.keys) == [("p", "bad")] and quarantine.ignored_deletes == 3
     assert any("ignored 3 delete(s)" in r.getMessage() and "b'never' (bytes)" in r.getMessage()

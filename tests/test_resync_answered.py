@@ -75,7 +75,7 @@ def test_a_resync_the_latest_snapshot_answers_is_skipped_and_a_later_one_is_not(
     sock, endpoint = router
     store.kv_batch_put([f"k{i}" for i in range(10)], "p")
     process = PollerProcess("poller.sources.sqlite:SqliteSource", endpoint=endpoint, source_kwargs={"path": db},
-                            interval=0.05)
+                            poll_interval=0.05)
     process.start(timeout=DEADLINE_S)
     try:
         deadline = time.monotonic() + DEADLINE_S

@@ -7,8 +7,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from poller.diff import ListingReader, Sent
+from poller.diff import Sent
 from poller.polling import MAX_FAILURES, PollingThread
+from poller.reader import ListingReader
 from poller.sources.sqlite import SqliteSource
 from poller.wire.protocol import DEFAULT_LIMITS, Kind
 
@@ -116,7 +117,7 @@ def test_a_snapshot_that_fails_half_way_is_reported_and_read_again_without_a_han
         emitted.append(kind)
         return True
 
-    thread = PollingThread(store, emit, interval=0.01)
+    thread = PollingThread(store, emit, poll_interval=0.01)
     thread.start()
     try:
         thread.join(JOIN_TIMEOUT)

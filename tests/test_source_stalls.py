@@ -42,7 +42,7 @@ def test_a_call_stuck_forever_is_one_stall_and_stop_still_works(caplog):
     caplog.set_level(logging.WARNING, logger="poller")
     with ReplayBuffer(bind="tcp://127.0.0.1:0") as rb:
         poller = PollerProcess("poller.faults:hang", endpoint=rb.endpoint, name="stuck",
-                               interval=0.02, stall_timeout=0.3)
+                               poll_interval=0.02, stall_timeout=0.3)
         poller.start(30)
         try:
             assert wait_until(lambda: rb.stats()["source_stalls"] == 1, timeout=20)

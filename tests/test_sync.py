@@ -162,7 +162,7 @@ def test_sync_waits_for_standalone_pollers_too(db, store):
     store.kv_put("k", "train", tag={"status": "success"})
     with ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05) as rb:
         standalone = PollerProcess(SQLITE, source_kwargs={"path": db},
-                                   endpoint=rb.endpoint, name="standalone", interval=30.0)
+                                   endpoint=rb.endpoint, name="standalone", poll_interval=30.0)
         standalone.start(30)
         try:
             assert wait_until(lambda: rb.stats()["peers"] == 2, timeout=30)
@@ -196,7 +196,7 @@ def test_a_stopped_then_killed_standalone_poller_never_vouches_for_a_fresh_view(
     with ReplayBuffer(source=SQLITE, source_kwargs={"path": db}, poll_interval=0.05, stale_after=1.0,
                       max_view_age=4.0) as rb:
         standalone = PollerProcess(SQLITE, source_kwargs={"path": db}, endpoint=rb.endpoint, name="standalone",
-                                   interval=30.0)
+                                   poll_interval=30.0)
         standalone.start(30)
         try:
             assert wait_until(lambda: rb.stats()["peers"] == 2, timeout=30)

@@ -40,20 +40,25 @@ def _finished(rb: ReplayBuffer, key: str) -> Callable[[], bool | None]:
     return attempt
 
 
+# Seconds between a waiting decision's own listings in these tests: longer than any of them waits.
+WAIT_LISTINGS = 60.0
+
+
 def _decide_in_thread(rb: ReplayBuffer, attempt: Callable[[], bool | None], watch: Callable[[], list[str]] | None,
                       timeout: float) -> tuple[threading.Thread, list[Any]]:
     outcome: list[Any] = []
 
     def run() -> None:
         try:
-            # With a watch, the decision waits as buffer.verl's calls do (a listing every 2 s, verl's, and the
-            # watch bringing one forward); without one, on the poller's own schedule.
+            # With a watch, the decision waits as buffer.verl's calls do, its own listings WAIT_LISTINGS apart:
+            # none falls within a test, so what lists sooner is the watch. Without one, the poller's schedule.
             if watch is None:
                 outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test"))
             else:
                 outcome.append(waiting.decide(rb.seam, attempt, partition_id="train", timeout=timeout,
-                                              describe=lambda: "test", log_every=None, what="test", poll_every=2.0,
-                                              on_poll=lambda: None, version=None, watch=watch))
+                                              describe=lambda: "test", log_every=None, what="test",
+                                              poll_every=WAIT_LISTINGS, on_poll=lambda: None, version=None,
+                                              watch=watch))
         except BaseException as exc:  # noqa: BLE001 - the test reports it
             outcome.append(exc)
 

@@ -52,7 +52,7 @@ def uid_of(key: str) -> str:
 
 
 class GroupPartition:
-    """The groups of one partition. Read it with the store lock held."""
+    """The groups of one partition. Read it under the store's lock."""
 
     __slots__ = ("status", "step", "buckets", "trajectories", "invalid", "unclassified", "filtered", "terminal_at")
 

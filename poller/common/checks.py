@@ -51,7 +51,7 @@ def check_count(name: str, value: Any, *, minimum: int = 0) -> int:
 
 def check_worker_config(config: Any) -> None:
     """Check the numeric fields of a :class:`~poller.common.config.WorkerConfig` (the first bad one raises)."""
-    check_seconds("interval", config.interval)
+    check_seconds("poll_interval", config.poll_interval)
     check_count("chunk_items", config.chunk_items, minimum=1)
     check_count("max_frame_bytes", config.max_frame_bytes, minimum=1)
     check_optional_seconds("stall_timeout", config.stall_timeout)

@@ -34,7 +34,7 @@ class WorkerConfig(NamedTuple):
     endpoint: str
     name: str
     source_kwargs: Mapping[str, Any] = {}  # never mutated
-    interval: float = 1.0
+    poll_interval: float = 1.0
     chunk_items: int = 4096
     max_frame_bytes: int = DEFAULT_LIMITS.max_frame_bytes
     # The parent's private ipc directory: an orphaned poller removes it, since the parent cannot.

@@ -82,7 +82,7 @@ class RoguePeer:
     def ready(self, join: bool = True, timeout: float = 10.0) -> None:
         """READY; with ``join``, then the first listing a buffer asks a standalone poller for (a SYNC token and a
         RESYNC: buffer.stream), empty and answering the token, as a poller's is: the deltas sent next apply."""
-        self.send(Kind.READY, {"pid": 1, "name": "rogue", "interval": 0.1}, seq=0)
+        self.send(Kind.READY, {"pid": 1, "name": "rogue", "poll_interval": 0.1}, seq=0)
         if not join:
             return
         deadline = time.monotonic() + timeout

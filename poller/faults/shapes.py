@@ -2,7 +2,7 @@
 
 ``not-a-mapping`` is a listing that is garbage as a whole (a source error);
 every other kind is one bad record beside good ones, which the poller
-quarantines while the rest flows (:class:`poller.diff.Quarantine`).
+quarantines while the rest flows (:class:`poller.quarantine.Quarantine`).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ WatchKeys = list     # [key, ...]: at most MAX_WATCH_KEYS str
 class Ready(NamedTuple):
     pid: int
     name: str
-    interval: float
+    poll_interval: float
 
 
 class Delta(NamedTuple):
@@ -93,7 +93,7 @@ class Heartbeat(NamedTuple):
     source_stalls: Count
     # The seq of the last message sent before this heartbeat; the receiver ACKs it (a mismatch asks a RESYNC).
     last_seq: LastSeq
-    # Keys the poller leaves out of the stream (poller.diff): how many, and the first few by name.
+    # Keys the poller leaves out of the stream (poller.quarantine): how many, and the first few by name.
     quarantined: Count
     quarantined_keys: Named
     # Full listings of the source (poller.duty): how many, the last one's duration, their total, their share.

@@ -246,7 +246,7 @@ def test_run_fault_wraps_the_source_and_sigterm_still_ends_a_hung_poller(tmp_pat
     rb = ReplayBuffer(bind="tcp://127.0.0.1:0")
     proc = subprocess.Popen(
         [sys.executable, "-m", "poller", "run", "--source", SQLITE, "--source-kwargs", json.dumps({"path": db}),
-         "--fault", "hang:after=1", "--connect", rb.endpoint, "--interval", "0.02"],
+         "--fault", "hang:after=1", "--connect", rb.endpoint, "--poll-interval", "0.02"],
         cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert wait_until(lambda: rb.snapshot("train") == {"k": {"status": "success"}}, timeout=30)

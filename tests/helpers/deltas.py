@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any, Iterable, NamedTuple
 
 from buffer.store import PartitionStore
-from poller.diff import Diff, ListingReader, Sent
+from poller.diff import Diff, Sent
 from poller.faults.peer import packed_delta
+from poller.reader import ListingReader
 from poller.wire.protocol import DEFAULT_LIMITS, Delta, Limits, Piece
 from poller.wire.tags import Refused, pack_tags, thaw_many, unpack_many_tags
 

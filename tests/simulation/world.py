@@ -275,7 +275,7 @@ class SimPoller:
         if self.own:
             world.table.expect(self.identity, self.epoch)
         self.source = SqliteSource(world.store.path) if self.kind == "feed" else ListingOnly(world.store.path)
-        self.thread = PollingThread(self.source, self._hand_over, interval=1.0, listing_share=1.0)
+        self.thread = PollingThread(self.source, self._hand_over, poll_interval=1.0, listing_share=1.0)
         self.seq = -1
         self.snapshot_seq = -1
         self.next_full = True
