@@ -5,7 +5,8 @@
 The path of ``tests/test_data_path.py`` (a real poller process and a real buffer, both profiled, polling every
 0.05 s), counted rather than listed: a module is *entered* when a function of it is called from another module.
 The window holds the key's poll and its ``sample()``: the poller's control loop and the writer's thread are left
-out; a heartbeat that falls in the window adds its own entries to the receiver's.
+out; a heartbeat that falls in the window adds its own entries to the receiver's. 0: the module's code ran,
+from a loop already running in it (the polling thread's, the receiver's).
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ def documented(column: int) -> tuple[list[list[str]], str]:
 
 
 class Recorder:
-    """The product modules each thread of this process enters while :meth:`recording` is set, and how often: a
-    module is entered when a function of it is called from another module (or resumed from one)."""
+    """The product modules whose code each thread of this process runs while :meth:`recording` is set, and how
+    often each was entered: called from another module (or resumed from one)."""
 
     def __init__(self) -> None:
         self.modules: dict[str, collections.Counter[str]] = {}
@@ -70,9 +70,10 @@ class Recorder:
             module = frame.f_globals.get("__name__") or ""
             if module.startswith(("poller", "buffer")):
                 caller = frame.f_back
-                if caller is None or caller.f_globals.get("__name__") != module:
-                    entries = self.modules.setdefault(threading.current_thread().name, collections.Counter())
-                    entries[module] += 1
+                entered = caller is None or caller.f_globals.get("__name__") != module
+                # A module that ran but was not entered (a loop already running in it) is kept at 0.
+                entries = self.modules.setdefault(threading.current_thread().name, collections.Counter())
+                entries[module] += entered
 
 
 Entries = dict[str, dict[str, int]]  # thread -> module -> times entered
