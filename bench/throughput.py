@@ -6,7 +6,7 @@ import time
 from typing import Any, Callable
 
 from buffer import ReplayBuffer
-from buffer.seam import SamplingSeam
+from buffer.sampling import SamplingAccess
 from buffer.steps import StepSampler
 from buffer.store import PartitionStore
 from poller.diff import Diff
@@ -112,7 +112,7 @@ def _trainer_share(keys: int) -> float:
     del listing, diff
     frames = [[encode_header(Kind.DELTA, 1, i), body] for i, body in enumerate(bodies)]
     store = PartitionStore()
-    StepSampler(SamplingSeam(store))  # the policy ReplayBuffer attaches: its indexing is part of the cost
+    StepSampler(SamplingAccess(store))  # the policy ReplayBuffer attaches: its indexing is part of the cost
 
     def apply() -> None:
         for frame in frames:

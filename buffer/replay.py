@@ -28,7 +28,7 @@ from buffer.errors import BufferClosed
 from buffer.ipcdir import PrivateIpcDir, remove_stale
 from buffer.metrics import METRICS, BufferStats, collect_stats
 from buffer.process import PollerProcess, ShutdownReport
-from buffer.seam import SamplingSeam
+from buffer.sampling import SamplingAccess
 from buffer.steps import BatchMeta, StepSampler
 from buffer.store import PartitionStore
 from buffer.stream import StreamReceiver
@@ -113,7 +113,7 @@ class _Core:
                                        stale_after=stale_after, pinned=frozenset({self.name}))
         self.store.on_removed = self.receiver.send_marks
         self.endpoint: str | None = None
-        self.seam = SamplingSeam(self.store, ListingSync(self.store, self.receiver,
+        self.sampling = SamplingAccess(self.store, ListingSync(self.store, self.receiver,
                                                          self.name if source is not None else None))
         self._steps: StepSampler | None = None
         self._steps_lock = threading.Lock()
@@ -126,7 +126,7 @@ class _Core:
         """``sample()``'s step index, made and attached on the first call (``ReplayBuffer._step_index_at_start``)."""
         with self._steps_lock:
             if self._steps is None:
-                self._steps = StepSampler(self.seam)
+                self._steps = StepSampler(self.sampling)
             return self._steps
 
     @property
@@ -385,7 +385,7 @@ class ReplayBuffer:
             ValueError: ``timeout`` is not a finite number >= 0 (``None`` waits without a limit).
         """
         self._core.store.check_open()
-        self._core.seam.sync(check_optional_seconds("timeout", timeout, allow_zero=True))
+        self._core.sampling.sync(check_optional_seconds("timeout", timeout, allow_zero=True))
 
     def include_partitions(self, partition_ids: Iterable[str]) -> None:
         """Have the poller list these partitions too, when its source lists a chosen set of them.
@@ -427,10 +427,10 @@ class ReplayBuffer:
         return self._core.switch_source(source_kwargs)
 
     @property
-    def seam(self) -> SamplingSeam:
-        """What a sampling policy uses of this buffer (:class:`~buffer.seam.SamplingSeam`): the store's
+    def sampling(self) -> SamplingAccess:
+        """What a sampling policy uses of this buffer (:class:`~buffer.sampling.SamplingAccess`): the store's
         changes under its lock, decisions on whole views with deadlines, read-your-writes, clearing."""
-        return self._core.seam
+        return self._core.sampling
 
     def snapshot(self, partition_id: str | None = None) -> dict[str, Any]:
         """A deep copy of every partition, or of one."""

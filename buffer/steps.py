@@ -13,7 +13,7 @@ from itertools import compress
 from operator import methodcaller
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
-from buffer.seam import SamplingSeam
+from buffer.sampling import SamplingAccess
 from poller.wire.vocabulary import RUNNING, SUCCESS, Tags
 
 __all__ = ["BatchMeta", "StepIndex", "StepSampler"]
@@ -152,12 +152,12 @@ class StepIndex:
 
 
 class StepSampler:
-    """``sample()`` by step or by batch size, through a buffer's :class:`~buffer.seam.SamplingSeam`."""
+    """``sample()`` by step or by batch size, through a buffer's :class:`~buffer.sampling.SamplingAccess`."""
 
-    def __init__(self, seam: SamplingSeam) -> None:
-        self._seam = seam
+    def __init__(self, sampling: SamplingAccess) -> None:
+        self._sampling = sampling
         self.index = StepIndex()
-        seam.attach(self.index)
+        sampling.attach(self.index)
 
     def sample(self, partition_id: str, *, global_steps: Any = None, batch_size: int | None = None,
                timeout: float | None = None) -> BatchMeta:
@@ -168,11 +168,11 @@ class StepSampler:
         else:
             assert batch_size is not None
             attempt = partial(self._try_size, partition_id, batch_size)
-        return self._seam.decide(attempt, partition_id=partition_id, timeout=timeout,
+        return self._sampling.decide(attempt, partition_id=partition_id, timeout=timeout,
                                  describe=lambda: self._waiting_for(partition_id, global_steps, batch_size, timeout))
 
     def _batch(self, partition_id: str, keys: list[str]) -> BatchMeta:
-        tags = self._seam.tags(partition_id, keys)
+        tags = self._sampling.tags(partition_id, keys)
         return BatchMeta(partition_id, keys, [tags[k] for k in keys])
 
     def _try_step(self, partition_id: str, step: Any) -> BatchMeta | None:  # the attempts: under the store's lock

@@ -7,7 +7,7 @@ Sections, in order:
   No ZeroMQ and no sampling rules. Who lists what, what the trainer removed and whether a view is whole and
   fresh is its :class:`~buffer.ledger.Ledger`'s to decide, called under the lock.
 - Telling the policies (the store's last methods): each sampling policy (:mod:`buffer.steps`,
-  :mod:`buffer.verl.groups`; what one implements is in :mod:`buffer.seam`) keeps its own index, told of
+  :mod:`buffer.verl.groups`; what one implements is in :mod:`buffer.sampling`) keeps its own index, told of
   every change under the lock, in the order attached, in one call per poll where it can; a policy that
   raises fails the store's waits instead of the receiver thread.
 
@@ -36,8 +36,8 @@ from poller.wire.protocol import DEFAULT_LIMITS, Delta, Limits
 from poller.wire.tags import freeze, thaw, thaw_many, unpack_many_tags
 from poller.wire.vocabulary import Tags
 
-if TYPE_CHECKING:  # buffer.seam imports this module
-    from buffer.seam import Policy
+if TYPE_CHECKING:  # buffer.sampling imports this module
+    from buffer.sampling import Policy
 
 __all__ = ["PartitionStore", "Tags"]
 
@@ -318,7 +318,7 @@ class PartitionStore:
         """:meth:`_take_listed` of keys held packed, all at once in C-level passes (under the lock).
 
         A key the trainer added no tag to is held as the bytes that arrived; a policy hears of a key only where a tag
-        it reads changed (:attr:`~buffer.seam.BulkPolicy.indexed_tags`).
+        it reads changed (:attr:`~buffer.sampling.BulkPolicy.indexed_tags`).
         """
         olds = thaw_many(old_blobs)
         added = self._added.get(partition_id)
@@ -448,7 +448,7 @@ class PartitionStore:
 
     def _tell_bulk(self, partition_id: str, keys: list[str], olds: list[Tags] | None, news: list[Tags]) -> None:
         """Tell of many keys' changes (``olds`` None: all added): one ``on_added`` call for additions to a
-        :class:`~buffer.seam.BulkPolicy` that has it, else ``on_change`` key by key. A policy naming its
+        :class:`~buffer.sampling.BulkPolicy` that has it, else ``on_change`` key by key. A policy naming its
         ``indexed_tags`` hears of a held key only where one of them changed."""
         if not keys:
             return

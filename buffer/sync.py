@@ -1,4 +1,4 @@
-"""Read-your-writes over the stream: the transport side of the seam's :class:`~buffer.seam.Listings`.
+"""Read-your-writes over the stream: the transport side of the sampling's :class:`~buffer.sampling.Listings`.
 
 ``sync()`` sends each poller a SYNC with a fresh token; the poller polls at once, and each DELTA carries
 the highest token it had when that poll's listing began. Once a complete poll carrying our token (or a
@@ -23,7 +23,7 @@ __all__ = ["ListingSync", "SyncRequest"]
 
 
 class ListingSync:
-    """:class:`~buffer.seam.Listings` over a buffer's receiver: SYNC tokens and the listings that answer them."""
+    """:class:`~buffer.sampling.Listings` over a buffer's receiver: SYNC tokens and the listings that answer them."""
 
     def __init__(self, store: PartitionStore, receiver: StreamReceiver, stream: str | None) -> None:
         self._store = store

@@ -172,7 +172,8 @@ def test_cli_run_refuses_a_non_finite_interval(capsys: pytest.CaptureFixture[str
     assert len(err) == 1 and "--poll-interval must be" in err[0], err
 
 
-@pytest.mark.parametrize("option, value", [("--seconds", "nan"), ("--poll-interval", "inf"), ("--poll-interval", "nan")])
+@pytest.mark.parametrize("option, value", [("--seconds", "nan"), ("--poll-interval", "inf"),
+                                           ("--poll-interval", "nan")])
 def test_cli_demo_refuses_non_finite_numbers(capsys: pytest.CaptureFixture[str], option: str, value: str):
     from buffer.demo import main as demo_main
 

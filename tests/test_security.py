@@ -187,7 +187,8 @@ class _Dealer:
 
     def send_snapshot(self, items: dict[str, Any], epoch: int = 5, join: bool = False) -> None:
         """READY, then a snapshot; with ``join``, one answering the token the buffer asks a first listing with."""
-        self.sock.send_multipart(to_frames(Message(Kind.READY, epoch, 0, {"pid": 1, "name": "x", "poll_interval": 0.1})))
+        ready = {"pid": 1, "name": "x", "poll_interval": 0.1}
+        self.sock.send_multipart(to_frames(Message(Kind.READY, epoch, 0, ready)))
         token = 0
         while join and not token and self.sock.poll(10_000):
             message = decode(self.sock.recv_multipart())

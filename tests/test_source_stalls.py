@@ -103,7 +103,7 @@ def _seen_after_a_stall(tmp_path: Path, ask_every: float | None, **options: obje
         def ask() -> None:
             while not stop.is_set():
                 try:
-                    rb.sync(timeout=2.0)  # the seam's wait-poll bound: asked again after a stall
+                    rb.sync(timeout=2.0)  # a waiting call's wait-poll bound: asked again after a stall
                 except TimeoutError:
                     continue
                 except BaseException:  # noqa: BLE001 - closed: the test is over

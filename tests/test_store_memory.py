@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 import buffer.store
-from buffer.seam import SamplingSeam
+from buffer.sampling import SamplingAccess
 from buffer.steps import StepSampler
 from buffer.store import PartitionStore
 from poller.wire.protocol import Delta, Limits
@@ -22,7 +22,7 @@ class _Store(PartitionStore):
 
     def __init__(self) -> None:
         super().__init__()
-        self.steps = StepSampler(SamplingSeam(self))
+        self.steps = StepSampler(SamplingAccess(self))
 
     def sample(self, partition_id: str, **kwargs: object) -> object:
         return self.steps.sample(partition_id, **kwargs)  # type: ignore[arg-type]

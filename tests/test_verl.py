@@ -461,7 +461,7 @@ def test_a_stuck_prompt_times_out_naming_it_and_progress_is_logged(make, store, 
     rb = make(sample_timeout=1.5, log_interval=0.2)
     # The poller starts (a process: seconds on a loaded machine) on a call before the one timed.
     assert rb.get_sampleable_count(global_steps=2, partition_id="train") == 0
-    # The waiting is logged by buffer.seam: the package's logger at INFO, whatever another test left the root at.
+    # The waiting is logged by buffer.sampling: the package's logger at INFO, whatever another test left the root at.
     with caplog.at_level(logging.INFO, logger="buffer"):
         with pytest.raises(TimeoutError, match=rf"batch_size=1\) timed out after 1\.5s: .*1 running.*in flight: {stuck}"):
             rb.sample(global_steps=2, partition_id="train", batch_size=1)

@@ -34,7 +34,7 @@ FAST_SCHEDULE: dict[str, Any] = {"poll_interval": 0.01, "listing_share": 1.0}
 
 def _finished(rb: ReplayBuffer, key: str) -> Callable[[], bool | None]:
     def attempt() -> bool | None:
-        tags = rb.seam.tags("train", [key]).get(key)
+        tags = rb.sampling.tags("train", [key]).get(key)
         return True if tags is not None and tags.get("status") == "finished" else None
 
     return attempt
@@ -53,9 +53,10 @@ def _decide_in_thread(rb: ReplayBuffer, attempt: Callable[[], bool | None], watc
             # With a watch, the decision waits as buffer.verl's calls do, its own listings WAIT_LISTINGS apart:
             # none falls within a test, so what lists sooner is the watch. Without one, the poller's schedule.
             if watch is None:
-                outcome.append(rb.seam.decide(attempt, partition_id="train", timeout=timeout, describe=lambda: "test"))
+                outcome.append(rb.sampling.decide(attempt, partition_id="train", timeout=timeout,
+                                                  describe=lambda: "test"))
             else:
-                outcome.append(waiting.decide(rb.seam, attempt, partition_id="train", timeout=timeout,
+                outcome.append(waiting.decide(rb.sampling, attempt, partition_id="train", timeout=timeout,
                                               describe=lambda: "test", log_every=None, what="test",
                                               poll_every=WAIT_LISTINGS, on_poll=lambda: None, version=None,
                                               watch=watch))
@@ -76,7 +77,7 @@ def _settle_listings(rb: ReplayBuffer) -> int:
 def test_a_change_to_a_watched_key_is_listed_at_once_and_the_view_is_the_stores(store: SqliteSource, db: str) -> None:
     store.kv_batch_put(["p", "q", "gone"], "train", tags=[{"status": "running"}, {"n": 1}, {"n": 2}])
     with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-        assert rb.seam.tags("train", ["p"])["p"]["status"] == "running"
+        assert rb.sampling.tags("train", ["p"])["p"]["status"] == "running"
         listings = _settle_listings(rb)
         thread, outcome = _decide_in_thread(rb, _finished(rb, "p"), lambda: ["p"], timeout=20.0)
         assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
@@ -163,7 +164,7 @@ def test_a_watch_lapses_in_the_poller_unless_renewed(store: SqliteSource, db: st
     """A trainer that stops renewing (stopped, dead) leaves nothing read on its behalf for long."""
     store.kv_put("p", "train", tag={"status": "running"})
     with ReplayBuffer(WATCHED, source_kwargs={"path": db}, **SLOW_SCHEDULE) as rb:
-        rb.seam._listings.watch("train", ["p"], 1.0, 2.0)  # one WATCH, never renewed
+        rb.sampling._listings.watch("train", ["p"], 1.0, 2.0)  # one WATCH, never renewed
         assert wait_until(lambda: rb.stats()["watch_reads"] >= 1, timeout=10.0)
         time.sleep(2.5)  # the watch lapsed; the last heartbeat counted every read
         reads = rb.stats()["watch_reads"]
@@ -211,7 +212,7 @@ def test_a_waiting_decision_lists_at_its_own_times_whatever_the_watch_brought_fo
 
         def run() -> None:
             try:
-                outcome.append(waiting.decide(rb.seam, _finished(rb, "p"), partition_id="train", timeout=20.0,
+                outcome.append(waiting.decide(rb.sampling, _finished(rb, "p"), partition_id="train", timeout=20.0,
                                               describe=lambda: "test", log_every=None, what="test", poll_every=2.0,
                                               on_poll=lambda: asked.append(time.monotonic() - started),
                                               version=None, watch=lambda: ["p"]))
@@ -222,7 +223,7 @@ def test_a_waiting_decision_lists_at_its_own_times_whatever_the_watch_brought_fo
         thread.start()
         time.sleep(1.0)
         store.kv_put("p", "train", tag={"note": "halfway"})  # watched, not what the decision waits for
-        assert wait_until(lambda: rb.seam.tags("train", ["p"]).get("p", {}).get("note") == "halfway", timeout=1.0)
+        assert wait_until(lambda: rb.sampling.tags("train", ["p"]).get("p", {}).get("note") == "halfway", timeout=1.0)
         assert wait_until(lambda: len(asked) >= 1, timeout=10.0)
         store.kv_put("p", "train", tag={"status": "finished"})
         thread.join(15.0)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from buffer import ReplayBuffer
-from buffer.seam import SamplingSeam
+from buffer.sampling import SamplingAccess
 from buffer.steps import StepSampler
 from buffer.store import PartitionStore
 from buffer.verl import ReplayBuffer as VerlSampler
@@ -77,7 +77,7 @@ def test_verl_decisions_wait_for_the_first_complete_listing(db: str, store: Sqli
 def test_a_resync_half_applied_is_not_decided_on() -> None:
     """Store level: the own poller's full listing, begun and not ended, holds every decision."""
     store = PartitionStore()
-    steps = StepSampler(SamplingSeam(store))
+    steps = StepSampler(SamplingAccess(store))
     store.require("own")
     apply(store, "own", {"train": {"a": {"global_steps": 1, "status": "success"}}}, full=True, reset=True)
     apply(store, "own", full=True, end=True)
@@ -95,7 +95,7 @@ def test_a_resync_half_applied_is_not_decided_on() -> None:
 
 def test_a_standalone_pollers_snapshot_holds_only_its_partitions() -> None:
     store = PartitionStore()
-    steps = StepSampler(SamplingSeam(store))
+    steps = StepSampler(SamplingAccess(store))
     apply(store, "other", {"val": {"v": {"global_steps": 1, "status": "success"}}})
     apply(store, "standalone", {"train": {"a": {"global_steps": 1, "status": "success"}}}, full=True, reset=True)
     with pytest.raises(TimeoutError, match="poller standalone, which lists this partition"):

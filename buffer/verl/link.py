@@ -96,7 +96,7 @@ class StoreLink:
             # Tied to this object, which only the sampler holds: dropping the sampler runs it.
             self._finalizer = weakref.finalize(self, _shut_down, buffer, client, owned)
             try:
-                buffer.seam.attach(self._index)
+                buffer.sampling.attach(self._index)
             except BaseException:
                 self._finalizer()
                 raise

@@ -195,17 +195,17 @@ class ReplayBuffer:
             if not config.sync_refill_failed_groups:
                 message += " Enable trainer.v1.sampler.sync_refill_failed_groups to replace failed groups."
             raise RuntimeError(message)
-        seam = self._store.start().seam
+        sampling = self._store.start().sampling
         waited = time.monotonic() - started
-        held = seam.tags(partition_id, plan.select_keys)
+        held = sampling.tags(partition_id, plan.select_keys)
         keys = [key for key in plan.select_keys if key in held]
-        ages = seam.look(lambda: _ages(self._index.partition(partition_id), plan.select or []))
+        ages = sampling.look(lambda: _ages(self._index.partition(partition_id), plan.select or []))
         self._clear(partition_id, plan.select)
         self._counters["batches"] += 1
         tags = [held[key] for key in keys]
-        left = seam.look(lambda: self._index.partition(partition_id).counts())
+        left = sampling.look(lambda: self._index.partition(partition_id).counts())
         metrics.update(_figures(waited, ages, left, self._counters["syncs"] + self._counters["wait_polls"] - asked,
-                                self._reads() - reads, seam.not_fresh() is None))
+                                self._reads() - reads, sampling.not_fresh() is None))
         if self._store.on_transferqueue or "transfer_queue" in sys.modules:  # the type verl's trainer expects
             meta = importlib.import_module("transfer_queue").KVBatchMeta
             return meta(partition_id=partition_id, keys=keys, tags=tags), metrics
@@ -229,7 +229,7 @@ class ReplayBuffer:
         out: dict[str, Any] = {"started": buffer is not None, **self._counters}
         if buffer is not None:
             out.update(buffer.stats())
-            out["groups"] = buffer.seam.look(lambda: {pid: self._index.partition(pid).counts()
+            out["groups"] = buffer.sampling.look(lambda: {pid: self._index.partition(pid).counts()
                                                       for pid in self._index.partition_ids()})
         return out
 
@@ -242,7 +242,7 @@ class ReplayBuffer:
     def _reads(self) -> int:
         """The poller's reads of watched keys so far, as its last heartbeat said (0: not started)."""
         buffer = self._store.buffer
-        return buffer.seam.watch_reads() if buffer is not None else 0
+        return buffer.sampling.watch_reads() if buffer is not None else 0
 
     def _run(self, what: str, partition_id: str,
              rule: Callable[[GroupPartition], Decision | None]) -> tuple[Decision, dict[str, Any]]:
@@ -260,7 +260,7 @@ class ReplayBuffer:
     def _decide(self, what: str, partition_id: str, deadline: float | None,
                 rule: Callable[[GroupPartition], Decision | None]) -> Decision:
         """The first non-None ``rule(view)`` on a whole view, re-run when the partition's groups changed."""
-        seam = self._store.start(partition_id).seam
+        sampling = self._store.start(partition_id).sampling
         # A poller this call started, or one moved to the controller the trainer re-initialised: no decision is
         # made before its first complete listing, which began after the call.
         if self._store.started_now or self._store.follow():
@@ -280,14 +280,14 @@ class ReplayBuffer:
         config = self._config
         try:
             return cast(Decision, waiting.decide(
-                seam, attempt, partition_id=partition_id,
+                sampling, attempt, partition_id=partition_id,
                 timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                 describe=lambda: self._index.partition(partition_id).describe(partition_id),
                 log_every=config.log_interval, what=what, poll_every=config.poll_interval,
                 on_poll=counted_poll, version=lambda: self._index.version(partition_id),
                 watch=lambda: self._index.partition(partition_id).in_flight(WATCHED_PROMPTS)))
         except TimeoutError as exc:
-            stale = seam.not_fresh()  # the store may have stopped answering after the call's first listing
+            stale = sampling.not_fresh()  # the store may have stopped answering after the call's first listing
             note = f"; {stale}" if stale is not None and stale not in str(exc) else ""
             raise TimeoutError(f"{what} timed out after {config.sample_timeout:g}s: {exc}{note}") from None
 
@@ -317,28 +317,28 @@ class ReplayBuffer:
             TimeoutError: ``sample_timeout`` passed first; the message names the call and, when the store stopped
                 answering, for how long it has not.
         """
-        seam = self._store.start().seam
+        sampling = self._store.start().sampling
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         self._counters["syncs"] += 1
         try:
-            seam.sync(remaining)
+            sampling.sync(remaining)
         except TimeoutError:
-            stale = seam.not_fresh()
+            stale = sampling.not_fresh()
             raise TimeoutError(f"{what} timed out after {self._config.sample_timeout:g}s: no listing of the store "
                                f"that began after {after} was applied" + (f"; {stale}" if stale else "")) from None
         self._needs_fresh_view = False
 
     def _clear(self, partition_id: str, keys: list[str]) -> None:
         """Clear keys in the store and forget them here at once; the next decision syncs first."""
-        seam = self._store.start().seam
+        sampling = self._store.start().sampling
         self._store.clear(partition_id, keys)
-        seam.forget_cleared(partition_id, keys)
+        sampling.forget_cleared(partition_id, keys)
         self._counters["cleared_keys"] += len(keys)
         self._needs_fresh_view = True
 
     def _fetch(self, partition_id: str, groups: dict[str, list[str]]) -> None:
         """Read the DAPO metric of newly finished groups (outside the lock) and record it in the index."""
-        seam = self._store.start().seam
+        sampling = self._store.start().sampling
         assert self._config.filter_groups_metric is not None
         classes = self._store.classify(partition_id, groups, self._config.filter_groups_metric)
 
@@ -346,7 +346,7 @@ class ReplayBuffer:
             for uid, (keys, value) in classes.items():
                 self._index.record_metric(partition_id, uid, keys, value)
 
-        seam.look(record)
+        sampling.look(record)
 
 
 class ReplayBufferAsync(ReplayBuffer):

@@ -13,18 +13,18 @@ import threading
 import time
 from typing import Callable, Hashable, TypeVar
 
-from buffer.seam import SamplingSeam
+from buffer.sampling import SamplingAccess
 
 __all__ = ["WatchWhileWaiting", "decide"]
 
 T = TypeVar("T")
 
 
-def decide(seam: SamplingSeam, attempt: Callable[[], T | None], *, partition_id: str, timeout: float | None,
+def decide(sampling: SamplingAccess, attempt: Callable[[], T | None], *, partition_id: str, timeout: float | None,
            describe: Callable[[], str], log_every: float | None, what: str, poll_every: float,
            on_poll: Callable[[], None], version: Callable[[], Hashable] | None,
            watch: Callable[[], list[str]]) -> T:
-    """:meth:`SamplingSeam.decide`, waiting as verl's sampler waits.
+    """:meth:`SamplingAccess.decide`, waiting as verl's sampler waits.
 
     ``version`` (read under the lock, changing whenever anything ``attempt`` reads does) skips wake-ups that find
     the last run's version (None: every wake-up runs ``attempt``). While waiting, the own poller is asked for a
@@ -33,7 +33,7 @@ def decide(seam: SamplingSeam, attempt: Callable[[], T | None], *, partition_id:
     decision waits on, which the poller reads cheaply and lists as soon as one changed, no more often than
     ``poll_every`` (:mod:`poller.watch`), on a source that can.
     """
-    own = seam.own_poller
+    own = sampling.own_poller
     watcher = None
     if own is not None and timeout != 0:
         watcher = WatchWhileWaiting(own.watch, partition_id, poll_every)
@@ -46,7 +46,7 @@ def decide(seam: SamplingSeam, attempt: Callable[[], T | None], *, partition_id:
         return _poll_while_waiting(own.wait, poll_every, on_poll, own.view_age).set
 
     try:
-        return seam.decide(_when_changed(attempt, version), partition_id=partition_id, timeout=timeout,
+        return sampling.decide(_when_changed(attempt, version), partition_id=partition_id, timeout=timeout,
                            describe=describe, log_every=log_every, what=what, on_wait=on_wait)
     finally:
         if watcher is not None:

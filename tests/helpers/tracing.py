@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -57,17 +58,86 @@ def documented(column: int) -> tuple[list[list[str]], str]:
 
 
 class Recorder:
-    """The product modules each thread of this process calls into while :meth:`recording` is set."""
+    """The product modules whose code each thread of this process runs while :meth:`recording` is set, and how
+    often each was entered: called from another module (or resumed from one)."""
 
     def __init__(self) -> None:
-        self.modules: dict[str, set[str]] = {}
+        self.modules: dict[str, collections.Counter[str]] = {}
         self.recording = threading.Event()
 
     def profile(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and self.recording.is_set():
             module = frame.f_globals.get("__name__") or ""
             if module.startswith(("poller", "buffer")):
-                self.modules.setdefault(threading.current_thread().name, set()).add(module)
+                caller = frame.f_back
+                entered = caller is None or caller.f_globals.get("__name__") != module
+                # A module that ran but was not entered (a loop already running in it) is kept at 0.
+                entries = self.modules.setdefault(threading.current_thread().name, collections.Counter())
+                entries[module] += entered
+
+
+Entries = dict[str, dict[str, int]]  # thread -> module -> times entered
+
+
+def trace_one_changed_key(tmp_path: Path, poll_interval: float = 0.05) -> tuple[Entries, Entries]:
+    """Carry one key whose tags changed in a SQLite store to ``ReplayBuffer.sample()`` through a real poller
+    process (this file as its entry, recording it) and a real buffer (recorded in this process); return what each
+    process's threads entered meanwhile (the writer's thread left out). Imports the trainer's package only here:
+    the poller child runs this file too."""
+    import signal
+    import subprocess
+
+    from buffer import ReplayBuffer
+    from poller.sources.sqlite import SqliteSource
+    from tests.conftest import wait_until
+
+    path = str(tmp_path / "kv.db")
+    trace_file = tmp_path / "poller-trace.json"
+    flag = Path(f"{trace_file}.on")
+    store = SqliteSource(path)
+    store.kv_batch_put(["k0"], "train", tags=[{"status": "running", "global_steps": 1}])
+    trainer = Recorder()
+    threading.setprofile(trainer.profile)  # the receiver thread starts after this
+    try:
+        buffer = ReplayBuffer(None, bind="tcp://127.0.0.1:0")
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
+    child = None
+    try:
+        child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(trace_file),
+                                  "run", "--source", "poller.sources.sqlite:SqliteSource",
+                                  "--source-kwargs", json.dumps({"path": path}), "--connect", buffer.endpoint,
+                                  "--poll-interval", str(poll_interval)], env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert wait_until(lambda: buffer.snapshot("train") == {"k0": {"status": "running", "global_steps": 1}},
+                          timeout=30)
+        flag.touch()
+        trainer.recording.set()
+        sys.setprofile(trainer.profile)
+        try:
+            writer = threading.Thread(target=store.kv_batch_put, name="writer",
+                                      args=(["k0"], "train"), kwargs={"tags": [{"status": "success"}]})
+            writer.start()
+            writer.join(30)
+            batch = buffer.sample("train", batch_size=1, timeout=30)
+        finally:
+            sys.setprofile(None)
+            trainer.recording.clear()
+            flag.unlink()
+        assert batch.keys == ["k0"] and batch.tags[0]["status"] == "success"
+        assert wait_until(trace_file.exists, timeout=10)
+    finally:
+        if child is not None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(10)
+        buffer.close()
+        store.close()
+    assert child.returncode == 0
+    trained = {thread: dict(entries) for thread, entries in trainer.modules.items() if thread != "writer"}
+    return json.loads(trace_file.read_text()), trained
 
 
 def record_process(trace_file: str) -> None:
@@ -83,7 +153,7 @@ def record_process(trace_file: str) -> None:
             elif recorder.recording.is_set():
                 recorder.recording.clear()
                 with open(trace_file + ".part", "w") as out:
-                    json.dump({thread: sorted(modules) for thread, modules in recorder.modules.items()}, out)
+                    json.dump({thread: dict(entries) for thread, entries in recorder.modules.items()}, out)
                 os.replace(trace_file + ".part", trace_file)
             time.sleep(0.002)
 

@@ -457,7 +457,7 @@ def traced_sample(conf: Any, trace_file: str) -> dict[str, Any]:
         poller = json.load(out)
     tq.kv_clear(keys=list(batch.keys), partition_id="train")
     return {"keys": list(batch.keys), "closed": report.stage, "poller": poller,
-            "trainer": {thread: sorted(modules) for thread, modules in trainer.modules.items() if thread != "writer"}}
+            "trainer": {thread: dict(modules) for thread, modules in trainer.modules.items() if thread != "writer"}}
 
 
 def sample_after_the_controller_died(conf: Any) -> dict[str, Any]:

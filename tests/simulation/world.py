@@ -30,7 +30,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from buffer.seam import SamplingSeam
+from buffer.sampling import SamplingAccess
 from buffer.steps import StepSampler
 from buffer.store import PartitionStore
 from buffer.stream import Peer, PeerTable, Send
@@ -443,7 +443,7 @@ class World:
                                pinned=frozenset({b"own"}) if own_name else frozenset())
         self.listings = ListingSync(self.buffer, _Receiver(self), own_name)
         self.buffer.on_removed = lambda token: self.route(self.table.marks(token, self.clock.now))
-        self.sampler = StepSampler(SamplingSeam(self.buffer, self.listings))
+        self.sampler = StepSampler(SamplingAccess(self.buffer, self.listings))
         self.pollers: dict[str, SimPoller] = {}
         if config.own is not None:
             self.buffer.require("own")

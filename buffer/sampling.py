@@ -1,8 +1,9 @@
-"""The one seam between a buffer and its sampling policies: what a policy uses of a buffer, and what it implements.
+"""The one interface between a buffer and its sampling policies: what a policy uses of a buffer, and what it
+implements.
 
 A sampling policy (``ReplayBuffer.sample``'s :mod:`buffer.steps`, :mod:`buffer.verl`) keeps its own index
 from the store's changes (:class:`Policy`, :class:`BulkPolicy`) and decides on it through
-:class:`SamplingSeam` alone. The seam knows no transport: it asks the pollers through :class:`Listings`
+:class:`SamplingAccess` alone, which knows no transport: it asks the pollers through :class:`Listings`
 (:class:`buffer.sync.ListingSync`), so sampling means the same on every source.
 """
 
@@ -15,7 +16,7 @@ from typing import Callable, Iterable, Protocol, TypeVar
 from buffer.store import PartitionStore
 from poller.wire.vocabulary import Tags
 
-__all__ = ["BulkPolicy", "Listings", "Policy", "SamplingSeam"]
+__all__ = ["BulkPolicy", "Listings", "Policy", "SamplingAccess"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class BulkPolicy(Policy, Protocol):
 
 
 class Listings(Protocol):
-    """What the seam asks of the pollers streaming to the store (the transport side implements it)."""
+    """What :class:`SamplingAccess` asks of the pollers streaming to the store (the transport side implements it)."""
 
     @property
     def has_own_poller(self) -> bool:
@@ -70,7 +71,7 @@ class Listings(Protocol):
         """``(key, reason)`` of the keys of ``partition_id`` the pollers leave out (the first few named)."""
 
 
-class SamplingSeam:
+class SamplingAccess:
     """What a sampling policy uses of a buffer: its store under lock, read-your-writes, deadline waits, clearing."""
 
     def __init__(self, store: PartitionStore, listings: Listings | None = None) -> None:
