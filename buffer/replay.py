@@ -109,7 +109,7 @@ class _Core:
             public, secret = generate_pair()
             self.child_curve = CurveClient(public, secret, curve.public_key)
             curve = curve.allowing(public)
-        self.receiver = StreamReceiver(self.store, bind, limits=limits or DEFAULT_LIMITS, curve=curve,
+        self.receiver = StreamReceiver(self.store, bind, curve=curve,
                                        stale_after=stale_after, pinned=frozenset({self.name}))
         self.store.on_removed = self.receiver.send_marks
         self.endpoint: str | None = None

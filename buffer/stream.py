@@ -35,7 +35,6 @@ from poller.common.wakeup import WakePipe
 from poller.wire.curve import CurveServer
 from poller.wire.errors import ProtocolError
 from poller.wire.protocol import (
-    DEFAULT_LIMITS,
     Ack,
     Body,
     Bye,
@@ -129,11 +128,10 @@ class PeerTable:
     ``on_change`` is called after a BYE or a first complete poll was applied, for threads waiting on those.
     """
 
-    def __init__(self, store: PartitionStore, *, limits: Limits = DEFAULT_LIMITS, stale_after: float = 5.0,
+    def __init__(self, store: PartitionStore, *, stale_after: float = 5.0,
                  pinned: frozenset[bytes] = frozenset(), on_change: Callable[[], None] = lambda: None,
                  log: LogLimiter | None = None) -> None:
         self._store = store
-        self.limits = limits
         self.stale_after = stale_after
         self._pinned = pinned
         self._on_change = on_change
@@ -175,6 +173,11 @@ class PeerTable:
         """Peers silent for more than ``stale_after`` seconds that never said BYE."""
         return sorted(p.stream for p in list(self.peers.values())
                       if p.bye_seq is None and now - p.last_seen > self.stale_after)
+
+    @property
+    def limits(self) -> Limits:
+        """The decoding bounds: the store's, which unpacks within the same ones."""
+        return self._store.limits
 
     def sync(self, identity: bytes, token: int, now: float, mark: bool = False) -> Send:
         """A SYNC for ``identity`` (``token``, or a higher one not answered yet), asked again by :meth:`tick`.
@@ -467,11 +470,9 @@ class StreamReceiver:
     """Binds ``endpoint`` and applies what pollers send to ``store``; ``curve`` admits only its allowed keys,
     ``pinned`` names peers never forgotten to make room for others (the buffer's own poller)."""
 
-    def __init__(self, store: PartitionStore, endpoint: str, *, limits: Limits = DEFAULT_LIMITS,
-                 curve: CurveServer | None = None, stale_after: float = 5.0,
-                 pinned: frozenset[str] = frozenset()) -> None:
+    def __init__(self, store: PartitionStore, endpoint: str, *, curve: CurveServer | None = None,
+                 stale_after: float = 5.0, pinned: frozenset[str] = frozenset()) -> None:
         self._requested_endpoint = endpoint
-        self.limits = limits
         self.curve = curve
         self.stale_after = stale_after
         self._gate: Gatekeeper | None = None
@@ -485,13 +486,18 @@ class StreamReceiver:
         self._thread = threading.Thread(target=self._run, name="replay-receiver", daemon=True)
         self._events = threading.Condition()
         #: The peer state machine; read its counters from any thread.
-        self.table = PeerTable(store, limits=limits, stale_after=stale_after,
+        self.table = PeerTable(store, stale_after=stale_after,
                                pinned=frozenset(name.encode() for name in pinned), on_change=self._notify)
         self._stopped = False
         # Set by stop_after_bye(): (identity, epoch) whose BYE ends the thread, and what to run then.
         self._last_bye: tuple[bytes, int | None] | None = None
         self._after_bye: Callable[[], None] | None = None
         self._ended_on_bye = False
+
+    @property
+    def limits(self) -> Limits:
+        """The decoding bounds, the store's (:attr:`PeerTable.limits`)."""
+        return self.table.limits
 
     def start(self, timeout: float = 10.0) -> str:
         """Start the thread and bind; return the bound endpoint."""

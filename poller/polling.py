@@ -141,8 +141,8 @@ class PollingThread(threading.Thread):
     ``hand_over(kind, body, starts_snapshot, stopping)`` is :meth:`poller.link.Outbox.emit_from_thread`: it queues a
     message for the control loop, blocking while the outbox is full, and returns False once ``stopping`` is set.
     A daemon: if ``kv_list()`` never returns, the process exits without it. A *source stall* (the source raised
-    :class:`~poller.sources.contract.SourceStall`, or :meth:`check_stall` found the call past ``stall_timeout``) is
-    counted once, not a failure (:class:`CallStalls`). A SYNC is answered by the next listing the share allows;
+    :class:`~poller.sources.contract.SourceStall`, or :meth:`CallStalls.check` found the call past ``stall_timeout``)
+    is counted once, not a failure. A SYNC is answered by the next listing the share allows;
     STOP ends any wait; a change the watch saw (:class:`~poller.watch.KeyWatch`) brings one forward. After a
     stalled call the next comes ``poll_interval`` later, after a failed one the backoff.
     """

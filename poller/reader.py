@@ -66,7 +66,8 @@ class ListingReader:
             return Diff([self._listing(self._list)], sent, full=full, limits=limits, size=size)
         due = time.monotonic() - self._listed_at >= self.reconcile_interval and self.duty.wait_for() == 0
         if not due and self._cursor is not None:
-            changes = self.offered.kv_changes(self._cursor)  # type: ignore[misc]  # a feed has it
+            assert self.offered.kv_changes is not None  # a feed has both calls (capabilities())
+            changes = self.offered.kv_changes(self._cursor)
             if changes is not None:
                 cursor, upserts, deletes = changes
                 self._pending = (cursor, False)
@@ -91,7 +92,8 @@ class ListingReader:
             cursor, pieces = self._listing(in_pieces, answered=False)
             self._pending = (cursor, True)
             return Diff(self._timed(pieces, began), sent, full=True, limits=limits, size=size)
-        cursor, listing = self._listing(self.offered.kv_snapshot)  # type: ignore[arg-type]  # a feed has it
+        assert self.offered.kv_snapshot is not None
+        cursor, listing = self._listing(self.offered.kv_snapshot)
         self._pending = (cursor, True)
         return Diff([listing], sent, full=full, limits=limits, size=size)
 

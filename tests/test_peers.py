@@ -153,16 +153,16 @@ def test_replayed_seq_and_control_kinds_are_protocol_errors(table: PeerTable) ->
 
 
 def test_frames_are_decoded_within_the_limits(table: PeerTable) -> None:
-    table.limits = Limits(max_keys_per_message=2)
+    table._store.limits = Limits(max_keys_per_message=2)
     frames = to_frames(delta(0, {"p": {"a": {}, "b": {}, "c": {}}}))
     assert table.on_frames(ID, frames, 0.0) == []
     assert table.protocol_errors == 1 and table.bytes_received == sum(map(len, frames))
 
 
 def test_past_max_peers_the_one_silent_longest_is_forgotten(caplog: pytest.LogCaptureFixture) -> None:
-    store = PartitionStore()
+    store = PartitionStore(limits=Limits(max_peers=2))
     try:
-        table = PeerTable(store, limits=Limits(max_peers=2), pinned=frozenset({b"own"}))
+        table = PeerTable(store, pinned=frozenset({b"own"}))
         table.on_message(b"own", ready(), 0.0)
         table.on_message(b"a", ready(), 1.0)
         table.on_message(b"b", ready(), 2.0)
@@ -216,7 +216,7 @@ def test_packed_upserts_are_held_as_they_arrived(table: PeerTable) -> None:
 def test_undecodable_packed_tags_break_the_view_and_ask_for_a_resync(table: PeerTable) -> None:
     started(table)
     good, bad = msgpack.packb({"v": 3}), msgpack.packb({"deep": [[[[[[[[[[1]]]]]]]]]]})
-    table.limits = table._store.limits = Limits(max_depth=8)
+    table._store.limits = Limits(max_depth=8)
     actions = table.on_message(ID, blobs_delta(2, {"p": [["ok", "deep"], [good, bad]]}), 0.1)
     assert kinds(actions) == [Kind.RESYNC] and table.protocol_errors == 1
     assert "a" in snapshot(table)["p"] and "ok" not in snapshot(table)["p"]  # nothing of that partition changed
